@@ -1,0 +1,1 @@
+"""Attention operators on sequences and measures, local Lipschitz constants, bounds and dynamics."""

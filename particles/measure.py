@@ -1,0 +1,443 @@
+"""Weighted particle clouds: the probability measures attention acts on (MATH.md section 2).
+
+A :class:`Measure` is ``mu = sum_j a_j delta_{x_j}`` with points ``x_j`` in R^d and weights
+``a_j >= 0`` summing to one. For masked (causal) attention every atom also carries a position
+``s_j`` in [0, 1] (a measure on [0, 1] x R^d, Definition 2.6 of Castin et al. 2024).
+
+Weights are kept together with their logarithms: the witnesses of Proposition 3.6 carry masses
+like ``exp(-2 gamma R^2)`` that underflow in float64 for large R, so such measures can be built
+from ``log_weights`` directly and the attention operators only ever read ``log_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .validation import (
+    as_tensor,
+    check_ndim,
+    check_positive_int,
+    check_radius,
+    make_generator,
+    resolve_dtype,
+    weight_tolerance,
+)
+
+__all__ = ["Measure"]
+
+
+class Measure:
+    """An immutable weighted particle cloud, optionally with positions in [0, 1].
+
+    Parameters
+    ----------
+    points : tensor or array (N, d)
+        Atom locations. Float tensors keep their dtype (and autograd graph); numpy data and
+        integers become float64 unless ``dtype`` is given.
+    weights : (N,), optional
+        Non-negative masses summing to one (None: uniform). ``normalize=True`` divides by the sum.
+    positions : (N,), optional
+        Positions s_j in [0, 1] for masked attention (None: an unmasked measure).
+    log_weights : (N,), optional
+        Alternative to ``weights`` for masses that underflow (entries may be ``-inf``).
+    """
+
+    __slots__ = ("_points", "_weights", "_log_weights", "_positions")
+
+    def __init__(self, points, weights=None, positions=None, *, log_weights=None,
+                 normalize: bool = False, dtype=None, device=None):
+        dtype = resolve_dtype(dtype)
+        pts = as_tensor(points, "points", dtype=dtype, device=device)
+        check_ndim(pts, "points", 2, "an (N, d) array of atoms")
+        n, d = pts.shape
+        if n == 0:
+            raise ValueError("points: a measure needs at least one atom (got N = 0)")
+        if d == 0:
+            raise ValueError("points: atoms need at least one coordinate (got d = 0)")
+        if not pts.is_floating_point():  # pragma: no cover - as_tensor converts
+            raise TypeError("points: expected floating-point data")
+        tol = weight_tolerance(pts.dtype)
+        if weights is not None and log_weights is not None:
+            raise ValueError("weights, log_weights: give at most one of them")
+        if log_weights is not None:
+            lw = as_tensor(log_weights, "log_weights", dtype=pts.dtype, device=pts.device, finite=False)
+            check_ndim(lw, "log_weights", 1, "a vector")
+            if lw.shape[0] != n:
+                raise ValueError(f"log_weights: expected {n} entries (one per atom), got {lw.shape[0]}")
+            if torch.isnan(lw).any() or (lw == math.inf).any():
+                raise ValueError("log_weights: contains NaN or +inf")
+            total = torch.logsumexp(lw.detach(), 0)
+            if not torch.isfinite(total):
+                raise ValueError("log_weights: every weight is zero")
+            if normalize:
+                lw = lw - torch.logsumexp(lw, 0)
+            elif abs(float(total)) > tol:
+                raise ValueError(f"log_weights: weights sum to exp({float(total):.3g}), not 1 "
+                                 "(pass normalize=True to rescale)")
+            w = torch.exp(lw)
+        else:
+            if weights is None:
+                w = torch.full((n,), 1.0 / n, dtype=pts.dtype, device=pts.device)
+            else:
+                w = as_tensor(weights, "weights", dtype=pts.dtype, device=pts.device)
+                check_ndim(w, "weights", 1, "a vector")
+                if w.shape[0] != n:
+                    raise ValueError(f"weights: expected {n} entries (one per atom), got {w.shape[0]}")
+                if (w.detach() < 0).any():
+                    raise ValueError(f"weights: must be non-negative (min is {float(w.min()):.3g})")
+                total = float(w.detach().sum())
+                if total <= 0:
+                    raise ValueError("weights: every weight is zero")
+                if normalize:
+                    w = w / w.sum()
+                elif abs(total - 1.0) > tol:
+                    raise ValueError(f"weights: must sum to 1, got {total!r} (pass normalize=True to rescale)")
+            lw = torch.log(w)
+        pos = None
+        if positions is not None:
+            pos = as_tensor(positions, "positions", dtype=pts.dtype, device=pts.device)
+            check_ndim(pos, "positions", 1, "a vector")
+            if pos.shape[0] != n:
+                raise ValueError(f"positions: expected {n} entries (one per atom), got {pos.shape[0]}")
+            if (pos < 0).any() or (pos > 1).any():
+                raise ValueError("positions: must lie in [0, 1] "
+                                 f"(got range [{float(pos.min()):.3g}, {float(pos.max()):.3g}])")
+        self._points, self._weights, self._log_weights, self._positions = pts, w, lw, pos
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def points(self) -> torch.Tensor:
+        """Atom locations, shape (N, d)."""
+        return self._points
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """Masses a_j, shape (N,), summing to one."""
+        return self._weights
+
+    @property
+    def log_weights(self) -> torch.Tensor:
+        """log a_j (``-inf`` for empty atoms); what the softmax of attention adds to scores."""
+        return self._log_weights
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """Positions s_j in [0, 1] (masked measures), or None."""
+        return self._positions
+
+    @property
+    def masked(self) -> bool:
+        return self._positions is not None
+
+    @property
+    def n(self) -> int:
+        return self._points.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self._points.shape[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self._points.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._points.dtype
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        kind = "masked " if self.masked else ""
+        return f"Measure({kind}n={self.n}, dim={self.dim}, dtype={self.dtype}, device={self.device})"
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def empirical(cls, X, **kw) -> Measure:
+        """The empirical measure m(X) = (1/n) sum_i delta_{x_i} of a sequence X (n, d)."""
+        return cls(X, **kw)
+
+    @classmethod
+    def sequence(cls, X, **kw) -> Measure:
+        """A sequence as a masked measure: uniform weights 1/n, positions s_i = i/n, i = 1..n."""
+        pts = as_tensor(X, "X", dtype=kw.pop("dtype", None), device=kw.pop("device", None))
+        check_ndim(pts, "X", 2, "an (n, d) sequence")
+        n = pts.shape[0]
+        pos = torch.arange(1, n + 1, dtype=pts.dtype, device=pts.device) / max(n, 1)
+        return cls(pts, positions=pos, **kw)
+
+    @classmethod
+    def diracs(cls, points, weights, positions=None, **kw) -> Measure:
+        """sum_j a_j delta_{x_j} with explicit weights (normalize=True to rescale)."""
+        return cls(points, weights, positions, **kw)
+
+    @classmethod
+    def two_dirac(cls, x0, x1, p=None, *, log_p=None, **kw) -> Measure:
+        """p delta_{x0} + (1 - p) delta_{x1}: the family of Proposition 3.6.
+
+        ``log_p`` gives the small mass in log form, so that p = exp(-2 gamma R^2) survives at
+        large R where it underflows in float64.
+        """
+        if (p is None) == (log_p is None):
+            raise ValueError("p, log_p: give exactly one of them")
+        x0 = as_tensor(x0, "x0", dtype=kw.get("dtype"))
+        x1 = as_tensor(x1, "x1", dtype=kw.get("dtype"))
+        if x0.shape != x1.shape or x0.dim() != 1:
+            raise ValueError(f"x0, x1: expected two vectors of the same length, got {tuple(x0.shape)} "
+                             f"and {tuple(x1.shape)}")
+        if log_p is None:
+            p = float(p)
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"p: expected a mass in [0, 1], got {p}")
+            log_p = math.log(p) if p > 0 else -math.inf
+        log_p = float(log_p)
+        if math.isnan(log_p) or log_p > 0:
+            raise ValueError(f"log_p: expected a log-mass <= 0, got {log_p}")
+        log_q = math.log1p(-math.exp(log_p)) if log_p < 0 else -math.inf
+        pts = torch.stack([x0, x1.to(x0.dtype)])
+        return cls(pts, log_weights=torch.tensor([log_p, log_q], dtype=pts.dtype), **kw)
+
+    @classmethod
+    def sphere(cls, n: int, dim: int, radius: float = 1.0, *, seed=None, dtype=None, device=None,
+               positions: bool = False) -> Measure:
+        """n i.i.d. uniform atoms on the sphere of radius R in R^d (uniform weights).
+
+        ``positions=True`` gives them positions i/n (a sequence for masked attention).
+        """
+        X = _sample_sphere(n, dim, radius, seed, dtype, device)
+        return cls.sequence(X) if positions else cls(X)
+
+    @classmethod
+    def ball(cls, n: int, dim: int, radius: float = 1.0, *, seed=None, dtype=None, device=None,
+             positions: bool = False) -> Measure:
+        """n i.i.d. uniform atoms in the closed ball B_R of R^d (uniform weights)."""
+        check_positive_int(n, "n")
+        g = make_generator(seed)
+        U = _sample_sphere(n, dim, 1.0, g, dtype, device)
+        r = torch.rand(n, 1, generator=g, dtype=U.dtype).to(U.device) ** (1.0 / dim)
+        X = check_radius(radius, "radius") * r * U
+        return cls.sequence(X) if positions else cls(X)
+
+    @classmethod
+    def gaussian(cls, n: int, mean, cov=None, *, seed=None, dtype=None, device=None,
+                 positions: bool = False) -> Measure:
+        """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
+        check_positive_int(n, "n")
+        m = as_tensor(mean, "mean", dtype=dtype)
+        check_ndim(m, "mean", 1, "a vector")
+        d = m.shape[0]
+        C = torch.eye(d, dtype=m.dtype) if cov is None else as_tensor(cov, "cov", dtype=m.dtype)
+        if C.shape != (d, d):
+            raise ValueError(f"cov: expected shape ({d}, {d}), got {tuple(C.shape)}")
+        if not torch.allclose(C, C.T, atol=1e-10 * (1 + float(C.abs().max()))):
+            raise ValueError("cov: must be symmetric")
+        evals, evecs = torch.linalg.eigh(C)
+        if float(evals.min()) < -1e-10 * (1 + float(evals.abs().max())):
+            raise ValueError("cov: must be positive semi-definite")
+        L = evecs * evals.clamp(min=0).sqrt()
+        g = make_generator(seed)
+        Z = torch.randn(n, d, generator=g, dtype=m.dtype)
+        X = (m + Z @ L.T).to(device or "cpu")
+        return cls.sequence(X) if positions else cls(X)
+
+    # ------------------------------------------------------------------ operations
+    def to(self, device=None, dtype=None) -> Measure:
+        """The same measure on another device and/or dtype."""
+        dtype = resolve_dtype(dtype)
+        kw = dict(device=device, dtype=dtype)
+        pos = None if self._positions is None else self._positions.to(**kw)
+        return Measure._trusted(self._points.to(**kw), self._weights.to(**kw),
+                                self._log_weights.to(**kw), pos)
+
+    def detach(self) -> Measure:
+        pos = None if self._positions is None else self._positions.detach()
+        return Measure._trusted(self._points.detach(), self._weights.detach(),
+                                self._log_weights.detach(), pos)
+
+    def pushforward(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Measure:
+        """T_# mu = sum_j a_j delta_{T(x_j)}: ``fn`` maps the (N, d) points to (N, d') points.
+
+        Weights and positions are kept (masked attention never moves positions).
+        """
+        out = fn(self._points)
+        if not isinstance(out, torch.Tensor):
+            out = as_tensor(out, "fn(points)")
+        if out.dim() != 2 or out.shape[0] != self.n:
+            raise ValueError(f"fn: must map ({self.n}, d) points to ({self.n}, d') points, "
+                             f"got shape {tuple(out.shape)}")
+        if not bool(torch.isfinite(out.detach()).all()):
+            raise ValueError("fn: produced NaN or infinite points")
+        return Measure._trusted(out, self._weights, self._log_weights, self._positions)
+
+    def with_points(self, points) -> Measure:
+        """The same weights and positions carried by other points of the same count."""
+        pts = as_tensor(points, "points", dtype=self.dtype, device=self.device)
+        if pts.dim() != 2 or pts.shape[0] != self.n:
+            raise ValueError(f"points: expected ({self.n}, d), got {tuple(pts.shape)}")
+        return Measure._trusted(pts, self._weights, self._log_weights, self._positions)
+
+    def split(self, i: int, fraction: float = 0.5) -> Measure:
+        """Split atom i of mass a into (x_i, t a) and (x_i, (1 - t) a), t = ``fraction``.
+
+        The result is the same measure (W2 distance zero); its representation has one more atom
+        that the mass-splitting study lets move apart (MATH.md section 4). The new atom is
+        inserted right after atom i and has the same position.
+        """
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"i: expected an atom index, got {type(i).__name__}")
+        if not -self.n <= i < self.n:
+            raise ValueError(f"i: atom index {i} out of range for {self.n} atoms")
+        i = int(i) % self.n
+        t = float(fraction)
+        if not 0.0 < t < 1.0:
+            raise ValueError(f"fraction: expected a number in (0, 1), got {fraction}")
+        idx = torch.cat([torch.arange(i + 1), torch.tensor([i]), torch.arange(i + 1, self.n)]).to(self.device)
+        lw = self._log_weights[idx].clone()
+        lw[i] = lw[i] + math.log(t)
+        lw[i + 1] = lw[i + 1] + math.log1p(-t)
+        pos = None if self._positions is None else self._positions[idx]
+        return Measure._trusted(self._points[idx], torch.exp(lw), lw, pos)
+
+    def merge(self, atol: float = 0.0) -> Measure:
+        """Merge atoms that coincide (points within ``atol`` in max-norm, same position).
+
+        Each group becomes one atom of summed weight at the weight-averaged location: duplicated
+        atoms and one atom of the summed weight are the same measure (MATH.md section 2).
+        Groups are the connected components of the "within atol" relation; order follows the
+        first atom of each group.
+        """
+        atol = float(atol)
+        if not atol >= 0:
+            raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
+        X = self._points.detach().cpu().numpy()
+        if self._positions is not None:
+            X = np.concatenate([X, self._positions.detach().cpu().numpy()[:, None]], axis=1)
+        labels = _group_labels(X, atol)
+        k = int(labels.max()) + 1
+        if k == self.n:
+            return self
+        lab = torch.as_tensor(labels, device=self.device)
+        lw = torch.full((k,), -math.inf, dtype=self.dtype, device=self.device)
+        lw = lw.scatter_reduce(0, lab, self._log_weights, reduce="amax")
+        # log-sum-exp per group, stable for tiny masses
+        shifted = torch.exp(self._log_weights - lw[lab])
+        sums = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, lab, shifted)
+        new_lw = lw + torch.log(sums)
+        # weights of the averaging inside each group, relative to the group's mass
+        rel = torch.exp(self._log_weights - new_lw[lab])
+        rel = torch.where(torch.isfinite(new_lw[lab]), rel, torch.zeros_like(rel))
+        counts = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(
+            0, lab, torch.ones_like(rel))
+        empty = ~torch.isfinite(new_lw)
+        rel = torch.where(empty[lab], 1.0 / counts[lab], rel)
+        pts = torch.zeros(k, self.dim, dtype=self.dtype, device=self.device).index_add(
+            0, lab, rel[:, None] * self._points)
+        pos = None
+        if self._positions is not None:
+            pos = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, lab, rel * self._positions)
+            pos = pos.clamp(0.0, 1.0)
+        return Measure._trusted(pts, torch.exp(new_lw), new_lw, pos)
+
+    # ------------------------------------------------------------------ statistics
+    def radius(self) -> float:
+        """max |x_j| over atoms of positive mass: the R of B_R containing the support."""
+        support = self._log_weights > -math.inf
+        return float(self._points.detach()[support].norm(dim=1).max())
+
+    def mean(self) -> torch.Tensor:
+        """sum_j a_j x_j."""
+        return self._weights @ self._points
+
+    def covariance(self) -> torch.Tensor:
+        """sum_j a_j (x_j - m)(x_j - m)^T."""
+        C = self._points - self.mean()
+        return (C * self._weights[:, None]).T @ C
+
+    def position_marginal(self, atol: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """First marginal of a masked measure: sorted distinct positions and their masses.
+
+        Positions closer than ``atol`` count as one (their first value is reported).
+        """
+        pos = self._require_positions("position_marginal")
+        order = torch.argsort(pos)
+        p, w = pos[order], self._weights[order]
+        gap = torch.diff(p) > atol
+        group = torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), torch.cumsum(gap.long(), 0)])
+        k = int(group[-1]) + 1
+        mass = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, group, w)
+        first = torch.cat([torch.ones(1, dtype=torch.bool, device=p.device), gap])
+        return p[first], mass
+
+    def at_position(self, s: float, atol: float = 1e-12) -> Measure:
+        """The normalized slice mu_s: atoms with |s_j - s| <= atol, renormalized (Definition 4.1)."""
+        pos = self._require_positions("at_position")
+        keep = (pos - float(s)).abs() <= atol
+        return self._subset(keep, f"at_position: no atom at position {s}")
+
+    def up_to(self, s: float) -> Measure:
+        """The causal prefix: atoms with s_j <= s, renormalized (what masked attention sees at s)."""
+        pos = self._require_positions("up_to")
+        return self._subset(pos <= float(s), f"up_to: no atom at or before position {s}")
+
+    # ------------------------------------------------------------------ internals
+    @classmethod
+    def _trusted(cls, points, weights, log_weights, positions) -> Measure:
+        """Build without validation from tensors that are already consistent."""
+        obj = cls.__new__(cls)
+        obj._points, obj._weights, obj._log_weights, obj._positions = points, weights, log_weights, positions
+        return obj
+
+    def _require_positions(self, what: str) -> torch.Tensor:
+        if self._positions is None:
+            raise ValueError(f"{what}: this measure has no positions (build it with positions=... or "
+                             "Measure.sequence)")
+        return self._positions
+
+    def _subset(self, keep: torch.Tensor, message: str) -> Measure:
+        if not bool(keep.any()):
+            raise ValueError(message)
+        lw = self._log_weights[keep]
+        if not torch.isfinite(torch.logsumexp(lw, 0)):
+            raise ValueError(message + " with positive mass")
+        lw = lw - torch.logsumexp(lw, 0)
+        pos = None if self._positions is None else self._positions[keep]
+        return Measure._trusted(self._points[keep], torch.exp(lw), lw, pos)
+
+
+def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
+    check_positive_int(n, "n")
+    check_positive_int(dim, "dim")
+    R = check_radius(radius, "radius")
+    g = make_generator(seed)
+    Z = torch.randn(n, dim, generator=g, dtype=resolve_dtype(dtype) or torch.float64)
+    norms = Z.norm(dim=1, keepdim=True)
+    norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+    return (R * Z / norms).to(device or "cpu")
+
+
+def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:
+    """Connected components of {i ~ j : max|X_i - X_j| <= atol}, labelled by first occurrence."""
+    n = X.shape[0]
+    if atol == 0.0:
+        _, first, inv = np.unique(X, axis=0, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+    else:
+        from scipy.sparse import coo_matrix
+        from scipy.sparse.csgraph import connected_components
+        from scipy.spatial import cKDTree
+
+        pairs = cKDTree(X).query_pairs(r=atol, p=np.inf, output_type="ndarray")
+        graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n)) if len(pairs) \
+            else coo_matrix((n, n))
+        _, inv = connected_components(graph, directed=False)
+        first = np.full(inv.max() + 1, n)
+        np.minimum.at(first, inv, np.arange(n))
+    # relabel groups by the index of their first atom so that the original order is kept
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inv]

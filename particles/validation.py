@@ -1,0 +1,99 @@
+"""Input checks shared by every layer of the framework.
+
+Each check raises a ``ValueError`` or ``TypeError`` that names the argument and says what was
+wrong; nothing is silently coerced except the documented conversions (numpy or Python
+numbers to a torch tensor; integer arrays to the default floating dtype).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+DEFAULT_DTYPE = torch.float64
+
+
+def resolve_dtype(dtype) -> torch.dtype | None:
+    """Accept a torch dtype, a numpy dtype or a name such as ``"float32"``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        value = getattr(torch, dtype, None)
+        if isinstance(value, torch.dtype):
+            return value
+        raise TypeError(f"dtype: unknown dtype name {dtype!r}")
+    try:
+        return torch.from_numpy(np.zeros(0, dtype=np.dtype(dtype))).dtype
+    except TypeError as exc:
+        raise TypeError(f"dtype: cannot interpret {dtype!r} as a dtype") from exc
+
+
+def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True) -> torch.Tensor:
+    """Convert ``value`` (torch tensor, numpy array, nested list or number) to a float tensor.
+
+    Float tensors keep their dtype unless ``dtype`` is given (float32 is a user's request, kept);
+    numpy arrays, lists and integer data become float64. Tensors that require grad are not
+    copied, so gradients flow through. ``finite=True`` rejects NaN and inf entries.
+    """
+    dtype = resolve_dtype(dtype)
+    if isinstance(value, torch.Tensor):
+        t = value
+    elif isinstance(value, (np.ndarray, np.generic, numbers.Number, list, tuple)):
+        arr = np.asarray(value)
+        if arr.dtype == object:
+            raise TypeError(f"{name}: expected a numeric array, got an array of Python objects")
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"{name}: expected real numbers, got numpy dtype {arr.dtype}")
+        t = torch.as_tensor(arr)
+    else:
+        raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
+    if t.is_complex():
+        raise TypeError(f"{name}: complex values are not supported")
+    if dtype is None and not t.is_floating_point():
+        dtype = DEFAULT_DTYPE
+    if dtype is None and not isinstance(value, torch.Tensor):
+        dtype = DEFAULT_DTYPE
+    if dtype is not None or device is not None:
+        t = t.to(dtype=dtype or t.dtype, device=device or t.device)
+    if finite and t.numel() and not bool(torch.isfinite(t.detach()).all()):
+        bad = int((~torch.isfinite(t.detach())).sum())
+        raise ValueError(f"{name}: contains {bad} NaN or infinite entr{'y' if bad == 1 else 'ies'}")
+    return t
+
+
+def check_ndim(t: torch.Tensor, name: str, ndim: int, what: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected {what} ({ndim}-D), got shape {tuple(t.shape)}")
+
+
+def weight_tolerance(dtype: torch.dtype) -> float:
+    """Tolerance on |sum(weights) - 1| for a given floating dtype."""
+    return 1e-9 if dtype == torch.float64 else 1e-5
+
+
+def check_radius(R, name: str = "R") -> float:
+    if not isinstance(R, numbers.Real) or isinstance(R, bool):
+        raise TypeError(f"{name}: expected a real number, got {type(R).__name__}")
+    R = float(R)
+    if not np.isfinite(R) or R < 0:
+        raise ValueError(f"{name}: expected a finite non-negative radius, got {R}")
+    return R
+
+
+def check_positive_int(n, name: str, minimum: int = 1) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(n).__name__}")
+    if n < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {n}")
+    return int(n)
+
+
+def make_generator(seed, device=None) -> torch.Generator | None:
+    """A torch Generator seeded by ``seed`` (None: use the global RNG)."""
+    if seed is None or isinstance(seed, torch.Generator):
+        return seed
+    g = torch.Generator(device=device or "cpu")
+    g.manual_seed(int(seed))
+    return g
