@@ -1,1 +1,42 @@
-"""Attention operators on sequences and measures, local Lipschitz constants, bounds and dynamics."""
+"""Attention operators on sequences and measures, local Lipschitz constants, bounds and dynamics.
+
+Public names are loaded lazily from the submodules that hold them::
+
+    attention    SelfAttention, MultiHeadAttention, L2SelfAttention
+    lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate
+    bounds       the paper's bounds as functions (``meanfield.bounds``)
+    adversarial  witnesses of the lower bounds (``meanfield.adversarial``)
+    dynamics     simulate (token dynamics, Transformers as PDEs)
+    kernels      attend (the weighted, causal, log-sum-exp attention kernel)
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_NAMES = {
+    "SelfAttention": "attention",
+    "MultiHeadAttention": "attention",
+    "L2SelfAttention": "attention",
+    "local_lipschitz": "lipschitz",
+    "lipschitz_ratio": "lipschitz",
+    "LipschitzEstimate": "lipschitz",
+    "simulate": "dynamics",
+    "Trajectory": "dynamics",
+    "attend": "kernels",
+}
+_SUBMODULES = {"attention", "lipschitz", "bounds", "adversarial", "dynamics", "kernels", "clustering"}
+
+__all__ = sorted(_NAMES) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+    raise AttributeError(f"module 'meanfield' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__
