@@ -1,0 +1,513 @@
+"""Attention operators on sequences and on measures (MATH.md sections 1, 2 and 5).
+
+Three operators share one interface:
+
+* :class:`SelfAttention`: scores s_ij = <A x_i, x_j>, f(X)_i = sum_j softmax_j(s_ij) V x_j
+  (Castin et al. 2024, eq. (1)); masked (causal) variant f^m.
+* :class:`MultiHeadAttention`: f_MH(X) = concat_h f^h(X) W_O^T + b (MATH.md section 1).
+* :class:`L2SelfAttention`: the L2 attention of Kim et al. (2021), with tied queries and keys.
+
+Each one acts
+
+* on sequences: ``op.sequence(X)`` maps X (..., n, d) to (..., n, d_out) (leading batch dims);
+  masked operators use positions i/n, i.e. keys j <= i;
+* on measures: ``op(mu)`` is the pushforward F(mu) = (Gamma_mu)_# mu (weights enter the softmax
+  as additive log-weights, positions are kept); ``op.velocity(mu, x)`` is Gamma_mu(x).
+
+Every operator computes through :func:`meanfield.kernels.attend`, which works in log-sum-exp
+form, so adversarial inputs with gamma R^2 ~ 1e4 give finite outputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from particles import Measure
+from particles.validation import as_tensor, check_ndim, resolve_dtype
+
+from .kernels import attend
+
+__all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
+
+
+def _matrix(value, name, dtype, device=None, shape=None):
+    t = as_tensor(value, name, dtype=dtype, device=device)
+    check_ndim(t, name, 2, "a matrix")
+    if shape is not None:
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                raise ValueError(f"{name}: expected shape {tuple('*' if s is None else s for s in shape)}, "
+                                 f"got {tuple(t.shape)} (axis {axis} differs)")
+    return t
+
+
+def _vector(value, name, size, dtype, device):
+    if value is None:
+        return None
+    t = as_tensor(value, name, dtype=dtype, device=device)
+    check_ndim(t, name, 1, "a vector")
+    if t.shape[0] != size:
+        raise ValueError(f"{name}: expected {size} entries, got {t.shape[0]}")
+    return t
+
+
+def _sequence_positions(n, like):
+    """Positions s_i = i/n, i = 1..n: the masked measure of a sequence (MATH.md section 2)."""
+    return torch.arange(1, n + 1, dtype=like.dtype, device=like.device) / n
+
+
+class _AttentionOperator:
+    """Shared interface: sequence, __call__ (measures), velocity, to, and input checks.
+
+    Subclasses implement ``_apply(xq, xk, log_weights, q_pos, k_pos)``: queries from points xq
+    (..., m, d), keys/values from points xk (..., n, d) with additive log-weights (..., n)
+    (or None) and, for masked operators, query/key positions.
+    """
+
+    masked: bool
+
+    # -------------------------------------------------------------- to implement
+    @property
+    def d_in(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def d_out(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _apply(self, xq, xk, log_weights, q_pos, k_pos):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -------------------------------------------------------------- public maps
+    def _forward(self, X, log_weights=None, positions=None):
+        """Points map of the measure with these log-weights and positions: (..., n, d) -> (..., n, d_out).
+
+        No validation: the Lipschitz estimators differentiate through it with weights held fixed.
+        """
+        pos = positions if self.masked else None
+        return self._apply(X, X, log_weights, pos, pos)
+
+    def sequence(self, X) -> torch.Tensor:
+        """The discrete map f(X) (f^m if masked): X (..., n, d) -> (..., n, d_out)."""
+        X = self._check_points(X, "X")
+        if X.dim() < 2:
+            raise ValueError(f"X: expected a sequence of shape (..., n, {self.d_in}), got {tuple(X.shape)}")
+        pos = _sequence_positions(X.shape[-2], X) if self.masked else None
+        return self._forward(X, None, pos)
+
+    def __call__(self, mu) -> Measure:
+        """The pushforward measure F(mu) = (Gamma_mu)_# mu; weights and positions are kept."""
+        mu = self._check_measure(mu, "mu")
+        pos = mu.positions if self.masked else None
+        out = self._forward(mu.points, mu.log_weights, pos)
+        return Measure._trusted(out, mu.weights, mu.log_weights, mu.positions)
+
+    def velocity(self, mu, x, positions=None) -> torch.Tensor:
+        """Gamma_mu(x) for points x (..., d) (masked: Gamma_mu(s, x) with query positions s).
+
+        The output has shape (..., d_out).
+        """
+        mu = self._check_measure(mu, "mu")
+        x = self._check_points(x, "x")
+        if x.dim() < 1:
+            raise ValueError(f"x: expected points of shape (..., {self.d_in}), got a scalar")
+        lead = x.shape[:-1]
+        xq = x.reshape(-1, self.d_in)
+        q_pos = k_pos = None
+        if self.masked:
+            if positions is None:
+                raise ValueError("positions: a masked operator needs the query positions s of the points x")
+            p = as_tensor(positions, "positions", dtype=self.dtype, device=self.device)
+            if p.shape != lead:
+                raise ValueError(f"positions: expected shape {tuple(lead)} (one per point), got {tuple(p.shape)}")
+            q_pos, k_pos = p.reshape(-1), mu.positions
+        elif positions is not None:
+            raise ValueError("positions: only masked operators take query positions")
+        out = self._apply(xq, mu.points, mu.log_weights, q_pos, k_pos)
+        return out.reshape(*lead, self.d_out)
+
+    # -------------------------------------------------------------- checks
+    def _check_points(self, X, name):
+        if isinstance(X, Measure):
+            raise TypeError(f"{name}: expected a tensor of points, got a Measure "
+                            "(call the operator on measures: op(mu))")
+        if not isinstance(X, torch.Tensor):
+            X = as_tensor(X, name, dtype=self.dtype, device=self.device)
+        else:
+            X = as_tensor(X, name)
+        if X.dim() == 0 or X.shape[-1] != self.d_in:
+            raise ValueError(f"{name}: expected last dimension {self.d_in} (the operator's input dimension), "
+                             f"got shape {tuple(X.shape)}")
+        if X.dtype != self.dtype:
+            raise TypeError(f"{name}: dtype {X.dtype} differs from the operator's {self.dtype} "
+                            "(convert one of them with .to(dtype=...))")
+        if X.device != self.device:
+            raise ValueError(f"{name}: on device {X.device}, the operator is on {self.device}")
+        return X
+
+    def _check_measure(self, mu, name):
+        if not isinstance(mu, Measure):
+            raise TypeError(f"{name}: expected a particles.Measure, got {type(mu).__name__} "
+                            "(use op.sequence(X) for tensors)")
+        if mu.dim != self.d_in:
+            raise ValueError(f"{name}: atoms have dimension {mu.dim}, the operator expects {self.d_in}")
+        if mu.dtype != self.dtype:
+            raise TypeError(f"{name}: dtype {mu.dtype} differs from the operator's {self.dtype} "
+                            "(convert with mu.to(dtype=...))")
+        if mu.device != self.device:
+            raise ValueError(f"{name}: on device {mu.device}, the operator is on {self.device}")
+        if self.masked and mu.positions is None:
+            raise ValueError(f"{name}: a masked operator needs a measure with positions "
+                             "(build it with Measure.sequence(X) or positions=...)")
+        return mu
+
+
+class SelfAttention(_AttentionOperator):
+    """Single-head self-attention f(X)_i = sum_j softmax_j(<A x_i, x_j>) V x_j (MATH.md section 1).
+
+    Parameters
+    ----------
+    A : (d, d)
+        Score matrix, s_ij = <A x_i, x_j> = x_j^T A x_i (A = K^T Q / sqrt(k)).
+    V : (d_out, d)
+        Value matrix (may be rectangular).
+    masked : bool
+        Causal attention f^m: query i sees keys j <= i (on measures: positions s_j <= s_i).
+    key_bias : (d,), optional
+        c adding <c, x_j> to every score s_ij (what a query bias b_Q becomes: c = K^T b_Q / sqrt(k)).
+    value_bias : (d_out,), optional
+        b added to every output (P is row-stochastic, so b_V passes through unchanged).
+    dtype : optional
+        Convert the parameters (default: float64 for numpy input, a float tensor's own dtype).
+    """
+
+    def __init__(self, A, V, masked=False, *, key_bias=None, value_bias=None, dtype=None):
+        dtype = resolve_dtype(dtype)
+        A = _matrix(A, "A", dtype)
+        if A.shape[0] != A.shape[1]:
+            raise ValueError(f"A: expected a square (d, d) matrix, got shape {tuple(A.shape)}")
+        self._init(A, None, V, masked, key_bias, value_bias)
+
+    def _init(self, Qf, Kf, V, masked, key_bias, value_bias):
+        # scores are <q_i, k_j> with q = X Qf^T and k = X Kf^T (k = X when Kf is None): the factored
+        # form keeps a GPT-2 head at k = 64 columns instead of a dense 768 x 768 A.
+        if not isinstance(masked, bool):
+            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        d = Qf.shape[1]
+        self._Qf, self._Kf = Qf, Kf
+        self._V = _matrix(V, "V", Qf.dtype, Qf.device, shape=(None, d))
+        self._c = _vector(key_bias, "key_bias", d, Qf.dtype, Qf.device)
+        self._bV = _vector(value_bias, "value_bias", self._V.shape[0], Qf.dtype, Qf.device)
+        self.masked = masked
+
+    @classmethod
+    def from_qkv(cls, Q, K, V, b_Q=None, b_K=None, b_V=None, scale=None, masked=False, *, dtype=None):
+        """Attention with softmax_j(scale <Q x_i + b_Q, K x_j + b_K>) and values V x_j + b_V.
+
+        Q, K are (k, d), V is (d_out, d); ``scale`` defaults to 1/sqrt(k), so A = scale K^T Q.
+        Expanding the score, b_K only adds terms independent of j (no effect on the softmax, it is
+        checked and dropped); b_Q adds scale <K^T b_Q, x_j> (a key bias); b_V is added to every
+        output because each row of P sums to one.
+        """
+        dtype = resolve_dtype(dtype)
+        Q = _matrix(Q, "Q", dtype)
+        K = _matrix(K, "K", Q.dtype, Q.device, shape=Q.shape)
+        k = Q.shape[0]
+        if scale is None:
+            scale = 1.0 / math.sqrt(k)
+        scale = float(scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale: expected a finite number, got {scale}")
+        _vector(b_K, "b_K", k, Q.dtype, Q.device)  # validated: it does not change the operator
+        bQ = _vector(b_Q, "b_Q", k, Q.dtype, Q.device)
+        c = None if bQ is None else scale * (K.T @ bQ)
+        obj = cls.__new__(cls)
+        obj._init(scale * Q, K, V, masked, c, b_V)
+        return obj
+
+    # -------------------------------------------------------------- properties
+    @property
+    def A(self) -> torch.Tensor:
+        """The (d, d) score matrix: s_ij = <A x_i, x_j>."""
+        return self._Qf if self._Kf is None else self._Kf.T @ self._Qf
+
+    @property
+    def V(self) -> torch.Tensor:
+        return self._V
+
+    @property
+    def key_bias(self) -> torch.Tensor | None:
+        return self._c
+
+    @property
+    def value_bias(self) -> torch.Tensor | None:
+        return self._bV
+
+    @property
+    def d_in(self) -> int:
+        return self._Qf.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self._V.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._Qf.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._Qf.device
+
+    def to(self, device=None, dtype=None) -> SelfAttention:
+        """The same operator with parameters on another device and/or dtype."""
+        dtype = resolve_dtype(dtype)
+        mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+        obj = SelfAttention.__new__(SelfAttention)
+        obj._Qf, obj._Kf, obj._V, obj._c, obj._bV = map(mv, (self._Qf, self._Kf, self._V, self._c, self._bV))
+        obj.masked = self.masked
+        return obj
+
+    def __repr__(self) -> str:
+        kind = "masked, " if self.masked else ""
+        return f"SelfAttention({kind}d_in={self.d_in}, d_out={self.d_out}, dtype={self.dtype})"
+
+    # -------------------------------------------------------------- computation
+    def _qkv(self, xq, xk, log_weights):
+        """Queries, keys, values and the additive key scores (log-weights + <c, x_j>)."""
+        q = xq @ self._Qf.T
+        k = xk if self._Kf is None else xk @ self._Kf.T
+        v = xk @ self._V.T
+        lw = log_weights
+        if self._c is not None:
+            ck = xk @ self._c
+            lw = ck if lw is None else lw + ck
+        return q, k, v, lw
+
+    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+        q, k, v, lw = self._qkv(xq, xk, log_weights)
+        out = attend(q, k, v, lw, q_pos, k_pos)
+        return out if self._bV is None else out + self._bV
+
+
+class MultiHeadAttention(_AttentionOperator):
+    """Multi-head attention f_MH(X) = concat_h f^h(X) W_O^T + bias (MATH.md section 1).
+
+    ``heads`` is a list of :class:`SelfAttention` sharing the input dimension d and the masking
+    (V^h of shape (k_h, d)); ``W_O`` is (d_out, sum_h k_h); ``bias`` is (d_out,). Heads with the
+    same shapes are evaluated together in one batched kernel call.
+    """
+
+    def __init__(self, heads, W_O, bias=None):
+        if isinstance(heads, SelfAttention) or not hasattr(heads, "__iter__"):
+            raise TypeError("heads: expected a list of SelfAttention operators")
+        heads = list(heads)
+        if not heads:
+            raise ValueError("heads: expected at least one head")
+        for h, head in enumerate(heads):
+            if not isinstance(head, SelfAttention):
+                raise TypeError(f"heads[{h}]: expected a SelfAttention, got {type(head).__name__}")
+            if head.d_in != heads[0].d_in:
+                raise ValueError(f"heads[{h}]: input dimension {head.d_in} differs from heads[0]'s {heads[0].d_in}")
+            if head.masked != heads[0].masked:
+                raise ValueError(f"heads[{h}]: masked={head.masked} differs from heads[0] (all heads must agree)")
+            if head.dtype != heads[0].dtype or head.device != heads[0].device:
+                raise ValueError(f"heads[{h}]: dtype/device differ from heads[0]")
+        self.heads = heads
+        self.masked = heads[0].masked
+        width = sum(h.d_out for h in heads)
+        self._W_O = _matrix(W_O, "W_O", heads[0].dtype, heads[0].device, shape=(None, width))
+        self._b = _vector(bias, "bias", self._W_O.shape[0], heads[0].dtype, heads[0].device)
+        # heads evaluated in one kernel call when they have the same shapes
+        self._stack = self._stackable()
+
+    def _stackable(self):
+        h0 = self.heads[0]
+        same = all(h._Qf.shape == h0._Qf.shape and (h._Kf is None) == (h0._Kf is None)
+                   and (h._Kf is None or h._Kf.shape == h0._Kf.shape) and h.d_out == h0.d_out
+                   for h in self.heads)
+        if not same:
+            return None
+        Qs = torch.stack([h._Qf for h in self.heads])
+        Ks = None if h0._Kf is None else torch.stack([h._Kf for h in self.heads])
+        Vs = torch.stack([h._V for h in self.heads])
+        cs = None
+        if any(h._c is not None for h in self.heads):
+            cs = torch.stack([h._c if h._c is not None else torch.zeros_like(h0._Qf[0]) for h in self.heads])
+        bVs = None
+        if any(h._bV is not None for h in self.heads):
+            bVs = torch.cat([h._bV if h._bV is not None else torch.zeros_like(h._V[:, 0]) for h in self.heads])
+        return Qs, Ks, Vs, cs, bVs
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        return self._W_O
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self._b
+
+    @property
+    def d_in(self) -> int:
+        return self.heads[0].d_in
+
+    @property
+    def d_out(self) -> int:
+        return self._W_O.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._W_O.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._W_O.device
+
+    def to(self, device=None, dtype=None) -> MultiHeadAttention:
+        mv = lambda t: None if t is None else t.to(device=device, dtype=resolve_dtype(dtype))
+        return MultiHeadAttention([h.to(device, dtype) for h in self.heads], mv(self._W_O), mv(self._b))
+
+    def __repr__(self) -> str:
+        kind = "masked, " if self.masked else ""
+        return f"MultiHeadAttention({kind}heads={len(self.heads)}, d_in={self.d_in}, d_out={self.d_out})"
+
+    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+        if self._stack is None:
+            outs = [h._apply(xq, xk, log_weights, q_pos, k_pos) for h in self.heads]
+            concat = torch.cat(outs, dim=-1)
+        else:
+            Qs, Ks, Vs, cs, bVs = self._stack
+            # (..., H, m, k): the head axis sits before the token axis so attend batches over it
+            q = torch.einsum("...md,hkd->...hmk", xq, Qs)
+            k = xk.unsqueeze(-3) if Ks is None else torch.einsum("...nd,hkd->...hnk", xk, Ks)
+            v = torch.einsum("...nd,hkd->...hnk", xk, Vs)
+            lw = None if log_weights is None else log_weights.unsqueeze(-2)
+            if cs is not None:
+                ck = torch.einsum("...nd,hd->...hn", xk, cs)
+                lw = ck if lw is None else lw + ck
+            qp = None if q_pos is None else q_pos.unsqueeze(-2)
+            kp = None if k_pos is None else k_pos.unsqueeze(-2)
+            out = attend(q, k, v, lw, qp, kp)  # (..., H, m, k_v)
+            concat = out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)
+            if bVs is not None:
+                concat = concat + bVs
+        out = concat @ self._W_O.T
+        return out if self._b is None else out + self._b
+
+
+class L2SelfAttention(_AttentionOperator):
+    """L2 multi-head self-attention of Kim, Papamakarios & Mnih (2021), tied queries and keys.
+
+    Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right):
+
+        P^h_ij = softmax_j( -|x_i^T W_Q^h - x_j^T W_Q^h|^2 / sqrt(D/H) ),
+        F^h(X) = P^h X A_h,   A_h = W_Q^h W_Q^h^T / sqrt(D/H)     (D x D),
+        f(X)   = [F^1(X) W_V^1, ..., F^H(X) W_V^H] W_O (+ bias).
+
+    Parameters
+    ----------
+    W_Q : (H, D, k) or (D, k)
+        Tied query/key weights of each head; sqrt(D/H) is taken as sqrt(k), the head size.
+    W_V : (H, D, k_v) or (D, k_v)
+        Value weights (applied after A_h).
+    W_O : (H k_v, D_out), optional
+        Output weights, applied on the right (None: the identity, i.e. plain concatenation).
+    bias : (D_out,), optional
+    masked : bool
+        Causal variant (keys j <= i; positions for measures).
+
+    Through the kernel: -|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2 and the first term
+    cancels in the softmax, so queries are 2 q_i / sqrt(k), keys q_j and the additive key score
+    is -|q_j|^2 / sqrt(k).
+    """
+
+    def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):
+        dtype = resolve_dtype(dtype)
+        WQ = as_tensor(W_Q, "W_Q", dtype=dtype)
+        if WQ.dim() == 2:
+            WQ = WQ.unsqueeze(0)
+        if WQ.dim() != 3:
+            raise ValueError(f"W_Q: expected shape (H, D, k) or (D, k), got {tuple(WQ.shape)}")
+        H, D, k = WQ.shape
+        WV = as_tensor(W_V, "W_V", dtype=WQ.dtype, device=WQ.device)
+        if WV.dim() == 2:
+            WV = WV.unsqueeze(0)
+        if WV.dim() != 3 or WV.shape[:2] != (H, D):
+            raise ValueError(f"W_V: expected shape ({H}, {D}, k_v) to match W_Q's (H, D), got {tuple(WV.shape)}")
+        if not isinstance(masked, bool):
+            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        width = H * WV.shape[2]
+        if W_O is None:
+            WO = torch.eye(width, dtype=WQ.dtype, device=WQ.device)
+        else:
+            WO = _matrix(W_O, "W_O", WQ.dtype, WQ.device, shape=(width, None))
+        self._WQ, self._WV, self._WO = WQ, WV, WO
+        self._b = _vector(bias, "bias", WO.shape[1], WQ.dtype, WQ.device)
+        self.masked = masked
+        self._scale = 1.0 / math.sqrt(k)
+        # value map of each head: x -> x^T A_h W_V^h
+        self._AV = self._scale * WQ @ WQ.transpose(-1, -2) @ WV  # (H, D, k_v)
+
+    @property
+    def W_Q(self) -> torch.Tensor:
+        return self._WQ
+
+    @property
+    def W_V(self) -> torch.Tensor:
+        return self._WV
+
+    @property
+    def W_O(self) -> torch.Tensor:
+        return self._WO
+
+    @property
+    def num_heads(self) -> int:
+        return self._WQ.shape[0]
+
+    @property
+    def d_in(self) -> int:
+        return self._WQ.shape[1]
+
+    @property
+    def d_out(self) -> int:
+        return self._WO.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._WQ.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._WQ.device
+
+    def to(self, device=None, dtype=None) -> L2SelfAttention:
+        dtype = resolve_dtype(dtype)
+        mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+        return L2SelfAttention(mv(self._WQ), mv(self._WV), mv(self._WO), mv(self._b), self.masked)
+
+    def __repr__(self) -> str:
+        kind = "masked, " if self.masked else ""
+        return f"L2SelfAttention({kind}heads={self.num_heads}, d_in={self.d_in}, d_out={self.d_out})"
+
+    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+        qq = torch.einsum("...md,hdk->...hmk", xq, self._WQ)
+        kk = torch.einsum("...nd,hdk->...hnk", xk, self._WQ)
+        v = torch.einsum("...nd,hdk->...hnk", xk, self._AV)
+        key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)
+        lw = key_term if log_weights is None else key_term + log_weights.unsqueeze(-2)
+        qp = None if q_pos is None else q_pos.unsqueeze(-2)
+        kp = None if k_pos is None else k_pos.unsqueeze(-2)
+        out = attend(2.0 * self._scale * qq, kk, v, lw, qp, kp)  # (..., H, m, k_v)
+        concat = out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)
+        out = concat @ self._WO
+        return out if self._b is None else out + self._b

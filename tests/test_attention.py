@@ -1,0 +1,253 @@
+"""Attention operators against independent naive implementations (tests/reference.py and below)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention
+from particles import Measure
+from tests.reference import naive_attention
+
+f64 = torch.float64
+
+
+def rand(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*shape, generator=g, dtype=f64)
+
+
+def naive_qkv(X, Q, K, V, b_Q, b_K, b_V, masked=False):
+    """softmax((X Q^T + b_Q)(X K^T + b_K)^T / sqrt(k)) (X V^T + b_V), written out directly."""
+    q = X @ Q.T + b_Q
+    k = X @ K.T + b_K
+    S = q @ k.T / math.sqrt(Q.shape[0])
+    if masked:
+        S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+    return torch.softmax(S, -1) @ (X @ V.T + b_V)
+
+
+def naive_l2(X, WQ, WV, WO, masked=False):
+    """Kim et al. (2021) L2 multi-head attention with tied W_Q = W_K, written from the paper."""
+    outs = []
+    for h in range(WQ.shape[0]):
+        k = WQ.shape[2]
+        Z = X @ WQ[h]
+        S = -torch.cdist(Z, Z) ** 2 / math.sqrt(k)
+        if masked:
+            S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+        P = torch.softmax(S, -1)
+        outs.append(P @ X @ (WQ[h] @ WQ[h].T / math.sqrt(k)) @ WV[h])
+    return torch.cat(outs, -1) @ WO
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_self_attention_matches_naive_batched(masked):
+    A, V, X = rand(4, 4, seed=1), rand(3, 4, seed=2), rand(2, 3, 6, 4, seed=3)
+    op = SelfAttention(A, V, masked=masked)
+    out = op.sequence(X)
+    assert out.shape == (2, 3, 6, 3)
+    torch.testing.assert_close(out, naive_attention(X, A, V, masked=masked), rtol=1e-12, atol=1e-12)
+    assert op.d_in == 4 and op.d_out == 3 and op.masked is masked and op.dtype == f64
+    torch.testing.assert_close(op.A, A)
+
+
+def test_numpy_parameters_and_float32():
+    A, V, X = rand(3, 3, seed=1), rand(3, 3, seed=2), rand(5, 3, seed=3)
+    op = SelfAttention(A.numpy(), V.numpy())
+    torch.testing.assert_close(op.sequence(X.numpy()), naive_attention(X, A, V))
+    op32 = op.to(dtype=torch.float32)
+    assert op32.dtype == torch.float32
+    torch.testing.assert_close(op32.sequence(X.float()), naive_attention(X, A, V).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_from_qkv_biases(masked):
+    d, k = 5, 3
+    Q, K, V, X = rand(k, d, seed=1), rand(k, d, seed=2), rand(4, d, seed=3), rand(7, d, seed=4)
+    bQ, bK, bV = rand(k, seed=5), rand(k, seed=6), rand(4, seed=7)
+    full = SelfAttention.from_qkv(Q, K, V, bQ, bK, bV, masked=masked)
+    expected = naive_qkv(X, Q, K, V, bQ, bK, bV, masked)
+    torch.testing.assert_close(full.sequence(X), expected, rtol=1e-12, atol=1e-12)
+    # b_K has no effect: the naive formula with and without it agree, and so does the operator
+    no_bK = naive_qkv(X, Q, K, V, bQ, 0 * bK, bV, masked)
+    torch.testing.assert_close(no_bK, expected, rtol=1e-12, atol=1e-12)
+    # b_Q does have an effect, equal to the key term of tests/reference.py
+    no_bQ = naive_qkv(X, Q, K, V, 0 * bQ, bK, bV, masked)
+    assert (no_bQ - expected).abs().max() > 1e-3
+    A = K.T @ Q / math.sqrt(k)
+    ref = naive_attention(X, A, V, masked=masked, b_Q=K.T @ bQ / math.sqrt(k)) + bV
+    torch.testing.assert_close(full.sequence(X), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(full.A, A)
+
+
+def test_custom_scale():
+    Q, K, V, X = rand(2, 3, seed=1), rand(2, 3, seed=2), rand(3, 3, seed=3), rand(4, 3, seed=4)
+    op = SelfAttention.from_qkv(Q, K, V, scale=0.3)
+    torch.testing.assert_close(op.sequence(X), naive_attention(X, 0.3 * K.T @ Q, V))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_measure_pushforward_of_empirical_is_empirical_of_f(masked):
+    A, V, X = rand(3, 3, seed=1), rand(3, 3, seed=2), rand(6, 3, seed=3)
+    op = SelfAttention(A, V, masked=masked)
+    mu = Measure.sequence(X) if masked else Measure.empirical(X)
+    out = op(mu)
+    assert isinstance(out, Measure)
+    torch.testing.assert_close(out.points, naive_attention(X, A, V, masked=masked))
+    torch.testing.assert_close(out.weights, mu.weights)
+    if masked:
+        torch.testing.assert_close(out.positions, mu.positions)
+
+
+def test_weighted_measure_and_velocity():
+    A, V, X = rand(3, 3, seed=1), rand(3, 3, seed=2), rand(5, 3, seed=3)
+    w = torch.tensor([0.1, 0.4, 0.2, 0.05, 0.25], dtype=f64)
+    mu = Measure(X, w)
+    op = SelfAttention(A, V)
+    torch.testing.assert_close(op(mu).points, naive_attention(X, A, V, log_weights=w.log()))
+    x = rand(2, 4, 3, seed=9)
+    vel = op.velocity(mu, x)
+    assert vel.shape == (2, 4, 3)
+    P = torch.softmax(x @ A.T @ X.T + w.log(), -1)
+    torch.testing.assert_close(vel, P @ X @ V.T)
+
+
+def test_masked_velocity_uses_positions():
+    A, V, X = rand(3, 3, seed=1), rand(3, 3, seed=2), rand(5, 3, seed=3)
+    op = SelfAttention(A, V, masked=True)
+    mu = Measure.sequence(X)
+    vel = op.velocity(mu, X, positions=mu.positions)
+    torch.testing.assert_close(vel, naive_attention(X, A, V, masked=True))
+    with pytest.raises(ValueError, match="positions"):
+        op.velocity(mu, X)
+
+
+def test_duplicated_tokens_equal_merged_measure():
+    n = 7
+    A, V, y, z = rand(3, 3, seed=1), rand(3, 3, seed=2), rand(3, seed=3), rand(3, seed=4)
+    X = torch.stack([y] + [z] * (n - 1))
+    op = SelfAttention(A, V)
+    two = Measure(torch.stack([y, z]), torch.tensor([1 / n, (n - 1) / n], dtype=f64))
+    merged = op(two).points
+    seq = op.sequence(X)
+    torch.testing.assert_close(seq[0], merged[0], rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(seq[1:], merged[1].expand(n - 1, 3), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("op_kind", ["single", "mha", "l2"])
+def test_masked_output_does_not_depend_on_later_tokens(op_kind):
+    d, n = 4, 6
+    if op_kind == "single":
+        op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2), masked=True)
+    elif op_kind == "mha":
+        op = MultiHeadAttention([SelfAttention(rand(d, d, seed=s), rand(2, d, seed=s + 9), masked=True)
+                                 for s in range(2)], rand(d, 4, seed=5))
+    else:
+        op = L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), masked=True)
+    X = rand(n, d, seed=3)
+    base = op.sequence(X)
+    for i in range(n - 1):
+        Y = X.clone()
+        Y[i + 1:] += rand(n - i - 1, d, seed=10 + i)
+        out = op.sequence(Y)
+        torch.testing.assert_close(out[: i + 1], base[: i + 1], rtol=0, atol=1e-14)
+        assert (out[i + 1:] - base[i + 1:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_multihead_with_biases_matches_naive(masked):
+    d, k, H = 6, 2, 3
+    parts = [(rand(k, d, seed=10 * h + 1), rand(k, d, seed=10 * h + 2), rand(k, d, seed=10 * h + 3),
+              rand(k, seed=10 * h + 4), rand(k, seed=10 * h + 5), rand(k, seed=10 * h + 6)) for h in range(H)]
+    W_O, b = rand(d, H * k, seed=99), rand(d, seed=98)
+    op = MultiHeadAttention([SelfAttention.from_qkv(*p, masked=masked) for p in parts], W_O, b)
+    X = rand(2, 5, d, seed=7)
+    expected = torch.cat([torch.stack([naive_qkv(x, *p, masked=masked) for x in X]) for p in parts], -1) @ W_O.T + b
+    torch.testing.assert_close(op.sequence(X), expected, rtol=1e-12, atol=1e-12)
+    assert op._stack is not None
+
+
+def test_multihead_heads_of_different_shapes():
+    d = 4
+    heads = [SelfAttention(rand(d, d, seed=1), rand(3, d, seed=2)),
+             SelfAttention.from_qkv(rand(2, d, seed=3), rand(2, d, seed=4), rand(1, d, seed=5))]
+    W_O = rand(5, 4, seed=6)
+    op = MultiHeadAttention(heads, W_O)
+    assert op._stack is None
+    X = rand(5, d, seed=7)
+    expected = torch.cat([naive_attention(X, h.A, h.V) for h in heads], -1) @ W_O.T
+    torch.testing.assert_close(op.sequence(X), expected)
+    mu = Measure(X, torch.softmax(rand(5, seed=8), 0))
+    torch.testing.assert_close(op(mu).points, torch.cat([h(mu).points for h in heads], -1) @ W_O.T)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_l2_attention_matches_kim_formula(masked):
+    D, H, k = 6, 2, 3
+    WQ, WV, WO = rand(H, D, k, seed=1), rand(H, D, k, seed=2), rand(H * k, D, seed=3)
+    op = L2SelfAttention(WQ, WV, WO, masked=masked)
+    X = rand(3, 5, D, seed=4)
+    expected = torch.stack([naive_l2(x, WQ, WV, WO, masked) for x in X])
+    torch.testing.assert_close(op.sequence(X), expected, rtol=1e-11, atol=1e-11)
+    mu = Measure.sequence(X[0]) if masked else Measure.empirical(X[0])
+    torch.testing.assert_close(op(mu).points, expected[0], rtol=1e-11, atol=1e-11)
+
+
+def test_adversarial_radius_100_is_finite():
+    """Proposition 3.4's witness X = (R u, R u/2, ..., R u/2) at R = 100: gamma R^2 ~ 1e4."""
+    d, n, R = 3, 20, 100.0
+    A = torch.diag(torch.tensor([2.0, 0.5, -0.3], dtype=f64))
+    u = torch.tensor([1.0, 0.0, 0.0], dtype=f64)
+    X = torch.stack([R * u] + [R * u / 2] * (n - 1))
+    for masked in (False, True):
+        op = SelfAttention(A, torch.eye(d, dtype=f64), masked=masked)
+        out = op.sequence(X)
+        assert torch.isfinite(out).all()
+        # query R u/2 scores R^2 u^T A u / 2 on the first token vs R^2/4 on the others: all mass on token 0
+        if not masked:
+            torch.testing.assert_close(out[1:], (R * u).expand(n - 1, d))
+    mu = Measure.two_dirac(R * u, R * u / 2, log_p=-2 * 0.25 * R**2)
+    assert torch.isfinite(SelfAttention(A, torch.eye(d, dtype=f64))(mu).points).all()
+
+
+def test_bad_inputs_name_the_argument():
+    A, V = rand(3, 3, seed=1), rand(2, 3, seed=2)
+    with pytest.raises(ValueError, match="A"):
+        SelfAttention(rand(3, 2), V)
+    with pytest.raises(ValueError, match="V"):
+        SelfAttention(A, rand(2, 4))
+    with pytest.raises(TypeError, match="masked"):
+        SelfAttention(A, V, masked="yes")
+    with pytest.raises(ValueError, match="A"):
+        SelfAttention(np.array([[np.nan, 0, 0]] * 3), V)
+    op = SelfAttention(A, V)
+    with pytest.raises(ValueError, match="X"):
+        op.sequence(rand(5, 4))
+    with pytest.raises(TypeError, match="X"):
+        op.sequence(Measure(rand(5, 3)))
+    with pytest.raises(TypeError, match="mu"):
+        op(rand(5, 3))
+    with pytest.raises(ValueError, match="mu"):
+        op(Measure(rand(5, 4)))
+    with pytest.raises(TypeError, match="X"):
+        op.sequence(rand(5, 3).float())
+    with pytest.raises(ValueError, match="mu"):
+        SelfAttention(A, V, masked=True)(Measure(rand(5, 3)))
+    with pytest.raises(ValueError, match="key_bias"):
+        SelfAttention(A, V, key_bias=rand(4))
+    with pytest.raises(ValueError, match="b_Q"):
+        SelfAttention.from_qkv(rand(2, 3), rand(2, 3), V, b_Q=rand(3))
+    with pytest.raises(ValueError, match="K"):
+        SelfAttention.from_qkv(rand(2, 3), rand(3, 3), V)
+    with pytest.raises(TypeError, match="heads"):
+        MultiHeadAttention(op, rand(3, 2))
+    with pytest.raises(ValueError, match="heads\\[1\\]"):
+        MultiHeadAttention([op, SelfAttention(A, V, masked=True)], rand(3, 4))
+    with pytest.raises(ValueError, match="W_O"):
+        MultiHeadAttention([op, op], rand(3, 3))
+    with pytest.raises(ValueError, match="W_V"):
+        L2SelfAttention(rand(2, 4, 2), rand(3, 4, 2))
