@@ -13,12 +13,13 @@ import csv
 import importlib
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = ["Claim", "StudyResult", "Study", "register", "registry", "write_csv", "read_csv",
-           "write_json", "save_figure", "STUDY_MODULES"]
+           "write_json", "save_figure", "STUDY_MODULES", "import_errors", "grid_level", "run_grid", "sweep_settings"]
 
 # Modules that define studies, in report order. Each registers its studies on import.
 STUDY_MODULES = [
@@ -83,15 +84,30 @@ def register(name: str, title: str, order: int = 100) -> Callable:
     return deco
 
 
+_IMPORT_ERRORS: dict[str, str] = {}
+
+
 def registry() -> dict[str, Study]:
-    """Every registered study, imported from STUDY_MODULES, in report order."""
+    """Every registered study, imported from STUDY_MODULES, in report order.
+
+    A study module that is absent is skipped; one that fails to import is recorded in
+    :func:`import_errors` (the report lists it as failed) instead of taking every study down.
+    """
     for mod in STUDY_MODULES:
         try:
             importlib.import_module(mod)
-        except ModuleNotFoundError as exc:  # a study module not written yet: skip it, loudly elsewhere
+            _IMPORT_ERRORS.pop(mod, None)
+        except ModuleNotFoundError as exc:
             if exc.name != mod:
-                raise
+                _IMPORT_ERRORS[mod] = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - reported, never hidden
+            _IMPORT_ERRORS[mod] = f"{type(exc).__name__}: {exc}"
     return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+
+
+def import_errors() -> dict[str, str]:
+    """Study modules of STUDY_MODULES that exist but failed to import: module -> error."""
+    return dict(_IMPORT_ERRORS)
 
 
 # ---------------------------------------------------------------------- I/O helpers
@@ -158,3 +174,53 @@ def save_figure(fig, path: Path, dpi: int = 120) -> Path:
     fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return path
+
+
+# ---------------------------------------------------------------------- grids
+# Test-size grids: the hidden ``--tiny`` flag of the command line (or MEANFIELD_TINY=1) asks every
+# study for its smallest grid, so that tests run each study end to end in seconds.
+TINY_ENV = "MEANFIELD_TINY"
+
+# Options for studies.sweep.run_sweep set by the command line (--backend, --workers, ...);
+# studies read them through run_grid, so their signature stays fn(out_dir, *, quick, seed).
+_SWEEP_SETTINGS: dict = {}
+
+
+def grid_level(quick: bool) -> str:
+    """``"tiny"`` (tests), ``"quick"`` (reproduce --quick) or ``"full"``."""
+    if os.environ.get(TINY_ENV, "").strip() not in ("", "0"):
+        return "tiny"
+    return "quick" if quick else "full"
+
+
+def sweep_settings(**options) -> dict:
+    """Set (with keywords) or read the run_sweep options used by :func:`run_grid`."""
+    if options:
+        _SWEEP_SETTINGS.clear()
+        _SWEEP_SETTINGS.update({k: v for k, v in options.items() if v is not None})
+    return dict(_SWEEP_SETTINGS)
+
+
+def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: str) -> list[dict]:
+    """Evaluate ``fn(**params)`` on every grid point; rows are params merged with results, grid order.
+
+    Runs through the sweep runner (``studies.sweep.run_sweep``: resumable, parallel or on a Dask
+    cluster with the command line's ``--backend``), storing records under ``out_dir/_sweep_<name>``.
+    ``fn`` must be a picklable top-level function. A failed grid point raises (with its error):
+    a study's claims are never computed on a silently incomplete table.
+    """
+    grid = [dict(g) for g in grid]
+    try:
+        from studies.sweep import run_sweep
+    except ImportError:  # the sweep runner is optional for studies: plain loop, same rows
+        run_sweep = None
+    if run_sweep is None:
+        return [{**g, **dict(fn(**g))} for g in grid]
+    opts = {"backend": "inprocess", "progress": False, "resume": True, "retries": 0}
+    opts.update(_SWEEP_SETTINGS)
+    res = run_sweep(fn, grid, Path(out_dir) / f"_sweep_{name}", name=name, **opts)
+    failures = list(getattr(res, "failures", []) or [])
+    if failures:
+        first = failures[0]
+        raise RuntimeError(f"{name}: {len(failures)} of {len(grid)} grid points failed; first: {first}")
+    return [dict(r) for r in res.rows]
