@@ -1,0 +1,221 @@
+"""Clustering diagnostics of token dynamics (MATH.md section 6; Geshkovski et al. 2023).
+
+* :func:`cluster_labels` / :func:`count_clusters`: single-linkage clusters at a distance
+  tolerance (connected components of the graph |x_i - x_j| <= tol), over time for a trajectory;
+* :func:`limit_set`: cluster centers and whether each is a vertex of their convex hull (for V = I
+  the rescaled tokens converge to the vertices of a convex polytope);
+* :func:`interaction_energy`: E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>), i.e.
+  (1/(2 beta n^2)) sum_ij exp(beta <x_i, x_j>) for uniform weights; non-decreasing along the SA
+  and USA sphere dynamics;
+* :func:`w2_to_reference`: W2 between an n-particle trajectory and a reference (large-n) trajectory
+  at each time, the mean-field convergence diagnostic (uses :func:`transport.w2`).
+
+Functions accept a tensor/array (N, d), a :class:`particles.Measure`, or (where it says so) a
+:class:`meanfield.dynamics.Trajectory`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from particles import Measure
+from particles.validation import as_tensor
+
+__all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
+           "interaction_energy", "w2_to_reference"]
+
+#: above this many points single linkage runs on grid-cell representatives (see cluster_labels)
+EXACT_LIMIT = 4000
+
+
+def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
+    if isinstance(x, Measure):
+        return x.points.detach().cpu().numpy(), x.weights.detach().cpu().numpy()
+    t = as_tensor(x, name)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected an (N, d) array of points, got shape {tuple(t.shape)}")
+    return t.detach().cpu().numpy(), None
+
+
+def _check_tol(tol) -> float:
+    tol = float(tol)
+    if not (math.isfinite(tol) and tol > 0):
+        raise ValueError(f"tol: expected a positive distance, got {tol}")
+    return tol
+
+
+def cluster_labels(points, tol: float, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1) -> np.ndarray:
+    """Single-linkage cluster labels at distance ``tol``, numbered 0..k-1 by first occurrence.
+
+    Up to ``exact_limit`` points: exact (scipy.cluster.hierarchy single linkage cut at ``tol``).
+    Above: points are first grouped in grid cells of diameter ``slack * tol / 2`` and single linkage
+    runs on one representative per cell at ``tol * (1 + slack)``; the clusters returned then lie
+    between the exact clusters at ``tol`` and at ``tol * (1 + slack)`` (each point is within
+    the cell diameter of its representative). This keeps collapsed clusters of 10^5 tokens cheap.
+    """
+    X, _ = _points(points)
+    tol = _check_tol(tol)
+    n, d = X.shape
+    if n == 1:
+        return np.zeros(1, dtype=int)
+    if n <= exact_limit:
+        from scipy.cluster.hierarchy import fcluster, linkage
+
+        raw = fcluster(linkage(X, method="single"), t=tol, criterion="distance")
+        return _first_occurrence(raw)
+    if not 0 < slack <= 1:
+        raise ValueError(f"slack: expected a number in (0, 1], got {slack}")
+    side = slack * tol / (2 * math.sqrt(d))
+    cells = np.floor(X / side).astype(np.int64)
+    _, rep_idx, cell_of = np.unique(cells, axis=0, return_index=True, return_inverse=True)
+    reps = X[rep_idx]
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree
+
+    pairs = cKDTree(reps).query_pairs(r=tol * (1 + slack), output_type="ndarray")
+    m = len(reps)
+    graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(m, m))
+    _, comp = connected_components(graph, directed=False)
+    return _first_occurrence(comp[cell_of.reshape(-1)])
+
+
+def _first_occurrence(raw: np.ndarray) -> np.ndarray:
+    _, first, inv = np.unique(raw, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inv.reshape(-1)]
+
+
+def count_clusters(x, tol: float, **kw) -> int | np.ndarray:
+    """Number of single-linkage clusters at ``tol``; an array over time for a Trajectory or (T, N, d)."""
+    pts = getattr(x, "points", x) if not isinstance(x, Measure) else x.points
+    pts = as_tensor(pts, "x")
+    if pts.dim() == 3:
+        return np.array([int(cluster_labels(p, tol, **kw).max()) + 1 for p in pts])
+    return int(cluster_labels(pts, tol, **kw).max()) + 1
+
+
+def cluster_centers(x, tol: float, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster."""
+    X, w = _points(x)
+    w = np.full(len(X), 1.0 / len(X)) if w is None else w
+    labels = cluster_labels(X, tol, **kw)
+    k = labels.max() + 1
+    masses = np.bincount(labels, weights=w, minlength=k)
+    centers = np.stack([np.bincount(labels, weights=w * X[:, c], minlength=k) for c in range(X.shape[1])], 1)
+    # empty-mass clusters (atoms of weight 0) are located at their plain mean
+    safe = masses > 0
+    centers[safe] /= masses[safe, None]
+    if not safe.all():
+        counts = np.bincount(labels, minlength=k)
+        plain = np.stack([np.bincount(labels, weights=X[:, c], minlength=k) for c in range(X.shape[1])], 1)
+        centers[~safe] = plain[~safe] / counts[~safe, None]
+    return centers, masses, labels
+
+
+def hull_vertices(points) -> np.ndarray:
+    """Indices of the points that are vertices of their convex hull (scipy.spatial.ConvexHull).
+
+    Degenerate sets (fewer than d + 1 affinely independent points) are handled in their affine hull;
+    one point is its own vertex, and in dimension one the vertices are the min and the max.
+    """
+    X, _ = _points(points)
+    n = len(X)
+    if n == 1:
+        return np.array([0])
+    c = X - X.mean(0)
+    _, s, Vt = np.linalg.svd(c, full_matrices=False)
+    rank = int((s > 1e-10 * max(s[0], 1e-300)).sum())
+    if rank == 0:
+        return np.array([0])
+    Z = c @ Vt[:rank].T
+    if rank == 1 or n <= rank + 1:
+        if rank == 1:
+            return np.unique([int(np.argmin(Z[:, 0])), int(np.argmax(Z[:, 0]))])
+        return np.arange(n)  # a simplex: every point is a vertex
+    from scipy.spatial import ConvexHull
+
+    return np.sort(ConvexHull(Z).vertices)
+
+
+@dataclass
+class LimitSet:
+    """Clusters of a (rescaled) final configuration and the polytope they span.
+
+    ``centers`` (k, d), ``masses`` (k,), ``labels`` (N,), ``is_vertex`` (k,): whether each center is a
+    vertex of the convex hull of the centers; ``spread``: the largest distance of a point to its
+    cluster's center (how far the clusters are from being points).
+    """
+
+    centers: np.ndarray
+    masses: np.ndarray
+    labels: np.ndarray
+    is_vertex: np.ndarray
+    spread: float
+
+    @property
+    def n_clusters(self) -> int:
+        return len(self.centers)
+
+    @property
+    def all_vertices(self) -> bool:
+        """True when every cluster sits at a vertex of the polytope (Geshkovski et al., V = I)."""
+        return bool(self.is_vertex.all())
+
+
+def limit_set(x, tol: float, **kw) -> LimitSet:
+    """Cluster ``x`` at ``tol`` and test which cluster centers are vertices of their convex hull."""
+    X, _ = _points(x)
+    centers, masses, labels = cluster_centers(x, tol, **kw)
+    is_vertex = np.zeros(len(centers), dtype=bool)
+    is_vertex[hull_vertices(centers)] = True
+    spread = float(np.linalg.norm(X - centers[labels], axis=1).max())
+    return LimitSet(centers, masses, labels, is_vertex, spread)
+
+
+def interaction_energy(x, beta: float, weights=None) -> float | np.ndarray:
+    """E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>) (uniform: 1/(2 beta n^2) sum_ij ...).
+
+    This is the energy of the sphere models of Geshkovski et al. (2023) (their normalization):
+    the USA field is a_i^{-1} grad_{x_i} E_beta and the SA field a positive multiple of it per
+    particle, so E_beta is non-decreasing along both projected flows. Computed in log-sum-exp form.
+    ``x`` may be points, a Measure, or a Trajectory / (T, N, d) tensor (then an array over time).
+    """
+    beta = float(beta)
+    if not (math.isfinite(beta) and beta > 0):
+        raise ValueError(f"beta: expected a positive inverse temperature, got {beta}")
+    if isinstance(x, Measure):
+        pts, lw = x.points, x.log_weights
+    else:
+        pts = as_tensor(getattr(x, "points", x), "x")
+        lw = getattr(x, "log_weights", None)
+    if weights is not None:
+        w = as_tensor(weights, "weights", dtype=pts.dtype)
+        if w.shape != (pts.shape[-2],) or bool((w < 0).any()):
+            raise ValueError(f"weights: expected {pts.shape[-2]} non-negative weights")
+        lw = torch.log(w / w.sum())
+    if lw is None:
+        lw = torch.full((pts.shape[-2],), -math.log(pts.shape[-2]), dtype=pts.dtype, device=pts.device)
+    pts = pts.detach()
+    s = beta * pts @ pts.transpose(-1, -2) + lw[:, None] + lw[None, :]
+    logE = torch.logsumexp(s.flatten(-2), -1) - math.log(2 * beta)
+    E = torch.exp(logE).cpu().numpy()
+    return float(E) if E.ndim == 0 else E
+
+
+def w2_to_reference(traj, reference, method: str = "exact", **kw) -> np.ndarray:
+    """W2(mu_n(t_k), mu_ref(t_k)) at every requested time of two trajectories on the same times.
+
+    The mean-field limit says this tends to zero as n grows when mu_n(0) -> mu_ref(0) (stability
+    of the continuity equation in W2, the Lipschitz property of Theorem 3.5 with Gronwall).
+    """
+    from transport import w2
+
+    if len(traj) != len(reference) or not torch.allclose(traj.times, reference.times):
+        raise ValueError("reference: the two trajectories must be sampled at the same times")
+    return np.array([w2(a, b, method=method, **kw) for a, b in zip(traj, reference)])

@@ -1,0 +1,302 @@
+"""Token dynamics (issue 6): simulate, its variants, and the clustering diagnostics.
+
+Truths: a direct loop of residual layers written with tests.reference.naive_attention, a tight
+torchdiffeq dopri5 solution (an independent integrator), the closed-form rescaled field
+V sum_j P_ij (y_j - y_i), scipy ConvexHull / Delaunay, and the energy formula written out here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.spatial import ConvexHull, Delaunay
+
+from meanfield import MultiHeadAttention, SelfAttention, simulate
+from meanfield.clustering import (
+    cluster_labels,
+    count_clusters,
+    hull_vertices,
+    interaction_energy,
+    limit_set,
+    w2_to_reference,
+)
+from meanfield.dynamics import SphereAttention, Trajectory, residual_layers
+from particles import Measure
+from tests.reference import naive_attention
+
+D = torch.float64
+
+
+def _rand(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*shape, generator=g, dtype=D)
+
+
+def _op(d=2, seed=0, scale=0.5, masked=False):
+    return SelfAttention(_rand(d, d, seed=seed, scale=scale), _rand(d, d, seed=seed + 1, scale=scale), masked=masked)
+
+
+def _weighted(n=6, d=2, seed=3):
+    w = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=D) + 0.2
+    return Measure(_rand(n, d, seed=seed), w / w.sum())
+
+
+# ------------------------------------------------------------------ conservation and representation
+def test_weights_and_positions_are_conserved_masked():
+    X = _rand(7, 2, seed=5)
+    w = torch.linspace(1, 2, 7, dtype=D)
+    mu = Measure(X, w / w.sum(), positions=torch.arange(1, 8, dtype=D) / 7)
+    traj = simulate(_op(masked=True), mu, [0.0, 0.5, 1.0], steps=10)
+    assert isinstance(traj, Trajectory) and len(traj) == 3
+    assert traj.points.shape == (3, 7, 2)
+    for m in traj:
+        assert torch.equal(m.weights, mu.weights) and torch.equal(m.positions, mu.positions)
+        assert abs(float(m.weights.sum()) - 1.0) < 1e-14
+    assert torch.equal(traj[0].points, X)
+    assert not torch.allclose(traj.final.points, X)  # particles did move
+
+
+def test_split_measure_follows_the_same_dynamics():
+    mu = _weighted()
+    op = _op(seed=2, scale=0.8)
+    times = [0.0, 0.7, 1.5]
+    a = simulate(op, mu, times, method="rk4", steps=20)
+    b = simulate(op, mu.split(2, 0.3), times, method="rk4", steps=20)
+    keep = [0, 1, 2, 4, 5, 6]  # atom 3 of the split measure is the second half of atom 2
+    assert torch.allclose(b.points[:, keep], a.points, atol=1e-12, rtol=0)
+    assert torch.allclose(b.points[:, 3], b.points[:, 2], atol=1e-13, rtol=0)
+    assert float(b.weights[2] + b.weights[3]) == pytest.approx(float(a.weights[2]), abs=1e-15)
+
+
+# ------------------------------------------------------------------ orders of convergence
+def test_residual_layers_converge_first_order_to_the_ode():
+    X = _rand(6, 2, seed=11)
+    A, V = _rand(2, 2, seed=12, scale=0.7), _rand(2, 2, seed=13, scale=0.7)
+    op = SelfAttention(A, V)
+    ref = simulate(op, Measure(X), [0.0, 1.0], method="dopri5", rtol=1e-12, atol=1e-14).final.points
+
+    def layers(L):  # the Transformer itself: L residual layers, written with the naive reference
+        Y = X.clone()
+        for _ in range(L):
+            Y = Y + naive_attention(Y, A, V) / L
+        return Y
+
+    errs = []
+    for L in (8, 16, 32, 64):
+        Y = layers(L)
+        assert torch.allclose(residual_layers(op, X, L), Y, atol=1e-13, rtol=0)
+        errs.append(float((Y - ref).norm()))
+    ratios = [errs[i] / errs[i + 1] for i in range(3)]
+    assert all(1.8 < r < 2.2 for r in ratios), ratios
+
+
+def test_rk4_is_fourth_order():
+    X = _rand(5, 3, seed=21)
+    op = _op(d=3, seed=22, scale=0.6)
+    ref = simulate(op, Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-13, atol=1e-15).final.points
+    errs = [float((simulate(op, Measure(X), [0.0, 2.0], steps=s).final.points - ref).norm()) for s in (8, 16, 32)]
+    ratios = [errs[0] / errs[1], errs[1] / errs[2]]
+    assert all(12 < r < 20 for r in ratios), (errs, ratios)
+
+
+def test_requested_times_only_and_step_vs_steps():
+    X = _rand(4, 2, seed=31)
+    op = _op(seed=32)
+    a = simulate(op, Measure(X), [0.0, 0.25, 1.0], step=0.05)
+    assert a.points.shape[0] == 3 and a.steps == 20
+    b = simulate(op, Measure(X), [0.0, 1.0], steps=20)
+    assert torch.allclose(a.final.points, b.final.points, atol=1e-14, rtol=0)
+
+
+# ------------------------------------------------------------------ rescaled tokens, clusters
+def test_rescaled_field_matches_closed_form_and_unscaled_matches_plain():
+    X = _rand(6, 2, seed=41)
+    A, V = _rand(2, 2, seed=42, scale=0.5), _rand(2, 2, seed=43, scale=0.5)
+    op = SelfAttention(A, V)
+    tr = simulate(op, Measure(X), [0.0, 0.5, 1.0], method="dopri5", rescale=True, rtol=1e-11, atol=1e-13)
+    plain = simulate(op, Measure(X), [0.0, 0.5, 1.0], method="dopri5", rtol=1e-11, atol=1e-13)
+    assert torch.allclose(tr.unscaled().points, plain.points, atol=1e-8, rtol=0)
+    # y' = sum_j P_ij V (y_j - y_i), P from scores of x = e^{tV} y: compare with a finite difference
+    t, h = 0.5, 1e-4
+    fine = simulate(op, Measure(X), [0.0, t - h, t + h], method="dopri5", rescale=True, rtol=1e-13, atol=1e-15)
+    y = simulate(op, Measure(X), [0.0, t], method="dopri5", rescale=True, rtol=1e-13, atol=1e-15).final.points
+    x = y @ torch.linalg.matrix_exp(t * V).T
+    P = torch.softmax(x @ A.T @ x.T, dim=1)
+    closed = (P @ y - y) @ V.T
+    assert torch.allclose((fine.points[2] - fine.points[1]) / (2 * h), closed, atol=1e-6, rtol=0)
+
+
+def test_v_identity_rescaled_particles_end_on_polytope_vertices():
+    X = _rand(12, 2, seed=51)
+    I = torch.eye(2, dtype=D)
+    tr = simulate(SelfAttention(I, I), Measure(X), [0.0, 2.0, 5.0], method="dopri5", rescale=True,
+                  rtol=1e-9, atol=1e-11)
+    Y = tr.final.points.numpy()
+    ls = limit_set(Y, tol=0.05)
+    assert 2 <= ls.n_clusters < 12 and ls.spread < 0.02
+    # independent truth: scipy's hull of the cluster centers has every center as a vertex
+    assert len(ConvexHull(ls.centers).vertices) == ls.n_clusters if ls.n_clusters >= 3 else True
+    assert ls.all_vertices
+    # every particle is near a hull vertex, and the hull only shrinks: limits lie in the initial hull
+    verts = ls.centers[ConvexHull(ls.centers).vertices] if ls.n_clusters >= 3 else ls.centers
+    assert np.linalg.norm(Y[:, None] - verts[None], axis=2).min(1).max() < 0.02
+    assert (Delaunay(X.numpy()).find_simplex(Y, tol=1e-9) >= 0).all()
+    clusters = count_clusters(tr, 0.05)
+    assert clusters[0] == 12 and list(clusters) == sorted(clusters, reverse=True)
+
+
+# ------------------------------------------------------------------ sphere models
+@pytest.mark.parametrize("model", ["SA", "USA"])
+def test_sphere_models_keep_norms_and_increase_energy(model):
+    X = _rand(10, 3, seed=61)
+    X = X / X.norm(dim=1, keepdim=True)
+    beta = 2.0
+    times = torch.linspace(0, 4, 21, dtype=D)
+    tr = simulate(None, Measure(X), times, sphere=model, beta=beta, step=0.05)
+    assert torch.allclose(tr.points.norm(dim=2), torch.ones(21, 10, dtype=D), atol=1e-13)
+    # energy written out: (1 / (2 beta n^2)) sum_ij exp(beta <x_i, x_j>)
+    E = [float(torch.exp(beta * P @ P.T).sum() / (2 * beta * 100)) for P in tr.points]
+    assert np.allclose(interaction_energy(tr, beta), E, rtol=1e-12)
+    assert all(b >= a - 1e-12 for a, b in zip(E, E[1:])) and E[-1] > E[0]
+    # the same dynamics with an explicit operator: SA is attention with A = beta I, V = I, projected
+    if model == "SA":
+        op = SelfAttention(beta * torch.eye(3, dtype=D), torch.eye(3, dtype=D))
+        tr2 = simulate(op, Measure(X), times, sphere=True, step=0.05)
+        assert torch.allclose(tr2.points, tr.points, atol=1e-12)
+
+
+def test_usa_field_is_gradient_of_energy_over_weights():
+    mu = _weighted(n=5, d=3, seed=71)
+    beta = 1.5
+    X = mu.points.clone().requires_grad_(True)
+    E = (torch.exp(beta * X @ X.T) * mu.weights[:, None] * mu.weights[None, :]).sum() / (2 * beta)
+    (g,) = torch.autograd.grad(E, X)
+    v = SphereAttention(beta, "USA").velocity(mu, mu.points)
+    assert torch.allclose(v, g / mu.weights[:, None], atol=1e-12)
+
+
+def test_sphere_d3_collapses_to_one_cluster():
+    mu = Measure.sphere(16, 3, seed=3)
+    tr = simulate(None, mu, [0.0, 30.0], sphere="SA", beta=1.0, step=0.25)
+    assert count_clusters(tr.final, 1e-3) == 1
+
+
+# ------------------------------------------------------------------ causal, layers, multi-head
+def test_masked_dynamics_are_causal():
+    X = _rand(8, 2, seed=81)
+    op = _op(seed=82, scale=0.8, masked=True)
+    a = simulate(op, Measure.sequence(X), [0.0, 1.0, 2.0], steps=10)
+    Y = X.clone()
+    Y[5:] += _rand(3, 2, seed=83, scale=3.0)  # change every token after the 5th
+    b = simulate(op, Measure.sequence(Y), [0.0, 1.0, 2.0], steps=10)
+    assert torch.equal(a.points[:, :5], b.points[:, :5])
+    assert not torch.allclose(a.points[:, 5:], b.points[:, 5:])
+    # token 1 sees only itself: x_1' = V x_1, so x_1(t) = exp(tV) x_1(0)
+    assert torch.allclose(a.points[2, 0], torch.linalg.matrix_exp(2.0 * op.V) @ X[0], atol=1e-6)
+
+
+def test_layers_list_equals_composition_and_callable():
+    X = _rand(5, 2, seed=91)
+    op1, op2 = _op(seed=92), _op(seed=94)
+    both = simulate([op1, op2], Measure(X), [0.0, 1.0, 2.0], steps=16)
+    first = simulate(op1, Measure(X), [0.0, 1.0], steps=16).final
+    second = simulate(op2, first, [1.0, 2.0], steps=16).final
+    assert torch.allclose(both.final.points, second.points, atol=1e-14, rtol=0)
+    # smooth time dependence through a callable: RK4 converges at fourth order to dopri5
+    A, V = op1.A, op1.V
+    smooth = lambda t: SelfAttention(A * math.cos(t), V * (1 + 0.5 * t))
+    ref = simulate(smooth, Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-13, atol=1e-15).final.points
+    e1, e2 = (float((simulate(smooth, Measure(X), [0.0, 2.0], steps=s).final.points - ref).norm()) for s in (16, 32))
+    assert 12 < e1 / e2 < 20
+    ad = simulate([op1, op2], Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-11, atol=1e-13)
+    rk = simulate([op1, op2], Measure(X), [0.0, 2.0], steps=200)
+    assert torch.allclose(ad.final.points, rk.final.points, atol=1e-8)
+
+
+def test_multihead_euler_step_is_one_residual_layer():
+    X = _rand(6, 4, seed=101)
+    heads = [SelfAttention(_rand(4, 4, seed=102 + h, scale=0.5), _rand(2, 4, seed=110 + h)) for h in range(2)]
+    W_O = _rand(4, 4, seed=120, scale=0.5)
+    mh = MultiHeadAttention(heads, W_O)
+    one = simulate(mh, Measure(X), [0.0, 0.1], method="euler", steps=1).final.points
+    ref = X + 0.1 * torch.cat([naive_attention(X, h.A, h.V) for h in heads], dim=1) @ W_O.T
+    assert torch.allclose(one, ref, atol=1e-13)
+
+
+def test_float32_is_kept():
+    X = _rand(5, 2, seed=131).float()
+    op = SelfAttention(torch.eye(2), torch.eye(2))
+    tr = simulate(op, Measure(X), [0.0, 1.0], steps=5)
+    assert tr.points.dtype == torch.float32
+
+
+# ------------------------------------------------------------------ errors
+def test_bad_inputs_are_reported():
+    mu = Measure(_rand(4, 2))
+    op = _op()
+    with pytest.raises(ValueError, match="times"):
+        simulate(op, mu, [0.0, 1.0, 0.5])
+    with pytest.raises(ValueError, match="sphere"):
+        simulate(op, mu, [0.0, 1.0], sphere="XY")
+    with pytest.raises(ValueError, match="beta"):
+        simulate(op, mu, [0.0, 1.0], beta=1.0)
+    with pytest.raises(ValueError, match="beta"):
+        simulate(None, mu, [0.0, 1.0], sphere="SA")
+    with pytest.raises(ValueError, match="rescale"):
+        simulate(op, mu, [0.0, 1.0], rescale=torch.eye(3, dtype=D))
+    with pytest.raises(TypeError, match="op"):
+        simulate(42, mu, [0.0, 1.0])
+    with pytest.raises(ValueError, match="method"):
+        simulate(op, mu, [0.0, 1.0], method="leapfrog")
+    with pytest.raises(ValueError, match="rtol"):
+        simulate(op, mu, [0.0, 1.0], method="dopri5", rtol=-1.0)
+    with pytest.raises(ValueError, match="step"):
+        simulate(op, mu, [0.0, 1.0], step=0.0)
+    with pytest.raises(ValueError, match="d_out"):
+        simulate(SelfAttention(torch.eye(2, dtype=D), torch.ones(3, 2, dtype=D)), mu, [0.0, 1.0])
+    with pytest.raises(RuntimeError, match="did not converge"):
+        simulate(op, mu, [0.0, 10.0], method="dopri5", max_steps=2)
+
+
+# ------------------------------------------------------------------ clustering diagnostics
+def test_cluster_labels_exact_and_large_n_path_agree_within_slack():
+    rng = np.random.default_rng(0)
+    centers = np.array([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [3.0, 3.0]])
+    X = np.concatenate([c + 0.01 * rng.standard_normal((50, 2)) for c in centers])
+    lab = cluster_labels(X, 0.3)
+    assert lab.max() + 1 == 4 and (lab == np.repeat(np.arange(4), 50)).all()
+    assert (cluster_labels(X, 0.3, exact_limit=10) == lab).all()
+    # single linkage chains: points 0.9 apart on a line form one cluster at tol 1, many at tol 0.8
+    line = np.arange(10.0)[:, None] * np.array([[0.9, 0.0]])
+    assert count_clusters(line, 1.0) == 1 and count_clusters(line, 0.8) == 10
+    for tol in (0.5, 0.85, 0.95):
+        exact = count_clusters(line, tol)
+        approx = count_clusters(line, tol, exact_limit=1)
+        assert count_clusters(line, tol * 1.1) <= approx <= exact
+
+
+def test_hull_vertices_of_square_with_interior_points():
+    sq = np.array([[0, 0], [1, 0], [1, 1], [0, 1], [0.5, 0.5], [0.2, 0.7], [0.5, 0.0]], dtype=float)
+    assert list(hull_vertices(sq)) == [0, 1, 2, 3]
+    assert list(hull_vertices(np.array([[0.0, 0], [1, 1], [2, 2]]))) == [0, 2]  # collinear
+
+
+def test_w2_to_reference_matches_assignment():
+    pytest.importorskip("transport")
+    import transport
+
+    if not hasattr(transport, "w2"):
+        pytest.skip("transport.w2 not landed yet")
+    from scipy.optimize import linear_sum_assignment
+
+    op = _op(seed=141)
+    a = simulate(op, Measure(_rand(8, 2, seed=142)), [0.0, 0.5], steps=5)
+    b = simulate(op, Measure(_rand(8, 2, seed=143)), [0.0, 0.5], steps=5)
+    got = w2_to_reference(a, b)
+    for k in range(2):
+        C = torch.cdist(a.points[k], b.points[k]).numpy() ** 2
+        r, c = linear_sum_assignment(C)
+        assert got[k] == pytest.approx(math.sqrt(C[r, c].mean()), rel=1e-9)
