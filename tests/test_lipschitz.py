@@ -1,0 +1,243 @@
+"""Local Lipschitz estimators against the dense Jacobian of tests/reference.py and closed forms."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.optimize import linear_sum_assignment
+
+from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention, lipschitz_ratio, local_lipschitz
+from meanfield.lipschitz import ConvergenceError, LipschitzEstimate
+from particles import Measure
+from tests.reference import dense_lipschitz
+
+f64 = torch.float64
+METHODS = ["lanczos", "power", "dense"]
+KW = dict(tol=1e-11, max_iter=20000)
+
+
+def rand(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*shape, generator=g, dtype=f64)
+
+
+def make_op(kind, masked, d=4):
+    if kind == "single":
+        return SelfAttention(rand(d, d, seed=1), rand(3, d, seed=2), masked=masked)
+    if kind == "mha":
+        heads = [SelfAttention.from_qkv(rand(2, d, seed=10 * h + 1), rand(2, d, seed=10 * h + 2),
+                                        rand(2, d, seed=10 * h + 3), b_Q=rand(2, seed=10 * h + 4),
+                                        b_K=rand(2, seed=10 * h + 5), b_V=rand(2, seed=10 * h + 6), masked=masked)
+                 for h in range(2)]
+        return MultiHeadAttention(heads, rand(d, 4, seed=50), rand(d, seed=51))
+    return L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), rand(4, d, seed=3), masked=masked)
+
+
+def rel(a, b):
+    return abs(a - b) / abs(b)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("kind", ["single", "mha", "l2"])
+def test_estimators_match_dense_jacobian(kind, masked, method):
+    op = make_op(kind, masked)
+    X = rand(6, 4, seed=7, scale=1.5)
+    truth = dense_lipschitz(op.sequence, X)
+    est = local_lipschitz(op, X, method=method, **KW)
+    assert isinstance(est, LipschitzEstimate) and est.method == method and est.converged
+    assert rel(est.value, truth) <= 1e-8
+    # certificate: value is a lower bound, value + error an upper bound of the true constant
+    assert est.value <= truth * (1 + 1e-12) and est.value + est.error >= truth * (1 - 1e-12)
+    assert est.vector.shape == X.shape
+    assert abs(float(est.vector.norm()) - 1) < 1e-10
+    # the returned direction attains the constant: |J u| = value
+    Ju = torch.func.jvp(op.sequence, (X,), (est.vector,))[1]
+    assert rel(float(Ju.norm()), truth) <= 1e-8
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("masked", [False, True])
+def test_weighted_measure_matches_weighted_dense_jacobian(masked, method):
+    op = make_op("single", masked)
+    X = rand(5, 4, seed=3)
+    w = torch.tensor([0.05, 0.3, 0.1, 0.4, 0.15], dtype=f64)
+    pos = torch.tensor([0.1, 0.1, 0.5, 0.7, 1.0], dtype=f64)
+    mu = Measure(X, w, positions=pos if masked else None)
+    truth = dense_lipschitz(lambda Y: op._forward(Y, w.log(), pos if masked else None), X, weights=w)
+    est = local_lipschitz(op, mu, method=method, **KW)
+    assert rel(est.value, truth) <= 1e-8
+    # weights matter: the Euclidean constant at the same points is different
+    assert rel(dense_lipschitz(lambda Y: op._forward(Y, w.log(), pos if masked else None), X), truth) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["single", "mha", "l2"])
+def test_uniform_measure_equals_sequence(kind):
+    for masked in (False, True):
+        op = make_op(kind, masked)
+        X = rand(6, 4, seed=11)
+        mu = Measure.sequence(X) if masked else Measure.empirical(X)
+        a = local_lipschitz(op, X, tol=1e-11)
+        b = local_lipschitz(op, mu, tol=1e-11)
+        assert rel(b.value, a.value) <= 1e-9
+
+
+def test_duplicated_tokens_equal_two_atom_measure():
+    """MATH.md section 2: n-1 copies of one token vs the measure (1/n) delta_y + ((n-1)/n) delta_z."""
+    n, d = 8, 3
+    op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2))
+    y, z = rand(d, seed=3), rand(d, seed=4)
+    X = torch.stack([y] + [z] * (n - 1))
+    seq = local_lipschitz(op, X, tol=1e-11).value
+    two = Measure(torch.stack([y, z]), torch.tensor([1 / n, (n - 1) / n], dtype=f64))
+    two_atoms = local_lipschitz(op, two, tol=1e-11).value
+    assert rel(two_atoms, seq) <= 1e-9
+
+
+def test_batched_equals_one_by_one():
+    op = make_op("mha", masked=True)
+    X = rand(4, 6, 4, seed=5)
+    for method in METHODS:
+        batch = local_lipschitz(op, X, method=method, **KW)
+        assert isinstance(batch, list) and len(batch) == 4
+        for i in range(4):
+            single = local_lipschitz(op, X[i], method=method, **KW)
+            assert rel(batch[i].value, single.value) <= 1e-9
+            assert rel(batch[i].value, dense_lipschitz(op.sequence, X[i])) <= 1e-8
+    # an arbitrary callable is looped over the batch
+    loop = local_lipschitz(lambda Y: op.sequence(Y), X, tol=1e-11)
+    assert [round(e.value, 8) for e in loop] == [round(e.value, 8) for e in local_lipschitz(op, X, tol=1e-11)]
+
+
+def test_arbitrary_callable_like_a_hugging_face_module():
+    Wq, Wk, Wv = rand(4, 4, seed=1), rand(4, 4, seed=2), rand(4, 4, seed=3)
+    module = lambda Y: torch.softmax((Y @ Wq.T) @ (Y @ Wk.T).T / 2, -1) @ (Y @ Wv.T)
+    X = rand(5, 4, seed=4)
+    truth = dense_lipschitz(module, X)
+    for method in METHODS:
+        assert rel(local_lipschitz(module, X, method=method, **KW).value, truth) <= 1e-8
+
+
+def test_power_uses_the_tangent_not_the_primal():
+    """The pitfall of MATH.md section 4: jvp(...)[0] is f(X), not J u."""
+    op = make_op("single", masked=False)
+    X = rand(6, 4, seed=7, scale=1.5)
+    truth = dense_lipschitz(op.sequence, X)
+    u = rand(6, 4, seed=8)
+    primal, tangent = torch.func.jvp(op.sequence, (X,), (u,))
+    # on this input f(X) is far from proportional to J u, so the pitfall is detectable
+    cos = float((primal * tangent).sum() / (primal.norm() * tangent.norm()))
+    assert abs(cos) < 0.99
+    wrong = u
+    for _ in range(200):
+        w = torch.func.jvp(op.sequence, (X,), (wrong,))[0]
+        _, vjp_fn = torch.func.vjp(op.sequence, X)
+        z = vjp_fn(w)[0]
+        wrong = z / z.norm()
+    wrong_value = float(torch.func.jvp(op.sequence, (X,), (wrong,))[0].norm())
+    assert rel(wrong_value, truth) > 1e-2
+    assert rel(local_lipschitz(op, X, method="power", **KW).value, truth) <= 1e-8
+
+
+def sqrt_n_witness(R, n):
+    """Proposition 3.4, case lambda_max/8 >= -lambda_min: X = (R u, R u/2, ..., R u/2), A u = lambda_max u."""
+    A = torch.diag(torch.tensor([1.0, 0.3, -0.1], dtype=f64))
+    u = torch.tensor([1.0, 0.0, 0.0], dtype=f64)
+    return A, torch.stack([R * u] + [R * u / 2] * (n - 1)), 1.0 / 8
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_adversarial_radius_100_gives_finite_constants(masked):
+    n, R = 12, 100.0
+    A, X, gamma = sqrt_n_witness(R, n)
+    op = SelfAttention(A, torch.eye(3, dtype=f64), masked=masked)
+    for method in ("lanczos", "dense"):
+        est = local_lipschitz(op, X, method=method, tol=1e-10)
+        assert math.isfinite(est.value) and math.isfinite(est.error) and est.value > 0
+    if not masked:
+        # Proposition 3.4: Lip >= sqrt(n-1) / (1 + (n-1) exp(-2 gamma R^2)) at the witness
+        assert est.value >= math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * gamma * R**2)) * (1 - 1e-9)
+
+
+def test_moderate_radius_witness_lower_bound_and_weights_far_apart():
+    n, R = 30, 4.0
+    A, X, gamma = sqrt_n_witness(R, n)
+    op = SelfAttention(A, torch.eye(3, dtype=f64))
+    lower = math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * gamma * R**2))
+    est = local_lipschitz(op, X, tol=1e-10)
+    assert est.value >= lower * (1 - 1e-9)
+    assert rel(est.value, dense_lipschitz(op.sequence, X)) <= 1e-8
+    # two-atom measure with a tiny mass exp(-2 gamma R^2) (Proposition 3.6 family) stays finite
+    two = Measure.two_dirac(X[0], X[1], log_p=-2 * gamma * 10.0**2 * 4)
+    est2 = local_lipschitz(op, two, tol=1e-10)
+    assert math.isfinite(est2.value)
+
+
+def test_non_convergence_is_reported():
+    op = make_op("single", masked=False, d=6)
+    X = rand(10, 6, seed=2, scale=2.0)
+    with pytest.raises(ConvergenceError, match="did not reach") as info:
+        local_lipschitz(op, X, method="power", tol=1e-12, max_iter=2)
+    assert isinstance(info.value.estimate, LipschitzEstimate) and not info.value.estimate.converged
+    with pytest.warns(RuntimeWarning, match="did not reach"):
+        est = local_lipschitz(op, X, method="lanczos", tol=1e-12, max_iter=2, on_failure="warn")
+    assert not est.converged and est.error > 1e-12 * est.value
+
+
+def test_bad_inputs_name_the_argument():
+    op = make_op("single", masked=True)
+    X = rand(5, 4)
+    with pytest.raises(ValueError, match="method"):
+        local_lipschitz(op, X, method="arnoldi")
+    with pytest.raises(ValueError, match="tol"):
+        local_lipschitz(op, X, tol=0)
+    with pytest.raises(ValueError, match="on_failure"):
+        local_lipschitz(op, X, on_failure="ignore")
+    with pytest.raises(ValueError, match="max_iter"):
+        local_lipschitz(op, X, max_iter=0)
+    with pytest.raises(TypeError, match="f"):
+        local_lipschitz(42, X)
+    with pytest.raises(ValueError, match="X"):
+        local_lipschitz(op, rand(5, 3))
+    with pytest.raises(ValueError, match="X"):
+        local_lipschitz(op, rand(2, 2, 5, 4))
+    with pytest.raises(ValueError, match="positions"):
+        local_lipschitz(op, Measure(X))
+    with pytest.raises(TypeError, match="f"):
+        local_lipschitz(lambda Y: Y.detach().numpy(), X)
+    with pytest.raises(TypeError, match="op"):
+        lipschitz_ratio(lambda Y: Y, Measure(X), Measure(X))
+
+
+def w2_assignment(X, Y):
+    """W2 between two uniform n-point clouds: an assignment problem (Birkhoff)."""
+    C = torch.cdist(X, Y).numpy() ** 2
+    r, c = linear_sum_assignment(C)
+    return math.sqrt(C[r, c].mean())
+
+
+def test_lipschitz_ratio_unmasked_and_masked():
+    op = make_op("single", masked=False)
+    X, Y = rand(6, 4, seed=1), rand(6, 4, seed=2)
+    expected = w2_assignment(op.sequence(X), op.sequence(Y)) / w2_assignment(X, Y)
+    assert rel(lipschitz_ratio(op, Measure(X), Measure(Y)), expected) <= 1e-8
+    # masked: conditional W2 of two sequences is ||X - Y|| / sqrt(n)
+    opm = make_op("single", masked=True)
+    expected = float((opm.sequence(X) - opm.sequence(Y)).norm() / (X - Y).norm())
+    assert rel(lipschitz_ratio(opm, Measure.sequence(X), Measure.sequence(Y)), expected) <= 1e-8
+    # locally the ratio tends to at most the local constant, and reaches it along the top direction
+    est = local_lipschitz(opm, Measure.sequence(X), tol=1e-11)
+    r = lipschitz_ratio(opm, Measure.sequence(X), Measure.sequence(X + 1e-6 * est.vector))
+    assert rel(r, est.value) <= 1e-4 and r <= est.value * (1 + 1e-4)
+    with pytest.raises(ValueError, match="W2"):
+        lipschitz_ratio(op, Measure(X), Measure(X))
+
+
+def test_numpy_input_is_accepted():
+    op = make_op("single", masked=False)
+    X = rand(5, 4, seed=1)
+    assert rel(local_lipschitz(op, X.numpy(), tol=1e-11).value, dense_lipschitz(op.sequence, X)) <= 1e-8
+    assert np.isfinite(float(local_lipschitz(op, X)))
