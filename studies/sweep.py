@@ -1,0 +1,540 @@
+"""Sweeps: run a grid of independent tasks in-process, on a process pool or on a Dask cluster.
+
+One entry point::
+
+    from studies.sweep import run_sweep
+    res = run_sweep(fn, {"n": [8, 16, 32], "seed": [0, 1]}, "runs/sqrt_n")
+    res.rows          # one dict per task, params merged with fn's results, in grid order
+    res.to_csv("table.csv")
+
+``fn(**params) -> dict`` is a picklable top-level function. Every finished task is stored at once
+as a checksummed record, written atomically and keyed by the task's parameters and the sweep name
+(:mod:`studies.sweep_store`), so a sweep killed at any moment (SIGKILL, a lost node, Ctrl-C)
+resumes where it stopped: ``resume=True`` (the default) skips what is done, redoes what is missing
+or corrupt, and the table is the same as an uninterrupted run's. A task that raises is retried
+``retries`` times, then reported with its error (type, message, traceback) in
+``SweepResult.failures`` and on disk, without stopping the others.
+
+Backends: ``"inprocess"`` (default), ``"processes"`` (a local pool of ``n_workers`` processes
+started with forkserver/spawn, one torch thread each) and ``"dask"``: a ``dask.distributed``
+cluster given by ``scheduler`` (an address ``"tcp://host:8786"``, a ``distributed.Client``, or a
+cluster object such as dask-jobqueue's ``SLURMCluster``), or with no scheduler a
+``LocalCluster(n_workers, threads_per_worker=1, processes=True)`` started for the sweep.
+Giving ``scheduler`` implies ``backend="dask"``. See docs/sweeps.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from studies.core import _jsonable, write_csv
+from studies.sweep_store import SweepStore, atomic_write, normalize, task_key
+
+__all__ = ["run_sweep", "load_sweep", "expand_grid", "SweepResult", "TaskFailure", "add_sweep_arguments",
+           "sweep_options", "BACKENDS"]
+
+BACKENDS = ("auto", "inprocess", "processes", "dask")
+
+
+# ---------------------------------------------------------------------- results
+@dataclass
+class TaskFailure:
+    """A task that raised on every attempt (or whose worker died every time)."""
+
+    key: str
+    params: dict
+    attempts: int
+    error_type: str
+    message: str
+    traceback: str
+
+    def __str__(self) -> str:
+        return f"{self.params}: {self.error_type}: {self.message} (after {self.attempts} attempt(s))"
+
+
+@dataclass
+class SweepResult:
+    """The outcome of a sweep, read back from its verified records.
+
+    ``rows``: params merged with results, one per finished task, in grid order (independent of
+    completion order). ``failures``: tasks that failed after their retries. ``missing``: params of
+    tasks with no valid record (not run yet, or a corrupt record found by :func:`load_sweep`).
+    Counters describe the call that produced the result: ``n_resumed`` tasks were already done,
+    ``n_run`` executed now, ``n_corrupt`` records failed verification and were redone.
+    """
+
+    name: str
+    out_dir: Path
+    grid: list[dict]
+    rows: list[dict]
+    failures: list[TaskFailure] = field(default_factory=list)
+    missing: list[dict] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list, repr=False)   # full records (timings, host, attempts)
+    n_resumed: int = 0
+    n_run: int = 0
+    n_corrupt: int = 0
+    backend: str = ""
+    elapsed_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every task of the grid finished."""
+        return not self.failures and not self.missing
+
+    def raise_for_failures(self) -> SweepResult:
+        """Raise a RuntimeError listing failed and missing tasks; return self when all finished."""
+        if self.ok:
+            return self
+        lines = [str(f) for f in self.failures[:10]] + [f"{p}: not run" for p in self.missing[:10]]
+        raise RuntimeError(f"sweep {self.name!r}: {len(self.failures)} failed and {len(self.missing)} missing "
+                           f"of {len(self.grid)} tasks:\n  " + "\n  ".join(lines))
+
+    def to_csv(self, path=None) -> Path:
+        """Write ``rows`` as CSV (default ``out_dir/results.csv``), atomically."""
+        path = Path(path) if path is not None else self.out_dir / "results.csv"
+        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
+        write_csv(self.rows, tmp)
+        os.replace(tmp, path)
+        return path
+
+    def to_pandas(self):
+        import pandas as pd
+
+        return pd.DataFrame(self.rows)
+
+    def to_parquet(self, path=None) -> Path:
+        """Write ``rows`` as Parquet (default ``out_dir/results.parquet``); needs pyarrow."""
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ImportError("to_parquet needs pyarrow (pip install pyarrow); to_csv needs nothing") from None
+        path = Path(path) if path is not None else self.out_dir / "results.parquet"
+        self.to_pandas().to_parquet(path, index=False)
+        return path
+
+    def __repr__(self) -> str:
+        return (f"SweepResult(name={self.name!r}, tasks={len(self.grid)}, done={len(self.rows)}, "
+                f"failed={len(self.failures)}, missing={len(self.missing)}, out_dir={str(self.out_dir)!r})")
+
+
+# ---------------------------------------------------------------------- grid
+def expand_grid(grid) -> list[dict]:
+    """The list of parameter dicts of a grid, normalized to plain JSON values.
+
+    A dict of lists is the Cartesian product in nested-loop order: the first key varies slowest,
+    the last fastest (``{"a": [1, 2], "b": [3, 4]}`` -> a1b3, a1b4, a2b3, a2b4). A list of dicts
+    is kept as given. Tuples become lists and numpy/torch scalars Python numbers, because each
+    task's parameters are what a JSON record round-trips; fn receives exactly those values.
+    """
+    if isinstance(grid, Mapping):
+        keys = list(grid)
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(f"grid: parameter names must be strings, got {k!r}")
+            if isinstance(grid[k], (str, bytes)) or not isinstance(grid[k], Sequence):
+                raise TypeError(f"grid[{k!r}]: expected a list of values, got {type(grid[k]).__name__}")
+        tasks = [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+    elif isinstance(grid, Sequence) and not isinstance(grid, (str, bytes)):
+        tasks = list(grid)
+        for i, p in enumerate(tasks):
+            if not isinstance(p, Mapping):
+                raise TypeError(f"grid[{i}]: expected a dict of parameters, got {type(p).__name__}")
+    else:
+        raise TypeError(f"grid: expected a list of parameter dicts or a dict of lists, got {type(grid).__name__}")
+    tasks = [normalize(p, f"grid[{i}]") for i, p in enumerate(tasks)]
+    seen: dict[str, int] = {}
+    for i, p in enumerate(tasks):
+        k = task_key("", p)
+        if k in seen:
+            raise ValueError(f"grid[{i}]: same parameters as grid[{seen[k]}] ({p}); every task must be distinct")
+        seen[k] = i
+    return tasks
+
+
+# ---------------------------------------------------------------------- the task, on a worker
+def _run_task(fn, params: dict, threads: int | None) -> dict:
+    """Run one task and return its outcome; never raises on the task's own errors."""
+    torch = sys.modules.get("torch")   # only if fn's module uses it: importing torch costs seconds
+    if threads is not None and torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)  # one thread per worker: workers x threads must fit the cores
+    t0 = time.perf_counter()
+    where = {"host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        result = fn(**params)
+        if not isinstance(result, Mapping):
+            raise TypeError(f"fn must return a dict of results, returned {type(result).__name__}")
+        result = normalize(result, "result")
+        clash = sorted(set(result) & set(params))
+        if clash:
+            raise ValueError(f"fn returned keys that are also parameters: {clash}; rename them")
+        return {"status": "ok", "result": result, "elapsed_s": time.perf_counter() - t0, **where}
+    except Exception as exc:  # every task error is data for the report; KeyboardInterrupt still stops
+        return {"status": "failed", "error": _error_dict(exc), "elapsed_s": time.perf_counter() - t0, **where}
+
+
+def _error_dict(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def _worker_init() -> None:
+    # Read by torch, numpy's BLAS and OpenMP when first loaded in this worker; _run_task pins torch
+    # again in case the fork server preloaded it.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+
+
+# ---------------------------------------------------------------------- backends
+class _InProcess:
+    name = "inprocess"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def submit(self, params):
+        import concurrent.futures as cf
+
+        fut = cf.Future()
+        fut.set_result(_run_task(self.fn, params, None))
+        return fut
+
+    def window(self) -> int:
+        return 1
+
+    def wait(self, futures, timeout):
+        return [f for f in futures if f.done()]
+
+    def outcome(self, fut) -> dict:
+        return fut.result()
+
+    def running(self, inflight: int) -> int:
+        return inflight
+
+    def close(self, cancel: bool) -> None:
+        pass
+
+
+class _Pool:
+    """concurrent.futures process pool; a pool broken by a dying worker is rebuilt."""
+
+    name = "processes"
+
+    def __init__(self, fn, n_workers: int):
+        import multiprocessing as mp
+
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise TypeError(f"fn: backend='processes' needs a picklable top-level function ({exc})") from None
+        # fork would copy the parent's torch thread pools and locks; forkserver/spawn start clean.
+        if "forkserver" in mp.get_all_start_methods():
+            self.ctx = mp.get_context("forkserver")
+            module = getattr(fn, "__module__", None)
+            if module and module != "__main__":
+                # The fork server imports fn's module (and torch with it) once; every worker, and
+                # every replacement of a dead one, is then a cheap fork instead of a fresh import.
+                # No effect once this process's fork server runs; failed imports are ignored.
+                self.ctx.set_forkserver_preload(["__main__", module])
+        else:
+            self.ctx = mp.get_context("spawn")
+        self.fn, self.n_workers, self.pool, self._pool_of = fn, n_workers, None, {}
+
+    def _ensure(self):
+        if self.pool is None:
+            import concurrent.futures as cf
+
+            self.pool = cf.ProcessPoolExecutor(self.n_workers, mp_context=self.ctx, initializer=_worker_init)
+        return self.pool
+
+    def submit(self, params):
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            fut = self._ensure().submit(_run_task, self.fn, params, 1)
+        except BrokenProcessPool:   # broke since the last completed future was seen: start afresh
+            self._discard(self.pool)
+            fut = self._ensure().submit(_run_task, self.fn, params, 1)
+        self._pool_of[fut] = self.pool
+        return fut
+
+    def _discard(self, pool) -> None:
+        if pool is not None and pool is self.pool:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+    def window(self) -> int:
+        return 2 * self.n_workers
+
+    def wait(self, futures, timeout):
+        import concurrent.futures as cf
+
+        return cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED).done
+
+    def outcome(self, fut) -> dict:
+        from concurrent.futures.process import BrokenProcessPool
+
+        pool = self._pool_of.pop(fut, None)
+        try:
+            return fut.result()
+        except BrokenProcessPool as exc:
+            self._discard(pool)   # only if no replacement was started yet
+            return {"status": "failed", "error": {
+                "type": "WorkerDied", "traceback": "",
+                "message": f"a pool worker died (killed, out of memory, crashed) with this task in flight: {exc}"}}
+        except Exception as exc:  # e.g. results that fail to unpickle
+            return {"status": "failed", "error": _error_dict(exc)}
+
+    def running(self, inflight: int) -> int:
+        return min(inflight, self.n_workers)
+
+    def close(self, cancel: bool) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
+            self.pool = None
+
+
+class _Dask:
+    """A dask.distributed client; tasks on a lost worker are rescheduled by Dask itself."""
+
+    name = "dask"
+
+    def __init__(self, fn, n_workers: int, scheduler, name: str):
+        try:
+            import distributed
+        except ImportError:
+            raise ImportError("backend='dask' needs dask.distributed: pip install 'dask[distributed]'") from None
+        self.distributed, self.fn, self.prefix = distributed, fn, name.replace(" ", "_")[:40]
+        self._own_client, self._cluster, self.threads = False, None, None
+        if isinstance(scheduler, distributed.Client):
+            self.client = scheduler
+        elif scheduler is None:
+            self._cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                                                     dashboard_address=None)
+            self.client, self._own_client, self.threads = distributed.Client(self._cluster), True, 1
+        elif isinstance(scheduler, str) or hasattr(scheduler, "scheduler_address"):
+            self.client, self._own_client = distributed.Client(scheduler), True   # address or cluster object
+        else:
+            raise TypeError("scheduler: expected an address 'tcp://host:port', a distributed.Client or a cluster "
+                            f"object with a scheduler_address, got {type(scheduler).__name__}")
+        self._running, self._polled = 0, 0.0
+
+    def submit(self, params):
+        key = f"{self.prefix}-{os.urandom(6).hex()}"
+        return self.client.submit(_run_task, self.fn, params, self.threads, key=key, pure=False)
+
+    def window(self) -> int:
+        return 100_000   # the scheduler queues and balances; adaptive clusters scale on queued work
+
+    def wait(self, futures, timeout):
+        try:
+            return self.distributed.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED").done
+        except TimeoutError:
+            return []
+
+    def outcome(self, fut) -> dict:
+        try:
+            return fut.result()
+        except Exception as exc:  # KilledWorker after allowed-failures worker deaths, a lost scheduler, ...
+            return {"status": "failed", "error": _error_dict(exc)}
+
+    def running(self, inflight: int) -> int:
+        now = time.monotonic()
+        if now - self._polled > 1.0:   # one scheduler round trip per second at most
+            self._polled = now
+            try:
+                self._running = sum(len(v) for v in self.client.processing().values())
+            except Exception:
+                self._running = inflight
+        return min(self._running, inflight)
+
+    def close(self, cancel: bool) -> None:
+        if self._own_client:
+            self.client.close()
+            if self._cluster is not None:
+                self._cluster.close()
+
+
+# ---------------------------------------------------------------------- the runner
+def _validate(fn, backend, n_workers, retries, scheduler):
+    if not callable(fn):
+        raise TypeError(f"fn: expected a callable fn(**params) -> dict, got {type(fn).__name__}")
+    if backend is None:
+        backend = "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "dask" if scheduler is not None else "inprocess"
+    if scheduler is not None and backend != "dask":
+        raise ValueError(f"scheduler: given with backend={backend!r}; a scheduler means backend='dask'")
+    if isinstance(n_workers, bool) or not isinstance(n_workers, int) or n_workers < 1:
+        raise ValueError(f"n_workers: expected an integer >= 1, got {n_workers!r}")
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
+    return backend
+
+
+def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto", n_workers: int = 2,
+              scheduler=None, resume: bool = True, retries: int = 2, progress: bool = True,
+              name: str | None = None) -> SweepResult:
+    """Run ``fn(**params)`` for every task of ``grid``; store each result as it finishes.
+
+    ``grid``: a list of parameter dicts, or a dict of lists expanded as a product (first key
+    slowest, see :func:`expand_grid`). ``out_dir``: the sweep's folder (one sweep per folder).
+    ``backend``: ``"auto"`` (in-process, or Dask when ``scheduler`` is given), ``"inprocess"``,
+    ``"processes"`` (``n_workers`` local processes), ``"dask"`` (``scheduler``, or a
+    ``LocalCluster`` of ``n_workers``). ``resume``: skip tasks with a valid record; ``False``
+    deletes the folder's records first. ``retries``: extra attempts for a failing task (a task
+    whose worker dies counts an attempt too). ``name``: part of every task key (default
+    ``module.qualname`` of fn); renaming a sweep therefore starts it afresh.
+
+    Returns a :class:`SweepResult`; also writes ``results.csv`` and ``failures.json``. Failures do
+    not raise: check ``result.ok`` or call ``result.raise_for_failures()``.
+    """
+    backend = _validate(fn, backend, n_workers, retries, scheduler)
+    if name is None:
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"name: expected a non-empty string, got {name!r}")
+    tasks = expand_grid(grid)
+    keys = [task_key(name, p) for p in tasks]
+    store = SweepStore(out_dir)
+    t_start = time.perf_counter()
+    store.lock()
+    try:
+        manifest = store.read_manifest()
+        if manifest is not None and manifest.get("name") != name:
+            raise ValueError(f"name: {store.root} holds sweep {manifest.get('name')!r}, not {name!r}; "
+                             "use another out_dir (or the same name)")
+        store.write_manifest(name, tasks)
+        store.remove_temporaries()
+        if not resume:
+            store.clear()
+        found, bad = store.load(name, tasks, move_corrupt=True)
+        done = {k for k, r in found.items() if r["status"] == "ok"}
+        todo = [i for i, k in enumerate(keys) if k not in done]
+        n_run = _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries,
+                         progress, n_done=len(done))
+        result = _collect(store, name, tasks)
+        result.n_resumed, result.n_run, result.n_corrupt = len(done), n_run, len(bad)
+        result.backend, result.elapsed_s = backend, time.perf_counter() - t_start
+        result.to_csv()
+        failures = json.dumps(_jsonable([f.__dict__ for f in result.failures]), indent=1) + "\n"
+        atomic_write(store.root / "failures.json", failures.encode())
+        return result
+    finally:
+        store.unlock()
+
+
+def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, progress, n_done) -> int:
+    if not todo:
+        return 0
+    from tqdm.auto import tqdm
+
+    runner = {"inprocess": lambda: _InProcess(fn), "processes": lambda: _Pool(fn, n_workers),
+              "dask": lambda: _Dask(fn, n_workers, scheduler, name)}[backend]()
+    pending = collections.deque(todo)
+    attempts = dict.fromkeys(todo, 0)
+    inflight: dict = {}
+    n_failed = n_run = 0
+    bar = tqdm(total=len(tasks), initial=n_done, desc=name[-30:], unit="task", disable=not progress, leave=True)
+    finished = False
+    try:
+        while pending or inflight:
+            while pending and len(inflight) < runner.window():
+                i = pending.popleft()
+                attempts[i] += 1
+                inflight[runner.submit(tasks[i])] = i
+            for fut in runner.wait(list(inflight), timeout=0.5):
+                i = inflight.pop(fut)
+                out = runner.outcome(fut)
+                n_run += 1
+                if out["status"] != "ok" and attempts[i] <= retries:
+                    pending.append(i)   # to the back: a transient failure gets time to clear
+                    continue
+                payload = {"key": keys[i], "name": name, "params": tasks[i], "attempts": attempts[i],
+                           "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **out}
+                store.write(keys[i], payload)
+                if out["status"] == "ok":
+                    bar.update(1)
+                else:
+                    n_failed += 1
+            bar.set_postfix(done=bar.n, running=runner.running(len(inflight)), failed=n_failed, refresh=False)
+            bar.refresh()
+        finished = True
+    finally:
+        if not finished:
+            for fut in inflight:
+                fut.cancel()
+        runner.close(cancel=not finished)
+        bar.close()
+    return n_run
+
+
+def _collect(store: SweepStore, name: str, tasks: list[dict]) -> SweepResult:
+    found, bad = store.load(name, tasks)
+    rows, failures, missing, records = [], [], [], []
+    for p in tasks:
+        rec = found.get(task_key(name, p))
+        if rec is None:
+            missing.append(p)
+            continue
+        records.append(rec)
+        if rec["status"] == "ok":
+            rows.append({**p, **rec["result"]})
+        else:
+            err = rec.get("error") or {}
+            failures.append(TaskFailure(rec["key"], p, rec.get("attempts", 0), err.get("type", "?"),
+                                        err.get("message", ""), err.get("traceback", "")))
+    return SweepResult(name, store.root, tasks, rows, failures, missing, records, n_corrupt=len(bad))
+
+
+def load_sweep(out_dir) -> SweepResult:
+    """Read a sweep folder as it is on disk (finished, interrupted or running): verified records only.
+
+    Rows come in the grid order of the manifest; tasks without a valid record (never run, or a
+    corrupt record, counted in ``n_corrupt``) are listed in ``missing``. Nothing is written.
+    """
+    store = SweepStore(out_dir)
+    manifest = store.read_manifest()
+    if manifest is None:
+        raise ValueError(f"out_dir: {store.root} has no sweep.json; not a sweep folder")
+    return _collect(store, manifest["name"], manifest["grid"])
+
+
+# ---------------------------------------------------------------------- command line
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add --backend, --workers, --scheduler, --resume/--no-resume, --retries, --progress/--no-progress.
+
+    ``--scheduler`` defaults to the ``DASK_SCHEDULER_ADDRESS`` environment variable, so a job
+    script can point every study at a cluster without changing the command.
+    """
+    g = parser.add_argument_group("sweep execution")
+    g.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="where tasks run (auto: in-process, or dask when a scheduler is given)")
+    g.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="worker processes for --backend processes or a local dask cluster (default 2)")
+    g.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS") or None, metavar="ADDRESS",
+                   help="dask scheduler address, e.g. tcp://10.0.0.1:8786 (default $DASK_SCHEDULER_ADDRESS)")
+    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="skip tasks already stored (default); --no-resume recomputes everything")
+    g.add_argument("--retries", type=int, default=2, metavar="K", help="extra attempts for a failing task (2)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
+    return parser
+
+
+def sweep_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments of :func:`run_sweep` from arguments parsed with :func:`add_sweep_arguments`."""
+    return {"backend": args.backend, "n_workers": args.workers, "scheduler": args.scheduler,
+            "resume": args.resume, "retries": args.retries, "progress": args.progress}
