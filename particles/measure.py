@@ -51,6 +51,8 @@ class Measure:
     def __init__(self, points, weights=None, positions=None, *, log_weights=None,
                  normalize: bool = False, dtype=None, device=None):
         dtype = resolve_dtype(dtype)
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
         pts = as_tensor(points, "points", dtype=dtype, device=device)
         check_ndim(pts, "points", 2, "an (N, d) array of atoms")
         n, d = pts.shape
@@ -249,6 +251,8 @@ class Measure:
     def to(self, device=None, dtype=None) -> Measure:
         """The same measure on another device and/or dtype."""
         dtype = resolve_dtype(dtype)
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
         kw = dict(device=device, dtype=dtype)
         pos = None if self._positions is None else self._positions.to(**kw)
         return Measure._trusted(self._points.to(**kw), self._weights.to(**kw),
@@ -266,7 +270,8 @@ class Measure:
         """
         out = fn(self._points)
         if not isinstance(out, torch.Tensor):
-            out = as_tensor(out, "fn(points)")
+            # numpy results come back in the measure's own dtype, not float64
+            out = as_tensor(out, "fn(points)", dtype=self.dtype, device=self.device)
         if out.dim() != 2 or out.shape[0] != self.n:
             raise ValueError(f"fn: must map ({self.n}, d) points to ({self.n}, d') points, "
                              f"got shape {tuple(out.shape)}")
@@ -364,6 +369,9 @@ class Measure:
         Positions closer than ``atol`` count as one (their first value is reported).
         """
         pos = self._require_positions("position_marginal")
+        atol = float(atol)
+        if not atol >= 0:
+            raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
         order = torch.argsort(pos)
         p, w = pos[order], self._weights[order]
         gap = torch.diff(p) > atol
