@@ -62,10 +62,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args, names: list[str] | None) -> int:
-    from .report import default_run_dir, reproduce
-
+    previous = os.environ.get(TINY_ENV)
     if args.tiny:
         os.environ[TINY_ENV] = "1"
+    try:
+        return _run_inner(args, names)
+    finally:
+        if previous is None:
+            os.environ.pop(TINY_ENV, None)
+        else:
+            os.environ[TINY_ENV] = previous
+
+
+def _run_inner(args, names: list[str] | None) -> int:
+    from .report import default_run_dir, reproduce
+
     try:
         from .sweep import sweep_options
     except ImportError:
@@ -99,6 +110,9 @@ def main(argv=None) -> int:
             print(f"{mod:24s} FAILED TO IMPORT: {err}")
         return 0
     if args.command == "reproduce":
+        unknown = [n for n in args.only or [] if n not in registry()]
+        if unknown:
+            parser.error(f"--only: unknown study name(s) {', '.join(unknown)}; see `meanfield list`")
         return _run(args, args.only)
     return _run(args, [args.command])
 

@@ -75,7 +75,7 @@ def sample_task(n: int, d: int, seed: int, rep: int, n_ref: int) -> dict:
 
 def _grids(level: str):
     if level == "tiny":
-        return [3, 5], 1, [8, 16, 32, 64], 3, 200
+        return [3, 5], 1, [8, 16, 32, 64], 3, 256
     if level == "quick":
         return [4, 8, 16, 32], 2, [16, 32, 64, 128, 256, 512], 6, 1000
     return [4, 8, 16, 32, 64, 128], 4, [16, 32, 64, 128, 256, 512, 1024, 2048], 12, 3000

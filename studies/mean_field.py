@@ -79,7 +79,7 @@ def _lower_float(A, R, n: float) -> float:
 
 def _grids(level: str):
     if level == "tiny":
-        return 3, [1.0, 2.0, 3.0], [0.5, 1, 2, 3, 4, 6, 8], [2, 3, 5]
+        return 3, [2.0, 5.0, 8.0], [0.5, 1, 2, 3, 4, 6, 8], [2, 3, 5]
     if level == "quick":
         return 3, list(np.linspace(1.0, 8.0, 8)), list(np.arange(0.5, 15.01, 0.5)), [2, 3, 5, 9, 17, 33]
     return 5, list(np.linspace(1.0, 10.0, 19)), list(np.arange(0.25, 18.01, 0.25)), [2, 3, 5, 9, 17, 33, 65, 129]
