@@ -30,6 +30,15 @@ from tests.reference import naive_attention
 D = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These systems have a few particles: BLAS threads only spin on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _rand(*shape, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return scale * torch.randn(*shape, generator=g, dtype=D)
