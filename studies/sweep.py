@@ -176,9 +176,9 @@ def _run_task(fn, params: dict, threads: int | None) -> dict:
         if not isinstance(result, Mapping):
             raise TypeError(f"fn must return a dict of results, returned {type(result).__name__}")
         result = normalize(result, "result")
-        clash = sorted(set(result) & set(params))
-        if clash:
-            raise ValueError(f"fn returned keys that are also parameters: {clash}; rename them")
+        clash = sorted(k for k in set(result) & set(params) if result[k] != params[k])
+        if clash:   # echoing a parameter is fine; contradicting it would make the row ambiguous
+            raise ValueError(f"fn returned keys that are also parameters, with other values: {clash}; rename them")
         return {"status": "ok", "result": result, "elapsed_s": time.perf_counter() - t0, **where}
     except Exception as exc:  # every task error is data for the report; KeyboardInterrupt still stops
         return {"status": "failed", "error": _error_dict(exc), "elapsed_s": time.perf_counter() - t0, **where}

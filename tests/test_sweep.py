@@ -218,7 +218,7 @@ def test_bad_results_are_task_failures(tmp_path):
         return a
 
     def clashing(a):
-        return {"a": 1}
+        return {"a": a + 1}
 
     def unstorable(a):
         return {"obj": object()}
@@ -227,6 +227,8 @@ def test_bad_results_are_task_failures(tmp_path):
                            (unstorable, "TypeError", "result['obj']")]:
         res = run_sweep(fn, [{"a": 1}], tmp_path / fn.__name__, retries=0, progress=False)
         assert res.failures[0].error_type == kind and text in res.failures[0].message
+    echo = run_sweep(lambda a: {"a": a, "y": 1}, [{"a": 1}], tmp_path / "echo", progress=False)
+    assert echo.rows == [{"a": 1, "y": 1}]   # echoing a parameter unchanged is allowed
 
 
 def test_a_pool_worker_that_dies_is_replaced_and_its_task_retried(tmp_path):
