@@ -1,0 +1,172 @@
+"""Adversarial inputs of *How Smooth Is Attention?*: the witnesses of the lower bounds.
+
+:func:`sqrt_n_sequence`           Proposition 3.4: Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})
+:func:`two_dirac`                 Proposition 3.6: mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2}
+:func:`large_radius_configuration` Theorems 3.7 / 4.5: one token takes the attention of all,
+                                  Lip_{RX} -> ||V||_2 sqrt(n)
+:func:`zero_plus_spread`          Appendix C.7 (after Kim et al. 2021): one token at 0, the others on
+                                  the sphere of radius R; Lip grows like R^2
+
+Sequences are float64 tensors of shape (n, d) (``dtype=`` for another floating type), measures
+are :class:`particles.Measure` objects. Every configuration lies in the closed ball B_R.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from particles import Measure
+from particles.validation import check_positive_int, check_radius, resolve_dtype
+
+from .bounds import GammaInfo, _square, argmax_indices, gamma_info
+
+__all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_sequence", "two_dirac", "zero_plus_spread"]
+
+
+@dataclass(frozen=True)
+class WitnessInfo:
+    """What a witness was built from: gamma, the eigenvalue case ("max" or "min"), the unit
+    eigenvector u, and the lower-bound value it attains (Proposition 3.4) or approaches (3.6)."""
+
+    gamma: float
+    case: str
+    eigenvalue: float
+    eigenvector: np.ndarray
+    bound: float
+
+
+def _dtype(dtype) -> torch.dtype:
+    dt = resolve_dtype(dtype) or torch.float64
+    if not dt.is_floating_point:
+        raise TypeError(f"dtype: expected a floating dtype, got {dt}")
+    return dt
+
+
+def _bool(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__}")
+    return value
+
+
+def sqrt_n_sequence(A, R, n, *, return_info: bool = False, dtype=None):
+    """The witness of Proposition 3.4 (V = I_d), a tensor (n, d) in B_R^n.
+
+    With gamma, u from :func:`meanfield.bounds.gamma_info`: if lambda_max / 8 >= -lambda_min,
+    X = (R u, R u/2, ..., R u/2) with A u = lambda_max u; otherwise X = (-R u, R u, ..., R u) with
+    A u = lambda_min u. Lip_X(f) >= sqrt(n-1) / (1 + (n-1) exp(-2 gamma R^2)). A with no real
+    eigenvalue raises a ValueError. ``return_info=True`` also returns a :class:`WitnessInfo`.
+    """
+    info = gamma_info(A)
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n")
+    dt = _dtype(dtype)
+    u = torch.as_tensor(info.eigenvector, dtype=dt)
+    first, rest = (R, R / 2.0) if info.case == "max" else (-R, R)
+    X = torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0).contiguous()
+    if not _bool(return_info, "return_info"):
+        return X
+    bound = math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * info.gamma * R * R))
+    return X, _witness(info, bound)
+
+
+def _witness(info: GammaInfo, bound: float) -> WitnessInfo:
+    return WitnessInfo(info.gamma, info.case, info.eigenvalue, info.eigenvector, bound)
+
+
+def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype=None):
+    """The witness of Proposition 3.6 (V = I_d): the Measure p delta_{R u} + (1 - p) delta_{R u / 2}
+    (case "max") or p delta_{-R u} + (1 - p) delta_{R u} (case "min"), p = exp(-2 gamma R^2).
+
+    The small mass is stored as a log-weight (Measure.two_dirac(..., log_p=...)), so the measure
+    stays exact at radii where p underflows. Its mean-field Lipschitz constant (W2 sense,
+    Lemma C.5) is ~ (gamma / 2) R^2 exp(gamma R^2) as R grows. With n-1 copies of the second
+    token, the sequence of Proposition 3.4 is this family with p = 1/n (MATH.md section 2).
+    ``positions=True`` gives both atoms position 1 (a masked measure whose atoms see each other).
+    ``return_info=True`` also returns a :class:`WitnessInfo` whose ``bound`` is the asymptotic value.
+    """
+    info = gamma_info(A)
+    R = check_radius(R, "R")
+    dt = _dtype(dtype)
+    if info.gamma == 0.0:
+        raise ValueError("A: gamma(A) = 0 (every real eigenvalue is 0), so Proposition 3.6 gives no witness")
+    u = torch.as_tensor(info.eigenvector, dtype=dt)
+    x0, x1 = (R * u, R * u / 2.0) if info.case == "max" else (-R * u, R * u)
+    kw = {"positions": torch.ones(2, dtype=dt)} if _bool(positions, "positions") else {}
+    mu = Measure.two_dirac(x0, x1, log_p=-2.0 * info.gamma * R * R, dtype=dt, **kw)
+    if not _bool(return_info, "return_info"):
+        return mu
+    log_bound = math.log(info.gamma / 2.0) + 2.0 * math.log(R) + info.gamma * R * R if R > 0 else -math.inf
+    bound = math.exp(log_bound) if log_bound < 709.0 else math.inf
+    return mu, _witness(info, bound)
+
+
+def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
+    """A direction X (n, d), max_i |x_i| = R, where every token attends to the same token ``hub``:
+    m_i = argmax_j <A x_i, x_j> = hub for all i (Theorem 3.7; j <= i and hub = 0 when ``masked``,
+    Theorem 4.5). Then Lip_{tX}(f) -> ||V||_2 sqrt(n) as t -> inf, the largest large-radius limit.
+
+    Construction, with w a unit vector and q = <A w, w>: if q > 0 the others are t_k w with
+    distinct t_k in [1/2, 3/4] (the hub has t = 1); if q < 0 they have t_k in [5/4, 3/2]; if A is
+    skew-symmetric (q = 0 for every w) they are w - a_k A w / |A w| with distinct a_k in
+    [1/2, 1]. Each case makes the hub the strict, unique maximizer of every row (checked).
+    """
+    a = _square(A)
+    n = check_positive_int(n, "n")
+    R = check_radius(R, "R")
+    if _bool(masked, "masked") and hub != 0:
+        raise ValueError(f"hub: masked attention lets token 0 see only itself, so the hub must be 0, got {hub}")
+    if isinstance(hub, bool) or not isinstance(hub, int) or not 0 <= hub < n:
+        raise ValueError(f"hub: expected a token index in [0, {n}), got {hub!r}")
+    if not np.any(a):
+        raise ValueError("A: is zero, every score ties and no token can take the attention of all")
+    sym = (a + a.T) / 2.0
+    evals, evecs = np.linalg.eigh(sym)
+    k = int(np.argmax(np.abs(evals)))
+    scale = max(np.abs(evals).max(), np.linalg.norm(a, 2))
+    others = max(n - 1, 1)
+    if abs(evals[k]) > 1e-8 * scale:
+        w = evecs[:, k]
+        t = np.linspace(0.5, 0.75, others) if evals[k] > 0 else np.linspace(1.25, 1.5, others)
+        pts = t[:, None] * w[None, :]
+    else:  # skew-symmetric A: <A x, x> = 0 for every x
+        w = np.linalg.svd(a)[2][0]
+        b = a @ w
+        b = b / np.linalg.norm(b)
+        pts = w[None, :] - np.linspace(0.5, 1.0, others)[:, None] * b[None, :]
+    X = np.insert(pts[: n - 1], hub, w, axis=0)
+    X = X * (R / np.linalg.norm(X, axis=1).max()) if R > 0 else X
+    if R > 0:
+        m = argmax_indices(a, X, masked=masked)
+        if not (m == hub).all():  # pragma: no cover - the construction guarantees it
+            raise RuntimeError("large_radius_configuration: construction failed to make one hub")
+    return torch.as_tensor(X, dtype=_dtype(dtype))
+
+
+def zero_plus_spread(R, n, d, *, seed=None, dtype=None) -> torch.Tensor:
+    """Appendix C.7 (after Kim et al. 2021): token 0 at the origin, the n - 1 others at radius R.
+
+    The origin's softmax row is uniform, so its Jacobian block contains the empirical covariance of
+    the tokens (times A and V), which grows like R^2: dot-product attention is not globally
+    Lipschitz. Without ``seed`` the others are evenly spread on the circle of the first two
+    coordinates (d >= 2; +-R alternating when d = 1, centred when n - 1 is even); with ``seed``
+    they are i.i.d. uniform on the sphere of radius R.
+    """
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n", minimum=2)
+    d = check_positive_int(d, "d")
+    dt = _dtype(dtype)
+    X = torch.zeros(n, d, dtype=torch.float64)
+    if seed is not None:
+        g = torch.Generator().manual_seed(int(seed))
+        Z = torch.randn(n - 1, d, generator=g, dtype=torch.float64)
+        X[1:] = R * Z / Z.norm(dim=1, keepdim=True)
+    elif d == 1:
+        X[1:, 0] = R * torch.tensor([(-1.0) ** k for k in range(n - 1)], dtype=torch.float64)
+    else:
+        theta = 2.0 * math.pi * torch.arange(n - 1, dtype=torch.float64) / (n - 1)
+        X[1:, 0], X[1:, 1] = R * torch.cos(theta), R * torch.sin(theta)
+    return X.to(dt)

@@ -1,0 +1,374 @@
+"""The paper's bounds (meanfield.bounds) against dense Jacobians: upper bounds never below a computed
+constant, lower bounds never above, on random and adversarial inputs, masked and unmasked.
+
+Truth: the top singular value of the dense Jacobian of an independent naive attention
+(tests/reference.py), and the library's operators with ``local_lipschitz(..., method="dense")``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention, adversarial, bounds, local_lipschitz
+from tests.reference import dense_lipschitz, naive_attention
+
+F64 = torch.float64
+RTOL = 1e-9  # float64 round-off allowed when a bound is attained
+
+
+def dense_lip(f, X):
+    J = torch.autograd.functional.jacobian(f, X, vectorize=True).reshape(-1, X.numel())
+    return float(torch.linalg.matrix_norm(J, ord=2))
+
+
+def rand(*shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return scale * torch.randn(*shape, generator=g, dtype=F64)
+
+
+def ball(n, d, R, seed):
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(n, d, generator=g, dtype=F64)
+    r = torch.rand(n, 1, generator=g, dtype=F64) ** (1 / d)
+    return R * r * Z / Z.norm(dim=1, keepdim=True)
+
+
+def inputs(A, R, n, d, seed, masked):
+    """Random points in B_R^n and the adversarial configurations of meanfield.adversarial."""
+    yield "ball", ball(n, d, R, seed)
+    yield "sphere", R * rand(n, d, seed=seed + 1) / rand(n, d, seed=seed + 1).norm(dim=1, keepdim=True)
+    yield "witness", adversarial.sqrt_n_sequence(A, R, n)
+    yield "hub", adversarial.large_radius_configuration(A, n, R, masked=masked)
+    if n >= 2:
+        yield "zero_spread", adversarial.zero_plus_spread(R, n, d)
+
+
+CASES = [(2, 0.5), (8, 2.0), (30, 4.0)]
+SLOW_CASES = [(n, R) for n in (2, 50, 200) for R in (0.5, 3.0, 10.0)]
+
+
+def _check_uppers(n, R, masked, seed):
+    d = 3
+    A = rand(d, d, seed=seed, scale=0.7)
+    for V in (torch.eye(d, dtype=F64), rand(2, d, seed=seed + 7)):
+        up = bounds.sqrt_n_upper(A, V, R, n)
+        log_mf = bounds.mean_field_upper(A, V, R, log=True)
+        for name, X in inputs(A, R, n, d, seed, masked):
+            assert float(X.norm(dim=1).max()) <= R * (1 + 1e-12), name
+            L = dense_lip(lambda Y, V=V: naive_attention(Y, A, V, masked=masked), X)
+            assert L <= up, (name, L, up)
+            assert math.log(L) <= log_mf, (name, L, log_mf)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("n,R", CASES)
+def test_sqrt_n_and_mean_field_upper_hold(n, R, masked):
+    """Theorems 3.3 / 4.3 and 3.5 / 4.4 (with Lemma 3.2) never below a dense constant."""
+    _check_uppers(n, R, masked, seed=10 * n)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("n,R", SLOW_CASES)
+def test_sqrt_n_and_mean_field_upper_hold_full_grid(n, R, masked):
+    _check_uppers(n, R, masked, seed=n + int(10 * R))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_upper_bounds_with_library_operator(masked):
+    A, V = rand(4, 4, seed=1), rand(3, 4, seed=2)
+    att = SelfAttention(A, V, masked=masked)
+    for R in (1.0, 3.0):
+        X = adversarial.zero_plus_spread(R, 12, 4, seed=3)
+        est = local_lipschitz(att, X, method="dense")
+        assert est.value <= bounds.sqrt_n_upper(A, V, R, 12)
+        assert est.value <= bounds.mean_field_upper(A, V, R)
+
+
+@pytest.mark.parametrize("A", [torch.eye(3, dtype=F64), -torch.eye(3, dtype=F64), rand(3, 3, seed=5)],
+                         ids=["I", "-I", "random"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_sqrt_n_lower_attained_at_witness(A, masked):
+    """Proposition 3.4: Lip at the witness >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})."""
+    I = torch.eye(3, dtype=F64)
+    for R in (0.5, 1.0, 3.0):
+        for n in (1, 2, 10, 40):
+            X = adversarial.sqrt_n_sequence(A, R, n)
+            L = dense_lip(lambda Y: naive_attention(Y, A, I, masked=masked), X)
+            lo = bounds.sqrt_n_lower(A, R, n)
+            assert L >= lo * (1 - RTOL), (R, n, L, lo)
+            assert L <= bounds.sqrt_n_upper(A, I, R, n)
+
+
+@pytest.mark.parametrize("A,R", [(-torch.eye(3, dtype=F64), 3.0), (torch.eye(3, dtype=F64), 8.0)],
+                         ids=["min-case", "max-case"])
+def test_sqrt_n_growth_at_witness(A, R):
+    """While n << exp(2 gamma R^2) the witness constant grows like sqrt(n), and the bound is tight."""
+    I = torch.eye(3, dtype=F64)
+    ns = np.array([10, 20, 40, 80])
+    assert ns.max() < 1e-3 * math.exp(2 * bounds.gamma(A) * R * R)
+    L = np.array([dense_lip(lambda Y: naive_attention(Y, A, I), adversarial.sqrt_n_sequence(A, R, int(n)))
+                  for n in ns])
+    slope = np.polyfit(np.log(ns), np.log(L), 1)[0]
+    assert abs(slope - 0.5) < 0.03, slope
+    lows = np.array([bounds.sqrt_n_lower(A, R, int(n)) for n in ns])
+    assert np.all(L >= lows) and np.all(L <= 1.3 * lows), L / lows
+
+
+def _two_dirac_w2_lip(A, mu):
+    """Lemma C.5: ||D^{1/2} J D^{-1/2}||_2 of the 2-atom map, log-weights held fixed (naive, no library)."""
+    P, lw = mu.points.clone(), mu.log_weights
+    J = torch.autograd.functional.jacobian(lambda Y: naive_attention(Y, A, torch.eye(A.shape[0], dtype=F64),
+                                                                     log_weights=lw), P)
+    J = J.reshape(P.numel(), P.numel())
+    h = torch.repeat_interleave(lw / 2, P.shape[1])
+    # exp(h_a - h_b) rather than sqrt(a) / sqrt(b): the small mass underflows at large R
+    return float(torch.linalg.matrix_norm(J * torch.exp(h[:, None] - h[None, :]), ord=2))
+
+
+@pytest.mark.parametrize("A", [torch.eye(3, dtype=F64), -torch.eye(3, dtype=F64), rand(3, 3, seed=11)],
+                         ids=["I", "-I", "random"])
+def test_two_dirac_ratio_tends_to_one(A):
+    """Proposition 3.6: W2 constant / ((gamma/2) R^2 e^{gamma R^2}) decreases to a limit near 1."""
+    g = bounds.gamma(A)
+    radii = [R for R in (2.0, 4.0, 6.0, 8.0, 10.0) if g * R * R <= 200]
+    ratios = []
+    for R in radii:
+        mu = adversarial.two_dirac(A, R)
+        L = _two_dirac_w2_lip(A, mu)
+        ratios.append(math.exp(math.log(L) - bounds.two_dirac_lower(A, R, log=True)))
+        assert math.log(L) <= bounds.mean_field_upper(A, torch.eye(3, dtype=F64), R, log=True)
+    assert all(b < a for a, b in zip(ratios, ratios[1:])), ratios
+    assert 1.0 <= ratios[-1] <= 1.0 + 1.5 / (g * radii[-1] ** 2), ratios
+    if torch.equal(A, torch.eye(3, dtype=F64)):
+        assert ratios[-1] == pytest.approx(1.08, abs=5e-3)  # MATH.md: about 1.08 at R = 10
+
+
+def test_two_dirac_constant_with_library_matches_naive():
+    A = rand(3, 3, seed=11)
+    mu = adversarial.two_dirac(A, 6.0)
+    est = local_lipschitz(SelfAttention(A, torch.eye(3, dtype=F64)), mu, method="dense")
+    assert est.value == pytest.approx(_two_dirac_w2_lip(A, mu), rel=1e-8)
+
+
+def _check_large_radius(masked, seed, n=6, d=3):
+    A, V, X = rand(d, d, seed=seed), rand(2, d, seed=seed + 1), rand(n, d, seed=seed + 2)
+    X = X / X.norm(dim=1, keepdim=True)
+    limit = bounds.large_radius_limit(A, V, X, masked=masked)
+    m = bounds.argmax_indices(A, X, masked=masked)
+    assert limit == pytest.approx(np.linalg.norm(V.numpy(), 2) * math.sqrt(np.bincount(m).max()))
+    # the score gap delta between the best and second-best key sets the rate exp(-t^2 delta)
+    S = (X @ A.T @ X.T).numpy()
+    if masked:
+        S = np.where(np.tril(np.ones((n, n), dtype=bool)), S, -np.inf)
+    top2 = -np.sort(-S, axis=1)[:, :2]
+    delta = float(np.min(np.where(np.isfinite(top2[:, 1]), top2[:, 0] - top2[:, 1], np.inf)))
+    gaps = [abs(dense_lip(lambda Y: naive_attention(Y, A, V, masked=masked), math.sqrt(c / delta) * X) - limit)
+            for c in (4.0, 15.0, 30.0, 60.0)]
+    return gaps, limit
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_large_radius_limit_reached(masked):
+    """Theorems 3.7 / 4.5: Lip_{tX}(f) -> ||V|| sqrt(max multiplicity), exponentially fast in t^2."""
+    for seed in (0, 100):
+        gaps, limit = _check_large_radius(masked, seed)
+        assert gaps[-1] <= 1e-8 * limit, gaps
+        assert gaps[1] > gaps[2] > gaps[3], gaps
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_large_radius_hub_reaches_sqrt_n(masked):
+    A, V, n = rand(3, 3, seed=4), rand(3, 3, seed=5), 7
+    X = adversarial.large_radius_configuration(A, n, 1.0, masked=masked)
+    limit = bounds.large_radius_limit(A, V, X, masked=masked)
+    assert limit == pytest.approx(np.linalg.norm(V.numpy(), 2) * math.sqrt(n))
+    att = SelfAttention(A, V, masked=masked)
+    gap = [abs(local_lipschitz(att, t * X, method="dense").value - limit) for t in (2.0, 8.0, 40.0)]
+    assert gap[0] > gap[1] > gap[2] - 1e-12 and gap[2] <= 1e-8 * limit, gap
+
+
+def test_large_radius_limit_rejects_ties():
+    A, V = torch.eye(2, dtype=F64), torch.eye(2, dtype=F64)
+    X = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    with pytest.raises(ValueError, match="X: .*not unique"):
+        bounds.large_radius_limit(A, V, X)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_multihead_upper_holds_with_biases(masked):
+    """Lemma 3.8: ||W_O|| (sum_h Lip_h^2)^{1/2} >= dense constant of the layer (biases included)."""
+    d, k, H, n = 4, 2, 3, 6
+    heads = [(rand(d, d, seed=h), rand(k, d, seed=10 + h), rand(d, seed=20 + h)) for h in range(H)]
+    W_O, b_O = rand(d, H * k, seed=30), rand(d, seed=31)
+
+    def head(Y, A, V, c):
+        return naive_attention(Y, A, V, masked=masked, b_Q=c)
+
+    def layer(Y):
+        return torch.cat([head(Y, *p) for p in heads], dim=-1) @ W_O.T + b_O
+
+    for seed in range(3):
+        X = ball(n, d, 2.0, seed)
+        lips = [dense_lip(lambda Y, p=p: head(Y, *p), X) for p in heads]
+        assert dense_lip(layer, X) <= bounds.multihead_upper(lips, W_O) * (1 + RTOL)
+    # with the library's operators and the per-head bound of Theorem 3.3 (no query bias there)
+    ops = [SelfAttention(A, V, masked=masked) for A, V, _ in heads]
+    mha = MultiHeadAttention(ops, W_O, b_O)
+    X = ball(n, d, 2.0, 9)
+    L = local_lipschitz(mha, X, method="dense").value
+    assert L <= bounds.multihead_upper([local_lipschitz(o, X, method="dense").value for o in ops], W_O) * (1 + RTOL)
+    assert L <= bounds.multihead_upper([bounds.sqrt_n_upper(A, V, 2.0, n) for A, V, _ in heads], W_O)
+
+
+# ---------------------------------------------------------------------------- Kim et al. L2 attention
+def naive_l2(X, WQ, WV, WO):
+    """L2 multi-head attention written from MATH.md 5 (Kim et al.), independent of the library."""
+    outs = []
+    for q, v in zip(WQ, WV):
+        k = q.shape[1]
+        Y = X @ q
+        P = torch.softmax(-((Y[:, None, :] - Y[None, :, :]) ** 2).sum(-1) / math.sqrt(k), dim=-1)
+        outs.append(P @ X @ (q @ q.T / math.sqrt(k)) @ v)
+    return torch.cat(outs, dim=-1) @ WO
+
+
+def l2_params(D, H, scale, seed):
+    k = D // H
+    return ([rand(D, k, seed=seed + h, scale=scale) for h in range(H)],
+            [rand(D, k, seed=seed + 50 + h) for h in range(H)], rand(H * k, D, seed=seed + 99))
+
+
+def _jac(f, X):
+    return torch.autograd.functional.jacobian(f, X, vectorize=True).reshape(-1, X.numel())
+
+
+@pytest.mark.parametrize("N,H,scale,steps", [
+    (1, 1, 3.0, 10), (3, 2, 1.0, 10),
+    pytest.param(6, 1, 0.5, 30, marks=pytest.mark.slow), pytest.param(8, 2, 2.0, 30, marks=pytest.mark.slow)])
+def test_l2_attention_upper_holds(N, H, scale, steps):
+    """Kim et al. Thm 3.2: both forms >= the 2-norm / inf-norm of the dense Jacobian, on random inputs
+    and on inputs pushed up by gradient ascent on the Jacobian norms."""
+    WQ, WV, WO = l2_params(4, H, scale, seed=N + H)
+    b2 = bounds.l2_attention_upper(WQ, WV, WO, N)
+    binf = bounds.l2_attention_upper(WQ, WV, WO, N, norm="inf")
+    f = lambda Y: naive_l2(Y, WQ, WV, WO)
+    X = rand(N, 4, seed=7, scale=2.0).requires_grad_(True)
+    opt = torch.optim.Adam([X], lr=0.1)
+    for _ in range(steps):
+        J = torch.autograd.functional.jacobian(f, X, create_graph=True).reshape(-1, X.numel())
+        l2, linf = torch.linalg.matrix_norm(J, ord=2), J.abs().sum(1).max()
+        assert l2.item() <= b2 and linf.item() <= binf, (l2.item(), b2, linf.item(), binf)
+        opt.zero_grad()
+        (-(l2 / b2 + linf / binf)).backward()
+        opt.step()
+
+
+def test_l2_attention_upper_attained_at_one_token_and_recalled_form_false():
+    """At N = 1 the map is x -> x W_Q W_Q^T W_V W_O / sqrt(k): the fourth-power form is attained for
+    aligned weights, and the form recalled in MATH.md (||W_Q||^2 under the root) falls below it."""
+    D, k, s = 4, 2, 3.0
+    WQ = [s * torch.eye(D, k, dtype=F64)]
+    WV = [torch.eye(D, k, dtype=F64)]
+    WO = torch.eye(k, D, dtype=F64)
+    X = rand(1, D, seed=0)
+    L = dense_lip(lambda Y: naive_l2(Y, WQ, WV, WO), X)
+    assert L == pytest.approx(s * s / math.sqrt(k), rel=1e-12)
+    assert bounds.l2_attention_upper(WQ, WV, WO, 1) == pytest.approx(L, rel=1e-12)
+    recalled = 1 / math.sqrt(k) * (4 * bounds.lambert_phi_inverse(0) + 1) * s * 1.0 * 1.0
+    assert recalled < L
+
+
+def test_l2_attention_upper_with_library_operator():
+    WQ, WV, WO = l2_params(4, 2, 1.5, seed=3)
+    op = L2SelfAttention(torch.stack(WQ), torch.stack(WV), WO)
+    X = rand(5, 4, seed=4)
+    assert op.sequence(X) == pytest.approx(naive_l2(X, WQ, WV, WO), abs=1e-10)
+    assert bounds.l2_attention_upper(op, N=5) == bounds.l2_attention_upper(WQ, WV, WO, 5)
+    assert local_lipschitz(op, X, method="dense").value <= bounds.l2_attention_upper(op, N=5)
+    assert _jac(op.sequence, X).abs().sum(1).max() <= bounds.l2_attention_upper(op, N=5, norm="inf")
+
+
+def test_lambert_phi_inverse_solves_phi():
+    for x in (0.0, 1.0, 10.0, 1e6):
+        t = bounds.lambert_phi_inverse(x)
+        assert t * math.exp(t + 1) == pytest.approx(x, rel=1e-12, abs=1e-15)
+
+
+# ---------------------------------------------------------------------------- closed forms and radii
+def test_closed_form_values():
+    A, V = 2 * torch.eye(2, dtype=F64), 3 * np.eye(2)
+    assert bounds.sqrt_n_upper(A, V, 1.0, 1) == pytest.approx(math.sqrt(3) * 3 * math.sqrt(4 * 5 + 1))
+    assert bounds.mean_field_upper(A, V, 1.0) == pytest.approx(3 * 7 * math.exp(4))
+    assert bounds.multihead_upper([3.0, 4.0], 2 * np.eye(3)) == pytest.approx(10.0)
+    info = bounds.gamma_info(np.diag([8.0, -0.5]))
+    assert (info.gamma, info.case, info.eigenvalue) == (1.0, "max", 8.0)
+    info = bounds.gamma_info(np.diag([4.0, -1.0, 2.0]))
+    assert (info.gamma, info.case, info.eigenvalue) == (1.0, "min", -1.0)
+    assert bounds.gamma(np.diag([-3.0, -1.0])) == 3.0  # lambda_max < 0 does not count
+    assert bounds.gamma(np.zeros((2, 2))) == 0.0
+    # complex pair and one real eigenvalue: only the real one counts
+    rot = np.array([[0.0, -2.0, 0.0], [2.0, 0.0, 0.0], [0.0, 0.0, 4.0]])
+    info = bounds.gamma_info(rot)
+    assert info.gamma == pytest.approx(0.5) and np.allclose(np.abs(info.eigenvector), [0, 0, 1])
+    assert bounds.sqrt_n_lower(np.eye(2), 0.0, 5) == pytest.approx(2 / 5)
+    assert bounds.two_dirac_lower(np.eye(2), 2.0) == pytest.approx(1 / 16 * 4 * math.exp(0.5))
+
+
+def test_large_radii_finite_in_log_and_never_nan():
+    A, V = rand(4, 4, seed=0), rand(4, 4, seed=1)
+    for R in (0.0, 1.0, 10.0, 30.0, 100.0):
+        for fn in (bounds.mean_field_upper, lambda A_, V_, R_, **k: bounds.two_dirac_lower(A_, R_, **k)):
+            lv, v = fn(A, V, R, log=True), fn(A, V, R)
+            assert not math.isnan(lv) and not math.isnan(v)
+            assert lv < math.inf and (R == 0 or lv > -math.inf)
+            assert v == math.inf if lv > math.log(np.finfo(float).max) else v == pytest.approx(math.exp(lv))
+        for v in (bounds.sqrt_n_upper(A, V, R, 200), bounds.sqrt_n_lower(A, R, 200)):
+            assert math.isfinite(v)
+    assert bounds.sqrt_n_upper(A, V, 1e200, 3) == math.inf  # the true number exceeds the float range
+    assert bounds.mean_field_upper(A, np.zeros((4, 4)), 5.0) == 0.0
+
+
+def test_witness_at_radius_100_has_finite_constant():
+    A, I = rand(3, 3, seed=2), torch.eye(3, dtype=F64)
+    X = adversarial.sqrt_n_sequence(A, 100.0, 20)
+    L = local_lipschitz(SelfAttention(A, I), X, method="dense").value
+    assert math.isfinite(L) and L >= bounds.sqrt_n_lower(A, 100.0, 20) * (1 - RTOL)
+    assert L == pytest.approx(dense_lipschitz(lambda Y: naive_attention(Y, A, I), X), rel=1e-8)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("call,match", [
+    (lambda: bounds.sqrt_n_upper(np.eye(2), np.eye(2), -1.0, 3), "R:"),
+    (lambda: bounds.sqrt_n_upper(np.eye(2), np.eye(2), math.inf, 3), "R:"),
+    (lambda: bounds.sqrt_n_upper(np.eye(2), np.eye(2), 1.0, 0), "n:"),
+    (lambda: bounds.sqrt_n_upper(np.ones((2, 3)), np.eye(2), 1.0, 3), "A:"),
+    (lambda: bounds.sqrt_n_upper(np.eye(2), np.eye(3), 1.0, 3), "V:"),
+    (lambda: bounds.mean_field_upper(np.eye(2), [[np.nan, 0], [0, 1]], 1.0), "V:"),
+    (lambda: bounds.sqrt_n_lower(np.array([[0.0, -1.0], [1.0, 0.0]]), 1.0, 3), "A: has no real eigenvalue"),
+    (lambda: bounds.multihead_upper([1.0, -2.0], np.eye(2)), "head_lips:"),
+    (lambda: bounds.multihead_upper([], np.eye(2)), "head_lips:"),
+    (lambda: bounds.large_radius_limit(np.eye(2), np.eye(2), np.ones((3, 3))), "X:"),
+    (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((4, 2)), np.ones((3, 4)), 3), "W_O:"),
+    (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((4, 2)), None, 3, norm="fro"), "norm:"),
+    (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((5, 2)), None, 3), "W_V:"),
+    (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((4, 2)), None, 0), "N:"),
+])
+def test_bad_inputs_name_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_bad_types_name_the_argument():
+    with pytest.raises(TypeError, match="R:"):
+        bounds.sqrt_n_upper(np.eye(2), np.eye(2), "1", 3)
+    with pytest.raises(TypeError, match="n:"):
+        bounds.sqrt_n_upper(np.eye(2), np.eye(2), 1.0, 2.5)
+    with pytest.raises(TypeError, match="log:"):
+        bounds.mean_field_upper(np.eye(2), np.eye(2), 1.0, log=1)
+    with pytest.raises(TypeError, match="A:"):
+        bounds.gamma("eye")
