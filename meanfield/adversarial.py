@@ -22,7 +22,7 @@ import torch
 from particles import Measure
 from particles.validation import check_positive_int, check_radius, resolve_dtype
 
-from .bounds import GammaInfo, _square, argmax_indices, gamma_info
+from .bounds import GammaInfo, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_sequence", "two_dirac", "zero_plus_spread"]
 
@@ -69,8 +69,7 @@ def sqrt_n_sequence(A, R, n, *, return_info: bool = False, dtype=None):
     X = torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0).contiguous()
     if not _bool(return_info, "return_info"):
         return X
-    bound = math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * info.gamma * R * R))
-    return X, _witness(info, bound)
+    return X, _witness(info, sqrt_n_lower(A, R, n))
 
 
 def _witness(info: GammaInfo, bound: float) -> WitnessInfo:
@@ -99,9 +98,7 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
     mu = Measure.two_dirac(x0, x1, log_p=-2.0 * info.gamma * R * R, dtype=dt, **kw)
     if not _bool(return_info, "return_info"):
         return mu
-    log_bound = math.log(info.gamma / 2.0) + 2.0 * math.log(R) + info.gamma * R * R if R > 0 else -math.inf
-    bound = math.exp(log_bound) if log_bound < 709.0 else math.inf
-    return mu, _witness(info, bound)
+    return mu, _witness(info, two_dirac_lower(A, R))
 
 
 def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
@@ -117,6 +114,8 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
     a = _square(A)
     n = check_positive_int(n, "n")
     R = check_radius(R, "R")
+    if R == 0:
+        raise ValueError("R: expected a positive radius (at R = 0 every score ties and no token is a hub)")
     if _bool(masked, "masked") and hub != 0:
         raise ValueError(f"hub: masked attention lets token 0 see only itself, so the hub must be 0, got {hub}")
     if isinstance(hub, bool) or not isinstance(hub, int) or not 0 <= hub < n:
@@ -138,11 +137,9 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
         b = b / np.linalg.norm(b)
         pts = w[None, :] - np.linspace(0.5, 1.0, others)[:, None] * b[None, :]
     X = np.insert(pts[: n - 1], hub, w, axis=0)
-    X = X * (R / np.linalg.norm(X, axis=1).max()) if R > 0 else X
-    if R > 0:
-        m = argmax_indices(a, X, masked=masked)
-        if not (m == hub).all():  # pragma: no cover - the construction guarantees it
-            raise RuntimeError("large_radius_configuration: construction failed to make one hub")
+    X = X * (R / np.linalg.norm(X, axis=1).max())
+    if not (argmax_indices(a, X, masked=masked) == hub).all():  # pragma: no cover - guaranteed by construction
+        raise RuntimeError("large_radius_configuration: construction failed to make one hub")
     return torch.as_tensor(X, dtype=_dtype(dtype))
 
 

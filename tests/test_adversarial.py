@@ -125,6 +125,8 @@ def test_large_radius_configuration_errors():
         adversarial.large_radius_configuration(np.eye(2), 4, hub=4)
     with pytest.raises(ValueError, match="A:"):
         adversarial.large_radius_configuration(np.zeros((2, 2)), 4)
+    with pytest.raises(ValueError, match="R:"):
+        adversarial.large_radius_configuration(np.eye(2), 4, 0.0)
 
 
 # ---------------------------------------------------------------------------- Appendix C.7
