@@ -76,6 +76,8 @@ def l2_attention(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
 
     big = [r for r in rows_R if r["R"] >= 7.99]  # the other rows' softmax has saturated: the R^2 regime
     fit = fit_loglog([r["R"] for r in big], [r["lip_dot"] for r in big])
+    c_last, c_prev = (r["lip_dot"] / r["R"] ** 2 for r in (rows_R[-1], rows_R[-2]))
+    quad_change = abs(c_last / c_prev - 1)
     allrows = rows_R + rows_n
     viol = [r for r in allrows if r["lip_l2"] - r["lip_l2_error"] > r["kim_bound"] * (1 + 1e-12)]
     l2_max = max(r["lip_l2"] for r in rows_R)
@@ -86,8 +88,7 @@ def l2_attention(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     RR = np.array([r["R"] for r in rows_R])
     P.measured(ax, RR, [r["lip_dot"] for r in rows_R], "dot-product attention")
     P.measured(ax, RR, [r["lip_l2"] for r in rows_R], "L2 attention (tied W_Q)", color=P.COLORS[1])
-    P.theory(ax, RR, np.exp(fit["intercept"]) * RR ** fit["slope"], f"fit R^{fit['slope']:.2f} (large R)",
-             color=P.COLORS[0], kind="limit")
+    P.theory(ax, RR, c_last * RR**2, f"{c_last:.3g} R^2", color=P.COLORS[0], kind="limit")
     P.theory(ax, RR, [bound_R] * len(RR), f"Kim et al. Thm 3.2 bound (N={n_R})", color="k")
     P.finish(ax, "radius R", "local Lipschitz constant", f"one token at 0, {n_R - 1} at radius R, d={d}",
              logx=True, logy=True)
@@ -106,8 +107,12 @@ def l2_attention(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
 
     claims = [
         Claim("dot-product attention is not globally Lipschitz: Lip grows like R^2 (zero plus spread)",
-              "log-log slope 2", f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] for R >= "
-              f"{big[0]['R']:.3g}", abs(fit["slope"] - 2) <= 0.15, "agrees if |slope - 2| <= 0.15"),
+              "Lip / R^2 -> constant > 0",
+              f"Lip / R^2 = {c_prev:.4g} -> {c_last:.4g} at R = {rows_R[-2]['R']:.3g}, {rows_R[-1]['R']:.3g} "
+              f"(change {quad_change:.1%}); log-log slope {fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}] "
+              f"for R >= {big[0]['R']:.3g}", quad_change <= 0.05,
+              "agrees if Lip / R^2 changes by at most 5% between the two largest radii; the slope fit includes "
+              "the pre-asymptotic range where other rows' softmax is not yet saturated"),
         Claim("L2 attention stays bounded in R", f"<= Kim bound {bound_R:.4g}",
               f"max over R = {l2_max:.4g} (dot-product reaches {max(r['lip_dot'] for r in rows_R):.4g})",
               l2_max <= bound_R),

@@ -83,7 +83,7 @@ def _grids(level: str):
     if level == "tiny":
         return 3, 6, [1.0, 1e-3], 2, [4, 8], 1
     if level == "quick":
-        return 3, 12, [1.0, 0.3, 0.1, 1e-2, 1e-3, 1e-4], 4, [4, 8, 16, 32, 64], 3
+        return 3, 12, [1.0, 0.1, 1e-2, 1e-3, 1e-4], 3, [4, 8, 16, 32, 64], 2
     return 4, 24, list(np.geomspace(1.0, 1e-5, 11)), 8, [4, 8, 16, 32, 64, 128, 256], 8
 
 

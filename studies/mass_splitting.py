@@ -72,7 +72,7 @@ def _grids(level: str):
     if level == "tiny":
         return 5, [0.25, 0.5], 5, [0.25, 0.5, 0.75], 10
     if level == "quick":
-        return 25, [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95], 21, list(np.linspace(0.05, 0.95, 19)), 200
+        return 21, [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95], 17, list(np.linspace(0.05, 0.95, 19)), 100
     return 61, list(np.round(np.linspace(0.025, 0.975, 39), 4)), 41, list(np.linspace(0.02, 0.98, 49)), 1000
 
 

@@ -38,7 +38,7 @@ def figure(ncols: int = 1, nrows: int = 1, width: float | None = None, height: f
     """A new figure with the report's style; returns (fig, axes) (axes flattened when several)."""
     with plt.rc_context(_RC):
         fig, axes = plt.subplots(nrows, ncols, figsize=(width or 5.2 * ncols, height or 4.0 * nrows),
-                                 squeeze=False)
+                                 squeeze=False, layout="constrained")
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.spines["top"].set_visible(False)
@@ -68,10 +68,15 @@ def finish(ax, xlabel: str, ylabel: str, title: str = "", *, logx: bool = False,
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title)
+    from matplotlib.ticker import NullFormatter
+
+    # minor tick labels of short log ranges overlap: label decades only
     if logx:
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())
     if logy:
         ax.set_yscale("log")
+        ax.yaxis.set_minor_formatter(NullFormatter())
     if legend and ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")
     return ax
@@ -83,7 +88,8 @@ def heatmap(ax, x: Sequence[float], y: Sequence[float], Z, *, xlabel: str, ylabe
     Z = np.asarray(Z, float)
     kw = {}
     if center is not None:
-        span = max(float(np.nanmax(np.abs(Z - center))), 1e-12)
+        # a floor on the colour range: values within 1% of the centre read as "no effect"
+        span = max(float(np.nanmax(np.abs(Z - center))), 0.01 * max(abs(center), 1.0))
         kw = {"cmap": "RdBu_r", "vmin": center - span, "vmax": center + span}
     mesh = ax.pcolormesh(np.asarray(x, float), np.asarray(y, float), Z, shading="nearest", **kw)
     cb = (fig or ax.figure).colorbar(mesh, ax=ax)

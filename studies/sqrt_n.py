@@ -81,7 +81,7 @@ def _grid(level: str):
     if level == "tiny":
         return 3, [2, 4, 8, 16], 1
     if level == "quick":
-        return 5, [2, 4, 8, 16, 32, 64, 128, 256], 2
+        return 5, [2, 4, 8, 16, 32, 64, 128], 1
     return 7, [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], 4
 
 
