@@ -13,7 +13,7 @@ Which method up to which size (N = M atoms; figures in benchmarks/transport.md):
   memory, superquadratic time). "auto" uses it while N * M <= 4e6.
 * "sinkhorn": dense N x M matrices, N up to ~5000 (memory 8 N M bytes per matrix in float64).
 * "streaming": N from ~10^3 to 10^5 on CPU (time O(N M) per iteration, memory O(N + M)),
-  10^6 on a GPU. "auto" switches to it above 4e6 pairs, with reg = (0.01 * diameter)^2 unless
+  10^6 on a GPU. "auto" switches to it above 4e6 pairs, with reg = (0.05 * diameter)^2 unless
   given.
 
 Entropic values: debias=True (default) reports sqrt of the Sinkhorn divergence
