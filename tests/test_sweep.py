@@ -272,6 +272,19 @@ def test_localcluster_survives_a_killed_worker(tmp_path):
     assert len(_records(tmp_path / "s")) == 6
 
 
+@pytest.mark.slow
+def test_dask_scheduler_as_address_client_or_cluster_object(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    grid = {"n": [3, 4], "seed": [0, 1]}
+    truth = [{**p, **seeded_norm(**p)} for p in expand_grid(grid)]
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
+        with distributed.Client(cl) as client:
+            for i, sched in enumerate([cl.scheduler_address, client, cl]):
+                res = run_sweep(seeded_norm, grid, tmp_path / str(i), scheduler=sched, progress=False)
+                assert res.backend == "dask" and res.rows == truth
+            assert client.status == "running"   # a client given by the user is left open
+
+
 def test_same_grid_and_seed_same_table_on_every_backend(tmp_path):
     grid = {"n": [3, 5], "seed": [0, 1, 2]}
     truth = [{**p, **seeded_norm(**p)} for p in expand_grid(grid)]
