@@ -45,28 +45,37 @@ def _blocks(size: int, block: int):
 
 
 def _live_tiles(qp, kp, m, n, bq, bk):
-    """For each query block, the key blocks holding at least one visible key (None: all of them).
+    """For each query block, the pairs (key block, needs a mask) of key blocks with a visible key.
 
     A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
-    it changes no result; for a causal sequence this halves the work. Positions hidden behind a
-    torch.func transform cannot be read: then every tile is visited.
+    it changes no result; a tile whose keys all come before all its queries needs no mask. For a
+    causal sequence this halves the work. Positions hidden behind a torch.func transform cannot be
+    read: then every tile is visited and masked (None).
     """
     if qp is None:
         return None
     try:
-        q_hi = [float(qp[..., i0:i1].max()) for i0, i1 in _blocks(m, bq)]
-        k_lo = [float(kp[..., j0:j1].min()) for j0, j1 in _blocks(n, bk)]
+        q_lo_hi = [(float(qp[..., i0:i1].min()), float(qp[..., i0:i1].max())) for i0, i1 in _blocks(m, bq)]
+        k_lo_hi = [(float(kp[..., j0:j1].min()), float(kp[..., j0:j1].max())) for j0, j1 in _blocks(n, bk)]
     except RuntimeError:
         return None
-    return tuple(tuple(b for b, lo in enumerate(k_lo) if lo <= hi) for hi in q_hi)
+    return tuple(
+        tuple((b, not k_hi <= q_lo) for b, (k_lo, k_hi) in enumerate(k_lo_hi) if k_lo <= q_hi)
+        for q_lo, q_hi in q_lo_hi
+    )
 
 
-def _scores(q, k, lw, qp, kp, i0, i1, j0, j1):
+def _visit(tiles, a, count):
+    """The (key block, needs a mask) pairs to visit for query block ``a``."""
+    return [(b, True) for b in range(count)] if tiles is None else tiles[a]
+
+
+def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
     """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
     s = q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
     if lw is not None:
         s = s + lw[..., None, j0:j1]
-    if qp is not None:
+    if qp is not None and mask:
         visible = kp[..., None, j0:j1] <= qp[..., i0:i1, None]
         s = s.masked_fill(~visible, float("-inf"))
     return s
@@ -85,8 +94,9 @@ def _forward(q, k, v, lw, qp, kp, bq, bk, tiles=None):
     outs, lses = [], []
     for a, (i0, i1) in enumerate(_blocks(m, bq)):
         run_max = run_sum = acc = None
-        for j0, j1 in kb if tiles is None else [kb[b] for b in tiles[a]]:
-            s = _scores(q, k, lw, qp, kp, i0, i1, j0, j1)
+        for b, mask in _visit(tiles, a, len(kb)):
+            j0, j1 = kb[b]
+            s = _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask)
             tile_max = s.amax(dim=-1, keepdim=True)
             new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
             # a row whose keys are all masked so far has max -inf: shift by 0 to avoid -inf - -inf
@@ -127,9 +137,9 @@ def _backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, bq, bk, tiles, need):
         if g_lse is not None:
             # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
             delta = delta - g_lse[..., i0:i1, None]
-        for b in range(len(kb)) if tiles is None else tiles[a]:
+        for b, mask in _visit(tiles, a, len(kb)):
             j0, j1 = kb[b]
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1), lse[..., i0:i1])
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
             if need[2]:
                 dv[b] = add(dv[b], p.transpose(-1, -2) @ go)
             if not (need[0] or need[1] or need[3]):
@@ -162,8 +172,9 @@ def _jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, bq, bk, tiles=None):
     d_outs, d_lses = [], []
     for a, (i0, i1) in enumerate(_blocks(m, bq)):
         acc = mean_ds = None
-        for j0, j1 in kb if tiles is None else [kb[b] for b in tiles[a]]:
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1), lse[..., i0:i1])
+        for b, mask in _visit(tiles, a, len(kb)):
+            j0, j1 = kb[b]
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
             ds = None
             if tq is not None:
                 ds = tq[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
