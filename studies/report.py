@@ -158,6 +158,12 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
     lines += [f"Seed {config['seed']}, grids: {config['grid']}, Python {config['python']}, torch {config['torch']} "
               f"({config['device']}), smooth-attention {pk.get('smooth-attention')}. "
               "Every parameter is in `config.json`; every number in the CSV files next to the figures.", ""]
+    cmd = config.get("command")
+    if isinstance(cmd, (list, tuple)) and cmd:
+        words = [str(w) for w in cmd]
+        if words[0].endswith("meanfield"):  # the console script's full path is machine-specific
+            words[0] = "meanfield"
+        lines += [f"Command: `{' '.join(words)}`", ""]
     n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
     lines += [f"**{n_ok} of {len(summary['studies'])} studies ran; "
               f"{summary['n_claims'] - len(summary['disagreeing_claims'])} of {summary['n_claims']} claims agree.**",
