@@ -110,7 +110,7 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
 
     out, _, models = run
     rows = read_csv(out / "adversarial.csv")
-    assert {r["radius"] for r in rows} == {"real", "regime"}
+    assert {r["radius"] for r in rows} == {"real", "scaled"}  # tiny random heads: gamma R^2 small at real radius
     for r in rows:
         n, R = r["n"], r["R"]
         assert r["lower"] == pytest.approx(math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * r["gamma"] * R * R)),
@@ -179,3 +179,27 @@ def test_head_gamma_and_norms_on_random_heads(seed):
         assert v[h] == pytest.approx(float(torch.linalg.matrix_norm(torch.cat([p.V[h], p.b_V[h][:, None]], 1), 2)),
                                      rel=1e-12)
         assert w == pytest.approx(float(torch.linalg.matrix_norm(p.W_O, 2)), rel=1e-12)
+
+
+def test_local_checkpoint_with_its_own_tokenizer(tmp_path, monkeypatch):
+    """$SMOOTH_ATTENTION_CHECKPOINTS adds a local checkpoint (weights + its own tokenizer, here a
+    word-level tokenizer saved with transformers) to the study, labelled as pretrained."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    ck = tmp_path / "my-gpt2"
+    hf.random_model("gpt2", size="tiny", seed=5).save_pretrained(ck)
+    words = sorted(set(hf.default_corpus().lower().split()))[:500]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(ck)
+    monkeypatch.setenv(rm.CHECKPOINT_ENV, str(ck))
+    label, model, tok, provenance = list(rm._models(rm._grid("tiny"), 0))[-1]
+    assert label == "gpt2:my-gpt2" and provenance.startswith("pretrained") and not isinstance(tok, hf.HashTokenizer)
+    text = hf.default_corpus()
+    res = rm.analyze_model(label, model, tok, text, layers=[1], ns=[4, 8, 16], reps=1, adv_ns=[4])
+    r = next(r for r in res["lipschitz"] if r["n"] == 8 and r["model_mask"])
+    ids = torch.tensor([tok(text)["input_ids"][:8]])
+    X = hf.capture_attention_inputs(model, ids, [1])[1]
+    truth = dense_lipschitz(reimplementation(model, 1, True), X)
+    assert abs(r["lip"] - truth) <= r["lip_error"] + 1e-9 * truth
