@@ -18,8 +18,16 @@ CASES = [("gpt2", False), ("bert", False), ("bert", True)]  # (kind, is_decoder)
 N = 9
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small problems on a shared 2-core machine: threads only contend
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
-def models():
+def models(one_thread):
     return {(k, dec): hf.random_model(k, size="tiny", is_decoder=dec, seed=3) for k, dec in CASES}
 
 
