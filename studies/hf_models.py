@@ -73,13 +73,14 @@ def tiny_config(kind: str, *, is_decoder: bool = False, **overrides):
 
 
 def random_model(kind: str = "gpt2", *, size: str = "full", is_decoder: bool = False, seed: int = 0,
-                 dtype: torch.dtype = torch.float64, **overrides):
+                 dtype: torch.dtype = torch.float64, device=None, **overrides):
     """A randomly initialized ``GPT2Model`` / ``BertModel`` (eval mode, eager attention).
 
     ``size="full"`` uses the config defaults (``gpt2``: d = 768, 12 layers, 12 heads, 1024
     positions; ``bert-base``: d = 768, 12 layers, 12 heads, 512 positions); ``size="tiny"`` the
     shapes of :func:`tiny_config`. ``is_decoder=True`` makes BERT causal (BERT as a decoder).
-    Weights follow the library's own initializer under ``torch.manual_seed(seed)``.
+    Weights follow the library's own initializer under ``torch.manual_seed(seed)`` (on the CPU,
+    then moved to ``device``, so a seed gives the same weights everywhere).
     """
     from transformers import BertModel, GPT2Model
 
@@ -93,7 +94,7 @@ def random_model(kind: str = "gpt2", *, size: str = "full", is_decoder: bool = F
         model = cls(cfg) if kind == "gpt2" else cls(cfg, add_pooling_layer=False)
     finally:
         torch.random.set_rng_state(state)
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def _hub_reachable(timeout: float = 2.0) -> bool:
@@ -112,16 +113,17 @@ def _offline(local_files_only) -> bool:
     return not _hub_reachable()
 
 
-def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float64, is_decoder=None,
-               local_files_only: bool | None = None):
+def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float64, device=None,
+               is_decoder=None, local_files_only: bool | None = None):
     """``AutoModel.from_pretrained`` for a GPT-2 or BERT checkpoint, ready for analysis.
 
     ``name_or_path``: a local directory (config.json + weights) or a hub name. Loaded with
     ``attn_implementation="eager"``, ``use_safetensors`` when the directory has safetensors
     weights, never ``trust_remote_code``; converted to ``dtype``; eval mode. ``is_decoder=True``
-    loads BERT as a causal decoder. The hub is used only when reachable and ``HF_HUB_OFFLINE`` is
-    unset (``local_files_only`` overrides the detection); otherwise only local files and the cache
-    are tried, and a missing model raises :class:`ModelNotAvailableError` saying what was missing.
+    loads BERT as a causal decoder; ``device`` places the model (CPU by default). The hub is used
+    only when reachable and ``HF_HUB_OFFLINE`` is unset (``local_files_only`` overrides the
+    detection); otherwise only local files and the cache are tried, and a missing model raises
+    :class:`ModelNotAvailableError` saying what was missing.
     """
     from transformers import AutoConfig, AutoModel
 
@@ -160,7 +162,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except OSError as exc:
         raise ModelNotAvailableError(f"name_or_path: weights of {str(name_or_path)!r} not available "
                                      f"({exc})") from exc
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):

@@ -67,13 +67,14 @@ def head_gamma(p: hf.LayerParameters, h: int) -> dict:
     u = p.K[h].T.cpu().numpy() @ w
     u = u / np.linalg.norm(u)
     u = u if u[int(np.argmax(np.abs(u)))] > 0 else -u
-    return {"gamma": max(t_max, t_min), "case": case, "eigenvalue": lam_c, "u": torch.as_tensor(u, dtype=p.Q.dtype),
+    return {"gamma": max(t_max, t_min), "case": case, "eigenvalue": lam_c,
+            "u": torch.as_tensor(u, dtype=p.Q.dtype, device=p.Q.device),
             "lambda_max": l_max, "lambda_min": l_min}
 
 
 def witness(info: dict, R: float, n: int) -> torch.Tensor:
     """Proposition 3.4's sequence: (R u, R u/2, ..., R u/2) (case max) or (-R u, R u, ..., R u)."""
-    u = info["u"]
+    u = info["u"]  # same dtype and device as the layer's parameters
     first, rest = (R, R / 2) if info["case"] == "max" else (-R, R)
     return torch.cat([first * u[None], (rest * u)[None].expand(n - 1, -1)])
 
@@ -116,9 +117,11 @@ def _models(g: dict, seed: int):
     for label, kind, dec in specs:
         m = hf.random_model(kind, size=g["size"], is_decoder=dec, seed=seed)
         yield label, m, hf.HashTokenizer(m.config.vocab_size), f"random init ({g['size']}, seed {seed})"
+        del m  # one full-size model in memory at a time (about 1 GB in float64)
     for path in filter(None, os.environ.get(CHECKPOINT_ENV, "").split(os.pathsep)):
         m = hf.load_model(path)
         yield f"{hf.model_kind(m)}:{Path(path).name}", m, hf.load_tokenizer(path), f"pretrained ({path})"
+        del m
 
 
 def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, tol=TOL) -> dict:
@@ -162,7 +165,7 @@ def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, to
         if infos[h]["u"] is None:
             continue
         d = xs[i].shape[1]
-        head = SelfAttention(params[i].A(h), torch.eye(d, dtype=params[i].Q.dtype))
+        head = SelfAttention(params[i].A(h), torch.eye(d, dtype=params[i].Q.dtype, device=params[i].Q.device))
         f = hf.attention_function(model, i)
         gam = infos[h]["gamma"]
         adv = [n for n in adv_ns if n <= max_pos]
