@@ -382,9 +382,9 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
         per = p.applications
         for i in range(Xb.shape[0]):
             results.append(LipschitzEstimate(
-                value=float(value[i]), vector=_canonical_sign(u[i].detach()), error=float(err[i]),
+                value=float(value[i].detach()), vector=_canonical_sign(u[i].detach()), error=float(err[i].detach()),
                 iterations=int(it), method=method, converged=bool(done[i]), applications=int(per),
-                residual=float(r[i])))
+                residual=float(r[i].detach())))
     failed = [e for e in results if not e.converged]
     if failed:
         worst = max(failed, key=lambda e: e.error / max(e.value, 1e-300))
