@@ -106,7 +106,7 @@ def _grid(level: str) -> dict:
     if level == "quick":
         return dict(size="full", layers="ends", ns=[8, 16, 32, 64, 128], reps=1, adv_ns=[2, 4, 8, 16, 32, 64, 128],
                     decoder=False)
-    return dict(size="full", layers=None, ns=[8, 16, 32, 64, 128, 256, 512], reps=3,
+    return dict(size="full", layers=None, ns=[8, 16, 32, 64, 128, 256, 512], reps=2,
                 adv_ns=[2, 4, 8, 16, 32, 64, 128, 256, 512], decoder=True)
 
 
