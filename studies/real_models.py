@@ -284,10 +284,14 @@ def plot_all(out_dir: Path, tables: dict, fits: list) -> list[str]:
 
 
 def _plain_ticks(ax):
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    """Readable numbers on log axes, also when y spans less than a decade (no major tick there)."""
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter, ScalarFormatter
 
     ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.xaxis.set_minor_formatter(NullFormatter())
+    if ax.get_yscale() == "log":
+        lo, hi = ax.get_ylim()
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g") if hi / lo < 10 else NullFormatter())
 
 
 def _fits(rows, keys, x, y, min_points=3, min_x=0):
