@@ -108,7 +108,11 @@ class SweepResult:
         return path
 
     def to_pandas(self):
-        import pandas as pd
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("to_pandas needs pandas (pip install 'smooth-attention[distributed]'); "
+                              "to_csv needs nothing") from None
 
         return pd.DataFrame(self.rows)
 
