@@ -347,7 +347,12 @@ class MultiHeadAttention(_AttentionOperator):
         bVs = None
         if any(h._bV is not None for h in self.heads):
             bVs = torch.cat([h._bV if h._bV is not None else torch.zeros_like(h._V[:, 0]) for h in self.heads])
-        return Qs, Ks, Vs, cs, bVs
+        # one (rows, d) matrix for queries, keys, values and key-bias scores of every head: a single GEMM
+        # per call is several times faster on CPU than per-projection einsums over a head axis
+        blocks = [Qs.flatten(0, 1)] + ([] if Ks is None else [Ks.flatten(0, 1)]) + [Vs.flatten(0, 1)]
+        blocks += [] if cs is None else [cs]
+        fused = torch.cat(blocks)
+        return Qs, Ks, Vs, cs, bVs, fused
 
     @property
     def W_O(self) -> torch.Tensor:
@@ -386,14 +391,26 @@ class MultiHeadAttention(_AttentionOperator):
             outs = [h._apply(xq, xk, log_weights, q_pos, k_pos) for h in self.heads]
             concat = torch.cat(outs, dim=-1)
         else:
-            Qs, Ks, Vs, cs, bVs = self._stack
-            # (..., H, m, k): the head axis sits before the token axis so attend batches over it
-            q = torch.einsum("...md,hkd->...hmk", xq, Qs)
-            k = xk.unsqueeze(-3) if Ks is None else torch.einsum("...nd,hkd->...hnk", xk, Ks)
-            v = torch.einsum("...nd,hkd->...hnk", xk, Vs)
+            Qs, Ks, Vs, cs, bVs, fused = self._stack
+            H, kq, kv = Qs.shape[0], Qs.shape[1], Vs.shape[1]
+
+            def heads(t, size):  # (..., n, H * size) -> (..., H, n, size): attend batches over heads
+                return t.unflatten(-1, (H, size)).transpose(-3, -2)
+
+            if xq is xk:
+                proj = xk @ fused.T
+                q, rest = proj[..., : H * kq], proj[..., H * kq:]
+            else:
+                q, rest = xq @ fused[: H * kq].T, xk @ fused[H * kq:].T
+            q = heads(q, kq)
+            if Ks is None:
+                k = xk.unsqueeze(-3)
+            else:
+                k, rest = heads(rest[..., : H * kq], kq), rest[..., H * kq:]
+            v = heads(rest[..., : H * kv], kv)
             lw = None if log_weights is None else log_weights.unsqueeze(-2)
             if cs is not None:
-                ck = torch.einsum("...nd,hd->...hn", xk, cs)
+                ck = rest[..., H * kv:].transpose(-1, -2)  # (..., H, n): <c_h, x_j>
                 lw = ck if lw is None else lw + ck
             qp = None if q_pos is None else q_pos.unsqueeze(-2)
             kp = None if k_pos is None else k_pos.unsqueeze(-2)
