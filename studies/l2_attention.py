@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from particles import Measure
+
 from . import plotting as P
 from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
 from .sqrt_n import fit_loglog
@@ -39,9 +41,7 @@ def l2_task(kind: str, R: float, n: int, d: int, seed: int, rep: int = 0) -> dic
     if kind == "spread":
         X = adversarial.zero_plus_spread(R, n, d, seed=seed * 1000 + rep)
     elif kind == "random":
-        g = torch.Generator().manual_seed(int(seed) * 1000 + 13 * n + rep)
-        Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-        X = R * Z / Z.norm(dim=1, keepdim=True)
+        X = Measure.sphere(n, d, R, seed=int(seed) * 1000 + 13 * n + rep).points
     else:
         raise ValueError(f"kind: expected 'spread' or 'random', got {kind!r}")
     k = W_Q.shape[1]

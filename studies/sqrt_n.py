@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from particles import Measure
+
 from . import plotting as P
 from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
 
@@ -64,9 +66,7 @@ def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int,
     if kind == "adversarial":
         X = adversarial.sqrt_n_sequence(A, R, n)
     elif kind == "random":
-        g = torch.Generator().manual_seed(int(seed) * 1000003 + 7919 * n + rep)
-        Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-        X = R * Z / Z.norm(dim=1, keepdim=True)
+        X = Measure.sphere(n, d, R, seed=int(seed) * 1000003 + 7919 * n + rep).points
     else:
         raise ValueError(f"kind: expected 'random' or 'adversarial', got {kind!r}")
     att = SelfAttention(A, V, masked=masked)

@@ -18,12 +18,7 @@ CASES = [("gpt2", False), ("bert", False), ("bert", True)]  # (kind, is_decoder)
 N = 9
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # small problems on a shared 2-core machine: threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small problems: threads only contend
 
 
 @pytest.fixture(scope="module")

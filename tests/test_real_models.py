@@ -18,13 +18,7 @@ from studies.core import read_csv
 from tests.reference import naive_attention
 from tests.test_hf_models import dense_lipschitz, reimplementation
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # small problems on a shared 2-core machine: threads only contend
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # small problems: threads only contend
 
 
 @pytest.fixture(scope="module")
