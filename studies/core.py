@@ -10,10 +10,13 @@ collects every registered study; the command line exposes each as a subcommand.
 from __future__ import annotations
 
 import csv
+import functools
+import hashlib
 import importlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -201,11 +204,28 @@ def sweep_settings(**options) -> dict:
     return dict(_SWEEP_SETTINGS)
 
 
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """Short hash of the framework's source (particles, transport, meanfield, studies).
+
+    Sweep records are keyed by it, so re-running into an existing folder after the code changed
+    recomputes every task instead of resuming from results of the old code.
+    """
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for pkg in ("particles", "transport", "meanfield", "studies"):
+        for f in sorted((root / pkg).glob("*.py")):
+            h.update(f"{pkg}/{f.name}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
 def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: str) -> list[dict]:
     """Evaluate ``fn(**params)`` on every grid point; rows are params merged with results, grid order.
 
     Runs through the sweep runner (``studies.sweep.run_sweep``: resumable, parallel or on a Dask
-    cluster with the command line's ``--backend``), storing records under ``out_dir/_sweep_<name>``.
+    cluster with the command line's ``--backend``), storing records under ``out_dir/_sweep_<name>``,
+    keyed by the parameters and :func:`code_fingerprint` (``--resume`` never reuses another version's results).
     ``fn`` must be a picklable top-level function. A failed grid point raises (with its error):
     a study's claims are never computed on a silently incomplete table.
     """
@@ -218,7 +238,15 @@ def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: 
         return [{**g, **dict(fn(**g))} for g in grid]
     opts = {"backend": "inprocess", "progress": False, "resume": True, "retries": 0}
     opts.update(_SWEEP_SETTINGS)
-    res = run_sweep(fn, grid, Path(out_dir) / f"_sweep_{name}", name=name, **opts)
+    # records of another code version are never resumed: the sweep's name carries the code fingerprint, and
+    # this function owns its _sweep_ folders, so one left by other code is discarded rather than refused
+    sweep_dir, sweep_name = Path(out_dir) / f"_sweep_{name}", f"{name}@{code_fingerprint()}"
+    from studies.sweep_store import SweepStore
+
+    old = SweepStore(sweep_dir).read_manifest() if sweep_dir.exists() else None
+    if old is not None and old.get("name") != sweep_name:
+        shutil.rmtree(sweep_dir)
+    res = run_sweep(fn, grid, sweep_dir, name=sweep_name, **opts)
     failures = list(getattr(res, "failures", []) or [])
     if failures:
         first = failures[0]

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .core import Claim, StudyResult, grid_level, import_errors, registry, sweep_settings, write_json
+from .core import Claim, StudyResult, code_fingerprint, grid_level, import_errors, registry, sweep_settings, write_json
 
 __all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir"]
 
@@ -48,6 +48,7 @@ def environment() -> dict:
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch_threads": torch.get_num_threads(),
         "packages": versions,
+        "code_fingerprint": code_fingerprint(),
     }
 
 

@@ -112,3 +112,40 @@ def _square_or_fail(x):
     if x < 0:
         raise ValueError("x: negative")
     return {"y": x * x}
+
+
+CALLS: list[int] = []
+
+
+def counted_task(x):
+    CALLS.append(x)
+    return {"y": 2 * x}
+
+
+def test_run_grid_resumes_only_results_of_the_same_code(tmp_path, monkeypatch):
+    from studies import core
+
+    grid = [{"x": 1}, {"x": 2}]
+    CALLS.clear()
+    assert core.run_grid(counted_task, grid, tmp_path, "g") == [{"x": 1, "y": 2}, {"x": 2, "y": 4}]
+    assert CALLS == [1, 2]
+    core.run_grid(counted_task, grid, tmp_path, "g")          # same code: resumed, nothing recomputed
+    assert CALLS == [1, 2]
+    monkeypatch.setattr(core, "code_fingerprint", lambda: "another-version")
+    assert core.run_grid(counted_task, grid, tmp_path, "g") == [{"x": 1, "y": 2}, {"x": 2, "y": 4}]
+    assert CALLS == [1, 2, 1, 2]                              # other code: every task recomputed
+
+
+def test_code_fingerprint_tracks_the_source():
+    import hashlib
+    from pathlib import Path
+
+    from studies.core import code_fingerprint
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in ("particles", "transport", "meanfield", "studies"):
+        for f in sorted((root / pkg).glob("*.py")):
+            h.update(f"{pkg}/{f.name}\0".encode())
+            h.update(f.read_bytes())
+    assert code_fingerprint() == h.hexdigest()[:12]
