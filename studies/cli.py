@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="How smooth is attention? Reproduce the claims of Castin, Ablin & Peyre (ICML 2024) "
                     "and neighbours: each study computes, plots next to the theory, and says whether "
                     "the numbers agree.",
-        epilog="Example: meanfield reproduce --quick --out runs/quick  (then open runs/quick/report.md)")
+        epilog="Example: meanfield reproduce --quick --out runs/quick  (then open runs/quick/report.md). "
+               "Real models: SMOOTH_ATTENTION_CHECKPOINTS=dir1:dir2 measures local pretrained checkpoints "
+               "(otherwise random-init GPT-2 and BERT); SMOOTH_ATTENTION_TEXT=file.txt replaces the default text.")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     rp = sub.add_parser("reproduce", help="run every study and write the report",
