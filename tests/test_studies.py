@@ -92,6 +92,13 @@ def test_sqrt_n_rows_against_dense_jacobian_and_formulas(run):
     fit = read_csv(out / "sqrt_n" / "slope_fit.csv")[0]
     assert fit["slope"] == pytest.approx(slope, rel=1e-10)
     assert fit["lo"] <= slope <= fit["hi"] and fit["lo"] <= 0.5 <= fit["hi"]
+    # the predicted slope is that of Proposition 3.4's curve over the same n, recomputed here from its formula
+    ns = np.array([r["n"] for r in adv], float)
+    R = adv[0]["R"]
+    low = np.sqrt(ns - 1) / (1 + (ns - 1) * np.exp(-2 * g * R * R))
+    pred = read_csv(out / "sqrt_n" / "slope_fit.csv")[2]
+    assert pred["curve"] == "Proposition 3.4 lower bound"
+    assert pred["slope"] == pytest.approx(np.polyfit(np.log(ns), np.log(low), 1)[0], rel=1e-10)
 
 
 def test_mean_field_two_atoms_equal_sequences_and_two_dirac_dense(run):
