@@ -110,8 +110,11 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     checks = [r for r in rows_b if not math.isnan(r["lip_sequence"])]
     seq_err = max(abs(r["lip"] - r["lip_sequence"]) / r["lip_sequence"] for r in checks)
     curve = sorted([r for r in rows_b if math.isnan(r["lip_sequence"])], key=lambda r: r["n"])
-    low_viol = [r for r in curve if r["lip"] < r["lower"] * (1 - 1e-9)]
-    up_viol = [r for r in curve if math.log(r["lip"]) > r["log_upper_mean_field"] + 1e-9]
+    # Proposition 3.4 is about sequences of n tokens: it applies where the 2-atom measure (1/n, (n-1)/n) is
+    # one, i.e. at integer n (n = 10^k on the curve, and the sequence checks); Theorem 3.5 holds for every measure
+    integer = [r for r in rows_b if r["n"] >= 2 and abs(r["n"] - round(r["n"])) <= 1e-6]
+    low_viol = [r for r in integer if r["lip"] < r["lower"] * (1 - 1e-9)]
+    up_viol = [r for r in rows_b if math.log(r["lip"]) > r["log_upper_mean_field"] + 1e-9]
     growth = [r for r in curve if 10 <= r["n"] <= 1e-3 * math.exp(2 * gam * R_t**2)]
     fit = fit_loglog([r["n"] for r in growth], [r["lip"] for r in growth]) if len(growth) >= 3 else None
     n_star = math.exp(2 * gam * R_t**2)
@@ -158,9 +161,13 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
         Claim("n-token witness = 2-atom measure (1/n, (n-1)/n) (MATH.md 2, Lemma 3.2)",
               "equal constants", f"max relative difference {seq_err:.2e} over n = {check_ns}", seq_err <= 1e-8,
               "tolerance 1e-8 (dense Jacobians, float64)"),
-        Claim("Lip >= Proposition 3.4 lower bound and <= Theorem 3.5 bound for n up to 10^" + f"{log10_ns[-1]:g}",
-              "lower <= Lip <= upper", f"{len(low_viol)} + {len(up_viol)} violations of {len(curve)}",
-              not low_viol and not up_viol),
+        Claim("Lip >= Proposition 3.4 lower bound (integer n) and <= Theorem 3.5 bound (every n) up to n = 10^"
+              + f"{log10_ns[-1]:g}",
+              "lower <= Lip <= upper", f"{len(low_viol)} violations of the lower bound at {len(integer)} integer n; "
+              f"{len(up_viol)} of the upper bound at {len(rows_b)} n",
+              not low_viol and not up_viol,
+              "Proposition 3.4 is a statement about sequences of n tokens, so it is checked where the 2-atom "
+              "measure (1/n, (n-1)/n) is one (integer n); at other n it is a different measure"),
     ]
     if fit is not None:
         claims.append(Claim("sqrt(n) growth while n << exp(2 gamma R^2)", "log-log slope 0.5",

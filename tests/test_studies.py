@@ -4,6 +4,7 @@ here, optimal assignments from scipy, least-squares fits redone with numpy."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -115,6 +116,11 @@ def test_mean_field_two_atoms_equal_sequences_and_two_dirac_dense(run):
         X = adversarial.sqrt_n_sequence(A, r["R"], n)
         truth = dense_lipschitz(lambda Y: naive_attention(Y, A, V), X)  # the n-token sequence itself
         assert r["lip"] == pytest.approx(truth, rel=1e-8)  # computed from the 2-atom measure (1/n, (n-1)/n)
+        assert truth >= r["lower"] * (1 - 1e-10)  # Proposition 3.4 at these integer n
+    claim = next(c for c in json.loads((out / "mean_field" / "result.json").read_text())["claims"]
+                 if c["claim"].startswith("Lip >= Proposition 3.4"))
+    n_integer = sum(1 for r in rows if r["n"] >= 2 and abs(r["n"] - round(r["n"])) <= 1e-6)
+    assert claim["agrees"] and f"at {n_integer} integer n" in claim["measured"]
     for r in read_csv(out / "mean_field" / "two_dirac_vs_R.csv"):
         mu = adversarial.two_dirac(A, r["R"])
         lw = mu.log_weights
