@@ -117,6 +117,8 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     up_viol = [r for r in rows_b if math.log(r["lip"]) > r["log_upper_mean_field"] + 1e-9]
     growth = [r for r in curve if 10 <= r["n"] <= 1e-3 * math.exp(2 * gam * R_t**2)]
     fit = fit_loglog([r["n"] for r in growth], [r["lip"] for r in growth]) if len(growth) >= 3 else None
+    # the slope Proposition 3.4's curve itself has over the same n (sqrt(n - 1) is steeper than sqrt(n) at small n)
+    fit_low = fit_loglog([r["n"] for r in growth], [r["lower"] for r in growth]) if fit is not None else None
     n_star = math.exp(2 * gam * R_t**2)
     running = np.maximum.accumulate([r["lip"] for r in curve])
     peak = max(curve, key=lambda r: r["lip"])
@@ -170,11 +172,13 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
               "measure (1/n, (n-1)/n) is one (integer n); at other n it is a different measure"),
     ]
     if fit is not None:
-        claims.append(Claim("sqrt(n) growth while n << exp(2 gamma R^2)", "log-log slope 0.5",
+        pred = fit_low["slope"]
+        claims.append(Claim("sqrt(n) growth while n << exp(2 gamma R^2)",
+                            f"log-log slope {pred:.3f} (Prop 3.4's curve over the same n; 0.5 as n grows)",
                             f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] for n in "
                             f"[10, {growth[-1]['n']:.2g}]",
-                            fit["lo"] <= 0.5 <= fit["hi"] or abs(fit["slope"] - 0.5) <= 0.05,
-                            "agrees if 0.5 lies in the 95% CI or |slope - 0.5| <= 0.05"))
+                            fit["lo"] <= pred <= fit["hi"] or abs(fit["slope"] - pred) <= 0.02,
+                            "agrees if the predicted slope lies in the 95% CI or within 0.02 of the fit"))
     peak_ok = n_star / 100 <= peak["n"] <= 100 * n_star
     claims.append(Claim("the sqrt(n) growth stops near n = exp(2 gamma R^2); the sup over n stays finite",
                         f"peak of the witness curve near n = {n_star:.3g}, sup <= mean-field bound",
