@@ -36,7 +36,7 @@ from torch.func import jacfwd, jacrev, jvp, vjp
 from particles import Measure
 from particles.validation import as_tensor, make_generator
 
-from .attention import _AttentionOperator
+from .attention import _AttentionOperator, _sequence_positions
 
 __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "ConvergenceError"]
 
@@ -168,10 +168,7 @@ def _make_problems(f, X):
     if Xb.shape[0] == 0 or Xb.shape[1] == 0:
         raise ValueError(f"X: empty input of shape {tuple(Xt.shape)}")
     if is_op:
-        pos = None
-        if f.masked:
-            n = Xb.shape[1]
-            pos = torch.arange(1, n + 1, dtype=Xb.dtype, device=Xb.device) / n
+        pos = _sequence_positions(Xb.shape[1], Xb) if f.masked else None
         fn = lambda Y: f._forward(Y, None, pos)
         return [(fn, Xb, None, None)], batched
     # one plain call first, outside autograd transforms, so that a wrong return type gets a clear error

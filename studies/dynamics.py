@@ -25,6 +25,7 @@ import torch
 
 from . import plotting as P
 from .core import Claim, StudyResult, grid_level, register, save_figure, write_csv
+from .sqrt_n import fit_loglog
 
 __all__ = ["dynamics", "animate_trajectory"]
 
@@ -183,10 +184,6 @@ def _meanfield(cfg, seed, rows):
             rows.append({"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)})
 
 
-def _slope(x, y) -> float:
-    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
-
-
 @register("dynamics", "Token dynamics: Transformers as PDEs", order=80)
 def dynamics(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     """Clusters of token dynamics (V = I polytope, negative eigenvalue, sphere, causal) and the mean-field limit."""
@@ -217,7 +214,7 @@ def _run(out_dir: Path, level: str, seed: int) -> StudyResult:
     ns = np.array(cfg["ns"], float)
     w0 = np.array([np.mean([r["w2_0"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
     wT = np.array([np.mean([r["w2_T"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
-    s0, sT = _slope(ns, w0), _slope(ns, wT)
+    s0, sT = fit_loglog(ns, w0)["slope"], fit_loglog(ns, wT)["slope"]
 
     claims = [
         Claim("V = I: rescaled tokens converge to the vertices of a convex polytope (Geshkovski et al. 2023)",
