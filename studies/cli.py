@@ -19,6 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from .core import TINY_ENV, import_errors, registry, sweep_settings
+from .sweep import add_sweep_arguments, sweep_options
 
 
 def _version() -> str:
@@ -33,11 +34,6 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a seed)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test-size grids
-    try:
-        from .sweep import add_sweep_arguments
-    except ImportError:  # the sweep runner is optional: without it, a plain --no-progress
-        p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars")
-        return
     add_sweep_arguments(p)
 
 
@@ -79,14 +75,9 @@ def _run(args, names: list[str] | None) -> int:
 def _run_inner(args, names: list[str] | None) -> int:
     from .report import default_run_dir, reproduce
 
-    try:
-        from .sweep import sweep_options
-    except ImportError:
-        sweep_options = None
-    if sweep_options is not None:
-        opts = sweep_options(args)
-        if opts:
-            sweep_settings(**opts)
+    opts = sweep_options(args)
+    if opts:
+        sweep_settings(**opts)
     out = args.out if args.out is not None else default_run_dir()
     summary = reproduce(out, quick=args.quick, seed=args.seed, only=names, progress=args.progress,
                         argv=sys.argv)

@@ -229,20 +229,15 @@ def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: 
     ``fn`` must be a picklable top-level function. A failed grid point raises (with its error):
     a study's claims are never computed on a silently incomplete table.
     """
+    from studies.sweep import run_sweep  # not at module level: studies.sweep imports this module
+    from studies.sweep_store import SweepStore
+
     grid = [dict(g) for g in grid]
-    try:
-        from studies.sweep import run_sweep
-    except ImportError:  # the sweep runner is optional for studies: plain loop, same rows
-        run_sweep = None
-    if run_sweep is None:
-        return [{**g, **dict(fn(**g))} for g in grid]
     opts = {"backend": "inprocess", "progress": False, "resume": True, "retries": 0}
     opts.update(_SWEEP_SETTINGS)
     # records of another code version are never resumed: the sweep's name carries the code fingerprint, and
     # this function owns its _sweep_ folders, so one left by other code is discarded rather than refused
     sweep_dir, sweep_name = Path(out_dir) / f"_sweep_{name}", f"{name}@{code_fingerprint()}"
-    from studies.sweep_store import SweepStore
-
     old = SweepStore(sweep_dir).read_manifest() if sweep_dir.exists() else None
     if old is not None and old.get("name") != sweep_name:
         shutil.rmtree(sweep_dir)
