@@ -93,23 +93,20 @@ _IMPORT_ERRORS: dict[str, str] = {}
 def registry() -> dict[str, Study]:
     """Every registered study, imported from STUDY_MODULES, in report order.
 
-    A study module that is absent is skipped; one that fails to import is recorded in
-    :func:`import_errors` (the report lists it as failed) instead of taking every study down.
+    A study module that fails to import (or is missing) is recorded in :func:`import_errors`
+    (the report lists it as failed) instead of taking every study down.
     """
+    _IMPORT_ERRORS.clear()
     for mod in STUDY_MODULES:
         try:
             importlib.import_module(mod)
-            _IMPORT_ERRORS.pop(mod, None)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                _IMPORT_ERRORS[mod] = f"{type(exc).__name__}: {exc}"
         except Exception as exc:  # noqa: BLE001 - reported, never hidden
             _IMPORT_ERRORS[mod] = f"{type(exc).__name__}: {exc}"
     return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
 
 
 def import_errors() -> dict[str, str]:
-    """Study modules of STUDY_MODULES that exist but failed to import: module -> error."""
+    """Study modules of STUDY_MODULES that failed to import: module -> error."""
     return dict(_IMPORT_ERRORS)
 
 

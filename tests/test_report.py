@@ -149,3 +149,14 @@ def test_code_fingerprint_tracks_the_source():
             h.update(f"{pkg}/{f.name}\0".encode())
             h.update(f.read_bytes())
     assert code_fingerprint() == h.hexdigest()[:12]
+
+
+def test_a_missing_study_module_is_reported_not_skipped(monkeypatch):
+    from studies import core
+
+    monkeypatch.setattr(core, "STUDY_MODULES", [*core.STUDY_MODULES, "studies.no_such_study"])
+    core.registry()
+    assert "No module named 'studies.no_such_study'" in core.import_errors()["studies.no_such_study"]
+    monkeypatch.undo()
+    core.registry()
+    assert "studies.no_such_study" not in core.import_errors()
