@@ -214,6 +214,7 @@ def w2_to_reference(traj, reference, method: str = "exact", **kw) -> np.ndarray:
     The mean-field limit says this tends to zero as n grows when mu_n(0) -> mu_ref(0) (stability
     of the continuity equation in W2, the Lipschitz property of Theorem 3.5 with Gronwall).
     """
+    # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import w2
 
     if len(traj) != len(reference) or not torch.allclose(traj.times, reference.times):

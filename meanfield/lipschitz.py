@@ -403,6 +403,7 @@ def lipschitz_ratio(op, mu, nu) -> float:
         raise TypeError(f"op: expected an attention operator of meanfield.attention, got {type(op).__name__}")
     mu = op._check_measure(mu, "mu")
     nu = op._check_measure(nu, "nu")
+    # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import conditional_w2, w2
 
     dist = conditional_w2 if op.masked else w2
