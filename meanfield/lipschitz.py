@@ -22,6 +22,12 @@ never exceeds the top singular value (a Rayleigh quotient), so ``value`` is a ce
 bound of the Lipschitz constant; ``value + error`` bounds it from above as soon as the Ritz value
 approximates the top of the spectrum, which Krylov methods from a random start reach with
 probability one.
+
+Range. The solvers work on J / c with c a power of two near |J u| for the random start, and form
+|J u| and the normalized residual ||J^T J u - theta u|| / sqrt(theta) rather than theta and the
+plain residual, so values up to the dtype's largest number are computed (float64: the two-Dirac
+witness at gamma R^2 = 450, Lip ~ 6e197). A product that overflows, or a Jacobian that
+underflows, raises OverflowError; a zero value is returned only for a Jacobian that is exactly 0.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 from torch.func import jacfwd, jacrev, jvp, vjp
 
 from particles import Measure
-from particles.validation import as_tensor, make_generator
+from particles.validation import as_tensor, check_allocation, make_generator
 
 from .attention import _AttentionOperator, _sequence_positions
 
@@ -96,8 +102,15 @@ class LipschitzEstimate:
 class _Problem:
     """The linear map u -> (weighted) J u at a batch of points, with J^T available by VJP.
 
-    ``fn`` maps X (b, n, d) to (b, n, d') independently per batch element; ``s_in`` and ``s_out``
+    ``fn`` maps X (b, n, d) to (b, n, d') independently per batch member; ``s_in`` and ``s_out``
     (n, 1) are the Lemma C.5 scalings a^{-1/2} and a^{1/2} (up to a common factor), or None.
+
+    The solvers see J / c, with c (b,) a power of two per batch member set from the first product
+    (``J(u)``): c is about |J u| for the random start, so every quantity the solvers form (J u,
+    J^T J u, their norms and Gram entries) is of order one however large or small Lip is. Scaling
+    by a power of two is exact, so the results are those of the unscaled solve wherever that one
+    does not overflow. Every product is checked: a non-finite one raises OverflowError (the
+    constant is beyond the dtype's range at this input), never a silent 0 or NaN.
     """
 
     def __init__(self, fn, X, s_in=None, s_out=None):
@@ -107,21 +120,78 @@ class _Problem:
             raise ValueError("f: produced NaN or infinite outputs at X")
         self.out_shape = out.shape
         self.applications = 0
+        self.scale = None      # (b,) powers of two, set by the first J product
+        self.zero = None       # (b,) members whose Jacobian is exactly zero
 
-    def J(self, u):
+    def _raw_J(self, u):
         if self.s_in is not None:
             u = u * self.s_in
-        # the tangent output [1], not the primal [0]: the pitfall of MATH.md section 4
+        # the tangent output [1], not the primal [0]: the pitfall of docs/math.md section 4
         w = jvp(self.fn, (self.X,), (u,))[1]
         self.applications += 1
-        return w if self.s_out is None else w * self.s_out
+        w = w if self.s_out is None else w * self.s_out
+        _check_product(w, "J u")
+        return w
 
-    def JT(self, w):
+    def _raw_JT(self, w):
         if self.s_out is not None:
             w = w * self.s_out
         u = self._vjp(w)[0]
         self.applications += 1
-        return u if self.s_in is None else u * self.s_in
+        u = u if self.s_in is None else u * self.s_in
+        _check_product(u, "J^T w")
+        return u
+
+    def _calibrate(self, u, w):
+        norms = _norms(w).flatten()
+        zero = norms == 0
+        if bool(zero.any()):
+            # exactly zero for a random start: a zero Jacobian, or one below the dtype's range; a
+            # tangent scaled by 2^(maxexp/2) (exact) tells the two apart
+            big = 2.0 ** (math.frexp(torch.finfo(u.dtype).max)[1] // 2)
+            probe = _norms(self._raw_J(u * big)).flatten()
+            _refuse_underflow(zero & (probe > 0), u.dtype)
+        # products near the subnormal range have lost their precision: no certificate can hold there
+        _refuse_underflow(~zero & (norms < _UNDERFLOW[u.dtype]), u.dtype)
+        self.zero = zero
+        exponent = torch.frexp(torch.where(zero, torch.ones_like(norms), norms))[1]
+        self.scale = torch.ldexp(torch.ones_like(norms), exponent)
+
+    def _per_member(self, t):
+        return t.reshape(-1, *([1] * (self.X.dim() - 1)))
+
+    def J(self, u):
+        w = self._raw_J(u)
+        if self.scale is None:
+            self._calibrate(u, w)
+        return w / self._per_member(self.scale)
+
+    def JT(self, w):
+        return self._raw_JT(w) / self._per_member(self.scale)
+
+
+class _Underflow(dict):
+    def __missing__(self, dtype):
+        fi = torch.finfo(dtype)
+        return fi.tiny / fi.eps
+
+
+#: below this, |J u| has lost its relative precision to the subnormal range of the dtype
+_UNDERFLOW = _Underflow()
+
+
+def _refuse_underflow(mask, dtype):
+    if bool(mask.any()):
+        raise OverflowError(
+            f"X: the Jacobian at this input is below the {dtype} range (|J u| underflows to 0 or to subnormal "
+            f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f or use float64")
+
+
+def _check_product(t, what):
+    if not bool(torch.isfinite(t).all()):
+        raise OverflowError(f"X: the Jacobian product {what} overflows the {t.dtype} range at this input "
+                            "(the local constant, or the weights' scalings, exceed what the dtype holds); "
+                            "use float64 or a smaller radius")
 
 
 def _scalings(log_weights, dtype):
@@ -129,11 +199,16 @@ def _scalings(log_weights, dtype):
     lw = log_weights.to(dtype)
     half = (lw - lw.max()) / 2
     present = torch.isfinite(half)
-    if bool((present & (half < -0.5 * math.log(torch.finfo(dtype).max) + 1)).any()):
+    # s_in = exp(-half) must stay representable with headroom (e^12) for the products it enters;
+    # what still overflows inside a product is caught there (OverflowError)
+    limit = math.log(torch.finfo(dtype).max) - 12.0
+    if bool((present & (half < -limit)).any()):
         raise ValueError("X: the weights of this measure span more than the floating range allows for the "
                          "weighted Jacobian D^{1/2} J D^{-1/2} (ratio of largest to smallest mass over "
-                         f"{torch.finfo(dtype).max:.1e}); merge or drop the tiniest atoms")
-    s_in = torch.where(present, torch.exp(-half.clamp(min=-700)), torch.zeros_like(half))
+                         f"e^{2 * limit:.0f} in {dtype}); "
+                         + ("use float64, or " if dtype != torch.float64 else "")
+                         + "merge or drop the tiniest atoms")
+    s_in = torch.where(present, torch.exp(-half.clamp(min=-limit)), torch.zeros_like(half))
     s_out = torch.where(present, torch.exp(half), torch.zeros_like(half))
     return s_in[:, None], s_out[:, None]
 
@@ -196,109 +271,140 @@ def _random_start(shape, like, seed):
 
 
 def _norms(u):
-    return u.flatten(1).norm(dim=1).reshape(-1, *([1] * (u.dim() - 1)))
+    """Per-member Euclidean norms (b, 1, ...), free of overflow and underflow in the squares."""
+    flat = u.flatten(1)
+    m = flat.abs().amax(dim=1)
+    safe = torch.where((m > 0) & torch.isfinite(m), m, torch.ones_like(m))
+    return ((flat / safe[:, None]).norm(dim=1) * safe).reshape(-1, *([1] * (u.dim() - 1)))
 
 
 def _dot(u, v):
     return (u * v).flatten(1).sum(1)
 
 
-def _certify(p, u):
-    """value, residual, error for unit vectors u (b, ...) by one explicit J^T J u."""
+def _rayleigh(p, u):
+    """For unit vectors u (b, ...): v = |J u| (sqrt of the Rayleigh quotient of J^T J), the
+    normalized residual rho = ||J^T (J u / v) - v u|| = ||J^T J u - v^2 u|| / v, and the error bound
+    min(rho, sqrt(rho v)) on the distance from v to a singular value (module docstring). Working with
+    v and rho instead of v^2 and the plain residual keeps every quantity at the scale of Lip itself.
+    Also returns z = J^T J u / v (the next power iterate, up to its norm)."""
     w = p.J(u)
-    theta = _dot(w, w)
-    z = p.JT(w)
-    r = _norms(z - theta.reshape(-1, *([1] * (u.dim() - 1))) * u).flatten()
-    value = theta.clamp(min=0).sqrt()
-    err = torch.minimum(r / value.clamp(min=torch.finfo(u.dtype).tiny), r.sqrt())
-    return value, r, err
+    v = _norms(w)
+    z = p.JT(w / torch.where(v > 0, v, torch.ones_like(v)))
+    rho = _norms(z - v * u).flatten()
+    v = v.flatten()
+    err = torch.minimum(rho, (rho * v).sqrt())
+    return v, rho, err, z
 
 
 def _power(p, tol, max_iter, seed):
     u = _random_start(p.X.shape, p.X, seed)
+    shape = (-1, *([1] * (u.dim() - 1)))
     done = torch.zeros(u.shape[0], dtype=torch.bool, device=u.device)
-    value = r = err = None
+    value = rho = err = None
     it = 0
     for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
-        w = p.J(u)
-        theta = _dot(w, w)
-        z = p.JT(w)
-        shape = (-1, *([1] * (u.dim() - 1)))
-        r_new = _norms(z - theta.reshape(shape) * u).flatten()
-        v_new = theta.clamp(min=0).sqrt()
-        e_new = torch.minimum(r_new / v_new.clamp(min=torch.finfo(u.dtype).tiny), r_new.sqrt())
+        v_new, r_new, e_new, z = _rayleigh(p, u)
         if value is None:
-            value, r, err = v_new, r_new, e_new
+            value, rho, err = v_new, r_new, e_new
         else:
             # converged batch members keep the vector that met the tolerance
-            value, r, err = (torch.where(done, a, b) for a, b in ((value, v_new), (r, r_new), (err, e_new)))
-        done = done | (err <= tol * value)
+            value, rho, err = (torch.where(done, a, b) for a, b in ((value, v_new), (rho, r_new), (err, e_new)))
+        # a zero value is a converged answer only for a Jacobian that is exactly zero (p.zero); for any
+        # other member it is an underflow and never meets the tolerance
+        done = done | ((err <= tol * value) & ((value > 0) | p.zero))
         if bool(done.all()):
             break
         zn = _norms(z)
-        nxt = torch.where(zn > 0, z / zn.clamp(min=torch.finfo(u.dtype).tiny), u)
+        nxt = torch.where(zn > 0, z / torch.where(zn > 0, zn, torch.ones_like(zn)), u)
         u = torch.where(done.reshape(shape), u, nxt)
-    return value, u, err, r, it, done
+    return value, u, err, rho, it, done
 
 
-def _lanczos(p, tol, max_iter, seed):
+class _Basis:
+    """Krylov basis (b, m, N) that grows by doubling its capacity (never max_iter * N up front)."""
+
+    def __init__(self, b, N, like, capacity=16):
+        self.data = torch.empty(b, capacity, N, dtype=like.dtype, device=like.device)
+        self.m = 0
+
+    def append(self, q):
+        if self.m == self.data.shape[1]:
+            grown = torch.empty(self.data.shape[0], 2 * self.m, self.data.shape[2], dtype=self.data.dtype,
+                                device=self.data.device)
+            grown[:, : self.m] = self.data
+            self.data = grown
+        self.data[:, self.m] = q
+        self.m += 1
+
+    def view(self):
+        return self.data[:, : self.m]
+
+
+def _orthogonalize(w, Q):
+    # full reorthogonalization, twice ("twice is enough"), keeps the basis orthonormal
+    for _ in range(2):
+        w = w - torch.einsum("bk,bkn->bn", torch.einsum("bkn,bn->bk", Q, w), Q)
+    return w
+
+
+def _lanczos(p, tol, max_iter, seed, memory_limit=None):
     """Lanczos on B = J^T J with full reorthogonalization, one Krylov basis per batch member."""
     b = p.X.shape[0]
     shape = p.X.shape
     N = p.X[0].numel()
     m_max = min(max_iter, N)
+    check_allocation(b * m_max * N * p.X.element_size(), "method='lanczos'",
+                     f"the Krylov basis of up to max_iter = {m_max} vectors of {N} entries; lower max_iter "
+                     "(or tol), or use method='power', which stores no basis", memory_limit)
     dtype, device = p.X.dtype, p.X.device
     tiny = torch.finfo(dtype).eps
     q = _random_start(shape, p.X, seed).reshape(b, N)
-    basis = torch.empty(b, m_max, N, dtype=dtype, device=device)
-    alpha = torch.zeros(b, m_max, dtype=dtype, device=device)
-    beta = torch.zeros(b, m_max, dtype=dtype, device=device)
+    basis = _Basis(b, N, p.X, capacity=min(m_max, 16))
+    alpha, beta = [], []
     g = make_generator(None if seed is None else seed + 1)
-    theta = y = None
-    m = 0
+    y = None
     for j in range(m_max):
-        basis[:, j] = q
+        basis.append(q)
         w = p.JT(p.J(q.reshape(shape))).reshape(b, N)
-        alpha[:, j] = _dot(q, w)
-        # full reorthogonalization, twice ("twice is enough"), keeps the basis orthonormal
-        Qj = basis[:, : j + 1]
-        for _ in range(2):
-            w = w - torch.einsum("bk,bkn->bn", torch.einsum("bkn,bn->bk", Qj, w), Qj)
-        beta[:, j] = w.norm(dim=1)
+        alpha.append(_dot(q, w))
+        Qj = basis.view()
+        w = _orthogonalize(w, Qj)
+        beta.append(w.norm(dim=1))
         m = j + 1
-        off = beta[:, : m - 1]
-        T = torch.diag_embed(alpha[:, :m]) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+        a_t, b_t = torch.stack(alpha, 1), torch.stack(beta, 1)
+        off = b_t[:, : m - 1]
+        T = torch.diag_embed(a_t) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
         evals, evecs = torch.linalg.eigh(T)
         theta, y = evals[:, -1], evecs[:, :, -1]
         # Lanczos residual of the top Ritz pair: beta_m |last component of y|
-        r_est = beta[:, j] * y[:, -1].abs()
+        r_est = beta[j] * y[:, -1].abs()
         sig = theta.clamp(min=0).sqrt()
         err = torch.minimum(r_est / sig.clamp(min=torch.finfo(dtype).tiny), r_est.sqrt())
         if bool((err <= 0.5 * tol * sig).all()) or m == m_max:
             break
         # an exhausted Krylov space (beta ~ 0) restarts with a fresh direction orthogonal to the basis
-        scale = alpha[:, :m].abs().amax(1).clamp(min=tiny)
-        broke = beta[:, j] <= 1e3 * tiny * scale
+        scale = a_t.abs().amax(1).clamp(min=tiny)
+        broke = beta[j] <= 1e3 * tiny * scale
         if bool(broke.any()):
-            fresh = torch.randn(b, N, generator=g, dtype=dtype).to(device)
-            for _ in range(2):
-                fresh = fresh - torch.einsum("bk,bkn->bn", torch.einsum("bkn,bn->bk", Qj, fresh), Qj)
+            fresh = _orthogonalize(torch.randn(b, N, generator=g, dtype=dtype).to(device), Qj)
             fresh = fresh / fresh.norm(dim=1, keepdim=True)
-            beta[:, j] = torch.where(broke, torch.zeros_like(beta[:, j]), beta[:, j])
-            w = torch.where(broke[:, None], fresh, w / beta[:, j : j + 1].clamp(min=tiny))
-            q = w
+            beta[j] = torch.where(broke, torch.zeros_like(beta[j]), beta[j])
+            q = torch.where(broke[:, None], fresh, w / beta[j][:, None].clamp(min=tiny))
         else:
-            q = w / beta[:, j : j + 1]
-    u = torch.einsum("bk,bkn->bn", y, basis[:, :m])
-    u = (u / u.norm(dim=1, keepdim=True)).reshape(shape)
-    value, r, err = _certify(p, u)
-    done = err <= tol * value
-    return value, u, err, r, m, done
+            q = w / beta[j][:, None]
+    u = torch.einsum("bk,bkn->bn", y, basis.view())
+    u = (u / _norms(u)).reshape(shape)
+    value, rho, err, _ = _rayleigh(p, u)
+    done = (err <= tol * value) & ((value > 0) | p.zero)
+    return value, u, err, rho, basis.m, done
 
 
-def _dense(p):
+def _dense(p, memory_limit):
     """Explicit (weighted) Jacobian of each batch member and its top singular triple."""
     n_in, n_out = p.X[0].numel(), math.prod(p.out_shape[1:])
+    check_allocation(3 * n_in * n_out * p.X.element_size(), "method='dense'",
+                     "the explicit Jacobian; use method='lanczos', which is matrix-free", memory_limit)
     values, vectors, errs, res = [], [], [], []
     for i in range(p.X.shape[0]):
         X = p.X[i]
@@ -312,15 +418,22 @@ def _dense(p):
             s_out = p.s_out.expand(p.out_shape[1:]).reshape(-1)
             s_in = p.s_in.expand(X.shape).reshape(-1)
             J = s_out[:, None] * J * s_in[None, :]
-        _, S, Vh = torch.linalg.svd(J, full_matrices=False)
+        _check_product(J, "(the explicit Jacobian)")
         p.applications += min(n_in, n_out)
-        # rounding-level certificate from the explicit product |J^T J u - s^2 u|
-        r = float((J.T @ (J @ Vh[0]) - S[0] ** 2 * Vh[0]).norm())
-        s = float(S[0])
-        values.append(s)
-        vectors.append(Vh[0].reshape(X.shape))
-        errs.append(min(r / s, math.sqrt(r)) if s > 0 else math.sqrt(r))
-        res.append(r)
+        # J / c with c a power of two near its largest entry: exact, and keeps S^2 in range
+        big = J.abs().max()
+        _refuse_underflow((big > 0) & (big < _UNDERFLOW[J.dtype]), J.dtype)
+        c = torch.ldexp(torch.ones_like(big), torch.frexp(big)[1]) if big > 0 else torch.ones_like(big)
+        _, S, Vh = torch.linalg.svd(J / c, full_matrices=False)
+        s, v = S[0], Vh[0]
+        # rounding-level certificate from the explicit product (normalized residual, as in _rayleigh)
+        w = (J / c) @ v
+        rho = float(((J / c).T @ (w / s if s > 0 else w) - s * v).norm()) if s > 0 else 0.0
+        c, s = float(c), float(s)
+        values.append(s * c)
+        vectors.append(v.reshape(X.shape))
+        errs.append(min(rho, math.sqrt(rho * s)) * c)
+        res.append(rho * c)
     t = lambda v: torch.tensor(v, dtype=torch.float64)
     return t(values), torch.stack(vectors), t(errs), t(res), 1, torch.ones(len(values), dtype=torch.bool)
 
@@ -332,7 +445,8 @@ def _canonical_sign(u):
 
 
 # ---------------------------------------------------------------------- public API
-def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, on_failure="raise"):
+def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, on_failure="raise",
+                    memory_limit=None):
     """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (MATH.md section 4), certified.
 
     Parameters
@@ -350,6 +464,15 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
     seed : seed of the random start.
     on_failure : "raise" (a :class:`ConvergenceError` carrying the estimate) or "warn" (return
         the estimate with ``converged=False`` and emit a RuntimeWarning).
+    memory_limit : bytes (or a size such as "16G") the dense Jacobian or the Krylov basis may take;
+        default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or 8 GiB. Above it a
+        :class:`~particles.validation.MemoryLimitError` is raised before allocating.
+
+    Failures are never returned as values: a product that overflows the dtype's range raises
+    OverflowError, a Jacobian below it (|J u| = 0 for a random start, while J is not zero) raises
+    OverflowError too, and an estimate whose certificate does not meet ``tol`` is a
+    ConvergenceError (or a warning with ``converged=False``). A zero value is returned only for a
+    Jacobian that is exactly zero.
 
     Returns
     -------
@@ -371,17 +494,20 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
     for fn, Xb, s_in, s_out in problems:
         p = _Problem(fn, Xb, s_in, s_out)
         if method == "dense":
-            value, u, err, r, it, done = _dense(p)
+            value, u, err, rho, it, done = _dense(p, memory_limit)
         elif method == "power":
-            value, u, err, r, it, done = _power(p, tol, max_iter, seed)
+            value, u, err, rho, it, done = _power(p, tol, max_iter, seed)
         else:
-            value, u, err, r, it, done = _lanczos(p, tol, max_iter, seed)
+            value, u, err, rho, it, done = _lanczos(p, tol, max_iter, seed, memory_limit)
         per = p.applications
         for i in range(Xb.shape[0]):
+            # back from J / c to J (c = 1 for dense); residual ||J^T J u - value^2 u|| = rho * value
+            c = 1.0 if p.scale is None else float(p.scale[i])
+            val, rho_i = float(value[i].detach()) * c, float(rho[i].detach()) * c
             results.append(LipschitzEstimate(
-                value=float(value[i].detach()), vector=_canonical_sign(u[i].detach()), error=float(err[i].detach()),
+                value=val, vector=_canonical_sign(u[i].detach()), error=float(err[i].detach()) * c,
                 iterations=int(it), method=method, converged=bool(done[i]), applications=int(per),
-                residual=float(r[i].detach())))
+                residual=rho_i * val))
     failed = [e for e in results if not e.converged]
     if failed:
         worst = max(failed, key=lambda e: e.error / max(e.value, 1e-300))

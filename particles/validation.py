@@ -8,6 +8,7 @@ numbers to a torch tensor; integer arrays to the default floating dtype).
 from __future__ import annotations
 
 import numbers
+import os
 
 import numpy as np
 import torch
@@ -97,3 +98,66 @@ def make_generator(seed, device=None) -> torch.Generator | None:
     g = torch.Generator(device=device or "cpu")
     g.manual_seed(int(seed))
     return g
+
+
+# ---------------------------------------------------------------------- memory guards
+MEMORY_LIMIT_ENV = "SMOOTH_ATTENTION_MEMORY_LIMIT"
+#: default largest single allocation a dense method may make: 8 GiB (half of a 16 GB laptop)
+DEFAULT_MEMORY_LIMIT = 8 * 2**30
+_UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
+          "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}
+
+
+class MemoryLimitError(MemoryError, ValueError):
+    """A dense method would allocate more than the memory limit; the message names the size and the
+    method to use instead. Raised before anything is allocated."""
+
+
+def parse_bytes(value, name: str = "memory_limit") -> int:
+    """A byte count from an int or a string such as ``"16G"``, ``"512MiB"`` or ``"2e9"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected a number of bytes or a size such as '16G', got a bool")
+    if isinstance(value, numbers.Real):
+        out = float(value)
+    elif isinstance(value, str):
+        text = value.strip().upper().replace(" ", "")
+        digits = text.rstrip("KMGTIB")
+        unit = text[len(digits):]
+        if unit not in _UNITS:
+            raise ValueError(f"{name}: unknown unit in {value!r} (use B, K, M, G or T)")
+        try:
+            out = float(digits) * _UNITS[unit]
+        except ValueError as exc:
+            raise ValueError(f"{name}: expected a size such as '16G' or a number of bytes, got {value!r}") from exc
+    else:
+        raise TypeError(f"{name}: expected a number of bytes or a size such as '16G', got {type(value).__name__}")
+    if not np.isfinite(out) or out <= 0:
+        raise ValueError(f"{name}: expected a positive size, got {value!r}")
+    return int(out)
+
+
+def memory_limit(value=None) -> int:
+    """The allocation limit in bytes: ``value`` if given, else ``$SMOOTH_ATTENTION_MEMORY_LIMIT``, else
+    :data:`DEFAULT_MEMORY_LIMIT` (8 GiB)."""
+    if value is not None:
+        return parse_bytes(value)
+    env = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    return parse_bytes(env, MEMORY_LIMIT_ENV) if env else DEFAULT_MEMORY_LIMIT
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_allocation(nbytes: float, what: str, instead: str, limit=None) -> None:
+    """Refuse (:class:`MemoryLimitError`) an allocation of ``nbytes`` above :func:`memory_limit`.
+
+    ``what`` names the computation, ``instead`` says what to use instead.
+    """
+    lim = memory_limit(limit)
+    if nbytes > lim:
+        raise MemoryLimitError(f"{what}: needs about {format_bytes(nbytes)}, above the memory limit of "
+                               f"{format_bytes(lim)} (set by memory_limit= or ${MEMORY_LIMIT_ENV}); {instead}")
