@@ -40,7 +40,7 @@ import torch
 from torch.func import jacfwd, jacrev, jvp, vjp
 
 from particles import Measure
-from particles.validation import as_tensor, check_allocation, make_generator
+from particles.validation import ConvergenceError, as_tensor, check_allocation, check_on_failure, make_generator
 
 from .attention import _AttentionOperator, _sequence_positions
 
@@ -48,14 +48,6 @@ __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "Convergen
 
 _METHODS = ("lanczos", "power", "dense")
 _DEFAULT_MAX_ITER = {"lanczos": 300, "power": 5000}
-
-
-class ConvergenceError(ValueError, RuntimeError):
-    """An iterative estimator stopped before reaching its tolerance; ``.estimate`` holds what it reached."""
-
-    def __init__(self, message, estimate=None):
-        super().__init__(message)
-        self.estimate = estimate
 
 
 @dataclass(frozen=True)
@@ -482,8 +474,7 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
     if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol > 0 and math.isfinite(tol)):
         raise ValueError(f"tol: expected a positive finite number, got {tol!r}")
-    if on_failure not in ("raise", "warn"):
-        raise ValueError(f"on_failure: expected 'raise' or 'warn', got {on_failure!r}")
+    check_on_failure(on_failure)
     if max_iter is None:
         max_iter = _DEFAULT_MAX_ITER.get(method, 1)
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:

@@ -161,3 +161,26 @@ def check_allocation(nbytes: float, what: str, instead: str, limit=None) -> None
     if nbytes > lim:
         raise MemoryLimitError(f"{what}: needs about {format_bytes(nbytes)}, above the memory limit of "
                                f"{format_bytes(lim)} (set by memory_limit= or ${MEMORY_LIMIT_ENV}); {instead}")
+
+
+# ---------------------------------------------------------------------- iterative solvers
+ON_FAILURE = ("raise", "warn")
+
+
+class ConvergenceError(ValueError, RuntimeError):
+    """An iterative solver (Lipschitz estimate, Sinkhorn, ...) stopped before reaching its tolerance.
+
+    ``.estimate`` holds what it reached (a result object with ``converged=False``). Every solver of
+    the framework takes ``on_failure="raise"`` (this error, the default) or ``"warn"`` (a
+    RuntimeWarning, and the result returned with ``converged=False``).
+    """
+
+    def __init__(self, message, estimate=None):
+        super().__init__(message)
+        self.estimate = estimate
+
+
+def check_on_failure(value) -> str:
+    if value not in ON_FAILURE:
+        raise ValueError(f"on_failure: expected 'raise' or 'warn', got {value!r}")
+    return value

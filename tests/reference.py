@@ -1,10 +1,16 @@
-"""Independent ground truths for the tests: naive attention written from MATH.md section 1,
-and the dense Jacobian's top singular value. Deliberately shares no code with the library."""
+"""Independent ground truths for the tests, sharing no code with the library (nor with POT):
+attention written out from its formulas (docs/math.md sections 1 and 5), dense Jacobians and their
+top singular values, W2 as an assignment problem or a linear program solved by scipy, and the
+paper's bounds typed in by hand."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+from scipy.optimize import linear_sum_assignment, linprog
+from scipy.special import lambertw
 
 
 def naive_attention(X, A, V, masked=False, log_weights=None, b_Q=None):
@@ -56,3 +62,90 @@ def dense_lipschitz_logweights(f, X, log_weights):
     if not bool(torch.isfinite(Jw).all()):
         return float("inf")  # the constant itself is beyond float64
     return float(torch.linalg.matrix_norm(Jw, ord=2))
+
+
+# ---------------------------------------------------------------------- attention variants, written out
+def naive_qkv(X, Q, K, V, b_Q, b_K, b_V, masked=False):
+    """softmax((X Q^T + b_Q)(X K^T + b_K)^T / sqrt(k)) (X V^T + b_V), written out directly."""
+    q = X @ Q.T + b_Q
+    k = X @ K.T + b_K
+    S = q @ k.T / math.sqrt(Q.shape[0])
+    if masked:
+        S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+    return torch.softmax(S, -1) @ (X @ V.T + b_V)
+
+
+def naive_l2(X, WQ, WV, WO, masked=False):
+    """Kim et al. (2021) L2 multi-head attention with tied W_Q = W_K, written from the paper:
+    P^h = softmax_j(-|x_i^T W_Q^h - x_j^T W_Q^h|^2 / sqrt(k)), head output P^h X A_h W_V^h with
+    A_h = W_Q^h W_Q^h^T / sqrt(k), heads concatenated, times W_O. WQ, WV: sequences of (D, k)."""
+    outs = []
+    for q, v in zip(WQ, WV):
+        k = q.shape[1]
+        Y = X @ q
+        S = -((Y[:, None, :] - Y[None, :, :]) ** 2).sum(-1) / math.sqrt(k)
+        if masked:
+            S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+        outs.append(torch.softmax(S, dim=-1) @ X @ (q @ q.T / math.sqrt(k)) @ v)
+    return torch.cat(outs, dim=-1) @ WO
+
+
+# ---------------------------------------------------------------------- Wasserstein distances
+def w2_assignment(X, Y):
+    """W2 between two uniform clouds of n points each: an assignment problem (Birkhoff's theorem)."""
+    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
+    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
+    r, c = linear_sum_assignment(C)
+    return math.sqrt(C[r, c].mean())
+
+
+def w2_lp(X, a, Y, b):
+    """W2 between weighted clouds by the transport linear program, solved by scipy's HiGHS (no POT)."""
+    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    n, m = len(a), len(b)
+    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1).ravel()
+    rows = np.kron(np.eye(n), np.ones((1, m)))
+    cols = np.kron(np.ones((1, n)), np.eye(m))
+    res = linprog(C, A_eq=np.vstack([rows, cols]), b_eq=np.concatenate([a, b]), bounds=(0, None), method="highs")
+    assert res.success, res.message
+    return math.sqrt(max(res.fun, 0.0))
+
+
+# ---------------------------------------------------------------------- the paper's bounds, by hand
+def _norm2(M):
+    return float(np.linalg.norm(np.asarray(M, dtype=np.float64), 2))
+
+
+def thm33_upper(A, V, R, n):
+    """Theorems 3.3 / 4.3: sqrt(3) ||V|| (||A||^2 R^4 (4n + 1) + n)^(1/2)."""
+    return math.sqrt(3) * _norm2(V) * math.sqrt(_norm2(A) ** 2 * R**4 * (4 * n + 1) + n)
+
+
+def thm35_upper_log(A, V, R):
+    """log of Theorems 3.5 / 4.4: ||V|| (1 + 3 ||A|| R^2) exp(2 ||A|| R^2)."""
+    a = _norm2(A)
+    return math.log(_norm2(V)) + math.log(1 + 3 * a * R * R) + 2 * a * R * R
+
+
+def prop34_lower(gamma, R, n):
+    """Proposition 3.4: sqrt(n - 1) / (1 + (n - 1) exp(-2 gamma R^2))."""
+    return math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * gamma * R * R))
+
+
+def prop36_asymptotic_log(gamma, R):
+    """log of Proposition 3.6's asymptotic value (gamma / 2) R^2 exp(gamma R^2)."""
+    return math.log(gamma / 2) + 2 * math.log(R) + gamma * R * R
+
+
+def lemma38_upper(head_lips, W_O):
+    """Lemma 3.8: ||W_O|| (sum_h Lip_h^2)^(1/2)."""
+    return _norm2(W_O) * math.sqrt(sum(x * x for x in head_lips))
+
+
+def kim_l2_upper(WQ, WV, WO, N):
+    """Kim et al. Theorem 3.2, 2-norm form with ||W_Q^h||^4 inside the root (docs/math.md section 5):
+    (sqrt(N) / sqrt(k)) (4 W0((N-1)/e) + 1) (sum_h ||W_Q^h||^4 ||W_V^h||^2)^(1/2) ||W_O||."""
+    c = 4 * float(lambertw((N - 1) / math.e).real) + 1
+    terms = [_norm2(q) ** 4 * _norm2(v) ** 2 / q.shape[1] for q, v in zip(WQ, WV)]
+    return math.sqrt(N) * c * math.sqrt(sum(terms)) * _norm2(WO)
