@@ -62,7 +62,7 @@ class Measure:
             raise ValueError("points: atoms need at least one coordinate (got d = 0)")
         if not pts.is_floating_point():  # pragma: no cover - as_tensor converts
             raise TypeError("points: expected floating-point data")
-        tol = weight_tolerance(pts.dtype)
+        tol = weight_tolerance(pts.dtype, weights if log_weights is None else log_weights)
         if weights is not None and log_weights is not None:
             raise ValueError("weights, log_weights: give at most one of them")
         if log_weights is not None:
@@ -98,6 +98,10 @@ class Measure:
                     w = w / w.sum()
                 elif abs(total - 1.0) > tol:
                     raise ValueError(f"weights: must sum to 1, got {total!r} (pass normalize=True to rescale)")
+                elif tol > weight_tolerance(pts.dtype):
+                    # weights of a lower precision than the points, accepted in their own precision:
+                    # the measure's own weights sum to one in the points' precision
+                    w = w / w.sum()
             lw = torch.log(w)
         pos = None
         if positions is not None:

@@ -45,13 +45,17 @@ def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True)
         arr = np.asarray(value)
         if arr.dtype == object:
             raise TypeError(f"{name}: expected a numeric array, got an array of Python objects")
-        if arr.dtype.kind not in "biuf":
+        if arr.dtype.kind == "b":
+            raise TypeError(f"{name}: expected real numbers, got booleans (convert explicitly, e.g. X.astype(float))")
+        if arr.dtype.kind not in "iuf":
             raise TypeError(f"{name}: expected real numbers, got numpy dtype {arr.dtype}")
         t = torch.as_tensor(arr)
     else:
         raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
     if t.is_complex():
         raise TypeError(f"{name}: complex values are not supported")
+    if t.dtype == torch.bool:
+        raise TypeError(f"{name}: expected real numbers, got a bool tensor (convert explicitly, e.g. X.double())")
     if dtype is None and not t.is_floating_point():
         dtype = DEFAULT_DTYPE
     if dtype is None and not isinstance(value, torch.Tensor):
@@ -69,9 +73,19 @@ def check_ndim(t: torch.Tensor, name: str, ndim: int, what: str) -> None:
         raise ValueError(f"{name}: expected {what} ({ndim}-D), got shape {tuple(t.shape)}")
 
 
-def weight_tolerance(dtype: torch.dtype) -> float:
-    """Tolerance on |sum(weights) - 1| for a given floating dtype."""
-    return 1e-9 if dtype == torch.float64 else 1e-5
+def weight_tolerance(dtype: torch.dtype, given=None) -> float:
+    """Tolerance on |sum(weights) - 1| for a given floating dtype.
+
+    ``given`` is the weights as the user passed them: weights given in a lower precision (float32
+    weights for float64 points) are judged in their own precision, not after the upcast.
+    """
+    tol = 1e-9 if dtype == torch.float64 else 1e-5
+    own = getattr(given, "dtype", None)
+    if isinstance(own, np.dtype) and own.kind == "f":
+        own = torch.from_numpy(np.zeros(0, dtype=own)).dtype
+    if isinstance(own, torch.dtype) and own.is_floating_point and own != torch.float64:
+        tol = max(tol, 1e-5)
+    return tol
 
 
 def check_radius(R, name: str = "R") -> float:

@@ -308,3 +308,26 @@ def test_no_overflow_at_large_radius():
     assert mu.radius() == pytest.approx(100.0)
     assert bool(torch.isfinite(mu.covariance()).all())
     assert bool(torch.isfinite(mu.split(0, 1e-300).log_weights).all())
+
+
+def test_boolean_points_are_refused_not_coerced():
+    X = np.random.default_rng(0).normal(size=(4, 3))
+    with pytest.raises(TypeError, match="points: .*booleans"):
+        Measure(X > 0)
+    with pytest.raises(TypeError, match="points: .*bool tensor"):
+        Measure(torch.as_tensor(X) > 0)
+    with pytest.raises(TypeError, match="weights"):
+        Measure(X, np.array([True, False, False, False]))
+
+
+def test_float32_weights_with_float64_points_are_judged_in_their_own_precision():
+    w = torch.full((10,), 0.1, dtype=torch.float32)   # 0.1f = 0.100000001490116...
+    assert abs(float(w.double().sum()) - 1) > 1e-9     # off in float64, exact to float32's precision
+    X = torch.randn(10, 2, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    mu = Measure(X, w)
+    assert mu.weights.dtype == torch.float64
+    assert abs(float(mu.weights.sum()) - 1) <= 1e-12
+    assert torch.allclose(mu.weights, w.double(), rtol=1e-6)
+    # an honest error in float32 is still an error
+    with pytest.raises(ValueError, match="weights: must sum to 1"):
+        Measure(X, w * 1.001)
