@@ -2,11 +2,16 @@
 
 Public names are loaded lazily from the submodules that hold them::
 
+    operator     AttentionOperator (the protocol), as_operator, CallableOperator, TorchMultiheadAttention
     attention    SelfAttention, MultiHeadAttention, L2SelfAttention
+    sphere       SphereAttention (the sphere models of Geshkovski et al.)
+    hf           HFAttention (Hugging Face attention layers as operators), extract_layer, ...
     lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate
     bounds       the paper's bounds as functions (``meanfield.bounds``)
     adversarial  witnesses of the lower bounds (``meanfield.adversarial``)
-    dynamics     simulate (token dynamics, Transformers as PDEs)
+    dynamics     simulate (token dynamics, Transformers as PDEs), Trajectory
+    integrators  Euler, RK4, torchdiffeq's adaptive methods
+    geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
 """
 
@@ -15,6 +20,15 @@ from __future__ import annotations
 import importlib
 
 _NAMES = {
+    "AttentionOperator": "operator",
+    "as_operator": "operator",
+    "CallableOperator": "operator",
+    "TorchMultiheadAttention": "operator",
+    "SphereAttention": "sphere",
+    "HFAttention": "hf",
+    "Euclidean": "geometry",
+    "Sphere": "geometry",
+    "ConvergenceError": "lipschitz",
     "SelfAttention": "attention",
     "MultiHeadAttention": "attention",
     "L2SelfAttention": "attention",
@@ -25,7 +39,8 @@ _NAMES = {
     "Trajectory": "dynamics",
     "attend": "kernels",
 }
-_SUBMODULES = {"attention", "lipschitz", "bounds", "adversarial", "dynamics", "kernels", "clustering"}
+_SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
+               "integrators", "geometry", "kernels", "clustering"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 

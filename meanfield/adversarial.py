@@ -83,7 +83,7 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
     The small mass is stored as a log-weight (Measure.two_dirac(..., log_p=...)), so the measure
     stays exact at radii where p underflows. Its mean-field Lipschitz constant (W2 sense,
     Lemma C.5) is ~ (gamma / 2) R^2 exp(gamma R^2) as R grows. With n-1 copies of the second
-    token, the sequence of Proposition 3.4 is this family with p = 1/n (MATH.md section 2).
+    token, the sequence of Proposition 3.4 is this family with p = 1/n (docs/math.md section 2).
     ``positions=True`` gives both atoms position 1 (a masked measure whose atoms see each other).
     ``return_info=True`` also returns a :class:`WitnessInfo` whose ``bound`` is the asymptotic value.
     """

@@ -1,10 +1,10 @@
-"""Attention operators on sequences and on measures (MATH.md sections 1, 2 and 5).
+"""Attention operators on sequences and on measures (docs/math.md sections 1, 2 and 5).
 
-Three operators share one interface:
+Three operators implement the protocol of :mod:`meanfield.operator` (one primitive, ``evaluate``):
 
 * :class:`SelfAttention`: scores s_ij = <A x_i, x_j>, f(X)_i = sum_j softmax_j(s_ij) V x_j
   (Castin et al. 2024, eq. (1)); masked (causal) variant f^m.
-* :class:`MultiHeadAttention`: f_MH(X) = concat_h f^h(X) W_O^T + b (MATH.md section 1).
+* :class:`MultiHeadAttention`: f_MH(X) = concat_h f^h(X) W_O^T + b (docs/math.md section 1).
 * :class:`L2SelfAttention`: the L2 attention of Kim et al. (2021), with tied queries and keys.
 
 Each one acts
@@ -24,10 +24,10 @@ import math
 
 import torch
 
-from particles import Measure
-from particles.validation import as_tensor, check_ndim, resolve_dtype
+from particles.validation import as_tensor, check_ndim, float_dtype
 
 from .kernels import attend
+from .operator import AttentionOperator
 
 __all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
 
@@ -53,127 +53,8 @@ def _vector(value, name, size, dtype, device):
     return t
 
 
-def _sequence_positions(n, like):
-    """Positions s_i = i/n, i = 1..n: the masked measure of a sequence (MATH.md section 2)."""
-    return torch.arange(1, n + 1, dtype=like.dtype, device=like.device) / n
-
-
-class _AttentionOperator:
-    """Shared interface: sequence, __call__ (measures), velocity, to, and input checks.
-
-    Subclasses implement ``_apply(xq, xk, log_weights, q_pos, k_pos)``: queries from points xq
-    (..., m, d), keys/values from points xk (..., n, d) with additive log-weights (..., n)
-    (or None) and, for masked operators, query/key positions.
-    """
-
-    masked: bool
-
-    # -------------------------------------------------------------- to implement
-    @property
-    def d_in(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def d_out(self) -> int:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def dtype(self) -> torch.dtype:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _apply(self, xq, xk, log_weights, q_pos, k_pos):  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    # -------------------------------------------------------------- public maps
-    def _forward(self, X, log_weights=None, positions=None):
-        """Points map of the measure with these log-weights and positions: (..., n, d) -> (..., n, d_out).
-
-        No validation: the Lipschitz estimators differentiate through it with weights held fixed.
-        """
-        pos = positions if self.masked else None
-        return self._apply(X, X, log_weights, pos, pos)
-
-    def sequence(self, X) -> torch.Tensor:
-        """The discrete map f(X) (f^m if masked): X (..., n, d) -> (..., n, d_out)."""
-        X = self._check_points(X, "X")
-        if X.dim() < 2:
-            raise ValueError(f"X: expected a sequence of shape (..., n, {self.d_in}), got {tuple(X.shape)}")
-        pos = _sequence_positions(X.shape[-2], X) if self.masked else None
-        return self._forward(X, None, pos)
-
-    def __call__(self, mu) -> Measure:
-        """The pushforward measure F(mu) = (Gamma_mu)_# mu; weights and positions are kept."""
-        mu = self._check_measure(mu, "mu")
-        pos = mu.positions if self.masked else None
-        out = self._forward(mu.points, mu.log_weights, pos)
-        return Measure._trusted(out, mu.weights, mu.log_weights, mu.positions)
-
-    def velocity(self, mu, x, positions=None) -> torch.Tensor:
-        """Gamma_mu(x) for points x (..., d) (masked: Gamma_mu(s, x) with query positions s).
-
-        The output has shape (..., d_out).
-        """
-        mu = self._check_measure(mu, "mu")
-        x = self._check_points(x, "x")
-        if x.dim() < 1:
-            raise ValueError(f"x: expected points of shape (..., {self.d_in}), got a scalar")
-        lead = x.shape[:-1]
-        xq = x.reshape(-1, self.d_in)
-        q_pos = k_pos = None
-        if self.masked:
-            if positions is None:
-                raise ValueError("positions: a masked operator needs the query positions s of the points x")
-            p = as_tensor(positions, "positions", dtype=self.dtype, device=self.device)
-            if p.shape != lead:
-                raise ValueError(f"positions: expected shape {tuple(lead)} (one per point), got {tuple(p.shape)}")
-            q_pos, k_pos = p.reshape(-1), mu.positions
-        elif positions is not None:
-            raise ValueError("positions: only masked operators take query positions")
-        out = self._apply(xq, mu.points, mu.log_weights, q_pos, k_pos)
-        return out.reshape(*lead, self.d_out)
-
-    # -------------------------------------------------------------- checks
-    def _check_points(self, X, name):
-        if isinstance(X, Measure):
-            raise TypeError(f"{name}: expected a tensor of points, got a Measure "
-                            "(call the operator on measures: op(mu))")
-        if not isinstance(X, torch.Tensor):
-            X = as_tensor(X, name, dtype=self.dtype, device=self.device)
-        else:
-            X = as_tensor(X, name)
-        if X.dim() == 0 or X.shape[-1] != self.d_in:
-            raise ValueError(f"{name}: expected last dimension {self.d_in} (the operator's input dimension), "
-                             f"got shape {tuple(X.shape)}")
-        if X.dtype != self.dtype:
-            raise TypeError(f"{name}: dtype {X.dtype} differs from the operator's {self.dtype} "
-                            "(convert one of them with .to(dtype=...))")
-        if X.device != self.device:
-            raise ValueError(f"{name}: on device {X.device}, the operator is on {self.device}")
-        return X
-
-    def _check_measure(self, mu, name):
-        if not isinstance(mu, Measure):
-            raise TypeError(f"{name}: expected a particles.Measure, got {type(mu).__name__} "
-                            "(use op.sequence(X) for tensors)")
-        if mu.dim != self.d_in:
-            raise ValueError(f"{name}: atoms have dimension {mu.dim}, the operator expects {self.d_in}")
-        if mu.dtype != self.dtype:
-            raise TypeError(f"{name}: dtype {mu.dtype} differs from the operator's {self.dtype} "
-                            "(convert with mu.to(dtype=...))")
-        if mu.device != self.device:
-            raise ValueError(f"{name}: on device {mu.device}, the operator is on {self.device}")
-        if self.masked and mu.positions is None:
-            raise ValueError(f"{name}: a masked operator needs a measure with positions "
-                             "(build it with Measure.sequence(X) or positions=...)")
-        return mu
-
-
-class SelfAttention(_AttentionOperator):
-    """Single-head self-attention f(X)_i = sum_j softmax_j(<A x_i, x_j>) V x_j (MATH.md section 1).
+class SelfAttention(AttentionOperator):
+    """Single-head self-attention f(X)_i = sum_j softmax_j(<A x_i, x_j>) V x_j (docs/math.md section 1).
 
     Parameters
     ----------
@@ -192,7 +73,7 @@ class SelfAttention(_AttentionOperator):
     """
 
     def __init__(self, A, V, masked=False, *, key_bias=None, value_bias=None, dtype=None):
-        dtype = resolve_dtype(dtype)
+        dtype = float_dtype(dtype)
         A = _matrix(A, "A", dtype)
         if A.shape[0] != A.shape[1]:
             raise ValueError(f"A: expected a square (d, d) matrix, got shape {tuple(A.shape)}")
@@ -219,7 +100,7 @@ class SelfAttention(_AttentionOperator):
         checked and dropped); b_Q adds scale <K^T b_Q, x_j> (a key bias); b_V is added to every
         output because each row of P sums to one.
         """
-        dtype = resolve_dtype(dtype)
+        dtype = float_dtype(dtype)
         Q = _matrix(Q, "Q", dtype)
         K = _matrix(K, "K", Q.dtype, Q.device, shape=Q.shape)
         k = Q.shape[0]
@@ -271,7 +152,7 @@ class SelfAttention(_AttentionOperator):
 
     def to(self, device=None, dtype=None) -> SelfAttention:
         """The same operator with parameters on another device and/or dtype."""
-        dtype = resolve_dtype(dtype)
+        dtype = float_dtype(dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         obj = SelfAttention.__new__(SelfAttention)
         obj._Qf, obj._Kf, obj._V, obj._c, obj._bV = map(mv, (self._Qf, self._Kf, self._V, self._c, self._bV))
@@ -294,14 +175,14 @@ class SelfAttention(_AttentionOperator):
             lw = ck if lw is None else lw + ck
         return q, k, v, lw
 
-    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
         q, k, v, lw = self._qkv(xq, xk, log_weights)
         out = attend(q, k, v, lw, q_pos, k_pos)
         return out if self._bV is None else out + self._bV
 
 
-class MultiHeadAttention(_AttentionOperator):
-    """Multi-head attention f_MH(X) = concat_h f^h(X) W_O^T + bias (MATH.md section 1).
+class MultiHeadAttention(AttentionOperator):
+    """Multi-head attention f_MH(X) = concat_h f^h(X) W_O^T + bias (docs/math.md section 1).
 
     ``heads`` is a list of :class:`SelfAttention` sharing the input dimension d and the masking
     (V^h of shape (k_h, d)); ``W_O`` is (d_out, sum_h k_h); ``bias`` is (d_out,). Heads with the
@@ -379,16 +260,16 @@ class MultiHeadAttention(_AttentionOperator):
         return self._W_O.device
 
     def to(self, device=None, dtype=None) -> MultiHeadAttention:
-        mv = lambda t: None if t is None else t.to(device=device, dtype=resolve_dtype(dtype))
+        mv = lambda t: None if t is None else t.to(device=device, dtype=float_dtype(dtype))
         return MultiHeadAttention([h.to(device, dtype) for h in self.heads], mv(self._W_O), mv(self._b))
 
     def __repr__(self) -> str:
         kind = "masked, " if self.masked else ""
         return f"MultiHeadAttention({kind}heads={len(self.heads)}, d_in={self.d_in}, d_out={self.d_out})"
 
-    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
         if self._stack is None:
-            outs = [h._apply(xq, xk, log_weights, q_pos, k_pos) for h in self.heads]
+            outs = [h.evaluate(xq, xk, log_weights, q_pos, k_pos) for h in self.heads]
             concat = torch.cat(outs, dim=-1)
         else:
             Qs, Ks, Vs, cs, bVs, fused = self._stack
@@ -422,7 +303,7 @@ class MultiHeadAttention(_AttentionOperator):
         return out if self._b is None else out + self._b
 
 
-class L2SelfAttention(_AttentionOperator):
+class L2SelfAttention(AttentionOperator):
     """L2 multi-head self-attention of Kim, Papamakarios & Mnih (2021), tied queries and keys.
 
     Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right):
@@ -449,7 +330,7 @@ class L2SelfAttention(_AttentionOperator):
     """
 
     def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):
-        dtype = resolve_dtype(dtype)
+        dtype = float_dtype(dtype)
         WQ = as_tensor(W_Q, "W_Q", dtype=dtype)
         if WQ.dim() == 2:
             WQ = WQ.unsqueeze(0)
@@ -508,7 +389,7 @@ class L2SelfAttention(_AttentionOperator):
         return self._WQ.device
 
     def to(self, device=None, dtype=None) -> L2SelfAttention:
-        dtype = resolve_dtype(dtype)
+        dtype = float_dtype(dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         return L2SelfAttention(mv(self._WQ), mv(self._WV), mv(self._WO), mv(self._b), self.masked)
 
@@ -516,7 +397,7 @@ class L2SelfAttention(_AttentionOperator):
         kind = "masked, " if self.masked else ""
         return f"L2SelfAttention({kind}heads={self.num_heads}, d_in={self.d_in}, d_out={self.d_out})"
 
-    def _apply(self, xq, xk, log_weights, q_pos, k_pos):
+    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
         qq = torch.einsum("...md,hdk->...hmk", xq, self._WQ)
         kk = torch.einsum("...nd,hdk->...hnk", xk, self._WQ)
         v = torch.einsum("...nd,hdk->...hnk", xk, self._AV)

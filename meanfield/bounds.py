@@ -1,7 +1,7 @@
 """The Lipschitz bounds of *How Smooth Is Attention?* (Castin, Ablin, Peyre, ICML 2024) as plain functions.
 
 Every function takes matrices as numpy arrays or torch tensors and returns a Python float
-(MATH.md section 5). Spectral norms ``||.||_2`` throughout. Conventions: scores
+(docs/math.md section 5). Spectral norms ``||.||_2`` throughout. Conventions: scores
 ``s_ij = <A x_i, x_j>``, values ``V x_j`` with ``V`` of shape (d_out, d), tokens in the ball B_R.
 
 Upper bounds            :func:`sqrt_n_upper` (Thm 3.3 / 4.3), :func:`mean_field_upper` (Thm 3.5 / 4.4),
@@ -100,8 +100,15 @@ def sqrt_n_upper(A, V, R, n) -> float:
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
     na, nv = float(np.linalg.norm(a, 2)), float(np.linalg.norm(v, 2))
-    # hypot keeps the intermediate R^4 from overflowing before the square root
-    return float(math.sqrt(3.0) * nv * math.hypot(na * R * R * math.sqrt(4 * n + 1), math.sqrt(n)))
+    # in logarithms: n may be an integer beyond float range (10**400), and R^4 may overflow
+    log_terms = [math.log(n)]
+    if na > 0 and R > 0:
+        log_terms.append(2 * math.log(na) + 4 * math.log(R) + math.log(4 * n + 1))
+    if nv == 0:
+        return 0.0
+    top = max(log_terms)
+    log_root = 0.5 * (top + math.log(sum(math.exp(t - top) for t in log_terms)))
+    return _exp_or_inf(0.5 * math.log(3.0) + math.log(nv) + log_root)
 
 
 def mean_field_upper(A, V, R, *, log: bool = False) -> float:
@@ -165,6 +172,8 @@ def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
     gamma = 0 (case "max"). A matrix with no real eigenvalue raises a ValueError.
     """
     a = _square(A)
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol: expected a finite tolerance >= 0, got {tol!r}")
     evals, evecs = np.linalg.eig(a)
     real = np.abs(evals.imag) <= tol * (1.0 + np.abs(evals))
     if not real.any():
@@ -209,7 +218,13 @@ def sqrt_n_lower(A, R, n) -> float:
     g = gamma(A)
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
-    return float(math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * g * R * R)))
+    if n == 1:
+        return 0.0
+    # in logarithms: n may be an integer beyond float range (10**400)
+    log_m = math.log(n - 1)
+    t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2})
+    softplus = t + math.log1p(math.exp(-t)) if t > 0 else math.log1p(math.exp(t))
+    return _exp_or_inf(0.5 * log_m - softplus)
 
 
 def two_dirac_lower(A, R, *, log: bool = False) -> float:
@@ -313,10 +328,10 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
     max_h ||W_Q^h||_inf ||W_Q^h^T||_inf max_h ||W_V^h^T||_inf``.
 
     ``norm="2"``: ``(sqrt(N)/sqrt(k)) (4 phi^{-1}(N-1) + 1) (sum_h ||W_Q^h||_2^4 ||W_V^h||_2^2)^{1/2}
-    ||W_O||_2``. The form recalled in MATH.md, with ``||W_Q^h||_2^2`` inside the sum, is false: it
-    scales linearly in W_Q while L2 attention scales quadratically (at N = 1 the map is
-    x -> x A W_V W_O, of constant ||W_Q W_Q^T W_V W_O||_2 / sqrt(k)); tests/test_bounds.py shows a
-    counterexample and checks the fourth-power form on random and adversarial inputs. The
+    ||W_O||_2``. The form as commonly recalled, with ``||W_Q^h||_2^2`` inside the sum, is false
+    (docs/math.md section 5): it scales linearly in W_Q while L2 attention scales quadratically (at
+    N = 1 the map is x -> x A W_V W_O, of constant ||W_Q W_Q^T W_V W_O||_2 / sqrt(k)); the tests
+    check a counterexample and the fourth-power form on random and adversarial inputs. The
     fourth power is what the published proof's per-head factor ||W_Q||_2 ||W_Q^T||_2 gives.
 
     phi^{-1}(N-1) = W_0((N-1)/e) (:func:`lambert_phi_inverse`). Different heads may have

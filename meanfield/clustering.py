@@ -1,4 +1,4 @@
-"""Clustering diagnostics of token dynamics (MATH.md section 6; Geshkovski et al. 2023).
+"""Clustering diagnostics of token dynamics (docs/math.md section 6; Geshkovski et al. 2023).
 
 * :func:`cluster_labels` / :func:`count_clusters`: single-linkage clusters at a distance
   tolerance (connected components of the graph |x_i - x_j| <= tol), over time for a trajectory;

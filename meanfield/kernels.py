@@ -4,7 +4,7 @@
 
 with queries q (..., m, e), keys k (..., n, e), values v (..., n, c), log-weights log a (..., n)
 (Measure.log_weights; None for uniform), query positions t (..., m) and key positions s (..., n)
-for masked attention (MATH.md section 2). For self-attention q = X A^T, k = X, v = X V^T, so
+for masked attention (docs/math.md section 2). For self-attention q = X A^T, k = X, v = X V^T, so
 that <q_i, k_j> = <A x_i, x_j> = s_ij.
 
 Every operator of the framework calls :func:`attend`. Two paths compute the same map:
@@ -94,6 +94,28 @@ def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
     return batch.numel() * q.shape[-2] * k.shape[-2]
 
 
+def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
+    """Shape errors that name the argument (cheap: shapes only, no data is read)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            raise ValueError(f"{name}: expected a tensor of shape (..., rows, features), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q, k: queries have {q.shape[-1]} features and keys {k.shape[-1]}; they must agree")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"v: expected one value per key ({k.shape[-2]}), got shape {tuple(v.shape)}")
+    if log_weights is not None and log_weights.shape[-1] != k.shape[-2]:
+        raise ValueError(f"log_weights: expected one entry per key ({k.shape[-2]}), "
+                         f"got shape {tuple(log_weights.shape)}")
+    if (q_pos is None) != (k_pos is None):
+        raise ValueError("q_pos, k_pos: give both positions (masked attention) or neither")
+    if q_pos is not None:
+        if q_pos.shape[-1] != q.shape[-2]:
+            raise ValueError(f"q_pos: expected one position per query ({q.shape[-2]}), got shape {tuple(q_pos.shape)}")
+        if k_pos.shape[-1] != k.shape[-2]:
+            raise ValueError(f"k_pos: expected one position per key ({k.shape[-2]}), got shape {tuple(k_pos.shape)}")
+
+
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
@@ -101,6 +123,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     (torch's scaled_dot_product_attention, opt-in), or "auto"; None takes the default set by
     :func:`use` ("auto": dense up to :data:`STREAM_THRESHOLD` score entries, streaming above).
     """
+    _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
     _check_method(method)

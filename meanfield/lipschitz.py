@@ -1,4 +1,4 @@
-"""Local Lipschitz constants of attention: certified Krylov estimates of ||D_X f||_2 (MATH.md section 4).
+"""Local Lipschitz constants of attention: certified Krylov estimates of ||D_X f||_2 (docs/math.md section 4).
 
 ``local_lipschitz(f, X)`` estimates Lip_X(f) = ||D_X f||_2, the largest singular value of the
 Jacobian, matrix-free: J u is the *tangent* output of a forward-mode JVP and J^T w a VJP, so
@@ -40,9 +40,17 @@ import torch
 from torch.func import jacfwd, jacrev, jvp, vjp
 
 from particles import Measure
-from particles.validation import ConvergenceError, as_tensor, check_allocation, check_on_failure, make_generator
+from particles.validation import (
+    ConvergenceError,
+    check_allocation,
+    check_on_failure,
+    check_positive_float,
+    check_positive_int,
+    check_seed,
+    make_generator,
+)
 
-from .attention import _AttentionOperator, _sequence_positions
+from .operator import as_operator, sequence_positions
 
 __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "ConvergenceError"]
 
@@ -114,12 +122,35 @@ class _Problem:
         self.applications = 0
         self.scale = None      # (b,) powers of two, set by the first J product
         self.zero = None       # (b,) members whose Jacobian is exactly zero
+        self.forward_mode = True
+        self._rr = None        # reverse-over-reverse state, when forward-mode AD is unavailable
+
+    def _jvp(self, u):
+        if self.forward_mode:
+            try:
+                # the tangent output [1], not the primal [0]: the pitfall of docs/math.md section 4
+                return jvp(self.fn, (self.X,), (u,))[1]
+            except NotImplementedError:
+                # e.g. torch's fused attention kernels have no forward-mode derivative on CPU
+                self.forward_mode = False
+        return self._jvp_reverse(u)
+
+    def _jvp_reverse(self, u):
+        """J u by reverse-over-reverse: g(w) = J^T w is linear in w, so J u = d<g(w), u>/dw."""
+        if self._rr is None:
+            Xr = self.X.detach().requires_grad_(True)
+            with torch.enable_grad():
+                out = self.fn(Xr)
+                w = torch.zeros_like(out, requires_grad=True)
+                g = torch.autograd.grad(out, Xr, w, create_graph=True)[0]
+            self._rr = (w, g)
+        w, g = self._rr
+        return torch.autograd.grad(g, w, u, retain_graph=True)[0].detach()
 
     def _raw_J(self, u):
         if self.s_in is not None:
             u = u * self.s_in
-        # the tangent output [1], not the primal [0]: the pitfall of docs/math.md section 4
-        w = jvp(self.fn, (self.X,), (u,))[1]
+        w = self._jvp(u)
         self.applications += 1
         w = w if self.s_out is None else w * self.s_out
         _check_product(w, "J u")
@@ -206,53 +237,28 @@ def _scalings(log_weights, dtype):
 
 
 def _make_problems(f, X):
-    """Returns (list of (fn, X_batch, s_in, s_out), batched_flag, input shape)."""
-    is_op = isinstance(f, _AttentionOperator)
-    if not is_op and not callable(f):
-        raise TypeError(f"f: expected an attention operator or a callable on tensors, got {type(f).__name__}")
+    """(operator, list of (fn, X_batch, s_in, s_out), batched flag) for f at X."""
+    op = as_operator(f)
     if isinstance(X, Measure):
-        mu = X
-        if is_op:
-            mu = f._check_measure(mu, "X")
-            lw, pos = mu.log_weights, mu.positions if f.masked else None
-            fn = lambda Y: f._forward(Y, lw, None if pos is None else pos)
-        else:
-            with torch.no_grad():
-                _call(f, mu.points)
-            fn = lambda Y: _call(f, Y[0]).unsqueeze(0)
+        mu = op.check_measure(X, "X")
+        lw = None if op.points_only else mu.log_weights
+        pos = mu.positions if op.masked else None
+        fn = lambda Y: op.points_map(Y, lw, pos)
         s_in, s_out = _scalings(mu.log_weights, mu.dtype)
-        return [(fn, mu.points.detach().unsqueeze(0), s_in, s_out)], False
-    if is_op:
-        Xt = f._check_points(X, "X")
-    else:
-        Xt = as_tensor(X, "X")
-        if not Xt.is_floating_point():  # pragma: no cover - as_tensor converts
-            raise TypeError("X: expected floating-point data")
+        return op, [(fn, mu.points.detach().unsqueeze(0), s_in, s_out)], False
+    Xt = op.check_points(X, "X")
     if Xt.dim() not in (2, 3):
         raise ValueError(f"X: expected a sequence (n, d) or a batch of sequences (b, n, d), got {tuple(Xt.shape)}")
     batched = Xt.dim() == 3
     Xb = (Xt if batched else Xt.unsqueeze(0)).detach()
     if Xb.shape[0] == 0 or Xb.shape[1] == 0:
         raise ValueError(f"X: empty input of shape {tuple(Xt.shape)}")
-    if is_op:
-        pos = _sequence_positions(Xb.shape[1], Xb) if f.masked else None
-        fn = lambda Y: f._forward(Y, None, pos)
-        return [(fn, Xb, None, None)], batched
-    # one plain call first, outside autograd transforms, so that a wrong return type gets a clear error
-    with torch.no_grad():
-        _call(f, Xb[0])
-    # an arbitrary callable may not batch: one problem per sequence
-    fn = lambda Y: _call(f, Y[0]).unsqueeze(0)
-    return [(fn, Xb[i:i + 1], None, None) for i in range(Xb.shape[0])], batched
-
-
-def _call(f, Y):
-    out = f(Y)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"f: expected it to return a torch tensor, got {type(out).__name__}")
-    if out.dim() == 0:
-        raise ValueError("f: returned a scalar; expected outputs of shape (n, d')")
-    return out
+    pos = sequence_positions(Xb.shape[1], Xb) if op.masked else None
+    fn = lambda Y: op.points_map(Y, None, pos)
+    if op.points_only:
+        # a bare callable may not batch: one problem per sequence
+        return op, [(fn, Xb[i:i + 1], None, None) for i in range(Xb.shape[0])], batched
+    return op, [(fn, Xb, None, None)], batched
 
 
 # ---------------------------------------------------------------------- solvers
@@ -404,8 +410,11 @@ def _dense(p, memory_limit):
         fn1 = lambda Y, i=i: p.fn(torch.cat([p.X[:i], Y.unsqueeze(0), p.X[i + 1:]]))[i]
         if p.X.shape[0] == 1:
             fn1 = lambda Y: p.fn(Y.unsqueeze(0))[0]
-        jac = jacfwd(fn1) if n_in < n_out else jacrev(fn1)
-        J = jac(X).reshape(n_out, n_in)
+        try:
+            J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
+        except NotImplementedError:  # no forward-mode derivative (fused kernels): reverse mode only
+            p.forward_mode = False
+            J = jacrev(fn1)(X).reshape(n_out, n_in)
         if p.s_in is not None:
             s_out = p.s_out.expand(p.out_shape[1:]).reshape(-1)
             s_in = p.s_in.expand(X.shape).reshape(-1)
@@ -439,7 +448,7 @@ def _canonical_sign(u):
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, on_failure="raise",
                     memory_limit=None):
-    """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (MATH.md section 4), certified.
+    """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (docs/math.md section 4), certified.
 
     Parameters
     ----------
@@ -472,15 +481,14 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
     """
     if method not in _METHODS:
         raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not (tol > 0 and math.isfinite(tol)):
-        raise ValueError(f"tol: expected a positive finite number, got {tol!r}")
+    tol = check_positive_float(tol, "tol")
     check_on_failure(on_failure)
     if max_iter is None:
         max_iter = _DEFAULT_MAX_ITER.get(method, 1)
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise ValueError(f"max_iter: expected a positive integer, got {max_iter!r}")
+    max_iter = check_positive_int(max_iter, "max_iter")
+    seed = check_seed(seed)
 
-    problems, batched = _make_problems(f, X)
+    op, problems, batched = _make_problems(f, X)
     results = []
     for fn, Xb, s_in, s_out in problems:
         p = _Problem(fn, Xb, s_in, s_out)
@@ -514,12 +522,13 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
 def lipschitz_ratio(op, mu, nu) -> float:
     """W2(F mu, F nu) / W2(mu, nu), with conditional W2 (Definition 4.1) for masked operators.
 
-    As nu -> mu this tends to at most the local constant of F at mu (MATH.md section 4).
+    ``op`` is anything :func:`meanfield.as_operator` accepts (a meanfield operator, a Hugging Face
+    attention layer, ...; a bare callable only on uniform, unpositioned measures). As nu -> mu the
+    ratio tends to at most the local constant of F at mu (docs/math.md section 4).
     """
-    if not isinstance(op, _AttentionOperator):
-        raise TypeError(f"op: expected an attention operator of meanfield.attention, got {type(op).__name__}")
-    mu = op._check_measure(mu, "mu")
-    nu = op._check_measure(nu, "nu")
+    op = as_operator(op)
+    mu = op.check_measure(mu, "mu")
+    nu = op.check_measure(nu, "nu")
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import conditional_w2, w2
 

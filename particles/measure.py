@@ -1,4 +1,4 @@
-"""Weighted particle clouds: the probability measures attention acts on (MATH.md section 2).
+"""Weighted particle clouds: the probability measures attention acts on (docs/math.md section 2).
 
 A :class:`Measure` is ``mu = sum_j a_j delta_{x_j}`` with points ``x_j`` in R^d and weights
 ``a_j >= 0`` summing to one. For masked (causal) attention every atom also carries a position
@@ -294,7 +294,7 @@ class Measure:
         """Split atom i of mass a into (x_i, t a) and (x_i, (1 - t) a), t = ``fraction``.
 
         The result is the same measure (W2 distance zero); its representation has one more atom
-        that the mass-splitting study lets move apart (MATH.md section 4). The new atom is
+        that the mass-splitting study lets move apart (docs/math.md section 4). The new atom is
         inserted right after atom i and has the same position.
         """
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
@@ -316,7 +316,7 @@ class Measure:
         """Merge atoms that coincide (points within ``atol`` in max-norm, same position).
 
         Each group becomes one atom of summed weight at the weight-averaged location: duplicated
-        atoms and one atom of the summed weight are the same measure (MATH.md section 2).
+        atoms and one atom of the summed weight are the same measure (docs/math.md section 2).
         Groups are the connected components of the "within atol" relation; order follows the
         first atom of each group.
         """

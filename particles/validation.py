@@ -31,6 +31,14 @@ def resolve_dtype(dtype) -> torch.dtype | None:
         raise TypeError(f"dtype: cannot interpret {dtype!r} as a dtype") from exc
 
 
+def float_dtype(dtype, name: str = "dtype") -> torch.dtype | None:
+    """:func:`resolve_dtype`, refusing non-floating dtypes (an int64 operator would round to zeros)."""
+    dt = resolve_dtype(dtype)
+    if dt is not None and not dt.is_floating_point:
+        raise TypeError(f"{name}: expected a floating dtype (torch.float64 or torch.float32), got {dt}")
+    return dt
+
+
 def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True) -> torch.Tensor:
     """Convert ``value`` (torch tensor, numpy array, nested list or number) to a float tensor.
 
@@ -105,8 +113,28 @@ def check_positive_int(n, name: str, minimum: int = 1) -> int:
     return int(n)
 
 
+def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
+    """A finite positive real number (numpy scalars accepted), as a float; bools and strings are errors."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
+    x = float(x)
+    if not np.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ValueError(f"{name}: expected a finite {'non-negative' if allow_zero else 'positive'} number, got {x}")
+    return x
+
+
+def check_seed(seed, name: str = "seed"):
+    """None, a torch.Generator, or an integer (numpy integers accepted)."""
+    if seed is None or isinstance(seed, torch.Generator):
+        return seed
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, None or a torch.Generator, got {type(seed).__name__}")
+    return int(seed)
+
+
 def make_generator(seed, device=None) -> torch.Generator | None:
     """A torch Generator seeded by ``seed`` (None: use the global RNG)."""
+    seed = check_seed(seed)
     if seed is None or isinstance(seed, torch.Generator):
         return seed
     g = torch.Generator(device=device or "cpu")

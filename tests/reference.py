@@ -13,10 +13,11 @@ from scipy.optimize import linear_sum_assignment, linprog
 from scipy.special import lambertw
 
 
-def naive_attention(X, A, V, masked=False, log_weights=None, b_Q=None):
+def naive_attention(X, A, V, masked=False, log_weights=None, b_Q=None, positions=None):
     """f(X)_i = sum_j P_ij V x_j, P_ij = softmax_j(<A x_i, x_j> (+ log a_j)); causal if masked.
 
     ``b_Q`` (optional, (d,)) adds <b_Q-term, x_j>: the score becomes <A x_i + c, x_j> with c given.
+    Masked: token i sees j <= i, or, with ``positions`` s, the atoms with s_j <= s_i.
     """
     n = X.shape[-2]
     S = (X @ A.T) @ X.transpose(-1, -2)
@@ -24,7 +25,9 @@ def naive_attention(X, A, V, masked=False, log_weights=None, b_Q=None):
         S = S + (X @ b_Q)[..., None, :]
     if log_weights is not None:
         S = S + log_weights
-    if masked:
+    if masked and positions is not None:
+        S = S.masked_fill(positions[None, :] > positions[:, None], float("-inf"))
+    elif masked:
         S = S.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
     P = torch.softmax(S, dim=-1)
     return P @ X @ V.T

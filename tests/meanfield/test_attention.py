@@ -1,4 +1,4 @@
-"""Attention operators against independent naive implementations (tests/reference.py and below)."""
+"""Attention operators against independent naive implementations (tests/reference.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention
 from particles import Measure
-from tests.reference import naive_attention
+from tests.reference import naive_attention, naive_l2, naive_qkv
 
 f64 = torch.float64
 
@@ -18,30 +18,6 @@ f64 = torch.float64
 def rand(*shape, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return scale * torch.randn(*shape, generator=g, dtype=f64)
-
-
-def naive_qkv(X, Q, K, V, b_Q, b_K, b_V, masked=False):
-    """softmax((X Q^T + b_Q)(X K^T + b_K)^T / sqrt(k)) (X V^T + b_V), written out directly."""
-    q = X @ Q.T + b_Q
-    k = X @ K.T + b_K
-    S = q @ k.T / math.sqrt(Q.shape[0])
-    if masked:
-        S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
-    return torch.softmax(S, -1) @ (X @ V.T + b_V)
-
-
-def naive_l2(X, WQ, WV, WO, masked=False):
-    """Kim et al. (2021) L2 multi-head attention with tied W_Q = W_K, written from the paper."""
-    outs = []
-    for h in range(WQ.shape[0]):
-        k = WQ.shape[2]
-        Z = X @ WQ[h]
-        S = -torch.cdist(Z, Z) ** 2 / math.sqrt(k)
-        if masked:
-            S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
-        P = torch.softmax(S, -1)
-        outs.append(P @ X @ (WQ[h] @ WQ[h].T / math.sqrt(k)) @ WV[h])
-    return torch.cat(outs, -1) @ WO
 
 
 @pytest.mark.parametrize("masked", [False, True])

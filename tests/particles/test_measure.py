@@ -1,7 +1,7 @@
-"""particles.Measure: constructors, operations, statistics and input validation (issue 2).
+"""particles.Measure: constructors, operations, statistics and input validation.
 
-Truths: numpy (np.average, np.cov), closed forms (sphere radius, positions i/n), POT/scipy
-assignment for split invariance, exact error messages for bad inputs.
+Truths: numpy (np.average, np.cov), closed forms (sphere radius, positions i/n), the transport LP
+(scipy) for split invariance, exact error messages for bad inputs.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import ot
 import pytest
 import torch
 
 from particles import Measure
+from tests.reference import w2_lp
 
 F64 = torch.float64
 
@@ -28,10 +28,8 @@ def rand_weights(n, seed=0):
 
 
 def emd_w2sq(mu, nu):
-    """Independent W2^2: POT emd on a cost matrix built with numpy broadcasting."""
-    X, Y = mu.points.detach().numpy(), nu.points.detach().numpy()
-    M = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
-    return float(ot.emd2(mu.weights.numpy(), nu.weights.numpy(), M))
+    """Independent W2^2: the transport linear program solved by scipy (tests/reference.py), no POT."""
+    return w2_lp(mu.points.detach(), mu.weights.detach(), nu.points.detach(), nu.weights.detach()) ** 2
 
 
 # ---------------------------------------------------------------- constructors

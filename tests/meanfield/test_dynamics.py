@@ -1,4 +1,4 @@
-"""Token dynamics (issue 6): simulate, its variants, and the clustering diagnostics.
+"""Token dynamics: simulate, its variants, and the clustering diagnostics.
 
 Truths: a direct loop of residual layers written with tests.reference.naive_attention, a tight
 torchdiffeq dopri5 solution (an independent integrator), the closed-form rescaled field

@@ -59,7 +59,8 @@ def test_witness_attains_lower_bound_with_library(masked):
 
 
 def test_sequence_of_copies_equals_two_atom_measure():
-    """MATH.md 2: n-1 copies of one token act like the 2-atom measure (1/n, (n-1)/n), constants included."""
+    """n-1 copies of one token act like the 2-atom measure (1/n, (n-1)/n), constants included
+    (docs/math.md section 2)."""
     A, I = -torch.eye(3, dtype=F64), torch.eye(3, dtype=F64)
     for n in (2, 7, 30):
         X = adversarial.sqrt_n_sequence(A, 2.0, n)

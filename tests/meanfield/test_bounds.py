@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention, adversarial, bounds, local_lipschitz
-from tests.reference import dense_lipschitz, naive_attention
+from tests.reference import dense_lipschitz, naive_attention, naive_l2
 
 F64 = torch.float64
 RTOL = 1e-9  # float64 round-off allowed when a bound is attained
@@ -145,7 +145,7 @@ def test_two_dirac_ratio_tends_to_one(A):
     assert all(b < a for a, b in zip(ratios, ratios[1:])), ratios
     assert 1.0 <= ratios[-1] <= 1.0 + 1.5 / (g * radii[-1] ** 2), ratios
     if torch.equal(A, torch.eye(3, dtype=F64)):
-        assert ratios[-1] == pytest.approx(1.08, abs=5e-3)  # MATH.md: about 1.08 at R = 10
+        assert ratios[-1] == pytest.approx(1.08, abs=5e-3)  # docs/math.md section 5: about 1.08 at R = 10
 
 
 def test_two_dirac_constant_with_library_matches_naive():
@@ -226,17 +226,6 @@ def test_multihead_upper_holds_with_biases(masked):
 
 
 # ---------------------------------------------------------------------------- Kim et al. L2 attention
-def naive_l2(X, WQ, WV, WO):
-    """L2 multi-head attention written from MATH.md 5 (Kim et al.), independent of the library."""
-    outs = []
-    for q, v in zip(WQ, WV):
-        k = q.shape[1]
-        Y = X @ q
-        P = torch.softmax(-((Y[:, None, :] - Y[None, :, :]) ** 2).sum(-1) / math.sqrt(k), dim=-1)
-        outs.append(P @ X @ (q @ q.T / math.sqrt(k)) @ v)
-    return torch.cat(outs, dim=-1) @ WO
-
-
 def l2_params(D, H, scale, seed):
     k = D // H
     return ([rand(D, k, seed=seed + h, scale=scale) for h in range(H)],
@@ -270,7 +259,8 @@ def test_l2_attention_upper_holds(N, H, scale, steps):
 
 def test_l2_attention_upper_attained_at_one_token_and_recalled_form_false():
     """At N = 1 the map is x -> x W_Q W_Q^T W_V W_O / sqrt(k): the fourth-power form is attained for
-    aligned weights, and the form recalled in MATH.md (||W_Q||^2 under the root) falls below it."""
+    aligned weights, and the form as commonly recalled, with ||W_Q||^2 under the root (docs/math.md
+    section 5), falls below it."""
     D, k, s = 4, 2, 3.0
     WQ = [s * torch.eye(D, k, dtype=F64)]
     WV = [torch.eye(D, k, dtype=F64)]

@@ -1,0 +1,360 @@
+"""Hugging Face attention layers (GPT-2, BERT) as operators of the framework.
+
+``transformers`` is imported by nobody here: the functions work on the modules a user already has
+(``pip install smooth-attention[models]`` for loading them; :mod:`studies.models` loads checkpoints).
+
+* :class:`HFAttention`: a layer's attention as an :class:`~meanfield.operator.AttentionOperator`.
+  The measure's weights enter the scores as an additive mask log a_j, its positions as the causal
+  part of the mask (a key at position s_j is seen by a query at t iff s_j <= t), so a real layer acts
+  on measures like any operator: its W2-sense Lipschitz constant, its Lipschitz ratios, its token
+  dynamics (a real layer as a PDE). The mask is always passed explicitly: a module called alone
+  applies no causal mask of its own (and an SDPA module given no mask could apply one).
+  Two maps: ``block=False`` (default) is the attention alone, W_O concat_h f^h(X) + b, the paper's
+  object (GPT-2: ``attn`` with ``c_proj``; BERT: ``attention.output.dense(attention.self(X))``);
+  ``block=True`` is the whole attention block as Hugging Face computes it (BERT:
+  ``LayerNorm(X + dense(self(X)))``; GPT-2: ``X + attn(ln_1(X))``).
+* :func:`extract_layer`: per-head parameters from both layouts (BERT ``Linear``, GPT-2 fused
+  ``Conv1D`` with its transposed weight) as :class:`LayerParameters`, convertible to a
+  :class:`~meanfield.attention.MultiHeadAttention` (docs/math.md section 1).
+* :func:`capture_attention_inputs`: forward pre-hooks recording what each attention module really
+  receives on a text (GPT-2: the output of ``ln_1``; BERT: the embeddings or the previous layer).
+* :func:`attention_function`: a layer's attention as a plain function X (..., n, d) -> (..., n, d).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .operator import AttentionOperator, additive_mask, sequence_positions
+
+__all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
+           "capture_attention_inputs", "causal_mask", "attention_function", "extract_layer", "LayerParameters",
+           "KINDS"]
+
+KINDS = ("gpt2", "bert")
+
+
+# ---------------------------------------------------------------------- models and layers
+def model_kind(model) -> str:
+    """``"gpt2"`` or ``"bert"`` (from ``model.config.model_type``); anything else is a ValueError."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in KINDS:
+        raise ValueError(f"model: expected a GPT-2 or BERT model from transformers, got model_type {kind!r}")
+    return kind
+
+
+def is_causal(model) -> bool:
+    """Whether the model's self-attention is causal: GPT-2 always, BERT when ``is_decoder``."""
+    return model_kind(model) == "gpt2" or bool(model.config.is_decoder)
+
+
+def _base(model):
+    """The bare GPT2Model / BertModel inside a head model (LM head etc.)."""
+    kind = model_kind(model)
+    for attr in ("transformer", "bert"):
+        if hasattr(model, attr) and not hasattr(model, "h" if kind == "gpt2" else "encoder"):
+            return getattr(model, attr)
+    return model
+
+
+def _layers(model):
+    base = _base(model)
+    return base.h if model_kind(model) == "gpt2" else base.encoder.layer
+
+
+def num_layers(model) -> int:
+    return len(_layers(model))
+
+
+def _check_layer(model, layer: int) -> int:
+    L = num_layers(model)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
+        raise ValueError(f"layer: expected an integer in [0, {L}), got {layer!r}")
+    return layer % L
+
+
+def _attention_core(model, layer: int):
+    """The module whose input is the attention input: GPT2Attention, or BertSelfAttention."""
+    blk = _layers(model)[_check_layer(model, layer)]
+    return blk.attn if model_kind(model) == "gpt2" else blk.attention.self
+
+
+def attention_module(model, layer: int):
+    """Layer ``layer``'s attention module: ``GPT2Attention`` or ``BertAttention``."""
+    blk = _layers(model)[_check_layer(model, layer)]
+    return blk.attn if model_kind(model) == "gpt2" else blk.attention
+
+
+def _kind_of_module(module) -> str | None:
+    """"gpt2" (GPT2Attention), "bert" (BertAttention), "bert_self" (BertSelfAttention) or None."""
+    if all(hasattr(module, a) for a in ("c_attn", "c_proj", "num_heads", "head_dim")):
+        return "gpt2"
+    if hasattr(module, "self") and hasattr(getattr(module, "output", None), "dense"):
+        return "bert" if _kind_of_module(module.self) == "bert_self" else None
+    if all(hasattr(module, a) for a in ("query", "key", "value", "num_attention_heads")):
+        return "bert_self"
+    return None
+
+
+def is_hf_attention(module) -> bool:
+    """Whether ``module`` is a GPT-2 or BERT self-attention module this adapter wraps."""
+    return isinstance(module, torch.nn.Module) and _kind_of_module(module) is not None
+
+
+# ---------------------------------------------------------------------- the operator
+class HFAttention(AttentionOperator):
+    """A Hugging Face GPT-2 / BERT attention layer as an operator (module docstring).
+
+    Parameters
+    ----------
+    module : GPT2Attention, BertAttention or BertSelfAttention
+        In eval mode (dropout would make the map random). ``BertSelfAttention`` alone is the
+        concatenation of the heads, without W_O.
+    masked : bool
+        Causal attention: sequences use positions i/n, measures their own positions.
+    block : bool
+        The whole attention block instead of the attention alone (module docstring); needs
+        ``BertAttention`` or, for GPT-2, the ``ln_1`` of the block (``from_model`` gives it).
+    ln : the GPT-2 block's ``ln_1`` (used when ``block=True``).
+    """
+
+    def __init__(self, module, *, masked: bool = False, block: bool = False, ln=None, name: str | None = None):
+        kind = _kind_of_module(module) if isinstance(module, torch.nn.Module) else None
+        if kind is None:
+            raise TypeError(f"module: expected a GPT2Attention, BertAttention or BertSelfAttention module, "
+                            f"got {type(module).__name__}")
+        for flag, val in (("masked", masked), ("block", block)):
+            if not isinstance(val, bool):
+                raise TypeError(f"{flag}: expected a bool, got {type(val).__name__}")
+        if kind == "gpt2" and getattr(module, "is_cross_attention", False):
+            raise ValueError("module: cross-attention is not self-attention")
+        if block and kind == "bert_self":
+            raise ValueError("block: the block needs BertAttention (self + output with its LayerNorm), "
+                             "not BertSelfAttention")
+        if block and kind == "gpt2" and ln is None:
+            raise ValueError("ln: block=True on GPT-2 needs the block's ln_1 (use HFAttention.from_model)")
+        self.module, self.kind, self.masked, self.block, self.ln = module, kind, masked, block, ln
+        self.name = name or type(module).__name__
+        p = next(module.parameters())
+        self._dtype, self._device = p.dtype, p.device
+        self._core = module.self if kind == "bert" else module
+        self._d = (module.embed_dim if kind == "gpt2" else
+                   self._core.query.in_features)
+        self._d_out = self._d if kind != "bert_self" else self._core.all_head_size
+
+    @classmethod
+    def from_model(cls, model, layer: int, *, masked: bool | None = None, block: bool = False) -> HFAttention:
+        """Layer ``layer`` of a GPT-2 / BERT model; ``masked`` defaults to the model's own mask (causal
+        for GPT-2 and for BERT as a decoder). ``masked=False`` on GPT-2 (or True on a BERT encoder) is
+        the ablation with the same weights."""
+        kind = model_kind(model)
+        layer = _check_layer(model, layer)
+        masked = is_causal(model) if masked is None else masked
+        ln = _layers(model)[layer].ln_1 if kind == "gpt2" else None
+        what = "block" if block else "attention"
+        return cls(attention_module(model, layer), masked=masked, block=block, ln=ln,
+                   name=f"{kind} layer {layer} {what}{' (causal)' if masked else ''}")
+
+    d_in = property(lambda self: self._d)
+    d_out = property(lambda self: self._d_out)
+    dtype = property(lambda self: self._dtype)
+    device = property(lambda self: self._device)
+
+    def __repr__(self) -> str:
+        return f"HFAttention({self.name}, masked={self.masked}, block={self.block})"
+
+    def parameters(self) -> LayerParameters:
+        """Per-head parameters of the wrapped layer (:func:`extract_layer`)."""
+        return _extract(self.module, self.kind, masked=self.masked, layer=-1)
+
+    def _check_eval(self):
+        if self.module.training or (self.ln is not None and self.ln.training):
+            raise ValueError("module: is in training mode (dropout makes the map random); call model.eval()")
+
+    def _heads(self, hidden, mask):
+        """The attention alone on ``hidden`` (b, N, d) with the additive ``mask`` (b or 1, 1, N, N)."""
+        y = self._core(hidden, attention_mask=mask)[0]
+        return self.module.output.dense(y) if self.kind == "bert" else y
+
+    def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
+        self._check_eval()
+        lead = x.shape[:-2]
+        m, n = x.shape[-2], keys.shape[-2]
+        same = x is keys
+        xb = x.reshape(-1, m, self._d)
+        kb = keys.expand(*lead, n, self._d).reshape(-1, n, self._d)
+        if self.block and self.kind == "gpt2":
+            qa, ka = self.ln(xb), (None if same else self.ln(kb))
+        else:
+            qa, ka = xb, (None if same else kb)
+        zeros = torch.zeros(n, dtype=x.dtype, device=x.device) if log_weights is None else None
+        lw = log_weights if log_weights is not None else zeros
+        if same:
+            hidden = qa
+            mask = additive_mask(m, n, lw, x_positions, key_positions, x.dtype, x.device)
+        else:
+            # a self-attention module takes one sequence: keys first, then the queries, which see
+            # only the keys (their own columns are masked out)
+            hidden = torch.cat([ka, qa], dim=-2)
+            kp = key_positions
+            top = additive_mask(n, n, lw, kp, kp, x.dtype, x.device)
+            bottom = additive_mask(m, n, lw, x_positions, kp, x.dtype, x.device)
+            low = torch.finfo(x.dtype).min
+            bshape = torch.broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
+            left = torch.cat([top.expand(*bshape, n, n), bottom.expand(*bshape, m, n)], dim=-2)
+            right = torch.full((*bshape, n + m, m), low, dtype=x.dtype, device=x.device)
+            mask = torch.cat([left, right], dim=-1)
+        mask = mask.reshape(-1, 1, *mask.shape[-2:])
+        out = self._heads(hidden, mask)
+        if not same:
+            out = out[..., n:, :]
+        if self.block:
+            if self.kind == "bert":
+                out = self.module.output.LayerNorm(out + xb)
+            else:
+                out = xb + out
+        return out.reshape(*lead, m, self._d_out)
+
+
+# ---------------------------------------------------------------------- hooks and masks
+def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[int] | None = None,
+                             *, with_mask: bool = False):
+    """Run ``model`` on ``input_ids`` (1, n) and return {layer: X (n, d)}, the hidden states that
+    each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
+    BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
+    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
+    xs, masks, handles = {}, {}, []
+
+    def hook_for(i):
+        def hook(module, args, kwargs):
+            h = args[0] if args else kwargs["hidden_states"]
+            xs[i] = h[0].detach().clone()
+            masks[i] = kwargs.get("attention_mask")
+        return hook
+
+    try:
+        for i in layers:
+            handles.append(_attention_core(model, i).register_forward_pre_hook(hook_for(i), with_kwargs=True))
+        with torch.no_grad():
+            model(input_ids=input_ids.to(next(model.parameters()).device))
+    finally:
+        for h in handles:
+            h.remove()
+    return (xs, masks) if with_mask else xs
+
+
+def causal_mask(n: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
+    """The additive mask eager attention expects, shape (1, 1, n, n): 0 where key j <= query i,
+    the dtype's most negative finite value above the diagonal (as transformers' ``eager_mask``)."""
+    pos = sequence_positions(n, torch.zeros(0, dtype=dtype, device=device))
+    return additive_mask(n, n, torch.zeros(n, dtype=dtype, device=device), pos, pos, dtype, device)[None, None]
+
+
+def attention_function(model, layer: int, *, masked: bool | None = None, block: bool = False
+                       ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Layer ``layer``'s attention as a plain function X (..., n, d) -> (..., n, d): the sequence map of
+    ``HFAttention.from_model(model, layer, masked=masked, block=block)``, with attributes ``masked``,
+    ``layer``, ``kind`` and ``operator``."""
+    op = HFAttention.from_model(model, layer, masked=masked, block=block)
+
+    def f(X: torch.Tensor) -> torch.Tensor:
+        if not isinstance(X, torch.Tensor) or X.dim() < 2:
+            raise ValueError("X: expected a tensor of shape (..., n, d)")
+        return op.sequence(X)
+
+    f.masked, f.layer, f.kind, f.operator = op.masked, _check_layer(model, layer), op.kind, op
+    return f
+
+
+# ---------------------------------------------------------------------- parameters
+@dataclass
+class LayerParameters:
+    """Per-head parameters of one attention layer (docs/math.md section 1), H heads of size k, width d.
+
+    Q, K, V: (H, k, d); b_Q, b_K, b_V: (H, k); W_O: (d, H k); bias: (d,); scale: the factor on
+    <q, k> (1/sqrt(k) by default, GPT-2 may add 1/(layer+1)); masked: the model's own mask.
+    The layer computes f(X) = concat_h softmax((X Q_h^T + b_Q)(X K_h^T + b_K)^T scale) (X V_h^T + b_V) W_O^T + bias.
+    """
+
+    Q: torch.Tensor
+    K: torch.Tensor
+    V: torch.Tensor
+    b_Q: torch.Tensor
+    b_K: torch.Tensor
+    b_V: torch.Tensor
+    W_O: torch.Tensor
+    bias: torch.Tensor
+    scale: float
+    masked: bool
+    kind: str
+    layer: int
+
+    @property
+    def num_heads(self) -> int:
+        return self.Q.shape[0]
+
+    @property
+    def head_dim(self) -> int:
+        return self.Q.shape[1]
+
+    def A(self, head: int | None = None) -> torch.Tensor:
+        """A_h = scale K_h^T Q_h, (d, d); all heads stacked (H, d, d) when ``head`` is None."""
+        A = self.scale * self.K.transpose(-1, -2) @ self.Q
+        return A if head is None else A[head]
+
+    def W_O_block(self, head: int) -> torch.Tensor:
+        """The columns of W_O that act on head ``head``'s output, (d, k)."""
+        k = self.head_dim
+        return self.W_O[:, head * k:(head + 1) * k]
+
+    def to_meanfield(self, masked: bool | None = None):
+        """The layer as ``meanfield.MultiHeadAttention`` (heads from ``SelfAttention.from_qkv``)."""
+        from .attention import MultiHeadAttention, SelfAttention
+
+        masked = self.masked if masked is None else bool(masked)
+        heads = [SelfAttention.from_qkv(self.Q[h], self.K[h], self.V[h], b_Q=self.b_Q[h], b_K=self.b_K[h],
+                                        b_V=self.b_V[h], scale=self.scale, masked=masked)
+                 for h in range(self.num_heads)]
+        return MultiHeadAttention(heads, self.W_O, bias=self.bias)
+
+
+def _extract(module, kind: str, *, masked: bool, layer: int) -> LayerParameters:
+    if kind == "gpt2":
+        d = module.embed_dim
+        W, b = module.c_attn.weight.detach().T, module.c_attn.bias.detach()  # (3d, d): rows q | k | v
+        Wq, Wk, Wv = W[:d], W[d:2 * d], W[2 * d:]
+        bq, bk, bv = b[:d], b[d:2 * d], b[2 * d:]
+        W_O, bias = module.c_proj.weight.detach().T, module.c_proj.bias.detach()
+        H, k, scale = module.num_heads, module.head_dim, float(module.scaling)
+    else:
+        if kind != "bert":
+            raise ValueError("module: parameters need BertAttention (with output.dense as W_O), not BertSelfAttention")
+        core = module.self
+        Wq, Wk, Wv = (m.weight.detach() for m in (core.query, core.key, core.value))
+        bq, bk, bv = (m.bias.detach() for m in (core.query, core.key, core.value))
+        W_O, bias = module.output.dense.weight.detach(), module.output.dense.bias.detach()
+        H, k, scale = core.num_attention_heads, core.attention_head_size, float(core.scaling)
+
+    def heads(M):
+        return M.reshape(H, k, -1).clone() if M.dim() == 2 else M.reshape(H, k).clone()
+    return LayerParameters(Q=heads(Wq), K=heads(Wk), V=heads(Wv), b_Q=heads(bq), b_K=heads(bk), b_V=heads(bv),
+                           W_O=W_O.clone(), bias=bias.clone(), scale=scale, masked=masked, kind="gpt2" if
+                           kind == "gpt2" else "bert", layer=layer)
+
+
+def extract_layer(model, layer: int) -> LayerParameters:
+    """Per-head parameters of layer ``layer`` from BERT (``nn.Linear`` query/key/value and
+    ``output.dense``, weight (out, in)) or GPT-2 (fused ``Conv1D`` c_attn, weight (in, 3 d), and
+    c_proj, weight (in, out)). Copies, detached; same dtype and device as the model."""
+    kind = model_kind(model)
+    layer = _check_layer(model, layer)
+    module = attention_module(model, layer)
+    if kind == "gpt2" and getattr(module, "is_cross_attention", False):
+        raise ValueError("layer: cross-attention is not self-attention")
+    return _extract(module, kind, masked=is_causal(model), layer=layer)

@@ -1,0 +1,119 @@
+"""Time integrators of the token dynamics: fixed-step Euler and RK4, and torchdiffeq's adaptive solvers.
+
+``FIXED`` maps a method name to one step ``step(f, t, Y, h, layer) -> Y_next``; ``ADAPTIVE`` lists the
+adaptive Runge-Kutta methods of ``torchdiffeq.odeint`` (its public entry point). Explicit Euler with
+step 1/L on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x) (docs/math.md section 6).
+
+Both integrate piece by piece between the requested output times and the layer boundaries of
+piecewise-constant parameters, so that no step straddles a change of parameters and a scheme keeps
+its order.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from particles.validation import check_positive_int
+
+__all__ = ["FIXED", "ADAPTIVE", "euler_step", "rk4_step", "integrate_fixed", "integrate_adaptive"]
+
+#: the fixed-step default: 100 steps over the whole time span
+DEFAULT_STEPS = 100
+
+
+def euler_step(f, t, Y, h, layer):
+    return Y + h * f(t, Y, layer)
+
+
+def rk4_step(f, t, Y, h, layer):
+    k1 = f(t, Y, layer)
+    k2 = f(t + h / 2, Y + (h / 2) * k1, layer)
+    k3 = f(t + h / 2, Y + (h / 2) * k2, layer)
+    k4 = f(t + h, Y + h * k3, layer)
+    return Y + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
+
+
+FIXED = {"euler": euler_step, "rk4": rk4_step}
+#: adaptive methods of torchdiffeq.odeint (documented names; the solver is reached through odeint only)
+ADAPTIVE = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
+
+
+def check_finite(Y, t):
+    if not bool(torch.isfinite(Y.detach()).all()):
+        raise FloatingPointError(f"simulate: the particles left the floating-point range at t = {t:g} "
+                                 "(reduce the step or the time span)")
+
+
+def _segments(field, times):
+    """Consecutive pieces [a, b] between requested times and layer boundaries; k = output index."""
+    cuts = sorted(set(times) | {e for e in field.breakpoints() if times[0] < e < times[-1]})
+    idx = {s: k for k, s in enumerate(times)}
+    return [(a, b, idx.get(b)) for a, b in zip(cuts[:-1], cuts[1:])]
+
+
+def integrate_fixed(field, Y, times, method, step, steps):
+    """Fixed-step integration; returns (points at each requested time, number of steps)."""
+    stepper = FIXED[method]
+    if step is not None and steps is not None:
+        raise ValueError("step, steps: give at most one of them")
+    if step is not None:
+        if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) or step <= 0:
+            raise ValueError(f"step: expected a positive step size, got {step!r}")
+        h_max = {(a, b): float(step) for a, b in zip(times[:-1], times[1:])}
+    elif steps is None:
+        h_max = {(a, b): (times[-1] - times[0]) / DEFAULT_STEPS for a, b in zip(times[:-1], times[1:])}
+    else:
+        k = check_positive_int(steps, "steps")
+        h_max = {(a, b): (b - a) / k for a, b in zip(times[:-1], times[1:])}
+    out, nsteps = [field.retract(Y)], 0
+    Y = out[0]
+    for a, b, k_out in _segments(field, times):
+        layer = field.layer_of(a, b)
+        # a piece between layer boundaries inherits the step of the requested interval holding it
+        h_piece = next(h for (lo, hi), h in h_max.items() if lo <= a and b <= hi)
+        m = max(1, math.ceil((b - a) / h_piece - 1e-9))
+        h = (b - a) / m
+        for s in range(m):
+            Y = field.retract(stepper(field, a + s * h, Y, h, layer))
+        nsteps += m
+        check_finite(Y, b)
+        if k_out is not None:
+            out.append(Y)
+    return out, nsteps
+
+
+def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
+    """torchdiffeq.odeint layer by layer; returns (points at each requested time, None)."""
+    from torchdiffeq import odeint
+
+    for name, val in (("rtol", rtol), ("atol", atol)):
+        if isinstance(val, bool) or not isinstance(val, numbers.Real) or not (val > 0 and math.isfinite(val)):
+            raise ValueError(f"{name}: expected a positive finite tolerance, got {val!r}")
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options: expected a dict of torchdiffeq options, got {type(options).__name__}")
+    opts = {"max_num_steps": check_positive_int(max_steps, "max_steps")}
+    opts.update(options or {})
+    times = [float(s) for s in t]
+    edges = [times[0]] + [e for e in field.breakpoints() if times[0] < e < times[-1]] + [times[-1]]
+    out = [field.retract(Y)]
+    Y = out[0]
+    for a, b in zip(edges[:-1], edges[1:]):
+        layer = field.layer_of(a, b)
+        inner = [s for s in times if a < s <= b]
+        grid = [a] + inner + ([b] if not inner or inner[-1] < b else [])
+        try:
+            grid_t = torch.tensor(grid, dtype=Y.dtype, device=Y.device)
+            sol = odeint(lambda tt, yy, _l=layer: field(tt, yy, _l), Y, grid_t, method=method, rtol=float(rtol),
+                         atol=float(atol), options=opts)
+        except AssertionError as exc:
+            raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] "
+                               f"({exc}); raise max_steps or loosen rtol/atol") from exc
+        check_finite(sol, b)
+        for k, s in enumerate(grid[1:], start=1):
+            if s in inner:
+                out.append(field.retract(sol[k]))
+        Y = field.retract(sol[-1])
+    return out, None
