@@ -35,6 +35,8 @@ __all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
 def _matrix(value, name, dtype, device=None, shape=None):
     t = as_tensor(value, name, dtype=dtype, device=device)
     check_ndim(t, name, 2, "a matrix")
+    if t.numel() == 0:
+        raise ValueError(f"{name}: expected a non-empty matrix, got shape {tuple(t.shape)}")
     if shape is not None:
         for axis, (want, got) in enumerate(zip(shape, t.shape)):
             if want is not None and want != got:

@@ -136,6 +136,17 @@ class _Field:
             self.constant = _velocity_operator(op, "the operator")
         elif callable(op):
             self.factory = op
+            # the callable must map a time to an operator: a bare callable on sequences is not one
+            try:
+                first = op(t0)
+            except Exception as exc:
+                raise TypeError(f"op: a callable must map a time t to an operator (op({t0:g}) raised "
+                                f"{type(exc).__name__}: {exc}); a bare callable on sequences is points-only "
+                                "and has no velocity field") from exc
+            if not isinstance(first, (AttentionOperator, torch.nn.Module)):
+                raise TypeError(f"op: a callable must map a time t to an operator; op({t0:g}) returned "
+                                f"{type(first).__name__} (a bare callable on sequences is points-only and has "
+                                "no velocity field)")
         else:
             raise TypeError("op: expected an attention operator (anything meanfield.as_operator accepts), a list "
                             f"of them (one per layer) or a callable t -> operator, got {type(op).__name__}")
@@ -171,10 +182,14 @@ class _Field:
         mu = self.template.with_points(X)
         op = self.operator(t, layer)
         # positions are query positions for causal operators; unmasked operators ignore the coordinate
-        if self.template.positions is not None and op.masked:
-            v = op.velocity(mu, X, positions=self.template.positions)
-        else:
-            v = op.velocity(mu, X)
+        try:
+            if self.template.positions is not None and op.masked:
+                v = op.velocity(mu, X, positions=self.template.positions)
+            else:
+                v = op.velocity(mu, X)
+        except FloatingPointError as exc:
+            raise FloatingPointError(f"simulate: the velocity field left the floating-point range at t = {t:g} "
+                                     f"(reduce the step or the time span): {exc}") from exc
         if v.shape != X.shape:
             raise ValueError(f"op: velocity must map the ({X.shape[0]}, {X.shape[1]}) particles to "
                              f"({X.shape[0]}, {X.shape[1]}) velocities (d_out = d), got {tuple(v.shape)}")

@@ -144,6 +144,16 @@ class HFAttention(AttentionOperator):
         self._d = (module.embed_dim if kind == "gpt2" else
                    self._core.query.in_features)
         self._d_out = self._d if kind != "bert_self" else self._core.all_head_size
+        self._frozen = {}
+
+    def _call(self, mod, *args, **kwargs):
+        """mod(*args, **kwargs) with its parameters detached: the operator is a fixed map of its inputs,
+        so Jacobians and trajectories never build graphs over the model's weights. Detached tensors
+        share storage with the parameters, so in-place weight updates are seen."""
+        key = id(mod)
+        if key not in self._frozen:
+            self._frozen[key] = {n: t.detach() for n, t in (*mod.named_parameters(), *mod.named_buffers())}
+        return torch.func.functional_call(mod, self._frozen[key], args, kwargs)
 
     @classmethod
     def from_model(cls, model, layer: int, *, masked: bool | None = None, block: bool = False) -> HFAttention:
@@ -176,8 +186,8 @@ class HFAttention(AttentionOperator):
 
     def _heads(self, hidden, mask):
         """The attention alone on ``hidden`` (b, N, d) with the additive ``mask`` (b or 1, 1, N, N)."""
-        y = self._core(hidden, attention_mask=mask)[0]
-        return self.module.output.dense(y) if self.kind == "bert" else y
+        y = self._call(self._core, hidden, attention_mask=mask)[0]
+        return self._call(self.module.output.dense, y) if self.kind == "bert" else y
 
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         self._check_eval()
@@ -187,7 +197,7 @@ class HFAttention(AttentionOperator):
         xb = x.reshape(-1, m, self._d)
         kb = keys.expand(*lead, n, self._d).reshape(-1, n, self._d)
         if self.block and self.kind == "gpt2":
-            qa, ka = self.ln(xb), (None if same else self.ln(kb))
+            qa, ka = self._call(self.ln, xb), (None if same else self._call(self.ln, kb))
         else:
             qa, ka = xb, (None if same else kb)
         zeros = torch.zeros(n, dtype=x.dtype, device=x.device) if log_weights is None else None
@@ -213,7 +223,7 @@ class HFAttention(AttentionOperator):
             out = out[..., n:, :]
         if self.block:
             if self.kind == "bert":
-                out = self.module.output.LayerNorm(out + xb)
+                out = self._call(self.module.output.LayerNorm, out + xb)
             else:
                 out = xb + out
         return out.reshape(*lead, m, self._d_out)

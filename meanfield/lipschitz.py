@@ -32,6 +32,7 @@ underflows, raises OverflowError; a zero value is returned only for a Jacobian t
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from dataclasses import dataclass
@@ -123,15 +124,21 @@ class _Problem:
         self.scale = None      # (b,) powers of two, set by the first J product
         self.zero = None       # (b,) members whose Jacobian is exactly zero
         self.forward_mode = True
+        self.math_sdpa = False  # run torch's SDPA on its math backend (forward-mode AD available)
         self._rr = None        # reverse-over-reverse state, when forward-mode AD is unavailable
 
     def _jvp(self, u):
         if self.forward_mode:
             try:
                 # the tangent output [1], not the primal [0]: the pitfall of docs/math.md section 4
-                return jvp(self.fn, (self.X,), (u,))[1]
+                with _sdpa_backends(self.math_sdpa):
+                    return jvp(self.fn, (self.X,), (u,))[1]
             except NotImplementedError:
-                # e.g. torch's fused attention kernels have no forward-mode derivative on CPU
+                if not self.math_sdpa:
+                    # torch's fused SDPA kernels have no forward-mode derivative on CPU; its "math"
+                    # backend is made of ordinary differentiable operations
+                    self.math_sdpa = True
+                    return self._jvp(u)
                 self.forward_mode = False
         return self._jvp_reverse(u)
 
@@ -139,7 +146,7 @@ class _Problem:
         """J u by reverse-over-reverse: g(w) = J^T w is linear in w, so J u = d<g(w), u>/dw."""
         if self._rr is None:
             Xr = self.X.detach().requires_grad_(True)
-            with torch.enable_grad():
+            with torch.enable_grad(), _sdpa_backends(self.math_sdpa):
                 out = self.fn(Xr)
                 w = torch.zeros_like(out, requires_grad=True)
                 g = torch.autograd.grad(out, Xr, w, create_graph=True)[0]
@@ -208,6 +215,15 @@ def _refuse_underflow(mask, dtype):
         raise OverflowError(
             f"X: the Jacobian at this input is below the {dtype} range (|J u| underflows to 0 or to subnormal "
             f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f or use float64")
+
+
+def _sdpa_backends(math_only: bool):
+    """A context restricting torch's scaled_dot_product_attention to its math backend, or doing nothing."""
+    if not math_only:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
 
 
 def _check_product(t, what):

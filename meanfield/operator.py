@@ -308,6 +308,8 @@ class TorchMultiheadAttention(AttentionOperator):
         self.module, self.masked = module, masked
         p = next(module.parameters())
         self._dtype, self._device = p.dtype, p.device
+        # the operator is a fixed map of its inputs: no graph over the module's weights
+        self._frozen = {n: t.detach() for n, t in (*module.named_parameters(), *module.named_buffers())}
 
     d_in = property(lambda self: self.module.embed_dim)
     d_out = property(lambda self: self.module.embed_dim)
@@ -328,7 +330,8 @@ class TorchMultiheadAttention(AttentionOperator):
             mask = mask.expand(xb.shape[0], m, n).repeat_interleave(self.module.num_heads, dim=0)
         bf = self.module.batch_first
         q, k = (xb, kb) if bf else (xb.transpose(0, 1), kb.transpose(0, 1))
-        out = self.module(q, k, k, attn_mask=mask, need_weights=False)[0]
+        out = torch.func.functional_call(self.module, self._frozen, (q, k, k),
+                                         {"attn_mask": mask, "need_weights": False})[0]
         out = out if bf else out.transpose(0, 1)
         return out.reshape(*lead, m, self.d_out)
 

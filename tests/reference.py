@@ -94,9 +94,13 @@ def naive_l2(X, WQ, WV, WO, masked=False):
 
 
 # ---------------------------------------------------------------------- Wasserstein distances
+def _np(x):
+    return x.detach().cpu().numpy().astype(np.float64) if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
+
+
 def w2_assignment(X, Y):
     """W2 between two uniform clouds of n points each: an assignment problem (Birkhoff's theorem)."""
-    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
+    X, Y = _np(X), _np(Y)
     C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
     r, c = linear_sum_assignment(C)
     return math.sqrt(C[r, c].mean())
@@ -104,8 +108,7 @@ def w2_assignment(X, Y):
 
 def w2_lp(X, a, Y, b):
     """W2 between weighted clouds by the transport linear program, solved by scipy's HiGHS (no POT)."""
-    X, Y = np.asarray(X, dtype=np.float64), np.asarray(Y, dtype=np.float64)
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    X, Y, a, b = _np(X), _np(Y), _np(a), _np(b)
     n, m = len(a), len(b)
     C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1).ravel()
     rows = np.kron(np.eye(n), np.ones((1, m)))
