@@ -212,8 +212,9 @@ def sqrt_n_lower(A, R, n) -> float:
     """Proposition 3.4 (V = I_d): the Lipschitz constant of self-attention on B_R^n is at least
     ``sqrt(n - 1) / (1 + (n - 1) exp(-2 gamma R^2))``, gamma from :func:`gamma`.
 
-    Attained at the witness :func:`meanfield.adversarial.sqrt_n_sequence`; it grows like
-    sqrt(n) while n << exp(2 gamma R^2).
+    Reached or exceeded at the witness :func:`meanfield.adversarial.sqrt_n_sequence` (in case "min"
+    the witness's constant matches it to about 1e-4; in case "max" it is strictly above, by sqrt(2)
+    at n = 2); it grows like sqrt(n) while n << exp(2 gamma R^2).
     """
     g = gamma(A)
     R = check_radius(R, "R")

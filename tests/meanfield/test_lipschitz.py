@@ -85,16 +85,46 @@ def test_uniform_measure_equals_sequence(kind):
         assert rel(b.value, a.value) <= 1e-9
 
 
-def test_duplicated_tokens_equal_two_atom_measure():
-    """docs/math.md section 2: n-1 copies of one token vs the measure (1/n) delta_y + ((n-1)/n) delta_z."""
-    n, d = 8, 3
-    op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2))
-    y, z = rand(d, seed=3), rand(d, seed=4)
+def _query_term(A, V, y, z, n):
+    """||V Sigma(z) A||_2: the covariance of the attention distribution of the query z over the
+    two-atom measure (1/n) delta_y + ((n-1)/n) delta_z, through A and V (docs/math.md section 4.7)."""
+    pts = torch.stack([y, z])
+    logits = pts @ (A @ z) + torch.log(torch.tensor([1 / n, (n - 1) / n], dtype=f64))
+    P = torch.softmax(logits, 0)
+    m = P @ pts
+    C = (pts - m).T @ ((pts - m) * P[:, None])
+    return float(torch.linalg.matrix_norm(V @ C @ A, ord=2))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_duplicated_tokens_versus_two_atom_measure(seed):
+    """n-1 copies of one token vs the measure (1/n) delta_y + ((n-1)/n) delta_z (docs/math.md 2.3, 4.7):
+    same outputs; the sequence's constant is max(two-atom W2 constant, ||V Sigma(z) A||), since the
+    copies may move apart (mass splitting). Truth: dense Jacobians of the naive attention."""
+    n, d = 5, 2
+    A, V = rand(d, d, seed=10 + seed, scale=1.5), rand(d, d, seed=20 + seed)
+    y, z = rand(d, seed=30 + seed, scale=2.0), rand(d, seed=40 + seed)
     X = torch.stack([y] + [z] * (n - 1))
+    w = torch.tensor([1 / n, (n - 1) / n], dtype=f64)
+    seq = dense_lipschitz(lambda Y: naive_attention(Y, A, V), X)
+    two = dense_lipschitz(lambda Y: naive_attention(Y, A, V, log_weights=w.log()), torch.stack([y, z]), weights=w)
+    assert rel(seq, max(two, _query_term(A, V, y, z, n))) <= 1e-9
+    op = SelfAttention(A, V)
+    assert rel(local_lipschitz(op, X, tol=1e-11).value, seq) <= 1e-9
+    assert rel(local_lipschitz(op, Measure(torch.stack([y, z]), w), tol=1e-11).value, two) <= 1e-9
+
+
+def test_copies_can_have_a_larger_constant_than_the_two_atom_measure():
+    """A case where moving the copies apart helps: d = 1, A = -0.5612, V = -0.8676."""
+    A, V = torch.tensor([[-0.5612]], dtype=f64), torch.tensor([[-0.8676]], dtype=f64)
+    y, z, n = torch.tensor([9.198], dtype=f64), torch.tensor([-0.232], dtype=f64), 4
+    X = torch.stack([y] + [z] * (n - 1))
+    w = torch.tensor([1 / n, (n - 1) / n], dtype=f64)
+    op = SelfAttention(A, V)
     seq = local_lipschitz(op, X, tol=1e-11).value
-    two = Measure(torch.stack([y, z]), torch.tensor([1 / n, (n - 1) / n], dtype=f64))
-    two_atoms = local_lipschitz(op, two, tol=1e-11).value
-    assert rel(two_atoms, seq) <= 1e-9
+    two = local_lipschitz(op, Measure(torch.stack([y, z]), w), tol=1e-11).value
+    assert seq > two * (1 + 1e-3)
+    assert rel(seq, _query_term(A, V, y, z, n)) <= 1e-9
 
 
 def test_batched_equals_one_by_one():
