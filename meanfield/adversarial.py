@@ -30,7 +30,7 @@ __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_sequence", "two_
 @dataclass(frozen=True)
 class WitnessInfo:
     """What a witness was built from: gamma, the eigenvalue case ("max" or "min"), the unit
-    eigenvector u, and the lower-bound value it attains (Proposition 3.4) or approaches (3.6)."""
+    eigenvector u, and the lower-bound value it reaches (Proposition 3.4) or approaches (3.6)."""
 
     gamma: float
     case: str

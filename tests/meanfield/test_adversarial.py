@@ -47,7 +47,7 @@ def test_sqrt_n_sequence_general_matrix_eigenvector():
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_witness_attains_lower_bound_with_library(masked):
+def test_witness_reaches_lower_bound_with_library(masked):
     """Lip at the witness (library operator + estimator) >= Proposition 3.4, up to R = 100."""
     I = torch.eye(3, dtype=F64)
     for seed, R, n in [(0, 1.0, 6), (1, 3.0, 25), (2, 100.0, 10)]:

@@ -92,7 +92,7 @@ def test_upper_bounds_with_library_operator(masked):
 @pytest.mark.parametrize("A", [torch.eye(3, dtype=F64), -torch.eye(3, dtype=F64), rand(3, 3, seed=5)],
                          ids=["I", "-I", "random"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_sqrt_n_lower_attained_at_witness(A, masked):
+def test_sqrt_n_lower_holds_at_witness(A, masked):
     """Proposition 3.4: Lip at the witness >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})."""
     I = torch.eye(3, dtype=F64)
     for R in (0.5, 1.0, 3.0):
