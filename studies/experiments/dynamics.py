@@ -1,0 +1,340 @@
+"""Study: token dynamics, Transformers as PDEs on measures (docs/math.md section 6).
+
+Tokens move through infinitely deep attention as particles of d/dt mu + div(mu Gamma_mu) = 0
+(``meanfield.simulate``); clusters appear (Geshkovski, Letrouit, Polyanskiy, Rigollet 2023):
+
+1. V = I, rescaled tokens y = exp(-t) x: they converge to the vertices of a convex polytope.
+2. V = diag(1, -1/2) (a negative eigenvalue): the coordinate along the leading eigenvector
+   clusters on at most three values (three parallel hyperplanes), the other one does not.
+3. Sphere model SA (and USA) in d = 3: collapse to a single cluster; the interaction energy
+   E_beta = (1/(2 beta n^2)) sum_ij exp(beta <x_i, x_j>) increases along the flow.
+4. Causal (masked) sphere dynamics: the first token never moves and attracts every token
+   (Karagodin, Polyanskiy, Rigollet 2024).
+5. Mean-field convergence: W2 between the n-particle measure at time T and a large-n reference
+   (both from i.i.d. samples of the same law) decreases with n at the rate of the initial samples.
+
+Figures (PNG), two GIF animations (matplotlib FuncAnimation + PillowWriter) and tidy CSV tables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import plotting as P
+from ..common import fit_loglog
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..io import save_figure, write_csv, write_with
+
+__all__ = ["dynamics", "animate_trajectory", "grid"]
+
+D = torch.float64
+
+
+def grid(level: str) -> dict:
+    """Sizes: particles and final time of each experiment, sample sizes, reference size and samples of
+    the mean-field check, and frames stored per trajectory."""
+    return _settings(level)
+
+
+def _settings(level: str) -> dict:
+    if level == "tiny":
+        return dict(n_poly=10, T_poly=8.0, n_neg=10, T_neg=4.0, n_sph=12, T_sph=20.0, n_causal=8, T_causal=20.0,
+                    ns=[8, 16, 32], n_ref=128, reps=2, frames=6)
+    if level == "quick":
+        return dict(n_poly=32, T_poly=9.0, n_neg=24, T_neg=5.0, n_sph=32, T_sph=30.0, n_causal=12,
+                    T_causal=30.0, ns=[16, 32, 64, 128, 256], n_ref=1024, reps=3, frames=24)
+    return dict(n_poly=64, T_poly=10.0, n_neg=64, T_neg=6.0, n_sph=128, T_sph=40.0, n_causal=24, T_causal=40.0,
+                ns=[16, 32, 64, 128, 256, 512, 1024], n_ref=4096, reps=5, frames=48)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _unit(n: int, d: int, seed: int) -> torch.Tensor:
+    Z = torch.randn(n, d, generator=_gen(seed), dtype=D)
+    return Z / Z.norm(dim=1, keepdim=True)
+
+
+def animate_trajectory(traj, path: Path, *, title: str = "", fps: int = 8, dpi: int = 70, sphere: bool = False):
+    """Write a GIF of a 2-D or 3-D trajectory (one frame per stored time), matplotlib + Pillow."""
+    import matplotlib.pyplot as plt
+    from matplotlib.animation import FuncAnimation, PillowWriter
+
+    pts = traj.points.detach().cpu().numpy()
+    d = pts.shape[2]
+    if d not in (2, 3):
+        raise ValueError(f"traj: can only animate 2-D or 3-D particles, got d = {d}")
+    fig = plt.figure(figsize=(4.2, 4.2))
+    ax = fig.add_subplot(projection="3d" if d == 3 else None)
+    lo, hi = pts.min(axis=(0, 1)), pts.max(axis=(0, 1))
+    pad = 0.05 * float((hi - lo).max() + 1e-12)
+    if d == 3:
+        if sphere:
+            u, v = np.mgrid[0:2 * np.pi:24j, 0:np.pi:12j]
+            ax.plot_wireframe(np.cos(u) * np.sin(v), np.sin(u) * np.sin(v), np.cos(v), color="0.85", lw=0.4)
+        scat = ax.scatter(*pts[0].T, s=12, color=P.COLORS[0])
+        for k, (a, b) in enumerate(zip(lo - pad, hi + pad)):
+            getattr(ax, "set_" + "xyz"[k] + "lim")(a, b)
+    else:
+        scat = ax.scatter(*pts[0].T, s=12, color=P.COLORS[0])
+        ax.set_xlim(lo[0] - pad, hi[0] + pad)
+        ax.set_ylim(lo[1] - pad, hi[1] + pad)
+        ax.set_aspect("equal")
+    label = ax.set_title("")
+
+    def frame(k):
+        if d == 3:
+            scat._offsets3d = tuple(pts[k].T)
+        else:
+            scat.set_offsets(pts[k])
+        label.set_text(f"{title}  t = {float(traj.times[k]):.2f}")
+        return scat, label
+
+    anim = FuncAnimation(fig, frame, frames=len(pts), blit=False)
+    try:
+        return write_with(path, lambda tmp: anim.save(tmp, writer=PillowWriter(fps=fps), dpi=dpi))
+    finally:
+        plt.close(fig)
+
+
+def _polytope(cfg, seed, dev, rows):
+    from meanfield import SelfAttention, simulate
+    from meanfield.clustering import count_clusters, limit_set
+    from particles import Measure
+
+    A = torch.eye(2, dtype=D, device=dev)  # Q^T K = I, the setting of Geshkovski et al.'s polytope theorem
+    X = torch.randn(cfg["n_poly"], 2, generator=_gen(seed + 2), dtype=D).to(dev)
+    times = torch.linspace(0, cfg["T_poly"], cfg["frames"] + 1, dtype=D)
+    traj = simulate(SelfAttention(A, torch.eye(2, dtype=D, device=dev)), Measure(X), times, method="dopri5",
+                    rescale=True, rtol=1e-8, atol=1e-10)
+    tol = 1e-2
+    ls = limit_set(traj.final, tol)
+    counts = count_clusters(traj, tol)
+    for t, c in zip(times.tolist(), counts):
+        rows.append({"experiment": "polytope_V=I", "t": t, "clusters": int(c)})
+    return traj, ls, counts
+
+
+def _negative(cfg, seed, dev, rows):
+    from meanfield import SelfAttention, simulate
+    from meanfield.clustering import count_clusters
+    from particles import Measure
+
+    V = torch.diag(torch.tensor([1.0, -0.5], dtype=D, device=dev))
+    X = torch.randn(cfg["n_neg"], 2, generator=_gen(seed + 3), dtype=D).to(dev)
+    times = torch.linspace(0, cfg["T_neg"], cfg["frames"] + 1, dtype=D)
+    traj = simulate(SelfAttention(torch.eye(2, dtype=D, device=dev), V), Measure(X), times, method="dopri5",
+                    rescale=True, rtol=1e-8, atol=1e-10)
+    lead = traj.points[..., :1]  # coordinate along the eigenvector of the eigenvalue 1
+    other = traj.points[..., 1:]
+    c_lead = count_clusters(lead, 1e-2)
+    c_other = count_clusters(other, 1e-2)
+    for t, a, b in zip(times.tolist(), c_lead, c_other):
+        rows.append({"experiment": "negative_eigenvalue", "t": t, "clusters_leading": int(a),
+                     "clusters_other": int(b)})
+    return traj, int(c_lead[-1]), int(c_other[-1])
+
+
+def _sphere(cfg, seed, dev, rows):
+    from meanfield import simulate
+    from meanfield.clustering import count_clusters, interaction_energy
+    from particles import Measure
+
+    X = _unit(cfg["n_sph"], 3, seed + 4).to(dev)
+    times = torch.linspace(0, cfg["T_sph"], cfg["frames"] + 1, dtype=D)
+    out = {}
+    for model in ("SA", "USA"):
+        traj = simulate(None, Measure(X), times, sphere=model, beta=1.0, step=0.2)
+        E = interaction_energy(traj, 1.0)
+        c = count_clusters(traj, 1e-3)
+        drift = float((traj.points.norm(dim=2) - 1).abs().max())
+        for t, e, k in zip(times.tolist(), E, c):
+            rows.append({"experiment": f"sphere_{model}", "t": t, "energy": float(e), "clusters": int(k)})
+        out[model] = (traj, E, c, drift)
+    return out
+
+
+def _causal(cfg, seed, dev, rows):
+    from meanfield import simulate
+    from particles import Measure
+
+    X = _unit(cfg["n_causal"], 3, seed + 5).to(dev)
+    times = torch.linspace(0, cfg["T_causal"], cfg["frames"] + 1, dtype=D)
+    traj = simulate(None, Measure.sequence(X), times, sphere="SA", beta=1.0, step=0.2)
+    dist = (traj.points - traj.points[:, :1]).norm(dim=2).max(dim=1).values
+    moved_first = float((traj.points[:, 0] - X[0]).norm(dim=1).max())
+    for t, r in zip(times.tolist(), dist.tolist()):
+        rows.append({"experiment": "causal_sphere", "t": t, "max_dist_to_first": r})
+    return traj, dist.cpu().numpy(), moved_first
+
+
+def _meanfield(cfg, seed, dev, rows):
+    from meanfield import SelfAttention, simulate
+    from meanfield.clustering import w2_to_reference
+    from particles import Measure
+
+    A = 0.5 * torch.randn(2, 2, generator=_gen(seed + 6), dtype=D)
+    V = 0.5 * torch.randn(2, 2, generator=_gen(seed + 7), dtype=D)
+    op = SelfAttention(A.to(dev), V.to(dev))
+    T = 1.0
+    ref = simulate(op, Measure(torch.randn(cfg["n_ref"], 2, generator=_gen(seed + 8), dtype=D).to(dev)), [0.0, T],
+                   steps=10)
+    for n in cfg["ns"]:
+        for r in range(cfg["reps"]):
+            X = torch.randn(n, 2, generator=_gen(seed * 7919 + 31 * n + r), dtype=D).to(dev)
+            tr = simulate(op, Measure(X), [0.0, T], steps=10)
+            w0, wT = w2_to_reference(tr, ref)
+            rows.append({"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)})
+
+
+@register("dynamics", "Token dynamics: Transformers as PDEs", order=80, grid=grid)
+def dynamics(out_dir: Path, ctx) -> StudyResult:
+    """Clusters of token dynamics (V = I polytope, negative eigenvalue, sphere, causal) and the mean-field limit."""
+    out_dir = Path(out_dir)
+    # the particle systems are small: extra BLAS threads only spin on a shared machine
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(out_dir, ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(out_dir: Path, ctx) -> StudyResult:
+    level, seed, dev = ctx.level, ctx.seed, ctx.device
+    cfg = _settings(level)
+    torch.manual_seed(seed)
+    rows: list[dict] = []
+    with ctx.progress_bar(5, "dynamics", unit="experiment") as bar:
+        bar.set_postfix(now="polytope")
+        traj_p, ls, counts_p = _polytope(cfg, seed, dev, rows)
+        bar.update(1, now="negative eigenvalue")
+        traj_n, lead_k, other_k = _negative(cfg, seed, dev, rows)
+        bar.update(1, now="sphere")
+        sph = _sphere(cfg, seed, dev, rows)
+        bar.update(1, now="causal")
+        traj_c, dist_c, moved_first = _causal(cfg, seed, dev, rows)
+        bar.update(1, now="mean-field limit")
+        mf_rows: list[dict] = []
+        _meanfield(cfg, seed, dev, mf_rows)
+        bar.update(1, now="done")
+    write_csv(rows, out_dir / "clusters.csv")
+    write_csv(mf_rows, out_dir / "meanfield_w2.csv")
+
+    ns = np.array(cfg["ns"], float)
+    w0 = np.array([np.mean([r["w2_0"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
+    wT = np.array([np.mean([r["w2_T"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
+    s0, sT = fit_loglog(ns, w0)["slope"], fit_loglog(ns, wT)["slope"]
+
+    claims = [
+        Claim("V = I: rescaled tokens converge to the vertices of a convex polytope (Geshkovski et al. 2023)",
+              "every cluster center is a vertex of the hull of the centers; clusters shrink to points",
+              f"{int(ls.is_vertex.sum())}/{ls.n_clusters} centers are vertices; spread {ls.spread:.1e}; "
+              f"{counts_p[0]} -> {counts_p[-1]} clusters",
+              bool(ls.all_vertices and ls.spread < 1e-2 and 1 < ls.n_clusters < counts_p[0]),
+              "single linkage at tol 1e-2 on y(T); hull by scipy.spatial.ConvexHull", kind=THEOREM,
+              fails_if="at T some cluster center is not a vertex of the hull, the spread is 1e-2 or more, or the "
+                       "tokens form one cluster or as many as at t = 0"),
+        Claim("V with a negative eigenvalue: the leading coordinate clusters on at most 3 hyperplanes "
+              "(Geshkovski et al. 2023)",
+              "<= 3 clusters of <y_i, e_1>; the other coordinate does not cluster",
+              f"{lead_k} clusters along e_1, {other_k} along e_2 (n = {cfg['n_neg']})",
+              bool(lead_k <= 3 and other_k > 3), "V = diag(1, -1/2), A = I; 1-D single linkage at tol 1e-2",
+              kind=THEOREM, fails_if="more than 3 clusters along e_1 at T, or 3 or fewer along e_2"),
+    ]
+    for model in ("SA", "USA"):
+        _, E, c, drift = sph[model]
+        mono = bool(np.all(np.diff(E) >= -1e-12 * np.abs(E[1:])))
+        claims.append(Claim(f"Sphere model {model}, d = 3: almost every start collapses to one cluster; "
+                            "E_beta increases",
+                            "1 cluster at T; E_beta non-decreasing; |x_i| = 1",
+                            f"{int(c[-1])} cluster(s) at T = {cfg['T_sph']:g}; E {E[0]:.4g} -> {E[-1]:.4g} "
+                            f"({'monotone' if mono else 'NOT monotone'}); norm drift {drift:.1e}",
+                            bool(c[-1] == 1 and mono and drift < 1e-10),
+                            f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; tol 1e-3", kind=THEOREM,
+                            fails_if="more than one cluster at T, E_beta decreasing at some step, or a token "
+                                     "leaving the sphere by 1e-10 or more"))
+    claims += [
+        Claim("Causal sphere dynamics: the first token is fixed and attracts every token (Karagodin et al. 2024)",
+              "x_1 does not move; max_i |x_i(T) - x_1| -> 0",
+              f"x_1 moved {moved_first:.1e}; max distance {dist_c[0]:.3f} -> {dist_c[-1]:.1e}",
+              bool(moved_first < 1e-12 and dist_c[-1] < 1e-2 * dist_c[0]),
+              f"SA, beta = 1, n = {cfg['n_causal']} tokens at positions i/n, T = {cfg['T_causal']:g}", kind=THEOREM,
+              fails_if="x_1 moves by 1e-12 or more, or the largest distance to x_1 at T is not below 1% of its "
+                       "initial value"),
+        Claim("Mean-field limit: W2(mu_n(T), mu_ref(T)) -> 0 as n grows, at the rate of the initial samples",
+              f"decreasing in n; slope at T close to slope at 0 ({s0:.2f})",
+              f"log-log slope {sT:.2f} at T = 1 (vs {s0:.2f} at t = 0); W2(T)/W2(0) in "
+              f"[{(wT / w0).min():.2f}, {(wT / w0).max():.2f}]",
+              bool(sT < 0 and abs(sT - s0) < 0.15 and np.all(np.diff(wT) < 0)),
+              f"reference n = {cfg['n_ref']}, {cfg['reps']} samples per n, exact W2 (transport.w2)", kind=EMPIRICAL,
+              fails_if="the mean W2 at T does not decrease with n, or its log-log slope differs from the slope "
+                       "at t = 0 by 0.15 or more"),
+    ]
+
+    figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT)
+    summary = {"polytope_clusters": ls.n_clusters, "polytope_spread": ls.spread, "negative_eig_leading_clusters":
+               lead_k, "sphere_SA_final_clusters": int(sph["SA"][2][-1]), "causal_final_max_dist": float(dist_c[-1]),
+               "meanfield_slope_T": sT, "meanfield_slope_0": s0, "level": level}
+    notes = ("Rescaled tokens y = exp(-tV) x integrated with dopri5 (rtol 1e-8); sphere models with RK4 "
+             "and renormalization after each step. The mean-field check compares n-particle and large-n "
+             "trajectories started from independent samples of N(0, I): W2 at T inherits the n^{-1/2}-type "
+             "rate of the initial empirical measures (stability of the continuity equation).")
+    return StudyResult("dynamics", "Token dynamics: Transformers as PDEs", claims=claims, figures=figures,
+                       tables=["clusters.csv", "meanfield_w2.csv"], summary=summary, notes=notes)
+
+
+def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT) -> list[str]:
+    from scipy.spatial import ConvexHull
+
+    figs = []
+    fig, axes = P.figure(ncols=2)
+    Y = traj_p.points.cpu().numpy()
+    ax = axes[0]
+    for i in range(Y.shape[1]):
+        ax.plot(Y[:, i, 0], Y[:, i, 1], lw=0.7, color="0.6")
+    ax.scatter(Y[0, :, 0], Y[0, :, 1], s=10, color=P.COLORS[0], label="y(0)")
+    ax.scatter(ls.centers[:, 0], ls.centers[:, 1], s=40, color=P.COLORS[3], marker="*", label="limit clusters")
+    if ls.n_clusters >= 3:
+        h = ConvexHull(ls.centers)
+        cyc = list(h.vertices) + [h.vertices[0]]
+        ax.plot(ls.centers[cyc, 0], ls.centers[cyc, 1], "--", color=P.COLORS[3], lw=1, label="polytope")
+    ax.set_aspect("equal")
+    P.finish(ax, "y_1", "y_2", "V = I: rescaled tokens -> polytope vertices")
+    ax = axes[1]
+    Z = traj_n.points.cpu().numpy()
+    for i in range(Z.shape[1]):
+        ax.plot(Z[:, i, 0], Z[:, i, 1], lw=0.7, color="0.6")
+    ax.scatter(Z[-1, :, 0], Z[-1, :, 1], s=12, color=P.COLORS[1], label="y(T)")
+    P.finish(ax, "y_1 (eigenvalue 1)", "y_2 (eigenvalue -1/2)", "V = diag(1, -1/2): three hyperplanes y_1 = c")
+    figs.append(save_figure(fig, out_dir / "rescaled_clusters.png").name)
+
+    fig, axes = P.figure(ncols=2)
+    ax = axes[0]
+    for k, model in enumerate(("SA", "USA")):
+        traj, E, c, _ = sph[model]
+        P.measured(ax, traj.times.cpu().numpy(), E, f"{model}: E_beta", color=P.COLORS[k])
+    P.finish(ax, "t", "interaction energy E_beta", f"sphere d = 3, n = {cfg['n_sph']}, beta = 1")
+    ax = axes[1]
+    for k, model in enumerate(("SA", "USA")):
+        traj, E, c, _ = sph[model]
+        P.measured(ax, traj.times.cpu().numpy(), c, f"{model}: clusters (tol 1e-3)", color=P.COLORS[k])
+    P.measured(ax, traj_c.times.cpu().numpy(), dist_c, "causal SA: max |x_i - x_1|", color=P.COLORS[2])
+    P.finish(ax, "t", "count / distance", "collapse to one cluster", logy=True)
+    figs.append(save_figure(fig, out_dir / "sphere_clusters.png").name)
+
+    fig, ax = P.figure()
+    P.measured(ax, ns, w0, "W2(mu_n(0), mu_ref(0))", color=P.COLORS[0])
+    P.measured(ax, ns, wT, "W2(mu_n(T), mu_ref(T)), T = 1", color=P.COLORS[1])
+    P.theory(ax, ns, w0[0] * (ns / ns[0]) ** -0.5, "n^{-1/2}", color="0.4", kind="limit")
+    P.finish(ax, "particles n", "W2 to the large-n reference", "mean-field convergence", logx=True, logy=True)
+    figs.append(save_figure(fig, out_dir / "meanfield_convergence.png").name)
+
+    figs.append(animate_trajectory(traj_p, out_dir / "polytope.gif", title="V = I, rescaled").name)
+    figs.append(animate_trajectory(sph["SA"][0], out_dir / "sphere_SA.gif", title="SA, d = 3", sphere=True).name)
+    return figs
+

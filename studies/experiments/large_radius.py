@@ -1,0 +1,116 @@
+"""Study 3: large radius (Theorems 3.7 / 4.5).
+
+For a direction X (n, d) where every row has a unique m_i = argmax_j <A x_i, x_j> (argmax over
+j <= i when masked), Lip_{RX}(f) -> ||V||_2 sqrt(max_j #{i : m_i = j}) as R -> infinity,
+exponentially fast (the softmax concentrates like exp(-gap R^2), gap the smallest score margin).
+The constant is computed along R for random directions (and one where every token attends to the
+same token, reaching ||V|| sqrt(n)), masked and unmasked, against the limit of
+``meanfield.bounds.large_radius_limit``.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meanfield import bounds
+
+from .. import plotting as P
+from ..common import random_A, random_V, to_device
+from ..contract import THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
+
+__all__ = ["large_radius", "direction", "large_radius_task", "grid"]
+
+
+def direction(kind: str, n: int, d: int, seed: int, masked: bool = False) -> torch.Tensor:
+    """A direction X (n, d) with max row norm 1: ``random`` (rows uniform on the unit sphere) or
+    ``hub`` (every token attends to token 0: ``meanfield.adversarial.large_radius_configuration``,
+    whose limit is ||V|| sqrt(n))."""
+    if kind == "random":
+        g = torch.Generator().manual_seed(int(seed) * 7 + n)
+        Z = torch.randn(n, d, generator=g, dtype=torch.float64)
+        return Z / Z.norm(dim=1, keepdim=True)
+    if kind == "hub":
+        from meanfield import adversarial
+
+        return adversarial.large_radius_configuration(random_A(d, seed), n, 1.0, masked=masked)
+    raise ValueError(f"kind: expected 'random' or 'hub', got {kind!r}")
+
+
+def large_radius_task(kind: str, masked: bool, R: float, n: int, d: int, seed: int, *, device=None) -> dict:
+    from meanfield import SelfAttention, local_lipschitz
+
+    A = random_A(d, seed)
+    V = random_V(d, seed)
+    X = direction(kind, n, d, seed, masked)
+    est = local_lipschitz(SelfAttention(*to_device(device, A, V), masked=masked), to_device(device, R * X),
+                          method="lanczos", tol=1e-10)
+    limit = float(bounds.large_radius_limit(A, V, X, masked=masked))
+    return {"lip": float(est.value), "lip_error": float(est.error), "limit": limit,
+            "rel_gap": abs(float(est.value) - limit) / limit, "score_gap": bounds.score_gap(A, X, masked=masked),
+            "v_norm_sqrt_n": bounds.large_radius_sup(V, n)}
+
+
+def grid(level: str) -> dict:
+    """Sizes: dimension d, tokens n, radii per curve."""
+    if level == "tiny":
+        return {"d": 3, "n": 5, "n_R": 6}
+    if level == "quick":
+        return {"d": 4, "n": 12, "n_R": 14}
+    return {"d": 6, "n": 32, "n_R": 30}
+
+
+@register("large_radius", "Large radius: Theorems 3.7 and 4.5", order=30, grid=grid)
+def large_radius(out_dir: Path, ctx) -> StudyResult:
+    """Local constant vs R converging to ||V|| sqrt(max multiplicity), masked and unmasked."""
+    out_dir = Path(out_dir)
+    seed = ctx.seed
+    g = grid(ctx.level)
+    d, n, n_R = g["d"], g["n"], g["n_R"]
+    A = random_A(d, seed)
+    curves = [(k, m) for k in ("random", "hub") for m in (False, True)]
+    points = []
+    r_max = {}
+    for kind, masked in curves:
+        gap = bounds.score_gap(A, direction(kind, n, d, seed, masked), masked=masked)
+        # exp(-gap R^2) = e^{-40} at the largest R: the limit is reached to float64 accuracy
+        r_max[(kind, masked)] = min(100.0, math.sqrt(40.0 / max(gap, 1e-12)))
+        for R in np.geomspace(0.25, r_max[(kind, masked)], n_R):
+            points.append({"kind": kind, "masked": masked, "R": float(R), "n": n, "d": d, "seed": seed})
+    rows = run_grid(large_radius_task, points, out_dir, "large_radius", ctx, device=ctx.device)
+    write_csv(rows, out_dir / "lipschitz_vs_R.csv")
+
+    fig, axes = P.figure(ncols=2)
+    claims = []
+    for ax, masked in zip(axes, (False, True)):
+        for i, kind in enumerate(("random", "hub")):
+            sel = [r for r in rows if r["kind"] == kind and r["masked"] == masked]
+            P.measured(ax, [r["R"] for r in sel], [r["lip"] for r in sel], f"{kind} direction", color=P.COLORS[i])
+            P.theory(ax, [sel[0]["R"], sel[-1]["R"]], [sel[0]["limit"]] * 2,
+                     f"limit ||V|| sqrt(max mult.) = {sel[0]['limit']:.3g}", color=P.COLORS[i], kind="limit")
+            end = sel[-1]
+            claims.append(Claim(
+                f"Theorem {'4.5' if masked else '3.7'}: Lip_(RX) -> ||V|| sqrt(max multiplicity), {kind} direction",
+                f"{end['limit']:.6g}", f"{end['lip']:.6g} at R = {end['R']:.3g} (relative gap {end['rel_gap']:.1e})",
+                end["rel_gap"] <= 1e-6, f"tolerance 1e-6 at R where exp(-gap R^2) <= e^-40; score gap "
+                                        f"{end['score_gap']:.3g}", kind=THEOREM,
+                fails_if="at the largest R (exp(-gap R^2) <= e^-40) the constant differs from the limit by more "
+                         "than 1e-6 (relative)"))
+        ax.axhline(rows[0]["v_norm_sqrt_n"], color="k", lw=0.8, ls="--", label="||V|| sqrt(n)")
+        P.finish(ax, "radius R", "local Lipschitz constant at R X", f"{'masked' if masked else 'unmasked'}, n={n}, "
+                 f"d={d}", logx=True, logy=True)
+    save_figure(fig, out_dir / "lipschitz_vs_R.png")
+    over = [r for r in rows if r["limit"] > r["v_norm_sqrt_n"] * (1 + 1e-12)]
+    claims.append(Claim("the limit is at most ||V|| sqrt(n)", "limit <= ||V|| sqrt(n)",
+                        f"{len(over)} violations of {len(rows)}", not over, kind=THEOREM,
+                        fails_if="some direction's limit exceeds ||V|| sqrt(n)"))
+    notes = (f"A and V are {d}x{d} Gaussian matrices / sqrt(d) (seed {seed}); {n} tokens with unit-norm rows; "
+             "'hub' is meanfield.adversarial.large_radius_configuration: every token attends to token 0. The "
+             "largest R of each curve is sqrt(40 / gap) (capped at 100) with gap the smallest top-two score margin.")
+    return StudyResult("large_radius", "Large radius", claims, ["lipschitz_vs_R.png"], ["lipschitz_vs_R.csv"],
+                       {"r_max": {f"{k}-{'masked' if m else 'unmasked'}": v for (k, m), v in r_max.items()}}, notes)

@@ -1,0 +1,270 @@
+"""Where the tasks of a sweep run: in-process, a local process pool, or a Dask cluster.
+
+Each backend offers submit / wait / outcome / running / close over futures; the loop in
+:mod:`studies.sweep.runner` drives them alike. Every task runs through :func:`run_task`, which turns the
+task's own exceptions into data (type, message, traceback) so that one failing task never stops a
+sweep, and infrastructure failures (a dead pool worker, Dask's KilledWorker) into the same form.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Mapping
+
+from .files import normalize
+
+__all__ = ["run_task", "make_backend"]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- the task, on a worker
+def run_task(fn, params: dict, threads: int | None) -> dict:
+    """Run one task and return its outcome; never raises on the task's own errors."""
+    torch = sys.modules.get("torch")   # only if fn's module uses it: importing torch costs seconds
+    if threads is not None and torch is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)  # one thread per worker: workers x threads must fit the cores
+    t0 = time.perf_counter()
+    where = {"host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        result = fn(**params)
+        if not isinstance(result, Mapping):
+            raise TypeError(f"fn must return a dict of results, returned {type(result).__name__}")
+        result = normalize(result, "result")
+        clash = sorted(k for k in set(result) & set(params) if result[k] != params[k])
+        if clash:   # echoing a parameter is fine; contradicting it would make the row ambiguous
+            raise ValueError(f"fn returned keys that are also parameters, with other values: {clash}; rename them")
+        return {"status": "ok", "result": result, "elapsed_s": time.perf_counter() - t0, **where}
+    except Exception as exc:  # every task error is data for the report; KeyboardInterrupt still stops
+        return {"status": "failed", "error": _error_dict(exc), "elapsed_s": time.perf_counter() - t0, **where}
+
+
+def _error_dict(exc: BaseException) -> dict:
+    return {"type": type(exc).__name__, "message": str(exc),
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
+
+
+def _worker_init() -> None:
+    # Read by torch, numpy's BLAS and OpenMP when first loaded in this worker; run_task pins torch
+    # again in case the fork server preloaded it.
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ[var] = "1"
+
+
+# ---------------------------------------------------------------------- backends
+class _InProcess:
+    name = "inprocess"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def submit(self, params):
+        import concurrent.futures as cf
+
+        fut = cf.Future()
+        fut.set_result(run_task(self.fn, params, None))
+        return fut
+
+    def window(self) -> int:
+        return 1
+
+    def wait(self, futures, timeout):
+        return [f for f in futures if f.done()]
+
+    def outcome(self, fut) -> dict:
+        return fut.result()
+
+    def running(self, inflight: int) -> int:
+        return inflight
+
+    def close(self, cancel: bool) -> None:
+        pass
+
+
+class _Pool:
+    """concurrent.futures process pool; a pool broken by a dying worker is rebuilt."""
+
+    name = "processes"
+
+    def __init__(self, fn, n_workers: int):
+        import multiprocessing as mp
+
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise TypeError(f"fn: backend='processes' needs a picklable top-level function ({exc})") from None
+        # fork would copy the parent's torch thread pools and locks; forkserver/spawn start clean.
+        if "forkserver" in mp.get_all_start_methods():
+            self.ctx = mp.get_context("forkserver")
+            module = getattr(getattr(fn, "func", fn), "__module__", None)   # functools.partial: its function
+            if module and module != "__main__":
+                # The fork server imports fn's module (and torch with it) once; every worker, and
+                # every replacement of a dead one, is then a cheap fork instead of a fresh import.
+                # No effect once this process's fork server runs; failed imports are ignored.
+                self.ctx.set_forkserver_preload(["__main__", module])
+        else:
+            self.ctx = mp.get_context("spawn")
+        self.fn, self.n_workers, self.pool, self._pool_of = fn, n_workers, None, {}
+
+    def _ensure(self):
+        if self.pool is None:
+            import concurrent.futures as cf
+
+            self.pool = cf.ProcessPoolExecutor(self.n_workers, mp_context=self.ctx, initializer=_worker_init)
+        return self.pool
+
+    def submit(self, params):
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            fut = self._ensure().submit(run_task, self.fn, params, 1)
+        except BrokenProcessPool:   # broke since the last completed future was seen: start afresh
+            self._discard(self.pool)
+            fut = self._ensure().submit(run_task, self.fn, params, 1)
+        self._pool_of[fut] = self.pool
+        return fut
+
+    def _discard(self, pool) -> None:
+        if pool is not None and pool is self.pool:
+            pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None
+
+    def window(self) -> int:
+        return 2 * self.n_workers
+
+    def wait(self, futures, timeout):
+        import concurrent.futures as cf
+
+        return cf.wait(futures, timeout=timeout, return_when=cf.FIRST_COMPLETED).done
+
+    def outcome(self, fut) -> dict:
+        from concurrent.futures.process import BrokenProcessPool
+
+        pool = self._pool_of.pop(fut, None)
+        try:
+            return fut.result()
+        except BrokenProcessPool as exc:
+            self._discard(pool)   # only if no replacement was started yet
+            return {"status": "failed", "error": {
+                "type": "WorkerDied", "traceback": "",
+                "message": f"a pool worker died (killed, out of memory, crashed) with this task in flight: {exc}"}}
+        except Exception as exc:  # e.g. results that fail to unpickle
+            return {"status": "failed", "error": _error_dict(exc)}
+
+    def running(self, inflight: int) -> int:
+        return min(inflight, self.n_workers)
+
+    def close(self, cancel: bool) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
+            self.pool = None
+
+
+class _Dask:
+    """A dask.distributed client; tasks on a lost worker are rescheduled by Dask itself."""
+
+    name = "dask"
+
+    def __init__(self, fn, n_workers: int, scheduler, name: str):
+        try:
+            import distributed
+        except ImportError:
+            raise ImportError("backend='dask' needs dask.distributed: pip install 'dask[distributed]'") from None
+        self.distributed, self.fn, self.prefix = distributed, fn, name.replace(" ", "_")[:40]
+        self._own_client, self._cluster, self.threads = False, None, None
+        if isinstance(scheduler, distributed.Client):
+            self.client = scheduler
+            log.info("sweep %s: Dask client given by the caller, scheduler %s", name, _address(self.client))
+        elif scheduler is None:
+            self._cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                                                     dashboard_address=None)
+            self.client, self._own_client, self.threads = distributed.Client(self._cluster), True, 1
+            log.info("sweep %s: started a local Dask cluster of %d worker(s), scheduler %s (no authentication: "
+                     "see docs/sweeps.md on shared machines)", name, n_workers, _address(self.client))
+        elif isinstance(scheduler, str) or hasattr(scheduler, "scheduler_address"):
+            self.client, self._own_client = distributed.Client(scheduler), True   # address or cluster object
+            log.info("sweep %s: Dask scheduler %s", name, _address(self.client))
+        else:
+            raise TypeError("scheduler: expected an address 'tcp://host:port', a distributed.Client or a cluster "
+                            f"object with a scheduler_address, got {type(scheduler).__name__}")
+        self._running, self._polled = 0, 0.0
+        self._deaths: dict = {}
+
+    def submit(self, params):
+        key = f"{self.prefix}-{os.urandom(6).hex()}"
+        return self.client.submit(run_task, self.fn, params, self.threads, key=key, pure=False)
+
+    def window(self) -> int:
+        return 100_000   # the scheduler queues and balances; adaptive clusters scale on queued work
+
+    def wait(self, futures, timeout):
+        try:
+            done = self.distributed.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED").done
+        except TimeoutError:
+            return []
+        if done:
+            # Dask reruns the task of a worker that died by itself; the scheduler counts those deaths
+            # per task ("suspicious"). Read them while the futures still hold their tasks.
+            try:
+                self._deaths.update(self.client.run_on_scheduler(_worker_deaths, keys=[f.key for f in done]))
+            except Exception as exc:  # an old scheduler or a lost connection: attempts stay a lower bound
+                log.debug("could not read worker deaths from the scheduler: %s", exc)
+        return done
+
+    def outcome(self, fut) -> dict:
+        deaths = int(self._deaths.pop(fut.key, 0) or 0)
+        try:
+            out = fut.result()
+        except Exception as exc:  # KilledWorker after allowed-failures worker deaths, a lost scheduler, ...
+            out = {"status": "failed", "error": _error_dict(exc)}
+        if deaths:
+            out = {**out, "worker_deaths": deaths}
+        return out
+
+    def running(self, inflight: int) -> int:
+        now = time.monotonic()
+        if now - self._polled > 1.0:   # one scheduler round trip per second at most
+            self._polled = now
+            try:
+                self._running = sum(len(v) for v in self.client.processing().values())
+            except Exception:
+                self._running = inflight
+        return min(self._running, inflight)
+
+    def close(self, cancel: bool) -> None:
+        if self._own_client:
+            self.client.close()
+            if self._cluster is not None:
+                self._cluster.close()
+
+
+def _address(client) -> str:
+    try:
+        return str(client.scheduler.address)
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "?"
+
+
+def _worker_deaths(dask_scheduler, keys) -> dict:
+    """Run on the scheduler: how many workers died while running each task (TaskState.suspicious)."""
+    out = {}
+    for k in keys:
+        ts = dask_scheduler.tasks.get(k)
+        if ts is not None:
+            out[k] = int(getattr(ts, "suspicious", 0))
+    return out
+
+
+def make_backend(backend: str, fn, n_workers: int, scheduler, name: str):
+    if backend == "inprocess":
+        return _InProcess(fn)
+    if backend == "processes":
+        return _Pool(fn, n_workers)
+    return _Dask(fn, n_workers, scheduler, name)
+

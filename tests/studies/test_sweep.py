@@ -1,0 +1,493 @@
+"""Sweeps: resumable after SIGKILL, corrupt records (and a corrupt manifest) redone or rebuilt,
+failures reported, a lost Dask worker survived and counted, same table whatever the backend.
+
+Truths: the table of an uninterrupted run (a separate process), direct calls of the task
+function in grid order, explicit nested loops for the grid order, per-task execution logs
+written by the tasks themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from studies.sweep import add_sweep_arguments, expand_grid, load_sweep, run_sweep, sweep_options
+from studies.sweep.store import RECORD_FORMAT, read_record, task_key
+
+REPO = Path(__file__).resolve().parents[2]
+CALLS: list[dict] = []       # in-process tasks log their calls here
+FLAKY: dict[int, int] = {}
+
+
+# ---------------------------------------------------------------------- task functions (top level: picklable)
+def square(a, b=0):
+    CALLS.append({"a": a, "b": b})
+    return {"y": a * a + b}
+
+
+def raises_on(a, bad):
+    CALLS.append({"a": a})
+    if a == bad:
+        raise ValueError(f"a={a} is the bad one")
+    return {"y": 2 * a}
+
+
+def flaky(a):
+    FLAKY[a] = FLAKY.get(a, 0) + 1
+    if FLAKY[a] == 1:
+        raise RuntimeError("transient")
+    return {"y": a}
+
+
+def seeded_norm(n, seed):
+    X = np.random.default_rng(seed).standard_normal((n, 3))
+    return {"norm": float(np.linalg.norm(X, 2)), "first": X[0].tolist()}
+
+
+def die_once(i, marker):
+    # Kill the worker process itself the first time task 3 runs: the pool breaks under it.
+    if i == 3 and not os.path.exists(marker):
+        Path(marker).touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.02)
+    return {"y": i + 1}
+
+
+def slow_marked(i, marker_dir):
+    pid = os.getpid()
+    Path(marker_dir, f"start-{i}-{pid}").touch()
+    time.sleep(1.0)
+    Path(marker_dir, f"end-{i}-{pid}").touch()
+    return {"y": 3 * i, "pid": pid}
+
+
+@pytest.fixture(autouse=True)
+def _clear_logs():
+    CALLS.clear()
+    FLAKY.clear()
+
+
+def _records(out: Path) -> list[Path]:
+    return sorted((out / "records").glob("*.rec"))
+
+
+# ---------------------------------------------------------------------- SIGKILL, then resume
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from studies.sweep import run_sweep
+
+    def task(a, seed):
+        time.sleep(float(os.environ.get("TASK_SLEEP", "0")))
+        with open(os.environ["TASK_LOG"], "a") as fh:   # one line per execution
+            fh.write(f"{a},{seed}\\n")
+        return {"y": a * a + seed, "z": a / 7}
+
+    if __name__ == "__main__":
+        res = run_sweep(task, {"a": list(range(6)), "seed": [0, 1]}, sys.argv[1], backend=sys.argv[2],
+                        n_workers=2, progress=False, name="killtest")
+        print("DONE", len(res.rows), res.n_resumed, res.n_run)
+""")
+
+
+def _run_script(script, out, backend, log, sleep, **popen):
+    env = dict(os.environ, TASK_LOG=str(log), TASK_SLEEP=str(sleep), PYTHONPATH=str(REPO))
+    return subprocess.Popen([sys.executable, str(script), str(out), backend], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.parametrize("backend", ["inprocess", "processes"])
+def test_sigkill_midway_then_resume_gives_the_uninterrupted_table(tmp_path, backend):
+    script = tmp_path / "sweep_script.py"
+    script.write_text(SCRIPT)
+    ref = _run_script(script, tmp_path / "ref", backend="inprocess", log=tmp_path / "ref.log", sleep=0)
+    assert ref.wait(60) == 0, ref.stderr.read()
+
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    proc = _run_script(script, out, backend, log, sleep=0.15, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while len(_records(out)) < 3:
+        assert proc.poll() is None, "the sweep finished before it could be killed: " + proc.stderr.read()
+        assert time.monotonic() < deadline, "no record appeared in 60 s"
+        time.sleep(0.01)
+    if backend == "inprocess":
+        os.kill(proc.pid, signal.SIGKILL)
+    else:  # the driver and its pool workers, as a batch system kills a job
+        os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    at_kill = {p.name for p in _records(out)}
+    assert 3 <= len(at_kill) < 12, "killed midway: some but not all records"
+    runs_before = log.read_text().splitlines()
+
+    partial = load_sweep(out)   # what is on disk is readable and consistent
+    assert len(partial.rows) == len(at_kill) and len(partial.missing) == 12 - len(at_kill)
+
+    res = _run_script(script, out, backend, log, sleep=0)
+    stdout, stderr = res.communicate(timeout=60)
+    assert res.returncode == 0, stderr
+    assert stdout.split() == ["DONE", "12", str(len(at_kill)), str(12 - len(at_kill))]
+
+    done, want = load_sweep(out), load_sweep(tmp_path / "ref")
+    assert done.rows == want.rows and done.ok
+    assert (out / "results.csv").read_text() == (tmp_path / "ref" / "results.csv").read_text()
+    recs = _records(out)
+    assert len(recs) == 12 and len({read_record(p)["key"] for p in recs}) == 12   # none lost, none duplicated
+    assert not list((out / "records").glob(".*.tmp"))
+    # Tasks whose record existed at the kill ran exactly once in total; the rest were not redone twice.
+    runs = log.read_text().splitlines()
+    assert len(runs) == len(runs_before) + 12 - len(at_kill)
+    keys_at_kill = {Path(n).stem for n in at_kill}
+    for line in set(runs):
+        a, seed = map(int, line.split(","))
+        if task_key("killtest", {"a": a, "seed": seed}) in keys_at_kill:
+            assert runs.count(line) == 1, line
+
+
+# ---------------------------------------------------------------------- corrupt records
+def test_corrupt_or_partial_records_are_detected_and_redone_never_read(tmp_path):
+    out = tmp_path / "s"
+    grid = [{"a": a, "b": 1} for a in range(6)]
+    first = run_sweep(square, grid, out, progress=False)
+    assert first.ok and [r["y"] for r in first.rows] == [a * a + 1 for a in range(6)]
+    key = [task_key(first.name, p) for p in grid]
+    path = [out / "records" / f"{k}.rec" for k in key]
+
+    raw = path[0].read_bytes()
+    path[0].write_bytes(raw[: len(raw) // 2])                        # truncated
+    path[1].write_bytes(path[1].read_bytes().replace(b'"y":2', b'"y":9'))   # same length, bad checksum
+    assert b'"y":9' in path[1].read_bytes()
+    path[2].write_bytes(path[5].read_bytes())                        # valid record of another task
+    path[3].write_bytes(b"garbage\n")
+    (out / "records" / f".{key[4]}.rec.123.abcd.tmp").write_bytes(b"{half a rec")   # killed writer
+
+    seen = load_sweep(out)
+    assert seen.n_corrupt == 4
+    assert seen.missing == grid[:4] and seen.rows == first.rows[4:]
+    assert all(r["y"] != 9 for r in seen.rows)
+
+    CALLS.clear()
+    again = run_sweep(square, grid, out, progress=False)
+    assert again.n_corrupt == 4 and again.n_resumed == 2 and again.n_run == 4
+    assert CALLS == grid[:4]                      # exactly the bad ones were run again
+    assert again.rows == first.rows and again.ok
+    assert len(list((out / "corrupt").iterdir())) == 4   # kept aside for inspection
+    assert not list((out / "records").glob(".*.tmp"))
+
+
+def test_a_corrupt_manifest_is_rebuilt_from_the_records(tmp_path, caplog):
+    out = tmp_path / "s"
+    grid = [{"a": a, "b": 0} for a in range(4)]
+    first = run_sweep(square, grid, out, progress=False)
+    (out / "sweep.json").write_text('{"format": "smooth-attention-sweep/1", "name": ')   # a torn hand edit
+    seen = load_sweep(out)   # readers rebuild it in memory (rows in the order the tasks finished)
+    assert sorted(seen.rows, key=lambda r: r["a"]) == first.rows and seen.ok
+    assert "rebuilt from 4 verified record(s)" in caplog.text
+    assert (out / "sweep.json").read_text().endswith('"name": ')   # a reader writes nothing
+    CALLS.clear()
+    again = run_sweep(square, grid, out, progress=False)
+    assert again.ok and again.n_resumed == 4 and again.n_run == 0 and CALLS == []
+    assert again.rows == first.rows
+    assert json.loads((out / "sweep.json").read_text())["grid"] == grid   # rewritten from the call
+    (out / "sweep.json").write_text("[]")   # valid JSON, not a manifest: rebuilt too
+    assert run_sweep(square, grid, out, progress=False).n_run == 0
+
+
+def test_a_corrupt_manifest_of_another_sweep_is_still_refused(tmp_path):
+    out = tmp_path / "s"
+    run_sweep(square, [{"a": 1}], out, progress=False, name="one")
+    (out / "sweep.json").write_text("garbage")
+    with pytest.raises(ValueError, match="holds sweep 'one'"):
+        run_sweep(square, [{"a": 1}], out, progress=False, name="two")
+    assert run_sweep(square, [{"a": 1}], out, progress=False, name="two", overwrite=True).ok
+
+
+def _forge(path: Path, body: bytes) -> None:
+    header = {"format": RECORD_FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
+    path.write_bytes(json.dumps(header).encode() + b"\n" + body + b"\n")
+
+
+@pytest.mark.parametrize("depth", [100, 200_000])
+def test_deeply_nested_json_with_a_valid_checksum_is_a_corrupt_record(tmp_path, depth):
+    out = tmp_path / "s"
+    grid = [{"a": 1, "b": 0}, {"a": 2, "b": 0}]
+    first = run_sweep(square, grid, out, progress=False)
+    key = task_key(first.name, grid[0])
+    body = (b'{"key":"' + key.encode() + b'","name":"' + first.name.encode() + b'","params":{"a":1,"b":0},'
+            b'"result":{"y":' + b"[" * depth + b"]" * depth + b'},"status":"ok"}')
+    _forge(out / "records" / f"{key}.rec", body)
+    seen = load_sweep(out)                       # no RecursionError escapes
+    assert seen.n_corrupt == 1 and seen.missing == grid[:1] and seen.rows == first.rows[1:]
+    CALLS.clear()
+    again = run_sweep(square, grid, out, progress=False)
+    assert again.n_corrupt == 1 and CALLS == [grid[0]] and again.rows == first.rows
+    assert len(list((out / "corrupt").iterdir())) == 1
+    (out / "sweep.json").write_text("{" * depth)   # a manifest nested too deeply is rebuilt as well
+    assert load_sweep(out).ok
+
+
+# ---------------------------------------------------------------------- failures and retries
+@pytest.mark.parametrize("backend", ["inprocess", "processes"])
+def test_a_raising_task_is_retried_then_reported_and_the_others_finish(tmp_path, backend):
+    grid = {"a": [0, 1, 2, 3], "bad": [2]}
+    res = run_sweep(raises_on, grid, tmp_path / "s", backend=backend, retries=2, progress=False)
+    assert [r["a"] for r in res.rows] == [0, 1, 3] and [r["y"] for r in res.rows] == [0, 2, 6]
+    assert not res.ok and len(res.failures) == 1
+    f = res.failures[0]
+    assert f.params == {"a": 2, "bad": 2} and f.attempts == 3
+    assert f.error_type == "ValueError" and f.message == "a=2 is the bad one"
+    assert "raise ValueError" in f.traceback and "raises_on" in f.traceback
+    if backend == "inprocess":
+        assert sorted(c["a"] for c in CALLS) == [0, 1, 2, 2, 2, 3]
+    on_disk = load_sweep(tmp_path / "s")
+    assert on_disk.failures == res.failures and on_disk.rows == res.rows
+    assert json.loads((tmp_path / "s" / "failures.json").read_text())[0]["attempts"] == 3
+    with pytest.raises(RuntimeError, match="1 failed"):
+        res.raise_for_failures()
+
+
+def test_retries_zero_and_a_transient_failure(tmp_path):
+    res = run_sweep(raises_on, {"a": [1, 5], "bad": [5]}, tmp_path / "a", retries=0, progress=False)
+    assert res.failures[0].attempts == 1 and len(CALLS) == 2
+    res = run_sweep(flaky, {"a": [1, 2]}, tmp_path / "b", retries=1, progress=False)
+    assert res.ok and [r["y"] for r in res.rows] == [1, 2]
+    assert [r["attempts"] for r in res.records] == [2, 2]
+
+
+def test_bad_results_are_task_failures(tmp_path):
+    def not_a_dict(a):
+        return a
+
+    def clashing(a):
+        return {"a": a + 1}
+
+    def unstorable(a):
+        return {"obj": object()}
+
+    for fn, kind, text in [(not_a_dict, "TypeError", "dict"), (clashing, "ValueError", "also parameters"),
+                           (unstorable, "TypeError", "result['obj']")]:
+        res = run_sweep(fn, [{"a": 1}], tmp_path / fn.__name__, retries=0, progress=False)
+        assert res.failures[0].error_type == kind and text in res.failures[0].message
+    echo = run_sweep(lambda a: {"a": a, "y": 1}, [{"a": 1}], tmp_path / "echo", progress=False)
+    assert echo.rows == [{"a": 1, "y": 1}]   # echoing a parameter unchanged is allowed
+
+
+def test_a_pool_worker_that_dies_is_replaced_and_its_task_retried(tmp_path):
+    marker = str(tmp_path / "died")
+    res = run_sweep(die_once, {"i": list(range(6)), "marker": [marker]}, tmp_path / "s", backend="processes",
+                    retries=2, progress=False)
+    assert os.path.exists(marker), "the worker was not killed"
+    assert res.ok and [r["y"] for r in res.rows] == [1, 2, 3, 4, 5, 6]
+    assert res.records[3]["attempts"] == 2
+
+
+# ---------------------------------------------------------------------- Dask
+def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
+    pytest.importorskip("distributed")
+    caplog.set_level(logging.INFO, logger="studies.sweep")
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    grid = {"i": list(range(6)), "marker_dir": [str(marker_dir)]}
+    box = {}
+    # run_sweep starts its own LocalCluster(2 workers, 1 thread, processes); retries=0: the
+    # rescheduling below is Dask's own, not the runner's.
+    th = threading.Thread(target=lambda: box.update(res=run_sweep(
+        slow_marked, grid, tmp_path / "s", backend="dask", n_workers=2, retries=0, progress=False)))
+    th.start()
+    victim, deadline = None, time.monotonic() + 90
+    while victim is None:
+        assert time.monotonic() < deadline, "no task started on a worker in 90 s"
+        assert th.is_alive(), "the sweep ended before a worker could be killed"
+        for m in marker_dir.glob("start-*"):
+            _, i, pid = m.name.split("-")
+            if not (marker_dir / f"end-{i}-{pid}").exists():   # task i is running in worker pid
+                victim = (int(i), int(pid))
+                break
+        time.sleep(0.01)
+    os.kill(victim[1], signal.SIGKILL)
+    th.join(120)
+    assert not th.is_alive(), "the sweep did not finish after the worker was killed"
+    res = box["res"]
+    assert res.ok and res.backend == "dask" and [r["y"] for r in res.rows] == [3 * i for i in range(6)]
+    assert not (marker_dir / f"end-{victim[0]}-{victim[1]}").exists()   # the kill interrupted that task...
+    assert res.rows[victim[0]]["pid"] != victim[1]                        # ...which Dask ran again elsewhere
+    assert len(_records(tmp_path / "s")) == 6
+    # the rerun is counted: two attempts for the killed task; a task that only waited in the dead
+    # worker's queue (Dask sends a worker up to 2 tasks per thread) is rescheduled and counted too
+    assert res.records[victim[0]]["attempts"] == 2 and res.records[victim[0]]["worker_deaths"] == 1
+    attempts = [r["attempts"] for r in res.records]
+    assert set(attempts) <= {1, 2} and attempts.count(2) <= 2
+    assert "started a local Dask cluster of 2 worker(s), scheduler tcp://" in caplog.text   # never silent
+
+
+@pytest.mark.slow
+def test_dask_scheduler_as_address_client_or_cluster_object(tmp_path):
+    distributed = pytest.importorskip("distributed")
+    grid = {"n": [3, 4], "seed": [0, 1]}
+    truth = [{**p, **seeded_norm(**p)} for p in expand_grid(grid)]
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cl:
+        with distributed.Client(cl) as client:
+            for i, sched in enumerate([cl.scheduler_address, client, cl]):
+                res = run_sweep(seeded_norm, grid, tmp_path / str(i), scheduler=sched, progress=False)
+                assert res.backend == "dask" and res.rows == truth
+            assert client.status == "running"   # a client given by the user is left open
+
+
+def test_same_grid_and_seed_same_table_on_every_backend(tmp_path):
+    grid = {"n": [3, 5], "seed": [0, 1, 2]}
+    truth = [{**p, **seeded_norm(**p)} for p in expand_grid(grid)]
+    tables = {}
+    for backend in ["inprocess", "processes"]:   # dask: test_localcluster_survives_a_killed_worker
+        res = run_sweep(seeded_norm, grid, tmp_path / backend, backend=backend, n_workers=2, progress=False)
+        assert res.rows == truth, backend
+        tables[backend] = (tmp_path / backend / "results.csv").read_text()
+    again = run_sweep(seeded_norm, grid, tmp_path / "again", progress=False)
+    assert again.rows == truth
+    assert len(set(tables.values())) == 1
+
+
+# ---------------------------------------------------------------------- grid, store, options
+def test_grid_order_is_nested_loops_and_values_are_normalized():
+    grid = {"a": [1, 2], "b": ["x", "y", "z"], "c": [(1, 2)]}
+    want = [{"a": a, "b": b, "c": [1, 2]} for a in [1, 2] for b in ["x", "y", "z"]]
+    assert expand_grid(grid) == want
+    assert expand_grid([{"n": np.int64(3), "r": np.float64(0.5)}]) == [{"n": 3, "r": 0.5}]
+    assert type(expand_grid([{"n": np.int64(3)}])[0]["n"]) is int
+    with pytest.raises(ValueError, match=r"grid\[2\].*grid\[0\]"):
+        expand_grid([{"a": 1, "b": 2}, {"a": 2}, {"b": 2, "a": 1}])
+    with pytest.raises(TypeError, match=r"grid\[0\]\['f'\]"):
+        expand_grid([{"f": object()}])
+    with pytest.raises(TypeError, match=r"grid\['a'\]"):
+        expand_grid({"a": 3})
+    with pytest.raises(TypeError, match="grid"):
+        expand_grid("abc")
+
+
+def test_task_key_is_stable_and_order_independent():
+    assert task_key("s", {"a": 1, "b": [1, 2]}) == task_key("s", {"b": [1, 2], "a": 1})
+    assert task_key("s", {"a": 1}) != task_key("t", {"a": 1}) != task_key("s", {"a": 1.0})
+    # Pinned: a key must not change between versions or machines, or resumed sweeps would rerun.
+    import hashlib
+    text = '{"name":"s","params":{"a":1,"b":[1,2]}}'
+    assert task_key("s", {"a": 1, "b": [1, 2]}) == hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def test_resume_false_recomputes_and_nonfinite_results_roundtrip(tmp_path):
+    import torch  # here only: workers that import this module should not pay for torch
+
+    def inf_task(a):
+        CALLS.append(a)
+        return {"v": float("inf") if a else float("-inf"), "t": torch.tensor([a, 2.0])}
+
+    run_sweep(inf_task, {"a": [0, 1]}, tmp_path, progress=False)
+    res = run_sweep(inf_task, {"a": [0, 1]}, tmp_path, progress=False)
+    assert res.n_run == 0 and CALLS == [0, 1]
+    res = run_sweep(inf_task, {"a": [0, 1]}, tmp_path, resume=False, progress=False)
+    assert res.n_run == 2 and CALLS == [0, 1, 0, 1]
+    assert load_sweep(tmp_path).rows == [{"a": 0, "v": float("-inf"), "t": [0.0, 2.0]},
+                                         {"a": 1, "v": float("inf"), "t": [1.0, 2.0]}]
+
+
+def test_extending_a_grid_runs_only_the_new_tasks(tmp_path):
+    run_sweep(square, {"a": [1, 2]}, tmp_path, progress=False)
+    res = run_sweep(square, {"a": [0, 1, 2, 3]}, tmp_path, progress=False)
+    assert CALLS == [{"a": 1, "b": 0}, {"a": 2, "b": 0}, {"a": 0, "b": 0}, {"a": 3, "b": 0}]
+    assert [r["a"] for r in res.rows] == [0, 1, 2, 3] and res.n_resumed == 2
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match="backend"):
+        run_sweep(square, [{"a": 1}], tmp_path, backend="threads")
+    with pytest.raises(ValueError, match="n_workers"):
+        run_sweep(square, [{"a": 1}], tmp_path, n_workers=0)
+    with pytest.raises(ValueError, match="retries"):
+        run_sweep(square, [{"a": 1}], tmp_path, retries=-1)
+    with pytest.raises(ValueError, match="scheduler"):
+        run_sweep(square, [{"a": 1}], tmp_path, backend="processes", scheduler="tcp://127.0.0.1:1")
+    with pytest.raises(TypeError, match="fn"):
+        run_sweep(3, [{"a": 1}], tmp_path)
+    with pytest.raises(TypeError, match="fn"):
+        run_sweep(lambda a: {}, [{"a": 1}], tmp_path / "l", backend="processes")
+    run_sweep(square, [{"a": 1}], tmp_path / "named", name="one", progress=False)
+    with pytest.raises(ValueError, match="name"):
+        run_sweep(square, [{"a": 1}], tmp_path / "named", name="two")
+    with pytest.raises(ValueError, match="out_dir"):
+        load_sweep(tmp_path / "nothing")
+
+
+def test_a_folder_in_use_is_refused(tmp_path):
+    run_sweep(square, [{"a": 1}], tmp_path, progress=False)
+    with open(tmp_path / ".lock", "a+") as fh:   # another runner holding the folder
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="in use"):
+            run_sweep(square, [{"a": 1}], tmp_path, progress=False)
+    assert run_sweep(square, [{"a": 1}], tmp_path, progress=False).ok   # released with its holder
+
+
+def test_progress_off_a_terminal_is_plain_lines_with_the_full_name(tmp_path, capsys):
+    name = "a/very/long/sweep/name/that/is/longer/than/thirty/characters"
+    run_sweep(raises_on, {"a": [0, 1, 2], "bad": [1]}, tmp_path, retries=0, progress=True, name="x", label=name)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{name}: 0/3 tasks", f"{name}: 2/3 tasks in {err.split(' in ')[1].split(',')[0]}, "
+                                                      "done=2 running=0 failed=1"]
+    assert "\r" not in err and "\x1b" not in err
+
+
+def test_progress_lines_are_periodic(capsys):
+    from studies.sweep import Progress
+
+    bar = Progress(4, "loop", unit="step", interval=0.0)
+    for _ in range(3):
+        bar.update(1, now="x")
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "loop: 0/4 steps" and lines[1].startswith("loop: 1/4 steps (25%), now=x, ")
+    assert "left" in lines[1] and lines[-1].startswith("loop: 3/4 steps in ")
+    assert len(lines) == 5
+    silent = Progress(4, "quiet", enabled=False)
+    silent.update(4)
+    silent.close()
+    assert capsys.readouterr().err == ""
+
+
+def test_tables_on_disk(tmp_path):
+    from studies.io import read_csv
+
+    res = run_sweep(square, {"a": [1, 2], "b": [5]}, tmp_path / "s", progress=False)
+    assert read_csv(tmp_path / "s" / "results.csv") == res.rows
+    assert res.to_pandas()["y"].tolist() == [6, 9]
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="pyarrow"):
+            res.to_parquet(tmp_path / "t.parquet")
+    else:
+        import pandas as pd
+        assert pd.read_parquet(res.to_parquet(tmp_path / "t.parquet"))["y"].tolist() == [6, 9]
+
+
+def test_command_line_options(tmp_path, monkeypatch):
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "tcp://10.1.2.3:8786")
+    p = add_sweep_arguments(argparse.ArgumentParser())
+    opts = sweep_options(p.parse_args([]))
+    assert opts == {"backend": "auto", "n_workers": 2, "scheduler": "tcp://10.1.2.3:8786", "resume": True,
+                    "retries": 2, "progress": True}
+    monkeypatch.delenv("DASK_SCHEDULER_ADDRESS")
+    p = add_sweep_arguments(argparse.ArgumentParser())
+    opts = sweep_options(p.parse_args(["--backend", "inprocess", "--workers", "3", "--no-resume", "--retries", "1",
+                                       "--no-progress"]))
+    assert opts == {"backend": "inprocess", "n_workers": 3, "scheduler": None, "resume": False, "retries": 1,
+                    "progress": False}
+    assert run_sweep(square, {"a": [4]}, tmp_path, **opts).rows == [{"a": 4, "y": 16}]
