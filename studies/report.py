@@ -151,7 +151,7 @@ def _entry_line(entry: dict) -> str:
     if entry["status"] != "ok":
         return f"FAILED after {format_seconds(entry['seconds'])}: {entry['error']}"
     counts = _counts(entry.get("claims", []))
-    said = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+    said = ", ".join(f"{v} {'hold' if k == 'holds' and v != 1 else k}" for k, v in counts.items() if v)
     return f"done in {format_seconds(entry['seconds'])}; claims: {said or 'none'}"
 
 

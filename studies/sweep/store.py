@@ -33,10 +33,10 @@ from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-from .files import FolderLock, atomic_write, canonical_json, normalize
+from .files import FolderLock, atomic_write, canonical_json
 
-__all__ = ["RECORD_FORMAT", "canonical_json", "normalize", "task_key", "atomic_write", "write_record",
-           "read_record", "CorruptRecord", "SweepStore"]
+__all__ = ["RECORD_FORMAT", "MANIFEST_FORMAT", "task_key", "write_record", "read_record", "CorruptRecord",
+           "SweepStore"]
 
 log = logging.getLogger(__name__)
 

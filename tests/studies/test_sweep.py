@@ -491,3 +491,24 @@ def test_command_line_options(tmp_path, monkeypatch):
     assert opts == {"backend": "inprocess", "n_workers": 3, "scheduler": None, "resume": False, "retries": 1,
                     "progress": False}
     assert run_sweep(square, {"a": [4]}, tmp_path, **opts).rows == [{"a": 4, "y": 16}]
+
+
+def test_the_sweep_subpackage_imports_nothing_from_the_rest_of_studies():
+    """studies.sweep stands alone (no cycle with the studies that use it): its modules import only
+    each other, the standard library and third-party packages."""
+    import ast
+
+    root = REPO / "studies" / "sweep"
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                assert node.level == 1 or not mod.startswith("studies") or mod.startswith("studies.sweep"), \
+                    (f.name, mod)
+                assert node.level <= 1, (f.name, mod)   # "from .." would leave the subpackage
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("studies") for a in node.names), f.name
+    code = ("import sys; import studies.sweep; "
+            "print(sorted(m for m in sys.modules if m.startswith('studies') and not m.startswith('studies.sweep')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "['studies']", res.stderr
