@@ -1,5 +1,5 @@
 """Sweep scheduling overhead: the same grid of 200 Lipschitz tasks in-process, on a 2-process pool
-and on a 2-worker Dask LocalCluster (issue 8).
+and on a 2-worker Dask LocalCluster.
 
     python benchmarks/bench_sweep.py [--quick]
 

@@ -14,6 +14,7 @@ are :class:`particles.Measure` objects. Every configuration lies in the closed b
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,8 @@ from particles.validation import check_positive_int, check_radius, resolve_dtype
 
 from .bounds import GammaInfo, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
-__all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_sequence", "two_dirac", "zero_plus_spread"]
+__all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
+           "sqrt_n_sequence_from_info", "two_dirac", "zero_plus_spread"]
 
 
 @dataclass(frozen=True)
@@ -167,3 +169,39 @@ def zero_plus_spread(R, n, d, *, seed=None, dtype=None) -> torch.Tensor:
         theta = 2.0 * math.pi * torch.arange(n - 1, dtype=torch.float64) / (n - 1)
         X[1:, 0], X[1:, 1] = R * torch.cos(theta), R * torch.sin(theta)
     return X.to(dt)
+
+
+def sqrt_n_sequence_from_info(info: GammaInfo, R, n, *, dtype=None, device=None) -> torch.Tensor:
+    """Proposition 3.4's witness (n, d) from an eigen-structure already computed: ``(R u, R u/2, ...,
+    R u/2)`` (case "max") or ``(-R u, R u, ..., R u)`` (case "min"), u = ``info.eigenvector``.
+
+    ``info`` is a :class:`meanfield.bounds.GammaInfo`, e.g. from
+    :func:`meanfield.bounds.gamma_info_factored` for a head given by its factors (A = scale K^T Q)
+    where forming and diagonalizing the d x d matrix A is wasteful. Same tensor as
+    :func:`sqrt_n_sequence` for ``info = gamma_info(A)``.
+    """
+    if not isinstance(info, GammaInfo):
+        raise TypeError(f"info: expected a meanfield.bounds.GammaInfo, got {type(info).__name__}")
+    if info.eigenvector is None or info.gamma == 0.0:
+        raise ValueError("info: gamma = 0 (every real eigenvalue is 0), so Proposition 3.4 gives no witness")
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n")
+    u = torch.as_tensor(info.eigenvector, dtype=_dtype(dtype), device=device)
+    first, rest = (R, R / 2.0) if info.case == "max" else (-R, R)
+    return torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0).contiguous()
+
+
+def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
+    """Proposition 3.4's witness of n tokens as the two-atom measure it is: weight 1/n on the first
+    token, (n - 1)/n on the repeated one (docs/math.md section 2: a sequence is the uniform measure
+    on its tokens, and repeated tokens merge).
+
+    Two atoms for any n, so the constant of the witness family is computable for n up to 10^15 and
+    beyond; ``n`` may be any real > 1 (integer n gives the measure of a sequence; other n
+    interpolate the family). The weights are stored as log-weights ``(-log n, log1p(-1/n))``.
+    """
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or not n > 1:
+        raise ValueError(f"n: expected a finite number > 1, got {n!r}")
+    X2 = sqrt_n_sequence(A, R, 2, dtype=dtype)  # the two distinct tokens: x_1 and the repeated one
+    log_w = torch.tensor([-math.log(n), math.log1p(-1.0 / n)], dtype=X2.dtype)
+    return Measure(X2, log_weights=log_w)

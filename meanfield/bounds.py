@@ -29,17 +29,26 @@ from particles.validation import as_tensor, check_positive_int, check_radius
 __all__ = [
     "GammaInfo",
     "argmax_indices",
+    "augmented_head_norms",
+    "biased_multihead_upper",
     "gamma",
     "gamma_info",
+    "gamma_info_factored",
     "l2_attention_upper",
     "large_radius_limit",
+    "large_radius_sup",
     "lambert_phi_inverse",
     "mean_field_upper",
     "multihead_upper",
+    "score_gap",
     "spectral_norm",
     "sqrt_n_lower",
+    "sqrt_n_lower_from_gamma",
+    "sqrt_n_regime_length",
+    "sqrt_n_regime_radius",
     "sqrt_n_upper",
     "two_dirac_lower",
+    "two_dirac_lower_from_gamma",
 ]
 
 
@@ -376,3 +385,205 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
                  for q, k in zip(WQ, ks))
     v_term = max(np.linalg.norm(v.T, inf) for v in WV)
     return float(np.linalg.norm(wo.T, inf) * q_term * v_term)
+
+
+# ---------------------------------------------------------------------------- from what a study already has
+# The entry points below take gamma, norms or factored heads instead of the matrix A, for callers that
+# computed those once (a real layer's heads, a sweep of many radii) or cannot form A at all (n beyond
+# the integers). They evaluate the same formulas as the functions above (docs/math.md section 5).
+def _gamma_value(gamma) -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
+        raise TypeError(f"gamma: expected a real number, got {type(gamma).__name__}")
+    g = float(gamma)
+    if not math.isfinite(g) or g < 0:
+        raise ValueError(f"gamma: expected a finite number >= 0, got {g}")
+    return g
+
+
+def _length(n, name: str = "n") -> float:
+    if isinstance(n, bool) or not isinstance(n, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(n).__name__}")
+    x = float(n)
+    if not math.isfinite(x) or x < 1:
+        raise ValueError(f"{name}: expected a finite number >= 1, got {n!r}")
+    return x
+
+
+def sqrt_n_lower_from_gamma(gamma, R, n) -> float:
+    """Proposition 3.4 from gamma: ``sqrt(n - 1) / (1 + (n - 1) exp(-2 gamma R^2))``.
+
+    The value :func:`sqrt_n_lower` gives for a matrix A with ``gamma(A) = gamma``. ``n`` may be any
+    real >= 1: the proposition is about sequences (integer n); at other n this is the same formula
+    evaluated on the two-atom family (1/n, (n-1)/n) of :func:`meanfield.adversarial.sqrt_n_measure`,
+    and n may exceed the range of integers a caller can form (10^15 and beyond).
+    """
+    g = _gamma_value(gamma)
+    R = check_radius(R, "R")
+    n = _length(n)
+    return float(math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * g * R * R)))
+
+
+def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
+    """Proposition 3.6 from gamma: the asymptotic value ``(gamma / 2) R^2 exp(gamma R^2)``
+    (as :func:`two_dirac_lower`); ``log=True`` returns its natural logarithm (``-inf`` when gamma = 0
+    or R = 0)."""
+    g = _gamma_value(gamma)
+    R = check_radius(R, "R")
+    _check_log(log)
+    value = -math.inf if g == 0.0 or R == 0.0 else math.log(g / 2.0) + 2.0 * math.log(R) + g * R * R
+    return value if log else _exp_or_inf(value)
+
+
+def sqrt_n_regime_radius(gamma, n) -> float:
+    """The radius R at which ``exp(2 gamma R^2) = n``: ``sqrt(log(n) / (2 gamma))``.
+
+    Proposition 3.4's bound grows like sqrt(m) for lengths m << exp(2 gamma R^2) and saturates
+    beyond; a study that wants a whole grid of lengths in the sqrt(n) regime takes R at least this
+    radius for n well above its largest length (say 1000 times).
+    """
+    g = _gamma_value(gamma)
+    n = _length(n)
+    if g == 0.0:
+        raise ValueError("gamma: is 0, so exp(2 gamma R^2) = 1 at every radius and no radius reaches n")
+    return math.sqrt(math.log(n) / (2.0 * g))
+
+
+def sqrt_n_regime_length(gamma, R) -> float:
+    """``exp(2 gamma R^2)``: the length near which Proposition 3.4's sqrt(n) growth stops (math.inf
+    beyond the float64 range)."""
+    g = _gamma_value(gamma)
+    R = check_radius(R, "R")
+    return _exp_or_inf(2.0 * g * R * R)
+
+
+def _heads_tensor(M, name: str, ndim: int) -> torch.Tensor:
+    t = as_tensor(M, name, dtype=torch.float64)
+    if t.dim() == ndim - 1:
+        t = t[None]
+    if t.dim() != ndim or t.numel() == 0:
+        raise ValueError(f"{name}: expected {'(H, k, d) or (k, d)' if ndim == 3 else '(H, k) or (k,)'}, "
+                         f"got shape {tuple(t.shape)}")
+    return t
+
+
+def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
+    """:func:`gamma_info` of a factored head ``A = scale K^T Q`` (Q, K of shape (k, d)), from the
+    k x k matrix ``scale Q K^T``.
+
+    Both have the same nonzero eigenvalues: if ``scale Q K^T w = lambda w`` then ``A w' = lambda w'``
+    for ``w' = K^T w``. When k < d, A has rank at most k, so 0 is an eigenvalue too; it never
+    changes gamma. The cost is that of a k x k eigenproblem instead of d x d (a Transformer head:
+    k = 64, d = 768). When gamma = 0 there is no witness: ``eigenvector`` is None.
+    """
+    Qt, Kt = as_tensor(Q, "Q", dtype=torch.float64), as_tensor(K, "K", dtype=torch.float64)
+    if Qt.dim() != 2 or Qt.shape != Kt.shape or Qt.numel() == 0:
+        raise ValueError(f"Q, K: expected two (k, d) matrices of the same shape, got {tuple(Qt.shape)} and "
+                         f"{tuple(Kt.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale: expected a finite real number, got {scale!r}")
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
+        raise ValueError(f"tol: expected a number >= 0, got {tol!r}")
+    M = (scale * Qt @ Kt.T).cpu().numpy()
+    ev, W = np.linalg.eig(M)
+    real = np.abs(ev.imag) <= tol * (1 + np.abs(ev))
+    lam = np.concatenate([ev.real[real], [0.0]]) if Qt.shape[-1] > Qt.shape[0] else ev.real[real]
+    if lam.size == 0:
+        raise ValueError("Q, K: A = scale K^T Q has no real eigenvalue; Proposition 3.4 does not apply")
+    l_max, l_min = float(lam.max()), float(lam.min())
+    t_max, t_min = max(l_max / 8, 0.0), max(-l_min, 0.0)
+    case = "max" if t_max >= t_min else "min"
+    lam_c = l_max if case == "max" else l_min
+    if lam_c == 0.0:
+        return GammaInfo(0.0, case, 0.0, None, l_max, l_min)
+    i = int(np.argmin(np.abs(ev - lam_c)))
+    w = W[:, i].real if np.linalg.norm(W[:, i].real) >= np.linalg.norm(W[:, i].imag) else W[:, i].imag
+    u = Kt.T.cpu().numpy() @ w
+    u = u / np.linalg.norm(u)
+    u = u if u[int(np.argmax(np.abs(u)))] > 0 else -u   # a fixed sign: reproducible witnesses
+    return GammaInfo(max(t_max, t_min), case, lam_c, u, l_max, l_min)
+
+
+def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(||A'_h||_2, ||V'_h||_2)`` for every head of a layer with biases, as arrays of length H.
+
+    Head h scores ``scale <Q_h x_i + b_Q, K_h x_j + b_K>`` and values ``V_h x_j + b_V`` (Q_h, K_h of
+    shape (k, d), V_h (k_v, d); Q, K, V of shape (H, k, d) or one head (k, d)). Terms constant in j
+    leave the softmax unchanged, so with x' = (x, 1) the head is self-attention with
+    ``A'_h = scale [K_h^T; 0] [Q_h, b_Q]`` and ``V'_h = [V_h, b_V]`` on (d+1)-dimensional tokens of
+    radius sqrt(R^2 + 1): Theorems 3.3 / 4.3 apply with these norms (:func:`biased_multihead_upper`).
+    With K_h K_h^T = L L^T, ``||A'_h|| = scale ||L^T [Q_h, b_Q]||``, a k x (d+1) matrix. ``b_K``
+    does not enter. Missing biases are zero.
+    """
+    Qh, Kh, Vh = (_heads_tensor(M, name, 3) for M, name in ((Q, "Q"), (K, "K"), (V, "V")))
+    H, k, d = Qh.shape
+    if Kh.shape != Qh.shape or Vh.shape[0] != H or Vh.shape[2] != d:
+        raise ValueError(f"Q, K, V: expected Q and K of the same shape and V with {H} heads of width {d}, got "
+                         f"{tuple(Qh.shape)}, {tuple(Kh.shape)}, {tuple(Vh.shape)}")
+    bQ = torch.zeros(H, k, dtype=Qh.dtype, device=Qh.device) if b_Q is None else _heads_tensor(b_Q, "b_Q", 2)
+    bV = (torch.zeros(H, Vh.shape[1], dtype=Vh.dtype, device=Vh.device) if b_V is None
+          else _heads_tensor(b_V, "b_V", 2))
+    if bQ.shape != (H, k) or bV.shape != (H, Vh.shape[1]):
+        raise ValueError(f"b_Q, b_V: expected shapes {(H, k)} and {(H, Vh.shape[1])}, got {tuple(bQ.shape)} and "
+                         f"{tuple(bV.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(f"scale: expected a finite real number, got {scale!r}")
+    a, v = [], []
+    for h in range(H):
+        L = torch.linalg.cholesky(Kh[h] @ Kh[h].T)
+        a.append(scale * float(torch.linalg.matrix_norm(L.T @ torch.cat([Qh[h], bQ[h][:, None]], 1), 2)))
+        v.append(float(torch.linalg.matrix_norm(torch.cat([Vh[h], bV[h][:, None]], 1), 2)))
+    return np.array(a), np.array(v)
+
+
+def biased_multihead_upper(a_norms, v_norms, w_norm, R, n) -> float:
+    """Lemma 3.8 with Theorem 3.3 / 4.3 per bias-augmented head: an upper bound on the Lipschitz
+    constant of a multi-head layer with biases on sequences of n tokens of norm at most R,
+    ``||W_O||_2 (sum_h 3 ||V'_h||^2 (||A'_h||^2 R'^4 (4n + 1) + n))^{1/2}`` with ``R'^2 = R^2 + 1``.
+
+    ``a_norms``, ``v_norms``: the per-head norms of :func:`augmented_head_norms`; ``w_norm``:
+    ``||W_O||_2``. The output bias does not change the constant.
+    """
+    a = np.asarray(a_norms, dtype=float)
+    v = np.asarray(v_norms, dtype=float)
+    if a.ndim != 1 or a.shape != v.shape or a.size == 0 or (a < 0).any() or (v < 0).any():
+        raise ValueError(f"a_norms, v_norms: expected two non-empty lists of norms >= 0 of the same length, got "
+                         f"shapes {a.shape} and {v.shape}")
+    if isinstance(w_norm, bool) or not isinstance(w_norm, numbers.Real) or not w_norm >= 0:
+        raise ValueError(f"w_norm: expected a norm >= 0, got {w_norm!r}")
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n")
+    R2 = R * R + 1.0
+    heads = math.sqrt(3.0) * v * np.sqrt(a * a * R2 * R2 * (4 * n + 1) + n)
+    return float(w_norm * math.sqrt(float(np.sum(heads ** 2))))
+
+
+def score_gap(A, X, *, masked: bool = False) -> float:
+    """The smallest margin between the two largest scores ``<A x_i, x_j>`` of a row (over j <= i
+    when ``masked``); ``math.inf`` when no row has two keys.
+
+    Theorems 3.7 / 4.5 need a positive margin, and the constant at R X approaches its limit
+    (:func:`large_radius_limit`) like ``exp(-gap R^2)``.
+    """
+    a = as_tensor(A, "A", dtype=torch.float64)
+    x = as_tensor(X, "X", dtype=torch.float64)
+    if a.dim() != 2 or a.shape[0] != a.shape[1] or x.dim() != 2 or x.shape[1] != a.shape[0] or x.shape[0] == 0:
+        raise ValueError(f"A, X: expected A (d, d) and X (n, d), got {tuple(a.shape)} and {tuple(x.shape)}")
+    if not isinstance(masked, bool):
+        raise TypeError(f"masked: expected True or False, got {type(masked).__name__}")
+    S = x @ a.T @ x.T
+    if masked:
+        S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+    top = torch.topk(S, min(2, S.shape[1]), dim=1).values
+    gaps = top[:, 0] - top[:, 1] if top.shape[1] > 1 else torch.full((S.shape[0],), math.inf)
+    gaps = torch.where(torch.isfinite(gaps), gaps, torch.full_like(gaps, math.inf))
+    return float(gaps.min())
+
+
+def large_radius_sup(V, n) -> float:
+    """``||V||_2 sqrt(n)``: the largest value the limit of Theorems 3.7 / 4.5 takes over directions
+    of n tokens (every token attends to the same one: multiplicity n)."""
+    v = as_tensor(V, "V", dtype=torch.float64)
+    if v.dim() != 2 or v.numel() == 0:
+        raise ValueError(f"V: expected a non-empty matrix, got shape {tuple(v.shape)}")
+    n = check_positive_int(n, "n")
+    return float(torch.linalg.matrix_norm(v, ord=2)) * math.sqrt(n)

@@ -1,25 +1,50 @@
 """Command line ``meanfield``: the reproduction report and every study as a subcommand.
 
-    meanfield reproduce [--quick] [--out DIR] [--seed S] [--only NAME ...]
-    meanfield <study> [--quick] [--out DIR] [--seed S]
+    meanfield reproduce [--quick] [--out DIR] [--seed S] [--device cpu|cuda] [--only NAME ...]
+    meanfield <study> [--quick] [--out DIR] [--seed S] [--device cpu|cuda]
     meanfield list
     meanfield --help | --version
 
-Every run writes one folder (default ``runs/<timestamp>``) with config.json, summary.json,
-report.md and one subfolder per study. The exit code is 0 when every study ran and every claim
-agreed, 1 when a claim disagreed, 2 when a study failed.
+The command line is the one place that reads flags and environment variables: it builds the
+run's :class:`~studies.context.RunContext` once and hands it to the studies. Every run writes one
+folder (default ``runs/<timestamp>``) with config.json, summary.json, report.md and one subfolder
+per study. Exit codes: see :data:`EXIT_CODES` (also printed by ``meanfield --help``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .core import TINY_ENV, import_errors, registry, sweep_settings
+from .context import CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
+from .contract import import_errors, registry
 from .sweep import add_sweep_arguments, sweep_options
+
+EXIT_OK = 0
+EXIT_VIOLATED = 1
+EXIT_STUDY_FAILED = 2
+EXIT_USAGE = 64          # sysexits.h EX_USAGE
+EXIT_OUTPUT = 74         # sysexits.h EX_IOERR
+EXIT_BUSY = 75           # sysexits.h EX_TEMPFAIL: try again when the other run has finished
+EXIT_INTERRUPTED = 130   # 128 + SIGINT, the shell's convention
+
+EXIT_CODES = {
+    EXIT_OK: "every study ran and every theorem claim holds (empirical claims may be 'not reproduced': a "
+             "finding, not a failure)",
+    EXIT_VIOLATED: "a theorem claim was violated (a bug in the code, or in the paper)",
+    EXIT_STUDY_FAILED: "a study failed: it raised an error (report.md has its traceback)",
+    EXIT_USAGE: "usage error: unknown option or study, bad value, --out names a file, --text names no file, "
+                "--device cuda without CUDA",
+    EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
+                 "left truncated)",
+    EXIT_BUSY: "the --out folder is in use by another meanfield run",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); the studies that finished are in report.md",
+}
+
+log = logging.getLogger("studies")
 
 
 def _version() -> str:
@@ -29,65 +54,128 @@ def _version() -> str:
         return "0.1.0+src"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors on exit code 64: exit code 2 means "a study failed"."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="small grids (all studies in about 10 minutes on 2 cores)")
+    p.add_argument("--quick", action="store_true", help="small grids (every study in a few minutes on 2 cores)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<timestamp>)")
     p.add_argument("--seed", type=int, default=0, help="random seed (runs are deterministic for a seed)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where studies create their tensors and models (default cpu)")
+    p.add_argument("--checkpoint", action="append", default=None, metavar="DIR",
+                   help=f"a local pretrained GPT-2/BERT checkpoint for the real-model study (repeatable; default "
+                        f"${CHECKPOINTS_ENV}, folders separated by ':')")
+    p.add_argument("--text", type=Path, default=None, metavar="FILE",
+                   help=f"a UTF-8 text file replacing the real-model study's corpus (default ${TEXT_ENV})")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help="print errors and the final result only")
+    g.add_argument("-v", "--verbose", action="store_true", help="also print debug messages")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test-size grids
     add_sweep_arguments(p)
 
 
+def _epilog() -> str:
+    codes = "\n".join(f"  {code:<4d}{text}" for code, text in EXIT_CODES.items())
+    return ("Example: meanfield reproduce --quick --out runs/quick  (then open runs/quick/report.md).\n"
+            f"Real models: --checkpoint DIR (or {CHECKPOINTS_ENV}=dir1:dir2) measures local pretrained checkpoints\n"
+            f"besides random-init GPT-2 and BERT; --text FILE (or {TEXT_ENV}) replaces the default text.\n\n"
+            f"exit codes:\n{codes}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="meanfield",
+    p = _Parser(
+        prog="meanfield", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="How smooth is attention? Reproduce the claims of Castin, Ablin & Peyre (ICML 2024) "
                     "and neighbours: each study computes, plots next to the theory, and says whether "
                     "the numbers agree.",
-        epilog="Example: meanfield reproduce --quick --out runs/quick  (then open runs/quick/report.md). "
-               "Real models: SMOOTH_ATTENTION_CHECKPOINTS=dir1:dir2 measures local pretrained checkpoints "
-               "(otherwise random-init GPT-2 and BERT); SMOOTH_ATTENTION_TEXT=file.txt replaces the default text.")
+        epilog=_epilog())
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    rp = sub.add_parser("reproduce", help="run every study and write the report",
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    rp = sub.add_parser("reproduce", help="run every study and write the report", epilog=_epilog(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Run the registered studies and write config.json, summary.json, report.md.")
     _add_run_options(rp)
     rp.add_argument("--only", nargs="+", metavar="NAME", default=None, help="run only these studies")
     sub.add_parser("list", help="list the registered studies")
     for name, study in registry().items():
-        sp = sub.add_parser(name, help=study.title, description=f"{study.title}. {study.description}")
+        sp = sub.add_parser(name, help=study.title, description=f"{study.title}. {study.description}",
+                            epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_run_options(sp)
     return p
 
 
-def _run(args, names: list[str] | None) -> int:
-    previous = os.environ.get(TINY_ENV)
-    if args.tiny:
-        os.environ[TINY_ENV] = "1"
+def _say(message: str) -> None:
+    print(f"meanfield: {message}", file=sys.stderr, flush=True)
+
+
+def context_from_args(args: argparse.Namespace, argv: list[str], environ=None) -> RunContext:
+    """The run context of parsed arguments; flags win over the environment."""
+    from .report import default_run_dir
+
+    level = "tiny" if args.tiny else "quick" if args.quick else "full"
+    opts = sweep_options(args, environ)
+    progress = opts.pop("progress")
+    fields = {}
+    if args.checkpoint is not None:
+        fields["checkpoints"] = tuple(args.checkpoint)
+    if args.text is not None:
+        fields["text"] = args.text
+    return RunContext.from_environment(
+        args.out if args.out is not None else default_run_dir(), environ, level=level, seed=args.seed, sweep=opts,
+        device=args.device, verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
+        progress=progress, argv=tuple(argv), **fields)
+
+
+def _usage_problem(ctx: RunContext) -> str | None:
+    """A problem with the context that is the user's to fix, in one line; None when there is none."""
+    if ctx.out.exists() and not ctx.out.is_dir():
+        return f"--out: {ctx.out} is an existing file; give a folder"
+    if ctx.text is not None and not ctx.text.is_file():
+        return f"--text: no text file at {ctx.text}"
+    if ctx.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)"
+    return None
+
+
+def _configure_logging(verbosity: int) -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if verbosity < VERBOSE
+                                           else "%(asctime)s %(name)s %(levelname)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel({QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[verbosity])
+    return handler
+
+
+def _run(ctx: RunContext, names: list[str] | None) -> int:
+    from .io import OutputError
+    from .report import reproduce, summary_line
+    from .sweep import FolderBusy
+
     try:
-        return _run_inner(args, names)
-    finally:
-        if previous is None:
-            os.environ.pop(TINY_ENV, None)
-        else:
-            os.environ[TINY_ENV] = previous
-
-
-def _run_inner(args, names: list[str] | None) -> int:
-    from .report import default_run_dir, reproduce
-
-    opts = sweep_options(args)
-    if opts:
-        sweep_settings(**opts)
-    out = args.out if args.out is not None else default_run_dir()
-    summary = reproduce(out, quick=args.quick, seed=args.seed, only=names, progress=args.progress,
-                        argv=sys.argv)
-    n_claims = summary["n_claims"]
-    bad = len(summary["disagreeing_claims"])
-    print(f"report: {Path(out) / 'report.md'}")
-    print(f"{n_claims - bad} of {n_claims} claims agree; failed studies: {', '.join(summary['failed']) or 'none'}")
+        summary = reproduce(ctx, only=names)
+    except FolderBusy as exc:
+        _say(str(exc))
+        return EXIT_BUSY
+    except OutputError as exc:
+        _say(f"cannot write the run's files: {exc}")
+        return EXIT_OUTPUT
+    except KeyboardInterrupt:
+        _say(f"interrupted; the studies that finished are in {ctx.out / 'report.md'}")
+        return EXIT_INTERRUPTED
+    print(f"report: {ctx.out / 'report.md'}")
+    print(summary_line(summary))
     if summary["failed"]:
-        return 2
-    return 1 if bad else 0
+        return EXIT_STUDY_FAILED
+    return EXIT_VIOLATED if summary["violated_claims"] else EXIT_OK
 
 
 def main(argv=None) -> int:
@@ -95,19 +183,32 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
-        return 0
+        return EXIT_OK
     if args.command == "list":
         for name, study in registry().items():
             print(f"{name:24s} {study.title}")
         for mod, err in import_errors().items():
             print(f"{mod:24s} FAILED TO IMPORT: {err}")
-        return 0
+        return EXIT_OK
     if args.command == "reproduce":
         unknown = [n for n in args.only or [] if n not in registry()]
         if unknown:
             parser.error(f"--only: unknown study name(s) {', '.join(unknown)}; see `meanfield list`")
-        return _run(args, args.only)
-    return _run(args, [args.command])
+        names = args.only
+    else:
+        names = [args.command]
+    if args.workers < 1 or args.retries < 0:
+        parser.error("--workers must be >= 1 and --retries >= 0")
+    handler = _configure_logging(QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
+    try:
+        ctx = context_from_args(args, sys.argv if argv is None else ["meanfield", *argv])
+        problem = _usage_problem(ctx)
+        if problem:
+            _say(problem)
+            return EXIT_USAGE
+        return _run(ctx, names)
+    finally:
+        log.removeHandler(handler)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Real attention layers: BERT and GPT-2 from Hugging Face ``transformers``, on real text.
 
-What this module gives (issue 5):
+What this module gives:
 
 * models: :func:`load_model` (a local checkpoint directory or a hub name; offline it fails fast
   with a message naming what was missing) and :func:`random_model` (randomly initialized from
@@ -18,7 +18,8 @@ What this module gives (issue 5):
   connection and LayerNorm; for GPT-2 it is ``attn`` (c_attn ... c_proj) itself.
 * :func:`extract_layer`: per-head parameters from both layouts (BERT ``Linear``, GPT-2 fused
   ``Conv1D`` with its transposed weight), as :class:`LayerParameters`, convertible to a
-  ``meanfield.MultiHeadAttention`` (MATH.md 1: A_h = K_h^T Q_h / sqrt(k), f_MH = concat f^h W_O^T + b).
+  ``meanfield.MultiHeadAttention`` (docs/math.md section 1: A_h = K_h^T Q_h / sqrt(k),
+  f_MH = concat f^h W_O^T + b).
 """
 
 from __future__ import annotations

@@ -1,20 +1,26 @@
 """The one-command reproduction report: run the registered studies, write one folder per run.
 
     runs/<name>/
-        config.json     every parameter: seed, quick, studies, versions, python, torch, device
-        summary.json    per study: status, seconds, claims, figures, tables, its own summary
-        report.md       every figure and one table: study, claim, theory, measured, agrees
-        <study>/        the study's CSV tables and PNG figures
+        config.json     every parameter: the run context, each study's grid, versions, device
+        summary.json    per study: status, seconds, claims (kind, verdict), figures, tables, its own summary
+        report.md       the claims table (study, claim, kind, theory, measured, verdict), then every figure
+        <study>/        the study's CSV tables, PNG figures and result.json
 
-A study that raises is reported as failed (with its error and traceback) and the others still
-run; :func:`reproduce` returns the summary and ``summary["ok"]`` says whether everything ran and
-every claim agreed.
+The run folder is locked for the whole run (a second run on it is refused with
+:class:`studies.sweep.FolderBusy`), and every file is written atomically. ``summary.json`` and
+``report.md`` are rewritten as each study finishes, so a run that is killed or hangs in one study
+leaves the others aggregated. A study that raises is reported as failed (with its error and
+traceback) and the others still run; a full disk or a read-only folder stops the run with
+:class:`studies.io.OutputError`. :func:`reproduce` returns the summary; ``summary["ok"]`` says
+whether every study ran and every theorem claim holds (empirical claims that are not reproduced
+are findings, not failures).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata as _md
+import logging
 import platform
 import sys
 import time
@@ -24,16 +30,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .core import Claim, StudyResult, code_fingerprint, grid_level, import_errors, registry, sweep_settings, write_json
+from .context import RunContext
+from .contract import EMPIRICAL, THEOREM, StudyResult, import_errors, registry
+from .grid import code_fingerprint
+from .io import OutputError, is_output_error, probe_output, write_json, write_text
+from .sweep.files import FolderLock
+from .sweep.progress import format_seconds
 
-__all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir"]
+__all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir", "summarize"]
+
+log = logging.getLogger(__name__)
 
 _PACKAGES = ["smooth-attention", "torch", "numpy", "scipy", "pot", "matplotlib", "transformers", "dask",
              "distributed", "torchdiffeq", "tqdm", "pandas"]
+_VERDICTS = ("holds", "violated", "reproduced", "not reproduced", "inconclusive")
 
 
 def environment() -> dict:
-    """Versions of Python, the packages the studies use, and the compute device."""
+    """Versions of Python, the packages the studies use, and the compute devices present."""
     versions = {}
     for pkg in _PACKAGES:
         try:
@@ -44,7 +58,7 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "torch": torch.__version__,
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "cuda_available": torch.cuda.is_available(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "torch_threads": torch.get_num_threads(),
         "packages": versions,
@@ -61,24 +75,30 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def run_study(name: str, out_dir: Path, *, quick: bool, seed: int) -> dict:
-    """Run one registered study into ``out_dir/name``; never raises for the study's own errors."""
+def run_study(name: str, ctx: RunContext) -> dict:
+    """Run one registered study into ``ctx.out/name``; never raises for the study's own errors.
+
+    A failure to write the run's files (:func:`studies.io.is_output_error`) is not the study's: it
+    is raised as :class:`studies.io.OutputError`.
+    """
     studies = registry()
     if name not in studies:
         raise ValueError(f"name: no study called {name!r}; registered: {', '.join(studies)}")
     study = studies[name]
-    sdir = Path(out_dir) / name
-    sdir.mkdir(parents=True, exist_ok=True)
-    _seed_everything(seed)
+    sdir = ctx.out / name
+    probe_output(sdir)
+    _seed_everything(ctx.seed)
     t0 = time.perf_counter()
     entry = {"name": name, "title": study.title}
     try:
-        res = study.fn(sdir, quick=quick, seed=seed)
+        res = study.run(sdir, ctx)
         if not isinstance(res, StudyResult):
             raise TypeError(f"study {name!r} returned {type(res).__name__}, expected StudyResult")
         entry.update(res.to_dict())
         entry["status"] = "ok"
     except Exception as exc:  # a failing study is reported, the run goes on
+        if is_output_error(exc):
+            raise exc if isinstance(exc, OutputError) else OutputError(exc.errno, str(exc)) from exc
         entry.update({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(), "claims": [], "figures": [], "tables": []})
     entry["seconds"] = round(time.perf_counter() - t0, 2)
@@ -86,11 +106,11 @@ def run_study(name: str, out_dir: Path, *, quick: bool, seed: int) -> dict:
     return entry
 
 
-def reproduce(out_dir: Path | str | None = None, *, quick: bool = False, seed: int = 0,
-              only: list[str] | None = None, progress: bool = True, argv: list[str] | None = None) -> dict:
-    """Run the studies (all, or ``only``) and write config.json, summary.json and report.md."""
-    out = Path(out_dir) if out_dir is not None else default_run_dir()
-    out.mkdir(parents=True, exist_ok=True)
+def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
+    """Run the studies (all, or ``only``) with the run context ``ctx``; write config.json, then
+    summary.json and report.md after each study. Returns the final summary (:func:`summarize`)."""
+    if not isinstance(ctx, RunContext):
+        raise TypeError(f"ctx: expected a studies.context.RunContext, got {type(ctx).__name__}")
     studies = registry()
     names = list(studies)
     if only:
@@ -98,57 +118,97 @@ def reproduce(out_dir: Path | str | None = None, *, quick: bool = False, seed: i
         if unknown:
             raise ValueError(f"only: unknown study name(s) {unknown}; registered: {', '.join(studies)}")
         names = [n for n in names if n in only]
-    config = {
-        "seed": seed, "quick": quick, "grid": grid_level(quick), "studies": names,
-        "out_dir": str(out), "command": argv if argv is not None else sys.argv,
-        "sweep": sweep_settings(), "started": _dt.datetime.now().isoformat(timespec="seconds"),
-        **environment(),
-    }
-    write_json(config, out / "config.json")
+    out = probe_output(ctx.out)
+    lock = FolderLock(out, what="meanfield run", argument="out").acquire()
+    try:
+        config = {**ctx.to_config(), "studies": names,
+                  "grids": {n: studies[n].grid(ctx.level) for n in names if studies[n].grid is not None},
+                  "started": _dt.datetime.now().isoformat(timespec="seconds"), **environment()}
+        write_json(config, out / "config.json")
+        broken = [] if only else [
+            {"name": mod.rsplit(".", 1)[-1], "title": mod, "status": "failed", "seconds": 0.0,
+             "error": f"module {mod} failed to import: {err}", "traceback": err, "claims": [], "figures": [],
+             "tables": []} for mod, err in import_errors().items()]
+        entries: list[dict] = []
+        for k, name in enumerate(names, 1):
+            _write_aggregate(out, entries + broken, config, names[k - 1:], running=name)
+            log.info("[%d/%d] %s: %s", k, len(names), name, studies[name].title)
+            try:
+                entry = run_study(name, ctx)
+            except BaseException as exc:
+                if not isinstance(exc, OutputError):   # interrupted: what finished stays aggregated
+                    _write_aggregate(out, entries + broken, config, names[k - 1:], running=None)
+                raise
+            entries.append(entry)
+            log.info("[%d/%d] %s: %s", k, len(names), name, _entry_line(entry))
+        summary = _write_aggregate(out, entries + broken, config, [], running=None)
+        return summary
+    finally:
+        lock.release()
 
-    entries = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(names), desc="studies", unit="study", file=sys.stderr)
-    for name in names:
-        if bar is not None:
-            bar.set_postfix_str(name)
-        entry = run_study(name, out, quick=quick, seed=seed)
-        entries.append(entry)
-        if bar is not None:
-            bar.update(1)
-            if entry["status"] != "ok":
-                bar.write(f"study {name} failed: {entry['error']}")
-    if bar is not None:
-        bar.close()
-    if not only:
-        for mod, err in import_errors().items():
-            entries.append({"name": mod.rsplit(".", 1)[-1], "title": mod, "status": "failed", "seconds": 0.0,
-                            "error": f"module {mod} failed to import: {err}", "traceback": err,
-                            "claims": [], "figures": [], "tables": []})
-    summary = _summarize(entries, config)
+def _entry_line(entry: dict) -> str:
+    if entry["status"] != "ok":
+        return f"FAILED after {format_seconds(entry['seconds'])}: {entry['error']}"
+    counts = _counts(entry.get("claims", []))
+    said = ", ".join(f"{v} {'hold' if k == 'holds' and v != 1 else k}" for k, v in counts.items() if v)
+    return f"done in {format_seconds(entry['seconds'])}; claims: {said or 'none'}"
+
+
+def _counts(claims) -> dict:
+    counts = dict.fromkeys(_VERDICTS, 0)
+    for c in claims:
+        counts[c["verdict"]] += 1
+    return counts
+
+
+def _write_aggregate(out: Path, entries: list[dict], config: dict, pending: list[str], running) -> dict:
+    summary = summarize(entries, config, pending=pending, running=running)
     write_json(summary, out / "summary.json")
     write_report(out, summary, config)
     return summary
 
 
-def _summarize(entries: list[dict], config: dict) -> dict:
+def summarize(entries: list[dict], config: dict, *, pending=(), running=None) -> dict:
+    """The run's summary from the study entries: failed studies, claims by verdict, overall status.
+
+    ``ok``: every study ran (none pending) and no theorem claim is violated. ``not_reproduced`` and
+    ``inconclusive`` list empirical claims: findings, they do not change ``ok``.
+    """
+    pairs = [(e["name"], c) for e in entries for c in e.get("claims", [])]
     failed = [e["name"] for e in entries if e["status"] != "ok"]
-    disagree = [(e["name"], c["claim"]) for e in entries for c in e.get("claims", []) if not c["agrees"]]
+    by = {v: [[n, c["claim"]] for n, c in pairs if c["verdict"] == v] for v in _VERDICTS}
     return {
-        "ok": not failed and not disagree,
+        "ok": not failed and not by["violated"] and not pending,
+        "complete": not pending,
         "failed": failed,
-        "disagreeing_claims": disagree,
-        "n_claims": sum(len(e.get("claims", [])) for e in entries),
-        "seed": config["seed"], "quick": config["quick"],
+        "running": running,
+        "pending": [p for p in pending if p != running],
+        "violated_claims": by["violated"],
+        "not_reproduced": by["not reproduced"],
+        "inconclusive": by["inconclusive"],
+        "n_claims": len(pairs),
+        "verdicts": {v: len(by[v]) for v in _VERDICTS},
+        "kinds": {k: sum(1 for _, c in pairs if c["kind"] == k) for k in (THEOREM, EMPIRICAL)},
+        "seed": config["seed"], "quick": config["quick"], "grid": config["grid"],
         "studies": {e["name"]: e for e in entries},
     }
 
 
+def summary_line(summary: dict) -> str:
+    """One line: theorem claims that hold, empirical verdicts, failed studies."""
+    v = summary["verdicts"]
+    return (f"theorem claims: {v['holds']} hold, {v['violated']} violated; empirical claims: {v['reproduced']} "
+            f"reproduced, {v['not reproduced']} not reproduced, {v['inconclusive']} inconclusive; "
+            f"failed studies: {', '.join(summary['failed']) or 'none'}")
+
+
 def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _verdict_cell(c: dict) -> str:
+    return f"**{c['verdict']}**" if c["verdict"] in ("violated", "not reproduced") else c["verdict"]
 
 
 def write_report(out: Path, summary: dict, config: dict) -> Path:
@@ -166,19 +226,23 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
             words[0] = "meanfield"
         lines += [f"Command: `{' '.join(words)}`", ""]
     n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
-    lines += [f"**{n_ok} of {len(summary['studies'])} studies ran; "
-              f"{summary['n_claims'] - len(summary['disagreeing_claims'])} of {summary['n_claims']} claims agree.**",
-              ""]
+    total = len(summary["studies"]) + len(summary["pending"]) + (1 if summary["running"] else 0)
+    lines += [f"**{n_ok} of {total} studies ran; {summary_line(summary)}.**", ""]
+    if summary["running"] or summary["pending"]:
+        lines += [f"Not finished yet: {', '.join(filter(None, [summary['running'], *summary['pending']]))} "
+                  "(this report is rewritten as each study finishes).", ""]
     if summary["failed"]:
         lines += [f"Failed studies: {', '.join(summary['failed'])} (errors below).", ""]
-    lines += ["## Claims", "", "| study | claim | theory | measured | agrees |", "|---|---|---|---|---|"]
+    lines += ["Theorem claims are mathematical statements: a violation is a bug (exit code 1). Empirical claims "
+              "are observations the paper reports: *not reproduced* is a finding, not a failure of the run.", ""]
+    lines += ["## Claims", "", "| study | claim | kind | theory | measured | verdict |", "|---|---|---|---|---|---|"]
     for name, e in summary["studies"].items():
         if e["status"] != "ok":
-            lines.append(f"| {name} | study failed | | {_cell(e['error'])} | **failed** |")
+            lines.append(f"| {name} | study failed | | | {_cell(e['error'])} | **failed** |")
             continue
         for c in e.get("claims", []):
-            mark = "yes" if c["agrees"] else "**no**"
-            lines.append(f"| {name} | {_cell(c['claim'])} | {_cell(c['theory'])} | {_cell(c['measured'])} | {mark} |")
+            lines.append(f"| {name} | {_cell(c['claim'])} | {c['kind']} | {_cell(c['theory'])} | "
+                         f"{_cell(c['measured'])} | {_verdict_cell(c)} |")
     lines.append("")
     for name, e in summary["studies"].items():
         lines += [f"## {e.get('title') or name} (`{name}`)", ""]
@@ -190,9 +254,9 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
         if e.get("notes"):
             lines += [e["notes"].strip(), ""]
         for c in e.get("claims", []):
-            if c.get("detail"):
-                lines.append(f"- *{_cell(c['claim'])}*: {c['detail']}")
-        if any(c.get("detail") for c in e.get("claims", [])):
+            detail = f" {c['detail']}." if c.get("detail") else ""
+            lines.append(f"- *{_cell(c['claim'])}* ({c['kind']}, {c['verdict']}).{detail} Fails if {c['fails_if']}.")
+        if e.get("claims"):
             lines.append("")
         for fig in e.get("figures", []):
             if (out / name / fig).exists():
@@ -200,14 +264,4 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
         tables = [t for t in e.get("tables", []) if (out / name / t).exists()]
         if tables:
             lines += ["Data: " + ", ".join(f"[{t}]({name}/{t})" for t in tables), ""]
-    path = out / "report.md"
-    path.write_text("\n".join(lines).rstrip() + "\n")
-    return path
-
-
-def claims_table(claims: list[Claim]) -> str:
-    """A markdown table of claims (for notebooks and the README)."""
-    rows = ["| claim | theory | measured | agrees |", "|---|---|---|---|"]
-    rows += [f"| {_cell(c.claim)} | {_cell(c.theory)} | {_cell(c.measured)} | {'yes' if c.agrees else 'no'} |"
-             for c in claims]
-    return "\n".join(rows)
+    return write_text("\n".join(lines).rstrip() + "\n", out / "report.md")

@@ -1,4 +1,4 @@
-"""Study 5: mass splitting (earlier version of the paper; MATH.md section 4).
+"""Study 5: mass splitting (earlier version of the paper; docs/math.md section 4).
 
 Splitting an atom (x, a) into (x, t a) and (x, (1 - t) a) leaves the measure unchanged, but the
 two halves may then move apart: the weighted-Jacobian constant (Lemma C.5) of the split
@@ -21,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
+from .. import plotting as P
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
 
-__all__ = ["mass_splitting", "split_ratio_task", "random_config_task", "CONFIG_2D"]
+__all__ = ["mass_splitting", "split_ratio_task", "random_config_task", "CONFIG_2D", "grid"]
 
 # d = 2, three atoms: atom 2 (small weight) is split; found by a seeded random search of small
 # configurations (the random_config_task family), rounded to three decimals
@@ -37,7 +39,7 @@ CONFIG_2D = {
 }
 
 
-def split_ratio_task(A: list, V: list, X: list, w: list, i: int, t: float) -> dict:
+def split_ratio_task(A: list, V: list, X: list, w: list, i: int, t: float, *, device=None) -> dict:
     """Lip of the representation with atom i split at fraction t / Lip of the unsplit measure.
 
     Both are dense weighted-Jacobian constants (W2 sense, Lemma C.5) of SelfAttention(A, V).
@@ -46,14 +48,14 @@ def split_ratio_task(A: list, V: list, X: list, w: list, i: int, t: float) -> di
     from particles import Measure
 
     f64 = torch.float64
-    att = SelfAttention(torch.tensor(A, dtype=f64), torch.tensor(V, dtype=f64))
-    mu = Measure(torch.tensor(X, dtype=f64), torch.tensor(w, dtype=f64), normalize=True)
+    att = SelfAttention(torch.tensor(A, dtype=f64, device=device), torch.tensor(V, dtype=f64, device=device))
+    mu = Measure(torch.tensor(X, dtype=f64, device=device), torch.tensor(w, dtype=f64, device=device), normalize=True)
     base = float(local_lipschitz(att, mu, method="dense").value)
     split = float(local_lipschitz(att, mu.split(i, t), method="dense").value)
     return {"lip_unsplit": base, "lip_split": split, "ratio": split / base}
 
 
-def random_config_task(seed: int, k: int) -> dict:
+def random_config_task(seed: int, k: int, *, device=None) -> dict:
     """Ratio for the k-th random small configuration (d in {1, 2}, 2..5 atoms, scale in {0.5, 1, 3})."""
     rng = np.random.default_rng([int(seed), int(k)])
     d, n = int(rng.integers(1, 3)), int(rng.integers(2, 6))
@@ -64,35 +66,43 @@ def random_config_task(seed: int, k: int) -> dict:
     w = rng.dirichlet(np.full(n, 0.5))
     w = np.maximum(w, 1e-6)
     i, t = int(rng.integers(0, n)), float(rng.uniform(0.05, 0.95))
-    res = split_ratio_task(A.tolist(), V.tolist(), X.tolist(), (w / w.sum()).tolist(), i, t)
+    res = split_ratio_task(A.tolist(), V.tolist(), X.tolist(), (w / w.sum()).tolist(), i, t, device=device)
     return {"d": d, "atoms": n, "scale": scale, "split_weight": float(w[i] / w.sum()), "t": t, **res}
 
 
-def _grids(level: str):
+def grid(level: str) -> dict:
+    """Sizes: positions of the split atom (d = 1), split fractions (d = 1), positions per axis (d = 2),
+    split fractions (d = 2), random small configurations."""
     if level == "tiny":
-        return 5, [0.25, 0.5], 5, [0.25, 0.5, 0.75], 10
+        return {"n_pos": 5, "ts": [0.25, 0.5], "n_2d": 5, "ts_2d": [0.25, 0.5, 0.75], "n_random": 10}
     if level == "quick":
-        return 21, [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95], 17, list(np.linspace(0.05, 0.95, 19)), 100
-    return 61, list(np.round(np.linspace(0.025, 0.975, 39), 4)), 41, list(np.linspace(0.02, 0.98, 49)), 1000
+        return {"n_pos": 21, "ts": [0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95], "n_2d": 17,
+                "ts_2d": list(np.linspace(0.05, 0.95, 19)), "n_random": 100}
+    return {"n_pos": 61, "ts": list(np.round(np.linspace(0.025, 0.975, 39), 4)), "n_2d": 41,
+            "ts_2d": list(np.linspace(0.02, 0.98, 49)), "n_random": 1000}
 
 
-@register("mass_splitting", "Mass splitting: split vs unsplit weighted constants", order=50)
-def mass_splitting(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("mass_splitting", "Mass splitting: split vs unsplit weighted constants", order=50, grid=grid)
+def mass_splitting(out_dir: Path, ctx) -> StudyResult:
     """Ratio of split to unsplit weighted constants over atom positions and split fractions (d = 1, 2)."""
     out_dir = Path(out_dir)
-    n_pos, ts, n_2d, ts_2d, n_random = _grids(grid_level(quick))
+    seed = ctx.seed
+    g = grid(ctx.level)
+    n_pos, ts, n_2d, ts_2d, n_random = (g[k] for k in ("n_pos", "ts", "n_2d", "ts_2d", "n_random"))
     xs = [float(v) for v in np.round(np.linspace(-2.0, 2.0, n_pos), 6)]
     grid1 = [{"A": [[2.0]], "V": [[1.0]], "X": [[x], [1.0]], "w": [0.5, 0.5], "i": 0, "t": float(t)}
              for t in ts for x in xs if abs(x - 1.0) > 1e-9]
-    rows1 = run_grid(split_ratio_task, grid1, out_dir, "split_1d")
+    rows1 = run_grid(split_ratio_task, grid1, out_dir, "split_1d", ctx, device=ctx.device)
     g2 = [float(v) for v in np.round(np.linspace(-2.0, 2.0, n_2d), 6)]
     c = CONFIG_2D
     others = [x for j, x in enumerate(c["X"]) if j != c["i"]]
     grid2 = [{**c, "X": [[u, v] if j == c["i"] else x for j, x in enumerate(c["X"])], "t": 0.5}
              for v in g2 for u in g2 if [u, v] not in others]
-    rows2 = run_grid(split_ratio_task, grid2, out_dir, "split_2d")
-    rows_t = run_grid(split_ratio_task, [{**c, "t": float(t)} for t in ts_2d], out_dir, "split_2d_t")
-    rows_r = run_grid(random_config_task, [{"seed": seed, "k": k} for k in range(n_random)], out_dir, "random")
+    rows2 = run_grid(split_ratio_task, grid2, out_dir, "split_2d", ctx, device=ctx.device)
+    rows_t = run_grid(split_ratio_task, [{**c, "t": float(t)} for t in ts_2d], out_dir, "split_2d_t", ctx,
+                      device=ctx.device)
+    rows_r = run_grid(random_config_task, [{"seed": seed, "k": k} for k in range(n_random)], out_dir, "random", ctx,
+                      device=ctx.device)
     flat1 = [{"x0": r["X"][0][0], "t": r["t"], "lip_unsplit": r["lip_unsplit"], "lip_split": r["lip_split"],
               "ratio": r["ratio"]} for r in rows1]
     flat2 = [{"x_split_0": r["X"][c["i"]][0], "x_split_1": r["X"][c["i"]][1], "t": r["t"],
@@ -130,15 +140,18 @@ def mass_splitting(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     claims = [
         Claim("splitting never decreases the weighted constant (it contains the unsplit perturbations)",
               "ratio >= 1", f"min ratio {min(allr):.6f}; {len(below)} of {len(allr)} below 1", not below,
-              "tolerance 1e-9"),
-        Claim("splitting can increase the weighted constant (MATH.md 4: the W2 constant is at least the sup)",
+              "tolerance 1e-9", kind=THEOREM,
+              fails_if="some split representation has a weighted constant below the unsplit one (ratio < 1 - 1e-9)"),
+        Claim("splitting can increase the weighted constant (docs/math.md section 4: the W2 constant is at least "
+              "the sup)",
               "ratio > 1 somewhere", f"max ratio {max(allr):.4f}; increased at {len(increased)} of {len(allr)} "
               f"evaluations; {frac_random:.1%} of {len(rows_r)} random small configurations",
-              bool(increased), "increase counted when ratio > 1 + 1e-6"),
+              bool(increased), "increase counted when ratio > 1 + 1e-6", kind=EMPIRICAL,
+              fails_if="no grid point and no random configuration has a ratio above 1 + 1e-6"),
     ]
     notes = (f"In d = 1 with two atoms splitting increased the constant at {len(inc1)} of {len(flat1)} grid points. "
              "Red: splitting increases the constant; white: it does not. Constants are dense weighted-Jacobian "
-             "values (Lemma C.5); the d = 2 configuration is CONFIG_2D in studies/mass_splitting.py.")
+             "values (Lemma C.5); the d = 2 configuration is CONFIG_2D in studies/experiments/mass_splitting.py.")
     return StudyResult("mass_splitting", "Mass splitting", claims, ["split_ratio_maps.png"],
                        ["split_ratio_1d.csv", "split_ratio_2d.csv", "split_ratio_2d_vs_t.csv",
                         "random_configurations.csv"],

@@ -13,8 +13,12 @@ A record is two lines: a JSON header ``{"format": ..., "sha256": ..., "bytes": .
 payload (canonical JSON). It is written to a temporary file in the same folder, flushed, fsynced
 and renamed over the final name (``os.replace`` is atomic on POSIX), so a reader sees either the
 whole previous state or the whole new record. A record whose length or SHA-256 does not match its
-header (a truncated write on a file system without atomic rename, a bit flip, a hand edit) is
-reported as corrupt and the task is run again; its content is never read as a result.
+header (a truncated write on a file system without atomic rename, a bit flip, a hand edit), or
+whose payload is not a task record (including JSON nested too deeply to parse), is reported as
+corrupt and the task is run again; its content is never read as a result.
+
+The manifest only repeats what the records hold (each record carries its sweep name and
+parameters), so a manifest that does not parse is rebuilt from the verified records.
 """
 
 from __future__ import annotations
@@ -22,55 +26,26 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import numbers
+import logging
 import os
 import uuid
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
-__all__ = ["RECORD_FORMAT", "canonical_json", "normalize", "task_key", "atomic_write", "write_record",
-           "read_record", "CorruptRecord", "SweepStore"]
+from .files import FolderLock, atomic_write, canonical_json
+
+__all__ = ["RECORD_FORMAT", "MANIFEST_FORMAT", "task_key", "write_record", "read_record", "CorruptRecord",
+           "SweepStore"]
+
+log = logging.getLogger(__name__)
 
 RECORD_FORMAT = "smooth-attention-sweep-record/1"
 MANIFEST_FORMAT = "smooth-attention-sweep/1"
 
 
 class CorruptRecord(Exception):
-    """A record on disk that does not verify (truncated, bad checksum, wrong key)."""
-
-
-def normalize(value, where: str):
-    """``value`` as plain JSON data: dicts with str keys, lists, str, int, float, bool, None.
-
-    numpy and torch scalars become Python numbers, arrays and tensors become nested lists, tuples
-    become lists. Anything else raises a ``TypeError`` naming ``where``. Non-finite floats are kept
-    (written as the ``NaN``/``Infinity`` tokens that Python's json reads back).
-    """
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise TypeError(f"{where}: keys must be strings, got {k!r} ({type(k).__name__})")
-            out[k] = normalize(v, f"{where}[{k!r}]")
-        return out
-    if isinstance(value, (list, tuple)):
-        return [normalize(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    if hasattr(value, "tolist") and callable(value.tolist) and hasattr(value, "shape"):
-        if hasattr(value, "detach"):  # torch tensor: leave autograd and the device first
-            value = value.detach().cpu()
-        return normalize(value.tolist(), where)
-    raise TypeError(f"{where}: cannot be stored as JSON ({type(value).__name__}: {value!r:.80})")
-
-
-def canonical_json(obj) -> str:
-    """One text per value: sorted keys, no spaces, ASCII only. Floats round-trip exactly."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    """A record on disk that does not verify (truncated, bad checksum, wrong key, unparsable)."""
 
 
 def task_key(name: str, params: Mapping) -> str:
@@ -83,39 +58,41 @@ def task_key(name: str, params: Mapping) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def _fsync_dir(folder: Path) -> None:
-    # The rename is durable only once the directory entry is; not every platform allows it.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
 def write_record(path: Path, payload: Mapping) -> Path:
     body = canonical_json(payload).encode()
     header = {"format": RECORD_FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
     return atomic_write(path, canonical_json(header).encode() + b"\n" + body + b"\n")
+
+
+MAX_DEPTH = 64   # results are flat tables: anything nested deeper is not a record this runner wrote
+
+
+def _depth(obj) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    depth, level = 0, [obj]
+    while level:
+        depth += 1
+        if depth > MAX_DEPTH:
+            break
+        nxt = []
+        for o in level:
+            if isinstance(o, dict):
+                nxt.extend(o.values())
+            elif isinstance(o, list):
+                nxt.extend(o)
+        level = nxt
+    return depth
+
+
+def _loads(data):
+    """json.loads, with JSON nested too deeply to handle reported as a ValueError."""
+    try:
+        obj = json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deeply to parse") from None
+    if _depth(obj) > MAX_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_DEPTH} levels")
+    return obj
 
 
 def read_record(path: Path) -> dict:
@@ -125,7 +102,7 @@ def read_record(path: Path) -> dict:
     if not sep:
         raise CorruptRecord(f"{path}: no header line (truncated?)")
     try:
-        header = json.loads(head)
+        header = _loads(head)
     except ValueError as exc:
         raise CorruptRecord(f"{path}: unreadable header ({exc})") from None
     if not isinstance(header, dict) or header.get("format") != RECORD_FORMAT:
@@ -135,8 +112,12 @@ def read_record(path: Path) -> dict:
         raise CorruptRecord(f"{path}: payload has {len(body)} bytes, header says {header.get('bytes')} (truncated?)")
     if hashlib.sha256(body).hexdigest() != header.get("sha256"):
         raise CorruptRecord(f"{path}: SHA-256 of the payload does not match the header")
-    payload = json.loads(body)
-    if not isinstance(payload, dict) or payload.get("status") not in ("ok", "failed"):
+    try:
+        payload = _loads(body)
+    except ValueError as exc:
+        raise CorruptRecord(f"{path}: payload is not usable JSON ({exc})") from None
+    if not isinstance(payload, dict) or payload.get("status") not in ("ok", "failed") \
+            or not isinstance(payload.get("params"), dict) or not isinstance(payload.get("name"), str):
         raise CorruptRecord(f"{path}: payload is not a task record")
     return payload
 
@@ -151,19 +132,61 @@ class SweepStore:
         self.records = self.root / "records"
         self.corrupt = self.root / "corrupt"
         self.manifest_path = self.root / "sweep.json"
-        self._lock_fh = None
+        self._lock = FolderLock(self.root, what="sweep")
 
     # ------------------------------------------------------------------ manifest
-    def read_manifest(self) -> dict | None:
-        if not self.manifest_path.exists():
+    def read_manifest(self, *, rebuild: bool = True) -> dict | None:
+        """The manifest, or None for a folder without one (and without records).
+
+        A manifest that does not parse (a hand edit, a bit flip) is rebuilt from the verified
+        records when ``rebuild`` (the default; see :meth:`rebuild_manifest`), else a ValueError.
+        """
+        problem = None
+        if self.manifest_path.exists():
+            try:
+                manifest = _loads(self.manifest_path.read_bytes())
+            except (ValueError, OSError) as exc:
+                problem = f"is not valid JSON ({exc})"
+            else:
+                if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT \
+                        and isinstance(manifest.get("name"), str) and isinstance(manifest.get("grid"), list):
+                    return manifest
+                problem = f"is not a sweep manifest ({MANIFEST_FORMAT})"
+        elif not self.records.exists():
             return None
-        try:
-            manifest = json.loads(self.manifest_path.read_text())
-        except ValueError as exc:
-            raise ValueError(f"out_dir: {self.manifest_path} is not valid JSON ({exc})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"out_dir: {self.manifest_path} is not a sweep manifest ({MANIFEST_FORMAT})")
+        else:
+            problem = "is missing"
+        if not rebuild:
+            raise ValueError(f"out_dir: {self.manifest_path} {problem}")
+        manifest = self.rebuild_manifest()
+        if manifest is None:
+            log.warning("%s %s and no valid record remains: treated as an empty sweep", self.manifest_path, problem)
+        else:
+            log.warning("%s %s: rebuilt from %d verified record(s) of sweep %r", self.manifest_path, problem,
+                        len(manifest["grid"]), manifest["name"])
         return manifest
+
+    def rebuild_manifest(self) -> dict | None:
+        """A manifest rebuilt from the verified records (None when there is none).
+
+        Records carry their sweep name and parameters, not the position of their task in the grid:
+        the rebuilt grid lists the tasks in the order they finished. ``run_sweep`` replaces it by the
+        grid it is given. Records of another name than the most common one are left out.
+        """
+        recs = []
+        if self.records.exists():
+            for path in sorted(self.records.glob("*.rec")):
+                try:
+                    rec = read_record(path)
+                except (CorruptRecord, OSError):
+                    continue
+                if rec.get("key") == path.stem == task_key(rec["name"], rec["params"]):
+                    recs.append(rec)
+        if not recs:
+            return None
+        name = Counter(r["name"] for r in recs).most_common(1)[0][0]
+        recs = sorted((r for r in recs if r["name"] == name), key=lambda r: (str(r.get("finished_at", "")), r["key"]))
+        return {"format": MANIFEST_FORMAT, "name": name, "grid": [r["params"] for r in recs], "rebuilt": True}
 
     def write_manifest(self, name: str, grid: list[dict]) -> None:
         manifest = {"format": MANIFEST_FORMAT, "name": name, "grid": grid}
@@ -208,36 +231,29 @@ class SweepStore:
             for p in self.records.iterdir():
                 p.unlink()
 
+    def reset(self) -> None:
+        """Empty the folder of another sweep: records, corrupt records, manifest and tables (not the lock)."""
+        import shutil
+
+        for sub in (self.records, self.corrupt):
+            if sub.exists():
+                shutil.rmtree(sub)
+        for name in ("sweep.json", "results.csv", "results.parquet", "failures.json"):
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / name).unlink()
+
     def remove_temporaries(self) -> None:
         # Left behind by a writer killed between open and rename; never valid records.
-        if self.records.exists():
-            for p in self.records.glob(".*.tmp"):
-                with contextlib.suppress(OSError):
-                    p.unlink()
+        for folder in (self.records, self.root):
+            if folder.exists():
+                for p in folder.glob(".*.tmp"):
+                    with contextlib.suppress(OSError):
+                        p.unlink()
 
     # ------------------------------------------------------------------ lock
     def lock(self) -> None:
-        """Take an exclusive lock on the folder; ValueError if another live runner holds it.
-
-        ``flock`` is released by the kernel when its holder dies, even by SIGKILL, so a killed
-        sweep never leaves a stale lock behind.
-        """
-        self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock, as before
-            return
-        fh = open(self.root / ".lock", "a+")
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            raise ValueError(f"out_dir: {self.root} is in use by another running sweep") from None
-        except OSError:  # file systems without flock (some NFS): run unlocked rather than refuse
-            pass
-        self._lock_fh = fh
+        """Take an exclusive lock on the folder; a ValueError if another live runner holds it."""
+        self._lock.acquire()
 
     def unlock(self) -> None:
-        if self._lock_fh is not None:
-            self._lock_fh.close()
-            self._lock_fh = None
+        self._lock.release()

@@ -1,106 +1,64 @@
 """Study: BERT and GPT-2 attention layers on real text and on the adversarial inputs of Prop. 3.4.
 
 For each model (randomly initialized full-size ``gpt2`` and ``bert-base`` by default; BERT as a
-decoder and pretrained checkpoints in full mode / when named in ``$SMOOTH_ATTENTION_CHECKPOINTS``)
-and each analysed layer, with the layer wrapped by :func:`studies.hf_models.attention_function`:
+decoder in full mode; pretrained checkpoints when the run context names them) and each analysed
+layer, with the layer wrapped by :func:`studies.hf_models.attention_function`:
 
 * real text (``studies.hf_models.default_corpus``, non-overlapping chunks of n tokens, the first
   being the prefix): the certified local constant Lip_X(f_MH) (``meanfield.local_lipschitz``,
   Lanczos) against n, with the model's own mask and the other one (masked vs unmasked), the
   fitted log-log exponent with its 95% CI, the mean token radius, and the upper bound of
-  Lemma 3.8 with Theorem 3.3 / 4.3 per head. Biases enter the bound exactly: with x' = (x, 1),
-  scores <A x_i, x_j> + <c, x_j> are <A' x'_i, x'_j> for A' = [[A, c], [0, 0]] and values
-  V x + b_V = [V, b_V] x', on the ball of radius sqrt(R^2 + 1) (R = max token radius);
+  Lemma 3.8 with Theorem 3.3 / 4.3 per head, biases absorbed
+  (``meanfield.bounds.augmented_head_norms`` and ``biased_multihead_upper``);
 * gamma R^2 per layer and head (Proposition 3.4's factor; R = mean radius of the layer input,
-  as Appendix C.5), computed from the k x k matrix scale Q_h K_h^T, which has the nonzero
-  eigenvalues of A_h = scale K_h^T Q_h (eigenvector u = K_h^T w);
-* the Proposition 3.4 witness of the head with the largest gamma R^2, at the mean radius of real
-  data: the head alone with V = I (where the lower bound applies) and the whole real layer;
+  as Appendix C.5), from the factored heads (``meanfield.bounds.gamma_info_factored``);
+* the Proposition 3.4 witness of the head with the largest gamma R^2
+  (``meanfield.adversarial.sqrt_n_sequence_from_info``), at the mean radius of real data: the
+  head alone with V = I (where the lower bound applies) and the whole real layer;
 * token radius against position (GPT-2's learned positions make it depend on n when pretrained).
 
-Options (environment, so that ``meanfield reproduce`` needs no extra flags):
-``$SMOOTH_ATTENTION_CHECKPOINTS``: local checkpoint directories (``os.pathsep``-separated), each
-loaded with :func:`studies.hf_models.load_model` and measured with its own tokenizer;
-``$SMOOTH_ATTENTION_TEXT``: a UTF-8 text file replacing the default corpus. From Python,
-:func:`analyze_model` runs the same measurements on any GPT-2 / BERT model, tokenizer and text.
+Inputs come from the run context: ``ctx.checkpoints`` (local checkpoint folders, each loaded with
+:func:`studies.hf_models.load_model` and measured with its own tokenizer), ``ctx.text`` (a UTF-8
+text file replacing the default corpus), ``ctx.device``. The command line fills them from
+``--checkpoint``/``--text`` or ``$SMOOTH_ATTENTION_CHECKPOINTS``/``$SMOOTH_ATTENTION_TEXT``. From
+Python, :func:`analyze_model` runs the same measurements on any GPT-2 / BERT model, tokenizer and text.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import hf_models as hf
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, save_figure, write_csv, write_json
+from meanfield import adversarial, bounds
 
-__all__ = ["real_models", "analyze_model", "head_gamma", "head_bound_norms", "witness", "CHECKPOINT_ENV", "TEXT_ENV"]
+from .. import hf_models as hf
+from .. import plotting as P
+from ..common import fit_groups
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..io import save_figure, write_csv, write_json
 
-CHECKPOINT_ENV = "SMOOTH_ATTENTION_CHECKPOINTS"
-TEXT_ENV = "SMOOTH_ATTENTION_TEXT"
+__all__ = ["real_models", "analyze_model", "layer_norms", "grid"]
+
+log = logging.getLogger(__name__)
+
 TOL = 1e-4
 
 
-def head_gamma(p: hf.LayerParameters, h: int) -> dict:
-    """gamma of Proposition 3.4 for A_h = scale K_h^T Q_h via the k x k matrix scale Q_h K_h^T
-    (same nonzero eigenvalues; A_h w' = lambda w' for w' = K_h^T w when scale Q K^T w = lambda w).
-    A_h has rank <= k < d, so 0 is also an eigenvalue; it never changes gamma."""
-    M = (p.scale * p.Q[h] @ p.K[h].T).cpu().numpy()
-    ev, W = np.linalg.eig(M)
-    real = np.abs(ev.imag) <= 1e-10 * (1 + np.abs(ev))
-    lam = np.concatenate([ev.real[real], [0.0]]) if p.Q.shape[-1] > p.head_dim else ev.real[real]
-    if lam.size == 0:
-        raise ValueError(f"head {h}: A_h has no real eigenvalue; Proposition 3.4 does not apply")
-    l_max, l_min = float(lam.max()), float(lam.min())
-    t_max, t_min = max(l_max / 8, 0.0), max(-l_min, 0.0)
-    case = "max" if t_max >= t_min else "min"
-    lam_c = l_max if case == "max" else l_min
-    if lam_c == 0.0:
-        return {"gamma": 0.0, "case": case, "eigenvalue": 0.0, "u": None, "lambda_max": l_max, "lambda_min": l_min}
-    i = int(np.argmin(np.abs(ev - lam_c)))
-    w = W[:, i].real if np.linalg.norm(W[:, i].real) >= np.linalg.norm(W[:, i].imag) else W[:, i].imag
-    u = p.K[h].T.cpu().numpy() @ w
-    u = u / np.linalg.norm(u)
-    u = u if u[int(np.argmax(np.abs(u)))] > 0 else -u
-    return {"gamma": max(t_max, t_min), "case": case, "eigenvalue": lam_c,
-            "u": torch.as_tensor(u, dtype=p.Q.dtype, device=p.Q.device),
-            "lambda_max": l_max, "lambda_min": l_min}
+def layer_norms(p: hf.LayerParameters) -> tuple[np.ndarray, np.ndarray, float]:
+    """||A'_h||_2, ||V'_h||_2 of the bias-augmented heads (``meanfield.bounds.augmented_head_norms``)
+    and ||W_O||_2 of one layer."""
+    a, v = bounds.augmented_head_norms(p.Q, p.K, p.V, p.b_Q, p.b_V, p.scale)
+    return a, v, float(torch.linalg.matrix_norm(p.W_O, 2))
 
 
-def witness(info: dict, R: float, n: int) -> torch.Tensor:
-    """Proposition 3.4's sequence: (R u, R u/2, ..., R u/2) (case max) or (-R u, R u, ..., R u)."""
-    u = info["u"]  # same dtype and device as the layer's parameters
-    first, rest = (R, R / 2) if info["case"] == "max" else (-R, R)
-    return torch.cat([first * u[None], (rest * u)[None].expand(n - 1, -1)])
-
-
-def head_bound_norms(p: hf.LayerParameters) -> tuple[np.ndarray, np.ndarray, float]:
-    """||A'_h||_2, ||V'_h||_2 of the bias-augmented heads (module docstring) and ||W_O||_2.
-
-    A'_h = scale [K_h^T; 0] [Q_h, b_Q]: with K_h K_h^T = L L^T, ||A'_h|| = scale ||L^T [Q_h, b_Q]||,
-    a k x (d+1) matrix instead of (d+1) x (d+1)."""
-    a, v = [], []
-    for h in range(p.num_heads):
-        L = torch.linalg.cholesky(p.K[h] @ p.K[h].T)
-        a.append(p.scale * float(torch.linalg.matrix_norm(L.T @ torch.cat([p.Q[h], p.b_Q[h][:, None]], 1), 2)))
-        v.append(float(torch.linalg.matrix_norm(torch.cat([p.V[h], p.b_V[h][:, None]], 1), 2)))
-    return np.array(a), np.array(v), float(torch.linalg.matrix_norm(p.W_O, 2))
-
-
-def layer_upper(norms, R: float, n: int) -> float:
-    """Lemma 3.8 with Theorem 3.3 / 4.3 per augmented head on B_{sqrt(R^2+1)}^n."""
-    a, v, w = norms
-    R2 = R * R + 1.0
-    heads = math.sqrt(3.0) * v * np.sqrt(a * a * R2 * R2 * (4 * n + 1) + n)
-    return float(w * math.sqrt(float(np.sum(heads ** 2))))
-
-
-def _grid(level: str) -> dict:
+def grid(level: str) -> dict:
+    """Sizes: model size, layers ("ends": first and last; None: all), real-text lengths and chunks per
+    length, witness lengths, and whether BERT is also measured as a decoder."""
     if level == "tiny":
         return dict(size="tiny", layers=None, ns=[4, 8, 16], reps=1, adv_ns=[2, 4, 8, 16, 32], decoder=False)
     if level == "quick":
@@ -110,30 +68,35 @@ def _grid(level: str) -> dict:
                 adv_ns=[2, 4, 8, 16, 32, 64, 128, 256, 512], decoder=True)
 
 
-def _models(g: dict, seed: int):
-    """(label, model, tokenizer, provenance) for the configured models."""
+def _models(g: dict, ctx):
+    """(label, model, tokenizer, provenance) for the models of the run."""
     specs = [("gpt2", "gpt2", False), ("bert", "bert", False)]
     specs += [("bert-decoder", "bert", True)] if g["decoder"] else []
     for label, kind, dec in specs:
-        m = hf.random_model(kind, size=g["size"], is_decoder=dec, seed=seed)
-        yield label, m, hf.HashTokenizer(m.config.vocab_size), f"random init ({g['size']}, seed {seed})"
+        m = hf.random_model(kind, size=g["size"], is_decoder=dec, seed=ctx.seed, device=ctx.device)
+        yield label, m, hf.HashTokenizer(m.config.vocab_size), f"random init ({g['size']}, seed {ctx.seed})"
         del m  # one full-size model in memory at a time (about 1 GB in float64)
-    for path in filter(None, os.environ.get(CHECKPOINT_ENV, "").split(os.pathsep)):
-        m = hf.load_model(path)
+    for path in ctx.checkpoints:
+        m = hf.load_model(path, device=ctx.device)
         yield f"{hf.model_kind(m)}:{Path(path).name}", m, hf.load_tokenizer(path), f"pretrained ({path})"
         del m
 
 
-def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, tol=TOL) -> dict:
-    """Every table of the study for one model: lipschitz, gamma, adversarial and radius rows."""
+def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, tol=TOL, progress=None) -> dict:
+    """Every table of the study for one model: lipschitz, gamma, adversarial and radius rows.
+
+    ``progress`` (optional) is called as ``progress(what)`` after each step (one estimate pair on
+    real text, or one layer's adversarial inputs).
+    """
     from meanfield import SelfAttention, local_lipschitz
 
+    step = progress or (lambda what: None)
     ids = hf.encode(tokenizer, text)[0]
     max_pos = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     ns = [n for n in ns if n <= min(max_pos, ids.numel())]
     out = {"lipschitz": [], "gamma": [], "adversarial": [], "radius": []}
     params = {i: hf.extract_layer(model, i) for i in layers}
-    norms = {i: head_bound_norms(params[i]) for i in layers}
+    norms = {i: layer_norms(params[i]) for i in layers}
     own = hf.is_causal(model)
     for n in ns:
         for rep in range(reps):
@@ -149,42 +112,54 @@ def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, to
                         "model": label, "layer": i, "n": n, "rep": rep, "masked": masked, "model_mask": masked == own,
                         "lip": est.value, "lip_error": est.error, "iterations": est.iterations,
                         "r_mean": float(radii.mean()), "r_max": float(radii.max()),
-                        "upper": layer_upper(norms[i], float(radii.max()), n)})
+                        "upper": bounds.biased_multihead_upper(*norms[i], float(radii.max()), n)})
+                step(f"layer {i}, n = {n}")
     n_top = ns[-1]
     xs = hf.capture_attention_inputs(model, ids[:n_top][None], layers)
     for i in layers:
         for pos, r in enumerate(xs[i].norm(dim=1).tolist()):
             out["radius"].append({"model": label, "layer": i, "position": pos, "radius": r})
         R = float(xs[i].norm(dim=1).mean())
-        infos = [head_gamma(params[i], h) for h in range(params[i].num_heads)]
+        p = params[i]
+        infos = [bounds.gamma_info_factored(p.Q[h], p.K[h], p.scale) for h in range(p.num_heads)]
         for h, g in enumerate(infos):
-            out["gamma"].append({"model": label, "layer": i, "head": h, "gamma": g["gamma"], "case": g["case"],
-                                 "lambda_max": g["lambda_max"], "lambda_min": g["lambda_min"], "R_mean": R,
-                                 "gamma_R2": g["gamma"] * R * R})
-        h = int(np.argmax([g["gamma"] for g in infos]))
-        if infos[h]["u"] is None:
+            out["gamma"].append({"model": label, "layer": i, "head": h, "gamma": g.gamma, "case": g.case,
+                                 "lambda_max": g.lambda_max, "lambda_min": g.lambda_min, "R_mean": R,
+                                 "gamma_R2": g.gamma * R * R})
+        h = int(np.argmax([g.gamma for g in infos]))
+        if infos[h].eigenvector is None:
+            step(f"layer {i}, adversarial inputs (none: gamma = 0)")
             continue
         d = xs[i].shape[1]
-        head = SelfAttention(params[i].A(h), torch.eye(d, dtype=params[i].Q.dtype, device=params[i].Q.device))
+        head = SelfAttention(p.A(h), torch.eye(d, dtype=p.Q.dtype, device=p.Q.device))
         f = hf.attention_function(model, i)
-        gam = infos[h]["gamma"]
+        gam = infos[h].gamma
         adv = [n for n in adv_ns if n <= max_pos]
         # as the paper (Section 5.2) for random GPT-2, scale the witness beyond the real radius when
         # needed so that the whole grid lies in the sqrt(n) regime: exp(2 gamma R^2) = 1000 n_max
-        R_regime = math.sqrt(math.log(1000 * max(adv)) / (2 * gam))
+        R_regime = bounds.sqrt_n_regime_radius(gam, 1000 * max(adv))
         radii = {"real": R, **({"scaled": R_regime} if R_regime > R else {})}
         for which, Rw in radii.items():
             for n in adv:
-                X = witness(infos[h], Rw, n)
+                X = adversarial.sqrt_n_sequence_from_info(infos[h], Rw, n, dtype=p.Q.dtype, device=p.Q.device)
                 e_head = local_lipschitz(head, X, tol=tol)
                 e_layer = local_lipschitz(f, X, tol=tol)
                 out["adversarial"].append({
                     "model": label, "layer": i, "head": h, "radius": which, "n": n, "R": Rw, "gamma": gam,
                     "gamma_R2": gam * Rw * Rw, "lip_head": e_head.value, "lip_head_error": e_head.error,
-                    "lower": math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * gam * Rw * Rw)),
+                    "lower": bounds.sqrt_n_lower_from_gamma(gam, Rw, n),
                     "lip_layer": e_layer.value, "lip_layer_error": e_layer.error,
-                    "layer_upper": layer_upper(norms[i], Rw, n)})
+                    "layer_upper": bounds.biased_multihead_upper(*norms[i], Rw, n)})
+        step(f"layer {i}, adversarial inputs")
     return out
+
+
+def count_steps(model, tokenizer, text, *, layers, ns, reps) -> int:
+    """The number of ``progress`` calls :func:`analyze_model` makes with these arguments."""
+    n_ids = len(hf.encode(tokenizer, text)[0])
+    max_pos = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    chunks = sum(1 for n in ns if n <= min(max_pos, n_ids) for rep in range(reps) if (rep + 1) * n <= n_ids)
+    return (chunks + 1) * len(layers)
 
 
 def plot_all(out_dir: Path, tables: dict, fits: list) -> list[str]:
@@ -294,32 +269,22 @@ def _plain_ticks(ax):
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g") if hi / lo < 10 else NullFormatter())
 
 
-def _fits(rows, keys, x, y, min_points=3, min_x=0):
-    from .sqrt_n import fit_loglog
-
-    groups: dict = {}
-    for r in (r for r in rows if r[x] >= min_x):
-        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
-    fits = []
-    for key, sel in groups.items():
-        if len({r[x] for r in sel}) >= min_points:
-            fits.append({**dict(zip(keys, key)), **fit_loglog([r[x] for r in sel], [r[y] for r in sel])})
-    return fits
-
-
-@register("real_models", "BERT and GPT-2 attention layers on real text", order=90)
-def real_models(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("real_models", "BERT and GPT-2 attention layers on real text", order=90, grid=grid)
+def real_models(out_dir: Path, ctx) -> StudyResult:
     """Local constants of real BERT / GPT-2 attention layers on text, adversarial inputs, gamma R^2."""
     out_dir = Path(out_dir)
-    level = grid_level(quick)
-    g = _grid(level)
-    text = hf.read_text(path=os.environ.get(TEXT_ENV) or None)
+    g = grid(ctx.level)
+    text = hf.read_text(path=ctx.text)
     tables: dict[str, list] = {"lipschitz": [], "gamma": [], "adversarial": [], "radius": []}
     measured = []
-    for label, model, tok, provenance in _models(g, seed):
+    for label, model, tok, provenance in _models(g, ctx):
         L = hf.num_layers(model)
         layers = [0, L - 1] if g["layers"] == "ends" else list(range(L))
-        res = analyze_model(label, model, tok, text, layers=layers, ns=g["ns"], reps=g["reps"], adv_ns=g["adv_ns"])
+        log.info("real_models: %s, %s, layers %s, n up to %d", label, provenance, layers, max(g["ns"]))
+        total = count_steps(model, tok, text, layers=layers, ns=g["ns"], reps=g["reps"])
+        with ctx.progress_bar(total, f"real_models/{label}") as bar:
+            res = analyze_model(label, model, tok, text, layers=layers, ns=g["ns"], reps=g["reps"],
+                                adv_ns=g["adv_ns"], progress=lambda what, bar=bar: bar.update(1, now=what))
         for k in tables:
             tables[k] += res[k]
         measured.append({"model": label, "provenance": provenance, "layers": layers, "d": model.config.hidden_size,
@@ -329,14 +294,15 @@ def real_models(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     for k, rows in tables.items():
         write_csv(rows, out_dir / names[k])
     lip = tables["lipschitz"]
-    fits = _fits(lip, ("model", "layer", "masked", "model_mask"), "n", "lip")
+    fits = fit_groups(lip, ("model", "layer", "masked", "model_mask"), "n", "lip")
     adv_keys = ("model", "layer", "head", "radius", "gamma_R2")
-    adv_fits = [{"of": "head (V=I)", **f} for f in _fits(tables["adversarial"], adv_keys, "n", "lip_head", min_x=4)]
-    adv_fits += [{"of": "layer", **f} for f in _fits(tables["adversarial"], adv_keys, "n", "lip_layer", min_x=4)]
+    adv = tables["adversarial"]
+    adv_fits = [{"of": "head (V=I)", **f} for f in fit_groups(adv, adv_keys, "n", "lip_head", min_x=4)]
+    adv_fits += [{"of": "layer", **f} for f in fit_groups(adv, adv_keys, "n", "lip_layer", min_x=4)]
     write_csv(fits, out_dir / "fits.csv")
     write_csv(adv_fits, out_dir / "adversarial_fits.csv")
     corpus = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "characters": len(text),
-              "source": os.environ.get(TEXT_ENV) or "studies.hf_models.default_corpus()"}
+              "source": str(ctx.text) if ctx.text is not None else "studies.hf_models.default_corpus()"}
     write_json({"models": measured, "corpus": corpus, "grid": g, "tol": TOL}, out_dir / "models.json")
     figures = plot_all(out_dir, tables, fits)
 
@@ -350,7 +316,7 @@ def real_models(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
               * (1 - 1e-9)]
     # for context: the slope of Proposition 3.4's curve over the same n (sqrt(n - 1) is steeper than sqrt(n) at small n)
     predicted = {tuple(f[k] for k in adv_keys): f["slope"]
-                 for f in _fits(tables["adversarial"], adv_keys, "n", "lower", min_x=4)}
+                 for f in fit_groups(tables["adversarial"], adv_keys, "n", "lower", min_x=4)}
     for f in regime:
         f["predicted_slope"] = predicted[tuple(f[k] for k in adv_keys)]
     sqrt_ok = [f for f in regime if f["lo"] - 0.05 <= 0.5 <= f["hi"] + 0.05]
@@ -358,17 +324,21 @@ def real_models(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
         Claim("Lip_X(f_MH) <= ||W_O|| (sum_h Thm 3.3/4.3 bound_h^2)^{1/2} (Lemma 3.8, biases absorbed), real "
               "text and adversarial inputs, masked and unmasked", "Lip / bound <= 1",
               f"max Lip / bound = {max([r['lip'] / r['upper'] for r in lip] or [0]):.3g}; {len(up_viol)} violations",
-              not up_viol, "certified estimates: Lip - error bar compared with the bound"),
+              not up_viol, "certified estimates: Lip - error bar compared with the bound", kind=THEOREM,
+              fails_if="some certified constant minus its error bar exceeds the layer's bound"),
         Claim("Proposition 3.4 at the witness built from a real head's A_h (V = I), R = mean radius of real data",
               "Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})",
               f"min Lip / lower = {min(ratios or [math.nan]):.4g}; {len(low_viol)} violations", not low_viol,
-              "Lip + error bar compared with the bound"),
+              "Lip + error bar compared with the bound", kind=THEOREM,
+              fails_if="the head's constant at some witness plus its error bar is below the lower bound"),
         Claim("On real text the local constant grows more slowly than the worst case sqrt(n) (Section 5.3)",
               "log-log slope < 0.5 (95% CI)",
               f"{len(slow)} of {len(own)} layer fits with CI below 0.5; slopes "
               + ", ".join(f"{f['model']} L{f['layer']}: {f['slope']:.2f} [{f['lo']:.2f}, {f['hi']:.2f}]"
                           for f in own[:6]),
-              len(slow) == len(own) and bool(own), "model's own mask; random init unless stated (see notes)"),
+              (len(slow) == len(own)) if own else None, "model's own mask; random init unless stated (see notes); "
+              "inconclusive when no layer has enough lengths to fit", kind=EMPIRICAL,
+              fails_if="the 95% CI of some layer's fitted exponent reaches 0.5 or above"),
         Claim("The witness grows like sqrt(n) while n << exp(2 gamma R^2) (Proposition 3.4, Section 5.2)",
               "slope 0.5 (asymptotically)",
               f"{len(sqrt_ok)} of {len(regime)} head fits within 0.05 of the CI ("
@@ -376,14 +346,16 @@ def real_models(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
                           for f in regime[:6]) + ")",
               len(sqrt_ok) == len(regime) and bool(regime),
               "heads with V = I where exp(2 gamma R^2) >= 1000 n_max (R = real radius, or scaled up to reach it), "
-              "n >= 4; agrees if 0.5 is within 0.05 of the 95% CI; at the real radius see adversarial_fits.csv"),
+              "n >= 4; agrees if 0.5 is within 0.05 of the 95% CI; at the real radius see adversarial_fits.csv",
+              kind=THEOREM, fails_if="some head's fitted slope has a 95% CI more than 0.05 away from 0.5, or no head "
+                                     "reaches the sqrt(n) regime"),
     ]
     notes = ("Models measured: " + "; ".join(f"{m['model']} ({m['provenance']}, d = {m['d']}, layers "
                                                f"{m['layers']}, tokenizer {m['tokenizer']})" for m in measured)
              + f". Text: {corpus['source']} ({corpus['characters']} characters, sha256 {corpus['sha256'][:12]}). "
-             "No pretrained weights are measured unless listed above: set $" + CHECKPOINT_ENV
-             + " to local checkpoint directories to add them. Layer functions are the attention maps before the "
-             "residual connection (BERT: before its LayerNorm).")
+             "No pretrained weights are measured unless listed above: name local checkpoint folders with "
+             "--checkpoint (or $SMOOTH_ATTENTION_CHECKPOINTS) to add them. Layer functions are the attention maps "
+             "before the residual connection (BERT: before its LayerNorm).")
     summary = {"models": measured, "fits": fits, "adversarial_fits": adv_fits, "corpus": corpus}
     return StudyResult("real_models", "BERT and GPT-2 on real text", claims, figures,
                        [*names.values(), "fits.csv", "adversarial_fits.csv", "models.json"], summary, notes)

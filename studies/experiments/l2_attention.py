@@ -18,11 +18,13 @@ import torch
 
 from particles import Measure
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
-from .sqrt_n import fit_loglog
+from .. import plotting as P
+from ..common import fit_loglog, to_device
+from ..contract import THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
 
-__all__ = ["l2_attention", "l2_task", "weights"]
+__all__ = ["l2_attention", "l2_task", "weights", "grid"]
 
 
 def weights(d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +35,7 @@ def weights(d: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return W_Q, W_V
 
 
-def l2_task(kind: str, R: float, n: int, d: int, seed: int, rep: int = 0) -> dict:
+def l2_task(kind: str, R: float, n: int, d: int, seed: int, rep: int = 0, *, device=None) -> dict:
     """Local constants of dot-product and L2 attention at one input, and Kim's bound for N = n."""
     from meanfield import L2SelfAttention, SelfAttention, adversarial, bounds, local_lipschitz
 
@@ -45,33 +47,38 @@ def l2_task(kind: str, R: float, n: int, d: int, seed: int, rep: int = 0) -> dic
     else:
         raise ValueError(f"kind: expected 'spread' or 'random', got {kind!r}")
     k = W_Q.shape[1]
-    dot = SelfAttention(W_Q @ W_Q.T / math.sqrt(k), torch.eye(d, dtype=torch.float64))
-    l2 = L2SelfAttention(W_Q, W_V)
+    dot = SelfAttention(*to_device(device, W_Q @ W_Q.T / math.sqrt(k), torch.eye(d, dtype=torch.float64)))
+    l2 = L2SelfAttention(*to_device(device, W_Q, W_V))
+    X = to_device(device, X)
     ld = local_lipschitz(dot, X, method="lanczos", tol=1e-8)
     ll = local_lipschitz(l2, X, method="lanczos", tol=1e-8)
     return {"lip_dot": float(ld.value), "lip_l2": float(ll.value), "lip_l2_error": float(ll.error),
             "kim_bound": float(bounds.l2_attention_upper(W_Q, W_V, torch.eye(d, dtype=torch.float64), n))}
 
 
-def _grids(level: str):
+def grid(level: str) -> dict:
+    """Sizes: dimension d, radii and tokens of the R scan, lengths and repetitions of the n scan."""
     if level == "tiny":
-        return 3, list(np.geomspace(1, 32, 6)), 6, [2, 4, 8], 1
+        return {"d": 3, "Rs": list(np.geomspace(1, 32, 6)), "n_R": 6, "ns": [2, 4, 8], "reps": 1}
     if level == "quick":
-        return 4, list(np.geomspace(0.25, 64, 13)), 12, [2, 4, 8, 16, 32, 64, 128], 3
-    return 8, list(np.geomspace(0.25, 100, 18)), 24, [2, 4, 8, 16, 32, 64, 128, 256, 512], 6
+        return {"d": 4, "Rs": list(np.geomspace(0.25, 64, 13)), "n_R": 12, "ns": [2, 4, 8, 16, 32, 64, 128], "reps": 3}
+    return {"d": 8, "Rs": list(np.geomspace(0.25, 100, 18)), "n_R": 24, "ns": [2, 4, 8, 16, 32, 64, 128, 256, 512],
+            "reps": 6}
 
 
-@register("l2_attention", "Dot-product vs L2 attention (Kim et al. 2021)", order=70)
-def l2_attention(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("l2_attention", "Dot-product vs L2 attention (Kim et al. 2021)", order=70, grid=grid)
+def l2_attention(out_dir: Path, ctx) -> StudyResult:
     """Constants vs R (quadratic for dot-product, bounded for L2) and vs n against Kim's bound."""
     out_dir = Path(out_dir)
-    d, Rs, n_R, ns, reps = _grids(grid_level(quick))
+    seed = ctx.seed
+    g = grid(ctx.level)
+    d, Rs, n_R, ns, reps = (g[k] for k in ("d", "Rs", "n_R", "ns", "reps"))
     rows_R = run_grid(l2_task, [{"kind": "spread", "R": float(R), "n": n_R, "d": d, "seed": seed} for R in Rs],
-                      out_dir, "l2_vs_R")
+                      out_dir, "l2_vs_R", ctx, device=ctx.device)
     write_csv(rows_R, out_dir / "lipschitz_vs_R.csv")
     rows_n = run_grid(l2_task, [{"kind": kind, "R": 2.0, "n": n, "d": d, "seed": seed, "rep": r}
                                 for kind in ("random", "spread") for n in ns for r in range(reps)
-                                if not (kind == "spread" and n < 2)], out_dir, "l2_vs_n")
+                                if not (kind == "spread" and n < 2)], out_dir, "l2_vs_n", ctx, device=ctx.device)
     write_csv(rows_n, out_dir / "lipschitz_vs_n.csv")
 
     big = [r for r in rows_R if r["R"] >= 7.99]  # the other rows' softmax has saturated: the R^2 regime
@@ -112,15 +119,17 @@ def l2_attention(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
               f"(change {quad_change:.1%}); log-log slope {fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}] "
               f"for R >= {big[0]['R']:.3g}", quad_change <= 0.05,
               "agrees if Lip / R^2 changes by at most 5% between the two largest radii; the slope fit includes "
-              "the pre-asymptotic range where other rows' softmax is not yet saturated"),
+              "the pre-asymptotic range where other rows' softmax is not yet saturated", kind=THEOREM,
+              fails_if="Lip / R^2 changes by more than 5% between the two largest radii"),
         Claim("L2 attention stays bounded in R", f"<= Kim bound {bound_R:.4g}",
               f"max over R = {l2_max:.4g} (dot-product reaches {max(r['lip_dot'] for r in rows_R):.4g})",
-              l2_max <= bound_R),
+              l2_max <= bound_R, kind=THEOREM, fails_if="the L2 constant exceeds Kim et al.'s bound at some radius"),
         Claim("Kim et al. Theorem 3.2 (2-norm form as corrected in meanfield.bounds) is never below L2 constants",
               "Lip <= bound", f"{len(viol)} violations of {len(allrows)}; max Lip/bound = "
               f"{max(r['lip_l2'] / r['kim_bound'] for r in allrows):.3g}", not viol,
-              "MATH.md marks the form as recalled; meanfield.bounds.l2_attention_upper documents the fourth-power "
-              "correction"),
+              "the form recalled in the paper's notes is false (docs/math.md section 5); "
+              "meanfield.bounds.l2_attention_upper documents the fourth-power correction", kind=THEOREM,
+              fails_if="a certified L2 constant minus its error bar exceeds the bound"),
     ]
     notes = (f"W_Q, W_V are {d}x{d} Gaussian / sqrt(d) (seed {seed}); the dot-product layer uses A = W_Q W_Q^T / "
              "sqrt(k) and V = I, the L2 layer the same W_Q (tied queries and keys) and W_V, W_O = I.")

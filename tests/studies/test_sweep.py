@@ -1,5 +1,5 @@
-"""Sweeps (issue 8): resumable after SIGKILL, corrupt records redone, failures reported, a lost
-Dask worker survived, same table whatever the backend.
+"""Sweeps: resumable after SIGKILL, corrupt records (and a corrupt manifest) redone or rebuilt,
+failures reported, a lost Dask worker survived and counted, same table whatever the backend.
 
 Truths: the table of an uninterrupted run (a separate process), direct calls of the task
 function in grid order, explicit nested loops for the grid order, per-task execution logs
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,9 +26,9 @@ import numpy as np
 import pytest
 
 from studies.sweep import add_sweep_arguments, expand_grid, load_sweep, run_sweep, sweep_options
-from studies.sweep_store import read_record, task_key
+from studies.sweep.store import RECORD_FORMAT, read_record, task_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CALLS: list[dict] = []       # in-process tasks log their calls here
 FLAKY: dict[int, int] = {}
 
@@ -185,6 +187,57 @@ def test_corrupt_or_partial_records_are_detected_and_redone_never_read(tmp_path)
     assert not list((out / "records").glob(".*.tmp"))
 
 
+def test_a_corrupt_manifest_is_rebuilt_from_the_records(tmp_path, caplog):
+    out = tmp_path / "s"
+    grid = [{"a": a, "b": 0} for a in range(4)]
+    first = run_sweep(square, grid, out, progress=False)
+    (out / "sweep.json").write_text('{"format": "smooth-attention-sweep/1", "name": ')   # a torn hand edit
+    seen = load_sweep(out)   # readers rebuild it in memory (rows in the order the tasks finished)
+    assert sorted(seen.rows, key=lambda r: r["a"]) == first.rows and seen.ok
+    assert "rebuilt from 4 verified record(s)" in caplog.text
+    assert (out / "sweep.json").read_text().endswith('"name": ')   # a reader writes nothing
+    CALLS.clear()
+    again = run_sweep(square, grid, out, progress=False)
+    assert again.ok and again.n_resumed == 4 and again.n_run == 0 and CALLS == []
+    assert again.rows == first.rows
+    assert json.loads((out / "sweep.json").read_text())["grid"] == grid   # rewritten from the call
+    (out / "sweep.json").write_text("[]")   # valid JSON, not a manifest: rebuilt too
+    assert run_sweep(square, grid, out, progress=False).n_run == 0
+
+
+def test_a_corrupt_manifest_of_another_sweep_is_still_refused(tmp_path):
+    out = tmp_path / "s"
+    run_sweep(square, [{"a": 1}], out, progress=False, name="one")
+    (out / "sweep.json").write_text("garbage")
+    with pytest.raises(ValueError, match="holds sweep 'one'"):
+        run_sweep(square, [{"a": 1}], out, progress=False, name="two")
+    assert run_sweep(square, [{"a": 1}], out, progress=False, name="two", overwrite=True).ok
+
+
+def _forge(path: Path, body: bytes) -> None:
+    header = {"format": RECORD_FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
+    path.write_bytes(json.dumps(header).encode() + b"\n" + body + b"\n")
+
+
+@pytest.mark.parametrize("depth", [100, 200_000])
+def test_deeply_nested_json_with_a_valid_checksum_is_a_corrupt_record(tmp_path, depth):
+    out = tmp_path / "s"
+    grid = [{"a": 1, "b": 0}, {"a": 2, "b": 0}]
+    first = run_sweep(square, grid, out, progress=False)
+    key = task_key(first.name, grid[0])
+    body = (b'{"key":"' + key.encode() + b'","name":"' + first.name.encode() + b'","params":{"a":1,"b":0},'
+            b'"result":{"y":' + b"[" * depth + b"]" * depth + b'},"status":"ok"}')
+    _forge(out / "records" / f"{key}.rec", body)
+    seen = load_sweep(out)                       # no RecursionError escapes
+    assert seen.n_corrupt == 1 and seen.missing == grid[:1] and seen.rows == first.rows[1:]
+    CALLS.clear()
+    again = run_sweep(square, grid, out, progress=False)
+    assert again.n_corrupt == 1 and CALLS == [grid[0]] and again.rows == first.rows
+    assert len(list((out / "corrupt").iterdir())) == 1
+    (out / "sweep.json").write_text("{" * depth)   # a manifest nested too deeply is rebuilt as well
+    assert load_sweep(out).ok
+
+
 # ---------------------------------------------------------------------- failures and retries
 @pytest.mark.parametrize("backend", ["inprocess", "processes"])
 def test_a_raising_task_is_retried_then_reported_and_the_others_finish(tmp_path, backend):
@@ -241,8 +294,9 @@ def test_a_pool_worker_that_dies_is_replaced_and_its_task_retried(tmp_path):
 
 
 # ---------------------------------------------------------------------- Dask
-def test_localcluster_survives_a_killed_worker(tmp_path):
+def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
     pytest.importorskip("distributed")
+    caplog.set_level(logging.INFO, logger="studies.sweep")
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
     grid = {"i": list(range(6)), "marker_dir": [str(marker_dir)]}
@@ -270,6 +324,12 @@ def test_localcluster_survives_a_killed_worker(tmp_path):
     assert not (marker_dir / f"end-{victim[0]}-{victim[1]}").exists()   # the kill interrupted that task...
     assert res.rows[victim[0]]["pid"] != victim[1]                        # ...which Dask ran again elsewhere
     assert len(_records(tmp_path / "s")) == 6
+    # the rerun is counted: two attempts for the killed task; a task that only waited in the dead
+    # worker's queue (Dask sends a worker up to 2 tasks per thread) is rescheduled and counted too
+    assert res.records[victim[0]]["attempts"] == 2 and res.records[victim[0]]["worker_deaths"] == 1
+    attempts = [r["attempts"] for r in res.records]
+    assert set(attempts) <= {1, 2} and attempts.count(2) <= 2
+    assert "started a local Dask cluster of 2 worker(s), scheduler tcp://" in caplog.text   # never silent
 
 
 @pytest.mark.slow
@@ -376,14 +436,34 @@ def test_a_folder_in_use_is_refused(tmp_path):
     assert run_sweep(square, [{"a": 1}], tmp_path, progress=False).ok   # released with its holder
 
 
-def test_progress_bar_shows_done_running_failed(tmp_path, capsys):
-    run_sweep(raises_on, {"a": [0, 1, 2], "bad": [1]}, tmp_path, retries=0, progress=True)
+def test_progress_off_a_terminal_is_plain_lines_with_the_full_name(tmp_path, capsys):
+    name = "a/very/long/sweep/name/that/is/longer/than/thirty/characters"
+    run_sweep(raises_on, {"a": [0, 1, 2], "bad": [1]}, tmp_path, retries=0, progress=True, name="x", label=name)
     err = capsys.readouterr().err
-    assert "failed=1" in err and "done=2" in err and "running=" in err
+    assert err.splitlines() == [f"{name}: 0/3 tasks", f"{name}: 2/3 tasks in {err.split(' in ')[1].split(',')[0]}, "
+                                                      "done=2 running=0 failed=1"]
+    assert "\r" not in err and "\x1b" not in err
+
+
+def test_progress_lines_are_periodic(capsys):
+    from studies.sweep import Progress
+
+    bar = Progress(4, "loop", unit="step", interval=0.0)
+    for _ in range(3):
+        bar.update(1, now="x")
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "loop: 0/4 steps" and lines[1].startswith("loop: 1/4 steps (25%), now=x, ")
+    assert "left" in lines[1] and lines[-1].startswith("loop: 3/4 steps in ")
+    assert len(lines) == 5
+    silent = Progress(4, "quiet", enabled=False)
+    silent.update(4)
+    silent.close()
+    assert capsys.readouterr().err == ""
 
 
 def test_tables_on_disk(tmp_path):
-    from studies.core import read_csv
+    from studies.io import read_csv
 
     res = run_sweep(square, {"a": [1, 2], "b": [5]}, tmp_path / "s", progress=False)
     assert read_csv(tmp_path / "s" / "results.csv") == res.rows
@@ -411,3 +491,24 @@ def test_command_line_options(tmp_path, monkeypatch):
     assert opts == {"backend": "inprocess", "n_workers": 3, "scheduler": None, "resume": False, "retries": 1,
                     "progress": False}
     assert run_sweep(square, {"a": [4]}, tmp_path, **opts).rows == [{"a": 4, "y": 16}]
+
+
+def test_the_sweep_subpackage_imports_nothing_from_the_rest_of_studies():
+    """studies.sweep stands alone (no cycle with the studies that use it): its modules import only
+    each other, the standard library and third-party packages."""
+    import ast
+
+    root = REPO / "studies" / "sweep"
+    for f in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = node.module or ""
+                assert node.level == 1 or not mod.startswith("studies") or mod.startswith("studies.sweep"), \
+                    (f.name, mod)
+                assert node.level <= 1, (f.name, mod)   # "from .." would leave the subpackage
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.startswith("studies") for a in node.names), f.name
+    code = ("import sys; import studies.sweep; "
+            "print(sorted(m for m in sys.modules if m.startswith('studies') and not m.startswith('studies.sweep')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "['studies']", res.stderr

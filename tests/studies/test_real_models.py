@@ -13,22 +13,19 @@ import pytest
 import torch
 
 from studies import hf_models as hf
-from studies import real_models as rm
-from studies.core import read_csv
+from studies.context import RunContext
+from studies.experiments import real_models as rm
+from studies.io import read_csv
 from tests.reference import naive_attention
-from tests.test_hf_models import dense_lipschitz, reimplementation
+from tests.studies.test_hf_models import dense_lipschitz, reimplementation
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # small problems: threads only contend
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, one_thread):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MEANFIELD_TINY", "1")
-    mp.delenv(rm.CHECKPOINT_ENV, raising=False)
     out = tmp_path_factory.mktemp("real_models")
-    res = rm.real_models(out, quick=True, seed=0)
-    mp.undo()
+    res = rm.real_models(out, RunContext(out.parent, level="tiny", seed=0, progress=False))
     models = {k: hf.random_model(k, size="tiny", seed=0) for k in ("gpt2", "bert")}
     return out, res, models
 
@@ -41,6 +38,9 @@ def _chunk(model, n, rep=0):
 def test_claims_figures_and_provenance(run):
     out, res, _ = run
     assert [c.agrees for c in res.claims] == [True] * 4, [(c.claim, c.measured) for c in res.claims]
+    # the real-text exponent is the paper's observation; the rest are theorems
+    assert [c.kind for c in res.claims] == ["theorem", "theorem", "empirical", "theorem"]
+    assert all(c.fails_if for c in res.claims)
     for fig in res.figures:
         assert (out / fig).stat().st_size > 10_000
     info = json.loads((out / "models.json").read_text())
@@ -100,7 +100,7 @@ def test_gamma_rows_against_full_eigendecomposition(run):
 
 
 def test_adversarial_rows_against_witness_and_dense_jacobian(run):
-    from meanfield import adversarial
+    from meanfield import adversarial, bounds
 
     out, _, models = run
     rows = read_csv(out / "adversarial.csv")
@@ -116,7 +116,8 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
         model = models[r["model"]]
         p = hf.extract_layer(model, r["layer"])
         A = p.A(r["head"])
-        X = rm.witness(rm.head_gamma(p, r["head"]), R, n)
+        info = bounds.gamma_info_factored(p.Q[r["head"]], p.K[r["head"]], p.scale)
+        X = adversarial.sqrt_n_sequence_from_info(info, R, n)
         Xref = adversarial.sqrt_n_sequence(A, R, n)  # the library's witness, from a full eigen-decomposition
         sign = 1.0 if float((X * Xref).sum()) > 0 else -1.0
         torch.testing.assert_close(X, sign * Xref, rtol=0, atol=1e-8 * R)
@@ -145,8 +146,10 @@ def test_fits_and_radius_tables(run):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_head_gamma_and_norms_on_random_heads(seed):
-    """The k x k eigenproblem gives gamma, its case and an eigenvector of A_h (both eigen cases)."""
+def test_factored_gamma_and_augmented_norms_on_random_heads(seed):
+    """meanfield.bounds.gamma_info_factored (a k x k eigenproblem) against gamma_info on the full
+    d x d matrix A_h (both eigen cases), and augmented_head_norms / layer_norms against the norms of
+    the explicitly augmented matrices."""
     from meanfield import bounds
 
     model = hf.random_model("gpt2", size="tiny", seed=seed, n_embd=12, n_head=2)
@@ -157,16 +160,15 @@ def test_head_gamma_and_norms_on_random_heads(seed):
         p.K[h] = torch.randn(6, 12, generator=g, dtype=torch.float64)
     for h in range(2):
         A = p.A(h)
-        info, ref = rm.head_gamma(p, h), bounds.gamma_info(A)
-        assert info["gamma"] == pytest.approx(ref.gamma, rel=1e-9)
+        info, ref = bounds.gamma_info_factored(p.Q[h], p.K[h], p.scale), bounds.gamma_info(A)
+        assert info.gamma == pytest.approx(ref.gamma, rel=1e-9)
         if ref.gamma <= 1e-12:  # only complex nonzero eigenvalues: gamma = 0 and no witness
-            assert info["gamma"] == 0.0 and info["u"] is None
+            assert info.gamma == 0.0 and info.eigenvector is None
         else:
-            assert info["case"] == ref.case
-            u = info["u"]
-            torch.testing.assert_close(A @ u, info["eigenvalue"] * u, rtol=0,
-                                       atol=1e-9 * (1 + abs(info["eigenvalue"])))
-        a, v, w = rm.head_bound_norms(p)
+            assert info.case == ref.case
+            u = torch.as_tensor(info.eigenvector)
+            torch.testing.assert_close(A @ u, info.eigenvalue * u, rtol=0, atol=1e-9 * (1 + abs(info.eigenvalue)))
+        a, v, w = rm.layer_norms(p)
         A_aug = torch.zeros(13, 13, dtype=torch.float64)
         A_aug[:12, :12], A_aug[:12, 12] = A, p.scale * p.K[h].T @ p.b_Q[h]
         assert a[h] == pytest.approx(float(torch.linalg.matrix_norm(A_aug, 2)), rel=1e-10)
@@ -175,9 +177,10 @@ def test_head_gamma_and_norms_on_random_heads(seed):
         assert w == pytest.approx(float(torch.linalg.matrix_norm(p.W_O, 2)), rel=1e-12)
 
 
-def test_local_checkpoint_with_its_own_tokenizer(tmp_path, monkeypatch):
-    """$SMOOTH_ATTENTION_CHECKPOINTS adds a local checkpoint (weights + its own tokenizer, here a
-    word-level tokenizer saved with transformers) to the study, labelled as pretrained."""
+def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
+    """A checkpoint named in the run context (--checkpoint, $SMOOTH_ATTENTION_CHECKPOINTS) joins the
+    study with its own tokenizer (here a word-level tokenizer saved with transformers), labelled as
+    pretrained."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -187,8 +190,8 @@ def test_local_checkpoint_with_its_own_tokenizer(tmp_path, monkeypatch):
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(ck)
-    monkeypatch.setenv(rm.CHECKPOINT_ENV, str(ck))
-    label, model, tok, provenance = list(rm._models(rm._grid("tiny"), 0))[-1]
+    ctx = RunContext(tmp_path, level="tiny", checkpoints=[str(ck)])
+    label, model, tok, provenance = list(rm._models(rm.grid("tiny"), ctx))[-1]
     assert label == "gpt2:my-gpt2" and provenance.startswith("pretrained") and not isinstance(tok, hf.HashTokenizer)
     text = hf.default_corpus()
     res = rm.analyze_model(label, model, tok, text, layers=[1], ns=[4, 8, 16], reps=1, adv_ns=[4])

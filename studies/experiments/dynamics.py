@@ -1,4 +1,4 @@
-"""Study: token dynamics, Transformers as PDEs on measures (MATH.md section 6; issue 6).
+"""Study: token dynamics, Transformers as PDEs on measures (docs/math.md section 6).
 
 Tokens move through infinitely deep attention as particles of d/dt mu + div(mu Gamma_mu) = 0
 (``meanfield.simulate``); clusters appear (Geshkovski, Letrouit, Polyanskiy, Rigollet 2023):
@@ -23,13 +23,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, save_figure, write_csv
-from .sqrt_n import fit_loglog
+from .. import plotting as P
+from ..common import fit_loglog
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..io import save_figure, write_csv, write_with
 
-__all__ = ["dynamics", "animate_trajectory"]
+__all__ = ["dynamics", "animate_trajectory", "grid"]
 
 D = torch.float64
+
+
+def grid(level: str) -> dict:
+    """Sizes: particles and final time of each experiment, sample sizes, reference size and samples of
+    the mean-field check, and frames stored per trajectory."""
+    return _settings(level)
 
 
 def _settings(level: str) -> dict:
@@ -88,23 +95,22 @@ def animate_trajectory(traj, path: Path, *, title: str = "", fps: int = 8, dpi: 
         return scat, label
 
     anim = FuncAnimation(fig, frame, frames=len(pts), blit=False)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    anim.save(path, writer=PillowWriter(fps=fps), dpi=dpi)
-    plt.close(fig)
-    return path
+    try:
+        return write_with(path, lambda tmp: anim.save(tmp, writer=PillowWriter(fps=fps), dpi=dpi))
+    finally:
+        plt.close(fig)
 
 
-def _polytope(cfg, seed, out_dir, rows):
+def _polytope(cfg, seed, dev, rows):
     from meanfield import SelfAttention, simulate
     from meanfield.clustering import count_clusters, limit_set
     from particles import Measure
 
-    A = torch.eye(2, dtype=D)  # Q^T K = I, the setting of Geshkovski et al.'s polytope theorem
-    X = torch.randn(cfg["n_poly"], 2, generator=_gen(seed + 2), dtype=D)
+    A = torch.eye(2, dtype=D, device=dev)  # Q^T K = I, the setting of Geshkovski et al.'s polytope theorem
+    X = torch.randn(cfg["n_poly"], 2, generator=_gen(seed + 2), dtype=D).to(dev)
     times = torch.linspace(0, cfg["T_poly"], cfg["frames"] + 1, dtype=D)
-    traj = simulate(SelfAttention(A, torch.eye(2, dtype=D)), Measure(X), times, method="dopri5", rescale=True,
-                    rtol=1e-8, atol=1e-10)
+    traj = simulate(SelfAttention(A, torch.eye(2, dtype=D, device=dev)), Measure(X), times, method="dopri5",
+                    rescale=True, rtol=1e-8, atol=1e-10)
     tol = 1e-2
     ls = limit_set(traj.final, tol)
     counts = count_clusters(traj, tol)
@@ -113,16 +119,16 @@ def _polytope(cfg, seed, out_dir, rows):
     return traj, ls, counts
 
 
-def _negative(cfg, seed, rows):
+def _negative(cfg, seed, dev, rows):
     from meanfield import SelfAttention, simulate
     from meanfield.clustering import count_clusters
     from particles import Measure
 
-    V = torch.diag(torch.tensor([1.0, -0.5], dtype=D))
-    X = torch.randn(cfg["n_neg"], 2, generator=_gen(seed + 3), dtype=D)
+    V = torch.diag(torch.tensor([1.0, -0.5], dtype=D, device=dev))
+    X = torch.randn(cfg["n_neg"], 2, generator=_gen(seed + 3), dtype=D).to(dev)
     times = torch.linspace(0, cfg["T_neg"], cfg["frames"] + 1, dtype=D)
-    traj = simulate(SelfAttention(torch.eye(2, dtype=D), V), Measure(X), times, method="dopri5", rescale=True,
-                    rtol=1e-8, atol=1e-10)
+    traj = simulate(SelfAttention(torch.eye(2, dtype=D, device=dev), V), Measure(X), times, method="dopri5",
+                    rescale=True, rtol=1e-8, atol=1e-10)
     lead = traj.points[..., :1]  # coordinate along the eigenvector of the eigenvalue 1
     other = traj.points[..., 1:]
     c_lead = count_clusters(lead, 1e-2)
@@ -133,12 +139,12 @@ def _negative(cfg, seed, rows):
     return traj, int(c_lead[-1]), int(c_other[-1])
 
 
-def _sphere(cfg, seed, rows):
+def _sphere(cfg, seed, dev, rows):
     from meanfield import simulate
     from meanfield.clustering import count_clusters, interaction_energy
     from particles import Measure
 
-    X = _unit(cfg["n_sph"], 3, seed + 4)
+    X = _unit(cfg["n_sph"], 3, seed + 4).to(dev)
     times = torch.linspace(0, cfg["T_sph"], cfg["frames"] + 1, dtype=D)
     out = {}
     for model in ("SA", "USA"):
@@ -152,62 +158,70 @@ def _sphere(cfg, seed, rows):
     return out
 
 
-def _causal(cfg, seed, rows):
+def _causal(cfg, seed, dev, rows):
     from meanfield import simulate
     from particles import Measure
 
-    X = _unit(cfg["n_causal"], 3, seed + 5)
+    X = _unit(cfg["n_causal"], 3, seed + 5).to(dev)
     times = torch.linspace(0, cfg["T_causal"], cfg["frames"] + 1, dtype=D)
     traj = simulate(None, Measure.sequence(X), times, sphere="SA", beta=1.0, step=0.2)
     dist = (traj.points - traj.points[:, :1]).norm(dim=2).max(dim=1).values
     moved_first = float((traj.points[:, 0] - X[0]).norm(dim=1).max())
     for t, r in zip(times.tolist(), dist.tolist()):
         rows.append({"experiment": "causal_sphere", "t": t, "max_dist_to_first": r})
-    return traj, dist.numpy(), moved_first
+    return traj, dist.cpu().numpy(), moved_first
 
 
-def _meanfield(cfg, seed, rows):
+def _meanfield(cfg, seed, dev, rows):
     from meanfield import SelfAttention, simulate
     from meanfield.clustering import w2_to_reference
     from particles import Measure
 
     A = 0.5 * torch.randn(2, 2, generator=_gen(seed + 6), dtype=D)
     V = 0.5 * torch.randn(2, 2, generator=_gen(seed + 7), dtype=D)
-    op = SelfAttention(A, V)
+    op = SelfAttention(A.to(dev), V.to(dev))
     T = 1.0
-    ref = simulate(op, Measure(torch.randn(cfg["n_ref"], 2, generator=_gen(seed + 8), dtype=D)), [0.0, T], steps=10)
+    ref = simulate(op, Measure(torch.randn(cfg["n_ref"], 2, generator=_gen(seed + 8), dtype=D).to(dev)), [0.0, T],
+                   steps=10)
     for n in cfg["ns"]:
         for r in range(cfg["reps"]):
-            X = torch.randn(n, 2, generator=_gen(seed * 7919 + 31 * n + r), dtype=D)
+            X = torch.randn(n, 2, generator=_gen(seed * 7919 + 31 * n + r), dtype=D).to(dev)
             tr = simulate(op, Measure(X), [0.0, T], steps=10)
             w0, wT = w2_to_reference(tr, ref)
             rows.append({"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)})
 
 
-@register("dynamics", "Token dynamics: Transformers as PDEs", order=80)
-def dynamics(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("dynamics", "Token dynamics: Transformers as PDEs", order=80, grid=grid)
+def dynamics(out_dir: Path, ctx) -> StudyResult:
     """Clusters of token dynamics (V = I polytope, negative eigenvalue, sphere, causal) and the mean-field limit."""
     out_dir = Path(out_dir)
-    level = grid_level(quick)
     # the particle systems are small: extra BLAS threads only spin on a shared machine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(out_dir, level, seed)
+        return _run(out_dir, ctx)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(out_dir: Path, level: str, seed: int) -> StudyResult:
+def _run(out_dir: Path, ctx) -> StudyResult:
+    level, seed, dev = ctx.level, ctx.seed, ctx.device
     cfg = _settings(level)
     torch.manual_seed(seed)
     rows: list[dict] = []
-    traj_p, ls, counts_p = _polytope(cfg, seed, out_dir, rows)
-    traj_n, lead_k, other_k = _negative(cfg, seed, rows)
-    sph = _sphere(cfg, seed, rows)
-    traj_c, dist_c, moved_first = _causal(cfg, seed, rows)
-    mf_rows: list[dict] = []
-    _meanfield(cfg, seed, mf_rows)
+    with ctx.progress_bar(5, "dynamics", unit="experiment") as bar:
+        bar.set_postfix(now="polytope")
+        traj_p, ls, counts_p = _polytope(cfg, seed, dev, rows)
+        bar.update(1, now="negative eigenvalue")
+        traj_n, lead_k, other_k = _negative(cfg, seed, dev, rows)
+        bar.update(1, now="sphere")
+        sph = _sphere(cfg, seed, dev, rows)
+        bar.update(1, now="causal")
+        traj_c, dist_c, moved_first = _causal(cfg, seed, dev, rows)
+        bar.update(1, now="mean-field limit")
+        mf_rows: list[dict] = []
+        _meanfield(cfg, seed, dev, mf_rows)
+        bar.update(1, now="done")
     write_csv(rows, out_dir / "clusters.csv")
     write_csv(mf_rows, out_dir / "meanfield_w2.csv")
 
@@ -222,12 +236,15 @@ def _run(out_dir: Path, level: str, seed: int) -> StudyResult:
               f"{int(ls.is_vertex.sum())}/{ls.n_clusters} centers are vertices; spread {ls.spread:.1e}; "
               f"{counts_p[0]} -> {counts_p[-1]} clusters",
               bool(ls.all_vertices and ls.spread < 1e-2 and 1 < ls.n_clusters < counts_p[0]),
-              "single linkage at tol 1e-2 on y(T); hull by scipy.spatial.ConvexHull"),
+              "single linkage at tol 1e-2 on y(T); hull by scipy.spatial.ConvexHull", kind=THEOREM,
+              fails_if="at T some cluster center is not a vertex of the hull, the spread is 1e-2 or more, or the "
+                       "tokens form one cluster or as many as at t = 0"),
         Claim("V with a negative eigenvalue: the leading coordinate clusters on at most 3 hyperplanes "
               "(Geshkovski et al. 2023)",
               "<= 3 clusters of <y_i, e_1>; the other coordinate does not cluster",
               f"{lead_k} clusters along e_1, {other_k} along e_2 (n = {cfg['n_neg']})",
-              bool(lead_k <= 3 and other_k > 3), "V = diag(1, -1/2), A = I; 1-D single linkage at tol 1e-2"),
+              bool(lead_k <= 3 and other_k > 3), "V = diag(1, -1/2), A = I; 1-D single linkage at tol 1e-2",
+              kind=THEOREM, fails_if="more than 3 clusters along e_1 at T, or 3 or fewer along e_2"),
     ]
     for model in ("SA", "USA"):
         _, E, c, drift = sph[model]
@@ -238,19 +255,25 @@ def _run(out_dir: Path, level: str, seed: int) -> StudyResult:
                             f"{int(c[-1])} cluster(s) at T = {cfg['T_sph']:g}; E {E[0]:.4g} -> {E[-1]:.4g} "
                             f"({'monotone' if mono else 'NOT monotone'}); norm drift {drift:.1e}",
                             bool(c[-1] == 1 and mono and drift < 1e-10),
-                            f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; tol 1e-3"))
+                            f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; tol 1e-3", kind=THEOREM,
+                            fails_if="more than one cluster at T, E_beta decreasing at some step, or a token "
+                                     "leaving the sphere by 1e-10 or more"))
     claims += [
         Claim("Causal sphere dynamics: the first token is fixed and attracts every token (Karagodin et al. 2024)",
               "x_1 does not move; max_i |x_i(T) - x_1| -> 0",
               f"x_1 moved {moved_first:.1e}; max distance {dist_c[0]:.3f} -> {dist_c[-1]:.1e}",
               bool(moved_first < 1e-12 and dist_c[-1] < 1e-2 * dist_c[0]),
-              f"SA, beta = 1, n = {cfg['n_causal']} tokens at positions i/n, T = {cfg['T_causal']:g}"),
+              f"SA, beta = 1, n = {cfg['n_causal']} tokens at positions i/n, T = {cfg['T_causal']:g}", kind=THEOREM,
+              fails_if="x_1 moves by 1e-12 or more, or the largest distance to x_1 at T is not below 1% of its "
+                       "initial value"),
         Claim("Mean-field limit: W2(mu_n(T), mu_ref(T)) -> 0 as n grows, at the rate of the initial samples",
               f"decreasing in n; slope at T close to slope at 0 ({s0:.2f})",
               f"log-log slope {sT:.2f} at T = 1 (vs {s0:.2f} at t = 0); W2(T)/W2(0) in "
               f"[{(wT / w0).min():.2f}, {(wT / w0).max():.2f}]",
               bool(sT < 0 and abs(sT - s0) < 0.15 and np.all(np.diff(wT) < 0)),
-              f"reference n = {cfg['n_ref']}, {cfg['reps']} samples per n, exact W2 (transport.w2)"),
+              f"reference n = {cfg['n_ref']}, {cfg['reps']} samples per n, exact W2 (transport.w2)", kind=EMPIRICAL,
+              fails_if="the mean W2 at T does not decrease with n, or its log-log slope differs from the slope "
+                       "at t = 0 by 0.15 or more"),
     ]
 
     figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT)
@@ -270,7 +293,7 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT) 
 
     figs = []
     fig, axes = P.figure(ncols=2)
-    Y = traj_p.points.numpy()
+    Y = traj_p.points.cpu().numpy()
     ax = axes[0]
     for i in range(Y.shape[1]):
         ax.plot(Y[:, i, 0], Y[:, i, 1], lw=0.7, color="0.6")
@@ -283,7 +306,7 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT) 
     ax.set_aspect("equal")
     P.finish(ax, "y_1", "y_2", "V = I: rescaled tokens -> polytope vertices")
     ax = axes[1]
-    Z = traj_n.points.numpy()
+    Z = traj_n.points.cpu().numpy()
     for i in range(Z.shape[1]):
         ax.plot(Z[:, i, 0], Z[:, i, 1], lw=0.7, color="0.6")
     ax.scatter(Z[-1, :, 0], Z[-1, :, 1], s=12, color=P.COLORS[1], label="y(T)")
@@ -294,13 +317,13 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, ns, w0, wT) 
     ax = axes[0]
     for k, model in enumerate(("SA", "USA")):
         traj, E, c, _ = sph[model]
-        P.measured(ax, traj.times.numpy(), E, f"{model}: E_beta", color=P.COLORS[k])
+        P.measured(ax, traj.times.cpu().numpy(), E, f"{model}: E_beta", color=P.COLORS[k])
     P.finish(ax, "t", "interaction energy E_beta", f"sphere d = 3, n = {cfg['n_sph']}, beta = 1")
     ax = axes[1]
     for k, model in enumerate(("SA", "USA")):
         traj, E, c, _ = sph[model]
-        P.measured(ax, traj.times.numpy(), c, f"{model}: clusters (tol 1e-3)", color=P.COLORS[k])
-    P.measured(ax, traj_c.times.numpy(), dist_c, "causal SA: max |x_i - x_1|", color=P.COLORS[2])
+        P.measured(ax, traj.times.cpu().numpy(), c, f"{model}: clusters (tol 1e-3)", color=P.COLORS[k])
+    P.measured(ax, traj_c.times.cpu().numpy(), dist_c, "causal SA: max |x_i - x_1|", color=P.COLORS[2])
     P.finish(ax, "t", "count / distance", "collapse to one cluster", logy=True)
     figs.append(save_figure(fig, out_dir / "sphere_clusters.png").name)
 

@@ -16,22 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
-from .sqrt_n import random_A
+from meanfield import bounds
 
-__all__ = ["large_radius", "direction", "large_radius_task", "score_gap"]
+from .. import plotting as P
+from ..common import random_A, random_V, to_device
+from ..contract import THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
 
-
-def score_gap(A: torch.Tensor, X: torch.Tensor, masked: bool) -> float:
-    """Smallest margin between the top two scores <A x_i, x_j> of a row (inf for a single key)."""
-    S = X @ A.T @ X.T
-    if masked:
-        S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
-    top = torch.topk(S, min(2, S.shape[1]), dim=1).values
-    gaps = top[:, 0] - top[:, 1] if top.shape[1] > 1 else torch.full((S.shape[0],), math.inf)
-    gaps = torch.where(torch.isfinite(gaps), gaps, torch.full_like(gaps, math.inf))
-    return float(gaps.min())
+__all__ = ["large_radius", "direction", "large_radius_task", "grid"]
 
 
 def direction(kind: str, n: int, d: int, seed: int, masked: bool = False) -> torch.Tensor:
@@ -49,44 +42,47 @@ def direction(kind: str, n: int, d: int, seed: int, masked: bool = False) -> tor
     raise ValueError(f"kind: expected 'random' or 'hub', got {kind!r}")
 
 
-def large_radius_task(kind: str, masked: bool, R: float, n: int, d: int, seed: int) -> dict:
-    from meanfield import SelfAttention, bounds, local_lipschitz
+def large_radius_task(kind: str, masked: bool, R: float, n: int, d: int, seed: int, *, device=None) -> dict:
+    from meanfield import SelfAttention, local_lipschitz
 
     A = random_A(d, seed)
-    gV = torch.Generator().manual_seed(int(seed) + 101)
-    V = torch.randn(d, d, generator=gV, dtype=torch.float64) / math.sqrt(d)
+    V = random_V(d, seed)
     X = direction(kind, n, d, seed, masked)
-    est = local_lipschitz(SelfAttention(A, V, masked=masked), R * X, method="lanczos", tol=1e-10)
+    est = local_lipschitz(SelfAttention(*to_device(device, A, V), masked=masked), to_device(device, R * X),
+                          method="lanczos", tol=1e-10)
     limit = float(bounds.large_radius_limit(A, V, X, masked=masked))
     return {"lip": float(est.value), "lip_error": float(est.error), "limit": limit,
-            "rel_gap": abs(float(est.value) - limit) / limit, "score_gap": score_gap(A, X, masked),
-            "v_norm_sqrt_n": float(torch.linalg.matrix_norm(V, ord=2)) * math.sqrt(n)}
+            "rel_gap": abs(float(est.value) - limit) / limit, "score_gap": bounds.score_gap(A, X, masked=masked),
+            "v_norm_sqrt_n": bounds.large_radius_sup(V, n)}
 
 
-def _grid(level: str):
+def grid(level: str) -> dict:
+    """Sizes: dimension d, tokens n, radii per curve."""
     if level == "tiny":
-        return 3, 5, 6
+        return {"d": 3, "n": 5, "n_R": 6}
     if level == "quick":
-        return 4, 12, 14
-    return 6, 32, 30
+        return {"d": 4, "n": 12, "n_R": 14}
+    return {"d": 6, "n": 32, "n_R": 30}
 
 
-@register("large_radius", "Large radius: Theorems 3.7 and 4.5", order=30)
-def large_radius(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("large_radius", "Large radius: Theorems 3.7 and 4.5", order=30, grid=grid)
+def large_radius(out_dir: Path, ctx) -> StudyResult:
     """Local constant vs R converging to ||V|| sqrt(max multiplicity), masked and unmasked."""
     out_dir = Path(out_dir)
-    d, n, n_R = _grid(grid_level(quick))
+    seed = ctx.seed
+    g = grid(ctx.level)
+    d, n, n_R = g["d"], g["n"], g["n_R"]
     A = random_A(d, seed)
     curves = [(k, m) for k in ("random", "hub") for m in (False, True)]
-    grid = []
+    points = []
     r_max = {}
     for kind, masked in curves:
-        gap = score_gap(A, direction(kind, n, d, seed, masked), masked)
+        gap = bounds.score_gap(A, direction(kind, n, d, seed, masked), masked=masked)
         # exp(-gap R^2) = e^{-40} at the largest R: the limit is reached to float64 accuracy
         r_max[(kind, masked)] = min(100.0, math.sqrt(40.0 / max(gap, 1e-12)))
         for R in np.geomspace(0.25, r_max[(kind, masked)], n_R):
-            grid.append({"kind": kind, "masked": masked, "R": float(R), "n": n, "d": d, "seed": seed})
-    rows = run_grid(large_radius_task, grid, out_dir, "large_radius")
+            points.append({"kind": kind, "masked": masked, "R": float(R), "n": n, "d": d, "seed": seed})
+    rows = run_grid(large_radius_task, points, out_dir, "large_radius", ctx, device=ctx.device)
     write_csv(rows, out_dir / "lipschitz_vs_R.csv")
 
     fig, axes = P.figure(ncols=2)
@@ -102,14 +98,17 @@ def large_radius(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
                 f"Theorem {'4.5' if masked else '3.7'}: Lip_(RX) -> ||V|| sqrt(max multiplicity), {kind} direction",
                 f"{end['limit']:.6g}", f"{end['lip']:.6g} at R = {end['R']:.3g} (relative gap {end['rel_gap']:.1e})",
                 end["rel_gap"] <= 1e-6, f"tolerance 1e-6 at R where exp(-gap R^2) <= e^-40; score gap "
-                                        f"{end['score_gap']:.3g}"))
+                                        f"{end['score_gap']:.3g}", kind=THEOREM,
+                fails_if="at the largest R (exp(-gap R^2) <= e^-40) the constant differs from the limit by more "
+                         "than 1e-6 (relative)"))
         ax.axhline(rows[0]["v_norm_sqrt_n"], color="k", lw=0.8, ls="--", label="||V|| sqrt(n)")
         P.finish(ax, "radius R", "local Lipschitz constant at R X", f"{'masked' if masked else 'unmasked'}, n={n}, "
                  f"d={d}", logx=True, logy=True)
     save_figure(fig, out_dir / "lipschitz_vs_R.png")
     over = [r for r in rows if r["limit"] > r["v_norm_sqrt_n"] * (1 + 1e-12)]
     claims.append(Claim("the limit is at most ||V|| sqrt(n)", "limit <= ||V|| sqrt(n)",
-                        f"{len(over)} violations of {len(rows)}", not over))
+                        f"{len(over)} violations of {len(rows)}", not over, kind=THEOREM,
+                        fails_if="some direction's limit exceeds ||V|| sqrt(n)"))
     notes = (f"A and V are {d}x{d} Gaussian matrices / sqrt(d) (seed {seed}); {n} tokens with unit-norm rows; "
              "'hub' is meanfield.adversarial.large_radius_configuration: every token attends to token 0. The "
              "largest R of each curve is sqrt(40 / gap) (capped at 100) with gap the smallest top-two score margin.")

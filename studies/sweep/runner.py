@@ -9,7 +9,7 @@ One entry point::
 
 ``fn(**params) -> dict`` is a picklable top-level function. Every finished task is stored at once
 as a checksummed record, written atomically and keyed by the task's parameters and the sweep name
-(:mod:`studies.sweep_store`), so a sweep killed at any moment (SIGKILL, a lost node, Ctrl-C)
+(:mod:`studies.sweep.store`), so a sweep killed at any moment (SIGKILL, a lost node, Ctrl-C)
 resumes where it stopped: ``resume=True`` (the default) skips what is done, redoes what is missing
 or corrupt, and the table is the same as an uninterrupted run's. A task that raises is retried
 ``retries`` times, then reported with its error (type, message, traceback) in
@@ -21,26 +21,29 @@ cluster given by ``scheduler`` (an address ``"tcp://host:8786"``, a ``distribute
 cluster object such as dask-jobqueue's ``SLURMCluster``), or with no scheduler a
 ``LocalCluster(n_workers, threads_per_worker=1, processes=True)`` started for the sweep.
 Giving ``scheduler`` implies ``backend="dask"``. See docs/sweeps.md.
+
+This subpackage stands alone: it imports nothing from the rest of ``studies``.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
 import itertools
 import json
-import os
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from studies.core import _jsonable, write_csv
-from studies.sweep_backends import make_backend
-from studies.sweep_store import SweepStore, atomic_write, normalize, task_key
+from .backends import make_backend
+from .files import atomic_write, normalize, write_csv
+from .progress import Progress
+from .store import SweepStore, task_key
 
-__all__ = ["run_sweep", "load_sweep", "expand_grid", "SweepResult", "TaskFailure", "add_sweep_arguments",
-           "sweep_options", "BACKENDS"]
+__all__ = ["run_sweep", "load_sweep", "expand_grid", "SweepResult", "TaskFailure", "BACKENDS"]
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "inprocess", "processes", "dask")
 
@@ -102,10 +105,7 @@ class SweepResult:
     def to_csv(self, path=None) -> Path:
         """Write ``rows`` as CSV (default ``out_dir/results.csv``), atomically."""
         path = Path(path) if path is not None else self.out_dir / "results.csv"
-        tmp = path.parent / f".{path.name}.{os.getpid()}.tmp"
-        write_csv(self.rows, tmp)
-        os.replace(tmp, path)
-        return path
+        return write_csv(self.rows, path)
 
     def to_pandas(self):
         try:
@@ -186,7 +186,7 @@ def _validate(fn, backend, n_workers, retries, scheduler):
 
 def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto", n_workers: int = 2,
               scheduler=None, resume: bool = True, retries: int = 2, progress: bool = True,
-              name: str | None = None) -> SweepResult:
+              name: str | None = None, label: str | None = None, overwrite: bool = False) -> SweepResult:
     """Run ``fn(**params)`` for every task of ``grid``; store each result as it finishes.
 
     ``grid``: a list of parameter dicts, or a dict of lists expanded as a product (first key
@@ -195,8 +195,11 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     ``"processes"`` (``n_workers`` local processes), ``"dask"`` (``scheduler``, or a
     ``LocalCluster`` of ``n_workers``). ``resume``: skip tasks with a valid record; ``False``
     deletes the folder's records first. ``retries``: extra attempts for a failing task (a task
-    whose worker dies counts an attempt too). ``name``: part of every task key (default
-    ``module.qualname`` of fn); renaming a sweep therefore starts it afresh.
+    whose worker dies counts an attempt too, also when Dask reruns it by itself). ``name``: part
+    of every task key (default ``module.qualname`` of fn); renaming a sweep therefore starts it
+    afresh. ``progress``: a bar on a terminal, plain periodic lines otherwise
+    (:class:`~studies.sweep.progress.Progress`), named ``label`` (default ``name``).
+    ``overwrite``: a folder that holds another sweep is emptied (under the lock) instead of refused.
 
     Returns a :class:`SweepResult`; also writes ``results.csv`` and ``failures.json``. Failures do
     not raise: check ``result.ok`` or call ``result.raise_for_failures()``.
@@ -206,6 +209,8 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not isinstance(name, str) or not name:
         raise TypeError(f"name: expected a non-empty string, got {name!r}")
+    if label is not None and not isinstance(label, str):
+        raise TypeError(f"label: expected a string, got {type(label).__name__}")
     tasks = expand_grid(grid)
     keys = [task_key(name, p) for p in tasks]
     store = SweepStore(out_dir)
@@ -214,8 +219,11 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     try:
         manifest = store.read_manifest()
         if manifest is not None and manifest.get("name") != name:
-            raise ValueError(f"name: {store.root} holds sweep {manifest.get('name')!r}, not {name!r}; "
-                             "use another out_dir (or the same name)")
+            if not overwrite:
+                raise ValueError(f"name: {store.root} holds sweep {manifest.get('name')!r}, not {name!r}; "
+                                 "use another out_dir (or the same name)")
+            log.info("%s held sweep %r: emptied for %r", store.root, manifest.get("name"), name)
+            store.reset()
         store.write_manifest(name, tasks)
         store.remove_temporaries()
         if not resume:
@@ -223,30 +231,30 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
         found, bad = store.load(name, tasks, move_corrupt=True)
         done = {k for k, r in found.items() if r["status"] == "ok"}
         todo = [i for i, k in enumerate(keys) if k not in done]
-        n_run = _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries,
-                         progress, n_done=len(done))
+        bar = Progress(len(tasks), label or name, unit="task", initial=len(done), enabled=bool(progress) and bool(todo))
+        try:
+            n_run = _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, bar)
+        finally:
+            bar.close()
         result = _collect(store, name, tasks)
         result.n_resumed, result.n_run, result.n_corrupt = len(done), n_run, len(bad)
         result.backend, result.elapsed_s = backend, time.perf_counter() - t_start
         result.to_csv()
-        failures = json.dumps(_jsonable([f.__dict__ for f in result.failures]), indent=1) + "\n"
-        atomic_write(store.root / "failures.json", failures.encode())
+        failures = normalize([f.__dict__ for f in result.failures], "failures")
+        atomic_write(store.root / "failures.json", json.dumps(failures, indent=1) + "\n")
         return result
     finally:
         store.unlock()
 
 
-def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, progress, n_done) -> int:
+def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, bar: Progress) -> int:
     if not todo:
         return 0
-    from tqdm.auto import tqdm
-
     runner = make_backend(backend, fn, n_workers, scheduler, name)
     pending = collections.deque(todo)
     attempts = dict.fromkeys(todo, 0)
     inflight: dict = {}
     n_failed = n_run = 0
-    bar = tqdm(total=len(tasks), initial=n_done, desc=name[-30:], unit="task", disable=not progress, leave=True)
     finished = False
     try:
         while pending or inflight:
@@ -258,6 +266,7 @@ def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, 
                 i = inflight.pop(fut)
                 out = runner.outcome(fut)
                 n_run += 1
+                attempts[i] += out.get("worker_deaths", 0)   # runs Dask restarted after a worker died
                 if out["status"] != "ok" and attempts[i] <= retries:
                     pending.append(i)   # to the back: a transient failure gets time to clear
                     continue
@@ -268,15 +277,15 @@ def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, 
                     bar.update(1)
                 else:
                     n_failed += 1
-            bar.set_postfix(done=bar.n, running=runner.running(len(inflight)), failed=n_failed, refresh=False)
-            bar.refresh()
+                    log.debug("%s: task %s failed after %d attempt(s): %s", name, tasks[i], attempts[i],
+                              out.get("error", {}).get("message"))
+            bar.set_postfix(done=bar.n, running=runner.running(len(inflight)), failed=n_failed)
         finished = True
     finally:
         if not finished:
             for fut in inflight:
                 fut.cancel()
         runner.close(cancel=not finished)
-        bar.close()
     return n_run
 
 
@@ -302,37 +311,12 @@ def load_sweep(out_dir) -> SweepResult:
     """Read a sweep folder as it is on disk (finished, interrupted or running): verified records only.
 
     Rows come in the grid order of the manifest; tasks without a valid record (never run, or a
-    corrupt record, counted in ``n_corrupt``) are listed in ``missing``. Nothing is written.
+    corrupt record, counted in ``n_corrupt``) are listed in ``missing``. Nothing is written. A
+    manifest that does not parse is rebuilt from the records (rows then in the order the tasks
+    finished; see :meth:`SweepStore.rebuild_manifest`).
     """
     store = SweepStore(out_dir)
     manifest = store.read_manifest()
     if manifest is None:
-        raise ValueError(f"out_dir: {store.root} has no sweep.json; not a sweep folder")
+        raise ValueError(f"out_dir: {store.root} has no sweep.json and no record; not a sweep folder")
     return _collect(store, manifest["name"], manifest["grid"])
-
-
-# ---------------------------------------------------------------------- command line
-def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add --backend, --workers, --scheduler, --resume/--no-resume, --retries, --progress/--no-progress.
-
-    ``--scheduler`` defaults to the ``DASK_SCHEDULER_ADDRESS`` environment variable, so a job
-    script can point every study at a cluster without changing the command.
-    """
-    g = parser.add_argument_group("sweep execution")
-    g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="where tasks run (auto: in-process, or dask when a scheduler is given)")
-    g.add_argument("--workers", type=int, default=2, metavar="N",
-                   help="worker processes for --backend processes or a local dask cluster (default 2)")
-    g.add_argument("--scheduler", default=os.environ.get("DASK_SCHEDULER_ADDRESS") or None, metavar="ADDRESS",
-                   help="dask scheduler address, e.g. tcp://10.0.0.1:8786 (default $DASK_SCHEDULER_ADDRESS)")
-    g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip tasks already stored (default); --no-resume recomputes everything")
-    g.add_argument("--retries", type=int, default=2, metavar="K", help="extra attempts for a failing task (2)")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show a progress bar")
-    return parser
-
-
-def sweep_options(args: argparse.Namespace) -> dict:
-    """The keyword arguments of :func:`run_sweep` from arguments parsed with :func:`add_sweep_arguments`."""
-    return {"backend": args.backend, "n_workers": args.workers, "scheduler": args.scheduler,
-            "resume": args.resume, "retries": args.retries, "progress": args.progress}

@@ -6,7 +6,7 @@
     (gamma/2) R^2 exp(gamma R^2), below the mean-field bound ||V|| (1 + 3||A|| R^2) exp(2||A|| R^2).
 
 (b) For fixed R, the witness sequence of Proposition 3.4 with n tokens (n - 1 copies of one token)
-    is the two-atom measure with weights (1/n, (n - 1)/n) (MATH.md section 2), so its constant
+    is the two-atom measure with weights (1/n, (n - 1)/n) (docs/math.md section 2), so its constant
     is computed with two particles for n up to 10^15: it grows like sqrt(n) while
     n << exp(2 gamma R^2) and saturates beyond. The equality of the two computations is checked
     on the sequences themselves for small n.
@@ -20,21 +20,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
-from .sqrt_n import _gamma, fit_loglog, random_A
+from meanfield import bounds
 
-__all__ = ["mean_field", "two_dirac_task", "transition_task"]
+from .. import plotting as P
+from ..common import fit_loglog, random_A, to_device
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
+
+__all__ = ["mean_field", "two_dirac_task", "transition_task", "grid"]
 
 
-def two_dirac_task(R: float, d: int, seed: int) -> dict:
+def two_dirac_task(R: float, d: int, seed: int, *, device=None) -> dict:
     """W2-sense constant of the Proposition 3.6 witness at radius R (V = I), with the theory."""
-    from meanfield import SelfAttention, adversarial, bounds, local_lipschitz
+    from meanfield import SelfAttention, adversarial, local_lipschitz
 
     A = random_A(d, seed)
     V = torch.eye(d, dtype=torch.float64)
     mu = adversarial.two_dirac(A, R)
-    est = local_lipschitz(SelfAttention(A, V), mu, method="dense")
+    if device is not None:
+        mu = mu.to(device=device)
+    est = local_lipschitz(SelfAttention(*to_device(device, A, V)), mu, method="dense")
     log_lip = math.log(est.value)
     log_asym = bounds.two_dirac_lower(A, R, log=True)
     log_up = bounds.mean_field_upper(A, V, R, log=True)
@@ -43,69 +49,71 @@ def two_dirac_task(R: float, d: int, seed: int) -> dict:
             "log_p": float(mu.log_weights.min())}
 
 
-def transition_task(log10_n: float, R: float, d: int, seed: int, check_sequence: bool = False) -> dict:
+def transition_task(log10_n: float, R: float, d: int, seed: int, check_sequence: bool = False, *,
+                    device=None) -> dict:
     """Constant of the n-token witness computed as a 2-atom measure (1/n, (n - 1)/n), V = I.
 
     ``check_sequence`` (small n only) also computes the constant of the n-token sequence itself.
     """
-    from meanfield import SelfAttention, adversarial, bounds, local_lipschitz
-    from particles import Measure
+    from meanfield import SelfAttention, adversarial, local_lipschitz
 
     A = random_A(d, seed)
     V = torch.eye(d, dtype=torch.float64)
     n = 10.0 ** log10_n
     n_int = int(round(n))
-    X2 = adversarial.sqrt_n_sequence(A, R, 2)  # the two distinct tokens: x_1 and the repeated one
-    log_w = torch.tensor([-math.log(n), math.log1p(-1.0 / n)], dtype=torch.float64)
-    mu = Measure(X2, log_weights=log_w)
-    att = SelfAttention(A, V)
+    mu = adversarial.sqrt_n_measure(A, R, n)
+    if device is not None:
+        mu = mu.to(device=device)
+    att = SelfAttention(*to_device(device, A, V))
     lip = float(local_lipschitz(att, mu, method="dense").value)
-    row = {"n": n, "lip": lip,
-           "lower": float(bounds.sqrt_n_lower(A, R, n_int)) if n < 2**62 else _lower_float(A, R, n),
+    # Proposition 3.4 with an integer argument where n fits one, else the same formula in floating point
+    lower = bounds.sqrt_n_lower(A, R, n_int) if n < 2**62 else bounds.sqrt_n_lower_from_gamma(bounds.gamma(A), R, n)
+    row = {"n": n, "lip": lip, "lower": float(lower),
            "upper_sqrt_n": float(bounds.sqrt_n_upper(A, V, R, n_int)) if n < 2**62 else math.nan,
            "log_upper_mean_field": float(bounds.mean_field_upper(A, V, R, log=True)),
            "lip_sequence": math.nan}
     if check_sequence:
-        X = adversarial.sqrt_n_sequence(A, R, n_int)
+        X = to_device(device, adversarial.sqrt_n_sequence(A, R, n_int))
         row["lip_sequence"] = float(local_lipschitz(att, X, method="dense").value)
     return row
 
 
-def _lower_float(A, R, n: float) -> float:
-    # Proposition 3.4 evaluated in floating point where n does not fit an integer argument
-    g = _gamma(A)
-    return math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * g * R * R))
-
-
-def _grids(level: str):
+def grid(level: str) -> dict:
+    """Sizes: dimension d, radii of the two-Dirac witness, log10 of the lengths of the transition
+    curve, and the lengths at which the n-token sequence itself is also measured."""
     if level == "tiny":
-        return 3, [2.0, 5.0, 8.0], [0.5, 1, 2, 3, 4, 6, 8], [2, 3, 5]
+        return {"d": 3, "Rs": [2.0, 5.0, 8.0], "log10_ns": [0.5, 1, 2, 3, 4, 6, 8], "check_ns": [2, 3, 5]}
     if level == "quick":
-        return 3, list(np.linspace(1.0, 8.0, 8)), list(np.arange(0.5, 15.01, 0.5)), [2, 3, 5, 9, 17, 33]
-    return 5, list(np.linspace(1.0, 10.0, 19)), list(np.arange(0.25, 18.01, 0.25)), [2, 3, 5, 9, 17, 33, 65, 129]
+        return {"d": 3, "Rs": list(np.linspace(1.0, 8.0, 8)), "log10_ns": list(np.arange(0.5, 15.01, 0.5)),
+                "check_ns": [2, 3, 5, 9, 17, 33]}
+    return {"d": 5, "Rs": list(np.linspace(1.0, 10.0, 19)), "log10_ns": list(np.arange(0.25, 18.01, 0.25)),
+            "check_ns": [2, 3, 5, 9, 17, 33, 65, 129]}
 
 
-@register("mean_field", "The mean-field regime: Theorem 3.5 and Proposition 3.6", order=20)
-def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("mean_field", "The mean-field regime: Theorem 3.5 and Proposition 3.6", order=20, grid=grid)
+def mean_field(out_dir: Path, ctx) -> StudyResult:
     """Two-Dirac constant vs R; constant vs n from sqrt(n) growth to saturation (2-atom measures)."""
     out_dir = Path(out_dir)
-    d, Rs, log10_ns, check_ns = _grids(grid_level(quick))
+    seed = ctx.seed
+    g = grid(ctx.level)
+    d, Rs, log10_ns, check_ns = g["d"], g["Rs"], g["log10_ns"], g["check_ns"]
     A = random_A(d, seed)
-    gam = _gamma(A)
-    a_norm = float(torch.linalg.matrix_norm(A, ord=2))
+    gam = bounds.gamma(A)
+    a_norm = bounds.spectral_norm(A, "A")
 
     # ---------------------------------------------------------------- (a) two Diracs vs R
-    rows_a = run_grid(two_dirac_task, [{"R": float(R), "d": d, "seed": seed} for R in Rs], out_dir, "two_dirac")
+    rows_a = run_grid(two_dirac_task, [{"R": float(R), "d": d, "seed": seed} for R in Rs], out_dir, "two_dirac",
+                      ctx, device=ctx.device)
     write_csv(rows_a, out_dir / "two_dirac_vs_R.csv")
     viol_a = [r for r in rows_a if r["log_lip"] > r["log_upper"] + 1e-9]
     last = rows_a[-1]
 
     # ---------------------------------------------------------------- (b) transition in n
     # R fixed so that exp(2 gamma R^2) = 10^6: growth up to ~10^5, saturation after ~10^7
-    R_t = math.sqrt(math.log(1e6) / (2 * gam))
+    R_t = bounds.sqrt_n_regime_radius(gam, 1e6)
     grid_b = [{"log10_n": float(x), "R": R_t, "d": d, "seed": seed} for x in log10_ns]
     grid_b += [{"log10_n": math.log10(n), "R": R_t, "d": d, "seed": seed, "check_sequence": True} for n in check_ns]
-    rows_b = run_grid(transition_task, grid_b, out_dir, "transition")
+    rows_b = run_grid(transition_task, grid_b, out_dir, "transition", ctx, device=ctx.device)
     write_csv(rows_b, out_dir / "transition_vs_n.csv")
     checks = [r for r in rows_b if not math.isnan(r["lip_sequence"])]
     seq_err = max(abs(r["lip"] - r["lip_sequence"]) / r["lip_sequence"] for r in checks)
@@ -115,11 +123,11 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     integer = [r for r in rows_b if r["n"] >= 2 and abs(r["n"] - round(r["n"])) <= 1e-6]
     low_viol = [r for r in integer if r["lip"] < r["lower"] * (1 - 1e-9)]
     up_viol = [r for r in rows_b if math.log(r["lip"]) > r["log_upper_mean_field"] + 1e-9]
-    growth = [r for r in curve if 10 <= r["n"] <= 1e-3 * math.exp(2 * gam * R_t**2)]
+    n_star = bounds.sqrt_n_regime_length(gam, R_t)
+    growth = [r for r in curve if 10 <= r["n"] <= 1e-3 * n_star]
     fit = fit_loglog([r["n"] for r in growth], [r["lip"] for r in growth]) if len(growth) >= 3 else None
     # the slope Proposition 3.4's curve itself has over the same n (sqrt(n - 1) is steeper than sqrt(n) at small n)
     fit_low = fit_loglog([r["n"] for r in growth], [r["lower"] for r in growth]) if fit is not None else None
-    n_star = math.exp(2 * gam * R_t**2)
     running = np.maximum.accumulate([r["lip"] for r in curve])
     peak = max(curve, key=lambda r: r["lip"])
 
@@ -146,7 +154,7 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     ax.plot([], [], "k--", label=f"mean-field bound, Thm 3.5: 10^{log10_mf:.0f} (off scale)")
     fin = [r for r in curve if not math.isnan(r["upper_sqrt_n"])]
     P.theory(ax, [r["n"] for r in fin], [r["upper_sqrt_n"] for r in fin], "sqrt(n) bound, Thm 3.3", color="tab:brown")
-    ax.axvline(math.exp(2 * gam * R_t**2), color="gray", lw=0.8, ls="-.", label="n = exp(2 gamma R^2)")
+    ax.axvline(n_star, color="gray", lw=0.8, ls="-.", label="n = exp(2 gamma R^2)")
     ax.set_ylim(0.3 * min(r["lip"] for r in curve), 30 * max(r["lip"] for r in curve))
     P.finish(ax, "sequence length n", "local Lipschitz constant", f"transition at R = {R_t:.2f}, d={d}, V=I",
              logx=True, logy=True)
@@ -155,21 +163,26 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     claims = [
         Claim("two-Dirac constant <= mean-field bound of Theorem 3.5, every R",
               "log Lip <= log bound", f"{len(viol_a)} violations of {len(rows_a)}; at R = {last['R']:.3g}: "
-              f"log Lip = {last['log_lip']:.4g} <= {last['log_upper']:.4g}", not viol_a),
+              f"log Lip = {last['log_lip']:.4g} <= {last['log_upper']:.4g}", not viol_a, kind=THEOREM,
+              fails_if="at some R the log of the constant exceeds the log of the bound by more than 1e-9"),
         Claim("Proposition 3.6: two-Dirac constant ~ (gamma/2) R^2 exp(gamma R^2) as R grows",
               "ratio -> constant near 1 (about 1.08 at R = 10)",
               f"ratio {last['ratio_to_asymptotic']:.3f} at R = {last['R']:.3g}",
-              0.8 <= last["ratio_to_asymptotic"] <= 1.5, "agrees if the ratio at the largest R is in [0.8, 1.5]"),
-        Claim("n-token witness = 2-atom measure (1/n, (n-1)/n) (MATH.md 2, Lemma 3.2)",
+              0.8 <= last["ratio_to_asymptotic"] <= 1.5, "agrees if the ratio at the largest R is in [0.8, 1.5]",
+              kind=THEOREM,
+              fails_if="the ratio to (gamma/2) R^2 exp(gamma R^2) at the largest R is outside [0.8, 1.5]"),
+        Claim("n-token witness = 2-atom measure (1/n, (n-1)/n) (docs/math.md section 2, Lemma 3.2)",
               "equal constants", f"max relative difference {seq_err:.2e} over n = {check_ns}", seq_err <= 1e-8,
-              "tolerance 1e-8 (dense Jacobians, float64)"),
+              "tolerance 1e-8 (dense Jacobians, float64)", kind=THEOREM,
+              fails_if="the sequence's and the two-atom measure's constants differ by more than 1e-8 (relative)"),
         Claim("Lip >= Proposition 3.4 lower bound (integer n) and <= Theorem 3.5 bound (every n) up to n = 10^"
               + f"{log10_ns[-1]:g}",
               "lower <= Lip <= upper", f"{len(low_viol)} violations of the lower bound at {len(integer)} integer n; "
               f"{len(up_viol)} of the upper bound at {len(rows_b)} n",
               not low_viol and not up_viol,
               "Proposition 3.4 is a statement about sequences of n tokens, so it is checked where the 2-atom "
-              "measure (1/n, (n-1)/n) is one (integer n); at other n it is a different measure"),
+              "measure (1/n, (n-1)/n) is one (integer n); at other n it is a different measure", kind=THEOREM,
+              fails_if="the constant is below Proposition 3.4 at an integer n, or above Theorem 3.5 at any n"),
     ]
     if fit is not None:
         pred = fit_low["slope"]
@@ -178,7 +191,9 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
                             f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] for n in "
                             f"[10, {growth[-1]['n']:.2g}]",
                             fit["lo"] <= 0.5 <= fit["hi"] or abs(fit["slope"] - 0.5) <= 0.05,
-                            "agrees if 0.5 lies in the 95% CI or |slope - 0.5| <= 0.05"))
+                            "agrees if 0.5 lies in the 95% CI or |slope - 0.5| <= 0.05", kind=THEOREM,
+                            fails_if="0.5 lies outside the 95% CI of the fitted slope and the slope is more than "
+                                     "0.05 away from it"))
     peak_ok = n_star / 100 <= peak["n"] <= 100 * n_star
     claims.append(Claim("the sqrt(n) growth stops near n = exp(2 gamma R^2); the sup over n stays finite",
                         f"peak of the witness curve near n = {n_star:.3g}, sup <= mean-field bound",
@@ -187,7 +202,9 @@ def mean_field(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
                         peak_ok and not up_viol,
                         "agrees if the peak lies within a factor 100 of exp(2 gamma R^2); past the peak the witness "
                         "family's constant decays (the 2-atom measure tends to one Dirac), its running maximum "
-                        "saturates"))
+                        "saturates", kind=EMPIRICAL,
+                        fails_if="the witness curve peaks more than a factor 100 away from exp(2 gamma R^2), or "
+                                 "exceeds the mean-field bound"))
     notes = (f"A is a {d}x{d} Gaussian matrix / sqrt(d) (seed {seed}), ||A|| = {a_norm:.3g}, gamma = {gam:.4g}. "
              f"Transition at R = {R_t:.3f} (exp(2 gamma R^2) = 1e6); the constant peaks at {peak['lip']:.4g} for "
              f"n = {peak['n']:.3g}. Local constants are dense-Jacobian values (2 atoms), in the W2 sense of Lemma C.5 "

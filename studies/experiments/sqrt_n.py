@@ -14,52 +14,29 @@ is fitted by least squares with a 95% confidence interval (Student t): the claim
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from meanfield import bounds
 from particles import Measure
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
+from .. import plotting as P
+from ..common import fit_loglog, random_A, to_device
+from ..contract import THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
 
-__all__ = ["sqrt_n", "fit_loglog", "random_A", "lipschitz_task"]
+__all__ = ["sqrt_n", "lipschitz_task", "grid"]
 
 LANCZOS_TOL = 1e-8
 
 
-def random_A(d: int, seed: int) -> torch.Tensor:
-    """A d x d Gaussian matrix / sqrt(d) from a seed (float64), the same on every machine."""
-    g = torch.Generator().manual_seed(int(seed))
-    return torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
-
-
-def fit_loglog(x, y, level: float = 0.95) -> dict:
-    """Least-squares fit log y = a + b log x; slope b with its Student-t confidence interval."""
-    from scipy import stats
-
-    lx, ly = np.log(np.asarray(x, float)), np.log(np.asarray(y, float))
-    if lx.size < 3:
-        raise ValueError(f"x: need at least 3 points to fit a slope with a confidence interval, got {lx.size}")
-    res = stats.linregress(lx, ly)
-    t = stats.t.ppf(0.5 + level / 2, lx.size - 2)
-    return {"slope": float(res.slope), "lo": float(res.slope - t * res.stderr),
-            "hi": float(res.slope + t * res.stderr), "intercept": float(res.intercept),
-            "stderr": float(res.stderr), "level": level, "points": int(lx.size)}
-
-
-def _gamma(A) -> float:
-    from meanfield import bounds
-
-    g = bounds.gamma(A)
-    return float(getattr(g, "value", g[0] if isinstance(g, tuple) else g))
-
-
-def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int, rep: int = 0) -> dict:
+def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int, rep: int = 0, *,
+                   device=None) -> dict:
     """Local constant of f (V = I) at one input, with the bounds at (R, n). Picklable grid task."""
-    from meanfield import SelfAttention, adversarial, bounds, local_lipschitz
+    from meanfield import SelfAttention, adversarial, local_lipschitz
 
     A = random_A(d, seed)
     V = torch.eye(d, dtype=torch.float64)
@@ -69,36 +46,39 @@ def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int,
         X = Measure.sphere(n, d, R, seed=int(seed) * 1000003 + 7919 * n + rep).points
     else:
         raise ValueError(f"kind: expected 'random' or 'adversarial', got {kind!r}")
-    att = SelfAttention(A, V, masked=masked)
+    att = SelfAttention(*to_device(device, A, V), masked=masked)
+    X = to_device(device, X)
     est = local_lipschitz(att, X, method="lanczos", tol=LANCZOS_TOL)
     return {"lip": float(est.value), "lip_error": float(est.error), "iterations": int(est.iterations),
             "upper": float(bounds.sqrt_n_upper(A, V, R, n)), "lower": float(bounds.sqrt_n_lower(A, R, n)),
             "radius": float(X.norm(dim=1).max())}
 
 
-def _grid(level: str):
-    # odd dimensions: a real A of odd dimension always has a real eigenvalue (Proposition 3.4)
+def grid(level: str) -> dict:
+    """Sizes: dimension d (odd: a real A of odd dimension always has a real eigenvalue, as Proposition
+    3.4 needs), lengths n, random draws per n."""
     if level == "tiny":
-        return 3, [2, 4, 8, 16], 1
+        return {"d": 3, "ns": [2, 4, 8, 16], "reps": 1}
     if level == "quick":
-        return 5, [2, 4, 8, 16, 32, 64, 128], 1
-    return 7, [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], 4
+        return {"d": 5, "ns": [2, 4, 8, 16, 32, 64, 128], "reps": 1}
+    return {"d": 7, "ns": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], "reps": 4}
 
 
-@register("sqrt_n", "The sqrt(n) regime: Theorems 3.3/4.3 and Proposition 3.4", order=10)
-def sqrt_n(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("sqrt_n", "The sqrt(n) regime: Theorems 3.3/4.3 and Proposition 3.4", order=10, grid=grid)
+def sqrt_n(out_dir: Path, ctx) -> StudyResult:
     """Local Lipschitz constant vs n: random and adversarial inputs, masked and unmasked, with bounds."""
     out_dir = Path(out_dir)
-    level = grid_level(quick)
-    d, ns, reps = _grid(level)
+    seed = ctx.seed
+    g = grid(ctx.level)
+    d, ns, reps = g["d"], g["ns"], g["reps"]
     A = random_A(d, seed)
-    gam = _gamma(A)
+    gam = bounds.gamma(A)
     # R such that exp(2 gamma R^2) = 1000 n_max: the whole grid lies in the sqrt(n) regime
-    R = math.sqrt(math.log(1000.0 * max(ns)) / (2.0 * gam))
-    grid = [{"kind": kind, "masked": masked, "n": n, "d": d, "R": R, "seed": seed, "rep": rep}
-            for kind in ("adversarial", "random") for masked in (False, True) for n in ns
-            for rep in (range(1) if kind == "adversarial" else range(reps))]
-    rows = run_grid(lipschitz_task, grid, out_dir, "sqrt_n")
+    R = bounds.sqrt_n_regime_radius(gam, 1000.0 * max(ns))
+    points = [{"kind": kind, "masked": masked, "n": n, "d": d, "R": R, "seed": seed, "rep": rep}
+              for kind in ("adversarial", "random") for masked in (False, True) for n in ns
+              for rep in (range(1) if kind == "adversarial" else range(reps))]
+    rows = run_grid(lipschitz_task, points, out_dir, "sqrt_n", ctx, device=ctx.device)
     write_csv(rows, out_dir / "lipschitz_vs_n.csv")
 
     adv = [r for r in rows if r["kind"] == "adversarial" and not r["masked"]]
@@ -149,16 +129,19 @@ def sqrt_n(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
     claims = [
         Claim("Lip_X(f) <= Theorem 3.3 / 4.3 bound, all inputs (masked and unmasked)",
               "Lip / bound <= 1", f"max Lip / bound = {max_up_ratio:.3g}; {len(up_viol)} violations of {len(rows)}",
-              not up_viol, "certified estimates: Lip - error bar compared with the bound"),
+              not up_viol, "certified estimates: Lip - error bar compared with the bound", kind=THEOREM,
+              fails_if="some input's certified constant minus its error bar exceeds the bound"),
         Claim("Proposition 3.4: Lip at the witness >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})",
               "Lip / lower >= 1", f"min Lip / lower = {min_low_ratio:.4g}; {len(low_viol)} violations of {len(adv)}",
-              not low_viol, "Lip + error bar compared with the bound"),
+              not low_viol, "Lip + error bar compared with the bound", kind=THEOREM,
+              fails_if="the constant at some witness plus its error bar is below the lower bound"),
         Claim("adversarial Lip grows like sqrt(n) while n << exp(2 gamma R^2)",
               f"log-log slope 0.5 (asymptotically; Prop 3.4's curve has slope {fit_low['slope']:.3f} over these n)",
               f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] (95% CI, n = {ns[1]}..{ns[-1]})",
               slope_ok, "agrees if 0.5 lies in the 95% CI or |slope - 0.5| <= 0.05; "
                         f"exp(2 gamma R^2) = "
-                        f"{math.exp(2 * gam * R * R):.3g}, gamma = {gam:.4g}"),
+                        f"{bounds.sqrt_n_regime_length(gam, R):.3g}, gamma = {gam:.4g}", kind=THEOREM,
+              fails_if="0.5 lies outside the 95% CI of the fitted slope and the slope is more than 0.05 away from it"),
     ]
     notes = (f"A is a {d}x{d} Gaussian matrix / sqrt(d) (seed {seed}), gamma = {gam:.4g}, R = {R:.3f} so that "
              f"exp(2 gamma R^2) = 1000 n_max. Random inputs: {reps} draw(s) per n on the sphere of radius R (band: "

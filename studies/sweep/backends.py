@@ -1,13 +1,14 @@
 """Where the tasks of a sweep run: in-process, a local process pool, or a Dask cluster.
 
 Each backend offers submit / wait / outcome / running / close over futures; the loop in
-:mod:`studies.sweep` drives them alike. Every task runs through :func:`run_task`, which turns the
+:mod:`studies.sweep.runner` drives them alike. Every task runs through :func:`run_task`, which turns the
 task's own exceptions into data (type, message, traceback) so that one failing task never stops a
 sweep, and infrastructure failures (a dead pool worker, Dask's KilledWorker) into the same form.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -16,9 +17,11 @@ import time
 import traceback
 from collections.abc import Mapping
 
-from studies.sweep_store import normalize
+from .files import normalize
 
 __all__ = ["run_task", "make_backend"]
+
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------- the task, on a worker
@@ -99,7 +102,7 @@ class _Pool:
         # fork would copy the parent's torch thread pools and locks; forkserver/spawn start clean.
         if "forkserver" in mp.get_all_start_methods():
             self.ctx = mp.get_context("forkserver")
-            module = getattr(fn, "__module__", None)
+            module = getattr(getattr(fn, "func", fn), "__module__", None)   # functools.partial: its function
             if module and module != "__main__":
                 # The fork server imports fn's module (and torch with it) once; every worker, and
                 # every replacement of a dead one, is then a cheap fork instead of a fresh import.
@@ -177,16 +180,21 @@ class _Dask:
         self._own_client, self._cluster, self.threads = False, None, None
         if isinstance(scheduler, distributed.Client):
             self.client = scheduler
+            log.info("sweep %s: Dask client given by the caller, scheduler %s", name, _address(self.client))
         elif scheduler is None:
             self._cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
                                                      dashboard_address=None)
             self.client, self._own_client, self.threads = distributed.Client(self._cluster), True, 1
+            log.info("sweep %s: started a local Dask cluster of %d worker(s), scheduler %s (no authentication: "
+                     "see docs/sweeps.md on shared machines)", name, n_workers, _address(self.client))
         elif isinstance(scheduler, str) or hasattr(scheduler, "scheduler_address"):
             self.client, self._own_client = distributed.Client(scheduler), True   # address or cluster object
+            log.info("sweep %s: Dask scheduler %s", name, _address(self.client))
         else:
             raise TypeError("scheduler: expected an address 'tcp://host:port', a distributed.Client or a cluster "
                             f"object with a scheduler_address, got {type(scheduler).__name__}")
         self._running, self._polled = 0, 0.0
+        self._deaths: dict = {}
 
     def submit(self, params):
         key = f"{self.prefix}-{os.urandom(6).hex()}"
@@ -197,15 +205,27 @@ class _Dask:
 
     def wait(self, futures, timeout):
         try:
-            return self.distributed.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED").done
+            done = self.distributed.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED").done
         except TimeoutError:
             return []
+        if done:
+            # Dask reruns the task of a worker that died by itself; the scheduler counts those deaths
+            # per task ("suspicious"). Read them while the futures still hold their tasks.
+            try:
+                self._deaths.update(self.client.run_on_scheduler(_worker_deaths, keys=[f.key for f in done]))
+            except Exception as exc:  # an old scheduler or a lost connection: attempts stay a lower bound
+                log.debug("could not read worker deaths from the scheduler: %s", exc)
+        return done
 
     def outcome(self, fut) -> dict:
+        deaths = int(self._deaths.pop(fut.key, 0) or 0)
         try:
-            return fut.result()
+            out = fut.result()
         except Exception as exc:  # KilledWorker after allowed-failures worker deaths, a lost scheduler, ...
-            return {"status": "failed", "error": _error_dict(exc)}
+            out = {"status": "failed", "error": _error_dict(exc)}
+        if deaths:
+            out = {**out, "worker_deaths": deaths}
+        return out
 
     def running(self, inflight: int) -> int:
         now = time.monotonic()
@@ -222,6 +242,23 @@ class _Dask:
             self.client.close()
             if self._cluster is not None:
                 self._cluster.close()
+
+
+def _address(client) -> str:
+    try:
+        return str(client.scheduler.address)
+    except Exception:  # noqa: BLE001 - only for a log line
+        return "?"
+
+
+def _worker_deaths(dask_scheduler, keys) -> dict:
+    """Run on the scheduler: how many workers died while running each task (TaskState.suspicious)."""
+    out = {}
+    for k in keys:
+        ts = dask_scheduler.tasks.get(k)
+        if ts is not None:
+            out[k] = int(getattr(ts, "suspicious", 0))
+    return out
 
 
 def make_backend(backend: str, fn, n_workers: int, scheduler, name: str):

@@ -19,11 +19,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import plotting as P
-from .core import Claim, StudyResult, grid_level, register, run_grid, save_figure, write_csv
-from .sqrt_n import fit_loglog, random_A
+from .. import plotting as P
+from ..common import fit_loglog, random_A, random_V, to_device
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
 
-__all__ = ["discrete_vs_meanfield", "lemma_3_2_task", "sample_task", "displacement"]
+__all__ = ["discrete_vs_meanfield", "lemma_3_2_task", "sample_task", "displacement", "grid"]
 
 RADIUS = 1.5
 
@@ -33,21 +35,19 @@ def displacement(X: torch.Tensor, eps: float = 0.1) -> torch.Tensor:
     return X + eps * torch.sin(X.flip(-1) + 0.3)
 
 
-def _operator(d: int, seed: int):
+def _operator(d: int, seed: int, device=None):
     from meanfield import SelfAttention
 
-    gV = torch.Generator().manual_seed(int(seed) + 101)
-    V = torch.randn(d, d, generator=gV, dtype=torch.float64) / math.sqrt(d)
-    return SelfAttention(random_A(d, seed), V)
+    return SelfAttention(*to_device(device, random_A(d, seed), random_V(d, seed)))
 
 
-def lemma_3_2_task(n: int, d: int, R: float, seed: int, rep: int) -> dict:
+def lemma_3_2_task(n: int, d: int, R: float, seed: int, rep: int, *, device=None) -> dict:
     from meanfield import local_lipschitz
     from particles import Measure
 
-    att = _operator(d, seed)
+    att = _operator(d, seed, device)
     g = torch.Generator().manual_seed(int(seed) * 1000 + 31 * n + rep)
-    X = R * torch.randn(n, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    X = to_device(device, R * torch.randn(n, d, generator=g, dtype=torch.float64) / math.sqrt(d))
     seq = local_lipschitz(att, X, method="lanczos", tol=1e-10)
     mea = local_lipschitz(att, Measure.empirical(X), method="lanczos", tol=1e-10)
     return {"lip_sequence": float(seq.value), "lip_measure": float(mea.value),
@@ -63,40 +63,46 @@ def _sample(n: int, d: int, seed: int) -> torch.Tensor:
     return r * Z / Z.norm(dim=1, keepdim=True)
 
 
-def sample_task(n: int, d: int, seed: int, rep: int, n_ref: int) -> dict:
+def sample_task(n: int, d: int, seed: int, rep: int, n_ref: int, *, device=None) -> dict:
     """Local constant, Lipschitz ratio and W2 to a reference sample for one sample of size n."""
     from meanfield import lipschitz_ratio, local_lipschitz
     from particles import Measure
     from transport import w2
 
-    att = _operator(d, seed)
-    X = _sample(n, d, seed * 100003 + 7 * n + rep + 1)
-    ref = Measure(_sample(n_ref, d, seed * 100003 + 999_999_937))  # independent of every sample
+    att = _operator(d, seed, device)
+    X = to_device(device, _sample(n, d, seed * 100003 + 7 * n + rep + 1))
+    ref = Measure(to_device(device, _sample(n_ref, d, seed * 100003 + 999_999_937)))  # independent of every sample
     mu = Measure(X)
     return {"lip": float(local_lipschitz(att, mu, method="lanczos", tol=1e-8).value),
             "ratio": float(lipschitz_ratio(att, mu, mu.pushforward(displacement))),
             "w2_to_reference": float(w2(mu, ref))}
 
 
-def _grids(level: str):
+def grid(level: str) -> dict:
+    """Sizes: sequence lengths and repetitions of the Lemma 3.2 check; sample sizes, samples per size and
+    the size of the reference sample of the convergence study."""
     if level == "tiny":
-        return [3, 5], 1, [8, 16, 32, 64], 3, 256
+        return {"ns_lemma": [3, 5], "reps_lemma": 1, "ns": [8, 16, 32, 64], "reps": 3, "n_ref": 256}
     if level == "quick":
-        return [4, 8, 16, 32], 2, [16, 32, 64, 128, 256], 5, 768
-    return [4, 8, 16, 32, 64, 128], 4, [16, 32, 64, 128, 256, 512, 1024, 2048], 12, 3000
+        return {"ns_lemma": [4, 8, 16, 32], "reps_lemma": 2, "ns": [16, 32, 64, 128, 256], "reps": 5, "n_ref": 768}
+    return {"ns_lemma": [4, 8, 16, 32, 64, 128], "reps_lemma": 4, "ns": [16, 32, 64, 128, 256, 512, 1024, 2048],
+            "reps": 12, "n_ref": 3000}
 
 
-@register("discrete_vs_meanfield", "Discrete vs mean-field: Lemma 3.2 and convergence in n", order=60)
-def discrete_vs_meanfield(out_dir: Path, *, quick: bool, seed: int) -> StudyResult:
+@register("discrete_vs_meanfield", "Discrete vs mean-field: Lemma 3.2 and convergence in n", order=60, grid=grid)
+def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     """Lemma 3.2 (uniform measure = sequence) and convergence of constants and ratios for i.i.d. samples."""
     out_dir = Path(out_dir)
-    ns_lemma, reps_lemma, ns, reps, n_ref = _grids(grid_level(quick))
+    seed = ctx.seed
+    g = grid(ctx.level)
+    ns_lemma, reps_lemma, ns, reps, n_ref = (g[k] for k in ("ns_lemma", "reps_lemma", "ns", "reps", "n_ref"))
     d = 2
     rows_l = run_grid(lemma_3_2_task, [{"n": n, "d": 3, "R": 2.0, "seed": seed, "rep": r}
-                                       for n in ns_lemma for r in range(reps_lemma)], out_dir, "lemma_3_2")
+                                       for n in ns_lemma for r in range(reps_lemma)], out_dir, "lemma_3_2", ctx,
+                      device=ctx.device)
     write_csv(rows_l, out_dir / "lemma_3_2.csv")
     rows = run_grid(sample_task, [{"n": n, "d": d, "seed": seed, "rep": r, "n_ref": n_ref}
-                                  for n in ns for r in range(reps)], out_dir, "samples")
+                                  for n in ns for r in range(reps)], out_dir, "samples", ctx, device=ctx.device)
     write_csv(rows, out_dir / "samples.csv")
 
     worst = max(rows_l, key=lambda r: r["rel_diff"])
@@ -135,17 +141,21 @@ def discrete_vs_meanfield(out_dir: Path, *, quick: bool, seed: int) -> StudyResu
     claims = [
         Claim("Lemma 3.2: Lip of F at m(X) (W2 sense) equals Lip_X(f)", "relative difference 0",
               f"max relative difference {worst['rel_diff']:.1e} over {len(rows_l)} random sequences",
-              all(r["rel_diff"] <= 1e-7 for r in rows_l), "tolerance 1e-7 (Lanczos, tol 1e-10)"),
+              all(r["rel_diff"] <= 1e-7 for r in rows_l), "tolerance 1e-7 (Lanczos, tol 1e-10)", kind=THEOREM,
+              fails_if="for some sequence the two constants differ by more than 1e-7 (relative)"),
         Claim("the empirical measure converges to mu in W2", "W2(mu_n, reference) decreasing in n",
               f"log-log slope {w2fit['slope']:.3f} [{w2fit['lo']:.3f}, {w2fit['hi']:.3f}]", w2fit["hi"] < 0,
               "agrees if the 95% CI of the slope is negative (d = 2: rate n^(-1/2) up to logs, floored by the "
-              "reference sample's own error)"),
+              "reference sample's own error)", kind=EMPIRICAL,
+              fails_if="the 95% CI of the log-log slope of W2(mu_n, reference) against n reaches 0 or above"),
         Claim("local constants of samples concentrate as n grows", "spread over samples shrinks",
               f"std {spread['lip'][0]:.3g} at n = {ns[0]} -> {spread['lip'][1]:.3g} at n = {ns[-1]}",
-              spread["lip"][1] < spread["lip"][0]),
+              spread["lip"][1] < spread["lip"][0], kind=EMPIRICAL,
+              fails_if="the standard deviation over samples at the largest n is not below the one at the smallest n"),
         Claim("Lipschitz ratios of samples concentrate as n grows", "spread over samples shrinks",
               f"std {spread['ratio'][0]:.3g} at n = {ns[0]} -> {spread['ratio'][1]:.3g} at n = {ns[-1]}",
-              spread["ratio"][1] < spread["ratio"][0]),
+              spread["ratio"][1] < spread["ratio"][0], kind=EMPIRICAL,
+              fails_if="the standard deviation over samples at the largest n is not below the one at the smallest n"),
     ]
     notes = (f"mu = uniform on the disc of radius {RADIUS}; A and V are 2x2 Gaussian matrices / sqrt(2) (seed {seed}); "
              "T(x) = x + 0.1 sin(x reversed + 0.3). The local constant at mu_n is the W2-sense constant among "

@@ -60,7 +60,7 @@ def dense_lipschitz(f, X):
 
 
 def reimplementation(model, layer, masked):
-    """The layer rewritten from MATH.md 1 with tests/reference.py naive_attention per head:
+    """The layer rewritten from docs/math.md section 1 with tests/reference.py naive_attention per head:
     <Q x_i + b_Q, K x_j + b_K>/sqrt(k) = <A x_i, x_j> + <c, x_j> + (terms constant in j),
     A = K^T Q / sqrt(k), c = K^T b_Q / sqrt(k); values V x_j + b_V; then W_O and the output bias."""
     heads, W_O, b_O, k = _raw_heads(model, layer)

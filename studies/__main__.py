@@ -1,0 +1,5 @@
+"""``python -m studies``: the ``meanfield`` command line."""
+
+from .cli import main
+
+raise SystemExit(main())

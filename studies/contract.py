@@ -1,0 +1,169 @@
+"""What a study is: its grid, its run, the claims it checks, the figures and tables it writes.
+
+A study is a module of :mod:`studies.experiments` that registers one function with
+:func:`register`::
+
+    def grid(level: str) -> dict: ...            # the sizes of the run for "tiny", "quick", "full"
+
+    def task(n, R, seed, device=None) -> dict:    # one grid point, picklable (run by the sweep runner)
+        ...
+
+    @register("sqrt_n", "The sqrt(n) regime", order=10, grid=grid)
+    def sqrt_n(out_dir: Path, ctx: RunContext) -> StudyResult:
+        rows = run_grid(task, points, out_dir, "sqrt_n", ctx)  # tables (CSV) through the sweep runner
+        ...                                                   # figures (PNG) into out_dir
+        return StudyResult("sqrt_n", title, claims, figures, tables, summary, notes)
+
+The run function gets its own folder inside the run folder and the run's
+:class:`~studies.context.RunContext` (level, seed, device, ...); it reads nothing else (no
+environment variables, no module state). It returns the :class:`Claim` objects it checked.
+
+Claims come in two kinds (``kind``):
+
+* ``"theorem"``: a mathematical statement (a theorem, a proposition, a lemma, an identity). A
+  violation means the code or the paper is wrong; the run exits with code 1. Verdict ``holds`` or
+  ``violated``.
+* ``"empirical"``: an observation the paper reports about experiments (growth rates on real text,
+  concentration of samples). Verdict ``reproduced``, ``not reproduced`` (a finding, reported as
+  such; the run does not fail) or ``inconclusive`` (the evidence cannot decide; ``agrees=None``).
+
+Every claim also says what would make it fail (``fails_if``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from .io import to_json
+
+__all__ = ["Claim", "StudyResult", "Study", "register", "registry", "import_errors", "STUDY_MODULES",
+           "THEOREM", "EMPIRICAL", "VERDICTS"]
+
+THEOREM, EMPIRICAL = "theorem", "empirical"
+VERDICTS = {THEOREM: ("holds", "violated"), EMPIRICAL: ("reproduced", "not reproduced", "inconclusive")}
+
+# Modules that define studies, in report order. Each registers its study on import.
+STUDY_MODULES = [
+    "studies.experiments.sqrt_n",
+    "studies.experiments.mean_field",
+    "studies.experiments.large_radius",
+    "studies.experiments.masked",
+    "studies.experiments.mass_splitting",
+    "studies.experiments.discrete_vs_meanfield",
+    "studies.experiments.l2_attention",
+    "studies.experiments.dynamics",
+    "studies.experiments.real_models",
+]
+
+
+@dataclass
+class Claim:
+    """One row of the report's claims table.
+
+    ``agrees`` is whether the measurement agrees with the claim within the stated tolerance;
+    ``None`` (empirical claims only) when the evidence cannot decide.
+    """
+
+    claim: str                      # what the paper states, in words ("Lip grows like sqrt(n)")
+    theory: str                     # the predicted value or inequality ("slope 0.5", "<= 3.2e4")
+    measured: str                   # what the run measured ("slope 0.49 [0.47, 0.51]")
+    agrees: bool | None             # see above
+    detail: str = ""                # tolerance used, caveats
+    kind: str = field(default=THEOREM, kw_only=True)   # "theorem" or "empirical"
+    fails_if: str = field(default="", kw_only=True)    # the result that would make the claim fail
+
+    def __post_init__(self):
+        if self.kind not in VERDICTS:
+            raise ValueError(f"kind: expected 'theorem' or 'empirical', got {self.kind!r}")
+        if self.agrees is not None:
+            self.agrees = bool(self.agrees)
+        elif self.kind == THEOREM:
+            raise ValueError(f"agrees: a theorem claim holds or is violated, None is for empirical claims "
+                             f"({self.claim!r})")
+        if not isinstance(self.fails_if, str) or not self.fails_if.strip():
+            raise ValueError(f"fails_if: say what result would make the claim fail ({self.claim!r})")
+
+    @property
+    def verdict(self) -> str:
+        """``holds``/``violated`` (theorem) or ``reproduced``/``not reproduced``/``inconclusive``."""
+        if self.kind == THEOREM:
+            return "holds" if self.agrees else "violated"
+        return "inconclusive" if self.agrees is None else "reproduced" if self.agrees else "not reproduced"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "verdict": self.verdict}
+
+
+@dataclass
+class StudyResult:
+    name: str
+    title: str
+    claims: list[Claim] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)   # paths relative to the study folder
+    tables: list[str] = field(default_factory=list)    # idem
+    summary: dict = field(default_factory=dict)        # JSON-serializable numbers
+    notes: str = ""                                     # markdown paragraph for the report
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("name", "title", "figures", "tables", "summary", "notes")}
+        d["claims"] = [c.to_dict() for c in self.claims]
+        return to_json(d, "result")
+
+
+@dataclass
+class Study:
+    """A registered study: ``run(out_dir, ctx) -> StudyResult``, its sizes per level ``grid(level)``."""
+
+    name: str
+    title: str
+    run: Callable
+    order: int
+    description: str
+    grid: Callable[[str], dict] | None = None
+
+
+_REGISTRY: dict[str, Study] = {}
+_IMPORT_ERRORS: dict[str, str] = {}
+
+
+def register(name: str, title: str, order: int = 100, *, grid: Callable[[str], dict] | None = None) -> Callable:
+    """Decorator registering ``run(out_dir, ctx) -> StudyResult`` as study ``name``.
+
+    ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json).
+    The first line of the function's docstring describes the study on the command line.
+    """
+
+    def deco(fn: Callable) -> Callable:
+        if name in _REGISTRY and _REGISTRY[name].run is not fn:
+            raise ValueError(f"name: a study called {name!r} is already registered")
+        _REGISTRY[name] = Study(name, title, fn, order, (fn.__doc__ or "").strip().split("\n")[0], grid)
+        return fn
+
+    return deco
+
+
+def unregister(name: str) -> None:
+    """Remove a study from the registry (throw-away studies of tests and notebooks)."""
+    _REGISTRY.pop(name, None)
+
+
+def registry() -> dict[str, Study]:
+    """Every registered study, imported from STUDY_MODULES, in report order.
+
+    A study module that fails to import (or is missing) is recorded in :func:`import_errors`
+    (the report lists it as failed) instead of taking every study down.
+    """
+    _IMPORT_ERRORS.clear()
+    for mod in STUDY_MODULES:
+        try:
+            importlib.import_module(mod)
+        except Exception as exc:  # noqa: BLE001 - reported, never hidden
+            _IMPORT_ERRORS[mod] = f"{type(exc).__name__}: {exc}"
+    return dict(sorted(_REGISTRY.items(), key=lambda kv: (kv[1].order, kv[0])))
+
+
+def import_errors() -> dict[str, str]:
+    """Study modules of STUDY_MODULES that failed to import: module -> error."""
+    return dict(_IMPORT_ERRORS)

@@ -1,0 +1,141 @@
+"""Progress of a long loop, readable on a terminal and in a log file.
+
+On a terminal (or in a notebook) :class:`Progress` draws a tqdm bar. Anywhere else (output
+redirected to a file, CI, a SLURM job) a bar would write one carriage-return line per update
+with cursor codes; :class:`Progress` prints plain lines instead: one when the loop starts, one
+at most every ``interval`` seconds while it runs, and one when it ends::
+
+    masked/ratios: 0/30 tasks
+    masked/ratios: 12/30 tasks (40%), done=12 running=1 failed=0, 31 s elapsed, about 46 s left
+    masked/ratios: 30/30 tasks in 1.3 min, done=30 running=0 failed=0
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+__all__ = ["Progress", "is_interactive", "format_seconds"]
+
+
+def is_interactive(stream) -> bool:
+    """Whether ``stream`` is a terminal, or the process runs in a notebook (which renders bars)."""
+    if "ipykernel" in sys.modules:
+        return True
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
+def format_seconds(s: float) -> str:
+    """12 s, 3.4 min, 1.2 h."""
+    if s < 100:
+        return f"{s:.0f} s" if s >= 10 else f"{s:.1f} s"
+    if s < 6000:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+class Progress:
+    """Count finished steps of a loop of ``total`` steps.
+
+    Parameters
+    ----------
+    total : int
+        Number of steps.
+    desc : str
+        What is counted, shown in full (``"masked/ratios"``, ``"real_models/gpt2"``).
+    unit : str
+        Name of one step (``"task"``, ``"step"``).
+    initial : int
+        Steps already done (a resumed sweep).
+    enabled : bool
+        ``False`` prints nothing.
+    file : text stream, optional
+        Where to write (default ``sys.stderr``, looked up when the object is created).
+    interval : float
+        Seconds between two plain lines (not on a terminal).
+    """
+
+    def __init__(self, total: int, desc: str, *, unit: str = "step", initial: int = 0, enabled: bool = True,
+                 file=None, interval: float = 15.0):
+        self.total, self.desc, self.unit, self.n = int(total), str(desc), unit, int(initial)
+        self.file = sys.stderr if file is None else file
+        self.enabled = bool(enabled)
+        self.interval = float(interval)
+        self.postfix: dict = {}
+        self._t0 = time.monotonic()
+        self._last = self._t0
+        self._n0 = self.n
+        self._bar = None
+        self._closed = False
+        if not self.enabled:
+            return
+        if is_interactive(self.file):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total, initial=self.n, desc=self.desc, unit=self.unit, file=self.file,
+                             leave=True, dynamic_ncols=True)
+        else:
+            self._line(f"{self.n}/{self.total} {self.unit}s")
+
+    # ------------------------------------------------------------------ updates
+    def update(self, n: int = 1, **postfix) -> None:
+        """``n`` more steps done; ``postfix`` replaces the status shown after the count."""
+        self.n += n
+        if postfix:
+            self.postfix = dict(postfix)
+        if not self.enabled or self._closed:
+            return
+        if self._bar is not None:
+            if postfix:
+                self._bar.set_postfix(self.postfix, refresh=False)
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.interval and self.n < self.total:
+            self._last = now
+            self._line(self._status(now))
+
+    def set_postfix(self, **postfix) -> None:
+        """Replace the status shown after the count (``running=2, failed=0``, ``layer="3"``)."""
+        self.update(0, **postfix)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+            return
+        elapsed = time.monotonic() - self._t0
+        self._line(f"{self.n}/{self.total} {self.unit}s in {format_seconds(elapsed)}{self._postfix()}")
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ plain lines
+    def _postfix(self) -> str:
+        return (", " + " ".join(f"{k}={v}" for k, v in self.postfix.items())) if self.postfix else ""
+
+    def _status(self, now: float) -> str:
+        elapsed = now - self._t0
+        pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
+        text = f"{self.n}/{self.total} {self.unit}s{pct}{self._postfix()}, {format_seconds(elapsed)} elapsed"
+        done_now = self.n - self._n0
+        if 0 < done_now and self.n < self.total:
+            text += f", about {format_seconds(elapsed / done_now * (self.total - self.n))} left"
+        return text
+
+    def _line(self, text: str) -> None:
+        try:
+            print(f"{self.desc}: {text}", file=self.file, flush=True)
+        except (OSError, ValueError):  # a closed or broken stream must not stop the computation
+            pass

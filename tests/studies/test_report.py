@@ -1,0 +1,271 @@
+"""The reproduction report: folder layout, config.json, report.md, claim kinds and verdicts, failure
+isolation, a report written as each study finishes, determinism, and the grid runner."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from studies import contract
+from studies.context import RunContext
+from studies.contract import Claim, StudyResult, register
+from studies.grid import run_grid
+from studies.io import save_figure, write_csv
+from studies.report import reproduce
+
+
+@pytest.fixture()
+def fake_studies():
+    """Three throw-away studies: one that writes a table and a figure, one that raises, one that
+    checks what the report holds while it runs (after the first two finished)."""
+    seen = {}
+
+    @register("zz_fake_ok", "A fake study", order=1000)
+    def ok(out_dir, ctx):
+        import matplotlib.pyplot as plt
+
+        x = np.random.default_rng(ctx.seed).normal(size=5)
+        write_csv([{"i": i, "x": float(v)} for i, v in enumerate(x)], out_dir / "data.csv")
+        fig, ax = plt.subplots()
+        ax.plot(x)
+        ax.set_xlabel("i")
+        ax.set_ylabel("x")
+        save_figure(fig, out_dir / "fig.png")
+        claims = [Claim("x is finite", "finite", "finite", True, kind="theorem", fails_if="x is not finite"),
+                  Claim("a | pipe", "b", "c", False, "detail", kind="theorem", fails_if="never"),
+                  Claim("an observation", "o", "p", False, kind="empirical", fails_if="q"),
+                  Claim("undecided", "o", "p", None, kind="empirical", fails_if="r")]
+        return StudyResult("zz_fake_ok", "A fake study", claims, ["fig.png", "missing.png"], ["data.csv"],
+                           {"mean": float(x.mean()), "inf": float("inf")}, "Some notes.")
+
+    @register("zz_fake_fail", "A failing study", order=1001)
+    def fail(out_dir, ctx):
+        raise RuntimeError("boom from the fake study")
+
+    @register("zz_fake_peek", "Looks at the report while it runs", order=1002)
+    def peek(out_dir, ctx):
+        seen["summary"] = json.loads((ctx.out / "summary.json").read_text())
+        seen["report"] = (ctx.out / "report.md").read_text()
+        return StudyResult("zz_fake_peek", "peek")
+
+    yield ["zz_fake_ok", "zz_fake_fail", "zz_fake_peek"], seen
+    for name in ("zz_fake_ok", "zz_fake_fail", "zz_fake_peek"):
+        contract.unregister(name)
+
+
+def test_report_folder_config_and_markdown(tmp_path, fake_studies):
+    names, seen = fake_studies
+    summary = reproduce(RunContext(tmp_path, level="quick", seed=3), only=names)
+    assert summary["failed"] == ["zz_fake_fail"] and not summary["ok"] and summary["complete"]
+    assert summary["violated_claims"] == [["zz_fake_ok", "a | pipe"]]
+    assert summary["not_reproduced"] == [["zz_fake_ok", "an observation"]]
+    assert summary["inconclusive"] == [["zz_fake_ok", "undecided"]]
+    assert summary["verdicts"] == {"holds": 1, "violated": 1, "reproduced": 0, "not reproduced": 1,
+                                   "inconclusive": 1}
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key in ("seed", "quick", "grid", "studies", "python", "torch", "device", "packages", "command", "sweep"):
+        assert key in config, key
+    assert config["seed"] == 3 and config["quick"] is True and config["studies"] == names
+    for pkg in ("torch", "numpy", "scipy", "pot", "matplotlib"):
+        assert config["packages"][pkg], pkg
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["studies"]["zz_fake_fail"]["status"] == "failed"
+    assert "boom from the fake study" in on_disk["studies"]["zz_fake_fail"]["error"]
+    claims = on_disk["studies"]["zz_fake_ok"]["claims"]
+    assert [(c["kind"], c["verdict"], c["fails_if"]) for c in claims] == [
+        ("theorem", "holds", "x is not finite"), ("theorem", "violated", "never"),
+        ("empirical", "not reproduced", "q"), ("empirical", "inconclusive", "r")]
+    assert on_disk["studies"]["zz_fake_ok"]["summary"]["inf"] == "inf"   # strict JSON: no Infinity token
+
+    md = (tmp_path / "report.md").read_text()
+    assert "| study | claim | kind | theory | measured | verdict |" in md
+    # every figure that exists is shown; a declared figure that is absent is not linked
+    pngs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
+    assert pngs == ["zz_fake_ok/fig.png"]
+    for p in pngs:
+        assert f"]({p})" in md
+    assert "missing.png" not in md
+    assert "zz_fake_ok/data.csv" in md
+    # the failing study is in the table and its traceback in its section; pipes are escaped
+    assert re.search(r"\| zz_fake_fail \| study failed \|.*boom from the fake study.*\| \*\*failed\*\* \|", md)
+    assert "RuntimeError" in md
+    assert "| zz_fake_ok | a \\| pipe | theorem | b | c | **violated** |" in md
+    assert "| zz_fake_ok | an observation | empirical | o | p | **not reproduced** |" in md
+    assert "| zz_fake_ok | undecided | empirical | o | p | inconclusive |" in md
+    assert "Fails if x is not finite." in md
+    assert "theorem claims: 1 hold, 1 violated; empirical claims: 0 reproduced, 1 not reproduced" in md
+
+    # while the third study ran, the first two were already aggregated on disk
+    assert set(seen["summary"]["studies"]) == {"zz_fake_ok", "zz_fake_fail"}
+    assert seen["summary"]["running"] == "zz_fake_peek" and not seen["summary"]["complete"]
+    assert "Not finished yet: zz_fake_peek" in seen["report"]
+    assert "Not finished yet" not in md
+
+
+def test_a_study_killed_midway_leaves_the_others_aggregated(tmp_path):
+    @register("zz_a", "first", order=1000)
+    def first(out_dir, ctx):
+        return StudyResult("zz_a", "first", [Claim("ok", "t", "m", True, fails_if="f")])
+
+    @register("zz_b", "hangs", order=1001)
+    def hangs(out_dir, ctx):
+        raise KeyboardInterrupt   # what Ctrl-C (or a job's SIGINT) does in the middle of a study
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reproduce(RunContext(tmp_path), only=["zz_a", "zz_b"])
+    finally:
+        contract.unregister("zz_a")
+        contract.unregister("zz_b")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary["studies"]) == ["zz_a"] and summary["pending"] == ["zz_b"] and not summary["ok"]
+    assert "Not finished yet: zz_b" in (tmp_path / "report.md").read_text()
+
+
+def test_claims_say_their_kind_and_how_they_fail():
+    with pytest.raises(TypeError):
+        Claim("c", "t", "m", True, "d", "theorem")    # kind and fails_if are keywords
+    with pytest.raises(ValueError, match="fails_if"):
+        Claim("c", "t", "m", True, kind="theorem")
+    with pytest.raises(ValueError, match="kind"):
+        Claim("c", "t", "m", True, kind="conjecture", fails_if="f")
+    with pytest.raises(ValueError, match="agrees"):
+        Claim("c", "t", "m", None, kind="theorem", fails_if="f")
+    assert Claim("c", "t", "m", np.bool_(True), kind="empirical", fails_if="f").verdict == "reproduced"
+
+
+def test_same_seed_same_tables(tmp_path):
+    a = reproduce(RunContext(tmp_path / "a", level="tiny", seed=1), only=["large_radius"])
+    b = reproduce(RunContext(tmp_path / "b", level="tiny", seed=1), only=["large_radius"])
+    assert a["studies"]["large_radius"]["status"] == "ok"
+    tables = sorted(p.name for p in (tmp_path / "a" / "large_radius").glob("*.csv"))
+    assert tables
+    for name in tables:
+        assert (tmp_path / "a" / "large_radius" / name).read_bytes() == \
+            (tmp_path / "b" / "large_radius" / name).read_bytes(), name
+    assert a["studies"]["large_radius"]["claims"] == b["studies"]["large_radius"]["claims"]
+
+
+def test_unknown_study_name_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="only: unknown study"):
+        reproduce(RunContext(tmp_path), only=["no_such_study"])
+    with pytest.raises(TypeError, match="ctx"):
+        reproduce(tmp_path)
+
+
+def test_run_context_checks_its_fields(tmp_path):
+    ctx = RunContext(str(tmp_path), level="quick", seed=np.int64(4))
+    assert ctx.out == tmp_path and ctx.seed == 4 and ctx.quick and ctx.with_(level="full").quick is False
+    for bad, err in [({"level": "huge"}, "level"), ({"device": "tpu"}, "device"), ({"sweep": {"nope": 1}}, "sweep"),
+                     ({"verbosity": 3}, "verbosity")]:
+        with pytest.raises(ValueError, match=err):
+            RunContext(tmp_path, **bad)
+    with pytest.raises(TypeError, match="seed"):
+        RunContext(tmp_path, seed=1.5)
+    with pytest.raises(TypeError, match="checkpoints"):
+        RunContext(tmp_path, checkpoints="/one/path")
+    env = RunContext.from_environment(tmp_path, {"SMOOTH_ATTENTION_CHECKPOINTS": "a:b", "SMOOTH_ATTENTION_TEXT": ""})
+    assert env.checkpoints == ("a", "b") and env.text is None
+
+
+def test_studies_read_no_environment():
+    """No study module reads the environment or keeps run settings in module state."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "studies" / "experiments"
+    for f in root.glob("*.py"):
+        text = f.read_text()
+        assert "os.environ" not in text and "getenv" not in text, f.name
+
+
+def test_run_grid_rows_in_grid_order_and_failures_raise(tmp_path):
+    rows = run_grid(_square, [{"x": 3}, {"x": 2}], tmp_path, "sq")
+    assert [(r["x"], r["y"]) for r in rows] == [(3, 9), (2, 4)]
+    with pytest.raises(RuntimeError, match="1 of 2 grid points failed"):
+        run_grid(_square_or_fail, [{"x": 1}, {"x": -1}], tmp_path, "sq_fail")
+
+
+def test_run_grid_passes_the_device_outside_the_rows(tmp_path):
+    rows = run_grid(_where, [{"x": 1}], tmp_path, "dev", device="cpu")
+    assert rows == [{"x": 1, "on": "cpu"}]
+
+
+def _where(x, device=None):
+    return {"on": device}
+
+
+def _square(x):
+    return {"y": x * x}
+
+
+def _square_or_fail(x):
+    if x < 0:
+        raise ValueError("x: negative")
+    return {"y": x * x}
+
+
+CALLS: list[int] = []
+
+
+def counted_task(x):
+    CALLS.append(x)
+    return {"y": 2 * x}
+
+
+def test_run_grid_resumes_only_results_of_the_same_code(tmp_path, monkeypatch):
+    from studies import grid as grid_module
+
+    grid = [{"x": 1}, {"x": 2}]
+    CALLS.clear()
+    assert run_grid(counted_task, grid, tmp_path, "g") == [{"x": 1, "y": 2}, {"x": 2, "y": 4}]
+    assert CALLS == [1, 2]
+    run_grid(counted_task, grid, tmp_path, "g")          # same code: resumed, nothing recomputed
+    assert CALLS == [1, 2]
+    monkeypatch.setattr(grid_module, "code_fingerprint", lambda: "another-version")
+    assert run_grid(counted_task, grid, tmp_path, "g") == [{"x": 1, "y": 2}, {"x": 2, "y": 4}]
+    assert CALLS == [1, 2, 1, 2]                              # other code: every task recomputed
+
+
+def test_run_grid_takes_the_lock_before_emptying_a_folder(tmp_path, monkeypatch):
+    """Records of another code version are removed only by the holder of the sweep's lock: a
+    second process working in the folder keeps them (and the call is refused)."""
+    import fcntl
+
+    from studies import grid as grid_module
+
+    run_grid(counted_task, [{"x": 1}], tmp_path, "g")
+    records = sorted((tmp_path / "_sweep_g" / "records").iterdir())
+    monkeypatch.setattr(grid_module, "code_fingerprint", lambda: "another-version")
+    with open(tmp_path / "_sweep_g" / ".lock", "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="in use"):
+            run_grid(counted_task, [{"x": 1}], tmp_path, "g")
+        assert sorted((tmp_path / "_sweep_g" / "records").iterdir()) == records
+
+
+def test_code_fingerprint_tracks_the_source():
+    import hashlib
+    from pathlib import Path
+
+    from studies.grid import code_fingerprint
+
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for pkg in ("particles", "transport", "meanfield", "studies"):
+        for f in sorted((root / pkg).rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+            h.update(f"{f.relative_to(root).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    assert code_fingerprint() == h.hexdigest()[:12]
+    assert (root / "studies" / "sweep" / "runner.py").exists()   # subpackages are part of it
+
+
+def test_a_missing_study_module_is_reported_not_skipped(monkeypatch):
+    monkeypatch.setattr(contract, "STUDY_MODULES", [*contract.STUDY_MODULES, "studies.experiments.no_such_study"])
+    contract.registry()
+    assert "No module named" in contract.import_errors()["studies.experiments.no_such_study"]
+    monkeypatch.undo()
+    contract.registry()
+    assert "studies.experiments.no_such_study" not in contract.import_errors()
