@@ -226,15 +226,7 @@ def sqrt_n_lower(A, R, n) -> float:
     at n = 2); it grows like sqrt(n) while n << exp(2 gamma R^2).
     """
     g = gamma(A)
-    R = check_radius(R, "R")
-    n = check_positive_int(n, "n")
-    if n == 1:
-        return 0.0
-    # in logarithms: n may be an integer beyond float range (10**400)
-    log_m = math.log(n - 1)
-    t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2})
-    softplus = t + math.log1p(math.exp(-t)) if t > 0 else math.log1p(math.exp(t))
-    return _exp_or_inf(0.5 * log_m - softplus)
+    return sqrt_n_lower_from_gamma(g, R, check_positive_int(n, "n"))
 
 
 def two_dirac_lower(A, R, *, log: bool = False) -> float:
@@ -400,9 +392,12 @@ def _gamma_value(gamma) -> float:
     return g
 
 
-def _length(n, name: str = "n") -> float:
+def _length(n, name: str = "n"):
+    """A length n >= 1: a float, or a Python int kept exact when it exceeds the float range."""
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(n).__name__}")
+    if isinstance(n, numbers.Integral) and int(n) >= 1:
+        return int(n) if int(n) > 2**1000 else float(n)
     x = float(n)
     if not math.isfinite(x) or x < 1:
         raise ValueError(f"{name}: expected a finite number >= 1, got {n!r}")
@@ -420,7 +415,12 @@ def sqrt_n_lower_from_gamma(gamma, R, n) -> float:
     g = _gamma_value(gamma)
     R = check_radius(R, "R")
     n = _length(n)
-    return float(math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * g * R * R)))
+    if isinstance(n, float):
+        return float(math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * g * R * R)))
+    # n beyond the float range (10**400): in logarithms
+    log_m = math.log(n - 1)
+    t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2}) > 0 here
+    return _exp_or_inf(0.5 * log_m - t - math.log1p(math.exp(-t)))
 
 
 def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
