@@ -10,5 +10,5 @@ sweep/            the resumable sweep runner (self-contained)
 io.py             atomic CSV / JSON / PNG files
 common.py         helpers several studies share (seeded matrices, log-log fits)
 plotting.py       the figures' style
-hf_models.py      BERT and GPT-2 from Hugging Face, the corpus and the tokenizer
+models.py         BERT and GPT-2 checkpoints, the corpus and the tokenizer (layers as operators: meanfield.hf)
 """

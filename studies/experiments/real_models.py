@@ -2,9 +2,9 @@
 
 For each model (randomly initialized full-size ``gpt2`` and ``bert-base`` by default; BERT as a
 decoder in full mode; pretrained checkpoints when the run context names them) and each analysed
-layer, with the layer wrapped by :func:`studies.hf_models.attention_function`:
+layer, with the layer wrapped by :func:`meanfield.hf.attention_function`:
 
-* real text (``studies.hf_models.default_corpus``, non-overlapping chunks of n tokens, the first
+* real text (``studies.models.default_corpus``, non-overlapping chunks of n tokens, the first
   being the prefix): the certified local constant Lip_X(f_MH) (``meanfield.local_lipschitz``,
   Lanczos) against n, with the model's own mask and the other one (masked vs unmasked), the
   fitted log-log exponent with its 95% CI, the mean token radius, and the upper bound of
@@ -18,7 +18,7 @@ layer, with the layer wrapped by :func:`studies.hf_models.attention_function`:
 * token radius against position (GPT-2's learned positions make it depend on n when pretrained).
 
 Inputs come from the run context: ``ctx.checkpoints`` (local checkpoint folders, each loaded with
-:func:`studies.hf_models.load_model` and measured with its own tokenizer), ``ctx.text`` (a UTF-8
+:func:`studies.models.load_model` and measured with its own tokenizer), ``ctx.text`` (a UTF-8
 text file replacing the default corpus), ``ctx.device``. The command line fills them from
 ``--checkpoint``/``--text`` or ``$SMOOTH_ATTENTION_CHECKPOINTS``/``$SMOOTH_ATTENTION_TEXT``. From
 Python, :func:`analyze_model` runs the same measurements on any GPT-2 / BERT model, tokenizer and text.
@@ -35,8 +35,9 @@ import numpy as np
 import torch
 
 from meanfield import adversarial, bounds
+from meanfield import hf as mhf
 
-from .. import hf_models as hf
+from .. import models as hf
 from .. import plotting as P
 from ..common import fit_groups
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 TOL = 1e-4
 
 
-def layer_norms(p: hf.LayerParameters) -> tuple[np.ndarray, np.ndarray, float]:
+def layer_norms(p: mhf.LayerParameters) -> tuple[np.ndarray, np.ndarray, float]:
     """||A'_h||_2, ||V'_h||_2 of the bias-augmented heads (``meanfield.bounds.augmented_head_norms``)
     and ||W_O||_2 of one layer."""
     a, v = bounds.augmented_head_norms(p.Q, p.K, p.V, p.b_Q, p.b_V, p.scale)
@@ -78,7 +79,7 @@ def _models(g: dict, ctx):
         del m  # one full-size model in memory at a time (about 1 GB in float64)
     for path in ctx.checkpoints:
         m = hf.load_model(path, device=ctx.device)
-        yield f"{hf.model_kind(m)}:{Path(path).name}", m, hf.load_tokenizer(path), f"pretrained ({path})"
+        yield f"{mhf.model_kind(m)}:{Path(path).name}", m, hf.load_tokenizer(path), f"pretrained ({path})"
         del m
 
 
@@ -95,19 +96,19 @@ def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, to
     max_pos = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
     ns = [n for n in ns if n <= min(max_pos, ids.numel())]
     out = {"lipschitz": [], "gamma": [], "adversarial": [], "radius": []}
-    params = {i: hf.extract_layer(model, i) for i in layers}
+    params = {i: mhf.extract_layer(model, i) for i in layers}
     norms = {i: layer_norms(params[i]) for i in layers}
-    own = hf.is_causal(model)
+    own = mhf.is_causal(model)
     for n in ns:
         for rep in range(reps):
             if (rep + 1) * n > ids.numel():
                 break
-            xs = hf.capture_attention_inputs(model, ids[rep * n:(rep + 1) * n][None], layers)
+            xs = mhf.capture_attention_inputs(model, ids[rep * n:(rep + 1) * n][None], layers)
             for i in layers:
                 X = xs[i]
                 radii = X.norm(dim=1)
                 for masked in (own, not own):
-                    est = local_lipschitz(hf.attention_function(model, i, masked=masked), X, tol=tol)
+                    est = local_lipschitz(mhf.attention_function(model, i, masked=masked), X, tol=tol)
                     out["lipschitz"].append({
                         "model": label, "layer": i, "n": n, "rep": rep, "masked": masked, "model_mask": masked == own,
                         "lip": est.value, "lip_error": est.error, "iterations": est.iterations,
@@ -115,7 +116,7 @@ def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, to
                         "upper": bounds.biased_multihead_upper(*norms[i], float(radii.max()), n)})
                 step(f"layer {i}, n = {n}")
     n_top = ns[-1]
-    xs = hf.capture_attention_inputs(model, ids[:n_top][None], layers)
+    xs = mhf.capture_attention_inputs(model, ids[:n_top][None], layers)
     for i in layers:
         for pos, r in enumerate(xs[i].norm(dim=1).tolist()):
             out["radius"].append({"model": label, "layer": i, "position": pos, "radius": r})
@@ -132,7 +133,7 @@ def analyze_model(label, model, tokenizer, text, *, layers, ns, reps, adv_ns, to
             continue
         d = xs[i].shape[1]
         head = SelfAttention(p.A(h), torch.eye(d, dtype=p.Q.dtype, device=p.Q.device))
-        f = hf.attention_function(model, i)
+        f = mhf.attention_function(model, i)
         gam = infos[h].gamma
         adv = [n for n in adv_ns if n <= max_pos]
         # as the paper (Section 5.2) for random GPT-2, scale the witness beyond the real radius when
@@ -278,7 +279,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     tables: dict[str, list] = {"lipschitz": [], "gamma": [], "adversarial": [], "radius": []}
     measured = []
     for label, model, tok, provenance in _models(g, ctx):
-        L = hf.num_layers(model)
+        L = mhf.num_layers(model)
         layers = [0, L - 1] if g["layers"] == "ends" else list(range(L))
         log.info("real_models: %s, %s, layers %s, n up to %d", label, provenance, layers, max(g["ns"]))
         total = count_steps(model, tok, text, layers=layers, ns=g["ns"], reps=g["reps"])
@@ -302,7 +303,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     write_csv(fits, out_dir / "fits.csv")
     write_csv(adv_fits, out_dir / "adversarial_fits.csv")
     corpus = {"sha256": hashlib.sha256(text.encode()).hexdigest(), "characters": len(text),
-              "source": str(ctx.text) if ctx.text is not None else "studies.hf_models.default_corpus()"}
+              "source": str(ctx.text) if ctx.text is not None else "studies.models.default_corpus()"}
     write_json({"models": measured, "corpus": corpus, "grid": g, "tol": TOL}, out_dir / "models.json")
     figures = plot_all(out_dir, tables, fits)
 

@@ -1,4 +1,4 @@
-"""Real BERT / GPT-2 attention layers (studies.hf_models), checked against the model itself and
+"""Real BERT / GPT-2 attention layers (meanfield.hf and studies.models), checked against the model itself and
 against an independent re-implementation written here from the raw weights (tests/reference.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from studies import hf_models as hf
+from meanfield import hf as mhf
+from studies import models as hf
 from tests.reference import naive_attention
 
 CASES = [("gpt2", False), ("bert", False), ("bert", True)]  # (kind, is_decoder)
@@ -81,19 +82,19 @@ def test_wrapped_layer_is_what_the_model_computes(models, kind, dec):
     the model passes to the module (None for a BERT encoder)."""
     model = models[(kind, dec)]
     outs, handles = {}, []
-    for i in range(hf.num_layers(model)):
-        core = hf._attention_core(model, i)
+    for i in range(mhf.num_layers(model)):
+        core = mhf._attention_core(model, i)
         handles.append(core.register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o[0][0].detach())))
     try:
-        xs, masks = hf.capture_attention_inputs(model, _ids(model), with_mask=True)
+        xs, masks = mhf.capture_attention_inputs(model, _ids(model), with_mask=True)
     finally:
         for h in handles:
             h.remove()
     for i, X in xs.items():
         ref = outs[i] if kind == "gpt2" else model.encoder.layer[i].attention.output.dense(outs[i])
-        torch.testing.assert_close(hf.attention_function(model, i)(X), ref, rtol=0, atol=1e-12)
-        if hf.is_causal(model):
-            assert torch.equal(masks[i], hf.causal_mask(N))
+        torch.testing.assert_close(mhf.attention_function(model, i)(X), ref, rtol=0, atol=1e-12)
+        if mhf.is_causal(model):
+            assert torch.equal(masks[i], mhf.causal_mask(N))
         else:
             assert masks[i] is None
     # GPT-2's attention input is ln_1 of the residual stream (independent path: hidden_states)
@@ -110,8 +111,8 @@ def test_independent_reimplementation_and_local_constant(models, kind, dec, mask
     the independent re-implementation: outputs to 1e-10, and the library's Lanczos estimate through
     the HF module against the re-implementation's dense-Jacobian top singular value to 1e-6 relative."""
     model = models[(kind, dec)]
-    X = hf.capture_attention_inputs(model, _ids(model, 7), [1])[1]
-    f_hf = hf.attention_function(model, 1, masked=masked)
+    X = mhf.capture_attention_inputs(model, _ids(model, 7), [1])[1]
+    f_hf = mhf.attention_function(model, 1, masked=masked)
     f_ref = reimplementation(model, 1, masked)
     torch.testing.assert_close(f_hf(X), f_ref(X), rtol=0, atol=1e-10)
     truth = dense_lipschitz(f_ref, X)
@@ -127,16 +128,16 @@ def test_parameter_round_trip_through_meanfield(models, kind, dec, masked):
     """extract_layer -> meanfield.MultiHeadAttention rebuilds the module's output to 1e-6 (float64),
     on real-text inputs and on random inputs of radius 10."""
     model = models[(kind, dec)]
-    X = hf.capture_attention_inputs(model, _ids(model), [0])[0]
+    X = mhf.capture_attention_inputs(model, _ids(model), [0])[0]
     g = torch.Generator().manual_seed(0)
     Y = torch.randn(2, N, X.shape[-1], generator=g, dtype=torch.float64)
     Y = 10 * Y / Y.norm(dim=-1, keepdim=True)
-    p = hf.extract_layer(model, 0)
+    p = mhf.extract_layer(model, 0)
     mha = p.to_meanfield(masked=masked)
-    f = hf.attention_function(model, 0, masked=masked)
+    f = mhf.attention_function(model, 0, masked=masked)
     for Z in (X, Y[0], Y[1]):
         torch.testing.assert_close(mha.sequence(Z), f(Z), rtol=0, atol=1e-6)
-    assert p.masked == hf.is_causal(model)
+    assert p.masked == mhf.is_causal(model)
     heads, W_O, _, k = _raw_heads(model, 0)
     Q, K = heads[2][0], heads[2][1]
     torch.testing.assert_close(p.A(2), K.T @ Q / k ** 0.5, rtol=0, atol=1e-14)
@@ -148,19 +149,19 @@ def test_causal_mask_really_applied(models, kind, dec):
     """Perturbing the last token leaves earlier outputs unchanged exactly when the mask is causal;
     an unmasked layer (BERT encoder, or GPT-2 with masked=False) does change them."""
     model = models[(kind, dec)]
-    X = hf.capture_attention_inputs(model, _ids(model), [0])[0]
+    X = mhf.capture_attention_inputs(model, _ids(model), [0])[0]
     Xp = X.clone()
     Xp[-1] += 0.5
     for masked in (False, True):
-        f = hf.attention_function(model, 0, masked=masked)
+        f = mhf.attention_function(model, 0, masked=masked)
         diff = (f(X)[:-1] - f(Xp)[:-1]).abs().max()
         assert (diff == 0) if masked else (diff > 1e-6)
-    assert hf.attention_function(model, 0).masked == (kind == "gpt2" or dec)
+    assert mhf.attention_function(model, 0).masked == (kind == "gpt2" or dec)
 
 
 def test_batched_input_matches_loop(models):
     model = models[("gpt2", False)]
-    f = hf.attention_function(model, 0)
+    f = mhf.attention_function(model, 0)
     X = torch.randn(3, 5, 32, dtype=torch.float64)
     torch.testing.assert_close(f(X), torch.stack([f(x) for x in X]), rtol=0, atol=1e-13)
 
@@ -174,7 +175,7 @@ def test_hash_tokenizer_is_deterministic():
     expect = [1 + int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") % 999 for w in words]
     assert ids == expect and tok.encode(text) == ids
     assert all(1 <= i < 1000 for i in ids)
-    code = ("from studies.hf_models import HashTokenizer; "
+    code = ("from studies.models import HashTokenizer; "
             f"print(HashTokenizer(1000).encode({text!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
@@ -226,8 +227,8 @@ def test_local_checkpoint_round_trip(models, tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     loaded = hf.load_model(tmp_path / "ckpt")
     assert loaded.config._attn_implementation == "eager" and not loaded.training
-    X = hf.capture_attention_inputs(model, _ids(model), [1])[1]
-    torch.testing.assert_close(hf.attention_function(loaded, 1)(X), hf.attention_function(model, 1)(X),
+    X = mhf.capture_attention_inputs(model, _ids(model), [1])[1]
+    torch.testing.assert_close(mhf.attention_function(loaded, 1)(X), mhf.attention_function(model, 1)(X),
                                rtol=0, atol=0)
     (tmp_path / "ckpt" / "model.safetensors").unlink()
     with pytest.raises(hf.ModelNotAvailableError, match="no weights"):
@@ -237,12 +238,12 @@ def test_local_checkpoint_round_trip(models, tmp_path):
 def test_bad_arguments(models):
     model = models[("bert", False)]
     with pytest.raises(ValueError, match="layer"):
-        hf.attention_function(model, 5)
+        mhf.attention_function(model, 5)
     with pytest.raises(ValueError, match="kind"):
         hf.random_model("llama", size="tiny")
     with pytest.raises(ValueError, match="is_decoder"):
         hf.random_model("gpt2", size="tiny", is_decoder=True)
     with pytest.raises(ValueError, match="input_ids"):
-        hf.capture_attention_inputs(model, torch.zeros(5, dtype=torch.long))
+        mhf.capture_attention_inputs(model, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="model"):
-        hf.model_kind(torch.nn.Linear(2, 2))
+        mhf.model_kind(torch.nn.Linear(2, 2))

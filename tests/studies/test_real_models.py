@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from studies import hf_models as hf
+from meanfield import hf as mhf
+from studies import models as hf
 from studies.context import RunContext
 from studies.experiments import real_models as rm
 from studies.io import read_csv
@@ -59,7 +60,7 @@ def test_lipschitz_rows_against_dense_jacobian_of_reimplementation(run):
         if r["n"] != 8:
             continue
         model = models[r["model"]]
-        X = hf.capture_attention_inputs(model, _chunk(model, r["n"], r["rep"]), [r["layer"]])[r["layer"]]
+        X = mhf.capture_attention_inputs(model, _chunk(model, r["n"], r["rep"]), [r["layer"]])[r["layer"]]
         truth = dense_lipschitz(reimplementation(model, r["layer"], r["masked"]), X)
         assert abs(r["lip"] - truth) <= r["lip_error"] + 1e-9 * truth
         assert r["lip"] <= truth * (1 + 1e-9)  # a Rayleigh quotient never exceeds the top singular value
@@ -72,7 +73,7 @@ def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
     out, _, models = run
     rows = [r for r in read_csv(out / "lipschitz.csv") if r["n"] == 16 and r["rep"] == 0]
     for r in rows[:4]:
-        p = hf.extract_layer(models[r["model"]], r["layer"])
+        p = mhf.extract_layer(models[r["model"]], r["layer"])
         d = p.Q.shape[-1]
         heads = []
         for h in range(p.num_heads):
@@ -91,7 +92,7 @@ def test_gamma_rows_against_full_eigendecomposition(run):
     rows = read_csv(out / "gamma.csv")
     assert len(rows) == 2 * 2 * 4  # models x layers x heads
     for r in rows:
-        A = hf.extract_layer(models[r["model"]], r["layer"]).A(r["head"])
+        A = mhf.extract_layer(models[r["model"]], r["layer"]).A(r["head"])
         info = bounds.gamma_info(A)
         assert r["gamma"] == pytest.approx(info.gamma, rel=1e-8, abs=1e-14)
         if info.gamma > 1e-12:  # no real nonzero eigenvalue: gamma = 0 up to rounding, either case
@@ -114,7 +115,7 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
         if n not in (4, 16):
             continue
         model = models[r["model"]]
-        p = hf.extract_layer(model, r["layer"])
+        p = mhf.extract_layer(model, r["layer"])
         A = p.A(r["head"])
         info = bounds.gamma_info_factored(p.Q[r["head"]], p.K[r["head"]], p.scale)
         X = adversarial.sqrt_n_sequence_from_info(info, R, n)
@@ -124,7 +125,7 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
         I = torch.eye(A.shape[0], dtype=torch.float64)
         truth = dense_lipschitz(lambda Z, A=A, I=I: naive_attention(Z, A, I), Xref)
         assert r["lip_head"] == pytest.approx(truth, rel=1e-6)
-        truth = dense_lipschitz(reimplementation(model, r["layer"], hf.is_causal(model)), X)
+        truth = dense_lipschitz(reimplementation(model, r["layer"], mhf.is_causal(model)), X)
         assert r["lip_layer"] == pytest.approx(truth, rel=1e-6)
 
 
@@ -139,7 +140,7 @@ def test_fits_and_radius_tables(run):
     rad = read_csv(out / "radius.csv")
     for name, model in models.items():
         n = max(r["position"] for r in rad if r["model"] == name) + 1
-        X = hf.capture_attention_inputs(model, _chunk(model, n), [1])[1]
+        X = mhf.capture_attention_inputs(model, _chunk(model, n), [1])[1]
         got = [r["radius"] for r in sorted((r for r in rad if r["model"] == name and r["layer"] == 1),
                                            key=lambda r: r["position"])]
         np.testing.assert_allclose(got, X.norm(dim=1).numpy(), rtol=1e-12)
@@ -153,7 +154,7 @@ def test_factored_gamma_and_augmented_norms_on_random_heads(seed):
     from meanfield import bounds
 
     model = hf.random_model("gpt2", size="tiny", seed=seed, n_embd=12, n_head=2)
-    p = hf.extract_layer(model, 0)
+    p = mhf.extract_layer(model, 0)
     g = torch.Generator().manual_seed(seed)
     for h in range(2):  # larger, non-symmetric heads; negate Q to flip the eigenvalue signs half the time
         p.Q[h] = torch.randn(6, 12, generator=g, dtype=torch.float64) * (-1) ** (seed + h)
@@ -197,6 +198,6 @@ def test_local_checkpoint_with_its_own_tokenizer(tmp_path):
     res = rm.analyze_model(label, model, tok, text, layers=[1], ns=[4, 8, 16], reps=1, adv_ns=[4])
     r = next(r for r in res["lipschitz"] if r["n"] == 8 and r["model_mask"])
     ids = torch.tensor([tok(text)["input_ids"][:8]])
-    X = hf.capture_attention_inputs(model, ids, [1])[1]
+    X = mhf.capture_attention_inputs(model, ids, [1])[1]
     truth = dense_lipschitz(reimplementation(model, 1, True), X)
     assert abs(r["lip"] - truth) <= r["lip_error"] + 1e-9 * truth

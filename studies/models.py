@@ -1,6 +1,7 @@
-"""Real attention layers: BERT and GPT-2 from Hugging Face ``transformers``, on real text.
+"""Models and text for the real-model studies: loading BERT / GPT-2 checkpoints, corpus, tokenizers.
 
-What this module gives:
+The layers themselves become operators in :mod:`meanfield.hf` (``HFAttention``, ``extract_layer``,
+``capture_attention_inputs``); this module only brings models and text in:
 
 * models: :func:`load_model` (a local checkpoint directory or a hub name; offline it fails fast
   with a message naming what was missing) and :func:`random_model` (randomly initialized from
@@ -9,17 +10,7 @@ What this module gives:
   safetensors preferred, never ``trust_remote_code``, float64 by default, in eval mode.
 * text: :func:`default_corpus` (English prose that ships with Python: docstrings of a fixed list
   of standard-library modules), :func:`read_text`, and :class:`HashTokenizer`, a deterministic
-  word-level tokenizer for randomly initialized models (it downloads nothing).
-* :func:`capture_attention_inputs`: forward pre-hooks recording what each attention module
-  really receives (GPT-2: the output of ``ln_1``; BERT: the embeddings or the previous layer).
-* :func:`attention_function`: one layer's attention as a plain function X (n, d) -> (n, d) with
-  the mask the model really uses, built explicitly (a module called alone gets no causal mask).
-  For BERT the function is ``output.dense(self(X))``: the multi-head map before the residual
-  connection and LayerNorm; for GPT-2 it is ``attn`` (c_attn ... c_proj) itself.
-* :func:`extract_layer`: per-head parameters from both layouts (BERT ``Linear``, GPT-2 fused
-  ``Conv1D`` with its transposed weight), as :class:`LayerParameters`, convertible to a
-  ``meanfield.MultiHeadAttention`` (docs/math.md section 1: A_h = K_h^T Q_h / sqrt(k),
-  f_MH = concat f^h W_O^T + b).
+  word-level tokenizer for randomly initialized models (it downloads nothing); :func:`encode`.
 """
 
 from __future__ import annotations
@@ -30,18 +21,14 @@ import inspect
 import os
 import re
 import socket
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-__all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "model_kind", "is_causal",
-           "num_layers", "HashTokenizer", "default_corpus", "CORPUS_SOURCES", "read_text", "encode",
-           "capture_attention_inputs", "causal_mask", "attention_function", "extract_layer",
-           "LayerParameters", "ModelNotAvailableError"]
+from meanfield.hf import KINDS
 
-KINDS = ("gpt2", "bert")
+__all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "HashTokenizer", "default_corpus",
+           "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError", "KINDS"]
 
 
 class ModelNotAvailableError(OSError):
@@ -177,50 +164,6 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
         raise ModelNotAvailableError(f"name_or_path: tokenizer of {str(name_or_path)!r} not available ({exc})") from exc
 
 
-def model_kind(model) -> str:
-    """``"gpt2"`` or ``"bert"`` (from ``model.config.model_type``); anything else is a ValueError."""
-    kind = getattr(getattr(model, "config", None), "model_type", None)
-    if kind not in KINDS:
-        raise ValueError(f"model: expected a GPT-2 or BERT model from transformers, got model_type {kind!r}")
-    return kind
-
-
-def is_causal(model) -> bool:
-    """Whether the model's self-attention is causal: GPT-2 always, BERT when ``is_decoder``."""
-    return model_kind(model) == "gpt2" or bool(model.config.is_decoder)
-
-
-def _base(model):
-    """The bare GPT2Model / BertModel inside a head model (LM head etc.)."""
-    kind = model_kind(model)
-    for attr in ("transformer", "bert"):
-        if hasattr(model, attr) and not hasattr(model, "h" if kind == "gpt2" else "encoder"):
-            return getattr(model, attr)
-    return model
-
-
-def _layers(model):
-    base = _base(model)
-    return base.h if model_kind(model) == "gpt2" else base.encoder.layer
-
-
-def num_layers(model) -> int:
-    return len(_layers(model))
-
-
-def _check_layer(model, layer: int) -> int:
-    L = num_layers(model)
-    if not isinstance(layer, int) or not -L <= layer < L:
-        raise ValueError(f"layer: expected an integer in [0, {L}), got {layer!r}")
-    return layer % L
-
-
-def _attention_core(model, layer: int):
-    """The module whose input is the attention input: GPT2Attention, or BertSelfAttention."""
-    blk = _layers(model)[_check_layer(model, layer)]
-    return blk.attn if model_kind(model) == "gpt2" else blk.attention.self
-
-
 # ---------------------------------------------------------------------- text
 # Fixed order; (module, attribute). Docstrings are English prose written by Python's authors.
 CORPUS_SOURCES: tuple[tuple[str, str], ...] = (
@@ -323,157 +266,3 @@ def encode(tokenizer, text: str, n: int | None = None) -> torch.Tensor:
             raise ValueError(f"n: the text has {len(ids)} tokens, {n} requested")
         ids = ids[:n]
     return torch.tensor([ids], dtype=torch.long)
-
-
-# ---------------------------------------------------------------------- hooks
-def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[int] | None = None,
-                             *, with_mask: bool = False):
-    """Run ``model`` on ``input_ids`` (1, n) and return {layer: X (n, d)}, the hidden states that
-    each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
-    BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
-    """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
-    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
-    xs, masks, handles = {}, {}, []
-
-    def hook_for(i):
-        def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            xs[i] = h[0].detach().clone()
-            masks[i] = kwargs.get("attention_mask")
-        return hook
-
-    try:
-        for i in layers:
-            handles.append(_attention_core(model, i).register_forward_pre_hook(hook_for(i), with_kwargs=True))
-        with torch.no_grad():
-            model(input_ids=input_ids.to(next(model.parameters()).device))
-    finally:
-        for h in handles:
-            h.remove()
-    return (xs, masks) if with_mask else xs
-
-
-# ---------------------------------------------------------------------- wrapping
-def causal_mask(n: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
-    """The additive mask eager attention expects, shape (1, 1, n, n): 0 where key j <= query i,
-    the dtype's most negative finite value above the diagonal (as transformers' ``eager_mask``)."""
-    keep = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    mask = torch.zeros(n, n, dtype=dtype, device=device).masked_fill(~keep, torch.finfo(dtype).min)
-    return mask[None, None]
-
-
-def attention_function(model, layer: int, *, masked: bool | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Layer ``layer``'s multi-head self-attention as a function X (..., n, d) -> (..., n, d).
-
-    GPT-2: ``block.attn`` (c_attn, per-head softmax, c_proj with its bias). BERT:
-    ``attention.output.dense(attention.self(X))``, i.e. before the residual and LayerNorm.
-    ``masked`` defaults to the model's own mask (causal for GPT-2 and BERT as a decoder), passed
-    explicitly as an additive mask since a module called alone applies none; ``masked=False`` on
-    GPT-2 (or ``True`` on a BERT encoder) gives the ablation with the same weights.
-    """
-    kind = model_kind(model)
-    core = _attention_core(model, layer)
-    dense = _layers(model)[_check_layer(model, layer)].attention.output.dense if kind == "bert" else None
-    masked = is_causal(model) if masked is None else bool(masked)
-
-    def f(X: torch.Tensor) -> torch.Tensor:
-        if model.training:
-            raise ValueError("model: is in training mode (dropout makes f random); call model.eval()")
-        if not isinstance(X, torch.Tensor) or X.dim() < 2:
-            raise ValueError("X: expected a tensor of shape (..., n, d)")
-        lead = X.shape[:-2]
-        Xb = X.reshape(-1, *X.shape[-2:])
-        mask = causal_mask(X.shape[-2], X.dtype, X.device) if masked else None
-        y = core(Xb, attention_mask=mask)[0]
-        if dense is not None:
-            y = dense(y)
-        return y.reshape(*lead, *y.shape[-2:])
-
-    f.masked = masked
-    f.layer = _check_layer(model, layer)
-    f.kind = kind
-    return f
-
-
-# ---------------------------------------------------------------------- parameters
-@dataclass
-class LayerParameters:
-    """Per-head parameters of one attention layer (MATH.md 1), H heads of size k, width d.
-
-    Q, K, V: (H, k, d); b_Q, b_K, b_V: (H, k); W_O: (d, H k); bias: (d,); scale: the factor on
-    <q, k> (1/sqrt(k) by default, GPT-2 may add 1/(layer+1)); masked: the model's own mask.
-    The layer computes f(X) = concat_h softmax((X Q_h^T + b_Q)(X K_h^T + b_K)^T scale) (X V_h^T + b_V) W_O^T + bias.
-    """
-
-    Q: torch.Tensor
-    K: torch.Tensor
-    V: torch.Tensor
-    b_Q: torch.Tensor
-    b_K: torch.Tensor
-    b_V: torch.Tensor
-    W_O: torch.Tensor
-    bias: torch.Tensor
-    scale: float
-    masked: bool
-    kind: str
-    layer: int
-
-    @property
-    def num_heads(self) -> int:
-        return self.Q.shape[0]
-
-    @property
-    def head_dim(self) -> int:
-        return self.Q.shape[1]
-
-    def A(self, head: int | None = None) -> torch.Tensor:
-        """A_h = scale K_h^T Q_h, (d, d); all heads stacked (H, d, d) when ``head`` is None."""
-        A = self.scale * self.K.transpose(-1, -2) @ self.Q
-        return A if head is None else A[head]
-
-    def W_O_block(self, head: int) -> torch.Tensor:
-        """The columns of W_O that act on head ``head``'s output, (d, k)."""
-        k = self.head_dim
-        return self.W_O[:, head * k:(head + 1) * k]
-
-    def to_meanfield(self, masked: bool | None = None):
-        """The layer as ``meanfield.MultiHeadAttention`` (heads from ``SelfAttention.from_qkv``)."""
-        from meanfield import MultiHeadAttention, SelfAttention
-
-        masked = self.masked if masked is None else bool(masked)
-        heads = [SelfAttention.from_qkv(self.Q[h], self.K[h], self.V[h], b_Q=self.b_Q[h], b_K=self.b_K[h],
-                                        b_V=self.b_V[h], scale=self.scale, masked=masked)
-                 for h in range(self.num_heads)]
-        return MultiHeadAttention(heads, self.W_O, bias=self.bias)
-
-
-def extract_layer(model, layer: int) -> LayerParameters:
-    """Per-head parameters of layer ``layer`` from BERT (``nn.Linear`` query/key/value and
-    ``output.dense``, weight (out, in)) or GPT-2 (fused ``Conv1D`` c_attn, weight (in, 3 d), and
-    c_proj, weight (in, out)). Copies, detached; same dtype and device as the model."""
-    kind = model_kind(model)
-    core = _attention_core(model, layer)
-    layer = _check_layer(model, layer)
-    if kind == "gpt2":
-        if getattr(core, "is_cross_attention", False):
-            raise ValueError("layer: cross-attention is not self-attention")
-        d = core.embed_dim
-        W, b = core.c_attn.weight.detach().T, core.c_attn.bias.detach()  # (3d, d): rows q | k | v
-        Wq, Wk, Wv = W[:d], W[d:2 * d], W[2 * d:]
-        bq, bk, bv = b[:d], b[d:2 * d], b[2 * d:]
-        W_O, bias = core.c_proj.weight.detach().T, core.c_proj.bias.detach()
-        H, k = core.num_heads, core.head_dim
-    else:
-        Wq, Wk, Wv = (m.weight.detach() for m in (core.query, core.key, core.value))
-        bq, bk, bv = (m.bias.detach() for m in (core.query, core.key, core.value))
-        dense = _layers(model)[layer].attention.output.dense
-        W_O, bias = dense.weight.detach(), dense.bias.detach()
-        H, k = core.num_attention_heads, core.attention_head_size
-
-    def heads(M):
-        return M.reshape(H, k, -1).clone() if M.dim() == 2 else M.reshape(H, k).clone()
-    return LayerParameters(Q=heads(Wq), K=heads(Wk), V=heads(Wv), b_Q=heads(bq), b_K=heads(bk), b_V=heads(bv),
-                           W_O=W_O.clone(), bias=bias.clone(), scale=float(core.scaling), masked=is_causal(model),
-                           kind=kind, layer=layer)
