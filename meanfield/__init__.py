@@ -19,6 +19,13 @@ from __future__ import annotations
 
 import importlib
 
+from ._packages import DISTRIBUTION as __smooth_attention__  # noqa: F401  (marker: this is smooth-attention's)
+from ._packages import require_own
+
+# a foreign package named particles or transport (PyPI has both) would otherwise fail deep inside
+require_own("particles")
+require_own("transport")
+
 _NAMES = {
     "AttentionOperator": "operator",
     "as_operator": "operator",
@@ -46,6 +53,10 @@ __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        from particles._version import __version__
+
+        return __version__
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _NAMES:
