@@ -13,6 +13,9 @@ Public names are loaded lazily from the submodules that hold them::
     integrators  Euler, RK4, torchdiffeq's adaptive methods
     geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
+    io           save_trajectory, load_trajectory, save_estimate, load_estimate (.npz, never pickle)
+
+Measures are saved with :func:`particles.save_measure` / :func:`particles.load_measure`.
 """
 
 from __future__ import annotations
@@ -45,9 +48,13 @@ _NAMES = {
     "simulate": "dynamics",
     "Trajectory": "dynamics",
     "attend": "kernels",
+    "save_trajectory": "io",
+    "load_trajectory": "io",
+    "save_estimate": "io",
+    "load_estimate": "io",
 }
 _SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering"}
+               "integrators", "geometry", "kernels", "clustering", "io"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 
