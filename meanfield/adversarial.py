@@ -14,6 +14,7 @@ are :class:`particles.Measure` objects. Every configuration lies in the closed b
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,8 +119,9 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
         raise ValueError("R: expected a positive radius (at R = 0 every score ties and no token is a hub)")
     if _bool(masked, "masked") and hub != 0:
         raise ValueError(f"hub: masked attention lets token 0 see only itself, so the hub must be 0, got {hub}")
-    if isinstance(hub, bool) or not isinstance(hub, int) or not 0 <= hub < n:
+    if isinstance(hub, bool) or not isinstance(hub, numbers.Integral) or not 0 <= hub < n:
         raise ValueError(f"hub: expected a token index in [0, {n}), got {hub!r}")
+    hub = int(hub)
     if not np.any(a):
         raise ValueError("A: is zero, every score ties and no token can take the attention of all")
     sym = (a + a.T) / 2.0
