@@ -326,7 +326,7 @@ class MultiHeadAttention(AttentionOperator):
 class L2SelfAttention(AttentionOperator):
     """L2 multi-head self-attention of Kim, Papamakarios & Mnih (2021), tied queries and keys.
 
-    Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right):
+    Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right)::
 
         P^h_ij = softmax_j( -|x_i^T W_Q^h - x_j^T W_Q^h|^2 / sqrt(D/H) ),
         F^h(X) = P^h X A_h,   A_h = W_Q^h W_Q^h^T / sqrt(D/H)     (D x D),
@@ -344,9 +344,9 @@ class L2SelfAttention(AttentionOperator):
     masked : bool
         Causal variant (keys j <= i; positions for measures).
 
-    Through the kernel: -|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2 and the first term
+    Through the kernel: ``-|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2`` and the first term
     cancels in the softmax, so queries are 2 q_i / sqrt(k), keys q_j and the additive key score
-    is -|q_j|^2 / sqrt(k).
+    is ``-|q_j|^2 / sqrt(k)``.
     """
 
     def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):

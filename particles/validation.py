@@ -82,7 +82,7 @@ def check_ndim(t: torch.Tensor, name: str, ndim: int, what: str) -> None:
 
 
 def weight_tolerance(dtype: torch.dtype, given=None) -> float:
-    """Tolerance on |sum(weights) - 1| for a given floating dtype.
+    """Tolerance on ``|sum(weights) - 1|`` for a given floating dtype.
 
     ``given`` is the weights as the user passed them: weights given in a lower precision (float32
     weights for float64 points) are judged in their own precision, not after the upcast.
