@@ -13,11 +13,21 @@ Public names are loaded lazily from the submodules that hold them::
     integrators  Euler, RK4, torchdiffeq's adaptive methods
     geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
+    io           save_trajectory, load_trajectory, save_estimate, load_estimate (.npz, never pickle)
+
+Measures are saved with :func:`particles.save_measure` / :func:`particles.load_measure`.
 """
 
 from __future__ import annotations
 
 import importlib
+
+from ._packages import DISTRIBUTION as __smooth_attention__  # noqa: F401  (marker: this is smooth-attention's)
+from ._packages import require_own
+
+# a foreign package named particles or transport (PyPI has both) would otherwise fail deep inside
+require_own("particles")
+require_own("transport")
 
 _NAMES = {
     "AttentionOperator": "operator",
@@ -38,14 +48,22 @@ _NAMES = {
     "simulate": "dynamics",
     "Trajectory": "dynamics",
     "attend": "kernels",
+    "save_trajectory": "io",
+    "load_trajectory": "io",
+    "save_estimate": "io",
+    "load_estimate": "io",
 }
 _SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering"}
+               "integrators", "geometry", "kernels", "clustering", "io"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 
 
 def __getattr__(name: str):
+    if name == "__version__":
+        from particles._version import __version__
+
+        return __version__
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _NAMES:

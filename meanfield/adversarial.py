@@ -1,11 +1,11 @@
 """Adversarial inputs of *How Smooth Is Attention?*: the witnesses of the lower bounds.
 
-:func:`sqrt_n_sequence`           Proposition 3.4: Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})
-:func:`two_dirac`                 Proposition 3.6: mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2}
-:func:`large_radius_configuration` Theorems 3.7 / 4.5: one token takes the attention of all,
-                                  Lip_{RX} -> ||V||_2 sqrt(n)
-:func:`zero_plus_spread`          Appendix C.7 (after Kim et al. 2021): one token at 0, the others on
-                                  the sphere of radius R; Lip grows like R^2
+* :func:`sqrt_n_sequence`: Proposition 3.4, Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2});
+* :func:`two_dirac`: Proposition 3.6, mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2};
+* :func:`large_radius_configuration`: Theorems 3.7 / 4.5, one token takes the attention of all,
+  Lip_{RX} -> ``||V||_2`` sqrt(n);
+* :func:`zero_plus_spread`: Appendix C.7 (after Kim et al. 2021), one token at 0, the others on
+  the sphere of radius R; Lip grows like R^2.
 
 Sequences are float64 tensors of shape (n, d) (``dtype=`` for another floating type), measures
 are :class:`particles.Measure` objects. Every configuration lies in the closed ball B_R.
@@ -104,13 +104,13 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
 
 
 def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
-    """A direction X (n, d), max_i |x_i| = R, where every token attends to the same token ``hub``:
+    """A direction X (n, d), ``max_i |x_i| = R``, where every token attends to the same token ``hub``:
     m_i = argmax_j <A x_i, x_j> = hub for all i (Theorem 3.7; j <= i and hub = 0 when ``masked``,
     Theorem 4.5). Then Lip_{tX}(f) -> ||V||_2 sqrt(n) as t -> inf, the largest large-radius limit.
 
     Construction, with w a unit vector and q = <A w, w>: if q > 0 the others are t_k w with
     distinct t_k in [1/2, 3/4] (the hub has t = 1); if q < 0 they have t_k in [5/4, 3/2]; if A is
-    skew-symmetric (q = 0 for every w) they are w - a_k A w / |A w| with distinct a_k in
+    skew-symmetric (q = 0 for every w) they are ``w - a_k A w / |A w|`` with distinct a_k in
     [1/2, 1]. Each case makes the hub the strict, unique maximizer of every row (checked).
     """
     a = _square(A)
@@ -120,8 +120,9 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
         raise ValueError("R: expected a positive radius (at R = 0 every score ties and no token is a hub)")
     if _bool(masked, "masked") and hub != 0:
         raise ValueError(f"hub: masked attention lets token 0 see only itself, so the hub must be 0, got {hub}")
-    if isinstance(hub, bool) or not isinstance(hub, int) or not 0 <= hub < n:
+    if isinstance(hub, bool) or not isinstance(hub, numbers.Integral) or not 0 <= hub < n:
         raise ValueError(f"hub: expected a token index in [0, {n}), got {hub!r}")
+    hub = int(hub)
     if not np.any(a):
         raise ValueError("A: is zero, every score ties and no token can take the attention of all")
     sym = (a + a.T) / 2.0

@@ -32,7 +32,19 @@ from .operator import AttentionOperator
 __all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
 
 
-def _matrix(value, name, dtype, device=None, shape=None):
+def _same_dtype(value, name, dtype, like: str | None):
+    """A float tensor parameter must have the operator's dtype (set by ``like``) unless ``dtype=`` was given:
+    converting it silently would lose precision (float64 -> float32) or change the requested one."""
+    if like is not None and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+        owner = f"{like}'" if like.endswith("s") else f"{like}'s"
+        other = ("the heads (head.to(dtype=...))" if like == "the heads"
+                 else f"pass dtype= to convert every parameter (e.g. dtype={value.dtype})")
+        raise TypeError(f"{name}: dtype {value.dtype} differs from {owner} {dtype}; convert it ({name}.to({dtype})) "
+                        f"or {other}")
+
+
+def _matrix(value, name, dtype, device=None, shape=None, like=None):
+    _same_dtype(value, name, dtype, like)
     t = as_tensor(value, name, dtype=dtype, device=device)
     check_ndim(t, name, 2, "a matrix")
     if t.numel() == 0:
@@ -45,9 +57,10 @@ def _matrix(value, name, dtype, device=None, shape=None):
     return t
 
 
-def _vector(value, name, size, dtype, device):
+def _vector(value, name, size, dtype, device, like=None):
     if value is None:
         return None
+    _same_dtype(value, name, dtype, like)
     t = as_tensor(value, name, dtype=dtype, device=device)
     check_ndim(t, name, 1, "a vector")
     if t.shape[0] != size:
@@ -79,18 +92,18 @@ class SelfAttention(AttentionOperator):
         A = _matrix(A, "A", dtype)
         if A.shape[0] != A.shape[1]:
             raise ValueError(f"A: expected a square (d, d) matrix, got shape {tuple(A.shape)}")
-        self._init(A, None, V, masked, key_bias, value_bias)
+        self._init(A, None, V, masked, key_bias, value_bias, None if dtype is not None else "A")
 
-    def _init(self, Qf, Kf, V, masked, key_bias, value_bias):
+    def _init(self, Qf, Kf, V, masked, key_bias, value_bias, like):
         # scores are <q_i, k_j> with q = X Qf^T and k = X Kf^T (k = X when Kf is None): the factored
         # form keeps a GPT-2 head at k = 64 columns instead of a dense 768 x 768 A.
         if not isinstance(masked, bool):
             raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
         d = Qf.shape[1]
         self._Qf, self._Kf = Qf, Kf
-        self._V = _matrix(V, "V", Qf.dtype, Qf.device, shape=(None, d))
-        self._c = _vector(key_bias, "key_bias", d, Qf.dtype, Qf.device)
-        self._bV = _vector(value_bias, "value_bias", self._V.shape[0], Qf.dtype, Qf.device)
+        self._V = _matrix(V, "V", Qf.dtype, Qf.device, shape=(None, d), like=like)
+        self._c = _vector(key_bias, "key_bias", d, Qf.dtype, Qf.device, like)
+        self._bV = _vector(value_bias, "value_bias", self._V.shape[0], Qf.dtype, Qf.device, like)
         self.masked = masked
 
     @classmethod
@@ -103,19 +116,20 @@ class SelfAttention(AttentionOperator):
         output because each row of P sums to one.
         """
         dtype = float_dtype(dtype)
+        like = None if dtype is not None else "Q"
         Q = _matrix(Q, "Q", dtype)
-        K = _matrix(K, "K", Q.dtype, Q.device, shape=Q.shape)
+        K = _matrix(K, "K", Q.dtype, Q.device, shape=Q.shape, like=like)
         k = Q.shape[0]
         if scale is None:
             scale = 1.0 / math.sqrt(k)
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale: expected a finite number, got {scale}")
-        _vector(b_K, "b_K", k, Q.dtype, Q.device)  # validated: it does not change the operator
-        bQ = _vector(b_Q, "b_Q", k, Q.dtype, Q.device)
+        _vector(b_K, "b_K", k, Q.dtype, Q.device, like)  # validated: it does not change the operator
+        bQ = _vector(b_Q, "b_Q", k, Q.dtype, Q.device, like)
         c = None if bQ is None else scale * (K.T @ bQ)
         obj = cls.__new__(cls)
-        obj._init(scale * Q, K, V, masked, c, b_V)
+        obj._init(scale * Q, K, V, masked, c, b_V, like)
         return obj
 
     # -------------------------------------------------------------- properties
@@ -204,13 +218,17 @@ class MultiHeadAttention(AttentionOperator):
                 raise ValueError(f"heads[{h}]: input dimension {head.d_in} differs from heads[0]'s {heads[0].d_in}")
             if head.masked != heads[0].masked:
                 raise ValueError(f"heads[{h}]: masked={head.masked} differs from heads[0] (all heads must agree)")
-            if head.dtype != heads[0].dtype or head.device != heads[0].device:
-                raise ValueError(f"heads[{h}]: dtype/device differ from heads[0]")
+            if head.dtype != heads[0].dtype:
+                raise TypeError(f"heads[{h}]: dtype {head.dtype} differs from heads[0]'s {heads[0].dtype}; convert the "
+                                f"heads to one dtype (heads[{h}].to(dtype={heads[0].dtype}))")
+            if head.device != heads[0].device:
+                raise ValueError(f"heads[{h}]: device {head.device} differs from heads[0]'s {heads[0].device}; move "
+                                 f"the heads to one device (heads[{h}].to({str(heads[0].device)!r}))")
         self.heads = heads
         self.masked = heads[0].masked
         width = sum(h.d_out for h in heads)
-        self._W_O = _matrix(W_O, "W_O", heads[0].dtype, heads[0].device, shape=(None, width))
-        self._b = _vector(bias, "bias", self._W_O.shape[0], heads[0].dtype, heads[0].device)
+        self._W_O = _matrix(W_O, "W_O", heads[0].dtype, heads[0].device, shape=(None, width), like="the heads")
+        self._b = _vector(bias, "bias", self._W_O.shape[0], heads[0].dtype, heads[0].device, "the heads")
         # heads evaluated in one kernel call when they have the same shapes
         self._stack = self._stackable()
 
@@ -308,7 +326,7 @@ class MultiHeadAttention(AttentionOperator):
 class L2SelfAttention(AttentionOperator):
     """L2 multi-head self-attention of Kim, Papamakarios & Mnih (2021), tied queries and keys.
 
-    Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right):
+    Layout follows Kim et al. (rows are tokens, X of shape (N, D), weights act on the right)::
 
         P^h_ij = softmax_j( -|x_i^T W_Q^h - x_j^T W_Q^h|^2 / sqrt(D/H) ),
         F^h(X) = P^h X A_h,   A_h = W_Q^h W_Q^h^T / sqrt(D/H)     (D x D),
@@ -326,9 +344,9 @@ class L2SelfAttention(AttentionOperator):
     masked : bool
         Causal variant (keys j <= i; positions for measures).
 
-    Through the kernel: -|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2 and the first term
+    Through the kernel: ``-|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2`` and the first term
     cancels in the softmax, so queries are 2 q_i / sqrt(k), keys q_j and the additive key score
-    is -|q_j|^2 / sqrt(k).
+    is ``-|q_j|^2 / sqrt(k)``.
     """
 
     def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):
@@ -339,6 +357,8 @@ class L2SelfAttention(AttentionOperator):
         if WQ.dim() != 3:
             raise ValueError(f"W_Q: expected shape (H, D, k) or (D, k), got {tuple(WQ.shape)}")
         H, D, k = WQ.shape
+        like = None if dtype is not None else "W_Q"
+        _same_dtype(W_V, "W_V", WQ.dtype, like)
         WV = as_tensor(W_V, "W_V", dtype=WQ.dtype, device=WQ.device)
         if WV.dim() == 2:
             WV = WV.unsqueeze(0)
@@ -350,9 +370,9 @@ class L2SelfAttention(AttentionOperator):
         if W_O is None:
             WO = torch.eye(width, dtype=WQ.dtype, device=WQ.device)
         else:
-            WO = _matrix(W_O, "W_O", WQ.dtype, WQ.device, shape=(width, None))
+            WO = _matrix(W_O, "W_O", WQ.dtype, WQ.device, shape=(width, None), like=like)
         self._WQ, self._WV, self._WO = WQ, WV, WO
-        self._b = _vector(bias, "bias", WO.shape[1], WQ.dtype, WQ.device)
+        self._b = _vector(bias, "bias", WO.shape[1], WQ.dtype, WQ.device, like)
         self.masked = masked
         self._scale = 1.0 / math.sqrt(k)
         # value map of each head: x -> x^T A_h W_V^h

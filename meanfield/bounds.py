@@ -4,11 +4,11 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 (docs/math.md section 5). Spectral norms ``||.||_2`` throughout. Conventions: scores
 ``s_ij = <A x_i, x_j>``, values ``V x_j`` with ``V`` of shape (d_out, d), tokens in the ball B_R.
 
-Upper bounds            :func:`sqrt_n_upper` (Thm 3.3 / 4.3), :func:`mean_field_upper` (Thm 3.5 / 4.4),
-                        :func:`multihead_upper` (Lemma 3.8), :func:`l2_attention_upper` (Kim et al. Thm 3.2)
-Lower bounds            :func:`sqrt_n_lower` (Prop 3.4), :func:`two_dirac_lower` (Prop 3.6, asymptotic)
-Large radius            :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`
-Eigen-structure of A    :func:`gamma`, :func:`gamma_info`
+* upper bounds: :func:`sqrt_n_upper` (Thm 3.3 / 4.3), :func:`mean_field_upper` (Thm 3.5 / 4.4),
+  :func:`multihead_upper` (Lemma 3.8), :func:`l2_attention_upper` (Kim et al. Thm 3.2);
+* lower bounds: :func:`sqrt_n_lower` (Prop 3.4), :func:`two_dirac_lower` (Prop 3.6, asymptotic);
+* large radius: :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`;
+* eigen-structure of A: :func:`gamma`, :func:`gamma_info`.
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
 bound, finite for every finite radius. Their plain value is ``math.inf`` only when the true number
@@ -176,7 +176,7 @@ class GammaInfo:
 def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
     """Real eigen-structure of A used by Propositions 3.4 and 3.6 (see :class:`GammaInfo`).
 
-    An eigenvalue counts as real when |Im| <= tol (1 + |lambda|). lambda_max / 8 counts only if
+    An eigenvalue counts as real when ``|Im| <= tol (1 + |lambda|)``. lambda_max / 8 counts only if
     lambda_max > 0 and -lambda_min only if lambda_min < 0; when every real eigenvalue is 0,
     gamma = 0 (case "max"). A matrix with no real eigenvalue raises a ValueError.
     """
@@ -249,7 +249,7 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     """m_i = argmax_j <A x_i, x_j> (over j <= i when ``masked``), as an int array of length n.
 
     Raises a ValueError when some row's maximum is not unique: the runner-up score lies within
-    ``rtol`` (1 + |max|) of the maximum (Theorems 3.7 / 4.5 need unique maximizers).
+    ``rtol (1 + |max|)`` of the maximum (Theorems 3.7 / 4.5 need unique maximizers).
     """
     a = _square(A)
     x = _matrix(X, "X")

@@ -1,7 +1,7 @@
 """Clustering diagnostics of token dynamics (docs/math.md section 6; Geshkovski et al. 2023).
 
 * :func:`cluster_labels` / :func:`count_clusters`: single-linkage clusters at a distance
-  tolerance (connected components of the graph |x_i - x_j| <= tol), over time for a trajectory;
+  tolerance (connected components of the graph ``|x_i - x_j| <= tol``), over time for a trajectory;
 * :func:`limit_set`: cluster centers and whether each is a vertex of their convex hull (for V = I
   the rescaled tokens converge to the vertices of a convex polytope);
 * :func:`interaction_energy`: E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>), i.e.

@@ -21,7 +21,7 @@ holding only the requested times. Variants:
   self-attention is y_i' = sum_j P_ij(t) V (y_j - y_i) with P_ij proportional to
   a_j exp(<A e^{tV} y_i, e^{tV} y_j>);
 * ``geometry=Sphere()`` (or ``sphere=True``): the field projected on the tangent spaces, so that every
-  |x_i| is conserved; ``sphere="SA"`` / ``"USA"`` with ``beta`` is the shorthand for the sphere models
+  ``|x_i|`` is conserved; ``sphere="SA"`` / ``"USA"`` with ``beta`` is the shorthand for the sphere models
   (:class:`meanfield.sphere.SphereAttention`) on the sphere;
 * time-dependent parameters: a list of operators, one per layer, acting on equal sub-intervals of
   [times[0], times[-1]], or a callable ``t -> operator``;

@@ -7,8 +7,8 @@ A geometry is prepared once on the initial points (``prepare(X0)``) and then giv
   never leaves it; Runge-Kutta steps drift by O(h^5)).
 
 :class:`Euclidean` is R^d (nothing to do). :class:`Sphere` keeps every token on its sphere
-|x_i| = r_i (r_i the initial norms; the unit sphere for the sphere models of docs/math.md section 6):
-x_i' = Proj_{x_i}^perp Gamma(x_i), so |x_i| is conserved.
+``|x_i| = r_i`` (r_i the initial norms; the unit sphere for the sphere models of docs/math.md section
+6): ``x_i' = Proj_{x_i}^perp Gamma(x_i)``, so ``|x_i|`` is conserved.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Euclidean:
 
 
 class Sphere:
-    """Each token on its own sphere |x_i| = r_i, with r_i its initial norm."""
+    """Each token on its own sphere ``|x_i| = r_i``, with r_i its initial norm."""
 
     name = "sphere"
 

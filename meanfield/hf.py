@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,9 +72,9 @@ def num_layers(model) -> int:
 
 def _check_layer(model, layer: int) -> int:
     L = num_layers(model)
-    if isinstance(layer, bool) or not isinstance(layer, int) or not -L <= layer < L:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not -L <= layer < L:
         raise ValueError(f"layer: expected an integer in [0, {L}), got {layer!r}")
-    return layer % L
+    return int(layer) % L
 
 
 def _attention_core(model, layer: int):

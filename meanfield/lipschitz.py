@@ -15,16 +15,16 @@ Lip = ||D^{1/2} J D^{-1/2}||_2 with D = diag(a) (x) I_d, J the Jacobian of the p
 the log-weights (and, for masked operators, positions) held fixed.
 
 Error bound. For the symmetric matrix B = J^T J (or its weighted form), a unit vector u with
-Rayleigh quotient theta = |J u|^2 and residual r = ||B u - theta u|| has an eigenvalue lambda of B
-with |lambda - theta| <= r, so a singular value sigma = sqrt(lambda) with
-|sigma - sqrt(theta)| <= min(r / sqrt(theta), sqrt(r)): that is ``error``. Moreover sqrt(theta)
+Rayleigh quotient ``theta = |J u|^2`` and residual ``r = ||B u - theta u||`` has an eigenvalue lambda of B
+with ``|lambda - theta| <= r``, so a singular value sigma = sqrt(lambda) with
+``|sigma - sqrt(theta)| <= min(r / sqrt(theta), sqrt(r))``: that is ``error``. Moreover sqrt(theta)
 never exceeds the top singular value (a Rayleigh quotient), so ``value`` is a certified lower
 bound of the Lipschitz constant; ``value + error`` bounds it from above as soon as the Ritz value
 approximates the top of the spectrum, which Krylov methods from a random start reach with
 probability one.
 
-Range. The solvers work on J / c with c a power of two near |J u| for the random start, and form
-|J u| and the normalized residual ||J^T J u - theta u|| / sqrt(theta) rather than theta and the
+Range. The solvers work on J / c with c a power of two near ``|J u|`` for the random start, and form
+``|J u|`` and the normalized residual ``||J^T J u - theta u|| / sqrt(theta)`` rather than theta and the
 plain residual, so values up to the dtype's largest number are computed (float64: the two-Dirac
 witness at gamma R^2 = 450, Lip ~ 6e197). A product that overflows, or a Jacobian that
 underflows, raises OverflowError; a zero value is returned only for a Jacobian that is exactly 0.
@@ -63,17 +63,27 @@ _DEFAULT_MAX_ITER = {"lanczos": 300, "power": 5000}
 class LipschitzEstimate:
     """A local Lipschitz constant and its certificate.
 
-    value : sqrt of the Rayleigh quotient |J u|^2 (weighted J for measures): a lower bound of Lip.
-    vector : the unit direction u of maximal change, shaped like the points X. For a measure it is
+    Attributes
+    ----------
+    value : float
+        sqrt of the Rayleigh quotient ``|J u|^2`` (weighted J for measures): a lower bound of Lip.
+    vector : torch.Tensor
+        The unit direction u of maximal change, shaped like the points X. For a measure it is
         the right singular vector of D^{1/2} J D^{-1/2}; the point perturbation is u / sqrt(a).
-    error : a bound on the distance from ``value`` to a singular value of J (0 for dense up to
+    error : float
+        A bound on the distance from ``value`` to a singular value of J (0 for dense up to
         rounding); see the module docstring.
-    iterations : solver iterations (Krylov dimension for lanczos).
-    method : "lanczos", "power" or "dense".
-    converged : whether error <= tol * value was reached.
-    applications : Jacobian products used (each J u and each J^T w counts one; dense counts the
+    iterations : int
+        Solver iterations (Krylov dimension for lanczos).
+    method : str
+        "lanczos", "power" or "dense".
+    converged : bool
+        Whether error <= tol * value was reached.
+    applications : int
+        Jacobian products used (each J u and each J^T w counts one; dense counts the
         rows or columns of the Jacobian it built).
-    residual : ||J^T J u - value^2 u||.
+    residual : float
+        ``||J^T J u - value^2 u||``.
     """
 
     value: float

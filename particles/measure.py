@@ -354,7 +354,7 @@ class Measure:
 
     # ------------------------------------------------------------------ statistics
     def radius(self) -> float:
-        """max |x_j| over atoms of positive mass: the R of B_R containing the support."""
+        """``max |x_j|`` over atoms of positive mass: the R of B_R containing the support."""
         support = self._log_weights > -math.inf
         return float(self._points.detach()[support].norm(dim=1).max())
 
@@ -386,7 +386,7 @@ class Measure:
         return p[first], mass
 
     def at_position(self, s: float, atol: float = 1e-12) -> Measure:
-        """The normalized slice mu_s: atoms with |s_j - s| <= atol, renormalized (Definition 4.1)."""
+        """The normalized slice mu_s: atoms with ``|s_j - s| <= atol``, renormalized (Definition 4.1)."""
         pos = self._require_positions("at_position")
         keep = (pos - float(s)).abs() <= atol
         return self._subset(keep, f"at_position: no atom at position {s}")

@@ -23,10 +23,41 @@ its marginal tolerance emits SinkhornConvergenceWarning stating the error reache
 with strict=True). Values are floats, or 0-d tensors with gradients when points require grad.
 """
 
-from ._common import SinkhornConvergenceWarning
-from .api import AUTO_EXACT_MAX_PAIRS, METHODS, w2
-from .conditional import conditional_w2
-from .streaming import SinkhornResult, sinkhorn_streaming
+
+def _require_own_particles() -> None:
+    """The name ``particles`` is also an unrelated package on PyPI (a sequential Monte Carlo library):
+    if one shadows smooth-attention's, say so here rather than fail deep inside."""
+    import importlib
+    import importlib.util
+
+    fix = ("Install smooth-attention in its own virtual environment (python3 -m venv .venv && . .venv/bin/activate "
+           "&& pip install -e /path/to/smooth-attention), or uninstall the other package (pip uninstall particles) "
+           "or remove its folder from sys.path / PYTHONPATH.")
+    try:
+        module = importlib.import_module("particles")
+    except ImportError as exc:
+        spec = importlib.util.find_spec("particles")
+        where = spec.origin if spec is not None else "not found"
+        raise ImportError(f"particles: importing the module Python finds as 'particles' ({where}) failed ({exc}); "
+                          "if it is not smooth-attention's own particles package, an unrelated package of the same "
+                          f"name shadows it. {fix}", name="particles") from exc
+    if getattr(module, "__smooth_attention__", None) != "smooth-attention":
+        raise ImportError(f"particles: the module Python imports as 'particles' ({getattr(module, '__file__', None)}) "
+                          "is not smooth-attention's own particles package (it lacks the marker attribute "
+                          f"'__smooth_attention__'): an unrelated package of the same name shadows it. {fix}",
+                          name="particles")
+
+
+_require_own_particles()
+
+from particles._version import __version__ as __version__  # noqa: E402
+
+from ._common import SinkhornConvergenceWarning  # noqa: E402
+from .api import AUTO_EXACT_MAX_PAIRS, METHODS, w2  # noqa: E402
+from .conditional import conditional_w2  # noqa: E402
+from .streaming import SinkhornResult, sinkhorn_streaming  # noqa: E402
+
+__smooth_attention__ = "smooth-attention"  # marker: this is smooth-attention's transport
 
 __all__ = ["w2", "conditional_w2", "sinkhorn_streaming", "SinkhornResult", "SinkhornConvergenceWarning",
            "METHODS", "AUTO_EXACT_MAX_PAIRS"]

@@ -1,0 +1,184 @@
+"""Saving and loading trajectories and Lipschitz estimates, in the ``.npz`` format of :mod:`particles.io`.
+
+Both are NumPy ``.npz`` archives with the JSON ``header`` of :mod:`particles.io` (format name,
+format version, kind, dtype, library version, user metadata) and plain numeric arrays; nothing is
+pickled, and loading uses ``np.load(..., allow_pickle=False)``.
+
+A :class:`~meanfield.dynamics.Trajectory` (``kind = "trajectory"``) stores the arrays
+
+``times`` (T,), ``points`` (T, N, d), ``weights`` (N,), ``log_weights`` (N,), ``positions`` (N,)
+(masked measures only) and ``rescale_V`` (d, d) (rescaled trajectories only),
+
+and in the header ``method``, ``nfev``, ``steps`` and ``sphere``.
+
+A :class:`~meanfield.lipschitz.LipschitzEstimate` (``kind = "lipschitz_estimate"``) stores its
+tensor fields as arrays (``vector``) and its other fields (``value``, ``error``, ``iterations``,
+``method``, ``converged``, ``applications``, ``residual``) in the header's ``"fields"`` object.
+Non-finite floats are written as the ``NaN`` / ``Infinity`` tokens that Python's ``json`` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+
+import torch
+
+from particles.io import (
+    FileFormatError,
+    check_keys,
+    measure_from_arrays,
+    read_archive,
+    tensor_of,
+    to_numpy,
+    write_archive,
+)
+
+from .dynamics import Trajectory
+from .lipschitz import LipschitzEstimate
+
+__all__ = ["save_trajectory", "load_trajectory", "save_estimate", "load_estimate"]
+
+_SPHERE = (False, True, "SA", "USA")
+
+
+# ---------------------------------------------------------------------- trajectories
+def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
+    """Write a :class:`~meanfield.dynamics.Trajectory` (from :func:`meanfield.simulate`) to ``path``.
+
+    Parameters
+    ----------
+    traj : Trajectory
+    path : str or os.PathLike
+        Written exactly there (no suffix added), atomically.
+    metadata : dict, optional
+        A JSON object stored in the header (:func:`particles.io.read_header` reads it back).
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    if not isinstance(traj, Trajectory):
+        raise TypeError(f"traj: expected a meanfield Trajectory, got {type(traj).__name__}")
+    arrays = {"times": to_numpy(traj.times), "points": to_numpy(traj.points), "weights": to_numpy(traj.weights),
+              "log_weights": to_numpy(traj.log_weights)}
+    if traj.positions is not None:
+        arrays["positions"] = to_numpy(traj.positions)
+    if traj.rescale_V is not None:
+        arrays["rescale_V"] = to_numpy(traj.rescale_V)
+    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": int(traj.steps), "sphere": traj.sphere}
+    return write_archive(path, "trajectory", arrays, dtype=traj.points.dtype, metadata=metadata, fields=fields)
+
+
+def load_trajectory(path, *, device=None) -> Trajectory:
+    """Read a trajectory written by :func:`save_trajectory` (checked like a new measure at each time).
+
+    Raises
+    ------
+    particles.io.FileFormatError
+        Not a trajectory archive, a newer format version, or inconsistent arrays (named in the message).
+    """
+    header, arrays = read_archive(path, "trajectory")
+    name = os.fspath(path)
+    check_keys(arrays, {"times", "points", "weights", "log_weights"}, {"positions", "rescale_V"}, name)
+    points = tensor_of(arrays, "points", header, name, ndim=3, device=device)
+    T, N, d = points.shape
+    if T == 0:
+        raise FileFormatError(f"{name}: array 'points' holds no time")
+    times = tensor_of(arrays, "times", header, name, ndim=1)
+    if times.shape[0] != T:
+        raise FileFormatError(f"{name}: {times.shape[0]} times for {T} point sets in 'points'")
+    if not bool(torch.isfinite(times).all()) or not bool((times[1:] > times[:-1]).all()):
+        raise FileFormatError(f"{name}: array 'times' must be finite and strictly increasing")
+    if not bool(torch.isfinite(points).all()):
+        raise FileFormatError(f"{name}: array 'points' contains NaN or infinite entries")
+    template = measure_from_arrays(arrays, header, name, device=device, points=points[0])
+    V = None
+    if "rescale_V" in arrays:
+        V = tensor_of(arrays, "rescale_V", header, name, ndim=2, device=device)
+        if V.shape != (d, d):
+            raise FileFormatError(f"{name}: array 'rescale_V' has shape {tuple(V.shape)}; expected ({d}, {d})")
+    method = _field(header, "method", str, name)
+    nfev = _field(header, "nfev", int, name)
+    steps = _field(header, "steps", int, name)
+    sphere = header.get("sphere")
+    if sphere not in _SPHERE or isinstance(sphere, int) and not isinstance(sphere, bool):
+        raise FileFormatError(f"{name}: header field 'sphere' is {sphere!r}; expected one of {_SPHERE}")
+    return Trajectory(times, points, template, method=method, nfev=nfev, steps=steps, rescale_V=V, sphere=sphere)
+
+
+# ---------------------------------------------------------------------- Lipschitz estimates
+def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None):
+    """Write a :class:`~meanfield.lipschitz.LipschitzEstimate` (from :func:`meanfield.local_lipschitz`).
+
+    Parameters
+    ----------
+    est : LipschitzEstimate
+    path : str or os.PathLike
+        Written exactly there (no suffix added), atomically.
+    metadata : dict, optional
+        A JSON object stored in the header, e.g. what the estimate is of.
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    if not isinstance(est, LipschitzEstimate):
+        raise TypeError(f"est: expected a meanfield LipschitzEstimate, got {type(est).__name__}")
+    arrays, fields, dtype = {}, {}, torch.float64
+    for f in dataclasses.fields(est):
+        value = getattr(est, f.name)
+        if isinstance(value, torch.Tensor):
+            arrays[f.name] = to_numpy(value)
+            dtype = value.dtype
+        else:
+            fields[f.name] = value.item() if hasattr(value, "item") else value
+    return write_archive(path, "lipschitz_estimate", arrays, dtype=dtype, metadata=metadata,
+                         fields={"fields": fields})
+
+
+def load_estimate(path, *, device=None) -> LipschitzEstimate:
+    """Read an estimate written by :func:`save_estimate`; every field is checked against its type.
+
+    Raises
+    ------
+    particles.io.FileFormatError
+        Not an estimate archive, a newer format version, missing or unknown fields, or fields of the
+        wrong type (named in the message).
+    """
+    header, arrays = read_archive(path, "lipschitz_estimate")
+    name = os.fspath(path)
+    stored = header.get("fields")
+    if not isinstance(stored, dict):
+        raise FileFormatError(f"{name}: the header has no 'fields' object")
+    hints = typing.get_type_hints(LipschitzEstimate)
+    tensors = {k for k, t in hints.items() if t is torch.Tensor}
+    check_keys(arrays, tensors, set(), name)
+    missing = sorted(set(hints) - tensors - set(stored))
+    unknown = sorted(set(stored) - set(hints))
+    if missing or unknown:
+        raise FileFormatError(f"{name}: estimate fields missing: {missing or 'none'}; unknown: {unknown or 'none'}")
+    values = {}
+    for key, kind in hints.items():
+        if key in tensors:
+            t = tensor_of(arrays, key, header, name, ndim=arrays[key].ndim, device=device)
+            values[key] = t
+        else:
+            values[key] = _field(stored, key, kind, name)
+    return LipschitzEstimate(**values)
+
+
+def _field(header: dict, key: str, kind: type, name: str):
+    """Header field ``key`` checked against ``kind`` (an int is a float; a bool is not an int)."""
+    value = header.get(key)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if kind in (bool, str) and isinstance(value, kind):
+        return value
+    if kind not in (float, int, bool, str):  # pragma: no cover - a new field type needs a reader
+        raise FileFormatError(f"{name}: no reader for field {key!r} of type {kind}")
+    raise FileFormatError(f"{name}: header field {key!r} is {value!r}; expected a {kind.__name__}")
+

@@ -1,0 +1,151 @@
+"""Saving and loading trajectories and Lipschitz estimates: exact round trips, the documented
+format read by numpy alone, crafted files refused."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from meanfield import (
+    LipschitzEstimate,
+    SelfAttention,
+    load_estimate,
+    load_trajectory,
+    local_lipschitz,
+    save_estimate,
+    save_trajectory,
+    simulate,
+)
+from particles import Measure
+from particles.io import FileFormatError, read_header
+
+
+def _att(masked=False, dtype=torch.float64):
+    A = torch.tensor([[0.5, 0.2], [-0.1, 0.3]], dtype=dtype)
+    return SelfAttention(A, torch.eye(2, dtype=dtype), masked=masked)
+
+
+@pytest.mark.parametrize("masked, rescale", [(False, False), (True, True)])
+def test_trajectory_round_trip(tmp_path, masked, rescale):
+    lw = torch.tensor([-math.inf, math.log(0.25), math.log(0.75)], dtype=torch.float64)
+    mu = Measure(torch.randn(3, 2, dtype=torch.float64), log_weights=lw, positions=[0.3, 0.6, 1.0] if masked else None)
+    traj = simulate(_att(masked), mu, [0.0, 0.5, 1.0], steps=2, rescale=rescale)
+    back = load_trajectory(save_trajectory(traj, tmp_path / "traj.npz", metadata={"layer": 3}))
+    assert torch.equal(back.times, traj.times) and torch.equal(back.points, traj.points)
+    assert torch.equal(back.log_weights, traj.log_weights) and back.log_weights[0] == -math.inf
+    assert torch.equal(back.weights, traj.weights)
+    assert (back.positions is None) == (not masked)
+    if masked:
+        assert torch.equal(back.positions, traj.positions)
+    assert (back.method, back.nfev, back.steps, back.sphere) == (traj.method, traj.nfev, traj.steps, traj.sphere)
+    if rescale:
+        assert torch.equal(back.rescale_V, traj.rescale_V)
+        assert torch.equal(back.unscaled().points, traj.unscaled().points)
+    assert read_header(tmp_path / "traj.npz")["metadata"] == {"layer": 3}
+
+
+def test_sphere_trajectory_float32_round_trip(tmp_path):
+    mu = Measure.sphere(6, 3, seed=0, dtype=torch.float32)
+    traj = simulate(None, mu, [0.0, 1.0], steps=4, sphere="USA", beta=1.0)
+    back = load_trajectory(save_trajectory(traj, tmp_path / "t.npz"))
+    assert back.points.dtype == torch.float32 and torch.equal(back.points, traj.points)
+    assert back.sphere == "USA"
+
+
+def test_trajectory_file_is_the_documented_npz(tmp_path):
+    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 1.0], steps=2)
+    with np.load(save_trajectory(traj, tmp_path / "t.npz"), allow_pickle=False) as z:
+        assert sorted(z.files) == ["header", "log_weights", "points", "times", "weights"]
+        header = json.loads(str(z["header"]))
+        assert z["points"].shape == (2, 4, 2)
+    assert header["kind"] == "trajectory" and header["method"] == "rk4" and header["steps"] == traj.steps
+
+
+def _traj_file(tmp_path, **change):
+    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 0.5, 1.0], steps=2)
+    path = save_trajectory(traj, tmp_path / "t.npz")
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(str(arrays.pop("header")))
+    header.update(change.pop("header", {}))
+    arrays.update(change)
+    np.savez(path, header=np.array(json.dumps(header)), **arrays)
+    return path
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(times=np.array([0.0, 1.0])), "2 times for 3 point sets"),
+    (dict(times=np.array([0.0, 1.0, 0.5])), "strictly increasing"),
+    (dict(weights=np.full(5, 0.2)), "'weights' has 5 entries for 4 atoms"),
+    (dict(points=np.zeros((3, 4))), "'points' has shape"),
+    (dict(rescale_V=np.eye(3)), "'rescale_V' has shape \\(3, 3\\); expected \\(2, 2\\)"),
+    (dict(header={"sphere": "XY"}), "'sphere'"),
+    (dict(header={"nfev": 2.5}), "'nfev' is 2.5"),
+    (dict(header={"version": 7}), "format version 7.*upgrade"),
+    (dict(header={"kind": "measure"}), "holds a 'measure'.*load_measure"),
+    (dict(positions=np.array([object()] * 4, dtype=object)), "Python objects"),
+])
+def test_trajectory_refuses_crafted_files(tmp_path, change, match):
+    with pytest.raises(FileFormatError, match=match):
+        load_trajectory(_traj_file(tmp_path, **change))
+
+
+def test_estimate_round_trip(tmp_path):
+    est = local_lipschitz(_att(), Measure.sphere(5, 2, seed=0, dtype=torch.float64))
+    back = load_estimate(save_estimate(est, tmp_path / "est.npz", metadata={"R": 1.0}))
+    for f in dataclasses.fields(LipschitzEstimate):
+        a, b = getattr(est, f.name), getattr(back, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        else:
+            assert type(a) is type(b) and a == b, f.name
+    assert float(back) == est.value
+
+
+def test_estimate_file_is_the_documented_npz(tmp_path):
+    est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
+    with np.load(save_estimate(est, tmp_path / "e.npz"), allow_pickle=False) as z:
+        assert sorted(z.files) == ["header", "vector"]
+        header = json.loads(str(z["header"]))
+    assert header["kind"] == "lipschitz_estimate"
+    assert header["fields"]["value"] == est.value and header["fields"]["method"] == "dense"
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"value": "big"}, "'value' is 'big'"),
+    ({"converged": 1}, "'converged' is 1"),
+    ({"iterations": True}, "'iterations' is True"),
+    ({"bogus": 1.0}, "unknown: \\['bogus'\\]"),
+])
+def test_estimate_refuses_crafted_fields(tmp_path, fields, match):
+    est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
+    path = save_estimate(est, tmp_path / "e.npz")
+    with np.load(path, allow_pickle=False) as z:
+        vector = z["vector"]
+        header = json.loads(str(z["header"]))
+    header["fields"].update(fields)
+    np.savez(path, header=np.array(json.dumps(header)), vector=vector)
+    with pytest.raises(FileFormatError, match=match):
+        load_estimate(path)
+    del header["fields"]["value"]
+    np.savez(path, header=np.array(json.dumps(header)), vector=vector)
+    with pytest.raises(FileFormatError, match="missing: \\['value'\\]"):
+        load_estimate(path)
+
+
+def test_wrong_objects_and_kinds(tmp_path):
+    mu = Measure.sphere(3, 2, seed=0)
+    with pytest.raises(TypeError, match="traj:"):
+        save_trajectory(mu, tmp_path / "x.npz")
+    with pytest.raises(TypeError, match="est:"):
+        save_estimate(1.0, tmp_path / "x.npz")
+    from particles import save_measure
+
+    save_measure(mu, tmp_path / "m.npz")
+    with pytest.raises(FileFormatError, match="holds a 'measure'"):
+        load_estimate(tmp_path / "m.npz")

@@ -1,0 +1,161 @@
+"""Saving and loading measures: exact round trips, the documented format read by numpy alone, and
+crafted files refused with errors that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from particles import Measure, load_measure, save_measure
+from particles.io import FORMAT_VERSION, FileFormatError, read_header
+
+
+def _same(a: Measure, b: Measure):
+    assert a.dtype == b.dtype
+    assert torch.equal(a.points, b.points)
+    assert torch.equal(a.weights, b.weights)
+    assert torch.equal(a.log_weights, b.log_weights)  # -inf entries included
+    assert (a.positions is None) == (b.positions is None)
+    if a.positions is not None:
+        assert torch.equal(a.positions, b.positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_exact_in_every_float_dtype(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    mu = Measure(torch.randn(7, 3, generator=g, dtype=torch.float64).to(dtype),
+                 weights=torch.rand(7, generator=g, dtype=torch.float64).to(dtype), normalize=True)
+    back = load_measure(save_measure(mu, tmp_path / "mu.npz"))
+    _same(mu, back)
+
+
+def test_round_trip_keeps_positions_and_minus_inf_log_weights(tmp_path):
+    lw = torch.tensor([-math.inf, -2000.0, 0.0], dtype=torch.float64)  # exp(-2000) underflows to 0
+    mu = Measure(torch.randn(3, 2, dtype=torch.float64), log_weights=lw, positions=[0.2, 0.5, 1.0])
+    back = load_measure(save_measure(mu, tmp_path / "mu.npz"))
+    _same(mu, back)
+    assert back.log_weights[1] == -2000.0 and back.weights[1] == 0.0 and back.log_weights[0] == -math.inf
+
+
+def test_file_is_the_documented_npz(tmp_path):
+    """numpy alone (no pickle) reads the documented arrays and JSON header."""
+    mu = Measure.sphere(4, 2, seed=1, positions=True)
+    path = save_measure(mu, tmp_path / "mu.npz", metadata={"seed": 1, "note": "sphere"})
+    with np.load(path, allow_pickle=False) as z:
+        assert sorted(z.files) == ["header", "log_weights", "points", "positions", "weights"]
+        header = json.loads(str(z["header"]))
+        np.testing.assert_array_equal(z["points"], mu.points.numpy())
+        np.testing.assert_array_equal(z["positions"], np.arange(1, 5) / 4)
+    assert header["format"] == "smooth-attention" and header["version"] == FORMAT_VERSION
+    assert header["kind"] == "measure" and header["dtype"] == "float64"
+    assert header["metadata"] == {"seed": 1, "note": "sphere"}
+    assert read_header(path) == header
+
+
+def test_saving_detaches_moves_to_cpu_and_needs_no_suffix(tmp_path):
+    X = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    mu = Measure(X)
+    path = save_measure(mu, tmp_path / "measure")  # no suffix added
+    assert path.name == "measure" and path.is_file()
+    back = load_measure(path, device="cpu")
+    assert not back.points.requires_grad and torch.equal(back.points, X.detach())
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_bad_arguments_name_themselves(tmp_path):
+    mu = Measure.sphere(3, 2, seed=0)
+    with pytest.raises(TypeError, match="mu:"):
+        save_measure(mu.points, tmp_path / "x.npz")
+    with pytest.raises(TypeError, match="metadata"):
+        save_measure(mu, tmp_path / "x.npz", metadata={"f": object()})
+    with pytest.raises(TypeError, match="metadata"):
+        save_measure(mu, tmp_path / "x.npz", metadata=[1, 2])
+    with pytest.raises(IsADirectoryError, match="path"):
+        save_measure(mu, tmp_path)
+    with pytest.raises(FileNotFoundError, match="path"):
+        load_measure(tmp_path / "missing.npz")
+
+
+# ---------------------------------------------------------------------- crafted files
+def _craft(path, header=None, **arrays):
+    base = {"format": "smooth-attention", "version": 1, "kind": "measure", "dtype": "float64", "metadata": {}}
+    if header is not None:
+        base.update(header)
+    np.savez(path, header=np.array(json.dumps(base)), **arrays)
+    return path
+
+
+def _good_arrays(n=3):
+    w = np.full(n, 1.0 / n)
+    return dict(points=np.arange(2.0 * n).reshape(n, 2), weights=w, log_weights=np.log(w))
+
+
+def test_a_crafted_file_that_is_valid_loads(tmp_path):
+    mu = load_measure(_craft(tmp_path / "ok.npz", **_good_arrays()))
+    assert mu.n == 3 and mu.dim == 2
+
+
+@pytest.mark.parametrize("header, match", [
+    ({"version": FORMAT_VERSION + 1}, "format version 2.*upgrade"),
+    ({"version": 0}, "invalid format version"),
+    ({"version": "1"}, "invalid format version"),
+    ({"format": "something-else"}, "not a smooth-attention archive"),
+    ({"kind": "trajectory"}, "holds a 'trajectory'.*load_trajectory"),
+    ({"dtype": "int64"}, "unknown dtype"),
+    ({"dtype": "float32"}, "dtype float64, but the header says float32"),
+])
+def test_refuses_bad_headers(tmp_path, header, match):
+    path = _craft(tmp_path / "bad.npz", header, **_good_arrays())
+    with pytest.raises(FileFormatError, match=match):
+        load_measure(path)
+
+
+def test_refuses_pickled_object_arrays(tmp_path):
+    path = _craft(tmp_path / "pickle.npz", **_good_arrays(), positions=np.array([object(), 1, 2], dtype=object))
+    with pytest.raises(FileFormatError, match="'positions' holds Python objects"):
+        load_measure(path)
+
+
+def test_refuses_a_pickled_header_and_files_that_are_not_archives(tmp_path):
+    path = tmp_path / "h.npz"
+    np.savez(path, header=np.array([{"format": "smooth-attention"}], dtype=object), **_good_arrays())
+    with pytest.raises(FileFormatError, match="Python objects"):
+        load_measure(path)
+    np.save(tmp_path / "single.npy", np.zeros(3))
+    with pytest.raises(FileFormatError, match="single .npy array"):
+        load_measure(tmp_path / "single.npy")
+    (tmp_path / "text.npz").write_text("not an archive")
+    with pytest.raises(FileFormatError, match="not a smooth-attention archive|not a readable"):
+        load_measure(tmp_path / "text.npz")
+    np.savez(tmp_path / "noheader.npz", **_good_arrays())
+    with pytest.raises(FileFormatError, match="no 'header'"):
+        load_measure(tmp_path / "noheader.npz")
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(weights=np.full(4, 0.25)), "'weights' has 4 entries for 3 atoms"),
+    (dict(positions=np.array([0.1, 0.2])), "'positions' has 2 entries for 3 atoms"),
+    (dict(points=np.zeros((3, 2, 1))), "'points' has shape .*2 dimension"),
+    (dict(log_weights=np.zeros(3)), "not a valid measure: log_weights"),
+    (dict(weights=np.array([0.5, 0.25, 0.25])), "'weights' and 'log_weights' disagree"),
+    (dict(positions=np.array([0.1, 0.2, 1.5])), "positions: must lie in \\[0, 1\\]"),
+    (dict(points=np.array([[0, 1], [np.nan, 0], [1, 1]], dtype=float)), "NaN or infinite"),
+    (dict(points=np.zeros((3, 2), dtype=np.int64)), "'points' has dtype int64"),
+    (dict(extra=np.zeros(3)), "unknown array.*extra"),
+])
+def test_refuses_inconsistent_arrays(tmp_path, change, match):
+    arrays = {**_good_arrays(), **change}
+    with pytest.raises(FileFormatError, match=match):
+        load_measure(_craft(tmp_path / "bad.npz", **arrays))
+
+
+def test_refuses_missing_arrays(tmp_path):
+    arrays = _good_arrays()
+    del arrays["log_weights"]
+    with pytest.raises(FileFormatError, match="missing array.*log_weights"):
+        load_measure(_craft(tmp_path / "bad.npz", **arrays))
+    assert issubclass(FileFormatError, ValueError)
