@@ -35,7 +35,7 @@ extensions = [
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
 # sweeps.md links to ../benchmarks/, outside the documentation sources: kept for GitHub readers only
-exclude_patterns = ["_build", "Thumbs.db", ".DS_Store", "sweeps.md"]
+exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
 templates_path: list[str] = []
 
 # ---------------------------------------------------------------- autodoc

@@ -88,3 +88,17 @@ def test_a_foreign_package_that_fails_to_import_is_reported_as_foreign(tmp_path,
 def test_an_already_imported_foreign_particles_is_reported(tmp_path):
     out = _run("import particles; print(particles.SMC); import meanfield", tmp_path, "particles")
     assert out.returncode != 0 and "ImportError: particles:" in out.stderr, out.stderr
+
+
+def test_a_foreign_meanfield_is_reported_by_studies(tmp_path):
+    out = _run("import studies", tmp_path, "meanfield")
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode != 0 and last.startswith("ImportError: meanfield:"), out.stderr
+    assert str(tmp_path / "shadow" / "meanfield") in last and "shadows it" in last
+    assert "its own virtual environment" in last
+
+
+def test_studies_version():
+    import studies
+
+    assert studies.__version__ == PYPROJECT_VERSION
