@@ -13,10 +13,9 @@ import torch
 
 from particles import Measure
 from particles.validation import ConvergenceError, check_on_failure
-from particles.validation import memory_limit as resolve_memory_limit
 
 from .exact import solve_exact
-from .options import check_bool, check_method, resolve
+from .options import check_bool, check_memory_limit, check_method, resolve
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
@@ -65,7 +64,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
     method = check_method(method)
     return_plan = check_bool(return_plan, "return_plan")
     check_on_failure(on_failure)
-    limit = resolve_memory_limit(memory_limit)
+    limit = check_memory_limit(memory_limit)
     opts = resolve(method, given, problem.dtype)
     if method == "auto":
         if return_plan:

@@ -8,10 +8,9 @@ import torch
 
 from particles import Measure
 from particles.validation import check_allocation
-from particles.validation import memory_limit as resolve_memory_limit
 
 from .exact import emd_squared
-from .options import check_bool, check_real
+from .options import check_bool, check_memory_limit, check_real
 from .problem import check_pair, needs_grad, normalize, to_units
 
 #: Default tolerance on positions (two positions closer than this are the same position).
@@ -54,7 +53,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     mass_atol = check_real(mass_atol, "mass_atol", positive=False, allow_inf=True)
     squared = check_bool(squared, "squared")
     return_plan = check_bool(return_plan, "return_plan")
-    limit = resolve_memory_limit(memory_limit)
+    limit = check_memory_limit(memory_limit)
     if return_plan:
         check_allocation(mu.n * nu.n * mu.points.element_size(), f"the plan of conditional_w2 between {mu.n} "
                          f"and {nu.n} atoms", "ask for the value only (return_plan=False)", limit)

@@ -13,6 +13,8 @@ import numbers
 import numpy as np
 import torch
 
+from particles.validation import memory_limit as resolve_memory_limit
+
 #: Default marginal tolerance (L1 error of the plan's marginals) by dtype: what the precision reaches.
 TOL = {torch.float64: 1e-7, torch.float32: 1e-5}
 
@@ -72,12 +74,23 @@ def check_real(value, name: str, *, positive: bool = True, allow_inf: bool = Fal
     ``allow_inf``; TypeError or ValueError naming ``name`` otherwise."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    out = float(value)
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        out = math.inf if value > 0 else -math.inf
     if math.isnan(out) or (math.isinf(out) and not allow_inf):
         raise ValueError(f"{name}: expected a finite number, got {out}")
     if not (out > 0 if positive else out >= 0):
         raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'} number, got {out}")
     return out
+
+
+def check_memory_limit(value) -> int:
+    """The memory limit in bytes (:func:`particles.validation.memory_limit`), every failure naming memory_limit."""
+    try:
+        return resolve_memory_limit(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"memory_limit: expected a size in bytes below 1e308, got {value!r}") from None
 
 
 def check_int(value, name: str, minimum: int = 1) -> int:

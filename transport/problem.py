@@ -122,16 +122,23 @@ class Problem:
             eps = math.ldexp(reg, -2 * self.k)  # underflows to 0.0, or overflows (tiny clouds)
         except OverflowError:
             eps = math.inf
-        diam2 = self.squared_diameter()
+        # normalized squared distances are at most ~diam2 (one unit of 4^k when the points coincide)
+        diam2 = max(self.squared_diameter(), 1.0) if self.squared_diameter() > 0 else 1.0
         limit = torch.finfo(self.dtype).max / 2 ** 10
-        if not eps > 0 or (math.isfinite(eps) and not diam2 / eps < limit):
-            ratio = f"{reg:.3g} / {math.ldexp(diam2, 2 * self.k):.3g}" if self.k < 500 else "below 1e-300"
-            raise ValueError(f"reg: reg / squared diameter = {ratio} is below what exp(-|x - y|^2 / reg) "
-                             f"resolves in {self.dtype}; use a larger reg, float64, or method='exact'")
-        if not math.isfinite(eps) or eps > limit:
-            raise ValueError(f"reg: {reg:.3g} exceeds what {self.dtype} resolves for supports of squared "
-                             f"diameter {math.ldexp(diam2, 2 * self.k):.3g}; use a smaller reg")
-        return eps
+        if eps > 0 and diam2 / eps < limit and eps < limit:
+            return eps
+        try:
+            ratio = f"{math.ldexp(reg / diam2, -2 * self.k):.3g}"
+        except OverflowError:
+            ratio = "> 1e308"
+        ratio = "< 1e-308" if ratio == "0" else ratio
+        side = "below" if not (eps > 0 and diam2 / eps < limit) else "above"
+        if side == "below":
+            what = "use a larger reg" + (", float64" if self.dtype == torch.float32 else "") + " or method='exact'"
+        else:
+            what = "use a smaller reg"
+        raise ValueError(f"reg: reg / squared diameter ({ratio}) is {side} what exp(-|x - y|^2 / reg) resolves in "
+                         f"{self.dtype} (reg = {reg:.3g}, coordinates up to ~2^{self.k}); {what}")
 
     def reg(self, eps: float) -> float:
         """eps (normalized units) back in squared-distance units."""

@@ -29,7 +29,7 @@ import torch
 from particles import Measure
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from .options import resolve
+from .options import check_memory_limit, resolve
 from .problem import Problem, ldexp
 from .result import worst_error
 
@@ -242,6 +242,7 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         atoms of zero mass), the L1 marginal error of the self coupling, the updates made.
     """
     check_on_failure(on_failure)
+    memory_limit = check_memory_limit(memory_limit)
     problem = Problem(mu, mu)
     opts = resolve("streaming", dict(reg=reg, tol=tol, max_iter=max_iter, scaling=scaling,
                                      chunk_elements=chunk_elements), mu.dtype)
