@@ -129,25 +129,30 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         (the entropic options given then apply; :attr:`TransportResult.method` says which ran).
     reg : float
         Entropic regularization eps of the entropic methods, in units of squared distance: POT's
-        ``reg`` for the cost matrix M_ij = |x_i - y_j|^2, OT_eps = min <pi, M> + eps KL(pi | mu x nu).
-        GeomLoss's ``SamplesLoss("sinkhorn", p=2, blur=...)`` uses the cost |x - y|^2 / 2 and
-        eps = blur^2: the same problem for blur^2 = reg / 2, and its value is S_eps / 2 (checked
-        numerically: tests/transport/test_conventions.py). Required for "sinkhorn" and "streaming";
-        "auto" defaults to (AUTO_BLUR * diameter)^2.
+        ``reg`` for the cost matrix M_ij = |x_i - y_j|^2 (``ot.sinkhorn2(a, b, M, reg)`` gives our
+        ``debias=False`` value), OT_eps = min <pi, M> + eps KL(pi | mu x nu). GeomLoss's
+        ``SamplesLoss("sinkhorn", p=2, blur=...)`` uses the cost |x - y|^2 / 2 and eps = blur^2: the
+        same problem for blur^2 = reg / 2, its value being S_eps / 2 (checked numerically against
+        GeomLoss 0.3.1: its value tends to half ours as its ``scaling`` -> 1, 4e-9 relative at
+        0.9999). Required for "sinkhorn" and "streaming"; "auto" defaults to (AUTO_BLUR * diameter)^2.
     debias : bool, default True
         True: the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2
-        (zero for mu = nu, tends to W2^2 as reg -> 0). False: <pi_eps, C>, the cost of the entropic
-        plan (>= W2^2).
+        (zero for mu = nu, tends to W2^2 as reg -> 0; GeomLoss's ``debias=True``). False:
+        <pi_eps, C>, the cost of the entropic plan (>= W2^2; POT's ``sinkhorn2`` value).
     tol : float
-        L1 error of the plan's marginals at which Sinkhorn stops; default by dtype,
-        :data:`transport.options.TOL` (1e-7 in float64, 1e-5 in float32).
+        L1 error of the plan's marginals, sum_i |pi 1 - a|_i + sum_j |pi^T 1 - b|_j, at which
+        Sinkhorn stops; default by dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in float32).
+        Not POT's ``stopThr`` (an L2 error of one marginal): the dense method passes POT
+        tol / sqrt(M), which implies ours.
     max_iter : int
-        Sinkhorn updates, eps-scaling levels included (default 10000 "sinkhorn", 5000 "streaming").
+        Sinkhorn updates, eps-scaling levels included (POT's ``numItermax``; default 10000
+        "sinkhorn", 5000 "streaming"). Every loop of every solver is bounded by it.
     scaling : float in [0, 1), default 0.5
-        "streaming": eps-scaling ratio (eps divided by scaling^2 per level from the squared diameter
-        down to reg, GeomLoss's ``scaling``); 0 solves at reg directly.
+        "streaming": eps-scaling ratio, GeomLoss's ``scaling``: sqrt(eps) is multiplied by it per
+        level, from the squared diameter of the clouds down to reg (an annealing longer than
+        ``max_iter`` levels is refused); 0 solves at reg directly.
     chunk_elements : int, default 2^18
-        "streaming": elements of the largest block of the cost held at once.
+        "streaming": elements of the largest block of the cost held at once (memory, not accuracy).
     return_plan : bool
         Also return the (N, M) coupling ("exact" and "sinkhorn").
     on_failure : {"raise", "warn"}
