@@ -1,27 +1,36 @@
 """Optimal transport between measures: W2, entropic W2 and the conditional W2 of masked measures.
 
-    from transport import w2, conditional_w2
-    w2(mu, nu)                                   # exact (POT network simplex; sorting in d = 1)
+    from transport import w2, conditional_w2, solve
+    w2(mu, nu)                                   # exact W2, a float (POT network simplex; sorting in d = 1)
     w2(mu, nu, "sinkhorn", reg=1e-2)             # entropic, dense, POT log-domain (debiased by default)
     w2(mu, nu, "streaming", reg=1e-2)            # entropic, memory O(N), eps-scaling, CPU or CUDA
     w2(mu, nu, "auto")                           # chooses by size (below)
+    res = solve(mu, nu, "sinkhorn", reg=1e-2)    # TransportResult: value, plan, potentials, error, ...
     conditional_w2(mu, nu)                       # Definition 4.1; math.inf if position marginals differ
 
-Which method up to which size (N = M atoms; figures in benchmarks/transport.md):
+``reg`` is POT's epsilon on squared distances (GeomLoss's ``blur`` for p = 2: blur^2 = reg / 2).
+Every method's options and defaults are in one table, :data:`DEFAULTS`; an option that does not
+apply to the chosen method is an error. Which method up to which size (N = M atoms; figures in
+benchmarks/transport.md):
 
-* "exact": d = 1 at any N (sorting); otherwise up to N ~ 2000-5000 (network simplex, O(N^2)
-  memory, superquadratic time). "auto" uses it while N * M <= 4e6.
-* "sinkhorn": dense N x M matrices, N up to ~5000 (memory 8 N M bytes per matrix in float64).
+* "exact": d = 1 at any N (sorting); otherwise up to N ~ 2000-5000 (network simplex, about
+  48 N M bytes, superquadratic time). "auto" uses it while N * M <= 4e6.
+* "sinkhorn": dense N x M matrices, N up to ~5000 (about 10 matrices of N M entries).
 * "streaming": N from ~10^3 to 10^5 on CPU (time O(N M) per iteration, memory O(N + M)),
   10^6 on a GPU. "auto" switches to it above 4e6 pairs, with reg = (0.05 * diameter)^2 unless
   given.
 
-Entropic values: debias=True (default) reports sqrt of the Sinkhorn divergence
-S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2 (zero for mu = nu, -> W2^2 as
-reg -> 0); debias=False sqrt of <pi_eps, C> (an upper bound on W2). A solve that does not reach
-its marginal tolerance emits SinkhornConvergenceWarning stating the error reached (RuntimeError
-with strict=True). Values are floats, or 0-d tensors with gradients when points require grad.
+A dense method that would exceed the memory limit (``memory_limit=`` or
+``$SMOOTH_ATTENTION_MEMORY_LIMIT``, default 8 GiB) raises MemoryLimitError before allocating,
+naming the size and "streaming". Entropic values: debias=True (default) reports sqrt of the
+Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2 (zero for
+mu = nu, -> W2^2 as reg -> 0); debias=False sqrt of <pi_eps, C> (an upper bound on W2). A solve
+that does not reach its marginal tolerance raises :class:`ConvergenceError` carrying the result
+(``on_failure="warn"``: a RuntimeWarning, and the result with ``converged=False``), as
+:func:`meanfield.local_lipschitz` does. Values are floats, or 0-d tensors with gradients when
+points require grad.
 """
+
 
 
 def _require_own_particles() -> None:
@@ -52,12 +61,15 @@ _require_own_particles()
 
 from particles._version import __version__ as __version__  # noqa: E402
 
-from ._common import SinkhornConvergenceWarning  # noqa: E402
-from .api import AUTO_EXACT_MAX_PAIRS, METHODS, w2  # noqa: E402
+from particles.validation import ConvergenceError, MemoryLimitError  # noqa: E402
+
+from .api import AUTO_BLUR, AUTO_EXACT_MAX_PAIRS, ROUTINES, solve, w2  # noqa: E402
 from .conditional import conditional_w2  # noqa: E402
-from .streaming import SinkhornResult, sinkhorn_streaming  # noqa: E402
+from .options import DEFAULTS, METHODS, TOL  # noqa: E402
+from .result import TransportResult  # noqa: E402
+from .streaming import symmetric_potential  # noqa: E402
 
 __smooth_attention__ = "smooth-attention"  # marker: this is smooth-attention's transport
 
-__all__ = ["w2", "conditional_w2", "sinkhorn_streaming", "SinkhornResult", "SinkhornConvergenceWarning",
-           "METHODS", "AUTO_EXACT_MAX_PAIRS"]
+__all__ = ["w2", "solve", "conditional_w2", "TransportResult", "symmetric_potential", "ConvergenceError",
+           "MemoryLimitError", "METHODS", "DEFAULTS", "TOL", "ROUTINES", "AUTO_EXACT_MAX_PAIRS", "AUTO_BLUR"]

@@ -1,84 +1,223 @@
-"""The one entry point ``w2``: dispatch to the exact, dense entropic or streaming solver."""
+"""The entry points :func:`solve` (a :class:`TransportResult`) and :func:`w2` (a number).
+
+Problem, solver and output are kept apart: :class:`~transport.problem.Problem` holds the two
+measures (normalized), a routine of :data:`ROUTINES` solves it with the options of
+:data:`~transport.options.DEFAULTS`, and :class:`~transport.result.TransportResult` reports.
+"""
 
 from __future__ import annotations
 
-import warnings
+import math
+
+import torch
 
 from particles import Measure
+from particles.validation import ConvergenceError, check_on_failure
 
-from ._common import check_pair, check_reg, check_tol_iter, finish, needs_grad
-from .exact import w2_squared_1d, w2_squared_exact
-from .sinkhorn import w2_squared_sinkhorn
-from .streaming import sinkhorn_streaming
+from .exact import solve_exact
+from .options import check_bool, check_memory_limit, check_method, resolve
+from .problem import Problem, ldexp, to_units
+from .result import TransportResult, report_failure
+from .sinkhorn import solve_sinkhorn
+from .streaming import solve_streaming
 
-METHODS = ("exact", "sinkhorn", "streaming", "auto")
+#: Method name -> routine(problem, eps, options, return_plan, memory_limit) -> dict of raw outputs
+#: (value in normalized units, plan, potentials, error, iterations).
+ROUTINES = {
+    "exact": solve_exact,
+    "sinkhorn": solve_sinkhorn,
+    "streaming": solve_streaming,
+}
+ENTROPIC = ("sinkhorn", "streaming")
 
-#: "auto" solves exactly while N * M is at most this (N = M ~ 2000; about a second on one core).
+#: "auto" solves exactly while N * M is at most this (N = M = 2000: about a second on one core,
+#: 190 MB for the network simplex).
 AUTO_EXACT_MAX_PAIRS = 2000 * 2000
-#: "auto" with reg=None uses eps = (AUTO_BLUR * diameter)^2 on the streaming path.
+#: "auto" without reg uses reg = (AUTO_BLUR * diameter)^2 on the streaming path (diameter: of the box
+#: holding both clouds, max coordinate spread times sqrt(d)).
 AUTO_BLUR = 0.05
 
 
-def w2(mu: Measure, nu: Measure, method: str = "exact", *, reg: float | None = None, debias: bool = True,
-       return_plan: bool = False, squared: bool = False, tol: float | None = None, max_iter: int | None = None,
-       strict: bool = False, **options):
-    """Wasserstein-2 distance between two measures on R^d (MATH.md section 3).
+def _auto(problem: Problem) -> str:
+    """The method "auto" stands for, from the sizes alone (never from the values).
 
-    W2(mu, nu)^2 = min over couplings pi of sum_ij pi_ij |x_i - y_j|^2. Positions of masked
-    measures are ignored here (use :func:`transport.conditional_w2` for Definition 4.1).
-
-    method:
-      "exact"     POT's network simplex on the squared-distance matrix; d = 1 uses the sorted
-                  (quantile) closed form in O(N log N) instead.
-      "sinkhorn"  POT's log-domain Sinkhorn with entropic regularization ``reg`` on the dense
-                  cost matrix; ``debias=True`` gives sqrt of the Sinkhorn divergence S_eps,
-                  ``debias=False`` sqrt of the cost <pi_eps, C> of the entropic plan (>= W2).
-      "streaming" the same S_eps (or <pi_eps, C>) from :func:`transport.sinkhorn_streaming`,
-                  memory O(N + M), eps-scaling; float32 or float64, CPU or CUDA.
-      "auto"      exact when d = 1 or N * M <= AUTO_EXACT_MAX_PAIRS, else streaming with
-                  ``reg`` (default (0.05 * diameter)^2) and ``debias``.
-
-    Returns a float, or a 0-d tensor carrying the autograd graph when points (or weights)
-    require grad. ``squared=True`` returns W2^2. ``return_plan=True`` returns (value, plan), the
-    (N, M) coupling (not available for "streaming"). Entropic methods that do not reach
-    ``tol`` (L1 marginal error; default 1e-7 in float64, 1e-5 in float32) within ``max_iter``
-    (default 10000 "sinkhorn", 5000 "streaming") warn with SinkhornConvergenceWarning, or
-    raise RuntimeError when ``strict=True``. Extra ``options`` go to the streaming solver
-    (``scaling``, ``chunk_elements``).
+    * d = 1: the sorted formula is exact in O(N log N) time and O(N + M) memory, at any size;
+    * N * M <= AUTO_EXACT_MAX_PAIRS: the network simplex, exact, dense but small;
+    * otherwise: streaming Sinkhorn, memory O(N + M) and time O(N M) per iteration, at the reg given
+      or (AUTO_BLUR * diameter)^2, a blur of 5% of the diameter: W2^2 within a few percent
+      (benchmarks/transport.md).
     """
-    check_pair(mu, nu)
-    if method not in METHODS:
-        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
-    if options and method not in ("streaming", "auto"):
-        raise TypeError(f"w2: unexpected options {sorted(options)} for method={method!r}")
-    grad = needs_grad(mu, nu)
+    if problem.dim == 1 or problem.n * problem.m <= AUTO_EXACT_MAX_PAIRS:
+        return "exact"
+    return "streaming"
+
+
+def _auto_eps(problem: Problem) -> float:
+    """(AUTO_BLUR * diameter)^2 in normalized units (never 0: one point repeated still gets a positive eps)."""
+    both = torch.cat([problem.x.detach(), problem.y.detach()])
+    spread = float(both.max()) - float(both.min())
+    return max((AUTO_BLUR * spread * problem.dim ** 0.5) ** 2, 1e-12)
+
+
+def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel) -> TransportResult:
+    problem = Problem(mu, nu)
+    method = check_method(method)
+    return_plan = check_bool(return_plan, "return_plan")
+    check_on_failure(on_failure)
+    limit = check_memory_limit(memory_limit)
+    opts = resolve(method, given, problem.dtype)
     if method == "auto":
-        if mu.dim == 1 or mu.n * nu.n <= AUTO_EXACT_MAX_PAIRS:
-            method = "exact"
-        else:
-            method = "streaming"
-            if reg is None:
-                both = [mu.points.detach(), nu.points.detach()]
-                lo = min(float(p.min()) for p in both)
-                hi = max(float(p.max()) for p in both)
-                reg = max((AUTO_BLUR * (hi - lo) * mu.dim ** 0.5) ** 2, 1e-12)
-    if method == "exact":
-        if reg is not None:
-            warnings.warn("w2: reg is ignored by method='exact'", UserWarning, stacklevel=2)
-        solver = w2_squared_1d if mu.dim == 1 else w2_squared_exact
-        value, plan = solver(mu, nu, return_plan)
-    elif method == "sinkhorn":
-        reg = check_reg(reg, method)
-        t = (1e-7 if mu.dtype.itemsize == 8 else 1e-5) if tol is None else tol
-        t, it = check_tol_iter(t, 10_000 if max_iter is None else max_iter)
-        value, plan = w2_squared_sinkhorn(mu, nu, reg, debias=debias, return_plan=return_plan, tol=t,
-                                          max_iter=it, strict=strict)
-    else:
         if return_plan:
+            raise ValueError("return_plan: method='auto' may choose 'streaming', which never forms the plan; "
+                             "choose method='exact' or 'sinkhorn' for a plan")
+        method = _auto(problem)
+        if method == "exact":
+            opts = {}  # the entropic options were checked; they serve only the streaming branch
+        elif opts["reg"] is None:
+            opts["reg"] = problem.reg(_auto_eps(problem))
+    eps = None
+    if method in ENTROPIC:
+        if opts["reg"] is None:
+            raise ValueError(f"reg: method={method!r} needs an entropic regularization reg > 0 "
+                             "(POT's epsilon, in units of squared distance)")
+        eps = problem.eps(opts["reg"])
+        if method == "streaming" and return_plan:
             raise ValueError("return_plan: the streaming method never forms the N x M plan; "
-                             "use method='sinkhorn' (dense) for a plan")
-        res = sinkhorn_streaming(mu, nu, reg, debias=debias, tol=tol,
-                                 max_iter=5000 if max_iter is None else max_iter, strict=strict, **options)
-        value, plan = res.value, None
-    out = finish(value, squared, grad)
-    return (out, plan) if return_plan else out
+                             "use method='sinkhorn' (dense) for a plan, or the potentials of the result")
+    raw = ROUTINES[method](problem, eps, opts, return_plan, limit)
+    if not bool(torch.isfinite(raw["value"].detach())):
+        # the normalization keeps every finite input finite: reaching this is a solver failure
+        raise ConvergenceError(f"w2 ({method}): the computed value is {float(raw['value'])} "
+                               f"(error {raw['error']:.3g} after {raw['iterations']} iterations)")
+    value, value_sq = to_units(raw["value"], problem.k, problem.grad)
+    potentials = raw["potentials"]
+    if potentials is not None:
+        potentials = tuple(ldexp(p.detach(), 2 * problem.k) for p in potentials)
+        if not all(bool(torch.isfinite(p).all()) for p in potentials):
+            potentials = None
+    tol = opts.get("tol")
+    err = float(raw["error"])
+    result = TransportResult(
+        value=value, value_squared=value_sq, method=method, plan=raw["plan"], potentials=potentials,
+        error=err, converged=tol is None or err <= tol, iterations=raw["iterations"],
+        reg=opts.get("reg"), debias=opts.get("debias"), tol=tol, max_iter=opts.get("max_iter"))
+    if not result.converged:
+        report_failure(result, on_failure, stacklevel + 1)
+    return result
+
+
+def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=None, tol=None, max_iter=None,
+          scaling=None, chunk_elements=None, return_plan=False, on_failure: str = "raise",
+          memory_limit=None) -> TransportResult:
+    r"""Optimal transport between two measures for the cost \|x - y\|^2: W2 and what the solver reached.
+
+    W2(mu, nu)^2 = min over couplings pi of sum_ij pi_ij \|x_i - y_j\|^2 (docs/math.md section 3).
+    Positions of masked measures are ignored here (:func:`transport.conditional_w2` uses them).
+
+    Parameters
+    ----------
+    mu, nu : :class:`particles.Measure`
+        Same dimension, dtype (float32 or float64) and device.
+    method : {"exact", "sinkhorn", "streaming", "auto"}
+        "exact": POT's network simplex (``ot.emd2``) on the squared-distance matrix; d = 1 uses
+        the sorted (quantile) closed form in O(N log N) instead.
+        "sinkhorn": POT's log-domain Sinkhorn (``ot.sinkhorn(..., method="sinkhorn_log")``) on the
+        dense cost matrix, N, M up to a few thousand.
+        "streaming": the same entropic problem without the N x M matrix (memory O(N + M),
+        eps-scaling, CPU or CUDA); N up to ~10^5 on a CPU.
+        "auto": "exact" when d = 1 or N * M <= :data:`AUTO_EXACT_MAX_PAIRS`, else "streaming"
+        (the entropic options given then apply; :attr:`TransportResult.method` says which ran).
+    reg : float
+        Entropic regularization eps of the entropic methods, in units of squared distance: POT's
+        ``reg`` for the cost matrix M_ij = \|x_i - y_j\|^2 (``ot.sinkhorn2(a, b, M, reg)`` gives our
+        ``debias=False`` value), OT_eps = min <pi, M> + eps KL(pi \| mu x nu). GeomLoss's
+        ``SamplesLoss("sinkhorn", p=2, blur=...)`` uses the cost \|x - y\|^2 / 2 and eps = blur^2: the
+        same problem for blur^2 = reg / 2, its value being S_eps / 2 (checked numerically against
+        GeomLoss 0.3.1: its value tends to half ours as its ``scaling`` -> 1, 4e-9 relative at
+        0.9999). Required for "sinkhorn" and "streaming"; "auto" defaults to (AUTO_BLUR * diameter)^2.
+    debias : bool, default True
+        True: the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2
+        (zero for mu = nu, tends to W2^2 as reg -> 0; GeomLoss's ``debias=True``). False:
+        <pi_eps, C>, the cost of the entropic plan (>= W2^2; POT's ``sinkhorn2`` value).
+    tol : float
+        L1 error of the plan's marginals, sum_i \|pi 1 - a\|_i + sum_j \|pi^T 1 - b\|_j, at which
+        Sinkhorn stops; default by dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in float32).
+        Not POT's ``stopThr`` (an L2 error of one marginal): the dense method passes POT
+        tol / sqrt(M), which implies ours.
+    max_iter : int
+        Sinkhorn updates, eps-scaling levels included (POT's ``numItermax``; default 10000
+        "sinkhorn", 5000 "streaming"). Every loop of every solver is bounded by it.
+    scaling : float in [0, 1), default 0.5
+        "streaming": eps-scaling ratio, GeomLoss's ``scaling``: sqrt(eps) is multiplied by it per
+        level, from the squared diameter of the clouds down to reg (an annealing longer than
+        ``max_iter`` levels is refused); 0 solves at reg directly.
+    chunk_elements : int, default 2^18
+        "streaming": elements of the largest block of the cost held at once (memory, not accuracy).
+    return_plan : bool
+        Also return the (N, M) coupling ("exact" and "sinkhorn").
+    on_failure : {"raise", "warn"}
+        An entropic solve that misses ``tol`` within ``max_iter``: "raise" a
+        :class:`~particles.validation.ConvergenceError` carrying this result (``.estimate``), or
+        "warn" (RuntimeWarning) and return it with ``converged=False``. As for
+        :func:`meanfield.local_lipschitz`.
+    memory_limit : int or str
+        Bytes (or "16G") a dense method may take; default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or
+        8 GiB. Above it a :class:`~particles.validation.MemoryLimitError` names the size and the
+        method to use instead, before anything is allocated.
+
+    Returns
+    -------
+    TransportResult
+        ``value`` (W2, a float or a 0-d tensor carrying the autograd graph when the points require
+        grad), ``value_squared``, ``plan``, ``potentials``, ``error``, ``converged``, ``iterations``,
+        ``method`` and the options used.
+
+    Notes
+    -----
+    Options that do not apply to the method are a TypeError; values are checked (a
+    ValueError or TypeError names the option). The clouds are centred and, far outside unit
+    scales (coordinates beyond ~1e149 or below ~1e-149 in float64, ~1e14 / 1e-14 in float32),
+    rescaled by a power of two before solving, so that squared distances never overflow or
+    underflow; a ``reg`` too small or too large for the dtype at that scale is a ValueError.
+
+    Examples
+    --------
+    >>> from particles import Measure
+    >>> from transport import solve
+    >>> res = solve(Measure([[0.0, 0.0]]), Measure([[3.0, 4.0]]))
+    >>> res.value, res.method
+    (5.0, 'exact')
+    """
+    given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
+                 chunk_elements=chunk_elements)
+    return _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
+
+
+def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return_plan=False, reg=None,
+       debias=None, tol=None, max_iter=None, scaling=None, chunk_elements=None, on_failure: str = "raise",
+       memory_limit=None):
+    """Wasserstein-2 distance between two measures on R^d (docs/math.md section 3): a number.
+
+    The value of :func:`transport.solve` (same parameters; see it for the methods, their options
+    and conventions): a float, or a 0-d tensor carrying the autograd graph when the points (or
+    weights) require grad. ``squared=True`` returns W2^2 (OverflowError when it exceeds the float
+    range although W2 does not). ``return_plan=True`` returns ``(value, plan)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from particles import Measure
+    >>> from transport import w2
+    >>> mu = Measure(torch.tensor([[0.0], [1.0]], dtype=torch.float64))
+    >>> w2(mu, mu.pushforward(lambda x: x + 2.0))
+    2.0
+    """
+    squared = check_bool(squared, "squared")
+    given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
+                 chunk_elements=chunk_elements)
+    res = _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
+    if squared and not isinstance(res.value_squared, torch.Tensor) and math.isinf(res.value_squared):
+        raise OverflowError(f"squared: W2^2 = ({float(res.value):.6g})^2 exceeds the float range; "
+                            "ask for W2 (squared=False)")
+    out = res.value_squared if squared else res.value
+    return (out, res.plan) if return_plan else out

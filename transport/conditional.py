@@ -1,4 +1,4 @@
-"""Conditional W2 of masked measures on [0, 1] x R^d (Definition 4.1, MATH.md section 3)."""
+"""Conditional W2 of masked measures on [0, 1] x R^d (Definition 4.1, docs/math.md section 3)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ import math
 import torch
 
 from particles import Measure
+from particles.validation import check_allocation
 
-from ._common import check_pair, finish, needs_grad
+from .exact import emd_squared
+from .options import check_bool, check_memory_limit, check_real
+from .problem import check_pair, needs_grad, normalize, to_units
 
 #: Default tolerance on positions (two positions closer than this are the same position).
 POSITION_ATOL = 1e-9
@@ -16,31 +19,45 @@ POSITION_ATOL = 1e-9
 MASS_ATOL = 1e-9
 
 
-def conditional_w2(mu: Measure, nu: Measure, *, atol: float = POSITION_ATOL, mass_atol: float = MASS_ATOL,
-                   squared: bool = False, return_plan: bool = False):
+def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MASS_ATOL, squared=False,
+                   return_plan=False, memory_limit=None):
     """W2c(mu, nu)^2 = sum over distinct positions s of m(s) W2(mu_s, nu_s)^2 (Definition 4.1).
 
-    Both measures must be masked (carry positions). Their position marginals m are compared:
-    positions closer than ``atol`` count as one position (the marginal of ``mu`` groups them,
-    chaining gaps <= atol), and the two marginals must have the same positions within ``atol``
-    and the same masses within ``mass_atol``; otherwise the value is ``math.inf`` (no coupling
-    keeps every position). Each slice mu_s, nu_s (renormalized atoms at s) is solved exactly
-    (POT network simplex; one-atom slices in closed form), so no mass ever crosses positions.
+    Parameters
+    ----------
+    mu, nu : :class:`particles.Measure`
+        Masked measures (with positions), of the same dimension, dtype and device.
+    atol : float >= 0
+        Positions closer than ``atol`` count as one position (the marginal of ``mu`` groups them,
+        chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
+    mass_atol : float >= 0
+        ... and the same masses within ``mass_atol``. Otherwise the value is ``math.inf``: no
+        coupling keeps every position.
+    squared : bool
+        Return W2c^2.
+    return_plan : bool
+        Also return the block-diagonal (N, M) coupling (None when the value is infinite).
+    memory_limit : int or str
+        Bytes (or "16G") one slice's network simplex, or the plan, may take (see :func:`transport.solve`).
 
-    For two sequences with positions i/n, W2c = ||X - Y|| / sqrt(n). Returns a float (0-d tensor
-    if points require grad), W2c^2 when ``squared``, and with ``return_plan`` the block-diagonal
-    (N, M) coupling (None when the value is infinite).
+    Each slice mu_s, nu_s (renormalized atoms at s) is solved exactly (POT network simplex;
+    one-atom slices in closed form), so no mass ever crosses positions. For two sequences with
+    positions i/n, W2c = ||X - Y|| / sqrt(n). Returns a float, or a 0-d tensor carrying the
+    autograd graph when points require grad.
     """
-    from .exact import w2_squared_exact
-
     check_pair(mu, nu)
     for name, m in (("mu", mu), ("nu", nu)):
         if not m.masked:
             raise ValueError(f"{name}: conditional W2 needs a masked measure with positions "
                              "(build it with positions=... or Measure.sequence)")
-    atol, mass_atol = float(atol), float(mass_atol)
-    if not (atol >= 0 and mass_atol >= 0):
-        raise ValueError(f"atol, mass_atol: expected non-negative tolerances, got {atol}, {mass_atol}")
+    atol = check_real(atol, "atol", positive=False, allow_inf=True)
+    mass_atol = check_real(mass_atol, "mass_atol", positive=False, allow_inf=True)
+    squared = check_bool(squared, "squared")
+    return_plan = check_bool(return_plan, "return_plan")
+    limit = check_memory_limit(memory_limit)
+    if return_plan:
+        check_allocation(mu.n * nu.n * mu.points.element_size(), f"the plan of conditional_w2 between {mu.n} "
+                         f"and {nu.n} atoms", "ask for the value only (return_plan=False)", limit)
     grad = needs_grad(mu, nu)
     s_mu, m_mu = mu.position_marginal(atol)
     s_nu, m_nu = nu.position_marginal(atol)
@@ -50,35 +67,43 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol: float = POSITION_ATOL, mas
     if (s_mu.shape != s_nu.shape or bool(((s_mu - s_nu).abs() > atol).any())
             or bool(((m_mu - m_nu).detach().abs() > mass_atol).any())):
         return (math.inf, None) if return_plan else math.inf
-    k = s_mu.shape[0]
+    x, y, k = normalize(mu.points, mu.weights, nu.points, nu.weights)
+    if k == 0:  # no rescaling needed: difference the points as given (see Problem.plain_points)
+        x, y = mu.points, nu.points
+    n_pos = s_mu.shape[0]
     # each atom's group: the nearest marginal position (atoms of zero mass included)
     gx = _nearest(s_mu, mu.positions)
     gy = _nearest(s_mu, nu.positions)
     lx = mu.log_weights - torch.log(m_mu)[gx]
     ly = nu.log_weights - torch.log(m_mu)[gy]
     plan = torch.zeros(mu.n, nu.n, dtype=mu.dtype, device=mu.device) if return_plan else None
-    count_x = torch.bincount(gx, minlength=k)
-    count_y = torch.bincount(gy, minlength=k)
+    count_x = torch.bincount(gx, minlength=n_pos)
+    count_y = torch.bincount(gy, minlength=n_pos)
     single = (count_x == 1) & (count_y == 1)
-    total = mu.points.new_zeros(())
+    total = x.new_zeros(())
     if bool(single.any()):
         # one atom on each side at a position: the only coupling moves it to the other, vectorized
         ix = torch.nonzero(single[gx])[:, 0]
         iy = torch.nonzero(single[gy])[:, 0]
         ix, iy = ix[torch.argsort(gx[ix])], iy[torch.argsort(gy[iy])]
-        total = total + (m_mu[gx[ix]] * ((mu.points[ix] - nu.points[iy]) ** 2).sum(1)).sum()
+        total = total + (m_mu[gx[ix]] * ((x[ix] - y[iy]) ** 2).sum(1)).sum()
         if plan is not None:
             plan[ix, iy] = m_mu[gx[ix]].detach()
     for s in torch.nonzero(~single)[:, 0].tolist():
         ix = torch.nonzero(gx == s)[:, 0]
         iy = torch.nonzero(gy == s)[:, 0]
-        a = Measure._trusted(mu.points[ix], lx[ix].exp(), lx[ix], None)
-        b = Measure._trusted(nu.points[iy], ly[iy].exp(), ly[iy], None)
-        value, p = w2_squared_exact(a, b, return_plan)
+        a, b = lx[ix].exp(), ly[iy].exp()
+        # centred on the slice, as for any exact solve (see transport.problem.normalize)
+        c = (0.5 * (a @ x[ix] + b @ y[iy])).detach()
+        value, p, _ = emd_squared(x[ix] - c, a, y[iy] - c, b, return_plan=return_plan, memory_limit=limit)
         total = total + m_mu[s] * value
         if plan is not None:
             plan[ix[:, None], iy[None, :]] = m_mu[s].detach() * p.detach()
-    out = finish(total, squared, grad)
+    value, value_sq = to_units(total, k, grad)
+    if squared and not isinstance(value_sq, torch.Tensor) and math.isinf(value_sq):
+        raise OverflowError(f"squared: W2c^2 = ({float(value):.6g})^2 exceeds the float range; "
+                            "ask for W2c (squared=False)")
+    out = value_sq if squared else value
     return (out, plan) if return_plan else out
 
 

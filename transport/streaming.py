@@ -1,61 +1,55 @@
-"""Large-N entropic W2: a streaming log-domain Sinkhorn in torch, memory O((N + M) d + chunk).
+r"""Large-N entropic W2: a streaming log-domain Sinkhorn in torch, memory O((N + M) d + chunk).
 
 The N x M cost matrix is never stored: every Sinkhorn half-step is a soft-min
 
-    f_i = -eps log sum_j b_j exp((g_j - |x_i - y_j|^2) / eps)
-        = |x_i|^2 - eps LSE_j( log b_j + (g_j - |y_j|^2) / eps + (2 / eps) <x_i, y_j> ),
+    f_i = -eps log sum_j b_j exp((g_j - \|x_i - y_j\|^2) / eps)
+        = \|x_i\|^2 - eps LSE_j( log b_j + (g_j - \|y_j\|^2) / eps + (2 / eps) <x_i, y_j> ),
 
 evaluated on blocks of rows with one matrix product and one log-sum-exp per block (the online
 log-sum-exp of Feydy et al.'s GeomLoss, here in plain torch so the same code runs on CPU and
 CUDA, float32 or float64). eps-scaling (annealing eps from the squared diameter down to ``reg``,
 one update per level, then iterating to convergence at ``reg``) cuts the iteration count from
-O(diam^2 / eps) to a few dozen. Conventions are those of :mod:`transport.sinkhorn`.
+O(diam^2 / eps) to a few dozen. Conventions are those of :mod:`transport.sinkhorn`
+(docs/math.md section 3).
 
 Gradients with respect to the points use the envelope theorem (the potentials are optimal, so
 dOT_eps/dx_i = sum_j pi_ij 2 (x_i - y_j)), computed block by block in a custom autograd
 function: the backward pass is O(N) in memory too. Weights are treated as constants.
+
+Every loop is bounded: the eps-scaling levels and the Sinkhorn updates together by ``max_iter``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import warnings
 
 import torch
 
 from particles import Measure
+from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from ._common import check_reg, check_tol_iter, common_shift, report_nonconvergence
+from .options import check_memory_limit, resolve
+from .problem import Problem, ldexp
+from .result import worst_error
 
-#: Elements of the largest (rows x M) block held at once: 2^18 is 2 MiB in float64, small enough to stay in
-#: cache (2.3x faster than 32 MiB blocks at N = 4000 on one CPU thread, benchmarks/transport.md).
-DEFAULT_CHUNK_ELEMENTS = 2 ** 18
+__all__ = ["symmetric_potential"]
 
-
-@dataclass(frozen=True)
-class SinkhornResult:
-    """Outcome of :func:`sinkhorn_streaming`.
-
-    value: S_eps (debias) or <pi_eps, C> (no debias), a 0-d tensor (with autograd graph when the
-    points require grad). f, g: dual potentials of OT_eps(mu, nu) on the supports of mu and nu.
-    error: L1 marginal error reached; iterations: Sinkhorn updates of the (mu, nu) problem,
-    eps-scaling levels included; converged: error <= tol.
-    """
-
-    value: torch.Tensor
-    f: torch.Tensor
-    g: torch.Tensor
-    error: float
-    iterations: int
-    converged: bool
+#: Temporaries of one block of the soft-min (the product, its exponentials, the reduction), in elements
+#: of the block: used to estimate the solver's memory before running it.
+BLOCK_TEMPORARIES = 3
 
 
 def _rows_per_block(m: int, chunk_elements: int) -> int:
     return max(1, chunk_elements // max(m, 1))
 
 
-def _softmin(x, xx, y, yy, log_b, g, eps, chunk_elements):
-    """f_i = -eps log sum_j exp(log b_j + (g_j - |x_i - y_j|^2) / eps), block by block over i."""
+def softmin(x, xx, y, yy, log_b, g, eps, chunk_elements):
+    """f_i = -eps log sum_j exp(log b_j + (g_j - |x_i - y_j|^2) / eps), block by block over i.
+
+    ``xx``, ``yy``: the squared norms of the rows of ``x``, ``y``. Tensor routine of the solver
+    (no checks): points should be centred so that |x|^2 carries no avoidable cancellation.
+    """
     h = (log_b + (g - yy) / eps)[None, :]
     yt = y.T
     out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
@@ -99,61 +93,67 @@ class _EntropicValue(torch.autograd.Function):
         return 2.0 * grad * gx, 2.0 * grad * gy, None, None, None, None, None, None
 
 
-def _schedule(x, y, reg, scaling):
-    """eps levels from the squared diameter of both clouds down to reg (factor scaling^2 each)."""
-    if scaling is None:
-        return [reg]
+def _schedule(x, y, eps, scaling, max_iter):
+    """eps levels from the squared diameter of both clouds down to eps (factor scaling^2 each).
+
+    At most ``max_iter`` levels: a longer schedule (scaling close to 1, or eps far below the squared
+    diameter) is refused before any work, so that the annealing can never run away.
+    """
+    if scaling == 0:
+        return [eps]
     both = torch.cat([x.detach(), y.detach()])
     diam2 = float(((both.max(0).values - both.min(0).values) ** 2).sum())
-    levels, eps = [], max(diam2, reg)
-    while eps > reg:
-        levels.append(eps)
-        eps *= scaling ** 2
-    return levels + [reg]
+    levels, e = [], max(diam2, eps)
+    for _ in range(max_iter):
+        if not e > eps:
+            return levels + [eps]
+        levels.append(e)
+        e *= scaling ** 2
+    raise ValueError(f"scaling: annealing over squared diameter / reg = {diam2 / eps:.3g} with scaling = {scaling} "
+                     f"takes more than max_iter = {max_iter} levels; use a smaller scaling or a larger max_iter")
 
 
-def _solve_pair(x, y, log_a, log_b, reg, tol, max_iter, scaling, chunk):
+def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk):
     xx, yy = (x * x).sum(1), (y * y).sum(1)
     a = log_a.exp()
     f = torch.zeros_like(xx)
     g = torch.zeros_like(yy)
-    levels = _schedule(x, y, reg, scaling)
-    for eps in levels[:-1]:
-        f = _softmin(x, xx, y, yy, log_b, g, eps, chunk)
-        g = _softmin(y, yy, x, xx, log_a, f, eps, chunk)
+    levels = _schedule(x, y, eps, scaling, max_iter)
+    for e in levels[:-1]:
+        f = softmin(x, xx, y, yy, log_b, g, e, chunk)
+        g = softmin(y, yy, x, xx, log_a, f, e, chunk)
     it = len(levels) - 1
-    f = _softmin(x, xx, y, yy, log_b, g, reg, chunk)
-    g = _softmin(y, yy, x, xx, log_a, f, reg, chunk)
-    err = math.inf
+    f = softmin(x, xx, y, yy, log_b, g, eps, chunk)
+    g = softmin(y, yy, x, xx, log_a, f, eps, chunk)
     while True:
-        f_new = _softmin(x, xx, y, yy, log_b, g, reg, chunk)
+        f_new = softmin(x, xx, y, yy, log_b, g, eps, chunk)
         # row marginal of the plan (f, g) is a_i exp((f_i - f_new_i) / eps); its columns are exact
-        err = float((a * torch.expm1((f - f_new) / reg).abs()).sum())
+        err = float((a * torch.expm1((f - f_new) / eps).abs()).sum())
         f = f_new
         it += 1
-        if err <= tol or it >= max_iter:
+        if err <= tol or it >= max_iter or math.isnan(err):
             break
-        g = _softmin(y, yy, x, xx, log_a, f, reg, chunk)
+        g = softmin(y, yy, x, xx, log_a, f, eps, chunk)
     return f, g, err, it
 
 
-def _solve_self(x, log_a, reg, tol, max_iter, scaling, chunk):
+def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk):
     """Symmetric Sinkhorn for OT_eps(mu, mu): f <- (f + softmin(f)) / 2 converges in few steps."""
     xx = (x * x).sum(1)
     a = log_a.exp()
     f = torch.zeros_like(xx)
-    levels = _schedule(x, x, reg, scaling)
-    for eps in levels[:-1]:
-        f = 0.5 * (f + _softmin(x, xx, x, xx, log_a, f, eps, chunk))
+    levels = _schedule(x, x, eps, scaling, max_iter)
+    for e in levels[:-1]:
+        f = 0.5 * (f + softmin(x, xx, x, xx, log_a, f, e, chunk))
     it, err = 0, math.inf
     while it < max_iter:
-        t = _softmin(x, xx, x, xx, log_a, f, reg, chunk)
-        err = float((a * torch.expm1((f - t) / reg).abs()).sum())
+        t = softmin(x, xx, x, xx, log_a, f, eps, chunk)
+        err = float((a * torch.expm1((f - t) / eps).abs()).sum())
         f = 0.5 * (f + t)
         it += 1
-        if err <= tol:
+        if err <= tol or math.isnan(err):
             break
-    return f, err
+    return f, err, it
 
 
 def _transport_cost(x, y, log_a, log_b, f, g, eps, chunk):
@@ -165,52 +165,105 @@ def _transport_cost(x, y, log_a, log_b, f, g, eps, chunk):
     return total
 
 
-def sinkhorn_streaming(mu: Measure, nu: Measure, reg: float, *, debias: bool = True, tol: float | None = None,
-                       max_iter: int = 5000, scaling: float | None = 0.5,
-                       chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, strict: bool = False) -> SinkhornResult:
-    """Entropic W2^2 between two Measures without forming the N x M cost matrix.
+def _check_blocks(n: int, m: int, chunk: int, element_size: int, memory_limit) -> None:
+    check_allocation(BLOCK_TEMPORARIES * max(chunk, n, m) * element_size,
+                     f"w2 (streaming) with blocks of chunk_elements = {chunk}",
+                     "use a smaller chunk_elements", memory_limit)
 
-    ``reg`` is eps (squared-distance units). ``tol``: L1 marginal error at which to stop (None:
-    1e-7 in float64, 1e-5 in float32; the relative error of the value is of that order).
-    Plain Sinkhorn converges linearly with a rate that degrades when reg falls far below the
-    squared spacing of the atoms (isolated atoms are weakly coupled): thousands of iterations.
-    ``scaling``: eps-scaling ratio in (0, 1) (None: no
-    annealing). Not converged after ``max_iter`` updates: SinkhornConvergenceWarning with the
-    reached error (RuntimeError when ``strict``). Differentiable in the points when
-    ``debias=True`` (envelope gradient); ``debias=False`` returns a value without gradient.
+
+def extend_potential(f, support, x_all, y, log_b, g, eps, chunk):
+    """Potential on every atom: ``f`` on the support, the soft c-transform of ``g`` on atoms of zero mass."""
+    if bool(support.all()):
+        return f
+    out = torch.empty(x_all.shape[0], dtype=f.dtype, device=f.device)
+    out[support] = f
+    rest = x_all[~support]
+    out[~support] = softmin(rest, (rest * rest).sum(1), y, (y * y).sum(1), log_b, g, eps, chunk)
+    return out
+
+
+def solve_streaming(problem: Problem, eps: float, opts: dict, return_plan: bool = False, memory_limit=None) -> dict:
+    """Routine of method "streaming": S_eps or <pi_eps, C> in normalized units, and what it reached.
+
+    Never forms the plan (``return_plan`` is refused by :func:`transport.solve` before this runs).
     """
-    reg = check_reg(reg, "streaming")
-    if tol is None:
-        tol = 1e-7 if mu.dtype == torch.float64 else 1e-5
-    tol, max_iter = check_tol_iter(tol, max_iter)
-    if scaling is not None and not 0.0 < float(scaling) < 1.0:
-        raise ValueError(f"scaling: expected a ratio in (0, 1) or None, got {scaling}")
-    if isinstance(chunk_elements, bool) or not isinstance(chunk_elements, int) or chunk_elements < 1:
-        raise ValueError(f"chunk_elements: expected a positive integer, got {chunk_elements!r}")
-    grad = mu.points.requires_grad or nu.points.requires_grad
-    if grad and not debias:
+    debias, tol, max_iter = opts["debias"], opts["tol"], opts["max_iter"]
+    scaling, chunk = opts["scaling"], opts["chunk_elements"]
+    if problem.grad and not debias:
         raise ValueError("debias: gradients of the streaming path are available for debias=True only "
                          "(the cost of the entropic plan has no envelope formula)")
-    c = common_shift(mu, nu)
-    sa, sb = mu.log_weights > -math.inf, nu.log_weights > -math.inf
-    xg, yg = mu.points[sa] - c, nu.points[sb] - c
-    la, lb = mu.log_weights[sa].detach(), nu.log_weights[sb].detach()
+    _check_blocks(problem.n, problem.m, chunk, problem.x.element_size(), memory_limit)
+    sa, sb = problem.log_a > -math.inf, problem.log_b > -math.inf
+    xg, yg = problem.x[sa], problem.y[sb]
+    la, lb = problem.log_a[sa].detach(), problem.log_b[sb].detach()
     x, y = xg.detach(), yg.detach()
     with torch.no_grad():
-        f, g, err, it = _solve_pair(x, y, la, lb, reg, tol, max_iter, scaling, chunk_elements)
+        f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk)
         if debias:
-            f_xx, err_x = _solve_self(x, la, reg, tol, max_iter, scaling, chunk_elements)
-            f_yy, err_y = _solve_self(y, lb, reg, tol, max_iter, scaling, chunk_elements)
-            err_all = max(err, err_x, err_y)
-        else:
-            err_all = err
-    if err_all > tol:
-        report_nonconvergence(err_all, tol, it, strict, "w2 (streaming)")
+            f_xx, err_x, _ = _solve_symmetric(x, la, eps, tol, max_iter, scaling, chunk)
+            f_yy, err_y, _ = _solve_symmetric(y, lb, eps, tol, max_iter, scaling, chunk)
+            err = worst_error(err, err_x, err_y)
     if debias:
-        val = _EntropicValue.apply(xg, yg, f, g, la, lb, reg, chunk_elements)
-        val = val - 0.5 * _EntropicValue.apply(xg, xg, f_xx, f_xx, la, la, reg, chunk_elements)
-        val = val - 0.5 * _EntropicValue.apply(yg, yg, f_yy, f_yy, lb, lb, reg, chunk_elements)
+        val = _EntropicValue.apply(xg, yg, f, g, la, lb, eps, chunk)
+        val = val - 0.5 * _EntropicValue.apply(xg, xg, f_xx, f_xx, la, la, eps, chunk)
+        val = val - 0.5 * _EntropicValue.apply(yg, yg, f_yy, f_yy, lb, lb, eps, chunk)
     else:
         with torch.no_grad():
-            val = _transport_cost(x, y, la, lb, f, g, reg, chunk_elements)
-    return SinkhornResult(val, f, g, err_all, it, err_all <= tol)
+            val = _transport_cost(x, y, la, lb, f, g, eps, chunk)
+    with torch.no_grad():
+        x_all, y_all = problem.x.detach(), problem.y.detach()
+        potentials = (extend_potential(f, sa, x_all, y, lb, g, eps, chunk),
+                      extend_potential(g, sb, y_all, x, la, f, eps, chunk))
+    return dict(value=val, plan=None, potentials=potentials, error=err, iterations=it)
+
+
+def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=None, chunk_elements=None,
+                        on_failure: str = "raise", memory_limit=None):
+    r"""The potential f of OT_eps(mu, mu), the self-transport term of the Sinkhorn divergence.
+
+    f is the fixed point of f = softmin_eps(f), f_i = -eps log sum_j a_j exp((f_j - \|x_i - x_j\|^2) / eps),
+    found by the averaged iteration f <- (f + softmin_eps(f)) / 2 (Feydy et al. 2019, section 3.1),
+    which converges in a few steps where the alternating updates of a general solver stall near
+    tol = 1e-7. Then OT_eps(mu, mu) = 2 <a, f> and the self coupling is
+    pi_ij = a_i a_j exp((f_i + f_j - \|x_i - x_j\|^2) / eps). Memory O(N) (streamed).
+
+    Parameters
+    ----------
+    mu : Measure (float32 or float64)
+    reg : eps > 0, POT's entropic regularization on squared distances (see :func:`transport.solve`).
+    tol, max_iter, scaling, chunk_elements : as for ``method="streaming"`` of :func:`transport.solve`
+        (defaults in :data:`transport.DEFAULTS`).
+    on_failure : "raise" (a ConvergenceError whose ``.estimate`` is the triple below) or "warn".
+    memory_limit : bytes (or "16G") the blocks may take (default ``$SMOOTH_ATTENTION_MEMORY_LIMIT``).
+
+    Returns
+    -------
+    (f, error, iterations) : the potential (N,) in squared-distance units (the soft c-transform on
+        atoms of zero mass), the L1 marginal error of the self coupling, the updates made.
+    """
+    check_on_failure(on_failure)
+    memory_limit = check_memory_limit(memory_limit)
+    problem = Problem(mu, mu)
+    opts = resolve("streaming", dict(reg=reg, tol=tol, max_iter=max_iter, scaling=scaling,
+                                     chunk_elements=chunk_elements), mu.dtype)
+    if opts["reg"] is None:
+        raise ValueError("reg: symmetric_potential needs an entropic regularization reg > 0")
+    eps = problem.eps(opts["reg"])
+    _check_blocks(mu.n, mu.n, opts["chunk_elements"], problem.x.element_size(), memory_limit)
+    sa = problem.log_a > -math.inf
+    x, la = problem.x.detach()[sa], problem.log_a.detach()[sa]
+    with torch.no_grad():
+        f, err, it = _solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"],
+                                      opts["chunk_elements"])
+        f = ldexp(extend_potential(f, sa, problem.x.detach(), x, la, f, eps, opts["chunk_elements"]),
+                  2 * problem.k)
+    if not bool(torch.isfinite(f).all()):
+        raise ConvergenceError("symmetric_potential: the potential is not finite in "
+                               f"{mu.dtype} (squared distances beyond its range)", (f, err, it))
+    if not err <= opts["tol"]:
+        msg = (f"symmetric_potential: did not converge in {it} iterations (marginal L1 error {err:.3g} > tol "
+               f"{opts['tol']:.3g}); increase max_iter or reg")
+        if on_failure == "raise":
+            raise ConvergenceError(msg, (f, err, it))
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+    return f, err, it

@@ -1,0 +1,114 @@
+"""Conditional W2 of masked measures (Definition 4.1).
+
+Truths: the closed form ||X - Y|| / sqrt(n) for sequences (and its gradient), the sum over positions
+of slice-wise assignment costs (tests/reference.py), the transport LP for one position, and the
+inequalities W2c >= W2 on [0, 1] x R^d >= W2 on R^d.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from particles import Measure
+from tests.reference import w2_assignment, w2_lp
+from transport import conditional_w2, w2
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rand(n, d, seed=0, scale=1.0):
+    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def rand_weights(n, seed=0):
+    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
+    return w / w.sum()
+
+
+def test_conditional_w2_of_sequences():
+    X, Y = rand(17, 3), rand(17, 3, 1)
+    truth = float((X - Y).norm()) / math.sqrt(17)
+    assert conditional_w2(Measure.sequence(X), Measure.sequence(Y)) == pytest.approx(truth, rel=1e-13)
+    # ... and its gradient is the closed form 2 (X - Y) / n of the squared value
+    Xg = X.clone().requires_grad_()
+    val = conditional_w2(Measure.sequence(Xg), Measure.sequence(Y), squared=True)
+    (g,) = torch.autograd.grad(val, Xg)
+    assert torch.allclose(g, 2 * (X - Y) / 17, atol=1e-14)
+
+
+def _grouped(seed, groups=(0.25, 0.5, 1.0), per=3, d=2, shift=0.0):
+    pos = torch.tensor([p for p in groups for _ in range(per)], dtype=F64)
+    return Measure(rand(len(pos), d, seed) + shift, positions=pos)
+
+
+def test_conditional_w2_decomposes_over_positions_and_bounds_w2():
+    mu, nu = _grouped(0), _grouped(1, shift=0.7)
+    # truth: the sum over positions of the slice-wise assignment costs (equal-size uniform slices)
+    total = 0.0
+    for s in (0.25, 0.5, 1.0):
+        total += w2_assignment(mu.at_position(s).points, nu.at_position(s).points) ** 2 / 3
+    wc = conditional_w2(mu, nu)
+    assert wc == pytest.approx(math.sqrt(total), rel=1e-12)
+    # W2c >= W2 on [0, 1] x R^d (positions as a coordinate) >= W2 of the R^d parts
+    joint = lambda m: Measure(torch.cat([m.positions[:, None], m.points], 1), m.weights)
+    wj = w2(joint(mu), joint(nu))
+    assert wc >= wj - 1e-12 and wj >= w2(mu, nu) - 1e-12
+    # the plan never moves mass across positions and is a coupling
+    _, plan = conditional_w2(mu, nu, return_plan=True)
+    cross = mu.positions[:, None] != nu.positions[None, :]
+    assert float(plan[cross].abs().sum()) == 0.0
+    assert torch.allclose(plan.sum(1), mu.weights, atol=1e-14) and torch.allclose(plan.sum(0), nu.weights)
+
+
+def test_conditional_w2_single_position_is_w2():
+    X, Y = rand(7, 2), rand(5, 2, 1)
+    a, b = rand_weights(7), rand_weights(5, 1)
+    mu = Measure(X, a, positions=torch.full((7,), 0.3, dtype=F64))
+    nu = Measure(Y, b, positions=torch.full((5,), 0.3, dtype=F64))
+    assert conditional_w2(mu, nu) == pytest.approx(w2_lp(X, a, Y, b), rel=1e-9)
+
+
+def test_conditional_w2_is_infinite_when_marginals_differ():
+    X = rand(4, 2)
+    mu = Measure(X, positions=[0.25, 0.5, 0.75, 1.0])
+    assert conditional_w2(mu, Measure(X, positions=[0.25, 0.5, 0.75, 0.9])) == math.inf
+    assert conditional_w2(mu, Measure(X, [0.3, 0.2, 0.25, 0.25], positions=[0.25, 0.5, 0.75, 1.0])) == math.inf
+    assert conditional_w2(mu, Measure(X[:3], positions=[0.25, 0.5, 0.75])) == math.inf
+    assert conditional_w2(mu, Measure(X[:3], positions=[0.25, 0.5, 0.75]), squared=True) == math.inf
+    assert conditional_w2(mu, mu, return_plan=True)[0] == 0.0
+    # within the documented tolerances positions and masses compare equal
+    near = Measure(X + 1, positions=[0.25 + 1e-12, 0.5, 0.75, 1.0])
+    assert conditional_w2(mu, near) == pytest.approx(math.sqrt(2.0), rel=1e-12)
+    assert conditional_w2(mu, Measure(X, positions=[0.25, 0.5, 0.75, 0.9]), atol=0.12) < math.inf
+
+
+def test_conditional_w2_split_invariance_and_zero_mass():
+    mu, nu = _grouped(2), _grouped(3)
+    ref = conditional_w2(mu, nu)
+    assert conditional_w2(mu.split(4, 0.2), nu) == pytest.approx(ref, rel=1e-12)
+    assert conditional_w2(mu, mu.split(0)) == pytest.approx(0.0, abs=1e-7)
+    # an atom of zero mass at a position nobody else has does not change the marginal
+    w = torch.cat([mu.weights, mu.weights.new_zeros(1)])
+    extra = Measure(torch.cat([mu.points, rand(1, 2, 9)]), w, torch.cat([mu.positions, mu.positions.new_tensor([0.9])]))
+    assert conditional_w2(extra, nu) == pytest.approx(ref, rel=1e-12)
+
+
+def test_conditional_w2_bad_arguments():
+    mu = Measure.sequence(rand(3, 2))
+    with pytest.raises(TypeError, match="mu: expected a particles.Measure"):
+        conditional_w2(torch.zeros(3, 2), mu)
+    with pytest.raises(ValueError, match="mu: conditional W2 needs a masked measure"):
+        conditional_w2(Measure(rand(3, 2)), mu)
+    with pytest.raises(ValueError, match="atol: expected a non-negative number"):
+        conditional_w2(mu, mu, atol=-1.0)
+    with pytest.raises(TypeError, match="mass_atol: expected a real number"):
+        conditional_w2(mu, mu, mass_atol="small")
+    with pytest.raises(TypeError, match="squared: expected True or False"):
+        conditional_w2(mu, mu, squared="yes")
+    with pytest.raises(TypeError, match="return_plan: expected True or False"):
+        conditional_w2(mu, mu, return_plan=1)

@@ -1,0 +1,225 @@
+"""Entropic W2: dense (POT) and streaming Sinkhorn, the Sinkhorn divergence, eps-scaling, "auto".
+
+Truths: an independent numpy log-domain Sinkhorn (tests/reference.py ``entropic_ot``,
+``sinkhorn_divergence``), the transport LP (``w2_lp``) as reg -> 0, closed forms (Diracs: every
+coupling is the product), inequalities (<pi_eps, C> >= W2^2), finite differences for gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import transport.api
+from particles import Measure
+from particles.validation import ConvergenceError
+from tests.reference import entropic_ot, sinkhorn_divergence, w2_lp
+from transport import TransportResult, solve, symmetric_potential, w2
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rand(n, d, seed=0, scale=1.0):
+    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def rand_weights(n, seed=0):
+    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
+    return w / w.sum()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    X, Y = rand(14, 2, 1), rand(11, 2, 2) * 0.8 + 0.6
+    a, b = rand_weights(14, 1), rand_weights(11, 2)
+    return X, a, Y, b
+
+
+@pytest.mark.parametrize("method", ["sinkhorn", "streaming"])
+@pytest.mark.parametrize("reg", [1.0, 0.1])
+def test_values_match_independent_sinkhorn(pair, method, reg):
+    X, a, Y, b = pair
+    mu, nu = Measure(X, a), Measure(Y, b)
+    kw = dict(reg=reg, squared=True, tol=1e-11, max_iter=100_000)
+    assert w2(mu, nu, method, **kw) == pytest.approx(sinkhorn_divergence(X, a, Y, b, reg), abs=1e-9)
+    plan_cost = entropic_ot(X, a, Y, b, reg)[1]
+    assert w2(mu, nu, method, debias=False, **kw) == pytest.approx(plan_cost, abs=1e-9)
+
+
+@pytest.mark.parametrize("method", ["sinkhorn", "streaming"])
+def test_potentials_and_plan_of_the_entropic_problem(pair, method):
+    X, a, Y, b = pair
+    reg = 0.3
+    ot_eps, _, f_ref, g_ref = entropic_ot(X, a, Y, b, reg)
+    res = solve(Measure(X, a), Measure(Y, b), method, reg=reg, tol=1e-11, max_iter=100_000,
+                return_plan=method == "sinkhorn")
+    f, g = res.potentials
+    # potentials are defined up to f + c, g - c: compare the dual value and the shift-free differences
+    assert float(a @ f + b @ g) == pytest.approx(ot_eps, abs=1e-9)
+    assert np.allclose((f - f[0]).numpy(), f_ref - f_ref[0], atol=1e-8)
+    assert np.allclose((g - g[0]).numpy(), g_ref - g_ref[0], atol=1e-8)
+    assert res.converged and res.error <= 1e-11 and res.iterations > 0 and res.reg == reg
+    if method == "sinkhorn":
+        C = ((X[:, None] - Y[None]) ** 2).sum(-1)
+        plan = a[:, None] * b[None, :] * torch.exp((f[:, None] + g[None, :] - C) / reg)
+        assert torch.allclose(res.plan, plan, atol=1e-12)
+
+
+def test_diracs_closed_form():
+    """Between two Diracs the only coupling is the product: OT_eps = |x - y|^2, S_eps = |x - y|^2."""
+    x, y = [[0.5, -1.0, 2.0]], [[1.5, 1.0, 0.0]]
+    d2 = 1.0 + 4.0 + 4.0
+    for method in ("sinkhorn", "streaming"):
+        for debias in (True, False):
+            assert w2(Measure(x), Measure(y), method, reg=0.7, debias=debias, squared=True) == \
+                pytest.approx(d2, rel=1e-12)
+
+
+def test_entropic_converges_to_exact_and_plan_cost_bounds_it():
+    X, Y = rand(15, 2, 7), rand(12, 2, 8) + 1.0
+    a, b = rand_weights(15), rand_weights(12, 5)
+    mu, nu = Measure(X, a), Measure(Y, b)
+    exact = w2_lp(X, a, Y, b) ** 2
+    gaps_deb, gaps_cost = [], []
+    for reg in (1.0, 0.1, 0.02):
+        deb = w2(mu, nu, "streaming", reg=reg, squared=True, max_iter=20_000)
+        cost = w2(mu, nu, "sinkhorn", reg=reg, debias=False, squared=True, max_iter=20_000)
+        stream = w2(mu, nu, "streaming", reg=reg, debias=False, squared=True, max_iter=20_000)
+        # <pi_eps, C> is the cost of a coupling: never below the optimum
+        assert cost >= exact - 1e-9 and stream >= exact - 1e-9
+        gaps_deb.append(abs(deb - exact))
+        gaps_cost.append(cost - exact)
+    assert gaps_cost[0] > gaps_cost[1] > gaps_cost[2] and gaps_cost[2] < 1e-2 * exact
+    assert gaps_deb[2] < gaps_deb[0] and gaps_deb[2] < 1e-2 * exact
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_streaming_options_do_not_change_the_value(pair, debias):
+    X, a, Y, b = pair
+    mu, nu = Measure(X, a), Measure(Y, b)
+    kw = dict(reg=0.3, debias=debias, squared=True, tol=1e-12, max_iter=20_000)
+    truth = sinkhorn_divergence(X, a, Y, b, 0.3) if debias else entropic_ot(X, a, Y, b, 0.3)[1]
+    for extra in ({}, dict(chunk_elements=7), dict(scaling=0), dict(scaling=0.9)):
+        assert w2(mu, nu, "streaming", **kw, **extra) == pytest.approx(truth, abs=1e-10), extra
+
+
+def test_streaming_float32():
+    X, Y = rand(80, 3, 1), rand(60, 3, 2) + 0.5
+    truth = sinkhorn_divergence(X, np.full(80, 1 / 80), Y, np.full(60, 1 / 60), 0.2)
+    r32 = solve(Measure(X, dtype=torch.float32), Measure(Y, dtype=torch.float32), "streaming", reg=0.2)
+    assert r32.converged and r32.tol == 1e-5 and isinstance(r32.value, float)
+    assert r32.value_squared == pytest.approx(truth, rel=1e-4)
+
+
+def test_symmetric_potential_is_the_self_transport_potential():
+    X, a = rand(12, 2, 3), rand_weights(12, 3)
+    f, err, it = symmetric_potential(Measure(X, a), 0.5, tol=1e-12)
+    ot_self, _, f_ref, _ = entropic_ot(X, a, X, a, 0.5)
+    assert err <= 1e-12 and it > 0
+    assert np.allclose(f.numpy(), f_ref, atol=1e-9)
+    assert float(2 * a @ f) == pytest.approx(ot_self, abs=1e-9)
+    # non-convergence follows the one failure convention
+    with pytest.raises(ConvergenceError, match="symmetric_potential: did not converge") as info:
+        symmetric_potential(Measure(X, a), 1e-3, max_iter=2, scaling=0)
+    assert len(info.value.estimate) == 3
+    with pytest.warns(RuntimeWarning, match="did not converge"):
+        symmetric_potential(Measure(X, a), 1e-3, max_iter=2, scaling=0, on_failure="warn")
+
+
+def test_zero_mass_atoms_are_ignored_by_entropic_solvers():
+    X, Y = rand(6, 2), rand(5, 2, 1)
+    w = torch.tensor([0.2, 0.0, 0.3, 0.1, 0.4, 0.0], dtype=F64)
+    far = X.clone()
+    far[1] = 1e3
+    truth = sinkhorn_divergence(X.numpy(), w.numpy(), Y.numpy(), np.full(5, 0.2), 0.5)
+    for method in ("sinkhorn", "streaming"):
+        a = w2(Measure(X, w), Measure(Y), method, reg=0.5, squared=True, tol=1e-11, max_iter=50_000)
+        b = w2(Measure(far, w), Measure(Y), method, reg=0.5, squared=True, tol=1e-11, max_iter=50_000)
+        assert a == pytest.approx(truth, abs=1e-9) and b == pytest.approx(truth, abs=1e-9)
+        # potentials exist on every atom (soft c-transform on the massless ones), finite
+        f, _ = solve(Measure(far, w), Measure(Y), method, reg=0.5).potentials
+        assert f.shape == (6,) and bool(torch.isfinite(f).all())
+    _, plan = w2(Measure(X, w), Measure(Y), "sinkhorn", reg=0.5, return_plan=True)
+    assert plan.shape == (6, 5) and float(plan[1].abs().sum()) == 0.0
+
+
+def test_nonconvergence_follows_on_failure():
+    mu, nu = Measure(rand(20, 2)), Measure(rand(20, 2, 1))
+    for method in ("sinkhorn", "streaming"):
+        with pytest.raises(ConvergenceError, match="did not converge in") as info:
+            w2(mu, nu, method, reg=1e-3, max_iter=3, **({"scaling": 0} if method == "streaming" else {}))
+        assert isinstance(info.value, ValueError) and isinstance(info.value, RuntimeError)
+        est = info.value.estimate
+        assert isinstance(est, TransportResult) and not est.converged and est.error > est.tol
+        assert est.method == method and math.isfinite(est.value)
+        with pytest.warns(RuntimeWarning, match="marginal L1 error") as rec:
+            res = solve(mu, nu, method, reg=1e-3, max_iter=3, on_failure="warn",
+                        **({"scaling": 0} if method == "streaming" else {}))
+        assert not res.converged and rec[0].filename == __file__  # the warning points at the caller
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w2(mu, nu, "streaming", reg=0.5)  # converges: no warning
+
+
+def test_auto_chooses_by_size(monkeypatch):
+    mu, nu = Measure(rand(30, 2)), Measure(rand(30, 2, 1) + 1.0)
+    exact = w2(mu, nu)
+    assert w2(mu, nu, "auto") == exact and solve(mu, nu, "auto").method == "exact"
+    monkeypatch.setattr(transport.api, "AUTO_EXACT_MAX_PAIRS", 100)
+    res = solve(mu, nu, "auto", reg=1.0)
+    assert res.method == "streaming" and res.reg == 1.0
+    assert res.value != exact and res.value == pytest.approx(exact, rel=0.1)
+    assert res.value == w2(mu, nu, "streaming", reg=1.0)
+    # without reg: (AUTO_BLUR * diameter)^2, reported in the result
+    with warnings.catch_warnings():  # a blur of 5% is far below the spacing of 30 atoms: slow to converge
+        warnings.simplefilter("ignore")
+        auto = solve(mu, nu, "auto", on_failure="warn")
+    both = torch.cat([mu.points, nu.points])
+    diameter = float(both.max() - both.min()) * math.sqrt(2)
+    assert auto.reg == pytest.approx((transport.api.AUTO_BLUR * diameter) ** 2, rel=1e-12)
+    assert auto.value == pytest.approx(exact, rel=0.05)
+    # d = 1 stays exact at any size
+    x, y = rand(30, 1), rand(30, 1, 1)
+    assert w2(Measure(x), Measure(y), "auto") == w2(Measure(x), Measure(y))
+
+
+# ---------------------------------------------------------------- gradients
+def _fd_check(fn, X, h=1e-5, tol=1e-6):
+    X = X.clone().requires_grad_()
+    val = fn(X)
+    assert isinstance(val, torch.Tensor) and val.dim() == 0
+    (g,) = torch.autograd.grad(val, X)
+    fd = torch.zeros_like(X)
+    for idx in np.ndindex(*X.shape):
+        E = torch.zeros_like(X)
+        E[idx] = h
+        fd[idx] = (float(fn((X + E).detach())) - float(fn((X - E).detach()))) / (2 * h)
+    assert torch.allclose(g, fd, atol=tol, rtol=tol), (g, fd)
+
+
+def test_gradients_match_finite_differences():
+    Y, b = rand(6, 2, 1) + 0.5, rand_weights(6, 2)
+    a, X = rand_weights(3, 3), rand(3, 2, 4)
+    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "sinkhorn", reg=1.0, squared=True, tol=1e-12), X, tol=1e-5)
+    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "streaming", reg=0.3, squared=True, tol=1e-13), X)
+    # the streaming gradient also flows into both arguments at once
+    Yg, Xg = Y.clone().requires_grad_(), X.clone().requires_grad_()
+    val = w2(Measure(Xg, a), Measure(Yg, b), "streaming", reg=0.3, squared=True, tol=1e-13)
+    gx, gy = torch.autograd.grad(val, [Xg, Yg])
+    # translation invariance: the gradient of a translation is zero, so sum gx + sum gy = 0
+    assert torch.allclose(gx.sum(0) + gy.sum(0), torch.zeros(2, dtype=F64), atol=1e-10)
+
+
+def test_large_radius_stays_finite():
+    mu, nu = Measure.sphere(40, 3, radius=100.0, seed=0), Measure.sphere(30, 3, radius=100.0, seed=1)
+    exact = w2_lp(mu.points, mu.weights, nu.points, nu.weights)
+    assert w2(mu, nu) == pytest.approx(exact, rel=1e-9)
+    for method in ("sinkhorn", "streaming"):
+        v = w2(mu, nu, method, reg=2000.0, debias=False)
+        assert math.isfinite(v) and exact <= v < 200

@@ -1,0 +1,208 @@
+"""Exact W2 (network simplex, d = 1 sorted formula) and the result object of ``transport.solve``.
+
+Truths: the assignment problem and the transport LP solved by scipy (tests/reference.py), closed
+forms (Diracs, translations, the sorted formula in d = 1, the Bures distance of Gaussians), LP
+duality for the potentials, finite differences for gradients, metric axioms (hypothesis).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import scipy.linalg
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from particles import Measure
+from tests.reference import w2_assignment, w2_lp
+from transport import TransportResult, solve, w2
+
+F64 = torch.float64
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def rand(n, d, seed=0, scale=1.0):
+    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def rand_weights(n, seed=0):
+    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("d,seed", [(2, 0), (3, 1), (5, 2)])
+def test_exact_equals_assignment_cost(d, seed):
+    X, Y = rand(40, d, seed), rand(40, d, seed + 10) + 0.5
+    assert w2(Measure(X), Measure(Y)) == pytest.approx(w2_assignment(X, Y), rel=1e-12)
+
+
+@pytest.mark.parametrize("d", [1, 2, 4])
+def test_exact_equals_lp_weighted_unequal_sizes(d):
+    X, Y = rand(9, d, 3), rand(13, d, 4) * 0.5 + 1.0
+    a, b = rand_weights(9, 1), rand_weights(13, 2)
+    assert w2(Measure(X, a), Measure(Y, b)) == pytest.approx(w2_lp(X, a, Y, b), rel=1e-9)
+
+
+def test_diracs_and_translations():
+    x, y = torch.tensor([[1.0, 2.0, 3.0]], dtype=F64), torch.tensor([[-1.0, 0.5, 3.0]], dtype=F64)
+    assert w2(Measure(x), Measure(y)) == pytest.approx(float((x - y).norm()), rel=1e-14)
+    mu = Measure(rand(12, 3), rand_weights(12))
+    t = torch.tensor([3.0, -1.0, 0.25], dtype=F64)
+    nu = mu.pushforward(lambda p: p + t)
+    assert w2(mu, nu, squared=True) == pytest.approx(float(t @ t), rel=1e-12)
+    assert w2(mu, mu) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_one_dimensional_sorted_formula():
+    x, y = rand(50, 1, 3), rand(50, 1, 4) * 2 + 1
+    sorted_value = math.sqrt(float(((x.sort(0)[0] - y.sort(0)[0]) ** 2).mean()))
+    assert w2(Measure(x), Measure(y)) == pytest.approx(sorted_value, rel=1e-13)
+    # weighted, unequal sizes: the 1-D path (quantiles) against the transport LP (scipy)
+    a, b = rand_weights(7, 1), rand_weights(11, 2)
+    x, y = rand(7, 1, 5), rand(11, 1, 6)
+    truth = w2_lp(x, a, y, b)
+    value, plan = w2(Measure(x, a), Measure(y, b), return_plan=True)
+    assert value == pytest.approx(truth, rel=1e-9)
+    assert torch.allclose(plan.sum(1), a, atol=1e-14) and torch.allclose(plan.sum(0), b, atol=1e-14)
+    M = (x - y.T) ** 2
+    assert float((plan * M).sum()) == pytest.approx(truth ** 2, rel=1e-9)
+
+
+def test_gaussian_samples_approach_bures_distance():
+    m1, m2 = np.array([0.0, 0.0]), np.array([2.0, -1.0])
+    S1, S2 = np.array([[1.0, 0.3], [0.3, 0.5]]), np.array([[2.0, -0.4], [-0.4, 1.0]])
+    r1 = scipy.linalg.sqrtm(S1).real
+    bures2 = float(((m1 - m2) ** 2).sum() + np.trace(S1 + S2 - 2 * scipy.linalg.sqrtm(r1 @ S2 @ r1).real))
+    n = 600
+    mu = Measure.gaussian(n, m1, S1, seed=1)
+    nu = Measure.gaussian(n, m2, S2, seed=2)
+    est = w2(mu, nu, squared=True)
+    # Sampling error of W2^2 in d = 2: the mean term fluctuates by ~2|m1 - m2| sqrt(tr S / n) ~ 0.3,
+    # the empirical-vs-true bias is O(log n / n) ~ 0.02; 0.6 is over 3 standard deviations.
+    assert abs(est - bures2) < 0.6
+    # and the transport plan part is accurate once means are matched exactly (sampling of the mean removed)
+    mu_c = mu.pushforward(lambda p: p - p.mean(0) + torch.as_tensor(m1))
+    nu_c = nu.pushforward(lambda p: p - p.mean(0) + torch.as_tensor(m2))
+    assert abs(w2(mu_c, nu_c, squared=True) - bures2) < 0.25
+
+
+def test_plan_is_a_coupling_of_optimal_cost():
+    mu, nu = Measure(rand(9, 2), rand_weights(9)), Measure(rand(6, 2, 1), rand_weights(6, 3))
+    value, plan = w2(mu, nu, return_plan=True)
+    C = ((mu.points[:, None] - nu.points[None]) ** 2).sum(-1)
+    assert torch.allclose(plan.sum(1), mu.weights, atol=1e-12)
+    assert torch.allclose(plan.sum(0), nu.weights, atol=1e-12)
+    assert bool((plan >= 0).all()) and float((plan * C).sum()) == pytest.approx(value ** 2, rel=1e-12)
+
+
+def test_result_object_and_kantorovich_potentials():
+    X, Y = rand(9, 3, 7), rand(6, 3, 8) + 1.0
+    a, b = rand_weights(9, 4), rand_weights(6, 5)
+    res = solve(Measure(X, a), Measure(Y, b), return_plan=True)
+    assert isinstance(res, TransportResult) and res.method == "exact" and res.converged and res.error == 0.0
+    assert res.reg is None and res.tol is None and res.iterations is None
+    truth = w2_lp(X, a, Y, b)
+    assert res.value == pytest.approx(truth, rel=1e-9) and float(res) == res.value
+    assert res.value_squared == pytest.approx(truth ** 2, rel=1e-9)
+    # LP duality: f_i + g_j <= C_ij everywhere, with equality where the plan has mass, and
+    # <a, f> + <b, g> = W2^2 (strong duality)
+    f, g = res.potentials
+    C = ((X[:, None] - Y[None]) ** 2).sum(-1)
+    slack = C - f[:, None] - g[None, :]
+    assert float(slack.min()) >= -1e-10
+    assert float(slack[res.plan > 1e-12].abs().max()) <= 1e-10
+    assert float(a @ f + b @ g) == pytest.approx(truth ** 2, rel=1e-9)
+    # without return_plan no N x M plan is kept; d = 1 has no potentials
+    assert solve(Measure(X, a), Measure(Y, b)).plan is None
+    assert solve(Measure(X[:, :1]), Measure(Y[:, :1])).potentials is None
+
+
+def test_split_invariance():
+    mu, nu = Measure(rand(8, 3), rand_weights(8)), Measure(rand(5, 3, 1))
+    sp = mu.split(3, 0.25).split(0, 0.5)
+    assert w2(mu, sp) == pytest.approx(0.0, abs=1e-7)
+    assert w2(sp, nu) == pytest.approx(w2(mu, nu), rel=1e-12)
+    assert w2(sp.merge(), nu) == pytest.approx(w2(mu, nu), rel=1e-12)
+
+
+def test_float32_against_lp():
+    X, Y = rand(15, 3, 1), rand(12, 3, 2) + 0.3
+    a, b = rand_weights(15, 3), rand_weights(12, 4)
+    v = w2(Measure(X, a, dtype=torch.float32), Measure(Y, b, dtype=torch.float32))
+    assert v == pytest.approx(w2_lp(X, a, Y, b), rel=1e-5)
+
+
+# ---------------------------------------------------------------- gradients
+def _fd_check(fn, X, h=1e-5, tol=1e-6):
+    X = X.clone().requires_grad_()
+    val = fn(X)
+    assert isinstance(val, torch.Tensor) and val.dim() == 0
+    (g,) = torch.autograd.grad(val, X)
+    fd = torch.zeros_like(X)
+    for idx in np.ndindex(*X.shape):
+        E = torch.zeros_like(X)
+        E[idx] = h
+        fd[idx] = (float(fn((X + E).detach())) - float(fn((X - E).detach()))) / (2 * h)
+    assert torch.allclose(g, fd, atol=tol, rtol=tol), (g, fd)
+
+
+def test_gradients_match_finite_differences():
+    Y, b = rand(6, 2, 1) + 0.5, rand_weights(6, 2)
+    a, X = rand_weights(3, 3), rand(3, 2, 4)
+    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), squared=True), X)
+    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b)), X)
+    _fd_check(lambda Z: w2(Measure(Z[:, :1], a), Measure(Y[:, :1], b), squared=True), X)
+
+
+def test_gradient_at_equal_measures_is_zero_not_nan():
+    """W2 is not differentiable at mu = nu; the subgradient 0 is returned (sqrt's derivative would be NaN)."""
+    X = rand(5, 2).requires_grad_()
+    val = w2(Measure(X), Measure(X.detach().clone()))
+    (g,) = torch.autograd.grad(val, X)
+    assert float(val.detach()) == 0.0 and bool(torch.isfinite(g).all()) and float(g.abs().max()) == 0.0
+
+
+# ---------------------------------------------------------------- metric properties (hypothesis)
+coords = st.floats(-3, 3, allow_nan=False, width=64)
+
+
+def cloud(n_max=5, d=2):
+    return st.integers(1, n_max).flatmap(
+        lambda n: st.tuples(st.lists(st.lists(coords, min_size=d, max_size=d), min_size=n, max_size=n),
+                            st.lists(st.floats(0.05, 1.0), min_size=n, max_size=n)))
+
+
+def as_measure(c):
+    return Measure(np.array(c[0]), np.array(c[1]), normalize=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cloud(), cloud(), cloud())
+def test_metric_axioms(a, b, c):
+    mu, nu, xi = as_measure(a), as_measure(b), as_measure(c)
+    # squared values near 0 carry rounding of ~1e-16, their roots ~1e-8: compare squares there
+    assert w2(mu, nu, squared=True) == pytest.approx(w2(nu, mu, squared=True), rel=1e-9, abs=1e-12)
+    assert w2(mu, xi) <= w2(mu, nu) + w2(nu, xi) + 1e-7
+
+
+@settings(max_examples=25, deadline=None)
+@given(cloud(), cloud())
+def test_value_is_the_lp_optimum(a, b):
+    mu, nu = as_measure(a), as_measure(b)
+    truth = w2_lp(mu.points, mu.weights, nu.points, nu.weights)
+    assert w2(mu, nu) == pytest.approx(truth, rel=1e-7, abs=1e-7)
+
+
+@settings(max_examples=25, deadline=None)
+@given(cloud(), cloud(), st.floats(0, 2 * math.pi), st.tuples(coords, coords))
+def test_rigid_motion_invariance(a, b, angle, shift):
+    mu, nu = as_measure(a), as_measure(b)
+    R = torch.tensor([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]], dtype=F64)
+    t = torch.tensor(shift, dtype=F64)
+    move = lambda p: p @ R.T + t
+    moved = w2(mu.pushforward(move), nu.pushforward(move), squared=True)
+    assert moved == pytest.approx(w2(mu, nu, squared=True), rel=1e-9, abs=1e-12)

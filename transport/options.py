@@ -1,0 +1,125 @@
+"""The one table of methods' options and defaults, and the checks of every option.
+
+Each method accepts the options listed for it in :data:`DEFAULTS` and nothing else: an option
+that does not apply to the chosen method is an error, never ignored. ``None`` for an option
+means "the method's default". Tolerances depend on the precision only, through :data:`TOL`.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from particles.validation import memory_limit as resolve_memory_limit
+
+#: Default marginal tolerance (L1 error of the plan's marginals) by dtype: what the precision reaches.
+TOL = {torch.float64: 1e-7, torch.float32: 1e-5}
+
+#: Elements of the largest (rows x M) block the streaming solver holds at once: 2^18 is 2 MiB in float64,
+#: cache-sized (2.3x faster than 32 MiB blocks at N = 4000 on one CPU thread, benchmarks/transport.md).
+DEFAULT_CHUNK_ELEMENTS = 2 ** 18
+
+#: Marks an option without a default: the caller must give it (``reg`` of the entropic methods).
+REQUIRED = "required"
+#: Marks a tolerance taken from :data:`TOL` by the measures' dtype.
+BY_DTYPE = "by dtype"
+
+#: Options of each method and their defaults ("auto" takes those of the method it may choose,
+#: "streaming", and its own rule for ``reg``; see :func:`transport.solve`).
+DEFAULTS: dict[str, dict[str, object]] = {
+    "exact": {},
+    "sinkhorn": {"reg": REQUIRED, "debias": True, "tol": BY_DTYPE, "max_iter": 10_000},
+    "streaming": {"reg": REQUIRED, "debias": True, "tol": BY_DTYPE, "max_iter": 5_000, "scaling": 0.5,
+                  "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
+    "auto": {"reg": "(AUTO_BLUR * diameter)^2", "debias": True, "tol": BY_DTYPE, "max_iter": 5_000,
+             "scaling": 0.5, "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
+}
+
+METHODS = tuple(DEFAULTS)
+
+
+def check_method(method) -> str:
+    if not isinstance(method, str) or method not in DEFAULTS:
+        raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
+    return method
+
+
+def resolve(method: str, given: dict, dtype: torch.dtype) -> dict:
+    """The options of ``method``: those ``given`` (not None), checked, completed by the defaults.
+
+    An option given for a method it does not apply to is a TypeError naming it. ``reg`` stays None
+    when it is REQUIRED and missing (the caller decides: "auto" has its rule, the others refuse).
+    """
+    table = DEFAULTS[method]
+    for name, value in given.items():
+        if value is not None and name not in table:
+            users = [m for m, opts in DEFAULTS.items() if name in opts]
+            applies = f"it applies to {', '.join(map(repr, users))}" if users else "no method takes it"
+            raise TypeError(f"{name}: does not apply to method={method!r} ({applies})")
+    out = {}
+    for name, default in table.items():
+        value = given.get(name)
+        if value is None:
+            value = TOL[dtype] if default == BY_DTYPE else (None if isinstance(default, str) else default)
+        out[name] = None if value is None else _CHECKS[name](value, name)
+    return out
+
+
+# ---------------------------------------------------------------------- checks of single values
+def check_real(value, name: str, *, positive: bool = True, allow_inf: bool = False) -> float:
+    """A real number (Python or numpy scalar, not bool or str) > 0 (>= 0 unless positive), finite unless
+    ``allow_inf``; TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        out = math.inf if value > 0 else -math.inf
+    if math.isnan(out) or (math.isinf(out) and not allow_inf):
+        raise ValueError(f"{name}: expected a finite number, got {out}")
+    if not (out > 0 if positive else out >= 0):
+        raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'} number, got {out}")
+    return out
+
+
+def check_memory_limit(value) -> int:
+    """The memory limit in bytes (:func:`particles.validation.memory_limit`), every failure naming memory_limit."""
+    try:
+        return resolve_memory_limit(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        raise ValueError(f"memory_limit: expected a size in bytes below 1e308, got {value!r}") from None
+
+
+def check_int(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_scaling(value, name: str) -> float:
+    # 0 jumps straight to reg (no annealing); 1 would never decrease eps
+    out = check_real(value, name, positive=False)
+    if not out < 1.0:
+        raise ValueError(f"{name}: expected an eps-scaling ratio in [0, 1) (0: no annealing), got {out}")
+    return out
+
+
+_CHECKS = {
+    "reg": check_real,
+    "debias": check_bool,
+    "tol": check_real,
+    "max_iter": check_int,
+    "scaling": _check_scaling,
+    "chunk_elements": check_int,
+}

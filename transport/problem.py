@@ -1,0 +1,188 @@
+"""The transport problem between two measures for the cost |x - y|^2, in normalized units.
+
+Every solver works on centred clouds scaled by a power of two, so that squared distances neither
+overflow nor underflow the dtype: W2 is translation invariant and 1-homogeneous,
+W2(s mu, s nu) = s W2(mu, nu), and scaling by 2^k is exact in floating point. Clouds of moderate
+size (the usual case) are only centred: their results are bit-for-bit those of the unscaled problem.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from particles import Measure
+
+from .options import TOL
+
+#: Squared distances (d of them summed) stay far from the dtype's limits while the centred
+#: coordinates lie in [2^SMALL, 2^BIG]; outside, the clouds are rescaled by a power of two.
+_EXPONENT_RANGE = {dt: (math.frexp(torch.finfo(dt).tiny)[1] // 2 + 16, math.frexp(torch.finfo(dt).max)[1] // 2 - 16)
+                   for dt in TOL}
+
+
+def check_pair(mu, nu) -> None:
+    """Both arguments are Measures of one floating dtype (float32 or float64), dimension and device."""
+    for name, m in (("mu", mu), ("nu", nu)):
+        if not isinstance(m, Measure):
+            raise TypeError(f"{name}: expected a particles.Measure, got {type(m).__name__} "
+                            "(wrap arrays with Measure(points, weights))")
+        if m.dtype not in TOL:
+            raise TypeError(f"{name}: transport works in float32 or float64, got {m.dtype} "
+                            f"(convert with {name}.to(dtype=torch.float64))")
+    if mu.dim != nu.dim:
+        raise ValueError(f"nu: dimension {nu.dim} differs from mu's dimension {mu.dim}")
+    if mu.dtype != nu.dtype:
+        raise ValueError(f"nu: dtype {nu.dtype} differs from mu's {mu.dtype} (convert with nu.to(dtype=...))")
+    if mu.device != nu.device:
+        raise ValueError(f"nu: device {nu.device} differs from mu's {mu.device} (move with nu.to(device=...))")
+
+
+def ldexp(t: torch.Tensor, k: int) -> torch.Tensor:
+    """t * 2^k, exactly (steps of at most 2^60, so that no factor is subnormal in float32)."""
+    while k:
+        step = max(-60, min(60, k))
+        t = t * 2.0 ** step
+        k -= step
+    return t
+
+
+def _abs_max(*tensors: torch.Tensor) -> float:
+    return max(float(t.detach().abs().max()) for t in tensors)
+
+
+def normalize(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Centred clouds (x - c) / 2^k, (y - c) / 2^k and k, with c the mean of the two means.
+
+    Centring removes most of the cancellation of |x|^2 + |y|^2 - 2<x, y> (relative error ~ machine
+    epsilon times the squared diameter instead of times the largest |x|^2). k = 0 unless the centred
+    coordinates leave [2^SMALL, 2^BIG] (see ``_EXPONENT_RANGE``). Keeps the autograd graph of x, y.
+    """
+    lo, hi = _EXPONENT_RANGE[x.dtype]
+    k = 0
+    big = _abs_max(x, y)
+    if big > 2.0 ** hi:  # scale first: the centring itself would overflow
+        k = math.frexp(big)[1]
+        x, y = ldexp(x, -k), ldexp(y, -k)
+    c = (0.5 * (a @ x + b @ y)).detach()
+    x, y = x - c, y - c
+    spread = _abs_max(x, y)
+    if spread > 2.0 ** hi or 0.0 < spread < 2.0 ** lo:
+        k2 = math.frexp(spread)[1]
+        x, y, k = ldexp(x, -k2), ldexp(y, -k2), k + k2
+    return x, y, k
+
+
+def needs_grad(*measures: Measure) -> bool:
+    return any(m.points.requires_grad or m.weights.requires_grad for m in measures)
+
+
+class Problem:
+    """W2 between ``mu`` and ``nu`` (cost |x - y|^2), held in normalized units.
+
+    ``x``, ``y``: the centred points divided by 2^``k`` (with the autograd graph of the measures'
+    points); ``a``, ``b`` and ``log_a``, ``log_b``: the weights; a squared distance of the problem is
+    4^k times one of the normalized clouds. Holds no solver state and no option.
+    """
+
+    def __init__(self, mu: Measure, nu: Measure):
+        check_pair(mu, nu)
+        self.mu, self.nu = mu, nu
+        self.a, self.b = mu.weights, nu.weights
+        self.log_a, self.log_b = mu.log_weights, nu.log_weights
+        self.x, self.y, self.k = normalize(mu.points, self.a, nu.points, self.b)
+        self.grad = needs_grad(mu, nu)
+
+    def plain_points(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The points as given when no rescaling is needed (k = 0), else the normalized ones.
+
+        For the closed forms that difference points directly (d = 1 quantiles, one-atom slices):
+        they then round exactly as the formula written on the user's points.
+        """
+        return (self.mu.points, self.nu.points) if self.k == 0 else (self.x, self.y)
+
+    n = property(lambda self: self.mu.n)
+    m = property(lambda self: self.nu.n)
+    dim = property(lambda self: self.mu.dim)
+    dtype = property(lambda self: self.mu.dtype)
+    device = property(lambda self: self.mu.device)
+
+    def squared_diameter(self) -> float:
+        """Squared diagonal of the box holding both supports (atoms of positive mass), normalized units."""
+        both = torch.cat([self.x.detach()[self.log_a > -math.inf], self.y.detach()[self.log_b > -math.inf]])
+        return float(((both.max(0).values - both.min(0).values) ** 2).sum())
+
+    def eps(self, reg: float) -> float:
+        """The entropic regularization in normalized units, reg / 4^k, checked to be representable.
+
+        exp(-C / eps) is formed in the measures' dtype: C / eps must stay well inside its range.
+        """
+        try:
+            eps = math.ldexp(reg, -2 * self.k)  # underflows to 0.0, or overflows (tiny clouds)
+        except OverflowError:
+            eps = math.inf
+        # normalized squared distances are at most ~diam2 (one unit of 4^k when the points coincide)
+        diam2 = max(self.squared_diameter(), 1.0) if self.squared_diameter() > 0 else 1.0
+        limit = torch.finfo(self.dtype).max / 2 ** 10
+        if eps > 0 and diam2 / eps < limit and eps < limit:
+            return eps
+        try:
+            ratio = f"{math.ldexp(reg / diam2, -2 * self.k):.3g}"
+        except OverflowError:
+            ratio = "> 1e308"
+        ratio = "< 1e-308" if ratio == "0" else ratio
+        side = "below" if not (eps > 0 and diam2 / eps < limit) else "above"
+        if side == "below":
+            what = "use a larger reg" + (", float64" if self.dtype == torch.float32 else "") + " or method='exact'"
+        else:
+            what = "use a smaller reg"
+        raise ValueError(f"reg: reg / squared diameter ({ratio}) is {side} what exp(-|x - y|^2 / reg) resolves in "
+                         f"{self.dtype} (reg = {reg:.3g}, coordinates up to ~2^{self.k}); {what}")
+
+    def reg(self, eps: float) -> float:
+        """eps (normalized units) back in squared-distance units."""
+        try:
+            return math.ldexp(eps, 2 * self.k)
+        except OverflowError:
+            return math.inf
+
+
+def sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Dense matrix |x_i - y_j|^2 (N, M), differentiable, never negative."""
+    xx = (x * x).sum(1)
+    yy = (y * y).sum(1)
+    return (xx[:, None] + yy[None, :] - 2.0 * x @ y.T).clamp_min(0.0)
+
+
+def sqrt0(v: torch.Tensor) -> torch.Tensor:
+    """sqrt(max(v, 0)) with gradient 0 at 0 (the subgradient of W2 at mu = nu), never NaN."""
+    pos = v > 0
+    return torch.where(pos, torch.where(pos, v, torch.ones_like(v)).sqrt(), torch.zeros_like(v))
+
+
+def to_units(value_sq: torch.Tensor, k: int, grad: bool):
+    """(W2, W2^2) in the problem's units from a normalized squared value.
+
+    Floats, or 0-d tensors with the autograd graph when ``grad``. A value beyond the floating range
+    raises OverflowError (W2) or is ``math.inf`` (W2^2, which overflows first: see ``squared``).
+    """
+    value_sq = value_sq.clamp_min(0.0)  # entropic estimates may dip below zero by the tolerance
+    if grad:
+        root = ldexp(sqrt0(value_sq), k)
+        square = ldexp(value_sq, 2 * k)
+        if not bool(torch.isfinite(root)):
+            raise OverflowError(f"W2 = {math.sqrt(float(value_sq))} * 2^{k} exceeds the range of {root.dtype}")
+        return root, (square if bool(torch.isfinite(square)) else math.inf)
+    v = float(value_sq.detach())
+    try:
+        # torch's sqrt in the tensor's dtype, as the values have always been computed (math.sqrt may differ
+        # in the last bit, which would change every table written from them)
+        root = math.ldexp(float(sqrt0(value_sq.detach())), k)
+    except OverflowError:
+        raise OverflowError(f"W2 = {math.sqrt(v)} * 2^{k} exceeds the float range") from None
+    try:
+        square = math.ldexp(v, 2 * k)
+    except OverflowError:
+        square = math.inf
+    return root, square
