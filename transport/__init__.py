@@ -60,7 +60,6 @@ def _require_own_particles() -> None:
 _require_own_particles()
 
 from particles._version import __version__ as __version__  # noqa: E402
-
 from particles.validation import ConvergenceError, MemoryLimitError  # noqa: E402
 
 from .api import AUTO_BLUR, AUTO_EXACT_MAX_PAIRS, ROUTINES, solve, w2  # noqa: E402

@@ -26,7 +26,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     Parameters
     ----------
     mu, nu : :class:`particles.Measure`
-        Masked measures (with positions), of the same dimension, dtype and device.
+        Masked measures (every atom with a position), of the same dimension, dtype and device.
     atol : float >= 0
         Positions closer than ``atol`` count as one position (the marginal of ``mu`` groups them,
         chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
@@ -40,10 +40,14 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     memory_limit : int or str
         Bytes (or "16G") one slice's network simplex, or the plan, may take (see :func:`transport.solve`).
 
-    Each slice mu_s, nu_s (renormalized atoms at s) is solved exactly (POT network simplex;
-    one-atom slices in closed form), so no mass ever crosses positions. For two sequences with
-    positions i/n, W2c = ||X - Y|| / sqrt(n). Returns a float, or a 0-d tensor carrying the
-    autograd graph when points require grad.
+    Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
+    network simplex; one-atom slices in closed form), so no mass ever crosses positions. For two
+    sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n).
+
+    Returns
+    -------
+    float
+        Or a 0-d tensor carrying the autograd graph when points require grad.
     """
     check_pair(mu, nu)
     for name, m in (("mu", mu), ("nu", nu)):
