@@ -13,6 +13,10 @@ Public names are loaded lazily from the submodules that hold them::
     integrators  Euler, RK4, torchdiffeq's adaptive methods
     geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
+    worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult
+                 (certified brackets on the Lipschitz constant on a ball)
+    sigma_gradient  sigma_gradient (gradient of a local constant in the input)
+    splitting    split_lipschitz (mass splitting, closed form), query_jacobians
 """
 
 from __future__ import annotations
@@ -38,9 +42,15 @@ _NAMES = {
     "simulate": "dynamics",
     "Trajectory": "dynamics",
     "attend": "kernels",
+    "worst_case_sequence": "worst_case",
+    "worst_case_measure": "worst_case",
+    "plain_gradient_ascent": "worst_case",
+    "WorstCaseResult": "worst_case",
+    "sigma_gradient": "sigma_gradient",
+    "split_lipschitz": "splitting",
 }
 _SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering"}
+               "integrators", "geometry", "kernels", "clustering", "worst_case", "splitting"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 
