@@ -182,12 +182,17 @@ class WorstCaseResult:
 def _score_matrices(op) -> list[tuple[str, np.ndarray]]:
     """(label, A) of every head: the bilinear part of the scores, A x_i . x_j."""
     from .attention import L2SelfAttention
+    from .hf import HFAttention
 
     if isinstance(op, L2SelfAttention):
         # -|q_i - q_j|^2 / sqrt(k) = 2 <q_i, q_j> / sqrt(k) + terms in i alone or j alone
         WQ = op.W_Q.detach().to(torch.float64).cpu().numpy()
         k = WQ.shape[2]
         mats = [2.0 * w @ w.T / math.sqrt(k) for w in WQ]
+    elif isinstance(op, HFAttention) and op.kind != "bert_self":
+        # the whole block too: its attention's score matrices are the layer's (LayerNorm aside)
+        p = op.parameters()
+        mats = [p.A(h).detach().to(torch.float64).cpu().numpy() for h in range(p.num_heads)]
     else:
         heads, _, _ = _heads_of(op)
         mats = [] if heads is None else [h[0] for h in heads]
@@ -829,7 +834,7 @@ def worst_case_sequence(f, R, n, *, starts=None, random=8, clusters=4, structure
     >>> from meanfield import SelfAttention, worst_case_sequence
     >>> A = torch.tensor([[1.0, 0.3], [0.0, -0.5]], dtype=torch.float64)
     >>> res = worst_case_sequence(SelfAttention(A, torch.eye(2, dtype=torch.float64)), R=2.0, n=4,
-    ...                           random=2, budget=3000)
+    ...                           random=2, budget=1000)
     >>> res.lower >= res.start_record("prop3.4-max").initial, res.lower <= res.upper.value
     (True, True)
     """
