@@ -15,7 +15,7 @@ Public names are loaded lazily from the submodules that hold them::
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
     worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult
                  (certified brackets on the Lipschitz constant on a ball)
-    sigma_gradient  sigma_gradient (gradient of a local constant in the input)
+    sigma_gradient  the gradient of a local constant in the input (``meanfield.sigma_gradient.sigma_gradient``)
     splitting    split_lipschitz (mass splitting, closed form), query_jacobians
 """
 
@@ -46,11 +46,11 @@ _NAMES = {
     "worst_case_measure": "worst_case",
     "plain_gradient_ascent": "worst_case",
     "WorstCaseResult": "worst_case",
-    "sigma_gradient": "sigma_gradient",
     "split_lipschitz": "splitting",
 }
 _SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering", "worst_case", "splitting"}
+               "integrators", "geometry", "kernels", "clustering", "worst_case", "splitting",
+               "sigma_gradient"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 
