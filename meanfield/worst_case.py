@@ -65,7 +65,8 @@ class StartRecord:
     why it stopped: ``"stationary"`` (projected-gradient test), ``"stalled"`` (no increase found
     down to the smallest step, or a relative gain below 1e-6 over 20 iterations: the ascent crawls,
     typically along a ridge where the top singular value is multiple), ``"budget"``,
-    ``"max_steps"`` or ``"pruned"`` (dropped to spend the budget on better starts)."""
+    ``"max_steps"``, ``"pruned"`` (dropped to spend the budget on better starts) or ``"overflow"``
+    (the constant or its gradient left the dtype's range there; failed trials are only rejected)."""
 
     name: str
     initial: float
@@ -170,8 +171,18 @@ class WorstCaseResult:
 
     def summary(self) -> str:
         """One paragraph: the bracket, the ratio, where it came from, what it cost."""
-        up = f"{self.upper.value:.6g}" if self.upper.known else "unknown"
-        ratio = "" if self.ratio is None else f", ratio {self.ratio:.3g}"
+        if not self.upper.known:
+            up = "unknown"
+        elif self.upper.value < math.inf:
+            up = f"{self.upper.value:.6g}"
+        else:
+            up = f"exp({self.upper.log_value:.6g})"
+        if self.ratio is None:
+            ratio = ""
+        elif self.ratio > 0:
+            ratio = f", ratio {self.ratio:.3g}"
+        else:
+            ratio = f", ratio exp({self.log_ratio:.6g})"
         what = "atoms" if isinstance(self.input, Measure) else "tokens"
         return (f"{self.method}, n = {self.n} {what}, R = {self.R:g}: {self.lower:.6g} (+/- {self.error:.2g}) "
                 f"<= Lip <= {up} [{self.upper.source}]{ratio}; best from start {self.start!r}; "
@@ -408,6 +419,10 @@ class _Problem:
         if Y.shape[-1] == self.dx:
             return X
         z = Y[..., self.dx:]
+        # masses below e^-span of the largest are raised to it: the weighted Jacobian of Lemma C.5
+        # needs a^{-1/2} in floating range (local_lipschitz refuses wider spans)
+        span = _LOG_SPAN[z.dtype]
+        z = torch.maximum(z, z.amax(dim=-2, keepdim=True) - span)
         return torch.cat([X, z - torch.logsumexp(z, dim=-2, keepdim=True)], dim=-1)
 
     def projected_gradient(self, Y, G):
@@ -422,6 +437,18 @@ class _Problem:
 
 #: inputs of at most this many numbers are evaluated with the dense Jacobian (fewer products than Lanczos)
 DENSE_MAX = 32
+#: failures of an evaluation or a gradient at an input: the trial is rejected (the constant or the
+#: weights leave the dtype's range there)
+_FAILURES = (OverflowError, FloatingPointError)
+
+
+class _LogSpan(dict):
+    def __missing__(self, dtype):
+        # local_lipschitz accepts log-weight spans up to 2 (log(max) - 12); keep a margin
+        return 2.0 * (math.log(torch.finfo(dtype).max) - 12.0) - 8.0
+
+
+_LOG_SPAN = _LogSpan()
 
 
 def _lipschitz(op, X, tol, seed):
@@ -441,12 +468,20 @@ class _Sequences(_Problem):
         self.n, self.dx = n, d
 
     def evaluate(self, Ys):
-        """[(value, aux)] for a list of states: one batched Lanczos run per chunk."""
+        """[(value, aux)] for a list of states: one batched Lanczos run per chunk; (-inf, None) for a
+        state where the evaluation fails (then the batch is evaluated one by one)."""
         out = []
         size = self.batch_size or len(Ys)
         for i in range(0, len(Ys), size):
             chunk = torch.stack(Ys[i:i + size]) * self.R
-            ests = _lipschitz(self.op, chunk, self.tol, self.seed)
+            try:
+                ests = _lipschitz(self.op, chunk, self.tol, self.seed)
+            except _FAILURES:
+                if chunk.shape[0] == 1:
+                    out.append((-math.inf, None))
+                else:
+                    out += [r for Y in Ys[i:i + size] for r in self.evaluate([Y])]
+                continue
             if self.op.points_only:  # one solver run per sequence
                 self.products += sum(e.applications for e in ests)
             elif ests[0].method == "dense":  # one count for the whole batch: the Jacobians' columns
@@ -457,12 +492,20 @@ class _Sequences(_Problem):
         return out
 
     def gradient(self, Ys, auxs):
+        """d sigma / dY per state (None where it fails)."""
         grads = []
         size = self.batch_size or len(Ys)
         for i in range(0, len(Ys), size):
             X = torch.stack(Ys[i:i + size]) * self.R
             V = torch.stack([a.vector for a in auxs[i:i + size]])
-            g = sigma_gradient(self.op, X, V).points * self.R
+            try:
+                g = sigma_gradient(self.op, X, V).points * self.R
+            except _FAILURES:
+                if X.shape[0] == 1:
+                    grads.append(None)
+                else:
+                    grads += [G for Y, a in zip(Ys[i:i + size], auxs[i:i + size]) for G in self.gradient([Y], [a])]
+                continue
             self.products += GRADIENT_PRODUCTS * X.shape[0]
             grads += list(g)
         return grads
@@ -485,15 +528,21 @@ class _Measures(_Problem):
         out = []
         for Y in Ys:
             mu = self.measure(Y)
-            est = _lipschitz(self.op, mu, self.tol, self.seed)
-            self.products += est.applications
-            value, atom = est.value, None
-            if self.split:
-                norms = torch.linalg.matrix_norm(query_jacobians(self.op, mu), ord=2)
-                self.products += self.dx
-                k = int(norms.argmax())
-                if float(norms[k]) > value:
-                    value, atom = float(norms[k]), k
+            try:
+                est = _lipschitz(self.op, mu, self.tol, self.seed)
+                self.products += est.applications
+                value, atom = est.value, None
+                if self.split:
+                    norms = torch.linalg.matrix_norm(query_jacobians(self.op, mu), ord=2)
+                    self.products += self.dx
+                    k = int(norms.argmax())
+                    if not math.isfinite(float(norms[k])):
+                        raise OverflowError("the query derivative overflows")
+                    if float(norms[k]) > value:
+                        value, atom = float(norms[k]), k
+            except _FAILURES:
+                out.append((-math.inf, None))
+                continue
             out.append((value, (est, atom)))
         return out
 
@@ -501,13 +550,18 @@ class _Measures(_Problem):
         grads = []
         for Y, (est, atom) in zip(Ys, auxs):
             mu = self.measure(Y)
-            if atom is None:
-                g = sigma_gradient(self.op, mu, est.vector)
-                gx, gz = g.points, g.log_weights
-            else:
-                _, gx, gz = query_term_gradient(self.op, mu, atom)
+            try:
+                if atom is None:
+                    g = sigma_gradient(self.op, mu, est.vector)
+                    gx, gz = g.points, g.log_weights
+                else:
+                    _, gx, gz = query_term_gradient(self.op, mu, atom)
+            except _FAILURES:
+                grads.append(None)
+                continue
             self.products += GRADIENT_PRODUCTS
-            grads.append(torch.cat([gx * self.R, gz[:, None]], dim=-1))
+            G = torch.cat([gx * self.R, gz[:, None]], dim=-1)
+            grads.append(G if bool(torch.isfinite(G).all()) else None)
         return grads
 
     def certify(self, Y, aux):
@@ -630,6 +684,11 @@ def _ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep,
         # a free ascent down; the tie is released when the tied ascent stops
         rows, tie = _tie(Y) if (line_search and problem.tied) else (Y, None)
         members.append(_Member(name, rows, v, aux, eta, tie))
+        if aux is None:  # the constant at this start is beyond the dtype's range
+            members[-1].stopped = "overflow"
+    if all(m.stopped == "overflow" for m in members):
+        raise OverflowError("R: the local constant (or the weighted Jacobian) overflows the dtype's range at every "
+                            "start; use float64 or a smaller radius")
     trace = []
     best = lambda: max(m.best[0] for m in members)
     stopped = "converged"
@@ -653,11 +712,15 @@ def _ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep,
         need = [m for m in active if m.G is None]
         if need:
             for m, G in zip(need, problem.gradient([m.full(m.Y) for m in need], [m.aux for m in need])):
+                if G is None:
+                    m.stopped = "overflow"
+                    continue
                 if m.tie is not None:  # chain rule through X = Y[tie]
                     G = torch.zeros_like(m.Y).index_add_(0, m.tie, G)
                 # ascent follows the projected gradient: an outward push on tokens already on the
                 # sphere would be undone by the projection and would shrink the useful step
                 m.G, m.pg, m.direction = G, problem.projected_gradient(m.Y, G), None
+        active = [m for m in active if m.stopped is None]
         for m in active:
             while line_search and m.stopped is None and m.direction is None and not _new_direction(m, gtol, rng):
                 m.stop("stationary")
@@ -667,6 +730,9 @@ def _ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep,
         need = [m for m in active if m.G is None]
         if need:
             for m, G in zip(need, problem.gradient([m.Y for m in need], [m.aux for m in need])):
+                if G is None:
+                    m.stopped = "overflow"
+                    continue
                 m.G, m.pg, m.direction = G, problem.projected_gradient(m.Y, G), None
                 if line_search and not _new_direction(m, gtol, rng):
                     m.stop("stationary")
@@ -693,7 +759,10 @@ def _ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep,
         if active:
             trials = [problem.project(m.Y + steps[id(m)]) for m in active]
             for m, Y, (v, aux) in zip(active, trials, problem.evaluate([m.full(Y) for m, Y in zip(active, trials)])):
-                if not line_search:  # plain ascent: every step is taken
+                if not line_search:  # plain ascent: every step is taken (one that fails ends the start)
+                    if aux is None:
+                        m.stopped = "overflow"
+                        continue
                     m.Y, m.value, m.aux, m.G, m.steps = Y, v, aux, None, m.steps + 1
                     if v > m.best[0]:
                         m.best = (v, Y, aux)

@@ -429,3 +429,17 @@ def test_hugging_face_layer_bracket():
     assert rel(res.lower, float(torch.linalg.matrix_norm(dense_jacobian(f, res.input), ord=2))) <= 1e-6
     assert res.upper.known and res.lower <= res.upper.value
     assert rel(res.upper.value, bounds.operator_upper(op.parameters().to_meanfield(), 2.0, 4).value) <= 1e-10
+
+
+def test_radius_100_stays_finite():
+    """No inf or nan up to R = 100: the measure's masses are kept within the range the weighted Jacobian
+    needs, and the certified value is re-verified by the weighted dense Jacobian (entrywise log-scalings)."""
+    A = torch.tensor([[1.0, 0.3], [0.0, -0.5]], dtype=f64)
+    op = SelfAttention(A, torch.eye(2, dtype=f64))
+    res = worst_case_measure(op, 100.0, 3, random=1, budget=300, max_steps=5)
+    assert math.isfinite(res.lower) and res.lower > 1e300 and res.log_ratio < 0
+    mu = res.input
+    f = lambda Z: naive_attention(Z, A, torch.eye(2, dtype=f64), log_weights=mu.log_weights)
+    assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-8
+    seq = worst_case_sequence(op, 100.0, 5, random=1, budget=300, max_steps=5)
+    assert math.isfinite(seq.lower) and seq.lower <= seq.upper.value
