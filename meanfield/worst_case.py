@@ -18,11 +18,15 @@ local constant and returns
 
 Search: projected ascent on sigma(X) = Lip_X(f) with the gradient of the top singular value
 (:mod:`meanfield.sigma_gradient`, d sigma = <u, dJ v>), per-token radial projection onto the ball,
-and a step rule that never accepts a decrease of the certified value (a rejected step shrinks the
-step, an accepted one grows it). Starts: Proposition 3.4's witness in both eigen-cases and the
-large-radius hub configurations of every head's score matrix (:mod:`meanfield.adversarial`), one
-token at 0 with the others spread (Appendix C.7), and random tokens on the sphere of radius R;
-sequences are evaluated in batches over starts (one batched Lanczos run per step).
+and a step rule that never accepts a decrease of the certified value (backtracking: a rejected trial
+shrinks the step). Directions are L-BFGS directions built from the projected gradients (the
+gradient itself where no curvature is usable), tokens that coincide in a start move together
+until that tied ascent stops, a stationary point is left by a few random kicks (kept only if they
+raise the value), and successive halving gives most of the budget to the best starts. Starts:
+Proposition 3.4's witness in both eigen-cases and the large-radius hub configurations of every
+head's score matrix (:mod:`meanfield.adversarial`), one token at 0 with the others spread
+(Appendix C.7), random tokens on the sphere of radius R and clustered random tokens; sequences are
+evaluated in batches over starts (one batched Lanczos run per step).
 
 :func:`plain_gradient_ascent` is the baseline the paper reports as giving poor results: fixed
 steps along the gradient from random starts, no line search, with the same budget.
@@ -1001,6 +1005,8 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, starts=None, 
     :func:`meanfield.bounds.operator_upper` with n = None. Starts: :func:`measure_starts`, or
     ``starts`` (measures or (name, measure) pairs with ``atoms`` atoms and the same positions).
     Other parameters as :func:`worst_case_sequence`; measures are searched one start at a time.
+    Masses are kept above e^{-1388} times the largest (float64; the span the weighted Jacobian of
+    Lemma C.5 can be formed with), starts included.
 
     Examples
     --------
