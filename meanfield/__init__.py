@@ -13,6 +13,10 @@ Public names are loaded lazily from the submodules that hold them::
     integrators  Euler, RK4, torchdiffeq's adaptive methods
     geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
+    worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult
+                 (certified brackets on the Lipschitz constant on a ball)
+    sigma_gradient  the gradient of a local constant in the input (``meanfield.sigma_gradient.sigma_gradient``)
+    splitting    split_lipschitz (mass splitting, closed form), query_jacobians
     io           save_trajectory, load_trajectory, save_estimate, load_estimate (.npz, never pickle)
 
 Measures are saved with :func:`particles.save_measure` / :func:`particles.load_measure`.
@@ -52,9 +56,15 @@ _NAMES = {
     "load_trajectory": "io",
     "save_estimate": "io",
     "load_estimate": "io",
+    "worst_case_sequence": "worst_case",
+    "worst_case_measure": "worst_case",
+    "plain_gradient_ascent": "worst_case",
+    "WorstCaseResult": "worst_case",
+    "split_lipschitz": "splitting",
 }
 _SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering", "io"}
+               "integrators", "geometry", "kernels", "clustering", "io", "worst_case", "splitting",
+               "sigma_gradient"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 

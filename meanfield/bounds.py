@@ -9,6 +9,7 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 * lower bounds: :func:`sqrt_n_lower` (Prop 3.4), :func:`two_dirac_lower` (Prop 3.6, asymptotic);
 * large radius: :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`;
 * eigen-structure of A: :func:`gamma`, :func:`gamma_info`.
+* whole operators: :func:`operator_upper` (the best bound known for an operator), :func:`absorb_key_bias`.
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
 bound, finite for every finite radius. Their plain value is ``math.inf`` only when the true number
@@ -28,6 +29,8 @@ from particles.validation import as_tensor, check_positive_int, check_radius
 
 __all__ = [
     "GammaInfo",
+    "UpperBound",
+    "absorb_key_bias",
     "argmax_indices",
     "augmented_head_norms",
     "biased_multihead_upper",
@@ -40,6 +43,7 @@ __all__ = [
     "lambert_phi_inverse",
     "mean_field_upper",
     "multihead_upper",
+    "operator_upper",
     "score_gap",
     "spectral_norm",
     "sqrt_n_lower",
@@ -587,3 +591,219 @@ def large_radius_sup(V, n) -> float:
         raise ValueError(f"V: expected a non-empty matrix, got shape {tuple(v.shape)}")
     n = check_positive_int(n, "n")
     return float(torch.linalg.matrix_norm(v, ord=2)) * math.sqrt(n)
+
+
+# ---------------------------------------------------------------------------- biases and whole operators
+def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
+    """Absorb a key bias into the score matrix by lifting tokens to one more coordinate.
+
+    Scores with a key bias, ``<A x_i, x_j> + <c, x_j>`` (what a query bias b_Q becomes,
+    docs/math.md section 1), equal plain scores ``<A' x'_i, x'_j>`` of the lifted tokens
+    ``x' = (x, t)`` with
+
+        A' = [[A, c / t], [0, 0]]   ((d+1) x (d+1)),     |x'| <= R' = (R^2 + t^2)^{1/2} on B_R,
+
+    for every t > 0. The lift moves no token (the last coordinate is the constant t), so a perturbation
+    of X is the same perturbation of X' and every Lipschitz bound for (A', R') holds with the key bias
+    (values are lifted as V' = [V, 0], with ||V'||_2 = ||V||_2). Theorems 3.3 and 3.5 depend on A and R
+    only through ||A||_2 R^2, so t is chosen to minimize ``||[A, c/t]||_2 (R^2 + t^2)``: a grid in
+    log t, refined by a bounded scalar search; any t would give a valid bound.
+
+    Returns
+    -------
+    (A', R', t) ; for c = 0 (or None) the lift is skipped: (A, R, 0.0).
+    """
+    a = _square(A)
+    R = check_radius(R, "R")
+    if c is None:
+        return a, R, 0.0
+    cv = as_tensor(c, "c", dtype=torch.float64).detach().cpu().numpy().reshape(-1)
+    if cv.shape[0] != a.shape[0]:
+        raise ValueError(f"c: expected {a.shape[0]} entries to match A of shape {a.shape}, got {cv.shape[0]}")
+    d = a.shape[0]
+    if not np.any(cv):
+        return a, R, 0.0
+    if R == 0.0:
+        # on B_0 = {0}: the key-bias term has no effect at X = 0, and the lift's optimum is t -> 0
+        return np.pad(a, ((0, 1), (0, 1))), 0.0, 0.0
+    # ||[A, c/t]||_2^2 = lambda_max(A A^T + c c^T / t^2): a rank-one update of a fixed matrix, whose
+    # top eigenvalue is the root above lambda_1 of the secular equation 1 + sum w_i^2 / (lambda_i - x) = 0
+    lam, U = np.linalg.eigh(a @ a.T)
+    lam = np.clip(lam, 0.0, None)
+    w2 = (U.T @ cv) ** 2
+
+    def top(t: float) -> float:
+        w = w2 / (t * t)
+        lo, hi = float(lam[-1]), float(lam[-1] + w.sum())
+        for _ in range(200):
+            mid = 0.5 * (lo + hi)
+            gap = lam - mid
+            if mid <= lo or mid >= hi:
+                break
+            if 1.0 + float(np.sum(w / gap)) < 0:   # below the root
+                lo = mid
+            else:
+                hi = mid
+        return hi
+
+    def phi(log_t: float) -> float:
+        t = math.exp(log_t)
+        return 0.5 * math.log(top(t)) + math.log(R * R + t * t)
+
+    grid = np.log(R) + np.linspace(-12.0, 12.0, 97)
+    vals = [phi(float(s)) for s in grid]
+    k = int(np.argmin(vals))
+    from scipy.optimize import minimize_scalar
+
+    lo_s, hi_s = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+    res = minimize_scalar(phi, bounds=(float(lo_s), float(hi_s)), method="bounded",
+                          options={"xatol": 1e-10})
+    log_t = float(res.x) if res.fun <= vals[k] else float(grid[k])
+    t = math.exp(log_t)
+    lifted = np.zeros((d + 1, d + 1))
+    lifted[:d, :d] = a
+    lifted[:d, d] = cv / t
+    return lifted, math.sqrt(R * R + t * t), t
+
+
+@dataclass(frozen=True)
+class UpperBound:
+    """The best upper bound the framework knows for one operator (see :func:`operator_upper`).
+
+    ``log_value`` is the natural logarithm of the bound (``math.inf`` when no bound is known, ``-inf``
+    for the zero map); ``value`` is its exponential (``math.inf`` beyond float64). ``source`` names
+    the results used; ``heads`` holds, for multi-head layers, each head's ``(log_value, source)``
+    before Lemma 3.8.
+    """
+
+    log_value: float
+    source: str
+    heads: tuple = ()
+
+    @property
+    def value(self) -> float:
+        return math.inf if self.log_value == math.inf else _exp_or_inf(self.log_value)
+
+    @property
+    def known(self) -> bool:
+        """False when the framework knows no bound for this operator (``value`` is then inf)."""
+        return self.log_value < math.inf
+
+
+def _head_upper(A, c, V, R, n) -> tuple[float, str]:
+    """log of min(Theorem 3.3, Theorem 3.5) for one head (Theorem 3.5 alone when n is None)."""
+    a, Rl, t = absorb_key_bias(A, c, R)
+    v = _matrix(V, "V")
+    if a.shape[0] != v.shape[1]:
+        v = np.pad(v, ((0, 0), (0, a.shape[0] - v.shape[1])))
+    lifted = f" (key bias absorbed: tokens lifted to (x, {t:.3g}), radius {Rl:.6g})" if t > 0 else ""
+    mf = mean_field_upper(a, v, Rl, log=True)
+    if n is None:
+        return mf, "Theorem 3.5 / 4.4" + lifted
+    sq = sqrt_n_upper(a, v, Rl, n)
+    log_sq = math.log(sq) if sq > 0 else -math.inf
+    if sq != math.inf and log_sq <= mf:
+        return log_sq, "Theorem 3.3 / 4.3" + lifted
+    return mf, "Theorem 3.5 / 4.4" + lifted
+
+
+def _logsumexp(xs) -> float:
+    top = max(xs)
+    if top in (math.inf, -math.inf):
+        return top
+    return top + math.log(sum(math.exp(x - top) for x in xs))
+
+
+def _heads_of(op):
+    """(list of (A, c, V) numpy heads, W_O or None, note) of an operator, or (None, None, reason)."""
+    from .attention import MultiHeadAttention, SelfAttention
+    from .hf import HFAttention
+    from .operator import TorchMultiheadAttention
+
+    np64 = lambda t: None if t is None else t.detach().to(torch.float64).cpu().numpy()
+    if isinstance(op, SelfAttention):
+        return [(np64(op.A), np64(op.key_bias), np64(op.V))], None, ""
+    if isinstance(op, MultiHeadAttention):
+        return [(np64(h.A), np64(h.key_bias), np64(h.V)) for h in op.heads], np64(op.W_O), ""
+    if isinstance(op, HFAttention):
+        if op.block:
+            return None, None, "no bound is known for the whole block (LayerNorm and residual)"
+        if op.kind == "bert_self":
+            return None, None, "BertSelfAttention alone: wrap BertAttention to read W_O"
+        p = op.parameters()
+        heads = []
+        for h in range(p.num_heads):
+            c = p.scale * (p.K[h].T @ p.b_Q[h])
+            heads.append((np64(p.A(h)), np64(c), np64(p.V[h])))
+        return heads, np64(p.W_O), ""
+    if isinstance(op, TorchMultiheadAttention):
+        m = op.module
+        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+            return None, None, "torch MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn"
+        E, H = m.embed_dim, m.num_heads
+        k = E // H
+        W = m.in_proj_weight.detach()
+        b = m.in_proj_bias.detach() if m.in_proj_bias is not None else torch.zeros(3 * E, dtype=W.dtype)
+        heads = []
+        for h in range(H):
+            rows = slice(h * k, (h + 1) * k)
+            Q, K, V = W[:E][rows], W[E:2 * E][rows], W[2 * E:][rows]
+            c = (K.T @ b[:E][rows]) / math.sqrt(k)
+            heads.append((np64(K.T @ Q / math.sqrt(k)), np64(c), np64(V)))
+        return heads, np64(m.out_proj.weight), ""
+    return None, None, f"no bound is known for {type(op).__name__}"
+
+
+def operator_upper(op, R, n=None) -> UpperBound:
+    """The best upper bound the framework knows on the Lipschitz constant of an attention operator.
+
+    On sequences (``n`` given): a bound on Lip(f on B_R^n) = sup over X in B_R^n of Lip_X(f). On
+    measures (``n=None``): a bound on the W2 Lipschitz constant of F on measures supported in B_R
+    (conditional W2 when masked), which by Lemma 3.2 also bounds Lip_X(f) for every n.
+
+    * single head (:class:`~meanfield.SelfAttention`): min(Theorem 3.3 / 4.3, Theorem 3.5 / 4.4)
+      (docs/math.md sections 5.1, 5.2); on measures Theorem 3.5 / 4.4 alone;
+    * multi-head (:class:`~meanfield.MultiHeadAttention`, Hugging Face layers through
+      :meth:`~meanfield.hf.HFAttention.parameters`, ``torch.nn.MultiheadAttention``): Lemma 3.8
+      over the heads' bounds (docs/math.md section 5.6);
+    * biases: a value bias or an output bias adds a constant and changes no Lipschitz constant; a
+      key bias (from b_Q) is absorbed head by head with :func:`absorb_key_bias`;
+    * L2 attention (:class:`~meanfield.L2SelfAttention`, unmasked, sequences):
+      :func:`l2_attention_upper` with N = n (Kim et al., docs/math.md section 5.8).
+
+    Other operators (masked L2, sphere models, whole Hugging Face blocks, bare callables) get an
+    :class:`UpperBound` with ``known=False`` and ``value = inf``, its ``source`` saying why.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from meanfield import SelfAttention, bounds
+    >>> b = bounds.operator_upper(SelfAttention(np.eye(2), np.eye(2)), R=1.0, n=8)
+    >>> round(b.value, 4), b.source
+    (11.0905, 'Theorem 3.3 / 4.3')
+    """
+    from .attention import L2SelfAttention
+    from .operator import as_operator
+
+    op = as_operator(op)
+    R = check_radius(R, "R")
+    if n is not None:
+        n = check_positive_int(n, "n")
+    if isinstance(op, L2SelfAttention):
+        if op.masked:
+            return UpperBound(math.inf, "none: Kim et al.'s bound is stated for unmasked L2 attention")
+        if n is None:
+            return UpperBound(math.inf, "none: Kim et al.'s bound depends on the number of tokens N")
+        value = l2_attention_upper(op, N=n)
+        return UpperBound(math.log(value) if value > 0 else -math.inf, "Kim et al. Theorem 3.2 (2-norm form)")
+    heads, W_O, reason = _heads_of(op)
+    if heads is None:
+        return UpperBound(math.inf, "none: " + reason)
+    per = tuple(_head_upper(A, c, V, R, n) for A, c, V in heads)
+    if W_O is None:
+        return UpperBound(per[0][0], per[0][1])
+    nw = float(np.linalg.norm(W_O, 2))
+    log_w = math.log(nw) if nw > 0 else -math.inf
+    log_value = log_w + 0.5 * _logsumexp([2.0 * lv for lv, _ in per])
+    kinds = sorted({s.split(" (")[0] for _, s in per})
+    return UpperBound(log_value, f"Lemma 3.8 over {len(per)} heads ({', '.join(kinds)})", per)

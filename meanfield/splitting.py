@@ -1,0 +1,165 @@
+"""Mass splitting: the closed form of docs/math.md section 4.7, for any operator.
+
+Splitting an atom (x_i, a_i) into parts at the same point leaves the measure unchanged but lets the
+parts move apart. Perturbations of the parts that keep their mass-weighted mean fixed leave every
+softmax's key side unchanged to first order, so only the *query* derivative
+
+    Q_i = d/dx Gamma_mu(x) at x = x_i    (keys, weights and positions held fixed; d_out x d)
+
+acts on them, and in the weighted inner product of Lemma C.5 they are orthogonal to the unsplit
+perturbations. Hence, for any splitting of the atoms of a set I (any fractions),
+
+    Lip(split) = max( Lip_mu(F), max_{i in I} ||Q_i||_2 ),
+
+and splitting every atom once gives the supremum over splittings, a lower bound of the W2 local
+constant at mu (section 4.7). For single-head attention Q_i = V Sigma_mu(x_i) A (section 4.1); the
+argument uses only that Gamma_mu(x) depends on the keys through mu, so it holds for every operator
+of the protocol (multi-head, with biases, L2, Hugging Face layers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.func import grad, jvp
+
+from particles import Measure
+
+from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
+from .operator import as_operator
+
+__all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
+
+
+def _setup(f, mu):
+    op = as_operator(f)
+    mu = op.check_measure(mu, "mu")
+    if op.points_only:
+        raise TypeError(f"f: {op!r} is points-only; the query derivative needs an operator that evaluates "
+                        "queries against keys (a meanfield operator or a Hugging Face layer)")
+    pos = mu.positions if op.masked else None
+    return op, mu, pos
+
+
+def _query_block(op, x, keys, lw, q_pos, k_pos):
+    """(m, d_out, d) derivatives of the outputs at queries x (m, d) in x alone, by d JVPs (one per
+    input coordinate, all queries at once: query i's output depends on query i only)."""
+    d = x.shape[-1]
+    fn = lambda q: op.evaluate(q, keys, lw, q_pos, k_pos)
+    cols = []
+    for k in range(d):
+        e = torch.zeros_like(x)
+        e[:, k] = 1.0
+        cols.append(jvp(fn, (x,), (e,))[1])
+    return torch.stack(cols, dim=-1)
+
+
+def query_jacobians(f, mu) -> torch.Tensor:
+    """Q_i = d/dx Gamma_mu(x) at x = x_i for every atom, shape (N, d_out, d) (keys held fixed;
+    masked operators: the query at the atom's own position). docs/math.md section 4.7."""
+    op, mu, pos = _setup(f, mu)
+    X = mu.points.detach()
+    lw = mu.log_weights.detach()
+    return _query_block(op, X, X, lw, pos, pos).detach()
+
+
+def split_measure(mu: Measure, atoms) -> Measure:
+    """The same measure with each atom in ``atoms`` split into two halves at the same point (and
+    position): the representation whose constant :func:`split_lipschitz` gives."""
+    if not isinstance(mu, Measure):
+        raise TypeError(f"mu: expected a particles.Measure, got {type(mu).__name__}")
+    out = mu
+    for i in sorted({int(a) % mu.n for a in atoms}, reverse=True):  # from the end: indices stay valid
+        out = out.split(i, 0.5)
+    return out
+
+
+@dataclass(frozen=True)
+class SplitConstant:
+    """max(Lip_mu(F), max_i ||Q_i||_2): the local constant with every atom split (section 4.7).
+
+    ``unsplit`` is the certified estimate without splitting, ``query_norms`` (N,) the ||Q_i||_2 (dense,
+    exact to rounding), ``atom`` the atom of largest query norm, ``helps`` whether splitting it raises
+    the constant (its query norm exceeds ``unsplit.value``).
+    """
+
+    value: float
+    unsplit: LipschitzEstimate
+    query_norms: torch.Tensor
+    atom: int
+    helps: bool
+
+
+def split_lipschitz(f, mu, *, tol=1e-8, seed=0, estimate: LipschitzEstimate | None = None) -> SplitConstant:
+    """The local W2 constant of F at mu with atoms allowed to split (docs/math.md section 4.7).
+
+    Parameters
+    ----------
+    f : anything :func:`meanfield.as_operator` accepts, except bare callables
+    mu : Measure (weights and, for masked operators, positions held fixed)
+    tol, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant
+    estimate : the unsplit estimate, when already computed
+
+    Returns
+    -------
+    SplitConstant, whose ``value`` is max(unsplit value, max_i ||Q_i||_2). Its unsplit part is a
+    certified lower bound (a Rayleigh quotient) and the query norms are dense, so ``value`` is a
+    lower bound of the split constant; :func:`split_measure` gives the representation to certify
+    with :func:`meanfield.local_lipschitz` directly.
+
+    Examples
+    --------
+    >>> import torch
+    >>> from particles import Measure
+    >>> from meanfield import SelfAttention
+    >>> from meanfield.splitting import split_lipschitz
+    >>> op = SelfAttention(torch.tensor([[-0.5612]]), torch.tensor([[-0.8676]]))
+    >>> mu = Measure(torch.tensor([[9.198], [-0.232]]), torch.tensor([0.25, 0.75]))
+    >>> s = split_lipschitz(op, mu)
+    >>> s.helps, s.atom
+    (True, 1)
+    """
+    op, mu, pos = _setup(f, mu)
+    if estimate is None:
+        try:
+            estimate = local_lipschitz(op, mu, tol=tol, seed=seed)
+        except ConvergenceError as err:
+            estimate = err.estimate
+    Q = query_jacobians(op, mu)
+    norms = torch.linalg.matrix_norm(Q, ord=2)
+    present = torch.isfinite(mu.log_weights)
+    norms = torch.where(present, norms, torch.zeros_like(norms))
+    atom = int(norms.argmax())
+    top = float(norms[atom])
+    return SplitConstant(max(estimate.value, top), estimate, norms, atom, top > estimate.value)
+
+
+def query_term_gradient(f, mu, atom: int):
+    """||Q_atom||_2 and its gradient in the points and in the logits of the weights.
+
+    At a simple top singular pair (u, v) of Q_atom, d||Q|| = <u, dQ v>, with Q_atom a function of
+    all the atoms (as keys) and of x_atom (also as the query). Returns (value, grad_points (N, d),
+    grad_logits (N,)).
+    """
+    op, mu, pos = _setup(f, mu)
+    X0 = mu.points.detach()
+    z0 = mu.log_weights.detach()
+    if not bool(torch.isfinite(z0).all()):
+        raise ValueError("mu: the measure has atoms of zero mass; drop them")
+    i = int(atom)
+    q_pos = None if pos is None else pos[i:i + 1]
+
+    def Q(Y, z):
+        lw = z - torch.logsumexp(z, 0)
+        return _query_block(op, Y[i:i + 1], Y, lw, q_pos, pos)[0]
+
+    with torch.no_grad():
+        U, S, Vh = torch.linalg.svd(Q(X0, z0))
+    u, v = U[:, 0], Vh[0]
+    gX, gz = grad(lambda Y, z: u @ Q(Y, z) @ v, argnums=(0, 1))(X0, z0)
+    value = float(S[0])
+    if not math.isfinite(value):
+        raise OverflowError("mu: the query derivative overflows at this measure")
+    return value, gX, gz

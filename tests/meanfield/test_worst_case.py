@@ -1,0 +1,445 @@
+"""Worst-case search (meanfield.worst_case), the gradient of the top singular value
+(meanfield.sigma_gradient), mass splitting (meanfield.splitting) and the operator upper bounds
+(bounds.operator_upper, bounds.absorb_key_bias).
+
+Truths: dense Jacobians of attention written out in tests/reference.py (and, batched, here), central
+finite differences of the dense top singular value, the paper's bounds typed in by hand, the
+Proposition 3.4 witness built by hand from numpy's eigenvectors, and a brute-force grid."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from meanfield import (
+    L2SelfAttention,
+    MultiHeadAttention,
+    SelfAttention,
+    bounds,
+    local_lipschitz,
+    plain_gradient_ascent,
+    worst_case_measure,
+    worst_case_sequence,
+)
+from meanfield import sigma_gradient as sg_module
+from meanfield.sigma_gradient import sigma_gradient
+from meanfield.splitting import query_jacobians, split_lipschitz, split_measure
+from particles import Measure
+from tests.reference import (
+    dense_jacobian,
+    dense_lipschitz,
+    dense_lipschitz_logweights,
+    kim_l2_upper,
+    lemma38_upper,
+    naive_attention,
+    prop34_lower,
+    thm33_upper,
+    thm35_upper_log,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+f64 = torch.float64
+SMALL = dict(random=3, budget=4000, max_steps=200)
+
+
+def rand(*shape, seed=0, scale=1.0):
+    return scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+
+
+def matrix(case, d, seed):
+    """A random A whose Proposition 3.4 case is ``case``: lambda_max / 8 >= -lambda_min ("max") or not."""
+    Q = torch.linalg.qr(rand(d, d, seed=seed))[0]
+    lam = torch.linspace(0.4, 1.6, d, dtype=f64)
+    if case == "min":
+        lam[0] = -1.2
+    return Q @ torch.diag(lam) @ Q.T + 0.1 * rand(d, d, seed=seed + 1)
+
+
+def witness_by_hand(A, R, n, case):
+    """Proposition 3.4's witness from numpy's eigen-decomposition (docs/math.md section 5.3)."""
+    w, U = np.linalg.eig(A.numpy())
+    real = np.abs(w.imag) < 1e-10
+    lam, vec = w.real[real], U[:, real].real
+    k = int(np.argmax(lam)) if case == "max" else int(np.argmin(lam))
+    u = torch.as_tensor(vec[:, k] / np.linalg.norm(vec[:, k]), dtype=f64)
+    first, rest = (R * u, R * u / 2) if case == "max" else (-R * u, R * u)
+    return torch.stack([first] + [rest] * (n - 1))
+
+
+def batched_dense_lipschitz(A, V, Xs, masked):
+    """Top singular values of the dense Jacobians of the written-out attention at a batch of inputs."""
+    f = lambda X: naive_attention(X, A, V, masked=masked)
+    J = torch.func.vmap(torch.func.jacrev(f))(Xs)
+    b, n, d = Xs.shape
+    return torch.linalg.matrix_norm(J.reshape(b, n * V.shape[0], n * d), ord=2)
+
+
+def candidate_inputs(A, R, n, d, count, seed):
+    """Random and structured inputs of B_R^n: tokens on the sphere, in the ball, one token plus n-1
+    copies of another (the family of the witnesses), and the witnesses of both cases."""
+    g = torch.Generator().manual_seed(seed)
+    Z = torch.randn(count, n, d, generator=g, dtype=f64)
+    sphere = R * Z / Z.norm(dim=-1, keepdim=True)
+    ball = sphere * torch.rand(count, n, 1, generator=g, dtype=f64) ** (1 / d)
+    Y = torch.randn(count, 2, d, generator=g, dtype=f64)
+    Y = R * Y / Y.norm(dim=-1, keepdim=True)
+    copies = torch.cat([Y[:, :1], Y[:, 1:].expand(count, n - 1, d)], dim=1)
+    cands = [sphere, ball, copies]
+    for case in ("max", "min"):
+        try:
+            cands.append(witness_by_hand(A, R, n, case)[None])
+        except ValueError:
+            pass
+    return torch.cat(cands)
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+# ---------------------------------------------------------------------- the gradient of sigma
+@pytest.mark.parametrize("masked", [False, True])
+def test_sigma_gradient_is_the_derivative_of_the_dense_top_singular_value(masked):
+    """d sigma = <u, dJ v> against central finite differences of the dense Jacobian's top singular value."""
+    d, n = 3, 5
+    A, V = rand(d, d, seed=1), rand(2, d, seed=2)
+    X = rand(n, d, seed=3, scale=1.5)
+    op = SelfAttention(A, V, masked=masked)
+    est = local_lipschitz(op, X, tol=1e-12)
+    g = sigma_gradient(op, X, est.vector)
+    assert rel(float(g.sigma), dense_lipschitz(lambda Y: naive_attention(Y, A, V, masked=masked), X)) <= 1e-10
+    sigma = lambda Y: dense_lipschitz(lambda Z: naive_attention(Z, A, V, masked=masked), Y)
+    h = 1e-6
+    for k in range(3):
+        E = rand(n, d, seed=10 + k)
+        fd = (sigma(X + h * E) - sigma(X - h * E)) / (2 * h)
+        assert abs(float((g.points * E).sum()) - fd) <= 1e-6 * (1 + abs(fd))
+
+
+def test_sigma_gradient_of_a_measure_in_points_and_weights():
+    """Lemma C.5's weighted constant, differentiated in the points and in the logits of the weights."""
+    d, n = 2, 4
+    A, V = rand(d, d, seed=4), rand(d, d, seed=5)
+    X = rand(n, d, seed=6, scale=1.5)
+    z = rand(n, seed=7)
+    pos = torch.tensor([0.2, 0.2, 0.6, 1.0], dtype=f64)
+    op = SelfAttention(A, V, masked=True)
+
+    def sigma(Y, logits):
+        lw = logits - torch.logsumexp(logits, 0)
+        f = lambda Z: naive_attention(Z, A, V, masked=True, log_weights=lw, positions=pos)
+        return dense_lipschitz_logweights(f, Y, lw)
+
+    mu = Measure(X, log_weights=z - torch.logsumexp(z, 0), positions=pos)
+    g = sigma_gradient(op, mu, local_lipschitz(op, mu, tol=1e-12).vector)
+    h = 1e-6
+    for k in range(3):
+        E, e = rand(n, d, seed=20 + k), rand(n, seed=30 + k)
+        fd = (sigma(X + h * E, z + h * e) - sigma(X - h * E, z - h * e)) / (2 * h)
+        an = float((g.points * E).sum() + (g.log_weights * e).sum())
+        assert abs(an - fd) <= 1e-6 * (1 + abs(fd))
+
+
+def test_sigma_gradient_without_forward_mode(monkeypatch):
+    """Reverse-over-reverse (J v = d/dw <J^T w, v>) gives the same gradient when forward mode is missing."""
+    d, n = 3, 4
+    op = MultiHeadAttention([SelfAttention.from_qkv(rand(2, d, seed=h), rand(2, d, seed=h + 5), rand(2, d, seed=h + 9),
+                                                    b_Q=rand(2, seed=h + 20)) for h in range(2)], rand(d, 4, seed=40))
+    X = rand(2, n, d, seed=41)
+    v = torch.stack([e.vector for e in local_lipschitz(op, X, tol=1e-12)])
+    forward = sigma_gradient(op, X, v)
+
+    def no_forward(*args):
+        raise NotImplementedError("no forward-mode rule")
+
+    monkeypatch.setattr(sg_module, "_jv_forward", no_forward)
+    reverse = sigma_gradient(op, X, v)
+    assert torch.allclose(forward.points, reverse.points, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(forward.sigma, reverse.sigma, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------- mass splitting (section 4.7)
+def test_split_closed_form_against_dense_split_representations():
+    """max(Lip_mu, max_i ||Q_i||) equals the dense weighted constant of the measure with every atom split
+    (and with only the best atom split), masked with positions and unmasked, with a key bias."""
+    for seed in range(6):
+        d, N = 2, 3
+        masked = seed % 2 == 1
+        A, V, c = rand(d, d, seed=seed, scale=1.5), rand(d, d, seed=seed + 50), rand(d, seed=seed + 60)
+        pos = torch.tensor([0.3, 0.3, 0.9], dtype=f64) if masked else None
+        w = torch.softmax(rand(N, seed=seed + 70), 0)
+        mu = Measure(rand(N, d, seed=seed + 80, scale=2.0), w, positions=pos)
+        op = SelfAttention(A, V, masked=masked, key_bias=c)
+        s = split_lipschitz(op, mu, tol=1e-12)
+        for atoms in (range(N), [s.atom]):
+            sp = split_measure(mu, atoms)
+            f = lambda Z, sp=sp, A=A, V=V, m=masked, c=c: naive_attention(
+                Z, A, V, masked=m, log_weights=sp.log_weights, b_Q=c, positions=sp.positions)
+            assert rel(s.value, dense_lipschitz_logweights(f, sp.points, sp.log_weights)) <= 1e-9
+
+
+def test_split_query_term_is_v_sigma_a_for_one_head():
+    """Q_i = V Sigma_mu(x_i) A (docs/math.md section 4.1), from the attention distribution of query i."""
+    d, N = 3, 4
+    A, V = rand(d, d, seed=1), rand(2, d, seed=2)
+    X, w = rand(N, d, seed=3), torch.softmax(rand(N, seed=4), 0)
+    Q = query_jacobians(SelfAttention(A, V), Measure(X, w))
+    for i in range(N):
+        P = torch.softmax(X @ A @ X[i] + w.log(), 0)
+        m = P @ X
+        S = (X - m).T @ ((X - m) * P[:, None])
+        assert torch.allclose(Q[i], V @ S @ A, rtol=1e-10, atol=1e-12)
+
+
+def test_measure_search_certifies_a_split_representation_when_splitting_helps():
+    """d = 1, A = -0.5612, V = -0.8676: splitting the heavy atom raises the constant (docs/math.md 7.6).
+    The certified value on the split representation matches the closed form the search maximized."""
+    op = SelfAttention(torch.tensor([[-0.5612]], dtype=f64), torch.tensor([[-0.8676]], dtype=f64))
+    mu = Measure(torch.tensor([[9.198], [-0.232]], dtype=f64), torch.tensor([0.25, 0.75], dtype=f64))
+    start = worst_case_measure(op, 9.2, 2, starts=[("given", mu)], max_steps=0)
+    assert start.split and start.input.n == 3
+    for res in (start, worst_case_measure(op, 9.2, 2, starts=[("given", mu)], budget=600, max_steps=20)):
+        f = lambda Z, res=res: naive_attention(Z, op.A, op.V, log_weights=res.input.log_weights)
+        dense = dense_lipschitz_logweights(f, res.input.points, res.input.log_weights)
+        assert rel(res.lower, dense) <= 1e-9
+        assert rel(res.search_value, dense) <= 1e-6
+        assert res.lower >= start.lower - start.error
+        assert float(res.input.points.norm(dim=1).max()) <= 9.2 * (1 + 1e-12)
+
+
+# ---------------------------------------------------------------------- the search on small problems
+@pytest.mark.parametrize("case,masked", [("max", False), pytest.param("min", True, marks=pytest.mark.slow)])
+def test_search_beats_dense_starts_and_is_reverified(case, masked):
+    """Small problem (n = 4, d = 2): the found constant is at least the best dense constant over many
+    random and structured inputs; the found input is in the ball and its constant is re-verified by a
+    dense Jacobian of the written-out attention."""
+    n, d, R = 4, 2, 1.5
+    A, V = matrix(case, d, seed=3), rand(d, d, seed=4)
+    res = worst_case_sequence(SelfAttention(A, V, masked=masked), R, n, **SMALL)
+    X = res.input
+    assert X.shape == (n, d)
+    assert float(X.norm(dim=1).max()) <= R * (1 + 1e-12)
+    dense = dense_lipschitz(lambda Y: naive_attention(Y, A, V, masked=masked), X)
+    assert rel(res.lower, dense) <= 1e-8 and res.lower <= dense * (1 + 1e-12) + res.error
+    best = float(batched_dense_lipschitz(A, V, candidate_inputs(A, R, n, d, 300, seed=5), masked).max())
+    assert res.lower >= best
+
+
+def test_search_at_least_its_starts_and_the_witness():
+    """Never less than a start; at least the dense constant at Proposition 3.4's witness (built by hand)
+    and Proposition 3.4's bound (V = I)."""
+    n, d, R = 5, 3, 1.0
+    for case in ("max", "min"):
+        A = matrix(case, d, seed=11)
+        res = worst_case_sequence(SelfAttention(A, torch.eye(d, dtype=f64)), R, n, random=2, budget=500)
+        assert all(s.final >= s.initial for s in res.starts)
+        assert res.lower >= max(s.initial for s in res.starts)
+        W = witness_by_hand(A, R, n, case)
+        assert res.lower >= dense_lipschitz(lambda Y, A=A: naive_attention(Y, A, torch.eye(d, dtype=f64)), W) - 1e-12
+        gamma = max(max(np.linalg.eigvals(A.numpy()).real) / 8, -min(np.linalg.eigvals(A.numpy()).real))
+        assert res.lower >= prop34_lower(gamma, R, n)
+        assert res.start_record(f"prop3.4-{case}").final >= res.start_record(f"prop3.4-{case}").initial
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("n,d,R", [(3, 2, 0.7), (6, 3, 2.0), (5, 1, 1.5)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_search_beats_dense_starts_many_cases(seed, n, d, R, masked):
+    case = "max" if seed % 2 == 0 else "min"
+    A, V = (matrix(case, d, seed=seed) if d > 1 else torch.tensor([[1.3 if case == "max" else -0.9]], dtype=f64),
+            rand(d, d, seed=seed + 7))
+    res = worst_case_sequence(SelfAttention(A, V, masked=masked), R, n, random=4, budget=5000)
+    best = float(batched_dense_lipschitz(A, V, candidate_inputs(A, R, n, d, 1000, seed=seed), masked).max())
+    assert res.lower >= best
+    assert float(res.input.norm(dim=1).max()) <= R * (1 + 1e-12)
+    assert rel(res.lower, dense_lipschitz(lambda Y: naive_attention(Y, A, V, masked=masked), res.input)) <= 1e-8
+    assert res.lower <= res.upper.value
+
+
+# ---------------------------------------------------------------------- upper bounds and the bracket
+def test_upper_bound_of_a_single_head_is_the_smaller_theorem():
+    A, V = rand(3, 3, seed=1), rand(2, 3, seed=2)
+    for R, n in [(0.5, 4), (2.0, 16), (4.0, 3)]:
+        b = bounds.operator_upper(SelfAttention(A, V), R, n)
+        truth = min(thm33_upper(A, V, R, n), math.exp(thm35_upper_log(A, V, R)))
+        assert rel(b.value, truth) <= 1e-12
+        assert rel(bounds.operator_upper(SelfAttention(A, V), R).log_value, thm35_upper_log(A, V, R)) <= 1e-12
+
+
+def test_key_bias_lift_reproduces_the_scores_and_minimizes_the_product():
+    """<A' x'_i, x'_j> = <A x_i, x_j> + <c, x_j> for x' = (x, t); ||A'|| R'^2 is the minimum over t of
+    ||[A, c/t]|| (R^2 + t^2) (brute-force grid)."""
+    A, c = rand(3, 3, seed=3), rand(3, seed=4)
+    X = rand(5, 3, seed=5)
+    for R in (0.3, 1.0, 3.0):
+        Al, Rl, t = bounds.absorb_key_bias(A, c, R)
+        Xl = torch.cat([X, torch.full((5, 1), t, dtype=f64)], 1)
+        S = (X @ A.T) @ X.T + (X @ c)[None, :]
+        assert torch.allclose((Xl @ torch.as_tensor(Al).T) @ Xl.T, S, rtol=1e-10, atol=1e-10)
+        assert math.isclose(Rl, math.sqrt(R * R + t * t))
+        grid = min(np.linalg.norm(np.c_[A.numpy(), c.numpy() / s], 2) * (R * R + s * s)
+                   for s in np.logspace(-4, 4, 2001))
+        assert np.linalg.norm(Al, 2) * Rl**2 <= grid * (1 + 1e-6)
+
+
+def test_upper_bound_of_multihead_with_biases_is_lemma_38_over_lifted_heads():
+    d = 3
+    heads = [SelfAttention.from_qkv(rand(2, d, seed=h), rand(2, d, seed=h + 5), rand(2, d, seed=h + 9),
+                                    b_Q=rand(2, seed=h + 20), b_K=rand(2, seed=h + 30), b_V=rand(2, seed=h + 40))
+             for h in range(2)]
+    W_O = rand(d, 4, seed=50)
+    op = MultiHeadAttention(heads, W_O, rand(d, seed=51))
+    R, n = 1.5, 6
+    per = []
+    for h in heads:
+        Al, Rl, _ = bounds.absorb_key_bias(h.A, h.key_bias, R)
+        Vl = torch.cat([h.V, torch.zeros(2, 1, dtype=f64)], 1)
+        per.append(min(thm33_upper(Al, Vl, Rl, n), math.exp(thm35_upper_log(Al, Vl, Rl))))
+    assert rel(bounds.operator_upper(op, R, n).value, lemma38_upper(per, W_O)) <= 1e-10
+
+
+def test_upper_bound_of_l2_attention_is_kim_et_al():
+    WQ, WV, WO = rand(2, 3, 2, seed=1), rand(2, 3, 2, seed=2), rand(4, 3, seed=3)
+    b = bounds.operator_upper(L2SelfAttention(WQ, WV, WO), 2.0, 5)
+    assert rel(b.value, kim_l2_upper(list(WQ), list(WV), WO, 5)) <= 1e-12
+    assert not bounds.operator_upper(L2SelfAttention(WQ, WV, WO, masked=True), 2.0, 5).known
+
+
+def bracket_cases():
+    d = 2
+    single = lambda case, masked: SelfAttention(matrix(case, d, seed=7), rand(d, d, seed=8), masked=masked)
+    mha = lambda masked: MultiHeadAttention(
+        [SelfAttention.from_qkv(rand(2, d, seed=h, scale=1.5), rand(2, d, seed=h + 5, scale=1.5),
+                                rand(2, d, seed=h + 9), b_Q=rand(2, seed=h + 20), b_K=rand(2, seed=h + 30),
+                                b_V=rand(2, seed=h + 40), masked=masked) for h in range(2)],
+        rand(d, 4, seed=50), rand(d, seed=51))
+    l2 = L2SelfAttention(rand(2, d, 2, seed=1, scale=1.5), rand(2, d, 2, seed=2), rand(4, d, seed=3))
+    return [single("max", False), single("min", True), mha(False), mha(True), l2]
+
+
+@pytest.mark.parametrize("k", range(5))
+def test_lower_never_exceeds_upper(k):
+    op = bracket_cases()[k]
+    for R in (0.5, 2.5):
+        res = worst_case_sequence(op, R, 4, random=1, clusters=1, budget=300, max_steps=10)
+        assert res.upper.known
+        assert res.lower <= res.upper.value and 0 < res.ratio <= 1
+        assert float(res.input.norm(dim=1).max()) <= R * (1 + 1e-12)
+        assert rel(res.lower, dense_lipschitz(op.sequence, res.input)) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", range(5))
+def test_lower_never_exceeds_upper_measures_and_long_sequences(k):
+    op = bracket_cases()[k]
+    for R in (0.5, 1.5, 3.0):
+        res = worst_case_sequence(op, R, 16, random=4, budget=6000)
+        assert res.lower <= res.upper.value
+        if not isinstance(op, L2SelfAttention):
+            m = worst_case_measure(op, R, 3, random=2, budget=3000)
+            assert m.lower <= m.upper.value
+            assert float(m.input.points.norm(dim=1).max()) <= R * (1 + 1e-12)
+
+
+# ---------------------------------------------------------------------- measures
+def test_measure_search_keeps_positions_weights_and_ball():
+    d = 2
+    op = SelfAttention(matrix("min", d, seed=2), rand(d, d, seed=3), masked=True)
+    pos = torch.tensor([0.25, 0.5, 0.5, 1.0], dtype=f64)
+    res = worst_case_measure(op, 1.5, 4, positions=pos, random=2, budget=600, max_steps=20)
+    mu = res.input
+    assert torch.equal(mu.positions[: 4] if not res.split else mu.merge().positions, pos)
+    assert abs(float(mu.weights.sum()) - 1) <= 1e-12 and bool((mu.weights > 0).all())
+    assert float(mu.points.norm(dim=1).max()) <= 1.5 * (1 + 1e-12)
+    f = lambda Z: naive_attention(Z, op.A, op.V, masked=True, log_weights=mu.log_weights, positions=mu.positions)
+    assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-6
+    assert res.lower <= res.upper.value
+    assert res.lower >= max(s.initial for s in res.starts) - res.error
+
+
+# ---------------------------------------------------------------------- baseline, budget, inputs
+def test_plain_gradient_ascent_uses_random_starts_and_the_same_budget():
+    A, V = matrix("max", 2, seed=1), rand(2, 2, seed=2)
+    op = SelfAttention(A, V)
+    plain = plain_gradient_ascent(op, 2.0, 4, random=3, budget=400)
+    assert plain.method == "plain gradient ascent"
+    assert all(s.name.startswith("random-") for s in plain.starts)
+    costs = np.diff([0] + [t.products for t in plain.trace])
+    assert plain.products <= 400 + costs.max()
+    assert rel(plain.lower, dense_lipschitz(lambda Y: naive_attention(Y, A, V), plain.input)) <= 1e-6
+    search = worst_case_sequence(op, 2.0, 4, random=3, budget=400)
+    assert search.products <= 400 + np.diff([0] + [t.products for t in search.trace]).max()
+    assert search.stopped in ("budget", "converged", "max_steps")
+
+
+def test_arguments_are_checked_and_numpy_scalars_accepted():
+    op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
+    res = worst_case_sequence(op, np.float64(1.0), np.int64(3), random=1, budget=np.int64(200), max_steps=5)
+    assert res.n == 3
+    with pytest.raises(ValueError, match="R"):
+        worst_case_sequence(op, 0.0, 3)
+    with pytest.raises(ValueError, match="n"):
+        worst_case_sequence(op, 1.0, 0)
+    with pytest.raises(ValueError, match="budget"):
+        worst_case_sequence(op, 1.0, 3, budget=0)
+    with pytest.raises(ValueError, match="starts"):
+        worst_case_sequence(op, 1.0, 3, starts=[rand(4, 2)])
+    with pytest.raises(ValueError, match="d"):
+        worst_case_sequence(lambda X: X * 2.0, 1.0, 3)
+    with pytest.raises(TypeError, match="f"):
+        worst_case_measure(lambda X: X * 2.0, 1.0, 3, d=2)
+    with pytest.raises(ValueError, match="positions"):
+        worst_case_measure(op, 1.0, 3, positions=[0.1, 0.2, 0.3])
+    with pytest.raises(TypeError, match="split"):
+        worst_case_measure(op, 1.0, 3, split=1)
+
+
+def test_bare_callable_gets_random_starts_and_no_bound():
+    A, V = rand(2, 2, seed=1), rand(2, 2, seed=2)
+    res = worst_case_sequence(lambda X: naive_attention(X, A, V), 1.0, 3, d=2, random=2, budget=400, max_steps=10)
+    # no score matrix to read: no witness and no hub, only the starts that need none
+    assert {s.name.split("-")[0] for s in res.starts} <= {"random", "cluster", "zero+spread"}
+    assert not res.upper.known and res.ratio is None
+    assert rel(res.lower, dense_lipschitz(lambda Y: naive_attention(Y, A, V), res.input)) <= 1e-6
+
+
+# ---------------------------------------------------------------------- Hugging Face layers
+def test_hugging_face_layer_bracket():
+    transformers = pytest.importorskip("transformers", reason="the models extra (transformers) is not installed")
+    from meanfield.hf import HFAttention
+
+    cfg = transformers.GPT2Config(n_embd=4, n_head=2, n_layer=1, vocab_size=10, n_positions=8)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).to(f64).eval()
+    with torch.no_grad():
+        model.h[0].attn.c_attn.weight.mul_(25.0)
+        model.h[0].attn.c_attn.bias.normal_(0, 0.3)
+        model.h[0].attn.c_proj.weight.mul_(10.0)
+    attn = model.h[0].attn
+    op = HFAttention.from_model(model, 0)
+    res = worst_case_sequence(op, 2.0, 4, random=1, clusters=1, budget=300, max_steps=10)
+    # the module itself (no mask given: unmasked), causal mask added by hand for the masked layer
+    mask = torch.triu(torch.full((4, 4), torch.finfo(f64).min, dtype=f64), 1)[None, None]
+    f = lambda Y: attn(Y[None], attention_mask=mask)[0][0]
+    assert rel(res.lower, float(torch.linalg.matrix_norm(dense_jacobian(f, res.input), ord=2))) <= 1e-6
+    assert res.upper.known and res.lower <= res.upper.value
+    assert rel(res.upper.value, bounds.operator_upper(op.parameters().to_meanfield(), 2.0, 4).value) <= 1e-10
+
+
+def test_radius_100_stays_finite():
+    """No inf or nan up to R = 100: the measure's masses are kept within the range the weighted Jacobian
+    needs, and the certified value is re-verified by the weighted dense Jacobian (entrywise log-scalings)."""
+    A = torch.tensor([[1.0, 0.3], [0.0, -0.5]], dtype=f64)
+    op = SelfAttention(A, torch.eye(2, dtype=f64))
+    res = worst_case_measure(op, 100.0, 3, random=1, budget=300, max_steps=5)
+    assert math.isfinite(res.lower) and res.lower > 1e300 and res.log_ratio < 0
+    mu = res.input
+    f = lambda Z: naive_attention(Z, A, torch.eye(2, dtype=f64), log_weights=mu.log_weights)
+    assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-8
+    seq = worst_case_sequence(op, 100.0, 5, random=1, budget=300, max_steps=5)
+    assert math.isfinite(seq.lower) and seq.lower <= seq.upper.value
