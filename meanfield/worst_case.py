@@ -105,19 +105,29 @@ class WorstCaseResult:
         certified lower bound on Lip(f on B_R^n) (measures: on the W2 constant of F on P(B_R)).
     upper : UpperBound
         The best upper bound the framework knows (:func:`meanfield.bounds.operator_upper`).
-    R, n : the radius and the number of tokens (atoms for measures).
-    start : name of the start the best input was reached from.
-    starts : one :class:`StartRecord` per start.
-    trace : one :class:`TracePoint` per iteration.
-    products : Jacobian products spent (each J u and each J^T w on one sequence counts one; a
-        gradient pass counts :data:`GRADIENT_PRODUCTS`).
-    seconds : wall time.
-    stopped : ``"budget"`` (products ran out with starts still ascending), ``"max_steps"``, or
+    R, n : float, int
+        The radius and the number of tokens (atoms for measures).
+    start : str
+        Name of the start the best input was reached from.
+    starts : tuple
+        One :class:`StartRecord` per start.
+    trace : tuple
+        One :class:`TracePoint` per iteration.
+    products : int
+        Jacobian products spent (each J u and each J^T w on one sequence counts one; a gradient pass
+        counts :data:`GRADIENT_PRODUCTS`).
+    seconds : float
+        Wall time.
+    stopped : str
+        ``"budget"`` (products ran out with starts still ascending), ``"max_steps"``, or
         ``"converged"`` (every start stopped on the stationarity test, stalled, or was pruned).
-    method : ``"projected ascent"`` or ``"plain gradient ascent"``.
-    search_value : the value the search maximized at ``input`` (for split measures the closed form
+    method : str
+        ``"projected ascent"`` or ``"plain gradient ascent"``.
+    search_value : float
+        The value the search maximized at ``input`` (for split measures the closed form
         of section 4.7, otherwise ``estimate.value``).
-    split : whether ``input`` is a split representation.
+    split : bool
+        Whether ``input`` is a split representation.
     """
 
     input: object
@@ -863,7 +873,8 @@ def worst_case_sequence(f, R, n, *, starts=None, random=8, clusters=4, structure
         Radius of the ball B_R that holds every token (closed ball, Euclidean norm).
     n : int
         Number of tokens.
-    starts : list of tensors (n, d) or of (name, tensor) pairs, optional
+    starts : list, optional
+        Tensors of shape (n, d), or pairs (a name, such a tensor).
         Starts to use instead of :func:`sequence_starts` (each is projected onto B_R^n first).
     random, clusters, structured : the starts of :func:`sequence_starts` (random tokens on the
         sphere of radius R; clustered random tokens; witnesses, hubs and the zero-plus-spread
