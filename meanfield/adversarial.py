@@ -1,7 +1,8 @@
 """Adversarial inputs of *How Smooth Is Attention?*: the witnesses of the lower bounds.
 
 :func:`sqrt_n_sequence`           Proposition 3.4: Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})
-:func:`sqrt_n_witness_constant`   the constant the witness of Proposition 3.4 actually has (leading order)
+:func:`sqrt_n_witness_constant`   the constant the witness of Proposition 3.4 actually has (leading order),
+:func:`sqrt_n_witness_factor`     and its ratio to the bound
 :func:`two_dirac`                 Proposition 3.6: mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2}
 :func:`large_radius_configuration` Theorems 3.7 / 4.5: one token takes the attention of all,
                                   Lip_{RX} -> ||V||_2 sqrt(n)
@@ -27,7 +28,8 @@ from particles.validation import check_positive_int, check_radius, resolve_dtype
 from .bounds import GammaInfo, _gamma_value, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
-           "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "two_dirac", "zero_plus_spread"]
+           "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor", "two_dirac",
+           "zero_plus_spread"]
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,24 @@ def sqrt_n_witness_constant(A, R, n) -> float:
     ``n = exp(2 gamma R^2)`` it gives Proposition 3.6's correction factor
     (:func:`meanfield.bounds.two_dirac_ratio_from_gamma`).
     """
+    case, m, t, b, c = _witness_terms(A, R, n)
+    if case == "min":
+        return math.sqrt(m) * b * c
+    return math.sqrt(m * b * b * c * c + 1.0)
+
+
+def sqrt_n_witness_factor(A, R, n) -> float:
+    """The predicted ratio of the witness's constant to Proposition 3.4's bound: ``c`` in case "min",
+    ``sqrt(c^2 + 1 / ((n - 1) b^2))`` in case "max" (notation of :func:`sqrt_n_witness_constant`;
+    ``math.inf`` at n = 1, where the bound is 0). It is computed from gamma, R and n alone, without
+    Proposition 3.4's formula, so that comparing it with the measured ratio tests that formula too."""
+    case, m, t, b, c = _witness_terms(A, R, n)
+    if case == "min":
+        return c
+    return math.inf if m == 0.0 else math.sqrt(c * c + 1.0 / (m * b * b))
+
+
+def _witness_terms(A, R, n):
     info = A if isinstance(A, GammaInfo) else gamma_info(A)
     g = _gamma_value(info.gamma)
     R = check_radius(R, "R")
@@ -242,7 +262,4 @@ def sqrt_n_witness_constant(A, R, n) -> float:
     m = float(n) - 1.0
     t = g * R * R
     b = 1.0 / (1.0 + m * math.exp(-2.0 * t))
-    c = 1.0 + 2.0 * t * (1.0 - b)
-    if info.case == "min":
-        return math.sqrt(m) * b * c
-    return math.sqrt(m * b * b * c * c + 1.0)
+    return info.case, m, t, b, 1.0 + 2.0 * t * (1.0 - b)

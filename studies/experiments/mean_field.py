@@ -89,7 +89,8 @@ def grid(level: str) -> dict:
     """Sizes: dimension d, radii of the two-Dirac witness, log10 of the lengths of the transition
     curve, and the lengths at which the n-token sequence itself is also measured."""
     if level == "tiny":
-        return {"d": 3, "Rs": [2.0, 5.0, 8.0], "log10_ns": [0.5, 1, 2, 3, 4, 6, 8], "check_ns": [2, 3, 5]}
+        return {"d": 3, "Rs": [2.0, 5.0, 8.0], "log10_ns": [0.5, 1, 1.5, 2, 2.5, 3, 4, 6, 6.5, 8],
+                "check_ns": [2, 3, 5]}
     if level == "quick":
         return {"d": 3, "Rs": list(np.linspace(1.0, 8.0, 8)), "log10_ns": list(np.arange(0.5, 15.01, 0.5)),
                 "check_ns": [2, 3, 5, 9, 17, 33]}
@@ -178,7 +179,7 @@ def mean_field(out_dir: Path, ctx) -> StudyResult:
     min_other = min((r["lip"] / r["lower"] for r in other), default=math.nan)
     up_viol = [r for r in rows_b if math.log(r["lip"]) > r["log_upper_mean_field"] + 1e-9]
     n_star = bounds.sqrt_n_regime_length(gam, R_t)
-    growth = [r for r in curve if 10 <= r["n"] <= 1e-3 * n_star]
+    growth = [r for r in curve if 10 * (1 - 1e-9) <= r["n"] <= 1e-3 * n_star * (1 + 1e-9)]
     running = np.maximum.accumulate([r["lip"] for r in curve])
     peak = max(curve, key=lambda r: r["lip"])
 

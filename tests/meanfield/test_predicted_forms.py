@@ -44,8 +44,10 @@ def test_witness_constant_matches_dense_jacobian(case, regime):
         truth = dense_lipschitz(lambda Y: naive_attention(Y, A, I), X)
         pred = adversarial.sqrt_n_witness_constant(A, R, n)
         assert abs(truth / pred - 1) <= 2 * q * (1 + t) ** 2, (n, truth, pred)
-        # and Proposition 3.4's bound is below both
-        assert math.sqrt(n - 1) / (1 + (n - 1) * q) <= pred
+        # and Proposition 3.4's bound is below both, by the predicted factor
+        low = math.sqrt(n - 1) / (1 + (n - 1) * q)
+        assert low <= pred
+        assert adversarial.sqrt_n_witness_factor(A, R, n) == pytest.approx(pred / low, rel=1e-12)
 
 
 def test_witness_constant_differs_from_the_bound_by_the_predicted_factor():
