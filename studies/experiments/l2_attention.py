@@ -185,8 +185,9 @@ def l2_attention(out_dir: Path, ctx) -> StudyResult:
     P.theory(ax, nn, [next(r["kim_bound"] for r in rows_n if r["n"] == m) for m in nn],
              "Kim et al. Thm 3.2 (2-norm)", color="k")
     n1 = next(r for r in rows_1 if r["which"] == "study")
-    ax.plot([1], [n1["lip_l2"]], "D", color=P.COLORS[4], label="N = 1 (linear map; bound attained for W_Q = 2I)")
-    ax.plot([1], [n1["kim_bound"]], "D", mfc="none", color="k", label="Kim et al. bound at N = 1")
+    ax.plot([1], [n1["lip_l2"]], "D", color=P.COLORS[4], label="L2 at N = 1 (a linear map)")
+    ax.plot([1], [n1["kim_bound"]], "D", mfc="none", color="k",
+            label="Kim et al. bound at N = 1 (attained when W_Q = 2I)")
     P.finish(ax, "sequence length n", "local Lipschitz constant of L2 attention",
              f"R = 2, d={d} (band: min to max over inputs)", logx=True, logy=True, legend=False)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=1)

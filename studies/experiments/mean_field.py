@@ -236,7 +236,7 @@ def mean_field(out_dir: Path, ctx) -> StudyResult:
 
 
 def _figures(out_dir, rows_a, curve, checks, running, n_star, R_t, d, gam, a_norm) -> None:
-    fig, axes = P.figure(ncols=2, width=12.0)
+    fig, axes = P.figure(ncols=2, width=11.0, height=5.0)
     ax = axes[0]
     R_arr = np.array([r["R"] for r in rows_a])
     P.measured(ax, R_arr, [r["ratio_to_asymptotic"] for r in rows_a], "measured: Lip / ((gamma/2) R^2 e^(gamma R^2))")
@@ -247,14 +247,16 @@ def _figures(out_dir, rows_a, curve, checks, running, n_star, R_t, d, gam, a_nor
         ax.axvspan(tested[0]["R"], R_arr[-1], color="0.85", alpha=0.5, lw=0, label="claim checked (gamma R^2 >= 2)")
     ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="Prop 3.6: ratio -> 1")
     P.finish(ax, "radius R", "ratio to Prop 3.6's asymptotic value", f"two Diracs, d={d}, gamma={gam:.3g}, V=I",
-             logy=True, legend_loc="outside")
+             logy=True, legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower left", ncol=1)
     ax = axes[1]
     P.measured(ax, R_arr, [r["log_lip"] / r["R"] ** 2 for r in rows_a], "two-Dirac witness: log(Lip) / R^2")
     P.theory(ax, R_arr, [r["log_upper"] / r["R"] ** 2 for r in rows_a], "Thm 3.5 bound: log(bound) / R^2", color="k")
     ax.axhline(gam, color=P.COLORS[0], lw=0.8, ls=":", label=f"gamma = {gam:.3g}")
     ax.axhline(2 * a_norm, color="k", lw=0.8, ls=":", label=f"2 ||A|| = {2 * a_norm:.3g}")
     P.finish(ax, "radius R", "exponent: log(constant) / R^2", "Theorem 3.5's bound: tight up to the exponent",
-             logy=True, legend_loc="outside")
+             logy=True, legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=1)
     save_figure(fig, out_dir / "two_dirac_vs_R.png")
 
     fig, ax = P.figure(width=8.5)
