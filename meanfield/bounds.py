@@ -607,7 +607,7 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
     docs/math.md section 1), equal plain scores ``<A' x'_i, x'_j>`` of the lifted tokens
     ``x' = (x, t)`` with
 
-        A' = [[A, c / t], [0, 0]]   ((d+1) x (d+1)),     |x'| <= R' = (R^2 + t^2)^{1/2} on B_R,
+        A' = [[A, c / t], [0, 0]]   ((d+1) x (d+1)),     ``|x'|`` <= R' = (R^2 + t^2)^{1/2} on B_R,
 
     for every t > 0. The lift moves no token (the last coordinate is the constant t), so a perturbation
     of X is the same perturbation of X' and every Lipschitz bound for (A', R') holds with the key bias
