@@ -45,7 +45,8 @@ from torch.autograd import forward_ad as _forward_ad
 
 from .streaming import _transforms_active, sequence_mask
 
-__all__ = ["attend", "attention_probs", "use", "choose", "STREAM_THRESHOLD", "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "METHODS"]
+__all__ = ["attend", "attention_probs", "use", "choose", "STREAM_THRESHOLD", "TRANSFORM_STREAM_THRESHOLD",
+           "FUSED_THRESHOLD", "METHODS"]
 
 #: auto: passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
