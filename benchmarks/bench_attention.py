@@ -50,16 +50,23 @@ def load():
 
 
 def interleaved(fns, repeats, warmup=True):
-    """Median time of each callable, the repeats interleaved across callables."""
+    """Median time per call of each callable. Repeats are interleaved across callables, in an order
+    rotated at every repeat (no callable always follows the same one); calls shorter than 10 ms are
+    looped so that each sample lasts about 10 ms."""
+    loops = {k: 1 for k in fns}
     if warmup:
-        for f in fns.values():
-            f()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
         for k, f in fns.items():
             t0 = CLOCK()
             f()
-            times[k].append(CLOCK() - t0)
+            loops[k] = max(1, min(1000, int(0.01 / max(CLOCK() - t0, 1e-6))))
+    times = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = CLOCK()
+            for _ in range(loops[k]):
+                fns[k]()
+            times[k].append((CLOCK() - t0) / loops[k])
     return {k: statistics.median(v) for k, v in times.items()}
 
 

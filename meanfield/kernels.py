@@ -23,8 +23,8 @@ Every operator of the framework calls :func:`attend`. Three paths compute the sa
   transforms :data:`TRANSFORM_STREAM_THRESHOLD`), streamed above;
 * forward pass the fused kernel applies to (no positions, or the causal mask of a sequence; a dtype
   and device with a fused kernel): dense up to :data:`FUSED_THRESHOLD` entries, fused above;
-* forward pass with other positions (arbitrary masks): dense up to :data:`STREAM_THRESHOLD`,
-  streamed above (the fused kernel would need an (m, n) mask).
+* forward pass with other positions (arbitrary masks): dense, then fused with an explicit boolean
+  (m, n) mask while that mask is small (:data:`MASKED_FUSED_RANGE`), streamed above (O(N) memory).
 
 Force a path per call (``attend(..., method="stream", block_size=256)``) or for a block of code::
 
@@ -46,7 +46,7 @@ from torch.autograd import forward_ad as _forward_ad
 from .streaming import _transforms_active, sequence_mask
 
 __all__ = ["attend", "attention_probs", "use", "choose", "STREAM_THRESHOLD", "TRANSFORM_STREAM_THRESHOLD",
-           "FUSED_THRESHOLD", "METHODS"]
+           "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
 #: auto: passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -56,6 +56,9 @@ STREAM_THRESHOLD = 2**15
 TRANSFORM_STREAM_THRESHOLD = 2**16
 #: auto: forward passes the fused kernel applies to go fused above this many score entries
 FUSED_THRESHOLD = 2**14
+#: auto: forward passes with arbitrary positions are dense up to the first bound, fused (with an
+#: explicit boolean mask of at most 4 MiB) up to the second, streamed above
+MASKED_FUSED_RANGE = (2**16, 2**22)
 METHODS = ("auto", "dense", "stream", "fused")
 
 _DEFAULTS = contextvars.ContextVar("meanfield_kernel_defaults", default=("auto", None, None))
@@ -177,11 +180,14 @@ def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None)
         if threshold is None and _transforms_active():
             stream_at = TRANSFORM_STREAM_THRESHOLD
         return "dense" if entries <= stream_at else "stream"
-    fusable = q.dtype in _FUSED_DTYPES.get(q.device.type, ())
-    if fusable and q_pos is not None:
-        fusable = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
-    if not fusable:
+    if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
         return "dense" if entries <= stream_at else "stream"
+    if q_pos is not None and not (q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)):
+        # other positions: the fused kernel needs an explicit (m, n) boolean mask; worth it only in a
+        # window where that mask is small (at most MASKED_FUSED_RANGE[1] bytes)
+        if threshold is None and MASKED_FUSED_RANGE[0] < entries <= MASKED_FUSED_RANGE[1]:
+            return "fused"
+        return "dense" if entries <= (MASKED_FUSED_RANGE[0] if threshold is None else threshold) else "stream"
     return "dense" if entries <= fused_at else "fused"
 
 

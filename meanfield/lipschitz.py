@@ -1,11 +1,16 @@
 """Local Lipschitz constants of attention: certified Krylov estimates of ||D_X f||_2 (docs/math.md section 4).
 
 ``local_lipschitz(f, X)`` estimates Lip_X(f) = ||D_X f||_2, the largest singular value of the
-Jacobian, matrix-free: J u is the *tangent* output of a forward-mode JVP and J^T w a VJP, so
-J^T J is never formed. Three methods:
+Jacobian, matrix-free: J u is the *tangent* of f along u and J^T w a vector-Jacobian product, so
+J^T J is never formed (docs/math.md section 4.2). f runs once with its graph recorded: J^T w is a
+backward pass on it, and J u a backward pass through the recorded graph of w -> J^T w
+(reverse-over-reverse), or forward-mode AD where that graph would exceed its memory budget or
+cannot be built (see :class:`_Problem`). Three methods:
 
 * ``"lanczos"`` (default): Lanczos on J^T J with full reorthogonalization, batched over inputs;
-  certified by the explicit residual r = ||J^T J u - s^2 u|| of the returned vector.
+  certified by the explicit residual r = ||J^T J u - s^2 u|| of the returned vector. For float64
+  inputs of at least :data:`MIXED_MIN_SIZE` entries a first phase runs on float32 products
+  (``mixed``); it only proposes the vector, whose certificate comes from float64 products.
 * ``"power"``: power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the same
   residual (not on the absolute change of the estimate, which stops early on flat spectra).
 * ``"dense"``: the explicit Jacobian and its top singular value (ground truth for small sizes).
@@ -22,6 +27,15 @@ never exceeds the top singular value (a Rayleigh quotient), so ``value`` is a ce
 bound of the Lipschitz constant; ``value + error`` bounds it from above as soon as the Ritz value
 approximates the top of the spectrum, which Krylov methods from a random start reach with
 probability one.
+
+Mixed precision. The float32 phase (products, Krylov basis) stops at its own accuracy (about 1e-7
+of |J|, or ``tol``); its Ritz vector u is then certified with float64 products: value |J u| and the
+residual of the float64 J^T J. If that misses ``tol``, a float64 Lanczos continues from u, and its
+Ritz vector is certified from the float64 images B q_j it computed (B u = sum_j y_j B q_j: a
+combination of float64 products, the same statement as a fresh product up to float64 rounding).
+The float32 phase is skipped where float32 cannot represent the problem (constants or weight
+scalings beyond its range, operators without ``to(dtype=...)``), and abandoned if a float32 product
+overflows. ``converged`` is set only from float64 certificates.
 
 Range. The solvers work on J / c with c a power of two near |J u| for the random start, and form
 |J u| and the normalized residual ||J^T J u - theta u|| / sqrt(theta) rather than theta and the

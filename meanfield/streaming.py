@@ -27,16 +27,20 @@ O(m n), as any second-order quantity built from tiles is). All loops depend on s
 Engines. Each pass has a fast engine and a differentiable one; the results agree to rounding:
 
 * On CPU, where the mask is absent or is the causal mask of a sequence (query and key positions
-  equal and strictly increasing), the forward pass (out and L) and the first-order VJP run in
-  torch's fused flash-attention kernel (the C++ kernel behind ``scaled_dot_product_attention``),
-  with log-weights as a broadcast additive mask row or, with the causal mask or when their
-  gradient is needed, as one extra key coordinate (q' = [q, 1], k' = [k, log a]).
+  equal and strictly increasing), the forward pass (out and L) and the VJP run in torch's fused
+  flash-attention kernel (the C++ kernel behind ``scaled_dot_product_attention``), with log-weights
+  as a broadcast additive mask row or, with the causal mask (which the kernel cannot combine with a
+  mask) or when their gradient is needed, as one extra key coordinate (q' = [q, 1], k' = [k, log a]).
 * Otherwise the tiles run in Python with in-place updates (one score buffer per tile, hoisted
   transposes, ``baddbmm`` accumulation, one host read for the whole mask layout).
-* When the result of a backward or JVP is itself differentiated (``create_graph=True``, nested
-  ``torch.func`` transforms), the functional tile code runs instead, so higher derivatives stay exact.
-  The JVP's fast engine therefore runs under ``torch.autograd.forward_ad`` (what
-  :func:`meanfield.local_lipschitz` uses), and ``torch.func.jvp`` takes the functional one.
+* A backward recorded for differentiation (``create_graph=True``) is a node of its own
+  (:class:`_StreamBackward`): its forward is the fast VJP, its derivative in the cotangent is the
+  fast streamed JVP (the VJP is linear in the cotangent), and its derivative in q, k, v, log a comes
+  from the functional tiles, computed only when the backward pass asks for it. Reverse-over-reverse
+  Jacobian products (:func:`meanfield.local_lipschitz`) thus record O(N) and never touch the tiles'
+  graph. Under ``torch.func`` transforms (which wrap tensors and forbid in-place updates) every
+  derivative takes the functional tiles: ``torch.func.jvp`` / ``vjp`` are exact but slower than
+  ``torch.autograd.forward_ad`` / ``torch.autograd.grad``.
 
 :func:`fused_attend` is the forward path through ``torch.nn.functional.scaled_dot_product_attention``
 in its 4-D layout (fused kernels on CPU and CUDA), chosen by :func:`meanfield.kernels.attend`
@@ -500,12 +504,14 @@ class StreamAttention(torch.autograd.Function):
             g_out = torch.zeros_like(out)
         plan = ctx.plan
         if _plain(q, k, v, lw, out, lse, g_out, g_lse):
-            if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
-                dq, dk, dv, dlw = _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
-            else:
-                dq, dk, dv, dlw = _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
-        else:
+            dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        elif _transforms_active():
             dq, dk, dv, dlw = _backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        else:
+            # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
+            # streamed JVP (what reverse-over-reverse products need) and in the primal inputs the
+            # derivative of the functional tiles, computed only when the engine asks for it
+            dq, dk, dv, dlw = _StreamBackward.apply(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         return dq, dk, dv, dlw, None, None, None
 
     @staticmethod
@@ -515,6 +521,95 @@ class StreamAttention(torch.autograd.Function):
         if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
             return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
         return _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+
+
+def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
+        return _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
+    return _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+
+
+def _engine_node(t):
+    """The autograd node that receives t's gradient (None for a tensor that does not require grad)."""
+    if t is None or not t.requires_grad:
+        return None
+    try:
+        from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+        return _get_grad_fn_or_grad_acc(t)
+    except (ImportError, AttributeError, RuntimeError):
+        return True  # unknown: assume it is needed
+
+
+def _will_run(node) -> bool:
+    if node is None:
+        return False
+    if node is True:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):
+        return True
+
+
+class _StreamBackward(torch.autograd.Function):
+    """(dq, dk, dv, dlw) = the streamed VJP of (out, L) with cotangents (g_out, g_lse), as a node of the
+    graph recorded by ``create_graph=True``.
+
+    The VJP is linear in the cotangents: <VJP(g), t> = <g_out, J_out t> + <g_lse, J_L t>, so its
+    gradient in (g_out, g_lse) along (t_q, t_k, t_v, t_lw) is the streamed JVP (d out, d L). Its
+    gradient in the primal inputs (q, k, v, log a, out, L) comes from differentiating the functional
+    tiles, and only when the running backward pass needs it (reverse-over-reverse Jacobian products
+    never do: they differentiate in the cotangent only).
+    """
+
+    @staticmethod
+    def forward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+        return _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need = inputs
+        ctx.plan, ctx.need = plan, need
+        ctx.has_lw, ctx.has_glse = lw is not None, g_lse is not None
+        ctx.set_materialize_grads(False)
+        ctx.nodes = [_engine_node(t) for t in (q, k, v, lw, out, lse)]
+        ctx.save_for_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv, glw):
+        q, k, v, lw, qp, kp, out, lse, g_out, g_lse = ctx.saved_tensors
+        plan, need = ctx.plan, ctx.need
+        grads = [None] * 12
+        tans = [g if (g is not None and flag) else None for g, flag in zip((gq, gk, gv, glw), need)]
+        if (ctx.needs_input_grad[8] or ctx.needs_input_grad[9]) and any(t is not None for t in tans):
+            jvp = _jvp_tiles if _plain(q, k, v, lw, out, lse, *tans) else _jvp_functional
+            d_out, d_lse = jvp(q, k, v, lw, qp, kp, out, lse, *tans, plan)
+            grads[8] = d_out if ctx.needs_input_grad[8] else None
+            grads[9] = d_lse if ctx.needs_input_grad[9] and ctx.has_glse else None
+        cot = [(b, g) for b, g in zip(range(4), (gq, gk, gv, glw)) if need[b] and g is not None]
+        run = [ctx.needs_input_grad[i] and _will_run(node) for i, node in zip((0, 1, 2, 3, 6, 7), ctx.nodes)]
+        if cot and any(run):
+            create = torch.is_grad_enabled()
+            inputs = [q, k, v, lw, out, lse]
+            if any(run[:4]):
+                # total derivatives in q, k, v, log a: the functional VJP of the saved tensors, whose out
+                # and L still hang on this call's forward graph, so the paths through them are included
+                # (and nothing is returned for out and L, which would count them twice)
+                wanted, slots = [i for i in range(4) if run[i]], [0, 1, 2, 3]
+            else:
+                # only out or L themselves: partial derivatives at fixed q, k, v, log a
+                inputs = [None if t is None else t.detach() for t in inputs[:4]] + [
+                    None if t is None else t.detach().requires_grad_(True) for t in inputs[4:]]
+                wanted, slots = [i for i in (4, 5) if run[i]], [0, 1, 2, 3, 6, 7]
+            with torch.enable_grad():
+                B = _backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out, g_lse, plan, need)
+                parts = torch.autograd.grad([B[b] for b, _ in cot], [inputs[i] for i in wanted],
+                                            [g for _, g in cot], allow_unused=True, create_graph=create,
+                                            retain_graph=True)
+            for i, part in zip(wanted, parts):
+                grads[slots[i]] = part
+        return tuple(grads)
 
 
 def _check_block(block_size):

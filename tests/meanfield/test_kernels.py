@@ -394,30 +394,42 @@ def test_fused_kernel_engine_forward_and_lse_match_dense(case, masked):
 @pytest.mark.parametrize("case", SEQ_CASES)
 @pytest.mark.parametrize("masked", [False, True])
 def test_fast_vjp_uses_the_fused_backward_and_matches_dense(case, masked):
-    """A first-order backward (no create_graph) runs in the flash kernel's backward, the log-weights'
-    gradient through the extra key coordinate; create_graph takes the differentiable tiles. Both agree
-    with the dense kernel's autograd."""
+    """A first-order backward runs in the flash kernel's backward (the log-weights' gradient through
+    the extra key coordinate), also under create_graph, where the backward is a node of its own whose
+    derivatives (in the cotangent: the streamed JVP; in the inputs: the functional tiles) give exact
+    second-order products. Everything agrees with the dense kernel's autograd."""
     q, k, v, lw, qp, kp = _sequence_problem(21, **case)
     qp, kp = (qp, kp) if masked else (None, None)
-    W = torch.randn(*q.shape[:-1], v.shape[-1], dtype=DT, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(*q.shape[:-1], v.shape[-1], dtype=DT, generator=gen)
     inputs = [t for t in (q, k, v, lw) if t is not None]
+    R = [torch.randn(t.shape, dtype=DT, generator=gen) for t in inputs]
 
     def grads(method, create_graph=False):
         leaves = [t.clone().requires_grad_(True) for t in inputs]
+        w = W.clone().requires_grad_(create_graph)
         lw_ = leaves[3] if lw is not None else None
         out = attend(leaves[0], leaves[1], leaves[2], lw_, qp, kp, method=method)
-        return torch.autograd.grad((out * W).sum(), leaves, create_graph=create_graph)
+        first = torch.autograd.grad((out * w).sum(), leaves, create_graph=create_graph)
+        if not create_graph:
+            return first, None
+        # second order: in the inputs (a Hessian-vector product) and in the cotangent (J r)
+        form = sum((g.nan_to_num(0.0) * r).sum() for g, r in zip(first, R))
+        return first, torch.autograd.grad(form, leaves + [w], allow_unused=True)
 
-    dense = [g.nan_to_num(0.0) for g in grads("dense")]   # d/d(log a) at a zero mass: nan in the dense kernel
+    clean = lambda ts: [None if t is None else t.nan_to_num(0.0) for t in ts]  # zero-mass keys: nan in dense
+    dense, dense2 = grads("dense", create_graph=True)
     with _Ops() as ops:
-        fast = grads("stream")
+        fast, _ = grads("stream")
     assert FLASH_BWD in ops.names
     with _Ops() as ops:
-        functional = grads("stream", create_graph=True)
-    assert FLASH_BWD not in ops.names
-    for a, b, ref in zip(fast, functional, dense):
-        _close(a, ref)
-        _close(b, ref)
+        graph, second = grads("stream", create_graph=True)
+    assert FLASH_BWD in ops.names
+    for a, ref in zip(list(fast) + list(graph) + clean(second), clean(dense) * 2 + clean(dense2)):
+        if ref is None:
+            assert a is None or torch.all(a == 0)
+        else:
+            _close(a, ref)
 
 
 @pytest.mark.parametrize("masked", ["none", "sequence", "arbitrary"])
@@ -492,8 +504,9 @@ def test_sequence_mask_recognises_only_the_causal_mask_of_a_sequence():
 
 def test_auto_dispatch_by_regime_and_results_equal_dense():
     """kernels.choose: dense while small; fused for forward passes without positions or with a
-    sequence's causal mask; streamed for arbitrary masks and wherever derivatives are needed (above the
-    threshold of the derivative regime); use(threshold=) overrides every regime."""
+    sequence's causal mask, and for arbitrary masks while their explicit mask is small; streamed for
+    larger arbitrary masks and wherever derivatives are needed (above the threshold of the derivative
+    regime); use(threshold=) overrides every regime."""
     from meanfield.kernels import FUSED_THRESHOLD, STREAM_THRESHOLD, TRANSFORM_STREAM_THRESHOLD, choose
 
     n = 300                              # 9e4 score entries: above FUSED_ and STREAM_THRESHOLD
@@ -504,7 +517,10 @@ def test_auto_dispatch_by_regime_and_results_equal_dense():
     assert choose(*small) == "dense" and choose(*small, pos[:50], pos[:50]) == "dense"
     assert choose(q, k, v) == "fused" and choose(q, k, v, lw) == "fused"
     assert choose(q, k, v, lw, pos, pos) == "fused"
-    assert choose(q, k, v, lw, arbitrary, arbitrary) == "stream"
+    assert choose(q, k, v, lw, arbitrary, arbitrary) == "fused"      # an explicit mask of 9e4 bytes
+    big = torch.zeros(2100, 4, dtype=DT)
+    ties = torch.arange(2100, dtype=DT) // 2                              # 4.4e6 entries: streamed
+    assert choose(big, big, big, None, ties, ties) == "stream"
     assert choose(q.requires_grad_(True), k, v) == "stream"
     with torch.no_grad():
         assert choose(q, k, v) == "fused"
@@ -516,7 +532,7 @@ def test_auto_dispatch_by_regime_and_results_equal_dense():
     with use(threshold=10**6):
         assert choose(q, k, v) == "dense" and choose(q, k, v, lw, arbitrary, arbitrary) == "dense"
     with use(threshold=0):
-        assert choose(q, k, v) == "fused"
+        assert choose(q, k, v) == "fused" and choose(q, k, v, lw, arbitrary, arbitrary) == "stream"
     for args in [(q, k, v), (q, k, v, lw), (q, k, v, lw, pos, pos), (q, k, v, lw, arbitrary, arbitrary)]:
         _close(attend(*args), attend(*args, method="dense"))
 

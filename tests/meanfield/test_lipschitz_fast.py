@@ -130,20 +130,25 @@ def test_products_by_reverse_over_reverse_and_forward_mode_agree(budget, monkeyp
     assert rel(est.value, dense_lipschitz(op.sequence, X)) <= 1e-8
 
 
-def test_streamed_operator_products_stay_within_the_graph_budget(monkeypatch):
-    """With the streamed kernel, reverse-over-reverse records an O(n^2) graph of tiles; above the
-    budget the recording is abandoned for forward mode (the streamed analytic JVP), same constant."""
-    monkeypatch.setattr(lipschitz, "RR_BUDGET", 64 * 1024)
+@pytest.mark.parametrize("budget", ["linear", 0])
+def test_streamed_operator_products_record_linear_memory(budget, monkeypatch):
+    """With the streamed kernel, the graph of w -> J^T w saves O(n) bytes (the backward is one node
+    whose derivative in the cotangent is the streamed JVP): a budget of 64 n d doubles, below one
+    (n, n) score matrix, is enough for reverse-over-reverse; with no budget J u runs in forward
+    mode. Same certified constant as the dense kernel either way."""
     g = torch.Generator().manual_seed(4)
     n, d = 300, 3
+    monkeypatch.setattr(lipschitz, "RR_BUDGET", 64 * n * d * 8 if budget == "linear" else 0)
+    assert lipschitz.RR_BUDGET < n * n * 8
     X = torch.randn(n, d, generator=g, dtype=f64)
     op = SelfAttention(torch.randn(d, d, generator=g, dtype=f64), torch.randn(d, d, generator=g, dtype=f64),
                        masked=True)
+    pos = torch.arange(1, n + 1, dtype=f64) / n
     with kernels.use("stream", block_size=64):
         est = local_lipschitz(op, X, tol=1e-9, mixed=False)
-        p = _Problem(lambda Y: op.points_map(Y, None, torch.arange(1, n + 1, dtype=f64) / n), X.unsqueeze(0))
+        p = _Problem(lambda Y: op.points_map(Y, None, pos), X.unsqueeze(0))
         p._jvp(torch.randn_like(p.X))
-        assert p._MODES[p.mode] == "forward"
+    assert p._MODES[p.mode] == ("rr" if budget == "linear" else "forward")
     with kernels.use("dense"):
         ref = local_lipschitz(op, X, tol=1e-9, mixed=False)
     assert rel(est.value, ref.value) <= 1e-7
