@@ -250,16 +250,6 @@ class _Problem:
             self._proven = True
             return w.detach()
 
-    def prefer_forward(self):
-        """J u in forward mode for now: a few products do not pay for recording the graph of J^T w."""
-        if self.mode == 0 and not self._proven:
-            self.mode = 1
-
-    def allow_rr(self):
-        """Back to reverse-over-reverse (after :meth:`prefer_forward`), where it may run."""
-        if self.mode == 1 and not self.math_sdpa:
-            self.mode, self._proven, self._rr = 0, False, None
-
     def _next_mode(self):
         self._rr = None
         self.mode += 1
@@ -668,10 +658,8 @@ def _lanczos(p, tol, max_iter, seed, memory_limit=None, low_build=None):
     twin = None if low_build is None else _low_problem(low_build, q)
     if twin is not None:
         low, w32 = twin
-        # the scale (a power of two: any one is exact) comes from the float32 product; float64 products
-        # are only needed for certificates until a float64 Lanczos runs, so J u stays in forward mode
+        # the scale (a power of two: any one is exact) comes from the float32 product
         p.scale, p.zero = low.scale.to(p.X.dtype), torch.zeros_like(low.zero)
-        p.prefer_forward()
         # the whole phase in float32, basis included: it only has to reach float32 accuracy
 
         def apply_low(v, Jv=None):
@@ -705,16 +693,7 @@ def _lanczos(p, tol, max_iter, seed, memory_limit=None, low_build=None):
             used = 0
         p.applications += low.applications
         del low
-    calls = [0]
-
-    def apply(v):
-        # after a float32 phase a few float64 steps usually finish: forward-mode J u for those, the
-        # graph of J^T w (reverse-over-reverse) only for a longer float64 run
-        calls[0] += 1
-        if calls[0] == 3:
-            p.allow_rr()
-        return p.JT(p.J(v.reshape(shape))).reshape(b, N)
-
+    apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
     if not bool(state["done"].all()) and used < m_max:
         # after a float32 phase, keep the images B q_j (a second basis) where memory allows: the
         # certificate of the Ritz vector then costs no product

@@ -423,7 +423,7 @@ def _empty_rows(lw, causal, m):
     """(B, m) bool: rows with no visible key of positive weight (their output is 0 and L = -inf)."""
     dead = lw == -math.inf
     if causal:
-        return torch.cummin(dead.to(torch.uint8), dim=-1).values.bool()
+        return torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
     return dead.all(-1, keepdim=True).expand(lw.shape[0], m)
 
 
@@ -724,7 +724,7 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
         # rows with no visible key of positive weight: SDPA leaves them nan, zero or a plain average
         dead = None if lw is None else lw == -math.inf        # (B, H, n)
         if causal:
-            empty = torch.cummin(dead.to(torch.uint8), dim=-1).values.bool()
+            empty = torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
         elif q_pos is not None:
             empty = ~(visible if dead is None else visible & ~dead.unsqueeze(-2)).any(-1)
         else:
