@@ -167,28 +167,34 @@ def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None)
 
     Reads the positions once to recognise a sequence's causal mask (a host sync on an accelerator).
     """
-    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     if threshold is None:
         threshold = _DEFAULTS.get()[2]
+    return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0]
+
+
+def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
+    """(path, causal): causal is True when the positions were read and form a sequence's causal mask,
+    None when they were not read."""
+    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     if threshold is not None:
         fused_at = stream_at = threshold
     else:
         fused_at, stream_at = FUSED_THRESHOLD, STREAM_THRESHOLD
     if entries <= min(fused_at, stream_at):
-        return "dense"
+        return "dense", None
     if _needs_derivatives(q, k, v, log_weights):
         if threshold is None and _transforms_active():
             stream_at = TRANSFORM_STREAM_THRESHOLD
-        return "dense" if entries <= stream_at else "stream"
+        return ("dense" if entries <= stream_at else "stream"), None
     if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
-        return "dense" if entries <= stream_at else "stream"
+        return ("dense" if entries <= stream_at else "stream"), None
     if q_pos is not None and not (q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)):
         # other positions: the fused kernel needs an explicit (m, n) boolean mask; worth it only in a
         # window where that mask is small (at most MASKED_FUSED_RANGE[1] bytes)
         if threshold is None and MASKED_FUSED_RANGE[0] < entries <= MASKED_FUSED_RANGE[1]:
-            return "fused"
-        return "dense" if entries <= (MASKED_FUSED_RANGE[0] if threshold is None else threshold) else "stream"
-    return "dense" if entries <= fused_at else "fused"
+            return "fused", False
+        return ("dense" if entries <= (MASKED_FUSED_RANGE[0] if threshold is None else threshold) else "stream"), False
+    return ("dense" if entries <= fused_at else "fused"), q_pos is not None
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
@@ -201,15 +207,16 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
-    _check_method(method)
-    if block_size is None:
-        block_size = default_block
+    causal = None
     if method == "auto":
-        method = choose(q, k, v, log_weights, q_pos, k_pos, threshold=threshold)
+        method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold)
+    elif method not in METHODS:
+        _check_method(method)
     if method == "dense":
         return attention_probs(q, k, log_weights, q_pos, k_pos) @ v
     from . import streaming
 
     if method == "fused":
-        return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos)
-    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block_size)
+        return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal)
+    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
+                                   block_size=default_block if block_size is None else block_size)
