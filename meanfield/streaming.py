@@ -62,6 +62,11 @@ __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", 
 DEFAULT_BLOCK = 256
 
 
+#: a backward node recorded with create_graph keeps its probability tiles for repeated JVPs (the
+#: Jacobian products of local_lipschitz) up to this many bytes; above, they are recomputed (O(N) memory)
+P_CACHE_BYTES = 64 * 2**20
+
+
 def _blocks(size: int, block: int):
     return [(i, min(i + block, size)) for i in range(0, size, block)]
 
@@ -318,8 +323,11 @@ def _safe_lse(lse):
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).unsqueeze(-1)
 
 
-def _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
-    """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L)."""
+def _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
+    """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L).
+
+    ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
+    """
     m, n = q.shape[-2], k.shape[-2]
     kb = _blocks(n, plan.bk)
     kT = k.transpose(-1, -2)
@@ -342,7 +350,11 @@ def _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
         acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
-            p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+            p = None if cache is None else cache.get((a, b))
+            if p is None:
+                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+                if cache is not None:
+                    cache[(a, b)] = p
             if tv is not None:
                 acc.baddbmm_(p, tv[:, j0:j1])
             if left is None and tlwT is None:
@@ -583,8 +595,15 @@ class _StreamBackward(torch.autograd.Function):
         grads = [None] * 12
         tans = [g if (g is not None and flag) else None for g, flag in zip((gq, gk, gv, glw), need)]
         if (ctx.needs_input_grad[8] or ctx.needs_input_grad[9]) and any(t is not None for t in tans):
-            jvp = _jvp_tiles if _plain(q, k, v, lw, out, lse, *tans) else _jvp_functional
-            d_out, d_lse = jvp(q, k, v, lw, qp, kp, out, lse, *tans, plan)
+            if _plain(q, k, v, lw, out, lse, *tans):
+                # repeated products at one point (reverse-over-reverse Jacobian products) reuse the
+                # probability tiles while they fit in P_CACHE_BYTES
+                if not hasattr(ctx, "p_cache"):
+                    small = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() <= P_CACHE_BYTES
+                    ctx.p_cache = {} if small else None
+                d_out, d_lse = _jvp_tiles(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
+            else:
+                d_out, d_lse = _jvp_functional(q, k, v, lw, qp, kp, out, lse, *tans, plan)
             grads[8] = d_out if ctx.needs_input_grad[8] else None
             grads[9] = d_lse if ctx.needs_input_grad[9] and ctx.has_glse else None
         cot = [(b, g) for b, g in zip(range(4), (gq, gk, gv, glw)) if need[b] and g is not None]
