@@ -162,12 +162,14 @@ class _Problem:
     1. ``"rr"``: reverse-over-reverse on the same graph. g(w) = J^T w is linear in w, so
        J u = d<g(w), u>/dw: one backward pass through the recorded graph of g, built once (with
        create_graph) while its saved tensors stay within :data:`RR_BUDGET`;
-    2. ``"forward"``: forward-mode AD (``torch.autograd.forward_ad``), which re-runs f with tangents
+    2. ``"rr-math"``: the same on a graph recorded with torch's SDPA on its "math" backend (its
+       fused CPU kernels have no double backward nor forward-mode derivative), within the budget;
+       skipped when "rr" failed on the budget;
+    3. ``"forward"``: forward-mode AD (``torch.autograd.forward_ad``), which re-runs f with tangents
        (nothing stored; the streamed attention kernel has an analytic JVP);
-    3. ``"forward-math"``: the same with torch's SDPA on its "math" backend (its fused kernels have
-       no forward-mode derivative on CPU);
-    4. ``"rr-math"``: reverse-over-reverse on a graph recorded with the math backend, unbudgeted
-       (functions with no forward-mode derivative at all).
+    4. ``"forward-math"``: the same on SDPA's math backend;
+    5. ``"rr-unbudgeted"``: reverse-over-reverse on the math backend without the budget (functions
+       with neither forward-mode AD nor a graph within the budget).
 
     A mode that fails on its first product hands over to the next; J u is the *tangent* output,
     never f(X) (the pitfall of docs/math.md section 4.2).
@@ -180,7 +182,7 @@ class _Problem:
     constant is beyond the dtype's range at this input), never a silent 0 or NaN.
     """
 
-    _MODES = ("rr", "forward", "forward-math", "rr-math")
+    _MODES = ("rr", "rr-math", "forward", "forward-math", "rr-unbudgeted")
 
     def __init__(self, fn, X, s_in=None, s_out=None, memory_limit=None):
         self.fn, self.X, self.s_in, self.s_out = fn, X, s_in, s_out
@@ -236,32 +238,31 @@ class _Problem:
         while True:
             mode = self._MODES[self.mode]
             try:
-                if mode == "rr":
-                    w = self._rr_product(u, self.budget)
-                elif mode == "rr-math":
-                    w = self._rr_product(u, None)
+                if mode.startswith("rr"):
+                    w = self._rr_product(u, None if mode == "rr-unbudgeted" else self.budget)
                 else:
                     w = self._forward_product(u)
             except (NotImplementedError, RuntimeError, _OverBudget) as exc:
                 forward_failure = mode.startswith("forward") and isinstance(exc, NotImplementedError)
                 if self._proven or self.mode == len(self._MODES) - 1 or not (mode.startswith("rr") or forward_failure):
                     raise
-                self._next_mode()
+                self._next_mode(over_budget=isinstance(exc, _OverBudget))
                 continue
             self._proven = True
             return w.detach()
 
-    def _next_mode(self):
+    def _next_mode(self, over_budget=False):
         self._rr = None
         self.mode += 1
+        if self._MODES[self.mode] == "rr-math" and over_budget:
+            self.mode += 1  # the math backend saves at least as much
         mode = self._MODES[self.mode]
-        if mode == "forward-math" or mode == "rr-math":
-            self.forward_mode = mode == "forward-math"
-            if not self.math_sdpa:
-                # torch's fused SDPA kernels have no forward-mode derivative (nor a double backward) on
-                # CPU; its "math" backend is made of ordinary differentiable operations
-                self.math_sdpa = True
-                self._record()
+        self.forward_mode = mode.startswith("forward")
+        if mode in ("rr-math", "forward-math", "rr-unbudgeted") and not self.math_sdpa:
+            # torch's fused SDPA kernels have no forward-mode derivative (nor a double backward) on
+            # CPU; its "math" backend is made of ordinary differentiable operations
+            self.math_sdpa = True
+            self._record()
 
     def _raw_J(self, u):
         if self.s_in is not None:

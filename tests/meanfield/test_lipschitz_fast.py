@@ -168,3 +168,26 @@ def test_auto_mixed_only_for_large_float64_problems(monkeypatch):
     assert spy.count == 0
     with pytest.raises(TypeError, match="mixed"):
         local_lipschitz(op64, X, mixed="yes")
+
+
+def test_fused_sdpa_layers_take_reverse_over_reverse_on_the_math_backend():
+    """torch's fused SDPA kernels have neither forward-mode AD nor a double backward on CPU: J u comes
+    from reverse-over-reverse on a graph recorded with the math backend (no recomputation of f), and
+    the estimate agrees with the dense Jacobian of the same layer on its math backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from meanfield import as_operator
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(f64).eval()
+    op = as_operator(mha)
+    X = rand(6, 8, seed=3)
+    p = _Problem(lambda Y: op.points_map(Y), X.unsqueeze(0))
+    u = rand(1, 6, 8, seed=4)
+    Ju = p._jvp(u)
+    assert p._MODES[p.mode] == "rr-math"
+    with sdpa_kernel([SDPBackend.MATH]):
+        J = dense_jacobian(op.sequence, X)
+    assert torch.allclose(Ju.reshape(-1), J @ u.reshape(-1), rtol=1e-12, atol=1e-13)
+    est = local_lipschitz(op, X, tol=1e-10)
+    assert rel(est.value, float(torch.linalg.matrix_norm(J, ord=2))) <= 1e-8
