@@ -1,6 +1,7 @@
 """Peak memory and time of each study of the reproduction report, one fresh process per study.
 
     python benchmarks/bench_memory.py [--level quick|full] [--only NAME ...] [--threads T] [--whole]
+                                      [--model NAME ...] [--cache DIR]
 
 Each study runs alone in a new Python process (``studies.report.run_study`` with the run context
 of ``meanfield reproduce``), which then reports its peak resident memory (``VmHWM`` of
@@ -32,7 +33,7 @@ if {threads}:
     torch.set_num_threads({threads})
 from studies.context import RunContext
 from studies.report import reproduce, run_study
-ctx = RunContext({out!r}, level={level!r}, seed=0, progress=False, cache={cache!r})
+ctx = RunContext({out!r}, level={level!r}, seed=0, progress=False, cache={cache!r}, models={models!r})
 t0, c0 = time.perf_counter(), time.process_time()
 if {name!r} == "(whole job)":
     summary = reproduce(ctx)
@@ -49,9 +50,10 @@ print("RESULT " + json.dumps({{"hwm_kib": hwm, "children_maxrss_kib": children.r
 """
 
 
-def measure(name: str, level: str, threads: int, cache: str | None) -> dict:
+def measure(name: str, level: str, threads: int, cache: str | None, models=()) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        code = _CHILD.format(root=str(ROOT), out=out, level=level, name=name, threads=threads, cache=cache)
+        code = _CHILD.format(root=str(ROOT), out=out, level=level, name=name, threads=threads, cache=cache,
+                             models=tuple(models))
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -66,6 +68,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     p.add_argument("--whole", action="store_true", help="also run the whole report in one process")
     p.add_argument("--cache", default=None, help="cache folder of the pretrained weights (default: the usual)")
+    p.add_argument("--model", action="append", default=[], dest="models",
+                   help="the real-model study's models (default: as meanfield reproduce)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from studies.contract import registry
@@ -76,12 +80,13 @@ def main(argv=None) -> int:
     load0 = os.getloadavg()
     rows = []
     for name in names:
-        r = measure(name, args.level, args.threads, args.cache)
+        r = measure(name, args.level, args.threads, args.cache, args.models)
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
     load1 = os.getloadavg()
-    print(f"level {args.level}; {os.cpu_count()} CPUs; torch threads {rows[0].get('threads', '?')}; load average "
-          f"before {load0[0]:.1f}, after {load1[0]:.1f} (1 min); {time.strftime('%Y-%m-%d %H:%M')}\n")
+    models = f"; real_models models {args.models}" if args.models else ""
+    print(f"level {args.level}{models}; {os.cpu_count()} CPUs; torch threads {rows[0].get('threads', '?')}; "
+          f"load average before {load0[0]:.1f}, after {load1[0]:.1f} (1 min); {time.strftime('%Y-%m-%d %H:%M')}\n")
     print("| study | peak RSS (VmHWM) | wall | CPU time | status |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -41,6 +41,7 @@ from .context import CACHE_ENV
 from .models import ModelNotAvailableError
 
 __all__ = ["PackagedModel", "MINILM", "PACKAGED", "CACHE_ENV", "PretrainedNotInstalled", "CorruptCacheError",
+           "CacheNotWritable",
            "default_cache_dir", "archive_path", "is_installed", "model_folder", "extract", "verify", "provenance"]
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ class PretrainedNotInstalled(ModelNotAvailableError):
 
 class CorruptCacheError(ModelNotAvailableError):
     """An extracted folder does not match its manifest, or the shipped archive is damaged."""
+
+
+class CacheNotWritable(ModelNotAvailableError):
+    """The cache folder cannot take the extraction (permissions, read-only file system, disk full)."""
 
 
 # ---------------------------------------------------------------------- where things are
@@ -289,18 +294,18 @@ def extract(spec: PackagedModel = MINILM, cache_dir=None, *, checksums: bool = T
             return folder
         warnings.warn(f"{spec.key}: the extracted checkpoint at {folder} is damaged ({'; '.join(problems[:3])}); "
                       "extracting it again", RuntimeWarning, stacklevel=2)
-    parent = folder.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_partials(parent, folder.name)
     actual = _sha256(archive)
     if digest is not None and actual != digest:
         raise CorruptCacheError(f"{archive}: sha256 {actual[:12]}... differs from the one recorded at install "
                                 f"({digest[:12]}...); reinstall it (pip install --force-reinstall {spec.distribution})")
     if size is not None and archive.stat().st_size != size:
         raise CorruptCacheError(f"{archive}: {archive.stat().st_size} bytes, {size} recorded at install")
+    parent = folder.parent
     tmp = parent / f"{_PARTIAL}{folder.name}-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
     try:
+        parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_partials(parent, folder.name)
+        tmp.mkdir()
         log.info("extracting %s (%s %s) into %s", spec.source, spec.distribution, version, folder)
         try:
             _unpack(spec, archive, actual, version, tmp)
@@ -308,6 +313,11 @@ def extract(spec: PackagedModel = MINILM, cache_dir=None, *, checksums: bool = T
             raise CorruptCacheError(f"{archive}: {exc}; reinstall it (pip install --force-reinstall "
                                     f"{spec.distribution})") from exc
         _install(tmp, folder, spec)
+    except ModelNotAvailableError:
+        raise
+    except OSError as exc:   # the cache, not the run's output: say which folder and how to choose another
+        raise CacheNotWritable(f"cache_dir: cannot extract {spec.name} into {parent} ({exc.strerror or exc}); "
+                               f"choose another folder with --cache DIR or ${CACHE_ENV}") from exc
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

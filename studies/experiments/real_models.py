@@ -440,8 +440,14 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     for spec in specs:
         try:
             tok = spec.tokenizer()
+            done = set()
             for mode in spec.modes(g["decoder"]):
                 model = spec.load(mode == "decoder")
+                mode = _mode_of(model)   # a hub name's kind is known once loaded: GPT-2 has one mode
+                if mode in done:
+                    del model
+                    continue
+                done.add(mode)
                 layers = g["layers"]
                 if layers == "ends":
                     layers = [0, mhf.num_layers(model) - 1]

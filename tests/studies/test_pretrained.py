@@ -154,6 +154,19 @@ def test_two_processes_extracting_at_once_agree(tmp_path):
     assert pt.verify(outs[0]) == [] and not list(Path(outs[0]).parent.glob(".partial-*"))
 
 
+@needs_minilm
+def test_unwritable_cache_is_a_model_error_naming_the_folder(tmp_path):
+    """A cache that cannot be written is the model's problem (reported with the folder and how to choose
+    another), never mistaken for the run's own output failing."""
+    from studies.io import is_output_error
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(pt.CacheNotWritable, match=r"cannot extract all-MiniLM-L6-v2 into .*--cache DIR") as exc:
+        pt.extract(pt.MINILM, blocker / "cache")
+    assert not is_output_error(exc.value)
+
+
 def test_unsafe_archive_members_are_refused(tmp_path):
     """A zip naming ../ or absolute paths is refused before anything is written outside the folder."""
     archive = tmp_path / "evil.zip"
