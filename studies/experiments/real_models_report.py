@@ -320,9 +320,10 @@ def notes(measured, failed, why, corpus, g, tables, fits, adv_fits) -> str:
         lines += [f"- {f['model']}: `{f['error']}`" for f in failed] + [""]
     lines += [f"Text: {corpus['source']} ({corpus['characters']} characters, sha256 {corpus['sha256'][:12]}), "
               f"tokenized once without special tokens and cut into {g['reps']} non-overlapping sequences per length "
-              f"n in {g['ns']} (Section 5.1). Constants certified to {1e-4:g} relative (Lanczos residual); maps in "
-              f"{g['dtype']} (the certificate is about the map the {g['dtype']} model computes); Proposition 3.4's "
-              "head checks in float64. *Attention* is the paper's map W_O concat_h f_h + bias; *block* is the whole "
+              f"n in {g['ns']} (Section 5.1). Constants certified (Lanczos residual) to "
+              f"{'1e-3' if g['dtype'] == 'float32' else '1e-6'} relative; maps in {g['dtype']} (the certificate is "
+              f"about the map the {g['dtype']} model computes); Proposition 3.4's head checks in float64 (1e-6). "
+              "*Attention* is the paper's map W_O concat_h f_h + bias; *block* is the whole "
               "Hugging Face attention block (BERT: LayerNorm(X + attention(X)); GPT-2: X + attention(ln_1(X))).",
               ""]
     lip = tables["lipschitz"]
