@@ -523,6 +523,12 @@ def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.nda
     radius sqrt(R^2 + 1): Theorems 3.3 / 4.3 apply with these norms (:func:`biased_multihead_upper`).
     With K_h K_h^T = L L^T, ``||A'_h|| = scale ||L^T [Q_h, b_Q]||``, a k x (d+1) matrix. ``b_K``
     does not enter. Missing biases are zero.
+
+    This is the lift of :func:`absorb_key_bias` at t = 1, in factored form (no d x d matrix is
+    formed, which keeps it cheap for every head of every layer of a real model), with b_V kept in
+    V'. :func:`operator_upper` is tighter: it picks the best t per head and drops b_V, which adds a
+    constant to the output and changes no Lipschitz constant. Use this pair for a quick bound of many
+    layers; use :func:`operator_upper` for the best bound of one operator.
     """
     Qh, Kh, Vh = (_heads_tensor(M, name, 3) for M, name in ((Q, "Q"), (K, "K"), (V, "V")))
     H, k, d = Qh.shape

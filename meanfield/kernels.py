@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import numbers
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -101,12 +102,14 @@ def use(method="auto", *, block_size=None, threshold=None):
     given to ``attend`` wins.
     """
     _check_method(method)
-    if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
-        raise ValueError(f"threshold: expected a non-negative int, got {threshold!r}")
+    if threshold is not None:
+        if not isinstance(threshold, numbers.Integral) or isinstance(threshold, bool) or threshold < 0:
+            raise ValueError(f"threshold: expected a non-negative int, got {threshold!r}")
+        threshold = int(threshold)
     if block_size is not None:
         from .streaming import _check_block
 
-        _check_block(block_size)
+        block_size = _check_block(block_size)
     token = _DEFAULTS.set((method, block_size, threshold))
     try:
         yield
@@ -135,6 +138,11 @@ def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
     if log_weights is not None and log_weights.shape[-1] != k.shape[-2]:
         raise ValueError(f"log_weights: expected one entry per key ({k.shape[-2]}), "
                          f"got shape {tuple(log_weights.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; convert with "
+                        ".to(dtype) (a Measure: mu.to(dtype=...); an operator: SelfAttention(..., dtype=...))")
+    if log_weights is not None and log_weights.dtype != q.dtype:
+        raise TypeError(f"log_weights: expected dtype {q.dtype} like q, k, v, got {log_weights.dtype}")
     if (q_pos is None) != (k_pos is None):
         raise ValueError("q_pos, k_pos: give both positions (masked attention) or neither")
     if q_pos is not None:

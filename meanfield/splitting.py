@@ -15,6 +15,11 @@ and splitting every atom once gives the supremum over splittings, a lower bound 
 constant at mu (section 4.7). For single-head attention Q_i = V Sigma_mu(x_i) A (section 4.1); the
 argument uses only that Gamma_mu(x) depends on the keys through mu, so it holds for every operator
 of the protocol (multi-head, with biases, L2, Hugging Face layers).
+
+:func:`meanfield.bounds.query_term_norms` is the same ||Q_i||_2 written out for one head,
+V Sigma_mu(x_i) A, in numpy; this module differentiates the operator instead, so the two check each
+other (tests/meanfield/test_worst_case.py), and both combine through
+:func:`meanfield.bounds.split_constant`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch.func import grad, jvp
 
 from particles import Measure
 
+from .bounds import split_constant
 from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
 from .operator import as_operator
 
@@ -133,7 +139,8 @@ def split_lipschitz(f, mu, *, tol=1e-8, seed=0, estimate: LipschitzEstimate | No
     norms = torch.where(present, norms, torch.zeros_like(norms))
     atom = int(norms.argmax())
     top = float(norms[atom])
-    return SplitConstant(max(estimate.value, top), estimate, norms, atom, top > estimate.value)
+    value = split_constant(estimate.value, norms.cpu().numpy(), [atom])
+    return SplitConstant(value, estimate, norms, atom, top > estimate.value)
 
 
 def query_term_gradient(f, mu, atom: int):

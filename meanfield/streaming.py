@@ -50,6 +50,7 @@ in its 4-D layout (fused kernels on CPU and CUDA), chosen by :func:`meanfield.ke
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -634,10 +635,11 @@ class _StreamBackward(torch.autograd.Function):
 def _check_block(block_size):
     if block_size is None:
         return None
-    pair = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    if len(pair) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in pair):
+    pair = (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
+    if len(pair) != 2 or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1
+                                 for b in pair):
         raise ValueError(f"block_size: expected a positive int or a pair (block_q, block_k), got {block_size!r}")
-    return pair
+    return tuple(int(b) for b in pair)
 
 
 def _broadcast(q, k, v, log_weights, q_pos, k_pos):

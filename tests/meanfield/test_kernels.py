@@ -565,3 +565,24 @@ def test_every_row_empty_gives_zeros_and_zero_gradients():
             if method != "fused":
                 (g,) = torch.autograd.grad(out.sum(), qr)
                 assert torch.all(g.nan_to_num(0.0) == 0)
+
+
+def test_mixed_dtypes_name_the_arguments_and_the_fix():
+    q = torch.randn(4, 3, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"q, k, v: .*float32.*\.to\(dtype\)"):
+        kernels.attend(q, q.float(), q)
+    with pytest.raises(TypeError, match="log_weights: expected dtype torch.float64"):
+        kernels.attend(q, q, q, torch.zeros(4, dtype=torch.float32))
+
+
+def test_use_accepts_numpy_integers():
+    import numpy as np
+
+    q = torch.randn(6, 3, dtype=torch.float64)
+    want = kernels.attend(q, q, q, method="dense")
+    with kernels.use("stream", block_size=np.int64(2), threshold=np.int32(0)):
+        got = kernels.attend(q, q, q)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-13)
+    with pytest.raises(ValueError, match="threshold"):
+        with kernels.use(threshold=np.float64(1.0)):
+            pass

@@ -194,6 +194,23 @@ def test_split_query_term_is_v_sigma_a_for_one_head():
         assert torch.allclose(Q[i], V @ S @ A, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_autodiff_query_norms_equal_the_closed_form_of_bounds(masked):
+    """meanfield.splitting differentiates the operator; meanfield.bounds.query_term_norms writes
+    ||V Sigma_mu(x_i) A||_2 out in numpy: two routes to the same number, weighted and masked."""
+    from meanfield import bounds
+
+    d, N = 3, 6
+    A, V = rand(d, d, seed=5), rand(d, d, seed=6)
+    X, w = rand(N, d, seed=7), torch.softmax(rand(N, seed=8), 0)
+    pos = torch.linspace(0, 1, N, dtype=f64) if masked else None
+    mu = Measure(X, w, positions=pos)
+    Q = query_jacobians(SelfAttention(A, V, masked=masked), mu)
+    got = torch.linalg.matrix_norm(Q, ord=2).numpy()
+    want = bounds.query_term_norms(A, V, X, w.log(), positions=pos)
+    assert np.allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
 def test_measure_search_certifies_a_split_representation_when_splitting_helps():
     """d = 1, A = -0.5612, V = -0.8676: splitting the heavy atom raises the constant (docs/math.md 7.6).
     The certified value on the split representation matches the closed form the search maximized."""
