@@ -136,8 +136,6 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
         text = json.dumps(header)
     except (TypeError, ValueError) as exc:
         raise TypeError(f"metadata: must be JSON-serializable ({exc})") from exc
-    if _HEADER in arrays:  # pragma: no cover - internal names never clash
-        raise ValueError(f"arrays: {_HEADER!r} is reserved")
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; give a file name such as {path / 'measure.npz'}")
     # write next to the target, then rename: an interrupted save never leaves half a file behind

@@ -60,8 +60,6 @@ class Measure:
             raise ValueError("points: a measure needs at least one atom (got N = 0)")
         if d == 0:
             raise ValueError("points: atoms need at least one coordinate (got d = 0)")
-        if not pts.is_floating_point():  # pragma: no cover - as_tensor converts
-            raise TypeError("points: expected floating-point data")
         tol = weight_tolerance(pts.dtype, weights if log_weights is None else log_weights)
         if weights is not None and log_weights is not None:
             raise ValueError("weights, log_weights: give at most one of them")
