@@ -233,7 +233,7 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
     """Appendix E.2: token radius against position (mean over the longest sequences, band = one std)
     and mean radius of a sequence against its length (mean over sequences, bars = min-max)."""
     keys = list(dict.fromkeys((r["model"], r["mode"]) for r in radius))
-    fig, axes = P.figure(ncols=2, nrows=len(keys), width=11, height=3.2 * len(keys) + 0.3)
+    fig, axes = P.figure(ncols=2, nrows=len(keys), width=12, height=3.2 * len(keys) + 0.3)
     axes = np.atleast_1d(axes).reshape(len(keys), 2)
     for a, (model, mode) in enumerate(keys):
         rad = [r for r in radius if r["model"] == model and r["mode"] == mode]
@@ -259,7 +259,7 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
         seqs = rad[0]["sequences"] if rad else 0
         P.finish(ax, "token position i (octaves 1, 2, 3-4, 5-8, ...)", "mean |x_i| at the attention input",
                  f"{model} {mode}: radius by position\n({seqs} sequences of {rad[0]['n'] if rad else 0} tokens; "
-                 "band: 10-90% of the positions of an octave)", logx=True, legend=False)
+                 "band: 10-90% per octave)", logx=True, legend=False)
         _log_ticks(ax, "x")
         ax = axes[a, 1]
         seq = [r for r in lip if r["model"] == model and r["mode"] == mode and r["map"] == "attention"]
@@ -271,7 +271,7 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
             ax.errorbar(ns, mean, yerr=[mean - [v.min() for v in vals], [v.max() for v in vals] - mean],
                         color=P.COLORS[c % 10], marker="o", ms=3, lw=1, capsize=2, label=f"layer {layer}")
         P.finish(ax, "sequence length n", "mean |x_i| of a sequence",
-                 f"{model} {mode}: mean radius of a sequence vs its length\n(bars: min-max over sequences)",
+                 f"{model} {mode}: mean radius vs length\n(bars: min-max over sequences)",
                  logx=True, legend=False)
         if seq:
             _pow2_ticks(ax, [r["n"] for r in seq])
