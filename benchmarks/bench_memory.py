@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     p.add_argument("--cache", default=None, help="cache folder of the pretrained weights (default: the usual)")
     p.add_argument("--model", action="append", default=[], dest="models",
                    help="the real-model study's models (default: as meanfield reproduce)")
+    p.add_argument("--write", action="store_true",
+                   help="store the figures in studies/data/costs.json, the one source of the README's table and "
+                        "of `meanfield --help` (then paste studies.costs.markdown_table() into the README)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from studies.contract import registry
@@ -95,6 +98,17 @@ def main(argv=None) -> int:
             continue
         peak = max(r["hwm_kib"], r["children_maxrss_kib"]) / 2**20
         print(f"| {r['name']} | {peak:.2f} GiB | {r['wall']:.0f} s | {r['cpu']:.0f} s | {r['status']} |")
+    if args.write:
+        from studies import costs
+
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                   "unknown CPU")
+        command = "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        costs.record(args.level, rows, command=command.strip(), date=time.strftime("%Y-%m-%d"),
+                     load=f"{load0[0]:.1f}",
+                     machine=f"{os.cpu_count()} x {cpu}, {mem:.0f} GiB, torch threads {rows[0].get('threads', '?')}")
+        print(f"\nwritten to {costs.PATH}")
     return 0
 
 

