@@ -1,6 +1,8 @@
 """Adversarial inputs of *How Smooth Is Attention?*: the witnesses of the lower bounds.
 
 * :func:`sqrt_n_sequence`: Proposition 3.4, Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2});
+* :func:`sqrt_n_witness_constant`, :func:`sqrt_n_witness_factor`: the constant the witness of
+  Proposition 3.4 actually has (leading order), and its ratio to the bound;
 * :func:`two_dirac`: Proposition 3.6, mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2};
 * :func:`large_radius_configuration`: Theorems 3.7 / 4.5, one token takes the attention of all,
   Lip_{RX} -> ``||V||_2`` sqrt(n);
@@ -23,10 +25,11 @@ import torch
 from particles import Measure
 from particles.validation import check_positive_int, check_radius, resolve_dtype
 
-from .bounds import GammaInfo, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
+from .bounds import GammaInfo, _gamma_value, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
-           "sqrt_n_sequence_from_info", "two_dirac", "zero_plus_spread"]
+           "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor", "two_dirac",
+           "zero_plus_spread"]
 
 
 @dataclass(frozen=True)
@@ -206,3 +209,58 @@ def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
     X2 = sqrt_n_sequence(A, R, 2, dtype=dtype)  # the two distinct tokens: x_1 and the repeated one
     log_w = torch.tensor([-math.log(n), math.log1p(-1.0 / n)], dtype=X2.dtype)
     return Measure(X2, log_weights=log_w)
+
+
+def sqrt_n_witness_constant(A, R, n) -> float:
+    """The local constant of Proposition 3.4's witness of n tokens (V = I_d) to leading order.
+
+    With q = exp(-2 gamma R^2), b = 1 / (1 + (n - 1) q) the attention each repeated token pays to
+    the first one, and c = 1 + 2 gamma R^2 (1 - b):
+
+    * case "min": ``sqrt(n - 1) b c``;
+    * case "max": ``sqrt((n - 1) b^2 c^2 + 1)``.
+
+    Derivation (docs/math.md sections 4.1 and 5.3): move the first token along u by e. Each of
+    the n - 1 others moves by ``b e`` through the value term (Proposition 3.4's bound is these
+    moves alone, ``sqrt(n - 1) b``) and by ``2 gamma R^2 b (1 - b) e`` through the key term, in
+    the same direction (A u = lambda u makes both parallel to u). In case "max" the first token
+    attends to itself and moves by e as well (a separate output row, hence the ``+ 1`` under the
+    root); in case "min" it attends to the others and hardly moves. Other directions couple to
+    this one only at second order in the leaked attention. So Lip / bound = c (case "min") and
+    the witness reaches Proposition 3.4's bound up to this factor.
+
+    ``A`` is the matrix, or a :class:`meanfield.bounds.GammaInfo` already computed. ``n`` is a real
+    >= 1 (the two-atom family of :func:`sqrt_n_measure` interpolates between integers). The form
+    holds while (n - 1) q is of order one or less (the sqrt(n) regime and the transition, up to
+    the peak); compared with dense Jacobians its relative error stayed below
+    ``2 q (1 + gamma R^2)^2`` (dimensions 3 to 7, n from 2 to exp(2 gamma R^2)). At
+    ``n = exp(2 gamma R^2)`` it gives Proposition 3.6's correction factor
+    (:func:`meanfield.bounds.two_dirac_ratio_from_gamma`).
+    """
+    case, m, t, b, c = _witness_terms(A, R, n)
+    if case == "min":
+        return math.sqrt(m) * b * c
+    return math.sqrt(m * b * b * c * c + 1.0)
+
+
+def sqrt_n_witness_factor(A, R, n) -> float:
+    """The predicted ratio of the witness's constant to Proposition 3.4's bound: ``c`` in case "min",
+    ``sqrt(c^2 + 1 / ((n - 1) b^2))`` in case "max" (notation of :func:`sqrt_n_witness_constant`;
+    ``math.inf`` at n = 1, where the bound is 0). It is computed from gamma, R and n alone, without
+    Proposition 3.4's formula, so that comparing it with the measured ratio tests that formula too."""
+    case, m, t, b, c = _witness_terms(A, R, n)
+    if case == "min":
+        return c
+    return math.inf if m == 0.0 else math.sqrt(c * c + 1.0 / (m * b * b))
+
+
+def _witness_terms(A, R, n):
+    info = A if isinstance(A, GammaInfo) else gamma_info(A)
+    g = _gamma_value(info.gamma)
+    R = check_radius(R, "R")
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1:
+        raise ValueError(f"n: expected a finite number >= 1, got {n!r}")
+    m = float(n) - 1.0
+    t = g * R * R
+    b = 1.0 / (1.0 + m * math.exp(-2.0 * t))
+    return info.case, m, t, b, 1.0 + 2.0 * t * (1.0 - b)

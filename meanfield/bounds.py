@@ -10,6 +10,8 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 * large radius: :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`;
 * eigen-structure of A: :func:`gamma`, :func:`gamma_info`.
 * whole operators: :func:`operator_upper` (the best bound known for an operator), :func:`absorb_key_bias`.
+* lower-bound corrections: :func:`two_dirac_ratio` (Prop 3.6's factor 1 + 1/(gamma R^2));
+* mass splitting: :func:`query_term_norms`, :func:`split_constant` (docs/math.md section 4.7).
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
 bound, finite for every finite radius. Their plain value is ``math.inf`` only when the true number
@@ -44,8 +46,10 @@ __all__ = [
     "mean_field_upper",
     "multihead_upper",
     "operator_upper",
+    "query_term_norms",
     "score_gap",
     "spectral_norm",
+    "split_constant",
     "sqrt_n_lower",
     "sqrt_n_lower_from_gamma",
     "sqrt_n_regime_length",
@@ -53,6 +57,8 @@ __all__ = [
     "sqrt_n_upper",
     "two_dirac_lower",
     "two_dirac_lower_from_gamma",
+    "two_dirac_ratio",
+    "two_dirac_ratio_from_gamma",
 ]
 
 
@@ -601,7 +607,7 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
     docs/math.md section 1), equal plain scores ``<A' x'_i, x'_j>`` of the lifted tokens
     ``x' = (x, t)`` with
 
-        A' = [[A, c / t], [0, 0]]   ((d+1) x (d+1)),     |x'| <= R' = (R^2 + t^2)^{1/2} on B_R,
+        A' = [[A, c / t], [0, 0]]   ((d+1) x (d+1)),     ``|x'|`` <= R' = (R^2 + t^2)^{1/2} on B_R,
 
     for every t > 0. The lift moves no token (the last coordinate is the constant t), so a perturbation
     of X is the same perturbation of X' and every Lipschitz bound for (A', R') holds with the key bias
@@ -807,3 +813,88 @@ def operator_upper(op, R, n=None) -> UpperBound:
     log_value = log_w + 0.5 * _logsumexp([2.0 * lv for lv, _ in per])
     kinds = sorted({s.split(" (")[0] for _, s in per})
     return UpperBound(log_value, f"Lemma 3.8 over {len(per)} heads ({', '.join(kinds)})", per)
+
+
+# ---------------------------------------------------------------------------- predicted forms
+def two_dirac_ratio_from_gamma(gamma, R) -> float:
+    """``1 + 1 / (gamma R^2)``: the ratio of the two-Dirac witness's constant to Proposition 3.6's
+    asymptotic value ``(gamma / 2) R^2 exp(gamma R^2)`` (docs/math.md sections 5.4 and 7.5).
+
+    It is the value of :func:`meanfield.adversarial.sqrt_n_witness_constant` at
+    ``n = exp(2 gamma R^2)`` (where the witness family is the two-Dirac measure) divided by the
+    asymptotic value, to leading order: with b = 1/2 there, ``sqrt(n - 1) b (1 + gamma R^2) /
+    ((gamma/2) R^2 e^{gamma R^2}) = 1 + 1/(gamma R^2)``. The neglected terms are of relative order
+    ``exp(-2 gamma R^2)``, so the ratio tends to 1 as Proposition 3.6 states, at the rate
+    ``1/(gamma R^2)``. ``math.inf`` when gamma = 0 or R = 0.
+    """
+    g = _gamma_value(gamma)
+    R = check_radius(R, "R")
+    t = g * R * R
+    return math.inf if t == 0.0 else 1.0 + 1.0 / t
+
+
+def two_dirac_ratio(A, R) -> float:
+    """:func:`two_dirac_ratio_from_gamma` with gamma = :func:`gamma` (A)."""
+    return two_dirac_ratio_from_gamma(gamma(A), R)
+
+
+def query_term_norms(A, V, X, log_weights=None, *, positions=None) -> np.ndarray:
+    """``||V Sigma_mu(x_i) A||_2`` for every atom i of ``mu = sum_j a_j delta_{x_j}``.
+
+    ``Sigma_mu(x_i)`` is the covariance of the attention distribution of the query x_i,
+    ``P_ij = softmax_j(<A x_i, x_j> + log a_j)`` over the visible atoms (``s_j <= s_i`` when
+    ``positions`` s are given: masked attention), and ``V Sigma A`` is the query term of the
+    Jacobian (docs/math.md section 4.1). It is the constant that splitting atom i contributes
+    (:func:`split_constant`, docs/math.md section 4.7). ``log_weights=None`` means uniform weights.
+    Returns a float64 array of length N.
+    """
+    a, v = _A_V(A, V)
+    x = _matrix(X, "X")
+    if x.shape[1] != a.shape[0]:
+        raise ValueError(f"X: expected points of dimension {a.shape[0]} to match A, got shape {x.shape}")
+    N = x.shape[0]
+    if log_weights is None:
+        lw = np.full(N, -math.log(N))
+    else:
+        lw = as_tensor(log_weights, "log_weights", dtype=torch.float64).detach().cpu().numpy().reshape(-1)
+        if lw.shape != (N,) or np.isnan(lw).any() or np.isposinf(lw).any():
+            raise ValueError(f"log_weights: expected {N} log-weights (finite or -inf), got shape {lw.shape}")
+    S = (x @ a.T) @ x.T + lw[None, :]
+    if positions is not None:
+        s = as_tensor(positions, "positions", dtype=torch.float64).detach().cpu().numpy().reshape(-1)
+        if s.shape != (N,):
+            raise ValueError(f"positions: expected {N} positions, got shape {s.shape}")
+        S = np.where(s[None, :] <= s[:, None], S, -np.inf)
+    m = S.max(axis=1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    P = np.exp(S - m)
+    z = P.sum(axis=1, keepdims=True)
+    P = P / np.where(z > 0, z, 1.0)
+    out = np.empty(N)
+    for i in range(N):
+        mean = P[i] @ x
+        C = x - mean
+        cov = (C * P[i][:, None]).T @ C
+        out[i] = np.linalg.norm(v @ cov @ a, 2)
+    return out
+
+
+def split_constant(lip_unsplit, query_norms, split) -> float:
+    """docs/math.md section 4.7: the weighted (W2-sense) local constant of a measure whose atoms in
+    ``split`` are each split into parts, whatever the fractions:
+    ``max(lip_unsplit, max_{i in split} query_norms[i])``.
+
+    ``lip_unsplit`` is the constant of the unsplit measure, ``query_norms`` the values
+    ``||V Sigma_mu(x_i) A||_2`` of :func:`query_term_norms` (of the unsplit measure). Perturbations
+    that move the parts of an atom in opposite directions leave every softmax unchanged to first
+    order and are orthogonal to the unsplit ones, so only the query term acts on them.
+    """
+    if isinstance(lip_unsplit, bool) or not isinstance(lip_unsplit, numbers.Real) or not lip_unsplit >= 0:
+        raise ValueError(f"lip_unsplit: expected a constant >= 0, got {lip_unsplit!r}")
+    q = np.asarray(query_norms, dtype=float).reshape(-1)
+    idx = [int(i) for i in split]
+    if not idx:
+        return float(lip_unsplit)
+    if any(not -q.size <= i < q.size for i in idx):
+        raise ValueError(f"split: atom indices must lie in [0, {q.size}), got {idx}")
+    return float(max(float(lip_unsplit), float(q[idx].max())))

@@ -7,34 +7,61 @@ with queries q (..., m, e), keys k (..., n, e), values v (..., n, c), log-weight
 for masked attention (docs/math.md section 2). For self-attention q = X A^T, k = X, v = X V^T, so
 that <q_i, k_j> = <A x_i, x_j> = s_ij.
 
-Every operator of the framework calls :func:`attend`. Two paths compute the same map:
+Every operator of the framework calls :func:`attend`. Three paths compute the same map:
 
 * ``"dense"`` materializes the (m, n) score matrix; plain autograd; the ground truth.
 * ``"stream"`` (:mod:`meanfield.streaming`) works in tiles with an online softmax, memory
-  O((m + n)(d + c) + block^2), with analytic streamed JVP / VJP (torch.func compatible).
+  O((m + n)(d + c) + block^2), with analytic streamed JVP / VJP (torch.func compatible); on CPU its
+  forward pass and VJP run in torch's fused flash kernel where the mask allows.
+* ``"fused"``: torch's ``scaled_dot_product_attention`` in its 4-D layout, positions of a sequence as
+  ``is_causal``, log-weights as a broadcast mask row (forward passes; no forward-mode AD on CPU).
 
-``method="auto"`` (the default) takes the dense path while batch * m * n <= :data:`STREAM_THRESHOLD`
-(2^22 scores, 32 MiB in float64) and streams above it. Force a path per call
-(``attend(..., method="stream", block_size=256)``) or for a block of code::
+``method="auto"`` (the default) picks by regime (the map measured in benchmarks/README.md):
+
+* derivatives needed (an input requires grad, a ``torch.func`` transform or a forward-AD level is
+  active): dense up to :data:`STREAM_THRESHOLD` score entries (all batch entries; inside torch.func
+  transforms :data:`TRANSFORM_STREAM_THRESHOLD`), streamed above;
+* forward pass the fused kernel applies to (no positions, or the causal mask of a sequence; a dtype
+  and device with a fused kernel): dense up to :data:`FUSED_THRESHOLD` entries, fused above;
+* forward pass with other positions (arbitrary masks): dense, then fused with an explicit boolean
+  (m, n) mask while that mask is small (:data:`MASKED_FUSED_RANGE`), streamed above (O(N) memory).
+
+Force a path per call (``attend(..., method="stream", block_size=256)``) or for a block of code::
 
     with meanfield.kernels.use("stream", block_size=512):
         ...
+
+``use(threshold=t)`` replaces both thresholds by t (dense up to t entries in every regime).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
-__all__ = ["attend", "attention_probs", "use", "STREAM_THRESHOLD", "METHODS"]
+from .streaming import _transforms_active, sequence_mask
 
-#: auto dispatch streams when the score matrix (all batch entries) has more entries than this
-STREAM_THRESHOLD = 2**22
+__all__ = ["attend", "attention_probs", "use", "choose", "STREAM_THRESHOLD", "TRANSFORM_STREAM_THRESHOLD",
+           "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
+
+#: auto: passes that need derivatives, or masks the fused kernel cannot take, stream above this many
+#: score entries (all batch entries) and stay dense below
+STREAM_THRESHOLD = 2**15
+#: auto: the same inside torch.func transforms, where the streamed derivatives take their
+#: differentiable (slower) engine
+TRANSFORM_STREAM_THRESHOLD = 2**16
+#: auto: forward passes the fused kernel applies to go fused above this many score entries
+FUSED_THRESHOLD = 2**14
+#: auto: forward passes with arbitrary positions are dense up to the first bound, fused (with an
+#: explicit boolean mask of at most 4 MiB) up to the second, streamed above
+MASKED_FUSED_RANGE = (2**16, 2**22)
 METHODS = ("auto", "dense", "stream", "fused")
 
-_DEFAULTS = contextvars.ContextVar("meanfield_kernel_defaults", default=("auto", None, STREAM_THRESHOLD))
+_DEFAULTS = contextvars.ContextVar("meanfield_kernel_defaults", default=("auto", None, None))
 
 
 def attention_probs(q, k, log_weights=None, q_pos=None, k_pos=None) -> torch.Tensor:
@@ -68,13 +95,13 @@ def use(method="auto", *, block_size=None, threshold=None):
     """Set the default path of :func:`attend` inside a ``with`` block (per thread / task).
 
     ``method`` is "auto", "dense", "stream" or "fused"; ``block_size`` the tile edge of the
-    streaming path (int or (block_q, block_k)); ``threshold`` the auto-dispatch size (entries of
-    the score matrix). An explicit ``method=`` / ``block_size=`` given to ``attend`` wins.
+    streaming path (int or (block_q, block_k)); ``threshold`` the size (entries of the score
+    matrix) up to which auto stays dense in every regime (None: :data:`FUSED_THRESHOLD` for fused
+    forward passes, :data:`STREAM_THRESHOLD` otherwise). An explicit ``method=`` / ``block_size=``
+    given to ``attend`` wins.
     """
     _check_method(method)
-    if threshold is None:
-        threshold = STREAM_THRESHOLD
-    elif not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0:
+    if threshold is not None and (not isinstance(threshold, int) or isinstance(threshold, bool) or threshold < 0):
         raise ValueError(f"threshold: expected a non-negative int, got {threshold!r}")
     if block_size is not None:
         from .streaming import _check_block
@@ -88,10 +115,11 @@ def use(method="auto", *, block_size=None, threshold=None):
 
 
 def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
-    shapes = [q.shape[:-2], k.shape[:-2]]
-    shapes += [t.shape[:-1] for t in (log_weights, q_pos, k_pos) if t is not None]
-    batch = torch.broadcast_shapes(*shapes)
-    return batch.numel() * q.shape[-2] * k.shape[-2]
+    lead = q.shape[:-2]
+    others = [k.shape[:-2]] + [t.shape[:-1] for t in (log_weights, q_pos, k_pos) if t is not None]
+    if all(s == lead for s in others):  # the common case, without broadcast_shapes' cost
+        return math.prod(lead) * q.shape[-2] * k.shape[-2]
+    return torch.broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
 
 
 def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
@@ -116,25 +144,79 @@ def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
             raise ValueError(f"k_pos: expected one position per key ({k.shape[-2]}), got shape {tuple(k_pos.shape)}")
 
 
+def _needs_derivatives(*tensors) -> bool:
+    """Whether the result may be differentiated: an input requires grad (reverse mode), a
+    forward-AD level is open, or a torch.func transform is active (they wrap their inputs)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return True
+    if _forward_ad._current_level >= 0:
+        return True
+    return _transforms_active()
+
+
+#: (device type, dtypes) where scaled_dot_product_attention has a fused kernel (CUDA float64 runs the
+#: math backend, which materializes the scores)
+_FUSED_DTYPES = {
+    "cpu": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+    "cuda": (torch.float32, torch.bfloat16, torch.float16),
+}
+
+
+def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None) -> str:
+    """The path "auto" takes for these inputs: "dense", "fused" or "stream" (module docstring).
+
+    Reads the positions once to recognise a sequence's causal mask (a host sync on an accelerator).
+    """
+    if threshold is None:
+        threshold = _DEFAULTS.get()[2]
+    return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0]
+
+
+def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
+    """(path, causal): causal is True when the positions were read and form a sequence's causal mask,
+    None when they were not read."""
+    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+    if threshold is not None:
+        fused_at = stream_at = threshold
+    else:
+        fused_at, stream_at = FUSED_THRESHOLD, STREAM_THRESHOLD
+    if entries <= min(fused_at, stream_at):
+        return "dense", None
+    if _needs_derivatives(q, k, v, log_weights):
+        if threshold is None and _transforms_active():
+            stream_at = TRANSFORM_STREAM_THRESHOLD
+        return ("dense" if entries <= stream_at else "stream"), None
+    if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
+        return ("dense" if entries <= stream_at else "stream"), None
+    if q_pos is not None and not (q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)):
+        # other positions: the fused kernel needs an explicit (m, n) boolean mask; worth it only in a
+        # window where that mask is small (at most MASKED_FUSED_RANGE[1] bytes)
+        if threshold is None and MASKED_FUSED_RANGE[0] < entries <= MASKED_FUSED_RANGE[1]:
+            return "fused", False
+        return ("dense" if entries <= (MASKED_FUSED_RANGE[0] if threshold is None else threshold) else "stream"), False
+    return ("dense" if entries <= fused_at else "fused"), q_pos is not None
+
+
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
     ``method``: "dense" (materialize P), "stream" (tiles of ``block_size``, O(N) memory), "fused"
-    (torch's scaled_dot_product_attention, opt-in), or "auto"; None takes the default set by
-    :func:`use` ("auto": dense up to :data:`STREAM_THRESHOLD` score entries, streaming above).
+    (torch's scaled_dot_product_attention), or "auto" (:func:`choose`: the fastest path for the size,
+    mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
-    _check_method(method)
-    if block_size is None:
-        block_size = default_block
+    causal = None
     if method == "auto":
-        method = "stream" if _score_entries(q, k, log_weights, q_pos, k_pos) > threshold else "dense"
+        method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold)
+    elif method not in METHODS:
+        _check_method(method)
     if method == "dense":
         return attention_probs(q, k, log_weights, q_pos, k_pos) @ v
     from . import streaming
 
     if method == "fused":
-        return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos)
-    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block_size)
+        return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal)
+    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
+                                   block_size=default_block if block_size is None else block_size)

@@ -1,11 +1,16 @@
 """Local Lipschitz constants of attention: certified Krylov estimates of ||D_X f||_2 (docs/math.md section 4).
 
 ``local_lipschitz(f, X)`` estimates Lip_X(f) = ||D_X f||_2, the largest singular value of the
-Jacobian, matrix-free: J u is the *tangent* output of a forward-mode JVP and J^T w a VJP, so
-J^T J is never formed. Three methods:
+Jacobian, matrix-free: J u is the *tangent* of f along u and J^T w a vector-Jacobian product, so
+J^T J is never formed (docs/math.md section 4.2). f runs once with its graph recorded: J^T w is a
+backward pass on it, and J u a backward pass through the recorded graph of w -> J^T w
+(reverse-over-reverse), or forward-mode AD where that graph would exceed its memory budget or
+cannot be built (see :class:`_Problem`). Three methods:
 
 * ``"lanczos"`` (default): Lanczos on J^T J with full reorthogonalization, batched over inputs;
-  certified by the explicit residual r = ||J^T J u - s^2 u|| of the returned vector.
+  certified by the explicit residual r = ||J^T J u - s^2 u|| of the returned vector. For float64
+  inputs of at least :data:`MIXED_MIN_SIZE` entries a first phase runs on float32 products
+  (``mixed``); it only proposes the vector, whose certificate comes from float64 products.
 * ``"power"``: power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the same
   residual (not on the absolute change of the estimate, which stops early on flat spectra).
 * ``"dense"``: the explicit Jacobian and its top singular value (ground truth for small sizes).
@@ -23,6 +28,15 @@ bound of the Lipschitz constant; ``value + error`` bounds it from above as soon 
 approximates the top of the spectrum, which Krylov methods from a random start reach with
 probability one.
 
+Mixed precision. The float32 phase (products, Krylov basis) stops at its own accuracy (about 1e-7
+of ``|J|``, or ``tol``); its Ritz vector u is then certified with float64 products: value ``|J u|`` and the
+residual of the float64 J^T J. If that misses ``tol``, a float64 Lanczos continues from u, and its
+Ritz vector is certified from the float64 images B q_j it computed (B u = sum_j y_j B q_j: a
+combination of float64 products, the same statement as a fresh product up to float64 rounding).
+The float32 phase is skipped where float32 cannot represent the problem (constants or weight
+scalings beyond its range, operators without ``to(dtype=...)``), and abandoned if a float32 product
+overflows. ``converged`` is set only from float64 certificates.
+
 Range. The solvers work on J / c with c a power of two near ``|J u|`` for the random start, and form
 ``|J u|`` and the normalized residual ``||J^T J u - theta u|| / sqrt(theta)`` rather than theta and the
 plain residual, so values up to the dtype's largest number are computed (float64: the two-Dirac
@@ -38,7 +52,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.func import jacfwd, jacrev, jvp, vjp
+from torch.autograd import forward_ad
+from torch.func import jacfwd, jacrev
 
 from particles import Measure
 from particles.validation import (
@@ -50,8 +65,9 @@ from particles.validation import (
     check_seed,
     make_generator,
 )
+from particles.validation import memory_limit as memory_limit_bytes
 
-from .operator import as_operator, sequence_positions
+from .operator import AttentionOperator, as_operator, sequence_positions
 
 __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "ConvergenceError"]
 
@@ -110,11 +126,63 @@ class LipschitzEstimate:
 
 
 # ---------------------------------------------------------------------- problem set-up
+#: bytes the recorded graph of J^T w (reverse-over-reverse J u) may save; above it (or above an
+#: eighth of the memory limit) J u runs in forward mode, which recomputes f but stores nothing
+RR_BUDGET = 512 * 2**20
+#: entries per batch member from which float32 products pay for their set-up (mixed="auto")
+MIXED_MIN_SIZE = 4096
+#: how close the first float32 product must come to the float64 one for the float32 phase to run
+_MIXED_AGREEMENT = 1e-5
+#: target of the float32 phase: its own rounding (~1e-7 of |J|) limits what it can certify
+_LOW_TARGET = 2 * torch.finfo(torch.float32).eps
+
+
+class _OverBudget(Exception):
+    pass
+
+
+class _LowRange(Exception):
+    """A float32 product of the mixed-precision phase overflowed (float64 takes over)."""
+
+
+@contextlib.contextmanager
+def _saved_bytes_budget(budget):
+    """Abort (``_OverBudget``) a graph recording once its saved tensors exceed ``budget`` bytes."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        if total[0] > budget:
+            raise _OverBudget
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
 class _Problem:
-    """The linear map u -> (weighted) J u at a batch of points, with J^T available by VJP.
+    """The linear map u -> (weighted) J u at a batch of points, with J^T available.
 
     ``fn`` maps X (b, n, d) to (b, n, d') independently per batch member; ``s_in`` and ``s_out``
     (n, 1) are the Lemma C.5 scalings a^{-1/2} and a^{1/2} (up to a common factor), or None.
+
+    Products. f is evaluated once with its autograd graph recorded; J^T w is a backward pass on
+    that graph (f is never recomputed). J u is, in order of preference:
+
+    1. ``"rr"``: reverse-over-reverse on the same graph. g(w) = J^T w is linear in w, so
+       J u = d<g(w), u>/dw: one backward pass through the recorded graph of g, built once (with
+       create_graph) while its saved tensors stay within :data:`RR_BUDGET`;
+    2. ``"rr-math"``: the same on a graph recorded with torch's SDPA on its "math" backend (its
+       fused CPU kernels have no double backward nor forward-mode derivative), within the budget;
+       skipped when "rr" failed on the budget;
+    3. ``"forward"``: forward-mode AD (``torch.autograd.forward_ad``), which re-runs f with tangents
+       (nothing stored; the streamed attention kernel has an analytic JVP);
+    4. ``"forward-math"``: the same on SDPA's math backend;
+    5. ``"rr-unbudgeted"``: reverse-over-reverse on the math backend without the budget (functions
+       with neither forward-mode AD nor a graph within the budget).
+
+    A mode that fails on its first product hands over to the next; J u is the *tangent* output,
+    never f(X) (the pitfall of docs/math.md section 4.2).
 
     The solvers see J / c, with c (b,) a power of two per batch member set from the first product
     (``J(u)``): c is about |J u| for the random start, so every quantity the solvers form (J u,
@@ -124,45 +192,87 @@ class _Problem:
     constant is beyond the dtype's range at this input), never a silent 0 or NaN.
     """
 
-    def __init__(self, fn, X, s_in=None, s_out=None):
+    _MODES = ("rr", "rr-math", "forward", "forward-math", "rr-unbudgeted")
+
+    def __init__(self, fn, X, s_in=None, s_out=None, memory_limit=None):
         self.fn, self.X, self.s_in, self.s_out = fn, X, s_in, s_out
-        out, self._vjp = vjp(fn, X)
-        if not bool(torch.isfinite(out).all()):
+        self.budget = min(RR_BUDGET, memory_limit_bytes(memory_limit) // 8)
+        self.math_sdpa = False  # run torch's SDPA on its math backend (forward-mode AD available)
+        self._record()
+        if not bool(torch.isfinite(self.out.detach()).all()):
             raise ValueError("f: produced NaN or infinite outputs at X")
-        self.out_shape = out.shape
+        self.out_shape = self.out.shape
         self.applications = 0
         self.scale = None      # (b,) powers of two, set by the first J product
         self.zero = None       # (b,) members whose Jacobian is exactly zero
         self.forward_mode = True
-        self.math_sdpa = False  # run torch's SDPA on its math backend (forward-mode AD available)
-        self._rr = None        # reverse-over-reverse state, when forward-mode AD is unavailable
+        self.cheap_checks = False
+        self.mode = 0          # index into _MODES
+        self._proven = False   # the current mode has returned a product
+        self._rr = None
+
+    def _record(self):
+        self.Xr = self.X.detach().requires_grad_(True)
+        with torch.enable_grad(), _sdpa_backends(self.math_sdpa):
+            self.out = self.fn(self.Xr)
+        # an output that does not depend on X (a zero Jacobian) has no graph
+        self.constant = not self.out.requires_grad
+
+    def _jt(self, w):
+        if self.constant:
+            return torch.zeros_like(self.X)
+        g = torch.autograd.grad(self.out, self.Xr, w, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros_like(self.X) if g is None else g
+
+    def _rr_product(self, u, budget):
+        if self._rr is None:
+            w0 = torch.zeros_like(self.out, requires_grad=True)
+            budget_ctx = contextlib.nullcontext() if budget is None else _saved_bytes_budget(budget)
+            with torch.enable_grad(), _sdpa_backends(self.math_sdpa), budget_ctx:
+                g = torch.autograd.grad(self.out, self.Xr, w0, create_graph=True, allow_unused=True)[0]
+            self._rr = (w0, g)
+        w0, g = self._rr
+        if g is None or not g.requires_grad:  # J^T w does not depend on w: J = 0
+            return torch.zeros_like(self.out)
+        Ju = torch.autograd.grad(g, w0, u, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros_like(self.out) if Ju is None else Ju
+
+    def _forward_product(self, u):
+        with forward_ad.dual_level(), _sdpa_backends(self.math_sdpa):
+            t = forward_ad.unpack_dual(self.fn(forward_ad.make_dual(self.X, u))).tangent
+        return torch.zeros_like(self.out) if t is None else t.detach()
 
     def _jvp(self, u):
-        if self.forward_mode:
+        if self.constant:
+            return torch.zeros_like(self.out)
+        while True:
+            mode = self._MODES[self.mode]
             try:
-                # the tangent output [1], not the primal [0]: the pitfall of docs/math.md section 4
-                with _sdpa_backends(self.math_sdpa):
-                    return jvp(self.fn, (self.X,), (u,))[1]
-            except NotImplementedError:
-                if not self.math_sdpa:
-                    # torch's fused SDPA kernels have no forward-mode derivative on CPU; its "math"
-                    # backend is made of ordinary differentiable operations
-                    self.math_sdpa = True
-                    return self._jvp(u)
-                self.forward_mode = False
-        return self._jvp_reverse(u)
+                if mode.startswith("rr"):
+                    w = self._rr_product(u, None if mode == "rr-unbudgeted" else self.budget)
+                else:
+                    w = self._forward_product(u)
+            except (NotImplementedError, RuntimeError, _OverBudget) as exc:
+                forward_failure = mode.startswith("forward") and isinstance(exc, NotImplementedError)
+                if self._proven or self.mode == len(self._MODES) - 1 or not (mode.startswith("rr") or forward_failure):
+                    raise
+                self._next_mode(over_budget=isinstance(exc, _OverBudget))
+                continue
+            self._proven = True
+            return w.detach()
 
-    def _jvp_reverse(self, u):
-        """J u by reverse-over-reverse: g(w) = J^T w is linear in w, so J u = d<g(w), u>/dw."""
-        if self._rr is None:
-            Xr = self.X.detach().requires_grad_(True)
-            with torch.enable_grad(), _sdpa_backends(self.math_sdpa):
-                out = self.fn(Xr)
-                w = torch.zeros_like(out, requires_grad=True)
-                g = torch.autograd.grad(out, Xr, w, create_graph=True)[0]
-            self._rr = (w, g)
-        w, g = self._rr
-        return torch.autograd.grad(g, w, u, retain_graph=True)[0].detach()
+    def _next_mode(self, over_budget=False):
+        self._rr = None
+        self.mode += 1
+        if self._MODES[self.mode] == "rr-math" and over_budget:
+            self.mode += 1  # the math backend saves at least as much
+        mode = self._MODES[self.mode]
+        self.forward_mode = mode.startswith("forward")
+        if mode in ("rr-math", "forward-math", "rr-unbudgeted") and not self.math_sdpa:
+            # torch's fused SDPA kernels have no forward-mode derivative (nor a double backward) on
+            # CPU; its "math" backend is made of ordinary differentiable operations
+            self.math_sdpa = True
+            self._record()
 
     def _raw_J(self, u):
         if self.s_in is not None:
@@ -170,16 +280,16 @@ class _Problem:
         w = self._jvp(u)
         self.applications += 1
         w = w if self.s_out is None else w * self.s_out
-        _check_product(w, "J u")
+        _check_product(w, "J u", self.cheap_checks)
         return w
 
     def _raw_JT(self, w):
         if self.s_out is not None:
             w = w * self.s_out
-        u = self._vjp(w)[0]
+        u = self._jt(w)
         self.applications += 1
         u = u if self.s_in is None else u * self.s_in
-        _check_product(u, "J^T w")
+        _check_product(u, "J^T w", self.cheap_checks)
         return u
 
     def _calibrate(self, u, w):
@@ -236,8 +346,11 @@ def _sdpa_backends(math_only: bool):
     return sdpa_kernel([SDPBackend.MATH])
 
 
-def _check_product(t, what):
-    if not bool(torch.isfinite(t).all()):
+def _check_product(t, what, cheap=False):
+    # cheap: one sum (the float32 phase, whose products are of order one after the scaling; an
+    # overflowing sum only hands the work to float64, never hides a non-finite product)
+    finite = torch.isfinite(t.sum()) if cheap else torch.isfinite(t).all()
+    if not bool(finite):
         raise OverflowError(f"X: the Jacobian product {what} overflows the {t.dtype} range at this input "
                             "(the local constant, or the weights' scalings, exceed what the dtype holds); "
                             "use float64 or a smaller radius")
@@ -262,16 +375,43 @@ def _scalings(log_weights, dtype):
     return s_in[:, None], s_out[:, None]
 
 
+def _float32_operator(op):
+    """The operator with float32 parameters, or None when it cannot convert (bare callables, layers
+    without ``to``)."""
+    if op.points_only:
+        return None
+    try:
+        op32 = op.to(dtype=torch.float32)
+    except (NotImplementedError, TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+    return op32 if isinstance(op32, AttentionOperator) else None
+
+
 def _make_problems(f, X):
-    """(operator, list of (fn, X_batch, s_in, s_out), batched flag) for f at X."""
+    """(operator, list of (fn, X_batch, s_in, s_out, low), batched flag) for f at X.
+
+    ``low`` builds the float32 twin (fn32, X32, s_in32, s_out32) of a problem, or is None.
+    """
     op = as_operator(f)
+
+    def lowering(lw, pos, X_, log_weights=None):
+        def build():
+            op32 = _float32_operator(op)
+            if op32 is None:
+                return None
+            lw32, pos32 = (None if t is None else t.to(torch.float32) for t in (lw, pos))
+            s32 = (None, None) if log_weights is None else _scalings(log_weights, torch.float32)
+            return (lambda Y: op32.points_map(Y, lw32, pos32)), X_.to(torch.float32), *s32
+        return build
+
     if isinstance(X, Measure):
         mu = op.check_measure(X, "X")
         lw = None if op.points_only else mu.log_weights
         pos = mu.positions if op.masked else None
         fn = lambda Y: op.points_map(Y, lw, pos)
         s_in, s_out = _scalings(mu.log_weights, mu.dtype)
-        return op, [(fn, mu.points.detach().unsqueeze(0), s_in, s_out)], False
+        Xb = mu.points.detach().unsqueeze(0)
+        return op, [(fn, Xb, s_in, s_out, lowering(lw, pos, Xb, mu.log_weights))], False
     Xt = op.check_points(X, "X")
     if Xt.dim() not in (2, 3):
         raise ValueError(f"X: expected a sequence (n, d) or a batch of sequences (b, n, d), got {tuple(Xt.shape)}")
@@ -283,8 +423,8 @@ def _make_problems(f, X):
     fn = lambda Y: op.points_map(Y, None, pos)
     if op.points_only:
         # a bare callable may not batch: one problem per sequence
-        return op, [(fn, Xb[i:i + 1], None, None) for i in range(Xb.shape[0])], batched
-    return op, [(fn, Xb, None, None)], batched
+        return op, [(fn, Xb[i:i + 1], None, None, None) for i in range(Xb.shape[0])], batched
+    return op, [(fn, Xb, None, None, lowering(None, pos, Xb))], batched
 
 
 # ---------------------------------------------------------------------- solvers
@@ -319,6 +459,17 @@ def _rayleigh(p, u):
     v = v.flatten()
     err = torch.minimum(rho, (rho * v).sqrt())
     return v, rho, err, z
+
+
+def _rayleigh_from_image(u, Bu):
+    """:func:`_rayleigh` for a unit u whose image B u = J^T J u is known (a combination of computed
+    products): v = sqrt(u . B u), rho = ||B u / v - v u||, the same error bound."""
+    theta = _dot(u, Bu).clamp(min=0)
+    v = theta.sqrt().reshape(-1, *([1] * (u.dim() - 1)))
+    z = Bu / torch.where(v > 0, v, torch.ones_like(v))
+    rho = _norms(z - v * u).flatten()
+    v = v.flatten()
+    return v, rho, torch.minimum(rho, (rho * v).sqrt()), z
 
 
 def _power(p, tol, max_iter, seed):
@@ -365,15 +516,132 @@ class _Basis:
         return self.data[:, : self.m]
 
 
-def _orthogonalize(w, Q):
-    # full reorthogonalization, twice ("twice is enough"), keeps the basis orthonormal
-    for _ in range(2):
-        w = w - torch.einsum("bk,bkn->bn", torch.einsum("bkn,bn->bk", Q, w), Q)
-    return w
+def _project_out(w, Q):
+    return w - torch.bmm(torch.bmm(Q, w.unsqueeze(-1)).transpose(1, 2), Q).squeeze(1)
 
 
-def _lanczos(p, tol, max_iter, seed, memory_limit=None):
-    """Lanczos on B = J^T J with full reorthogonalization, one Krylov basis per batch member."""
+class _Krylov:
+    """Lanczos on a symmetric B with full reorthogonalization, one Krylov basis per batch member,
+    extended on demand (:meth:`run`) so that a caller can certify and go on.
+
+    ``apply(Q)`` returns B Q for Q (b, N); ``q`` (b, N) are unit start vectors in the working dtype
+    (the basis's); ``first`` is B q when already known. The small tridiagonal problem is solved in
+    float64 whatever the working dtype.
+    """
+
+    def __init__(self, apply, q, m_max, g, first=None, images=False):
+        self.apply, self.q, self.m_max, self.g, self.first = apply, q, m_max, g, first
+        b, N = q.shape
+        self.basis = _Basis(b, N, q, capacity=min(m_max, 16))
+        # with ``images`` the products B q_j are kept, so that B u of a Ritz vector costs no product
+        self.images = _Basis(b, N, q, capacity=min(m_max, 16)) if images else None
+        self.alpha, self.beta = [], []
+        self.q_prev = self.w = self.y = self.err = self.sig = None
+
+    @property
+    def m(self):
+        return self.basis.m
+
+    def _step(self):
+        q = self.q
+        dtype = q.dtype
+        tiny = torch.finfo(dtype).eps
+        j = self.m
+        if j > 0:
+            # the next vector from the last residual; an exhausted Krylov space (beta ~ 0) restarts with
+            # a fresh direction orthogonal to the basis
+            w, beta = self.w, self.beta[j - 1]
+            scale = torch.stack(self.alpha, 1).abs().amax(1).clamp(min=tiny)
+            broke = beta <= 1e3 * tiny * scale
+            self.q_prev = q
+            if bool(broke.any()):
+                Qj = self.basis.view()
+                fresh = torch.randn(q.shape, generator=self.g, dtype=dtype).to(q.device)
+                fresh = _project_out(_project_out(fresh, Qj), Qj)
+                fresh = fresh / fresh.norm(dim=1, keepdim=True)
+                self.beta[j - 1] = beta = torch.where(broke, torch.zeros_like(beta), beta)
+                q = torch.where(broke[:, None], fresh, w / beta[:, None].clamp(min=tiny))
+            else:
+                q = w / beta[:, None]
+            self.q = q
+        self.basis.append(q)
+        w = self.first if (j == 0 and self.first is not None) else self.apply(q)
+        if self.images is not None:
+            self.images.append(w)
+        self.alpha.append(_dot(q, w))
+        # three-term recurrence, then one pass of full reorthogonalization; a second pass only where
+        # the first removed most of what was left (the Daniel-Gragg-Kaufman-Stewart criterion)
+        w = w - self.alpha[j][:, None] * q
+        if self.q_prev is not None:
+            w = w - self.beta[j - 1][:, None] * self.q_prev
+        Qj = self.basis.view()
+        before = w.norm(dim=1)
+        w = _project_out(w, Qj)
+        after = w.norm(dim=1)
+        if bool((after < 0.7 * before).any()):
+            w = _project_out(w, Qj)
+            after = w.norm(dim=1)
+        self.w = w
+        self.beta.append(after)
+        a_t, b_t = torch.stack(self.alpha, 1).double(), torch.stack(self.beta, 1).double()
+        off = b_t[:, :j]
+        T = torch.diag_embed(a_t) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+        evals, evecs = torch.linalg.eigh(T)
+        theta, self.y = evals[:, -1], evecs[:, :, -1]
+        # Lanczos residual of the top Ritz pair: beta_m |last component of y|; the error bound on
+        # sqrt(theta) as in the certificate (module docstring)
+        r_est = b_t[:, j] * self.y[:, -1].abs()
+        self.sig = theta.clamp(min=0).sqrt()
+        self.err = torch.minimum(r_est / self.sig.clamp(min=torch.finfo(torch.float64).tiny), r_est.sqrt())
+
+    def run(self, target):
+        """Extend the basis until every member's estimated relative error is at most ``target`` or the
+        basis holds ``m_max`` vectors; returns whether the target was met."""
+        while True:
+            if self.m > 0 and bool((self.err <= target * self.sig).all()):
+                return True
+            if self.m >= self.m_max:
+                return False
+            self._step()
+
+    def ritz(self):
+        """The unit top Ritz vectors (b, N), and B applied to them when the images are kept (else None)."""
+        y = self.y.to(self.q.dtype).unsqueeze(1)
+        u = torch.bmm(y, self.basis.view()).squeeze(1)
+        norm = _norms(u)
+        Bu = None if self.images is None else torch.bmm(y, self.images.view()).squeeze(1) / norm
+        return u / norm, Bu
+
+
+def _low_problem(build, u0):
+    """The float32 twin of a problem and its first product J u0 (scaled), the scale calibrated on it;
+    None where float32 cannot stand in: no float32 operator, products outside the float32 range, or a
+    Jacobian that is zero or below the float32 range for some member (float64 decides those)."""
+    try:
+        parts = build()
+        if parts is None:
+            return None
+        fn32, X32, s_in32, s_out32 = parts
+        low = _Problem(fn32, X32, s_in32, s_out32)
+        w = low.J(u0.to(torch.float32))
+        low.cheap_checks = True
+    except (ValueError, OverflowError, RuntimeError, NotImplementedError):
+        return None
+    if bool(low.zero.any()) or not bool(torch.isfinite(low.scale).all()):
+        return None
+    return low, w
+
+
+def _lanczos(p, tol, max_iter, seed, memory_limit=None, low_build=None):
+    """Lanczos on B = J^T J with full reorthogonalization, one Krylov basis per batch member.
+
+    Stops when the explicit certificate of the Ritz vector (:func:`_rayleigh`) meets ``tol``; the
+    Lanczos residual estimate only decides when to compute it. With ``low_build`` (mixed precision),
+    a first phase runs entirely in float32 (products and basis) to at most float32 accuracy, its
+    Ritz vectors certified with products in p's dtype; only if those miss ``tol`` does a Lanczos in
+    p's dtype continue from the last one. Every returned value, error and residual comes from
+    products in p's dtype.
+    """
     b = p.X.shape[0]
     shape = p.X.shape
     N = p.X[0].numel()
@@ -381,47 +649,86 @@ def _lanczos(p, tol, max_iter, seed, memory_limit=None):
     check_allocation(b * m_max * N * p.X.element_size(), "method='lanczos'",
                      f"the Krylov basis of up to max_iter = {m_max} vectors of {N} entries; lower max_iter "
                      "(or tol), or use method='power', which stores no basis", memory_limit)
-    dtype, device = p.X.dtype, p.X.device
-    tiny = torch.finfo(dtype).eps
-    q = _random_start(shape, p.X, seed).reshape(b, N)
-    basis = _Basis(b, N, p.X, capacity=min(m_max, 16))
-    alpha, beta = [], []
     g = make_generator(None if seed is None else seed + 1)
-    y = None
-    for j in range(m_max):
-        basis.append(q)
-        w = p.JT(p.J(q.reshape(shape))).reshape(b, N)
-        alpha.append(_dot(q, w))
-        Qj = basis.view()
-        w = _orthogonalize(w, Qj)
-        beta.append(w.norm(dim=1))
-        m = j + 1
-        a_t, b_t = torch.stack(alpha, 1), torch.stack(beta, 1)
-        off = b_t[:, : m - 1]
-        T = torch.diag_embed(a_t) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
-        evals, evecs = torch.linalg.eigh(T)
-        theta, y = evals[:, -1], evecs[:, :, -1]
-        # Lanczos residual of the top Ritz pair: beta_m |last component of y|
-        r_est = beta[j] * y[:, -1].abs()
-        sig = theta.clamp(min=0).sqrt()
-        err = torch.minimum(r_est / sig.clamp(min=torch.finfo(dtype).tiny), r_est.sqrt())
-        if bool((err <= 0.5 * tol * sig).all()) or m == m_max:
-            break
-        # an exhausted Krylov space (beta ~ 0) restarts with a fresh direction orthogonal to the basis
-        scale = a_t.abs().amax(1).clamp(min=tiny)
-        broke = beta[j] <= 1e3 * tiny * scale
-        if bool(broke.any()):
-            fresh = _orthogonalize(torch.randn(b, N, generator=g, dtype=dtype).to(device), Qj)
-            fresh = fresh / fresh.norm(dim=1, keepdim=True)
-            beta[j] = torch.where(broke, torch.zeros_like(beta[j]), beta[j])
-            q = torch.where(broke[:, None], fresh, w / beta[j][:, None].clamp(min=tiny))
+    q = _random_start(shape, p.X, seed)
+    member = (-1, *([1] * (q.dim() - 1)))
+    state = {"value": None, "done": torch.zeros(b, dtype=torch.bool, device=p.X.device)}
+
+    def certify(u, Bu=None):
+        """Certificate of u in p's dtype (from the products J u, J^T J u, or from B u when given);
+        members certified earlier keep their result. Returns B u."""
+        v, rho, err, z = _rayleigh(p, u) if Bu is None else _rayleigh_from_image(u, Bu.reshape(shape))
+        ok = (err <= tol * v) & ((v > 0) | p.zero)
+        if state["value"] is None:
+            state.update(value=v, u=u, err=err, rho=rho)
         else:
-            q = w / beta[j][:, None]
-    u = torch.einsum("bk,bkn->bn", y, basis.view())
-    u = (u / _norms(u)).reshape(shape)
-    value, rho, err, _ = _rayleigh(p, u)
-    done = (err <= tol * value) & ((value > 0) | p.zero)
-    return value, u, err, rho, basis.m, done
+            done = state["done"]
+            for key, new in (("value", v), ("err", err), ("rho", rho)):
+                state[key] = torch.where(done, state[key], new)
+            state["u"] = torch.where(done.reshape(member), state["u"], u)
+        state["done"] = state["done"] | ok
+        return (z * v.reshape(member)).reshape(b, N)  # B u = |J u| z
+
+    used = 0
+    first = None
+    twin = None if low_build is None else _low_problem(low_build, q)
+    if twin is not None:
+        low, w32 = twin
+        # the scale (a power of two: any one is exact) comes from the float32 product
+        p.scale, p.zero = low.scale.to(p.X.dtype), torch.zeros_like(low.zero)
+        # the whole phase in float32, basis included: it only has to reach float32 accuracy
+
+        def apply_low(v, Jv=None):
+            try:
+                return low.JT(low.J(v.reshape(shape)) if Jv is None else Jv).reshape(b, N)
+            except OverflowError as exc:
+                raise _LowRange from exc
+
+        target = max(0.5 * tol, _LOW_TARGET)
+        try:
+            q32 = q.reshape(b, N).to(torch.float32)
+            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32))
+            while True:
+                met = K.run(target)
+                q = K.ritz()[0].to(p.X.dtype).reshape(shape)
+                q = q / _norms(q)
+                first = certify(q)
+                left = ~state["done"]
+                # float32 rounding dominates once the certified error is well above the float32 estimate
+                # (the float32 operator's eigenvector is not the float64 one): float64 takes over
+                estimate = (K.err / K.sig.clamp(min=torch.finfo(torch.float64).tiny)).to(state["err"].dtype)
+                floor = bool((state["err"] > 2 * estimate * state["value"])[left].any())
+                if bool(state["done"].all()) or not met or target <= _LOW_TARGET or floor:
+                    break
+                target = max(0.25 * target, _LOW_TARGET)
+            used = K.m
+        except _LowRange:
+            # a float32 product left the float32 range: float64 from the start
+            if state["value"] is None:
+                q, first = _random_start(shape, p.X, seed), None
+            used = 0
+        p.applications += low.applications
+        del low
+    apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
+    if not bool(state["done"].all()) and used < m_max:
+        # after a float32 phase, keep the images B q_j (a second basis) where memory allows: the
+        # certificate of the Ritz vector then costs no product
+        images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
+            memory_limit)
+        K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images)
+        target = 0.5 * tol
+        while True:
+            met = K.run(target)
+            u, Bu = K.ritz()
+            certify(u.reshape(shape), Bu)
+            if bool(state["done"].all()) or not met:
+                break
+            # the residual estimate was optimistic: go on with a tighter target
+            target *= 0.1
+        used += K.m
+    elif state["value"] is None:  # max_iter exhausted by the float32 phase before any certificate
+        certify(q)
+    return state["value"], state["u"], state["err"], state["rho"], used, state["done"]
 
 
 def _dense(p, memory_limit):
@@ -473,7 +780,7 @@ def _canonical_sign(u):
 
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, on_failure="raise",
-                    memory_limit=None):
+                    memory_limit=None, mixed=None):
     """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (docs/math.md section 4), certified.
 
     Parameters
@@ -494,6 +801,12 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
     memory_limit : bytes (or a size such as "16G") the dense Jacobian or the Krylov basis may take;
         default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or 8 GiB. Above it a
         :class:`~particles.validation.MemoryLimitError` is raised before allocating.
+    mixed : None (auto), True or False: whether Lanczos may run its first phase on float32 products
+        (about twice as fast on CPU) for a float64 input. The float32 phase only proposes a vector;
+        its value, error and ``converged`` come from float64 products, and a float64 Lanczos
+        continues from it when that certificate misses ``tol``. None uses it for operators that
+        convert to float32 (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE`
+        entries per batch member; True for every such operator; False never.
 
     Failures are never returned as values: a product that overflows the dtype's range raises
     OverflowError, a Jacobian below it (|J u| = 0 for a random start, while J is not zero) raises
@@ -513,17 +826,23 @@ def local_lipschitz(f, X, method="lanczos", tol=1e-6, *, max_iter=None, seed=0, 
         max_iter = _DEFAULT_MAX_ITER.get(method, 1)
     max_iter = check_positive_int(max_iter, "max_iter")
     seed = check_seed(seed)
+    memory_limit_bytes(memory_limit)  # a malformed limit is an error whatever the method
+    if mixed is not None and not isinstance(mixed, bool):
+        raise TypeError(f"mixed: expected None, True or False, got {mixed!r}")
 
     op, problems, batched = _make_problems(f, X)
     results = []
-    for fn, Xb, s_in, s_out in problems:
-        p = _Problem(fn, Xb, s_in, s_out)
+    for fn, Xb, s_in, s_out, low_build in problems:
+        p = _Problem(fn, Xb, s_in, s_out, memory_limit)
+        if low_build is not None and (Xb.dtype != torch.float64 or mixed is False
+                                      or (mixed is None and Xb[0].numel() < MIXED_MIN_SIZE)):
+            low_build = None
         if method == "dense":
             value, u, err, rho, it, done = _dense(p, memory_limit)
         elif method == "power":
             value, u, err, rho, it, done = _power(p, tol, max_iter, seed)
         else:
-            value, u, err, rho, it, done = _lanczos(p, tol, max_iter, seed, memory_limit)
+            value, u, err, rho, it, done = _lanczos(p, tol, max_iter, seed, memory_limit, low_build)
         per = p.applications
         for i in range(Xb.shape[0]):
             # back from J / c to J (c = 1 for dense); residual ||J^T J u - value^2 u|| = rho * value

@@ -6,8 +6,8 @@ singular value is simple, with unit right and left singular vectors v and u = J 
 
     d sigma = <u, (dJ) v>,
 
-because sigma = |J v| and the variation of v does not contribute to first order (v maximizes
-|J v| over unit vectors). So the gradient in X is that of the scalar X -> <u, J(X) v> with u and v
+because sigma = ``|J v|`` and the variation of v does not contribute to first order (v maximizes
+``|J v|`` over unit vectors). So the gradient in X is that of the scalar X -> <u, J(X) v> with u and v
 held fixed: one Jacobian-vector product J(X) v and one reverse pass through it (a VJP of the JVP),
 given the certified pair (sigma, v) that :func:`meanfield.local_lipschitz` returns. Operators
 without forward-mode derivatives are differentiated reverse-over-reverse instead
@@ -34,7 +34,7 @@ __all__ = ["SigmaGradient", "sigma_gradient"]
 
 
 class SigmaGradient(NamedTuple):
-    """sigma = |J v| (a lower bound of the top singular value, equal to it at a singular vector), the
+    """sigma = ``|J v|`` (a lower bound of the top singular value, equal to it at a singular vector), the
     gradient of sigma with respect to the points (shaped like them) and, for a measure, with
     respect to the log-weights taken as logits (None for sequences)."""
 
@@ -101,7 +101,7 @@ def sigma_gradient(f, X, vector) -> SigmaGradient:
     Returns
     -------
     SigmaGradient
-        ``sigma`` (b,) = |J v|, ``points`` the gradient in X (docs/math.md section 4.1 differentiated
+        ``sigma`` (b,) = ``|J v|``, ``points`` the gradient in X (docs/math.md section 4.1 differentiated
         once more), ``log_weights`` the gradient in the logits of the weights (measures only).
 
     Notes

@@ -15,7 +15,7 @@ Derivatives are analytic and streamed the same way (:class:`StreamAttention`):
   ds_ij = P_ij (<dO_i, v_j> - D_i) (+ P_ij dL_i for a cotangent on L), then
   dq_i = sum_j ds_ij k_j, dk_j = sum_i ds_ij q_i, dv_j = sum_i P_ij dO_i, d(log a)_j = sum_i ds_ij.
   Scores are recomputed tile by tile from the saved L (no stored probabilities).
-* JVP (forward mode), the kernel-level form of the Jacobian of Lemma C.2 / D.1:
+* JVP (forward mode), the kernel-level form of the Jacobian of docs/math.md section 4.1:
   ds_ij = <dq_i, k_j> + <q_i, dk_j> + d(log a)_j,
   d out_i = sum_j P_ij dv_j + sum_j P_ij ds_ij v_j - (sum_j P_ij ds_ij) out_i,   dL_i = sum_j P_ij ds_ij.
 
@@ -24,52 +24,145 @@ inputs and outputs: double backward and forward-over-reverse are exact (their re
 O(m n), as any second-order quantity built from tiles is). All loops depend on shapes only, so
 ``torch.func`` transforms (jvp, vjp, vmap via ``generate_vmap_rule``, jacrev, jacfwd) apply.
 
-:func:`fused_attend` is an opt-in path through ``torch.nn.functional.scaled_dot_product_attention``
-(fused kernels on CUDA) with the log-weights folded into an extra key coordinate.
+Engines. Each pass has a fast engine and a differentiable one; the results agree to rounding:
+
+* On CPU, where the mask is absent or is the causal mask of a sequence (query and key positions
+  equal and strictly increasing), the forward pass (out and L) and the VJP run in torch's fused
+  flash-attention kernel (the C++ kernel behind ``scaled_dot_product_attention``), with log-weights
+  as a broadcast additive mask row or, with the causal mask (which the kernel cannot combine with a
+  mask) or when their gradient is needed, as one extra key coordinate (q' = [q, 1], k' = [k, log a]).
+* Otherwise the tiles run in Python with in-place updates (one score buffer per tile, hoisted
+  transposes, ``baddbmm`` accumulation, one host read for the whole mask layout).
+* A backward recorded for differentiation (``create_graph=True``) is a node of its own
+  (:class:`_StreamBackward`): its forward is the fast VJP, its derivative in the cotangent is the
+  fast streamed JVP (the VJP is linear in the cotangent), and its derivative in q, k, v, log a comes
+  from the functional tiles, computed only when the backward pass asks for it. Reverse-over-reverse
+  Jacobian products (:func:`meanfield.local_lipschitz`) thus record O(N) and never touch the tiles'
+  graph. Under ``torch.func`` transforms (which wrap tensors and forbid in-place updates) every
+  derivative takes the functional tiles: ``torch.func.jvp`` / ``vjp`` are exact but slower than
+  ``torch.autograd.forward_ad`` / ``torch.autograd.grad``.
+
+:func:`fused_attend` is the forward path through ``torch.nn.functional.scaled_dot_product_attention``
+in its 4-D layout (fused kernels on CPU and CUDA), chosen by :func:`meanfield.kernels.attend`
+(``method="auto"``) for forward passes.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StreamAttention", "stream_attend", "fused_attend", "DEFAULT_BLOCK"]
+__all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK"]
 
-#: default tile edge: a 512 x 512 tile of float64 is 2 MiB and stays in cache; measured in benchmarks/attention.md
-DEFAULT_BLOCK = 512
+#: default tile edge: a 256 x 256 tile of float64 is 512 KiB and stays in cache; in the Python tile
+#: loops it beat 128, 512, 1024 and wide (256 x 1024 to 64 x 4096) tiles at d = 3 and 64, masked or
+#: not (forward, JVP, VJP; benchmarks/attention.md)
+DEFAULT_BLOCK = 256
+
+
+#: a backward node recorded with create_graph keeps its probability tiles for repeated JVPs (the
+#: Jacobian products of local_lipschitz) up to this many bytes; above, they are recomputed (O(N) memory)
+P_CACHE_BYTES = 64 * 2**20
 
 
 def _blocks(size: int, block: int):
     return [(i, min(i + block, size)) for i in range(0, size, block)]
 
 
-def _live_tiles(qp, kp, m, n, bq, bk):
-    """For each query block, the pairs (key block, needs a mask) of key blocks with a visible key.
+# ---------------------------------------------------------------------- what may run fast
+def _transforms_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jvp, ...) is active around this call."""
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:  # private API gone: assume the worst, take the differentiable engine
+        return True
+
+
+def _plain(*tensors) -> bool:
+    """True when nothing will differentiate what is computed now: in-place and non-differentiable
+    fused kernels are then allowed."""
+    if _transforms_active():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
+
+
+def _flash_op(name):
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_FLASH_FWD = _flash_op("_scaled_dot_product_flash_attention_for_cpu")
+_FLASH_BWD = _flash_op("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def _flash_ok(q, plan, qp) -> bool:
+    return (_FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and (qp is None or plan.causal) and not _transforms_active())
+
+
+# ---------------------------------------------------------------------- layout of the mask
+@dataclass(frozen=True)
+class _Plan:
+    """Tile sizes and what the positions allow: ``tiles`` lists, per query block, the key blocks with a
+    visible key and whether they need the mask (None: visit and mask all); ``causal`` says that the
+    mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n)."""
+
+    bq: int
+    bk: int
+    tiles: tuple | None = None
+    causal: bool = False
+
+
+def _block_extremes(p, block, fill_min, fill_max):
+    """Per block of the last dimension: min and max over the block and all batch entries."""
+    size = p.shape[-1]
+    pad = (-size) % block
+    flat = p.reshape(-1, size)
+    lo = torch.nn.functional.pad(flat, (0, pad), value=fill_min).reshape(flat.shape[0], -1, block)
+    hi = torch.nn.functional.pad(flat, (0, pad), value=fill_max).reshape(flat.shape[0], -1, block)
+    return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
+
+
+def _plan(qp, kp, m, n, bq, bk) -> _Plan:
+    """The mask layout from the positions, read from the device once (one host sync).
 
     A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
     it changes no result; a tile whose keys all come before all its queries needs no mask. For a
     causal sequence this halves the work. Positions hidden behind a torch.func transform cannot be
-    read: then every tile is visited and masked (None).
+    read: then every tile is visited and masked.
     """
     if qp is None:
-        return None
+        return _Plan(bq, bk)
     try:
-        q_lo_hi = [(float(qp[..., i0:i1].min()), float(qp[..., i0:i1].max())) for i0, i1 in _blocks(m, bq)]
-        k_lo_hi = [(float(kp[..., j0:j1].min()), float(kp[..., j0:j1].max())) for j0, j1 in _blocks(n, bk)]
+        q_lo, q_hi = _block_extremes(qp, bq, math.inf, -math.inf)
+        k_lo, k_hi = _block_extremes(kp, bk, math.inf, -math.inf)
+        causal = torch.zeros(1, dtype=qp.dtype, device=qp.device)
+        if m == n and qp.shape == kp.shape:
+            seq = (qp == kp).all() & (kp[..., 1:] > kp[..., :-1]).all()
+            causal = seq.to(qp.dtype).reshape(1)
+        vals = torch.cat([q_lo, q_hi, k_lo, k_hi, causal]).tolist()
     except RuntimeError:
-        return None
-    return tuple(
-        tuple((b, not k_hi <= q_lo) for b, (k_lo, k_hi) in enumerate(k_lo_hi) if k_lo <= q_hi)
-        for q_lo, q_hi in q_lo_hi
+        return _Plan(bq, bk)
+    nq, nk = len(q_lo), len(k_lo)
+    q_lo, q_hi = vals[:nq], vals[nq:2 * nq]
+    k_lo, k_hi = vals[2 * nq:2 * nq + nk], vals[2 * nq + nk:2 * nq + 2 * nk]
+    tiles = tuple(
+        tuple((b, not k_hi[b] <= q_lo[a]) for b in range(nk) if k_lo[b] <= q_hi[a])
+        for a in range(nq)
     )
+    return _Plan(bq, bk, tiles, bool(vals[-1]))
 
 
-def _visit(tiles, a, count):
+def _visit(plan, a, count):
     """The (key block, needs a mask) pairs to visit for query block ``a``."""
-    return [(b, True) for b in range(count)] if tiles is None else tiles[a]
+    return [(b, True) for b in range(count)] if plan.tiles is None else plan.tiles[a]
 
 
+# ---------------------------------------------------------------------- functional tiles (differentiable)
 def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
     """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
     s = q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
@@ -87,42 +180,10 @@ def _probs(s, lse_rows):
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def _forward(q, k, v, lw, qp, kp, bq, bk, tiles=None):
-    """Online-softmax forward: returns (out, L), shapes (..., m, c) and (..., m)."""
-    m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, bk)
-    outs, lses = [], []
-    for a, (i0, i1) in enumerate(_blocks(m, bq)):
-        run_max = run_sum = acc = None
-        for b, mask in _visit(tiles, a, len(kb)):
-            j0, j1 = kb[b]
-            s = _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask)
-            tile_max = s.amax(dim=-1, keepdim=True)
-            new_max = tile_max if run_max is None else torch.maximum(run_max, tile_max)
-            # a row whose keys are all masked so far has max -inf: shift by 0 to avoid -inf - -inf
-            shift = torch.where(torch.isfinite(new_max), new_max, torch.zeros_like(new_max))
-            p = torch.exp(s - shift)
-            if run_max is None:
-                run_sum, acc = p.sum(dim=-1, keepdim=True), p @ v[..., j0:j1, :]
-            else:
-                alpha = torch.exp(run_max - shift)
-                run_sum = run_sum * alpha + p.sum(dim=-1, keepdim=True)
-                acc = acc * alpha + p @ v[..., j0:j1, :]
-            run_max = new_max
-        if run_max is None:  # every key of this query block is masked
-            shape = q.shape[:-2] + (i1 - i0,)
-            outs.append(q.new_zeros(shape + (v.shape[-1],)))
-            lses.append(q.new_full(shape, float("-inf")))
-            continue
-        outs.append(acc / torch.where(run_sum > 0, run_sum, torch.ones_like(run_sum)))
-        lses.append((run_max + torch.log(run_sum)).squeeze(-1))
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-
-
-def _backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, bq, bk, tiles, need):
+def _backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
     """Streamed VJP; ``need`` = (dq, dk, dv, dlw) flags. Differentiable in all its tensor inputs."""
     m, n = q.shape[-2], k.shape[-2]
-    qb, kb = _blocks(m, bq), _blocks(n, bk)
+    qb, kb = _blocks(m, plan.bq), _blocks(n, plan.bk)
     dq = [None] * len(qb)
     dk, dv, dlw = [None] * len(kb), [None] * len(kb), [None] * len(kb)
 
@@ -130,14 +191,14 @@ def _backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, bq, bk, tiles, need):
         return x if acc is None else acc + x
 
     for a, (i0, i1) in enumerate(qb):
-        if tiles is not None and not tiles[a]:
+        if plan.tiles is not None and not plan.tiles[a]:
             continue
         go = g_out[..., i0:i1, :]
         delta = (go * out[..., i0:i1, :]).sum(-1, keepdim=True)
         if g_lse is not None:
             # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
             delta = delta - g_lse[..., i0:i1, None]
-        for b, mask in _visit(tiles, a, len(kb)):
+        for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
             p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
             if need[2]:
@@ -165,14 +226,14 @@ def _backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, bq, bk, tiles, need):
     )
 
 
-def _jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, bq, bk, tiles=None):
-    """Streamed JVP (Lemma C.2 / D.1 at the kernel level): returns (d out, d L)."""
+def _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
+    """Streamed JVP (docs/math.md section 4.1 at the kernel level): returns (d out, d L). Differentiable."""
     m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, bk)
+    kb = _blocks(n, plan.bk)
     d_outs, d_lses = [], []
-    for a, (i0, i1) in enumerate(_blocks(m, bq)):
+    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
         acc = mean_ds = None
-        for b, mask in _visit(tiles, a, len(kb)):
+        for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
             p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
             ds = None
@@ -205,24 +266,245 @@ def _jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, bq, bk, tiles=None):
     return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1)
 
 
+# ---------------------------------------------------------------------- fast tiles (in place, 3-D)
+def _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, out=None):
+    """s = q_a k_j^T + log a_j, masked, into a fresh (or the given) buffer; inputs are 3-D (B, rows, e)."""
+    s = torch.bmm(qa, kT[:, :, j0:j1], out=out)
+    if lwT is not None:
+        s += lwT[:, :, j0:j1]
+    if mask and qpa is not None:
+        s.masked_fill_(kp[:, None, j0:j1] > qpa, -math.inf)
+    return s
+
+
+def _forward_tiles(q, k, v, lw, qp, kp, plan):
+    """Online-softmax forward on 3-D inputs (B, m, e): returns (out, L)."""
+    m, n = q.shape[-2], k.shape[-2]
+    kb = _blocks(n, plan.bk)
+    kT = k.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    low = torch.finfo(q.dtype).min
+    outs, lses = [], []
+    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
+        qa = q[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        run_max = run_sum = acc = None
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            s = _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask)
+            tile_max = s.amax(dim=-1, keepdim=True)
+            # a row whose keys are all masked so far has max -inf: shift by a finite number instead
+            shift = (tile_max if run_max is None else torch.maximum(run_max, tile_max)).clamp(min=low)
+            p = s.sub_(shift).exp_()
+            if run_max is None:
+                run_sum, acc = p.sum(-1, keepdim=True), torch.bmm(p, v[:, j0:j1])
+            else:
+                alpha = run_max.sub_(shift).exp_()
+                run_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
+                acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])
+            run_max = shift
+        if run_max is None:  # every key of this query block is masked
+            outs.append(q.new_zeros(q.shape[0], i1 - i0, v.shape[-1]))
+            lses.append(q.new_full((q.shape[0], i1 - i0), -math.inf))
+            continue
+        empty = run_sum == 0
+        outs.append(acc.div_(torch.where(empty, torch.ones_like(run_sum), run_sum)))
+        lse = run_max.add_(run_sum.log())  # log 0 = -inf for an empty row
+        lses.append(torch.where(empty, torch.full_like(lse, -math.inf), lse).squeeze(-1))
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, lse_safe):
+    """P tile = exp(s - L) in place; ``lse_safe`` (B, rows, 1) has +inf for rows with no visible key."""
+    return _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask).sub_(lse_safe).exp_()
+
+
+def _safe_lse(lse):
+    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).unsqueeze(-1)
+
+
+def _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
+    """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L).
+
+    ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
+    """
+    m, n = q.shape[-2], k.shape[-2]
+    kb = _blocks(n, plan.bk)
+    kT = k.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    tlwT = None if tlw is None else tlw[:, None, :]
+    # ds = <dq_i, k_j> + <q_i, dk_j> as one product of width 2e: [dq, q] [k, dk]^T
+    if tq is not None and tk is not None:
+        left, rightT = torch.cat([tq, q], -1), torch.cat([k, tk], -1).transpose(-1, -2)
+    elif tq is not None:
+        left, rightT = tq, kT
+    elif tk is not None:
+        left, rightT = q, tk.transpose(-1, -2)
+    else:
+        left = rightT = None
+    safe = _safe_lse(lse)
+    d_out, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
+    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
+        qa = q[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = None if cache is None else cache.get((a, b))
+            if p is None:
+                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+                if cache is not None:
+                    cache[(a, b)] = p
+            if tv is not None:
+                acc.baddbmm_(p, tv[:, j0:j1])
+            if left is None and tlwT is None:
+                continue
+            if left is not None:
+                pds = torch.bmm(left[:, i0:i1], rightT[:, :, j0:j1])
+                if tlwT is not None:
+                    pds += tlwT[:, :, j0:j1]
+            else:
+                pds = tlwT[:, :, j0:j1].expand_as(p).clone()
+            pds.mul_(p)
+            acc.baddbmm_(pds, v[:, j0:j1])
+            row += pds.sum(-1, keepdim=True)
+    d_out.sub_(d_lse.unsqueeze(-1) * out)
+    return d_out, d_lse
+
+
+def _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    """Streamed VJP on 3-D inputs, in place (results not differentiated)."""
+    m, n = q.shape[-2], k.shape[-2]
+    kb = _blocks(n, plan.bk)
+    kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    safe = _safe_lse(lse)
+    delta = (g_out * out).sum(-1, keepdim=True)
+    if g_lse is not None:
+        delta = delta - g_lse.unsqueeze(-1)
+    dq = torch.zeros_like(q) if need[0] else None
+    dk = torch.zeros_like(k) if need[1] else None
+    dv = torch.zeros_like(v) if need[2] else None
+    dlw = torch.zeros_like(lw) if need[3] else None
+    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
+        if plan.tiles is not None and not plan.tiles[a]:
+            continue
+        qa, go = q[:, i0:i1], g_out[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+            if dv is not None:
+                dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)
+            if not (need[0] or need[1] or need[3]):
+                continue
+            ds = torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1]).mul_(p)
+            if dq is not None:
+                dq[:, i0:i1].baddbmm_(ds, k[:, j0:j1])
+            if dk is not None:
+                dk[:, j0:j1].baddbmm_(ds.transpose(-1, -2), qa)
+            if dlw is not None:
+                dlw[:, j0:j1] += ds.sum(-2)
+    return dq, dk, dv, dlw
+
+
+# ---------------------------------------------------------------------- fused flash kernel (CPU)
+def _flash_layout(q, k, v, lw, causal, fold):
+    """4-D inputs of the flash kernel: (Q, K, V, additive mask row or None, width of the real values).
+
+    Log-weights become a broadcast additive mask row (unmasked) or, with the causal mask (which the
+    kernel cannot combine with a mask) or when their gradient is needed, one extra coordinate
+    q' = [q, 1], k' = [k, log a] (log 0 replaced by a finite number far below every score, so that
+    no 0 * inf arises; rows left with no visible key are handled by the caller). The kernel needs one
+    width for q, k and v: the narrower side is padded with zero columns, which change no product.
+    """
+    mask = None
+    if lw is not None and (causal or fold):
+        low = torch.finfo(q.dtype).min / 4
+        q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
+        k = torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
+    elif lw is not None:
+        mask = lw[:, None, None, :]
+    c = v.shape[-1]
+    width = max(q.shape[-1], c)
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    return pad(q)[:, None], pad(k)[:, None], pad(v)[:, None], mask, c
+
+
+def _empty_rows(lw, causal, m):
+    """(B, m) bool: rows with no visible key of positive weight (their output is 0 and L = -inf)."""
+    dead = lw == -math.inf
+    if causal:
+        return torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
+    return dead.all(-1, keepdim=True).expand(lw.shape[0], m)
+
+
+def _flash_forward(q, k, v, lw, causal):
+    Q, K, V, mask, c = _flash_layout(q, k, v, lw, causal, fold=False)
+    out, lse = _FLASH_FWD(Q, K, V, 0.0, causal, attn_mask=mask, scale=1.0)
+    out, lse = out[:, 0, :, :c], lse[:, 0]
+    if lw is not None:
+        empty = _empty_rows(lw, causal, q.shape[-2])
+        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    return out.contiguous(), lse.contiguous()
+
+
+def _flash_backward(q, k, v, lw, out, lse, g_out, causal, need):
+    fold = need[3]
+    Q, K, V, mask, c = _flash_layout(q, k, v, lw, causal, fold)
+    live = torch.isfinite(lse)
+    # a row with no visible key has output 0 whatever its inputs: zero cotangent, and any finite L
+    # (the kernel recomputes P = exp(s - L) and needs no -inf there)
+    g = torch.where(live.unsqueeze(-1), g_out, torch.zeros_like(g_out))
+    L = torch.where(live, lse, torch.zeros_like(lse))
+    width = Q.shape[-1]
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    dQ, dK, dV = _FLASH_BWD(pad(g)[:, None].contiguous(), Q, K, V, pad(out)[:, None].contiguous(),
+                            L[:, None].contiguous(), 0.0, causal, attn_mask=mask, scale=1.0)
+    e = q.shape[-1]
+    dq = dQ[:, 0, :, :e] if need[0] else None
+    dk = dK[:, 0, :, :e] if need[1] else None
+    dv = dV[:, 0, :, :c] if need[2] else None
+    dlw = dK[:, 0, :, e] if fold else None   # d/d(log a_j) = sum_i ds_ij, the extra key coordinate
+    return dq, dk, dv, dlw
+
+
+# ---------------------------------------------------------------------- the autograd Function
+def _flat3(t, rows_dims=2):
+    """(..., rows, f) -> (B, rows, f) (or (..., rows) -> (B, rows) for rows_dims=1); None stays None."""
+    if t is None:
+        return None
+    return t.reshape(-1, *t.shape[t.dim() - rows_dims:])
+
+
+def _forward(q, k, v, lw, qp, kp, plan):
+    """(out, L) for 3-D inputs."""
+    if _flash_ok(q, plan, qp):
+        return _flash_forward(q, k, v, lw, plan.causal)
+    return _forward_tiles(q, k, v, lw, qp, kp, plan)
+
+
 class StreamAttention(torch.autograd.Function):
     """(out, L) = streamed attention of (q, k, v, log a, t, s); see the module docstring.
 
-    Inputs must share their leading (batch) dimensions; :func:`stream_attend` broadcasts them.
+    Inputs are 3-D (batch, rows, features) and share their batch size (positions and log-weights
+    2-D); :func:`stream_attend` broadcasts and flattens them. ``plan`` is a :class:`_Plan`.
     """
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(q, k, v, lw, qp, kp, bq, bk, tiles):
-        return _forward(q, k, v, lw, qp, kp, bq, bk, tiles)
+    def forward(q, k, v, lw, qp, kp, plan):
+        return _forward(q, k, v, lw, qp, kp, plan)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, lw, qp, kp, bq, bk, tiles = inputs
+        q, k, v, lw, qp, kp, plan = inputs
         out, lse = output
-        ctx.blocks = (bq, bk, tiles)
+        ctx.plan = plan
         ctx.has_lw = lw is not None
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, lw, qp, kp, out, lse)
         ctx.save_for_forward(q, k, v, lw, qp, kp, out, lse)
 
@@ -232,18 +514,126 @@ class StreamAttention(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3]) + (ctx.has_lw and ctx.needs_input_grad[3],)
         if g_out is None:
             g_out = torch.zeros_like(out)
-        dq, dk, dv, dlw = _backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, *ctx.blocks, need)
-        return dq, dk, dv, dlw, None, None, None, None, None
+        plan = ctx.plan
+        if _plain(q, k, v, lw, out, lse, g_out, g_lse):
+            dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        elif _transforms_active():
+            dq, dk, dv, dlw = _backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        else:
+            # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
+            # streamed JVP (what reverse-over-reverse products need) and in the primal inputs the
+            # derivative of the functional tiles, computed only when the engine asks for it
+            dq, dk, dv, dlw = _StreamBackward.apply(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        return dq, dk, dv, dlw, None, None, None
 
     @staticmethod
-    def jvp(ctx, tq, tk, tv, tlw, tqp, tkp, tbq, tbk, ttiles):
+    def jvp(ctx, tq, tk, tv, tlw, tqp, tkp, tplan):
         q, k, v, lw, qp, kp, out, lse = ctx.saved_tensors
-        return _jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw if ctx.has_lw else None, *ctx.blocks)
+        tlw = tlw if ctx.has_lw else None
+        if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
+            return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+        return _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+
+
+def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
+        return _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
+    return _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+
+
+def _engine_node(t):
+    """The autograd node that receives t's gradient (None for a tensor that does not require grad)."""
+    if t is None or not t.requires_grad:
+        return None
+    try:
+        from torch.autograd.graph import _get_grad_fn_or_grad_acc
+
+        return _get_grad_fn_or_grad_acc(t)
+    except (ImportError, AttributeError, RuntimeError):
+        return True  # unknown: assume it is needed
+
+
+def _will_run(node) -> bool:
+    if node is None:
+        return False
+    if node is True:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except (AttributeError, RuntimeError):
+        return True
+
+
+class _StreamBackward(torch.autograd.Function):
+    """(dq, dk, dv, dlw) = the streamed VJP of (out, L) with cotangents (g_out, g_lse), as a node of the
+    graph recorded by ``create_graph=True``.
+
+    The VJP is linear in the cotangents: <VJP(g), t> = <g_out, J_out t> + <g_lse, J_L t>, so its
+    gradient in (g_out, g_lse) along (t_q, t_k, t_v, t_lw) is the streamed JVP (d out, d L). Its
+    gradient in the primal inputs (q, k, v, log a, out, L) comes from differentiating the functional
+    tiles, and only when the running backward pass needs it (reverse-over-reverse Jacobian products
+    never do: they differentiate in the cotangent only).
+    """
+
+    @staticmethod
+    def forward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+        return _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need = inputs
+        ctx.plan, ctx.need = plan, need
+        ctx.has_lw, ctx.has_glse = lw is not None, g_lse is not None
+        ctx.set_materialize_grads(False)
+        ctx.nodes = [_engine_node(t) for t in (q, k, v, lw, out, lse)]
+        ctx.save_for_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse)
+
+    @staticmethod
+    def backward(ctx, gq, gk, gv, glw):
+        q, k, v, lw, qp, kp, out, lse, g_out, g_lse = ctx.saved_tensors
+        plan, need = ctx.plan, ctx.need
+        grads = [None] * 12
+        tans = [g if (g is not None and flag) else None for g, flag in zip((gq, gk, gv, glw), need)]
+        if (ctx.needs_input_grad[8] or ctx.needs_input_grad[9]) and any(t is not None for t in tans):
+            if _plain(q, k, v, lw, out, lse, *tans):
+                # repeated products at one point (reverse-over-reverse Jacobian products) reuse the
+                # probability tiles while they fit in P_CACHE_BYTES
+                if not hasattr(ctx, "p_cache"):
+                    small = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() <= P_CACHE_BYTES
+                    ctx.p_cache = {} if small else None
+                d_out, d_lse = _jvp_tiles(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
+            else:
+                d_out, d_lse = _jvp_functional(q, k, v, lw, qp, kp, out, lse, *tans, plan)
+            grads[8] = d_out if ctx.needs_input_grad[8] else None
+            grads[9] = d_lse if ctx.needs_input_grad[9] and ctx.has_glse else None
+        cot = [(b, g) for b, g in zip(range(4), (gq, gk, gv, glw)) if need[b] and g is not None]
+        run = [ctx.needs_input_grad[i] and _will_run(node) for i, node in zip((0, 1, 2, 3, 6, 7), ctx.nodes)]
+        if cot and any(run):
+            create = torch.is_grad_enabled()
+            inputs = [q, k, v, lw, out, lse]
+            if any(run[:4]):
+                # total derivatives in q, k, v, log a: the functional VJP of the saved tensors, whose out
+                # and L still hang on this call's forward graph, so the paths through them are included
+                # (and nothing is returned for out and L, which would count them twice)
+                wanted, slots = [i for i in range(4) if run[i]], [0, 1, 2, 3]
+            else:
+                # only out or L themselves: partial derivatives at fixed q, k, v, log a
+                inputs = [None if t is None else t.detach() for t in inputs[:4]] + [
+                    None if t is None else t.detach().requires_grad_(True) for t in inputs[4:]]
+                wanted, slots = [i for i in (4, 5) if run[i]], [0, 1, 2, 3, 6, 7]
+            with torch.enable_grad():
+                B = _backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out, g_lse, plan, need)
+                parts = torch.autograd.grad([B[b] for b, _ in cot], [inputs[i] for i in wanted],
+                                            [g for _, g in cot], allow_unused=True, create_graph=create,
+                                            retain_graph=True)
+            for i, part in zip(wanted, parts):
+                grads[slots[i]] = part
+        return tuple(grads)
 
 
 def _check_block(block_size):
     if block_size is None:
-        return DEFAULT_BLOCK, DEFAULT_BLOCK
+        return None
     pair = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
     if len(pair) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in pair):
         raise ValueError(f"block_size: expected a positive int or a pair (block_q, block_k), got {block_size!r}")
@@ -274,47 +664,89 @@ def _broadcast(q, k, v, log_weights, q_pos, k_pos):
     log_weights, q_pos, k_pos = (
         None if t is None else t.expand(*batch, t.shape[-1]) for t in (log_weights, q_pos, k_pos)
     )
-    return q, k, v, log_weights, q_pos, k_pos
+    return batch, q, k, v, log_weights, q_pos, k_pos
 
 
 def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_size=None, return_lse=False):
     """Weighted (causal) softmax attention in tiles of ``block_size`` (int or (block_q, block_k)).
 
     Same result as :func:`meanfield.kernels.attend`'s dense path (to rounding), memory
-    O((m + n)(d + c) + block_q block_k). With ``return_lse`` also returns the row log-sum-exp L.
+    O((m + n)(d + c) + block_q block_k); ``block_size`` None takes :data:`DEFAULT_BLOCK`. With
+    ``return_lse`` also returns the row log-sum-exp L.
     """
-    bq, bk = _check_block(block_size)
-    q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
-    tiles = _live_tiles(q_pos, k_pos, q.shape[-2], k.shape[-2], bq, bk)
-    out, lse = StreamAttention.apply(q, k, v, log_weights, q_pos, k_pos, bq, bk, tiles)
+    pair = _check_block(block_size)
+    batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
+    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    bq, bk = pair if pair is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
+    plan = _plan(flat[4], flat[5], m, n, bq, bk)
+    out, lse = StreamAttention.apply(*flat, plan)
+    out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
     return (out, lse) if return_lse else out
 
 
-def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None):
-    """Attention through ``torch.nn.functional.scaled_dot_product_attention`` (opt-in; fused on CUDA).
+# ---------------------------------------------------------------------- public fused path
+def sequence_mask(q_pos, k_pos) -> bool:
+    """Whether the positions give the causal mask of a sequence (q_pos == k_pos, strictly increasing
+    along the last dimension), which fused kernels apply as ``is_causal`` without an (m, n) mask.
 
-    The log-weights are folded into one extra coordinate, q' = [q, 1], k' = [k, log a], so that
-    <q'_i, k'_j> = <q_i, k_j> + log a_j exactly, and SDPA's own 1/sqrt(e) scale is replaced by 1.
-    The position mask is an (m, n) boolean ``attn_mask`` (so masked inputs are not O(N) here);
-    rows with no visible key are set to zero as in the dense kernel (SDPA leaves them undefined).
-    Which SDPA backend runs (flash, memory-efficient, math) is torch's choice for the device and
-    dtype; float64 on CUDA uses the math backend, which materializes the scores.
+    Reads the positions (one host sync on an accelerator); False when they cannot be read (inside a
+    ``torch.func`` transform).
     """
-    q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
-    if log_weights is not None:
-        q = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
-        k = torch.cat([k, log_weights.unsqueeze(-1).to(k.dtype)], dim=-1)
+    if q_pos is None or k_pos is None or q_pos.shape[-1] != k_pos.shape[-1]:
+        return False
+    try:
+        qp, kp = torch.broadcast_tensors(q_pos, k_pos)
+        return bool((qp == kp).all() & (kp[..., 1:] > kp[..., :-1]).all())
+    except RuntimeError:
+        return False
+
+
+def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None):
+    """Attention through ``torch.nn.functional.scaled_dot_product_attention`` in its 4-D layout.
+
+    Torch picks the kernel (on CPU the fused flash kernel for float32/float64; on CUDA flash or
+    memory-efficient kernels for half/float32, its math backend for float64, which materializes the
+    scores). Positions that form a sequence's causal mask (``causal``, or :func:`sequence_mask` when
+    None) become ``is_causal``, in O(N) memory; other positions need an explicit boolean (m, n) mask,
+    O(m n) memory (``attend(method="auto")`` streams those instead). Log-weights enter as a broadcast
+    additive mask row, or with ``is_causal`` as an extra coordinate q' = [q, 1], k' = [k, log a];
+    SDPA's own 1/sqrt(e) scale is replaced by 1. Rows with no visible key of positive weight give
+    zeros, as in the dense kernel.
+    """
+    batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
+    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    if q_pos is not None and causal is None:
+        causal = m == n and sequence_mask(q_pos, k_pos)
+    causal = bool(causal) and q_pos is not None
+    # the 4-D layout (B, H, rows, features): the last batch dimension as heads, the others merged
+    lead = (1, 1) if not batch else ((1,) + tuple(batch) if len(batch) == 1 else (-1, batch[-1]))
+    to4 = lambda t: t.reshape(*lead, *t.shape[-2:])
+    Q, K, V = to4(q), to4(k), to4(v)
     mask = None
-    if q_pos is not None:
-        mask = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-    # a row is empty when every key is masked or has weight 0; its SDPA value is nan or arbitrary
-    live = torch.ones(out.shape[:-1], dtype=torch.bool, device=out.device)
-    if log_weights is not None or mask is not None:
-        ok = torch.ones(*q.shape[:-2], 1, k.shape[-2], dtype=torch.bool, device=q.device)
-        if log_weights is not None:
-            ok = ok & (log_weights > -math.inf).unsqueeze(-2)
-        if mask is not None:
-            ok = ok & mask
-        live = ok.any(dim=-1)
-    return torch.where(live.unsqueeze(-1), out, torch.zeros_like(out))
+    lw = None if log_weights is None else log_weights.reshape(*lead, n)
+    if lw is not None and causal:
+        low = torch.finfo(q.dtype).min / 4
+        Q = torch.cat([Q, torch.ones_like(Q[..., :1])], -1)
+        K = torch.cat([K, lw.clamp(min=low).unsqueeze(-1)], -1)
+    elif lw is not None:
+        mask = lw.unsqueeze(-2)
+    if q_pos is not None and not causal:
+        visible = k_pos.reshape(*lead, n).unsqueeze(-2) <= q_pos.reshape(*lead, m).unsqueeze(-1)
+        mask = visible if mask is None else mask.masked_fill(~visible, -math.inf)
+    # the CPU kernels need one width for q, k and v; zero columns change no product
+    width = max(Q.shape[-1], c)
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    out = torch.nn.functional.scaled_dot_product_attention(pad(Q), pad(K), pad(V), attn_mask=mask,
+                                                           is_causal=causal, scale=1.0)[..., :c]
+    if lw is not None or (q_pos is not None and not causal):
+        # rows with no visible key of positive weight: SDPA leaves them nan, zero or a plain average
+        dead = None if lw is None else lw == -math.inf        # (B, H, n)
+        if causal:
+            empty = torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
+        elif q_pos is not None:
+            empty = ~(visible if dead is None else visible & ~dead.unsqueeze(-2)).any(-1)
+        else:
+            empty = dead.all(-1, keepdim=True)
+        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+    return out.reshape(*batch, m, c)

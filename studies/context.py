@@ -1,7 +1,8 @@
 """The run context: everything a study may read about the run, built once and passed as an argument.
 
 The command line builds it from its flags and the environment (:func:`RunContext.from_environment`
-reads ``$SMOOTH_ATTENTION_CHECKPOINTS`` and ``$SMOOTH_ATTENTION_TEXT``); from Python, build it
+reads ``$SMOOTH_ATTENTION_CHECKPOINTS``, ``$SMOOTH_ATTENTION_TEXT`` and ``$SMOOTH_ATTENTION_CACHE``); from
+Python, build it
 directly::
 
     from studies.context import RunContext
@@ -18,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-__all__ = ["RunContext", "LEVELS", "CHECKPOINTS_ENV", "TEXT_ENV", "QUIET", "NORMAL", "VERBOSE"]
+__all__ = ["RunContext", "LEVELS", "CHECKPOINTS_ENV", "TEXT_ENV", "CACHE_ENV", "QUIET", "NORMAL", "VERBOSE"]
 
 LEVELS = ("tiny", "quick", "full")   # tiny: test-size grids; quick: reproduce --quick; full: the paper's sizes
 CHECKPOINTS_ENV = "SMOOTH_ATTENTION_CHECKPOINTS"
 TEXT_ENV = "SMOOTH_ATTENTION_TEXT"
+CACHE_ENV = "SMOOTH_ATTENTION_CACHE"   # where studies.pretrained extracts packaged weights
 QUIET, NORMAL, VERBOSE = -1, 0, 1
 DEVICES = ("cpu", "cuda")
 SWEEP_KEYS = ("backend", "n_workers", "scheduler", "resume", "retries")
@@ -46,7 +48,14 @@ class RunContext:
     device : {"cpu", "cuda"}
         Where studies create their tensors and models.
     checkpoints : tuple of str
-        Local pretrained checkpoints (folders) the real-model study measures besides its random models.
+        Pretrained checkpoints (local folders or hub names) the real-model study measures besides its models.
+    models : tuple of str
+        The real-model study's own models (``studies.experiments.real_models.MODEL_KEYS``: ``minilm``,
+        ``minilm-random``, ``gpt2-random``, ``bert-random``); empty: the trained MiniLM when the
+        ``pretrained`` extra is installed, else random-init GPT-2 and BERT (the report says which and why).
+    cache : path or None
+        Where packaged pretrained weights are extracted (:mod:`studies.pretrained`); None: the default,
+        ``$XDG_CACHE_HOME/smooth-attention`` or ``~/.cache/smooth-attention``.
     text : path or None
         A UTF-8 text file replacing the real-model study's default corpus.
     verbosity : int
@@ -63,6 +72,8 @@ class RunContext:
     sweep: Mapping = field(default_factory=dict)
     device: str = "cpu"
     checkpoints: tuple = ()
+    models: tuple = ()
+    cache: Path | None = None
     text: Path | None = None
     verbosity: int = NORMAL
     progress: bool = True
@@ -88,6 +99,13 @@ class RunContext:
         if isinstance(self.checkpoints, (str, os.PathLike)):
             raise TypeError("checkpoints: expected a sequence of folders, got a single path")
         object.__setattr__(self, "checkpoints", tuple(str(c) for c in self.checkpoints))
+        if isinstance(self.models, str):
+            raise TypeError("models: expected a sequence of model names, got a single string")
+        object.__setattr__(self, "models", tuple(str(m) for m in self.models))
+        if self.cache is not None:
+            if not isinstance(self.cache, (str, os.PathLike)):
+                raise TypeError(f"cache: expected a folder path, got {type(self.cache).__name__}")
+            object.__setattr__(self, "cache", Path(self.cache).expanduser())
         if self.text is not None:
             object.__setattr__(self, "text", Path(self.text))
         if self.verbosity not in (QUIET, NORMAL, VERBOSE):
@@ -120,6 +138,7 @@ class RunContext:
                  for k, v in self.sweep.items()}
         return {"out_dir": str(self.out), "grid": self.level, "quick": self.quick, "seed": self.seed,
                 "sweep": sweep, "device": self.device, "checkpoints": list(self.checkpoints),
+                "models": list(self.models), "cache": None if self.cache is None else str(self.cache),
                 "text": None if self.text is None else str(self.text), "verbosity": self.verbosity,
                 "command": list(self.argv)}
 
@@ -127,11 +146,14 @@ class RunContext:
     @classmethod
     def from_environment(cls, out, environ: Mapping | None = None, **fields) -> RunContext:
         """A context whose real-model inputs default to the environment: ``$SMOOTH_ATTENTION_CHECKPOINTS``
-        (folders separated by ``os.pathsep``) and ``$SMOOTH_ATTENTION_TEXT`` (a text file).
-        Fields given explicitly win over the environment."""
+        (folders separated by ``os.pathsep``), ``$SMOOTH_ATTENTION_TEXT`` (a text file) and
+        ``$SMOOTH_ATTENTION_CACHE`` (the cache of packaged weights). Fields given explicitly win over the
+        environment."""
         environ = os.environ if environ is None else environ
         if "checkpoints" not in fields:
             fields["checkpoints"] = tuple(filter(None, environ.get(CHECKPOINTS_ENV, "").split(os.pathsep)))
         if "text" not in fields:
             fields["text"] = environ.get(TEXT_ENV) or None
+        if "cache" not in fields:
+            fields["cache"] = environ.get(CACHE_ENV) or None
         return cls(out, **fields)

@@ -88,13 +88,19 @@ def read_csv(path) -> list[dict]:
 
 
 def save_figure(fig, path, dpi: int = 120) -> Path:
-    """Save a matplotlib figure as PNG, atomically, and close it (figures are never left open)."""
+    """Save a matplotlib figure as PNG, atomically, and close it (figures are never left open).
+
+    The figure first goes through :func:`studies.plotting.finalize` (labelled ticks on short log
+    axes, legends off the data)."""
     import io
 
     import matplotlib.pyplot as plt
 
+    from . import plotting
+
     path = Path(path)
     try:
+        plotting.finalize(fig)
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight", metadata={"Software": None})
     finally:

@@ -7,7 +7,9 @@ The layers themselves become operators in :mod:`meanfield.hf` (``HFAttention``, 
   with a message naming what was missing) and :func:`random_model` (randomly initialized from
   ``BertConfig()`` / ``GPT2Config()`` defaults, i.e. the ``bert-base`` and ``gpt2`` shapes, or tiny
   shapes for tests; BERT also as a causal decoder). Always ``attn_implementation="eager"``,
-  safetensors preferred, never ``trust_remote_code``, float64 by default, in eval mode.
+  safetensors only (pickles on request), never ``trust_remote_code``, float64 by default, in
+  eval mode. :func:`load_tokenizer` gives the checkpoint's own tokenizer and refuses a folder
+  without tokenizer files. Pretrained weights shipped as a package: :mod:`studies.pretrained`.
 * text: :func:`default_corpus` (English prose that ships with Python: docstrings of a fixed list
   of standard-library modules), :func:`read_text`, and :class:`HashTokenizer`, a deterministic
   word-level tokenizer for randomly initialized models (it downloads nothing); :func:`encode`.
@@ -27,8 +29,9 @@ import torch
 
 from meanfield.hf import KINDS
 
-__all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "HashTokenizer", "default_corpus",
-           "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError", "KINDS"]
+__all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "tokenizer_files", "TOKENIZER_FILES",
+           "HashTokenizer", "default_corpus", "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError",
+           "KINDS"]
 
 
 class ModelNotAvailableError(OSError):
@@ -101,22 +104,41 @@ def _offline(local_files_only) -> bool:
     return not _hub_reachable()
 
 
+class _quiet_transformers:
+    """Silence transformers' per-tensor loading bar (the run has its own progress lines)."""
+
+    def __enter__(self):
+        from transformers.utils import logging as tlog
+
+        self._was = tlog.is_progress_bar_enabled()
+        tlog.disable_progress_bar()
+
+    def __exit__(self, *exc):
+        from transformers.utils import logging as tlog
+
+        if self._was:
+            tlog.enable_progress_bar()
+
+
 def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.float64, device=None,
-               is_decoder=None, local_files_only: bool | None = None):
+               is_decoder=None, local_files_only: bool | None = None, allow_pickle: bool = False):
     """``AutoModel.from_pretrained`` for a GPT-2 or BERT checkpoint, ready for analysis.
 
     ``name_or_path``: a local directory (config.json + weights) or a hub name. Loaded with
-    ``attn_implementation="eager"``, ``use_safetensors`` when the directory has safetensors
-    weights, never ``trust_remote_code``; converted to ``dtype``; eval mode. ``is_decoder=True``
-    loads BERT as a causal decoder; ``device`` places the model (CPU by default). The hub is used
-    only when reachable and ``HF_HUB_OFFLINE`` is unset (``local_files_only`` overrides the
-    detection); otherwise only local files and the cache are tried, and a missing model raises
+    ``attn_implementation="eager"``, safetensors weights only (pickled ``pytorch_model.bin``
+    weights are refused unless ``allow_pickle=True``), never ``trust_remote_code``; converted to
+    ``dtype``; eval mode. ``is_decoder=True`` loads BERT as a causal decoder; ``device`` places
+    the model (CPU by default). A local directory never touches the network; a hub name uses the
+    hub only when reachable and ``HF_HUB_OFFLINE`` is unset (``local_files_only`` overrides the
+    detection); otherwise only the local cache is tried, and a missing model raises
     :class:`ModelNotAvailableError` saying what was missing.
     """
     from transformers import AutoConfig, AutoModel
 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
+    if not isinstance(allow_pickle, bool):
+        raise TypeError(f"allow_pickle: expected a bool, got {type(allow_pickle).__name__}")
     path = Path(name_or_path)
     local = path.is_dir()
     if not local and (path.is_absolute() or str(name_or_path).startswith((".", "~"))):
@@ -141,27 +163,62 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         kwargs["is_decoder"] = bool(is_decoder)
     if local:
         has_st = any(path.glob("*.safetensors"))
-        if not has_st and not any(path.glob("*.bin")):
-            raise ModelNotAvailableError(f"name_or_path: directory {str(path)!r} has a config.json but no weights "
-                                         "(model.safetensors or pytorch_model.bin)")
+        has_bin = any(path.glob("*.bin"))
+        if not has_st and not (has_bin and allow_pickle):
+            what = ("only pickled weights (pytorch_model.bin), refused unless allow_pickle=True: pickles can run "
+                    "code; convert them with save_pretrained(folder, safe_serialization=True)") if has_bin else \
+                "no weights (model.safetensors)"
+            raise ModelNotAvailableError(f"name_or_path: directory {str(path)!r} has a config.json but {what}")
         kwargs["use_safetensors"] = has_st
+    elif not allow_pickle:
+        kwargs["use_safetensors"] = True
     try:
-        model = AutoModel.from_pretrained(name_or_path, **kwargs)
+        with _quiet_transformers():
+            model = AutoModel.from_pretrained(name_or_path, **kwargs)
     except OSError as exc:
         raise ModelNotAvailableError(f"name_or_path: weights of {str(name_or_path)!r} not available "
                                      f"({exc})") from exc
     return model.to(device=device, dtype=dtype).eval()
 
 
+# Files from which transformers builds a GPT-2 / BERT tokenizer: any one of these sets is enough.
+TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"))
+
+
+def tokenizer_files(folder) -> tuple[str, ...] | None:
+    """The first set of :data:`TOKENIZER_FILES` present in ``folder``, or None when it has none."""
+    folder = Path(folder)
+    for files in TOKENIZER_FILES:
+        if all((folder / f).is_file() for f in files):
+            return files
+    return None
+
+
 def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
-    """The checkpoint's own tokenizer (``AutoTokenizer``, same offline rules as :func:`load_model`)."""
+    """The checkpoint's own tokenizer (``AutoTokenizer``, same offline rules as :func:`load_model`).
+
+    A local folder without tokenizer files (a model saved with ``save_pretrained`` alone) is a
+    :class:`ModelNotAvailableError` naming the files it lacks, never an empty tokenizer: save the
+    tokenizer beside the model (``tokenizer.save_pretrained(folder)``). A tokenizer whose
+    vocabulary is empty is refused the same way.
+    """
     from transformers import AutoTokenizer
 
-    offline = True if Path(name_or_path).is_dir() else _offline(local_files_only)
+    local = Path(name_or_path).is_dir()
+    if local and tokenizer_files(name_or_path) is None:
+        wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+        raise ModelNotAvailableError(
+            f"name_or_path: checkpoint folder {str(name_or_path)!r} has no tokenizer files (expected {wanted}); "
+            "a model saved with save_pretrained alone lacks them: save its tokenizer into the same folder with "
+            "tokenizer.save_pretrained(folder)")
+    offline = True if local else _offline(local_files_only)
     try:
-        return AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline, trust_remote_code=False)
-    except OSError as exc:
+        tok = AutoTokenizer.from_pretrained(name_or_path, local_files_only=offline, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
         raise ModelNotAvailableError(f"name_or_path: tokenizer of {str(name_or_path)!r} not available ({exc})") from exc
+    if len(tok) == 0:
+        raise ModelNotAvailableError(f"name_or_path: the tokenizer of {str(name_or_path)!r} has an empty vocabulary")
+    return tok
 
 
 # ---------------------------------------------------------------------- text
@@ -172,6 +229,10 @@ CORPUS_SOURCES: tuple[tuple[str, str], ...] = (
     ("ftplib", "__doc__"), ("smtplib", "__doc__"), ("getopt", "__doc__"), ("csv", "__doc__"),
     ("json", "__doc__"), ("doctest", "__doc__"), ("unittest", "__doc__"), ("argparse", "__doc__"),
     ("inspect", "__doc__"), ("difflib", "__doc__"), ("string", "__doc__"), ("pprint", "__doc__"),
+    # enough text for ten non-overlapping sequences of 512 WordPiece tokens (Section 5.1's protocol)
+    ("socketserver", "__doc__"), ("fileinput", "__doc__"), ("pdb", "__doc__"), ("site", "__doc__"),
+    ("cmd", "__doc__"), ("pydoc", "__doc__"), ("io", "__doc__"), ("struct", "__doc__"), ("shelve", "__doc__"),
+    ("os", "__doc__"), ("ast", "__doc__"), ("statistics", "__doc__"), ("typing", "__doc__"),
 )
 
 
@@ -257,9 +318,14 @@ class HashTokenizer:
 def encode(tokenizer, text: str, n: int | None = None) -> torch.Tensor:
     """Token ids of ``text``, shape (1, n): the first ``n`` tokens (all when ``n`` is None).
 
-    Raises ValueError when the text has fewer than ``n`` tokens (nothing is silently padded).
+    The text is tokenized as one stream, without special tokens ([CLS], [SEP]), so that it can be
+    cut into sequences as in the paper's Section 5.1. Raises ValueError when the text has fewer
+    than ``n`` tokens (nothing is silently padded).
     """
-    ids = tokenizer.encode(text) if isinstance(tokenizer, HashTokenizer) else tokenizer(text)["input_ids"]
+    if isinstance(tokenizer, HashTokenizer):
+        ids = tokenizer.encode(text)
+    else:  # verbose=False: the whole text is longer than the model's window on purpose (it is cut later)
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     ids = list(ids)
     if n is not None:
         if n < 1 or len(ids) < n:

@@ -118,24 +118,28 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     w2fit = fit_loglog(ns, [s["w2_to_reference_mean"] for s in stats])
     spread = {k: (stats[0][f"{k}_std"], stats[-1][f"{k}_std"]) for k in ("lip", "ratio")}
 
-    fig, axes = P.figure(ncols=2)
+    fig, axes = P.figure(ncols=2, width=11.0, height=4.6)
     ax = axes[0]
     nn = np.array(ns, float)
     for i, (key, label) in enumerate((("lip", "local constant at mu_n"), ("ratio", "ratio W2(F mu, F T#mu)/W2"))):
         m = np.array([s[f"{key}_mean"] for s in stats])
         sd = np.array([s[f"{key}_std"] for s in stats])
         P.measured(ax, nn, m, label + " (mean)", color=P.COLORS[i])
-        ax.fill_between(nn, m - sd, m + sd, color=P.COLORS[i], alpha=0.2, lw=0)
-    P.finish(ax, "sample size n", "Lipschitz constant / ratio", f"{reps} samples, uniform on a disc (r = {RADIUS})",
-             logx=True)
+        P.band(ax, nn, m - sd, m + sd, color=P.COLORS[i], label="± 1 std over samples")
+    P.finish(ax, "sample size n", "Lipschitz constant / ratio", f"{reps} samples per n, uniform on a disc "
+             f"(r = {RADIUS})", logx=True, legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower left", ncol=1)
     ax = axes[1]
-    P.measured(ax, nn, [s["w2_to_reference_mean"] for s in stats], "W2(mu_n, reference) (mean)")
+    m = np.array([s["w2_to_reference_mean"] for s in stats])
+    sd = np.array([s["w2_to_reference_std"] for s in stats])
+    P.measured(ax, nn, m, "W2(mu_n, reference) (mean)")
+    P.band(ax, nn, m - sd, m + sd, color=P.COLORS[0], label="± 1 std over samples")
     P.theory(ax, nn, np.exp(w2fit["intercept"]) * nn ** w2fit["slope"], f"fit: slope {w2fit['slope']:.2f}",
              color="gray", kind="limit")
-    P.theory(ax, nn, [s["w2_to_reference_mean"] for s in stats][0] * (nn / nn[0]) ** -0.5, "n^(-1/2) reference",
-             color="k", kind="lower")
+    P.theory(ax, nn, m[0] * (nn / nn[0]) ** -0.5, "n^(-1/2) reference", color="k", kind="lower")
     P.finish(ax, "sample size n", "W2 to a reference sample", f"reference: {n_ref} independent samples",
-             logx=True, logy=True)
+             logx=True, logy=True, legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=1)
     save_figure(fig, out_dir / "convergence_in_n.png")
 
     claims = [

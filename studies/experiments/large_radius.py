@@ -5,7 +5,8 @@ j <= i when masked), Lip_{RX}(f) -> ||V||_2 sqrt(max_j #{i : m_i = j}) as R -> i
 exponentially fast (the softmax concentrates like exp(-gap R^2), gap the smallest score margin).
 The constant is computed along R for random directions (and one where every token attends to the
 same token, reaching ||V|| sqrt(n)), masked and unmasked, against the limit of
-``meanfield.bounds.large_radius_limit``.
+``meanfield.bounds.large_radius_limit``. ||V|| sqrt(n) bounds the limit, not the constant at
+finite R: on the way the constant of a random direction rises well above it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..contract import THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
 
-__all__ = ["large_radius", "direction", "large_radius_task", "grid"]
+__all__ = ["large_radius", "direction", "large_radius_task", "grid", "sup_claim"]
 
 
 def direction(kind: str, n: int, d: int, seed: int, masked: bool = False) -> torch.Tensor:
@@ -65,6 +66,26 @@ def grid(level: str) -> dict:
     return {"d": 6, "n": 32, "n_R": 30}
 
 
+def sup_claim(rows: list[dict]) -> Claim:
+    """The limit is at most ||V|| sqrt(n) for every direction, and the hub direction attains it: a
+    bound off by a constant factor would fail one side or the other."""
+    over = [r for r in rows if r["limit"] > r["v_norm_sqrt_n"] * (1 + 1e-12)]
+    hub = [r for r in rows if r["kind"] == "hub"]
+    hub_dev = max(abs(r["limit"] / r["v_norm_sqrt_n"] - 1) for r in hub)
+    hub_lip = max(abs(r["lip"] / r["v_norm_sqrt_n"] - 1) for r in hub if r["R"] == max(x["R"] for x in hub
+                                                                                       if x["masked"] == r["masked"]))
+    rnd = max((r["limit"] / r["v_norm_sqrt_n"] for r in rows if r["kind"] != "hub"), default=math.nan)
+    return Claim("the limit is at most ||V|| sqrt(n), and the hub direction attains it",
+                 "limit / (||V|| sqrt(n)) <= 1, = 1 at the hub",
+                 f"{len(over)} of {len(rows)} limits above it; hub: limit / (||V|| sqrt(n)) - 1 = {hub_dev:.1e}, "
+                 f"constant at the largest R within {hub_lip:.1e}; random directions: {rnd:.4g}",
+                 not over and hub_dev <= 1e-12 and hub_lip <= 1e-6,
+                 "hub: meanfield.adversarial.large_radius_configuration (every token attends to token 0); "
+                 "tolerance 1e-12 on the limit, 1e-6 on the constant (as for Theorems 3.7 / 4.5)", kind=THEOREM,
+                 fails_if="some direction's limit exceeds ||V|| sqrt(n), or at the hub direction the limit or the "
+                          "constant at the largest R differs from ||V|| sqrt(n) (the sup would not be attained)")
+
+
 @register("large_radius", "Large radius: Theorems 3.7 and 4.5", order=30, grid=grid)
 def large_radius(out_dir: Path, ctx) -> StudyResult:
     """Local constant vs R converging to ||V|| sqrt(max multiplicity), masked and unmasked."""
@@ -85,14 +106,14 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
     rows = run_grid(large_radius_task, points, out_dir, "large_radius", ctx, device=ctx.device)
     write_csv(rows, out_dir / "lipschitz_vs_R.csv")
 
-    fig, axes = P.figure(ncols=2)
+    fig, axes = P.figure(ncols=2, width=10.5, height=4.8)
     claims = []
     for ax, masked in zip(axes, (False, True)):
         for i, kind in enumerate(("random", "hub")):
             sel = [r for r in rows if r["kind"] == kind and r["masked"] == masked]
             P.measured(ax, [r["R"] for r in sel], [r["lip"] for r in sel], f"{kind} direction", color=P.COLORS[i])
             P.theory(ax, [sel[0]["R"], sel[-1]["R"]], [sel[0]["limit"]] * 2,
-                     f"limit ||V|| sqrt(max mult.) = {sel[0]['limit']:.3g}", color=P.COLORS[i], kind="limit")
+                     "its limit ||V|| sqrt(max multiplicity)", color=P.COLORS[i], kind="limit")
             end = sel[-1]
             claims.append(Claim(
                 f"Theorem {'4.5' if masked else '3.7'}: Lip_(RX) -> ||V|| sqrt(max multiplicity), {kind} direction",
@@ -101,14 +122,13 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
                                         f"{end['score_gap']:.3g}", kind=THEOREM,
                 fails_if="at the largest R (exp(-gap R^2) <= e^-40) the constant differs from the limit by more "
                          "than 1e-6 (relative)"))
-        ax.axhline(rows[0]["v_norm_sqrt_n"], color="k", lw=0.8, ls="--", label="||V|| sqrt(n)")
+        ax.axhline(rows[0]["v_norm_sqrt_n"], color="k", lw=0.8, ls="--",
+                   label="||V|| sqrt(n): the largest limit (R -> inf), not a bound at finite R")
         P.finish(ax, "radius R", "local Lipschitz constant at R X", f"{'masked' if masked else 'unmasked'}, n={n}, "
-                 f"d={d}", logx=True, logy=True)
+                 f"d={d}", logx=True, logy=True, legend=False)
+    P.figure_legend(fig, axes, ncol=3)
     save_figure(fig, out_dir / "lipschitz_vs_R.png")
-    over = [r for r in rows if r["limit"] > r["v_norm_sqrt_n"] * (1 + 1e-12)]
-    claims.append(Claim("the limit is at most ||V|| sqrt(n)", "limit <= ||V|| sqrt(n)",
-                        f"{len(over)} violations of {len(rows)}", not over, kind=THEOREM,
-                        fails_if="some direction's limit exceeds ||V|| sqrt(n)"))
+    claims.append(sup_claim(rows))
     notes = (f"A and V are {d}x{d} Gaussian matrices / sqrt(d) (seed {seed}); {n} tokens with unit-norm rows; "
              "'hub' is meanfield.adversarial.large_radius_configuration: every token attends to token 0. The "
              "largest R of each curve is sqrt(40 / gap) (capped at 100) with gap the smallest top-two score margin.")

@@ -12,6 +12,10 @@ the sup over splittings. This study computes ratio = Lip(split) / Lip(unsplit):
   ratio over the position of the split atom (t = 1/2) and the ratio against t;
 * random small configurations (d in {1, 2}, 2 to 5 atoms, random A, V, weights, atom and t):
   how often splitting increases the constant at all.
+
+Every split constant is compared with the closed form of docs/math.md section 4.7
+(``meanfield.bounds.split_constant``): Lip(split) = max(Lip(unsplit), ||V Sigma_mu(x_i) A||_2), the
+second term the query term of the split atom, whatever the fraction t.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
 
-__all__ = ["mass_splitting", "split_ratio_task", "random_config_task", "CONFIG_2D", "grid"]
+__all__ = ["mass_splitting", "split_ratio_task", "random_config_task", "CONFIG_2D", "grid", "closed_form_claim"]
 
 # d = 2, three atoms: atom 2 (small weight) is split; found by a seeded random search of small
 # configurations (the random_config_task family), rounded to three decimals
@@ -42,9 +46,11 @@ CONFIG_2D = {
 def split_ratio_task(A: list, V: list, X: list, w: list, i: int, t: float, *, device=None) -> dict:
     """Lip of the representation with atom i split at fraction t / Lip of the unsplit measure.
 
-    Both are dense weighted-Jacobian constants (W2 sense, Lemma C.5) of SelfAttention(A, V).
+    Both are dense weighted-Jacobian constants (W2 sense, Lemma C.5) of SelfAttention(A, V). The row
+    also holds the query term ||V Sigma_mu(x_i) A||_2 of the split atom and the closed form
+    max(Lip(unsplit), query term) of docs/math.md section 4.7.
     """
-    from meanfield import SelfAttention, local_lipschitz
+    from meanfield import SelfAttention, bounds, local_lipschitz
     from particles import Measure
 
     f64 = torch.float64
@@ -52,7 +58,9 @@ def split_ratio_task(A: list, V: list, X: list, w: list, i: int, t: float, *, de
     mu = Measure(torch.tensor(X, dtype=f64, device=device), torch.tensor(w, dtype=f64, device=device), normalize=True)
     base = float(local_lipschitz(att, mu, method="dense").value)
     split = float(local_lipschitz(att, mu.split(i, t), method="dense").value)
-    return {"lip_unsplit": base, "lip_split": split, "ratio": split / base}
+    query = float(bounds.query_term_norms(A, V, mu.points, mu.log_weights)[i])
+    return {"lip_unsplit": base, "lip_split": split, "ratio": split / base, "query_term": query,
+            "closed_form": bounds.split_constant(base, [query], [0])}
 
 
 def random_config_task(seed: int, k: int, *, device=None) -> dict:
@@ -82,6 +90,24 @@ def grid(level: str) -> dict:
             "ts_2d": list(np.linspace(0.02, 0.98, 49)), "n_random": 1000}
 
 
+def closed_form_claim(rows: list[dict]) -> Claim:
+    """docs/math.md section 4.7: every split constant equals max(Lip(unsplit), query term of the split
+    atom), whatever t (relative tolerance 1e-9: dense float64 Jacobians)."""
+    dev = [abs(r["lip_split"] / r["closed_form"] - 1) for r in rows]
+    helped = sum(r["query_term"] > r["lip_unsplit"] * (1 + 1e-6) for r in rows)
+    return Claim(
+        "mass splitting has a closed form: Lip(split) = max(Lip(unsplit), ||V Sigma_mu(x_i) A||), whatever the "
+        "fraction (docs/math.md section 4.7)",
+        "Lip(split) / closed form = 1",
+        f"largest relative deviation {max(dev):.1e} over {len(rows)} split measures (the query term exceeds the "
+        f"unsplit constant in {helped} of them)", max(dev) <= 1e-9,
+        "each split measure is built explicitly (Measure.split) and its dense weighted constant computed; the "
+        "closed form is meanfield.bounds.split_constant; tolerance 1e-9 (float64 dense Jacobians)", kind=THEOREM,
+        fails_if="some explicit split measure's constant differs from the closed form by more than 1e-9 (relative): "
+                 "a constant that depends on t, or splitting that helps where the query term is below the unsplit "
+                 "constant, fails")
+
+
 @register("mass_splitting", "Mass splitting: split vs unsplit weighted constants", order=50, grid=grid)
 def mass_splitting(out_dir: Path, ctx) -> StudyResult:
     """Ratio of split to unsplit weighted constants over atom positions and split fractions (d = 1, 2)."""
@@ -103,35 +129,17 @@ def mass_splitting(out_dir: Path, ctx) -> StudyResult:
                       device=ctx.device)
     rows_r = run_grid(random_config_task, [{"seed": seed, "k": k} for k in range(n_random)], out_dir, "random", ctx,
                       device=ctx.device)
-    flat1 = [{"x0": r["X"][0][0], "t": r["t"], "lip_unsplit": r["lip_unsplit"], "lip_split": r["lip_split"],
-              "ratio": r["ratio"]} for r in rows1]
-    flat2 = [{"x_split_0": r["X"][c["i"]][0], "x_split_1": r["X"][c["i"]][1], "t": r["t"],
-              "lip_unsplit": r["lip_unsplit"], "lip_split": r["lip_split"], "ratio": r["ratio"]} for r in rows2]
-    flat_t = [{"t": r["t"], "lip_unsplit": r["lip_unsplit"], "lip_split": r["lip_split"], "ratio": r["ratio"]}
-              for r in rows_t]
+    keep = ("lip_unsplit", "lip_split", "ratio", "query_term", "closed_form")
+    flat1 = [{"x0": r["X"][0][0], "t": r["t"], **{k: r[k] for k in keep}} for r in rows1]
+    flat2 = [{"x_split_0": r["X"][c["i"]][0], "x_split_1": r["X"][c["i"]][1], "t": r["t"], **{k: r[k] for k in keep}}
+             for r in rows2]
+    flat_t = [{"t": r["t"], **{k: r[k] for k in keep}} for r in rows_t]
     write_csv(flat1, out_dir / "split_ratio_1d.csv")
     write_csv(flat2, out_dir / "split_ratio_2d.csv")
     write_csv(flat_t, out_dir / "split_ratio_2d_vs_t.csv")
     write_csv(rows_r, out_dir / "random_configurations.csv")
 
-    fig, axes = P.figure(ncols=3, width=16, height=4.4)
-    xs1 = sorted({r["x0"] for r in flat1})
-    Z1 = np.array([[next(r["ratio"] for r in flat1 if r["t"] == t and r["x0"] == x) for x in xs1] for t in ts])
-    P.heatmap(axes[0], xs1, ts, Z1, xlabel="position x_0 of the split atom (x_1 = 1)", ylabel="split fraction t",
-              cbar_label="Lip(split) / Lip(unsplit)", title="d = 1, two atoms, A = 2, V = 1", center=1.0, fig=fig)
-    Z2 = np.full((len(g2), len(g2)), np.nan)
-    for r in flat2:
-        Z2[g2.index(r["x_split_1"]), g2.index(r["x_split_0"])] = r["ratio"]
-    P.heatmap(axes[1], g2, g2, Z2, xlabel="split atom, first coordinate", ylabel="split atom, second coordinate",
-              cbar_label="Lip(split) / Lip(unsplit)", title="d = 2, three atoms, t = 1/2", center=1.0, fig=fig)
-    axes[1].plot([x[0] for x in others], [x[1] for x in others], "k*", ms=10, label="other atoms")
-    axes[1].plot([c["X"][c["i"]][0]], [c["X"][c["i"]][1]], "ko", mfc="none", ms=8, label="split atom (search)")
-    axes[1].legend(loc="upper left")
-    P.measured(axes[2], [r["t"] for r in flat_t], [r["ratio"] for r in flat_t], "d = 2 configuration")
-    axes[2].axhline(1.0, color="gray", lw=0.8, ls=":")
-    P.finish(axes[2], "split fraction t", "Lip(split) / Lip(unsplit)", "d = 2, split atom at its search position")
-    save_figure(fig, out_dir / "split_ratio_maps.png")
-
+    _figure(out_dir, flat1, flat2, flat_t, g2, others, c)
     allr = [r["ratio"] for r in flat1 + flat2 + flat_t + rows_r]
     below = [v for v in allr if v < 1 - 1e-9]
     increased = [v for v in allr if v > 1 + 1e-6]
@@ -142,6 +150,7 @@ def mass_splitting(out_dir: Path, ctx) -> StudyResult:
               "ratio >= 1", f"min ratio {min(allr):.6f}; {len(below)} of {len(allr)} below 1", not below,
               "tolerance 1e-9", kind=THEOREM,
               fails_if="some split representation has a weighted constant below the unsplit one (ratio < 1 - 1e-9)"),
+        closed_form_claim(flat1 + flat2 + flat_t + rows_r),
         Claim("splitting can increase the weighted constant (docs/math.md section 4: the W2 constant is at least "
               "the sup)",
               "ratio > 1 somewhere", f"max ratio {max(allr):.4f}; increased at {len(increased)} of {len(allr)} "
@@ -149,11 +158,47 @@ def mass_splitting(out_dir: Path, ctx) -> StudyResult:
               bool(increased), "increase counted when ratio > 1 + 1e-6", kind=EMPIRICAL,
               fails_if="no grid point and no random configuration has a ratio above 1 + 1e-6"),
     ]
-    notes = (f"In d = 1 with two atoms splitting increased the constant at {len(inc1)} of {len(flat1)} grid points. "
-             "Red: splitting increases the constant; white: it does not. Constants are dense weighted-Jacobian "
-             "values (Lemma C.5); the d = 2 configuration is CONFIG_2D in studies/experiments/mass_splitting.py.")
+    notes = (f"In d = 1 with two atoms splitting increased the constant at {len(inc1)} of {len(flat1)} grid points: "
+             "there the query term of the split atom stays below the unsplit constant at every position. In the "
+             "d = 2 map the colour starts at ratio 1 (splitting never lowers the constant). Constants are dense "
+             "weighted-Jacobian values (Lemma C.5); the d = 2 configuration is CONFIG_2D in "
+             "studies/experiments/mass_splitting.py.")
     return StudyResult("mass_splitting", "Mass splitting", claims, ["split_ratio_maps.png"],
                        ["split_ratio_1d.csv", "split_ratio_2d.csv", "split_ratio_2d_vs_t.csv",
                         "random_configurations.csv"],
                        {"max_ratio": max(allr), "min_ratio": min(allr), "fraction_random_increased": frac_random},
                        notes)
+
+
+def _figure(out_dir: Path, flat1, flat2, flat_t, g2, others, c) -> None:
+    fig, axes = P.figure(ncols=3, width=16, height=4.8)
+    ax = axes[0]
+    xs1 = sorted({r["x0"] for r in flat1})
+    one = [next(r for r in flat1 if r["x0"] == x) for x in xs1]
+    P.measured(ax, xs1, [r["lip_unsplit"] for r in one], "Lip(unsplit)", color="k", marker="", lw=1.5)
+    P.theory(ax, xs1, [r["query_term"] for r in one], "query term ||V Sigma(x_0) A|| of the split atom",
+             color=P.COLORS[1], kind="limit")
+    ax.scatter([r["x0"] for r in flat1], [r["lip_split"] for r in flat1], s=10, color=P.COLORS[0], zorder=3,
+               label=f"Lip(split), every t ({len({r['t'] for r in flat1})} fractions)")
+    P.finish(ax, "position x_0 of the split atom (x_1 = 1)", "local constant (W2 sense)",
+             "d = 1, two atoms, A = 2, V = 1: Lip(split) = max of the two", legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower left", ncol=1)
+    Z2 = np.full((len(g2), len(g2)), np.nan)
+    for r in flat2:
+        Z2[g2.index(r["x_split_1"]), g2.index(r["x_split_0"])] = r["ratio"]
+    P.heatmap(axes[1], g2, g2, Z2, xlabel="split atom, first coordinate", ylabel="split atom, second coordinate",
+              cbar_label="Lip(split) / Lip(unsplit) (>= 1)", title="d = 2, three atoms, t = 1/2", vmin=1.0,
+              vmax=max(float(np.nanmax(Z2)), 1.001), cmap="magma_r", fig=fig)
+    axes[1].plot([x[0] for x in others], [x[1] for x in others], "c*", ms=11, mec="k", label="other atoms")
+    axes[1].plot([c["X"][c["i"]][0]], [c["X"][c["i"]][1]], "o", color="c", mec="k", ms=8,
+                 label="split atom at its search position")
+    fig.legend(*axes[1].get_legend_handles_labels(), loc="outside lower center", ncol=1)
+    ax = axes[2]
+    P.measured(ax, [r["t"] for r in flat_t], [r["ratio"] for r in flat_t], "measured Lip(split) / Lip(unsplit)")
+    P.theory(ax, [r["t"] for r in flat_t], [r["closed_form"] / r["lip_unsplit"] for r in flat_t],
+             "closed form: max(1, query term / Lip(unsplit))", color="k", kind="limit")
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="no change (ratio 1)")
+    P.finish(ax, "split fraction t", "Lip(split) / Lip(unsplit)", "d = 2, split atom at its search position",
+             legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=1)
+    save_figure(fig, out_dir / "split_ratio_maps.png")

@@ -326,3 +326,242 @@ def test_bad_input_is_rejected_with_the_argument_named():
         attend(q, k[:, :2], v, method="stream")
     with pytest.raises(TypeError, match="q"):
         stream_attend(q.numpy(), k, v)
+
+
+# ---------------------------------------------------------------- engines of the streamed kernel, auto by regime
+
+
+class _Ops(TorchDispatchMode):
+    """Records the names of the aten ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+FLASH_FWD = "_scaled_dot_product_flash_attention_for_cpu"
+FLASH_BWD = FLASH_FWD + "_backward"
+
+
+def _sequence_problem(seed, n=37, e=4, c=3, batch=(), lw_kind="finite", dtype=DT):
+    """Kernel inputs with the positions of a sequence (the causal mask) and log-weights of a kind."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*batch, n, e, generator=g, dtype=dtype)
+    k = torch.randn(*batch, n, e, generator=g, dtype=dtype)
+    v = torch.randn(*batch, n, c, generator=g, dtype=dtype)
+    lw = None
+    if lw_kind != "none":
+        lw = torch.log_softmax(torch.randn(n, generator=g, dtype=dtype), 0)
+        if lw_kind == "prefix":   # the first queries see only zero-mass keys: empty rows
+            lw[:4] = -math.inf
+        if lw_kind == "holes":
+            lw[[2, 9, 10]] = -math.inf
+    pos = torch.arange(1, n + 1, dtype=dtype) / n
+    return q, k, v, lw, pos, pos
+
+
+SEQ_CASES = [dict(lw_kind="none"), dict(lw_kind="finite"), dict(lw_kind="prefix", batch=(2,)),
+             dict(lw_kind="holes", batch=(2, 3), e=3, c=5), dict(lw_kind="finite", e=6, c=2)]
+
+
+@pytest.mark.parametrize("case", SEQ_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_kernel_engine_forward_and_lse_match_dense(case, masked):
+    """On CPU the streamed forward runs in torch's flash kernel for unmasked and sequence-masked inputs;
+    out and L agree with the dense kernel and torch.logsumexp, empty rows give 0 and -inf."""
+    q, k, v, lw, qp, kp = _sequence_problem(20, **case)
+    qp, kp = (qp, kp) if masked else (None, None)
+    with _Ops() as ops:
+        out, lse = stream_attend(q, k, v, lw, qp, kp, return_lse=True)
+    assert FLASH_FWD in ops.names
+    dense = attend(q, k, v, lw, qp, kp, method="dense")
+    _close(out, dense)
+    s = q @ k.transpose(-1, -2) + (0 if lw is None else lw)
+    if masked:
+        s = s.masked_fill(kp[None, :] > qp[:, None], -math.inf)
+    ref = torch.logsumexp(s, -1)
+    empty = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse), empty) and torch.all(out[empty] == 0)
+    _close(lse[~empty], ref[~empty])
+    if case["lw_kind"] == "prefix" and masked:
+        assert empty[..., :4].all() and not empty[..., 4:].any()
+
+
+@pytest.mark.parametrize("case", SEQ_CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_vjp_uses_the_fused_backward_and_matches_dense(case, masked):
+    """A first-order backward runs in the flash kernel's backward (the log-weights' gradient through
+    the extra key coordinate), also under create_graph, where the backward is a node of its own whose
+    derivatives (in the cotangent: the streamed JVP; in the inputs: the functional tiles) give exact
+    second-order products. Everything agrees with the dense kernel's autograd."""
+    q, k, v, lw, qp, kp = _sequence_problem(21, **case)
+    qp, kp = (qp, kp) if masked else (None, None)
+    gen = torch.Generator().manual_seed(1)
+    W = torch.randn(*q.shape[:-1], v.shape[-1], dtype=DT, generator=gen)
+    inputs = [t for t in (q, k, v, lw) if t is not None]
+    R = [torch.randn(t.shape, dtype=DT, generator=gen) for t in inputs]
+
+    def grads(method, create_graph=False):
+        leaves = [t.clone().requires_grad_(True) for t in inputs]
+        w = W.clone().requires_grad_(create_graph)
+        lw_ = leaves[3] if lw is not None else None
+        out = attend(leaves[0], leaves[1], leaves[2], lw_, qp, kp, method=method)
+        first = torch.autograd.grad((out * w).sum(), leaves, create_graph=create_graph)
+        if not create_graph:
+            return first, None
+        # second order: in the inputs (a Hessian-vector product) and in the cotangent (J r)
+        form = sum((g.nan_to_num(0.0) * r).sum() for g, r in zip(first, R))
+        return first, torch.autograd.grad(form, leaves + [w], allow_unused=True)
+
+    clean = lambda ts: [None if t is None else t.nan_to_num(0.0) for t in ts]  # zero-mass keys: nan in dense
+    dense, dense2 = grads("dense", create_graph=True)
+    with _Ops() as ops:
+        fast, _ = grads("stream")
+    assert FLASH_BWD in ops.names
+    with _Ops() as ops:
+        graph, second = grads("stream", create_graph=True)
+    assert FLASH_BWD in ops.names
+    for a, ref in zip(list(fast) + list(graph) + clean(second), clean(dense) * 2 + clean(dense2)):
+        if ref is None:
+            assert a is None or torch.all(a == 0)
+        else:
+            _close(a, ref)
+
+
+@pytest.mark.parametrize("masked", ["none", "sequence", "arbitrary"])
+def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch):
+    """torch.autograd.forward_ad reaches the in-place tile JVP; torch.func.jvp the differentiable one;
+    both equal the dense kernel's forward-mode derivative."""
+    from torch.autograd import forward_ad
+
+    from meanfield import streaming
+
+    if masked == "arbitrary":
+        q, k, v, lw, qp, kp = _problem(22, m=40, n=40, empty=False)
+    else:
+        q, k, v, lw, qp, kp = _sequence_problem(22, n=40)
+        qp, kp = (qp, kp) if masked == "sequence" else (None, None)
+    tans = [torch.randn_like(t) for t in (q, k, v, lw)]
+    calls = []
+    tiles = streaming._jvp_tiles
+    monkeypatch.setattr(streaming, "_jvp_tiles", lambda *a: calls.append(1) or tiles(*a))
+    f = lambda method: (lambda q, k, v, lw: attend(q, k, v, lw, qp, kp, method=method, block_size=(16, 12)))
+    ref = torch.func.jvp(f("dense"), (q, k, v, lw), tuple(tans))[1]
+    func = torch.func.jvp(f("stream"), (q, k, v, lw), tuple(tans))[1]
+    assert not calls
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip((q, k, v, lw), tans)]
+        fwd = forward_ad.unpack_dual(f("stream")(*duals)).tangent
+    assert calls
+    _close(func, ref)
+    _close(fwd, ref)
+
+
+
+
+def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):
+    """The Python tile loops (what runs on other devices, or for arbitrary masks) on the cases the flash
+    kernel would otherwise take: forward, fast VJP, fast JVP against the dense kernel."""
+    from torch.autograd import forward_ad
+
+    from meanfield import streaming
+
+    monkeypatch.setattr(streaming, "_FLASH_FWD", None)
+    monkeypatch.setattr(streaming, "_FLASH_BWD", None)
+    for case in SEQ_CASES:
+        q, k, v, lw, qp, kp = _sequence_problem(23, **case)
+        with _Ops() as ops:
+            out = attend(q, k, v, lw, qp, kp, method="stream", block_size=(8, 16))
+        assert FLASH_FWD not in ops.names
+        _close(out, attend(q, k, v, lw, qp, kp, method="dense"))
+        qr = q.clone().requires_grad_(True)
+        W = torch.randn_like(out)
+        (gs,) = torch.autograd.grad((attend(qr, k, v, lw, qp, kp, method="stream", block_size=(8, 16)) * W).sum(), qr)
+        (gd,) = torch.autograd.grad((attend(qr, k, v, lw, qp, kp, method="dense") * W).sum(), qr)
+        _close(gs, gd)
+        tq = torch.randn_like(q)
+        with forward_ad.dual_level():
+            t = forward_ad.unpack_dual(attend(forward_ad.make_dual(q, tq), k, v, lw, qp, kp, method="stream",
+                                              block_size=(8, 16))).tangent
+        dense = lambda z, k=k, v=v, lw=lw, qp=qp, kp=kp: attend(z, k, v, lw, qp, kp, method="dense")
+        _close(t, torch.func.jvp(dense, (q,), (tq,))[1])
+
+
+def test_sequence_mask_recognises_only_the_causal_mask_of_a_sequence():
+    from meanfield.streaming import sequence_mask
+
+    pos = torch.arange(1, 9, dtype=DT) / 8
+    assert sequence_mask(pos, pos) and sequence_mask(pos.expand(2, 8), pos)
+    ties = torch.tensor([0.1, 0.2, 0.2, 0.5], dtype=DT)
+    assert not sequence_mask(ties, ties)                         # ties: a block-causal mask
+    assert not sequence_mask(pos, pos.flip(0))                   # different query positions
+    assert not sequence_mask(None, None) and not sequence_mask(pos, pos[:-1])
+
+
+def test_auto_dispatch_by_regime_and_results_equal_dense():
+    """kernels.choose: dense while small; fused for forward passes without positions or with a
+    sequence's causal mask, and for arbitrary masks while their explicit mask is small; streamed for
+    larger arbitrary masks and wherever derivatives are needed (above the threshold of the derivative
+    regime); use(threshold=) overrides every regime."""
+    from meanfield.kernels import FUSED_THRESHOLD, STREAM_THRESHOLD, TRANSFORM_STREAM_THRESHOLD, choose
+
+    n = 300                              # 9e4 score entries: above FUSED_ and STREAM_THRESHOLD
+    assert FUSED_THRESHOLD < n * n and STREAM_THRESHOLD < n * n < 2 * TRANSFORM_STREAM_THRESHOLD
+    q, k, v, lw, pos, _ = _sequence_problem(24, n=n)
+    arbitrary = torch.rand(n, dtype=DT, generator=torch.Generator().manual_seed(2))
+    small = (q[:50], k[:50], v[:50], lw[:50])
+    assert choose(*small) == "dense" and choose(*small, pos[:50], pos[:50]) == "dense"
+    assert choose(q, k, v) == "fused" and choose(q, k, v, lw) == "fused"
+    assert choose(q, k, v, lw, pos, pos) == "fused"
+    assert choose(q, k, v, lw, arbitrary, arbitrary) == "fused"      # an explicit mask of 9e4 bytes
+    big = torch.zeros(2100, 4, dtype=DT)
+    ties = torch.arange(2100, dtype=DT) // 2                              # 4.4e6 entries: streamed
+    assert choose(big, big, big, None, ties, ties) == "stream"
+    assert choose(q.requires_grad_(True), k, v) == "stream"
+    with torch.no_grad():
+        assert choose(q, k, v) == "fused"
+    q = q.detach()
+    seen = []
+    torch.func.jvp(lambda z: seen.append(choose(z, k, v)) or z, (q,), (q,))
+    torch.func.jvp(lambda z: seen.append(choose(z[:200], k[:200], v[:200])) or z, (q,), (q,))
+    assert seen == ["stream", "dense"]   # 9e4 > TRANSFORM_STREAM_THRESHOLD > 4e4
+    with use(threshold=10**6):
+        assert choose(q, k, v) == "dense" and choose(q, k, v, lw, arbitrary, arbitrary) == "dense"
+    with use(threshold=0):
+        assert choose(q, k, v) == "fused" and choose(q, k, v, lw, arbitrary, arbitrary) == "stream"
+    for args in [(q, k, v), (q, k, v, lw), (q, k, v, lw, pos, pos), (q, k, v, lw, arbitrary, arbitrary)]:
+        _close(attend(*args), attend(*args, method="dense"))
+
+
+@pytest.mark.parametrize("lw_kind", ["none", "finite", "prefix"])
+def test_fused_path_is_linear_in_memory_for_sequences_and_weights(lw_kind):
+    """The fused path never materializes an (m, n) mask for log-weights or a sequence's causal mask
+    (is_causal, a broadcast mask row); with arbitrary positions it does (documented)."""
+    n = 400
+    q, k, v, lw, pos, _ = _sequence_problem(25, n=n, lw_kind=lw_kind)
+    for qp in (None, pos):
+        with _LargestTensor() as probe:
+            out = fused_attend(q, k, v, lw, qp, qp)
+        assert probe.largest < n * n / 10, probe.largest
+        _close(out, attend(q, k, v, lw, qp, qp, method="dense"))
+    arbitrary = torch.rand(n, dtype=DT, generator=torch.Generator().manual_seed(3))
+    with _LargestTensor() as probe:
+        fused_attend(q, k, v, lw, arbitrary, arbitrary)
+    assert probe.largest >= n * n
+
+
+def test_every_row_empty_gives_zeros_and_zero_gradients():
+    q, k, v, _, pos, _ = _sequence_problem(26, n=30)
+    lw = torch.full((30,), -math.inf, dtype=DT)
+    for method in ("dense", "fused", "stream"):
+        for qp in (None, pos):
+            qr = q.clone().requires_grad_(True)
+            out = attend(qr, k, v, lw, qp, qp, method=method)
+            assert torch.all(out == 0)
+            if method != "fused":
+                (g,) = torch.autograd.grad(out.sum(), qr)
+                assert torch.all(g.nan_to_num(0.0) == 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from particles import Measure
@@ -33,3 +34,11 @@ def test_operations_take_numpy_scalars():
     assert pos.tolist() == [0.25, 0.5, 0.75, 1.0] and mass.tolist() == [0.25] * 4
     pos, mass = mu.position_marginal(np.float32(0.3))  # gaps of 0.25 chain every position into one
     assert pos.tolist() == [0.25] and mass.tolist() == [1.0]
+
+
+def test_memory_sizes_beyond_the_float_range_are_a_clear_error():
+    from particles.validation import parse_bytes
+
+    with pytest.raises(ValueError, match="memory_limit: expected a positive size"):
+        parse_bytes(10**400)
+    assert parse_bytes("2G") == 2 * 2**30 and parse_bytes(np.int64(4096)) == 4096

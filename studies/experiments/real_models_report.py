@@ -1,0 +1,402 @@
+"""Figures and markdown tables of the real-model study (:mod:`studies.experiments.real_models`).
+
+One figure and one table per experiment of the paper: real text against n (Section 5.1, both maps),
+the fitted exponents, Proposition 3.4's witness on the real layer (Section 5.2), gamma R^2 per layer
+and head (Appendix C.5, Figure 2), token radius against position and length (Appendix E.2).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .. import plotting as P
+from ..io import save_figure
+
+__all__ = ["plot_all", "notes"]
+
+PAPER_EXPONENT = 0.24
+MAP_STYLE = {"attention": dict(color=P.COLORS[0], marker="o", name="attention alone"),
+             "block": dict(color=P.COLORS[1], marker="s", name="whole block (LayerNorm(X + attention))")}
+
+
+def _models(rows):
+    return list(dict.fromkeys(r["model"] for r in rows))
+
+
+def _modes(rows, model):
+    return list(dict.fromkeys(r["mode"] for r in rows if r["model"] == model))
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in label.lower()).strip("_")
+
+
+def _log_ticks(ax, axis: str = "both"):
+    """Plain numbers on log axes (1, 2, 5 steps), also when a range spans less than a decade."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    def fmt(v, _):
+        return f"{v:g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.0e}"
+    for which in ("x", "y") if axis == "both" else (axis,):
+        a = getattr(ax, f"{which}axis")
+        if getattr(ax, f"get_{which}scale")() != "log":
+            continue
+        lo, hi = getattr(ax, f"get_{which}lim")()
+        subs = (1.0,) if hi / lo > 200 else (1.0, 2.0, 5.0)
+        decades = range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+        if sum(lo <= s * 10.0 ** e <= hi for e in decades for s in subs) < 3:
+            subs = tuple(float(k) for k in range(1, 10))   # a short range: label every integer step
+        a.set_major_locator(LogLocator(base=10, subs=subs))
+        a.set_major_formatter(FuncFormatter(fmt))
+        a.set_minor_formatter(NullFormatter())
+
+
+def _pow2_ticks(ax, ns):
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(ns))))
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+# ---------------------------------------------------------------------- figures
+def plot_real_text(out_dir: Path, lip, fits, model: str) -> str:
+    """Section 5.1: Lip against n for every layer (columns) and mode (rows), both maps; every sequence
+    as a faint point, the mean over sequences with its spread (min-max bar), the fitted power law."""
+    rows = [r for r in lip if r["model"] == model and r["converged"]]
+    modes = _modes(rows, model)
+    layers = sorted({r["layer"] for r in rows})
+    fig, axes = P.figure(ncols=len(layers), nrows=len(modes), width=2.6 * len(layers) + 0.6,
+                         height=2.7 * len(modes) + 0.8)
+    axes = np.atleast_1d(axes).reshape(len(modes), len(layers))
+    ns = sorted({r["n"] for r in rows})
+    for a, mode in enumerate(modes):
+        for b, layer in enumerate(layers):
+            ax = axes[a, b]
+            title = [f"{mode}, layer {layer}"]
+            for m, st in MAP_STYLE.items():
+                sel = [r for r in rows if r["mode"] == mode and r["layer"] == layer and r["map"] == m]
+                if not sel:
+                    continue
+                x = np.array([r["n"] for r in sel], float)
+                y = np.array([r["lip"] for r in sel])
+                jitter = 1.04 if m == "block" else 1 / 1.04     # the two maps side by side at each n
+                ax.scatter(x * jitter, y, s=7, color=st["color"], alpha=0.3, lw=0, marker=st["marker"])
+                xs = sorted(set(x))
+                mean = np.array([y[x == v].mean() for v in xs])
+                lo = np.array([y[x == v].min() for v in xs])
+                hi = np.array([y[x == v].max() for v in xs])
+                ax.errorbar(np.array(xs) * jitter, mean, yerr=[mean - lo, hi - mean], color=st["color"],
+                            marker=st["marker"], ms=4, lw=1.2, capsize=2, label=st["name"])
+                f = next((f for f in fits if f["model"] == model and f["mode"] == mode and f["layer"] == layer
+                          and f["map"] == m), None)
+                if f:
+                    nn = np.array([min(xs), max(xs)], float)
+                    ax.plot(nn, np.exp(f["intercept"]) * nn ** f["slope"], color=st["color"], ls="--", lw=0.9)
+                    title.append(f"{m}: n^{f['slope']:.2f}")
+            P.finish(ax, "sequence length n" if a == len(modes) - 1 else "",
+                     "Lip_X on real text" if b == 0 else "", logx=True, logy=True, legend=False)
+            ax.set_title("\n".join([title[0], ", ".join(title[1:])]), fontsize=8)
+            _pow2_ticks(ax, ns)
+            _log_ticks(ax, "y")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=3,
+               fontsize=8, title=f"{model}: mean over sequences (bars: min-max; faint points: every sequence; "
+                                 "dashed: fitted power law)", title_fontsize=8)
+    name = f"real_text_{_slug(model)}.png"
+    save_figure(fig, out_dir / name)
+    return name
+
+
+def plot_exponents(out_dir: Path, fits) -> str:
+    """Fitted exponents with 95% CIs per layer: both maps, every mode, each model its panel."""
+    models = _models(fits)
+    fig, axes = P.figure(ncols=len(models), width=4.6 * len(models) + 1.5, height=3.8)
+    axes = list(np.atleast_1d(axes))
+    for ax, model in zip(axes, models):
+        sel = [f for f in fits if f["model"] == model]
+        keys = list(dict.fromkeys((f["mode"], f["map"]) for f in sel))
+        layers = sorted({f["layer"] for f in sel})
+        width = 0.7 / max(len(keys), 1)
+        for k, (mode, m) in enumerate(keys):
+            fs = sorted((f for f in sel if f["mode"] == mode and f["map"] == m), key=lambda f: f["layer"])
+            x = np.array([f["layer"] for f in fs]) + (k - (len(keys) - 1) / 2) * width
+            y = np.array([f["slope"] for f in fs])
+            err = [y - np.array([f["lo"] for f in fs]), np.array([f["hi"] for f in fs]) - y]
+            st = MAP_STYLE[m]
+            ax.errorbar(x, y, yerr=err, ls="none", marker=st["marker"], ms=5, capsize=3,
+                        color=st["color"], mfc="white" if mode == "decoder" else st["color"],
+                        label=f"{mode}, {'attention' if m == 'attention' else 'block'}")
+        ax.axhline(0.5, color="k", ls="--", lw=1, label="0.5: worst case sqrt(n) (Thm 3.3)")
+        ax.axhline(PAPER_EXPONENT, color="gray", ls=":", lw=1.2, label=f"{PAPER_EXPONENT}: paper's BERT fit")
+        ax.axhline(0, color="gray", lw=0.6)
+        ax.set_xticks(layers)
+        P.finish(ax, "layer", "exponent of Lip vs n (95% CI)", model, legend=False)
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    save_figure(fig, out_dir / "exponents.png")
+    return "exponents.png"
+
+
+def plot_adversarial(out_dir: Path, adv, model: str) -> str:
+    """Section 5.2: the real layer at Proposition 3.4's witness of its head of largest gamma (real mean
+    radius), the head alone with V = I, the proposition's lower bound, and sqrt(n) for reference."""
+    rows = [r for r in adv if r["model"] == model]
+    modes = _modes(rows, model)
+    layers = sorted({r["layer"] for r in rows})
+    fig, axes = P.figure(ncols=len(layers), nrows=len(modes), width=2.6 * len(layers) + 0.6,
+                         height=2.7 * len(modes) + 0.9)
+    axes = np.atleast_1d(axes).reshape(len(modes), len(layers))
+    for a, mode in enumerate(modes):
+        for b, layer in enumerate(layers):
+            ax = axes[a, b]
+            here = [r for r in rows if r["mode"] == mode and r["layer"] == layer]
+            which = "real" if any(r["radius"] == "real" for r in here) else "scaled"
+            for h in sorted({r["head"] for r in here if r["head_rank"] > 0}):
+                sel = sorted((r for r in here if r["head"] == h and r["radius"] == which), key=lambda r: r["n"])
+                ax.plot([r["n"] for r in sel], [r["lip_layer"] for r in sel], color="gray", lw=0.5, alpha=0.6,
+                        label="real layer, other heads' witnesses")
+            top = sorted((r for r in here if r["head_rank"] == 0 and r["radius"] == which), key=lambda r: r["n"])
+            if not top:
+                ax.set_visible(False)
+                continue
+            n = np.array([r["n"] for r in top], float)
+            P.measured(ax, n, [r["lip_layer"] for r in top], "real layer (V, W_O, biases, all heads)",
+                       color=P.COLORS[3])
+            P.measured(ax, n, [r["lip_head"] for r in top], "head alone, V = I", color=P.COLORS[2], marker="^",
+                       ls="--", ms=3)
+            P.theory(ax, n, [r["lower"] for r in top], "Prop 3.4 lower bound (V = I)", color="k", kind="lower")
+            ref = top[-1]["lip_layer"] * np.sqrt(n / n[-1])
+            ax.plot(n, ref, color=P.COLORS[3], ls=(0, (1, 3)), lw=1, label="sqrt(n) through the last point")
+            P.finish(ax, "sequence length n" if a == len(modes) - 1 else "", "Lip at the witness" if b == 0 else "",
+                     logx=True, logy=True, legend=False)
+            t = top[0]
+            ax.set_title(f"{mode}, layer {layer}, head {t['head']}\nR = {t['R']:.3g} ({which}), "
+                         f"gamma R^2 = {t['gamma_R2']:.3g}", fontsize=8)
+            _pow2_ticks(ax, [v for v in n if v in (2, 8, 32, 128, 512)] or n)
+            _log_ticks(ax, "y")
+    handles, labels = {}, []
+    for ax in axes.flat:
+        for hd, lb in zip(*ax.get_legend_handles_labels()):
+            if lb not in handles:
+                handles[lb] = hd
+                labels.append(lb)
+    fig.legend([handles[k] for k in labels], labels, loc="outside lower center", ncol=3, fontsize=8,
+               title=f"{model}: Proposition 3.4's witness of each layer's head of largest gamma", title_fontsize=8)
+    name = f"adversarial_{_slug(model)}.png"
+    save_figure(fig, out_dir / name)
+    return name
+
+
+def plot_gamma(out_dir: Path, gamma) -> str:
+    """Appendix C.5 / Figure 2: gamma_h R^2 per layer and head (log colour scale), values written in."""
+    from matplotlib.colors import LogNorm
+
+    keys = list(dict.fromkeys((r["model"], r["mode"]) for r in gamma))
+    heads = sorted({r["head"] for r in gamma})
+    fig, axes = P.figure(ncols=len(keys), width=max(4.2, 0.42 * len(heads) + 1.8) * len(keys),
+                         height=max(3.0, 0.42 * len({r['layer'] for r in gamma}) + 1.6))
+    axes = list(np.atleast_1d(axes))
+    for ax, (model, mode) in zip(axes, keys):
+        sel = [r for r in gamma if r["model"] == model and r["mode"] == mode]
+        layers = sorted({r["layer"] for r in sel})
+        Z = np.full((len(layers), len(heads)), np.nan)
+        for r in sel:
+            Z[layers.index(r["layer"]), heads.index(r["head"])] = r["gamma_R2"]
+        pos = Z[np.isfinite(Z) & (Z > 0)]
+        norm = LogNorm(vmin=pos.min(), vmax=max(pos.max(), pos.min() * 1.01)) if pos.size else None
+        mesh = ax.pcolormesh(heads, layers, np.where(Z > 0, Z, np.nan), shading="nearest", norm=norm,
+                             cmap="viridis")
+        cb = fig.colorbar(mesh, ax=ax)
+        cb.set_label("gamma_h R^2")
+        if len(heads) * len(layers) <= 160:
+            mid = math.sqrt(pos.min() * pos.max()) if pos.size else 0
+            for i, layer in enumerate(layers):
+                for j, h in enumerate(heads):
+                    if np.isfinite(Z[i, j]):
+                        ax.text(h, layer, f"{Z[i, j]:.2g}", ha="center", va="center", fontsize=6,
+                                color="white" if Z[i, j] < mid else "black")
+        ax.set_xticks(heads)
+        ax.set_yticks(layers)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.grid(False)
+        ax.set_title(f"{model} {mode}: gamma_h R^2, R = mean radius of the layer's inputs", fontsize=9)
+    save_figure(fig, out_dir / "gamma_R2.png")
+    return "gamma_R2.png"
+
+
+def plot_radius(out_dir: Path, radius, lip) -> str:
+    """Appendix E.2: token radius against position (mean over the longest sequences, band = one std)
+    and mean radius of a sequence against its length (mean over sequences, bars = min-max)."""
+    keys = list(dict.fromkeys((r["model"], r["mode"]) for r in radius))
+    fig, axes = P.figure(ncols=2, nrows=len(keys), width=11, height=3.2 * len(keys) + 0.3)
+    axes = np.atleast_1d(axes).reshape(len(keys), 2)
+    for a, (model, mode) in enumerate(keys):
+        rad = [r for r in radius if r["model"] == model and r["mode"] == mode]
+        layers = sorted({r["layer"] for r in rad})
+        ax = axes[a, 0]
+        for c, layer in enumerate(layers):
+            sel = sorted((r for r in rad if r["layer"] == layer), key=lambda r: r["position"])
+            pos = np.array([r["position"] for r in sel])
+            m = np.array([r["radius_mean"] for r in sel])
+            # octaves of positions (1, 2, 3-4, 5-8, ...): the mean radius there, band = spread over its tokens
+            edges = [1, 2, *[2 ** k + 1 for k in range(1, int(math.log2(max(pos[-1], 2))) + 1)], pos[-1] + 1]
+            edges = sorted(set(e for e in edges if e <= pos[-1] + 1))
+            centre, mean, lo, hi = [], [], [], []
+            for e0, e1 in zip(edges[:-1], edges[1:]):
+                v = m[(pos >= e0) & (pos < e1)]
+                if v.size:
+                    centre.append(math.sqrt(e0 * (e1 - 1)))
+                    mean.append(v.mean())
+                    lo.append(np.percentile(v, 10))
+                    hi.append(np.percentile(v, 90))
+            ax.plot(centre, mean, color=P.COLORS[c % 10], marker="o", ms=3, lw=1.2, label=f"layer {layer}")
+            ax.fill_between(centre, lo, hi, color=P.COLORS[c % 10], alpha=0.12, lw=0)
+        seqs = rad[0]["sequences"] if rad else 0
+        P.finish(ax, "token position i (octaves 1, 2, 3-4, 5-8, ...)", "mean |x_i| at the attention input",
+                 f"{model} {mode}: radius by position\n({seqs} sequences of {rad[0]['n'] if rad else 0} tokens; "
+                 "band: 10-90% of the positions of an octave)", logx=True, legend=False)
+        _log_ticks(ax, "x")
+        ax = axes[a, 1]
+        seq = [r for r in lip if r["model"] == model and r["mode"] == mode and r["map"] == "attention"]
+        for c, layer in enumerate(layers):
+            sel = [r for r in seq if r["layer"] == layer]
+            ns = sorted({r["n"] for r in sel})
+            vals = [np.array([r["r_mean"] for r in sel if r["n"] == n]) for n in ns]
+            mean = np.array([v.mean() for v in vals])
+            ax.errorbar(ns, mean, yerr=[mean - [v.min() for v in vals], [v.max() for v in vals] - mean],
+                        color=P.COLORS[c % 10], marker="o", ms=3, lw=1, capsize=2, label=f"layer {layer}")
+        P.finish(ax, "sequence length n", "mean |x_i| of a sequence",
+                 f"{model} {mode}: mean radius of a sequence vs its length\n(bars: min-max over sequences)",
+                 logx=True, legend=False)
+        if seq:
+            _pow2_ticks(ax, [r["n"] for r in seq])
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=7)
+    save_figure(fig, out_dir / "radius.png")
+    return "radius.png"
+
+
+def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list) -> list[str]:
+    """Every figure of the study; returns their file names."""
+    out_dir = Path(out_dir)
+    lip, adv = tables["lipschitz"], tables["adversarial"]
+    figs = [plot_real_text(out_dir, lip, fits, m) for m in _models(lip)]
+    if fits:
+        figs.append(plot_exponents(out_dir, fits))
+    figs += [plot_adversarial(out_dir, adv, m) for m in _models(adv)]
+    if tables["gamma"]:
+        figs.append(plot_gamma(out_dir, tables["gamma"]))
+    if tables["radius"]:
+        figs.append(plot_radius(out_dir, tables["radius"], lip))
+    return figs
+
+
+# ---------------------------------------------------------------------- tables
+def _ci(f) -> str:
+    return f"{f['slope']:.2f} [{f['lo']:.2f}, {f['hi']:.2f}]" if f else "n/a"
+
+
+def _table(header, rows) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return out + [""]
+
+
+def notes(measured, failed, why, corpus, g, tables, fits, adv_fits) -> str:
+    """The study's markdown section: models, then one table per experiment (the figures follow)."""
+    lines = [f"**Models measured** ({why}):", ""]
+    lines += _table(["model", "mode", "weights", "provenance", "d, heads", "layers", "maps", "tokenizer"],
+                    [[m["model"], m["mode"], "**trained**" if m["trained"] else "random init (not evidence about "
+                      "trained models)", m["provenance"] + (f", version {m['package_version']}, sha256 "
+                                                            f"{m['archive_sha256'][:12]}" if "package_version" in m
+                                                            else ""),
+                      f"{m['d']}, {m['heads']}", str(m["layers"]), m["dtype"], m["tokenizer"]] for m in measured])
+    if failed:
+        lines += ["**Failed models** (the others' results are kept):", ""]
+        lines += [f"- {f['model']}: `{f['error']}`" for f in failed] + [""]
+    lines += [f"Text: {corpus['source']} ({corpus['characters']} characters, sha256 {corpus['sha256'][:12]}), "
+              f"tokenized once without special tokens and cut into {g['reps']} non-overlapping sequences per length "
+              f"n in {g['ns']} (Section 5.1). Constants certified (Lanczos residual) to "
+              f"{'1e-3' if g['dtype'] == 'float32' else '1e-6'} relative; maps in {g['dtype']} (the certificate is "
+              f"about the map the {g['dtype']} model computes); Proposition 3.4's head checks in float64 (1e-6). "
+              "*Attention* is the paper's map W_O concat_h f_h + bias; *block* is the whole "
+              "Hugging Face attention block (BERT: LayerNorm(X + attention(X)); GPT-2: X + attention(ln_1(X))).",
+              ""]
+    lip = tables["lipschitz"]
+    for model in _models(fits):
+        sel = [f for f in fits if f["model"] == model]
+        modes = list(dict.fromkeys(f["mode"] for f in sel))
+        cols = [(mode, m) for mode in modes for m in ("attention", "block")]
+        lines += [f"*Real-text exponents, {model}* (log-log fit of Lip against n over every sequence, 95% CI; "
+                  f"worst case 0.5, paper's BERT fit {PAPER_EXPONENT}):", ""]
+        rows = []
+        for layer in sorted({f["layer"] for f in sel}):
+            cells = []
+            for mode, m in cols:
+                f = next((f for f in sel if f["layer"] == layer and f["mode"] == mode and f["map"] == m), None)
+                cells.append(_ci(f))
+            rows.append([layer, *cells])
+        lines += _table(["layer", *[f"{mode} {m}" for mode, m in cols]], rows)
+    adv = tables["adversarial"]
+    tail = {(f["model"], f["mode"], f["layer"], f["head"], f["radius"]): f for f in adv_fits if f["range"] == "tail"}
+    full = {(f["model"], f["mode"], f["layer"], f["head"], f["radius"]): f for f in adv_fits if f["range"] == "all"}
+    if adv:
+        lines += ["*Proposition 3.4's witness on the real layer* (head of largest gamma; exponent of the real layer "
+                  "over n >= n_max/8 and over n >= 4, Proposition 3.4's curve over the same top n; constants at "
+                  "n_max):", ""]
+        rows = []
+        for r in sorted((r for r in adv if r["head_rank"] == 0 and r["n"] == max(x["n"] for x in adv)),
+                        key=lambda r: (r["model"], r["mode"], r["layer"], r["radius"])):
+            k = (r["model"], r["mode"], r["layer"], r["head"], r["radius"])
+            rows.append([r["model"], r["mode"], r["layer"], r["head"], f"{r['R']:.3g} ({r['radius']})",
+                         f"{r['gamma_R2']:.3g}", _ci(tail.get(k)),
+                         f"{tail[k]['predicted_slope']:.3f}" if k in tail else "n/a", _ci(full.get(k)),
+                         f"{r['lip_layer']:.4g}", f"{r['lip_head']:.4g}", f"{r['lower']:.4g}",
+                         f"{r['lip_layer'] / r['layer_upper']:.2g}"])
+        lines += _table(["model", "mode", "layer", "head", "R", "gamma R^2", "exponent (top n)", "Prop 3.4 slope",
+                         "exponent (n >= 4)", "Lip layer", "Lip head (V=I)", "Prop 3.4 lower", "Lip / Lemma 3.8 bound"],
+                        rows)
+        others = [f for f in adv_fits if f["range"] == "tail" and f["head_rank"] > 0]
+        if others:
+            s = np.array([f["slope"] for f in others])
+            lines += [f"Every other head's witness on its real layer ({len(others)} fits over the top n): exponent "
+                      f"median {np.median(s):.3f}, range [{s.min():.3f}, {s.max():.3f}].", ""]
+    gam = tables["gamma"]
+    if gam:
+        lines += ["*gamma_h R^2 per layer* (Appendix C.5; R = mean radius of the layer's real inputs):", ""]
+        rows = []
+        for (model, mode) in dict.fromkeys((r["model"], r["mode"]) for r in gam):
+            for layer in sorted({r["layer"] for r in gam if r["model"] == model and r["mode"] == mode}):
+                sel = [r for r in gam if r["model"] == model and r["mode"] == mode and r["layer"] == layer]
+                v = np.array([r["gamma_R2"] for r in sel])
+                top = max(sel, key=lambda r: r["gamma_R2"])
+                rows.append([model, mode, layer, f"{sel[0]['R_mean']:.3g}", f"{v.min():.3g}", f"{np.median(v):.3g}",
+                             f"{v.max():.3g} (head {top['head']})", f"{2 * v.max():.3g}"])
+        lines += _table(["model", "mode", "layer", "R", "min", "median", "max", "2 gamma R^2 (max)"], rows)
+    if tables["radius"]:
+        lines += ["*Token radius* (Appendix E.2): mean |x_i| of a sequence at the smallest and largest length "
+                  "(mean over sequences), and at the first and last position of the longest sequences:", ""]
+        rows = []
+        for (model, mode) in dict.fromkeys((r["model"], r["mode"]) for r in tables["radius"]):
+            for layer in sorted({r["layer"] for r in tables["radius"] if r["model"] == model}):
+                seq = [r for r in lip if r["model"] == model and r["mode"] == mode and r["layer"] == layer
+                       and r["map"] == "attention"]
+                if not seq:
+                    continue
+                ns = sorted({r["n"] for r in seq})
+                at = {n: np.mean([r["r_mean"] for r in seq if r["n"] == n]) for n in (ns[0], ns[-1])}
+                pos = sorted((r for r in tables["radius"] if r["model"] == model and r["mode"] == mode
+                              and r["layer"] == layer), key=lambda r: r["position"])
+                rows.append([model, mode, layer, f"{at[ns[0]]:.3g} (n = {ns[0]})", f"{at[ns[-1]]:.3g} (n = {ns[-1]})",
+                             f"{pos[0]['radius_mean']:.3g}", f"{pos[-1]['radius_mean']:.3g}"])
+        lines += _table(["model", "mode", "layer", "radius, short sequences", "radius, long sequences",
+                         "position 1", "last position"], rows)
+    not_conv = sum(not r["converged"] for r in lip) + sum(not r["layer_converged"] for r in adv)
+    if not_conv:
+        lines += [f"{not_conv} estimates did not reach the tolerance (flagged in the CSV files, left out of the "
+                  "fits).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,194 @@
+"""Each key claim of the synthetic studies fails on a plausible wrong input: the claim checks of the
+studies are fed measurements computed here from dense Jacobians of the written-out attention of
+tests/reference.py (the claim holds), then the same measurements with one thing wrong (a slope of 0.6,
+a bound off by a factor 2, Proposition 3.6's ratio without its 1/(gamma R^2) term, a split constant
+that depends on the fraction, ...), on which the claim must fail."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from studies.common import slope_claim, witness_tolerance
+from studies.experiments.dynamics import meanfield_claim
+from studies.experiments.l2_attention import kim_attained_claim, quadratic_claim
+from studies.experiments.large_radius import sup_claim
+from studies.experiments.masked import top_direction_claim
+from studies.experiments.mass_splitting import closed_form_claim
+from studies.experiments.mean_field import peak_claim, prop36_claim
+from studies.experiments.sqrt_n import witness_claim
+from tests.reference import dense_lipschitz, dense_lipschitz_logweights, naive_attention, prop34_lower
+
+f64 = torch.float64
+A_MIN = torch.tensor([[0.3, 0.4], [0.0, -1.0]], dtype=f64)   # gamma = 1, case "min"
+I2 = torch.eye(2, dtype=f64)
+
+
+def _witness(R, n):  # Proposition 3.4's witness written out: (-R u, R u, ..., R u), A u = -u
+    u = torch.tensor([-0.4, 1.3], dtype=f64)  # (A + I) u = 0
+    u = u / u.norm()
+    return torch.cat([-R * u[None], (R * u)[None].expand(n - 1, -1)])
+
+
+def _witness_rows(R, ns):
+    """Measured rows of the sqrt_n study for A_MIN: dense constants at the witness, the bound, the
+    predicted constant (its leading-order form, typed in here)."""
+    q, t = math.exp(-2 * R * R), R * R
+    rows = []
+    for n in ns:
+        lip = dense_lipschitz(lambda Y: naive_attention(Y, A_MIN, I2), _witness(R, n))
+        b = 1 / (1 + (n - 1) * q)
+        rows.append({"n": n, "lip": lip, "lower": prop34_lower(1.0, R, n), "witness_factor": 1 + 2 * t * (1 - b),
+                     "witness_predicted": math.sqrt(n - 1) * b * (1 + 2 * t * (1 - b))})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def witness_rows():
+    R = math.sqrt(math.log(1e4) / 2)            # exp(2 gamma R^2) = 1e4
+    return R, _witness_rows(R, [4, 8, 16, 32, 64])
+
+
+def test_sqrt_n_exponent_claim_fails_on_a_wrong_slope(witness_rows):
+    R, rows = witness_rows
+    ns = [r["n"] for r in rows]
+    lips = [r["lip"] for r in rows]
+    pred = [r["witness_predicted"] for r in rows]
+    claim, fit, fit_pred = slope_claim(ns, lips, pred, "the witness")
+    assert claim.agrees and fit["lo"] <= fit_pred["slope"] <= fit["hi"]
+    assert not (fit["lo"] <= 0.5 <= fit["hi"])  # the asymptote alone would have been the wrong prediction here
+    wrong = [r["lip"] * (r["n"] / ns[0]) ** 0.1 for r in rows]          # slope about 0.6
+    assert not slope_claim(ns, wrong, pred, "the witness")[0].agrees
+    sqrt_n = [math.sqrt(n) for n in ns]                                   # exactly 0.5 where 0.54 is predicted
+    assert not slope_claim(ns, sqrt_n, pred, "the witness")[0].agrees
+
+
+def test_prop34_witness_claim_fails_when_the_bound_is_off_by_a_factor(witness_rows):
+    R, rows = witness_rows
+    assert witness_claim(rows, 1.0, R, "min").agrees
+    for factor in (0.5, 2 ** -0.5):  # a bound too small by 2 or sqrt(2) still passes "Lip >= bound"
+        wrong = [{**r, "lower": factor * r["lower"]} for r in rows]
+        assert all(r["lip"] >= r["lower"] for r in wrong)
+        assert not witness_claim(wrong, 1.0, R, "min").agrees
+    # a witness whose constant is off (e.g. its first token at R u / 2) fails too
+    assert not witness_claim([{**r, "lip": 1.05 * r["lip"]} for r in rows], 1.0, R, "min").agrees
+
+
+def test_prop36_ratio_claim_fails_without_the_correction_term():
+    A = torch.diag(torch.tensor([0.3, -1.0], dtype=f64))   # gamma = 1, case "min"
+    u = torch.tensor([0.0, 1.0], dtype=f64)
+    rows = []
+    for R in (1.5, 2.0, 2.5):
+        lw = torch.tensor([-2 * R * R, math.log1p(-math.exp(-2 * R * R))], dtype=f64)
+        X = torch.stack([-R * u, R * u])
+        lip = dense_lipschitz_logweights(lambda Y, lw=lw: naive_attention(Y, A, I2, log_weights=lw), X, lw)
+        asym = 0.5 * R * R * math.exp(R * R)
+        rows.append({"R": R, "ratio_to_asymptotic": lip / asym, "ratio_predicted": 1 + 1 / (R * R)})
+    assert prop36_claim(rows, 1.0).agrees
+    assert not prop36_claim([{**r, "ratio_to_asymptotic": 1.0} for r in rows], 1.0).agrees  # "ratio -> 1" only
+    assert not prop36_claim([{**r, "ratio_to_asymptotic": 1.08 * r["ratio_to_asymptotic"]} for r in rows],
+                            1.0).agrees  # inside the old window [0.8, 1.5], yet wrong
+    assert not prop36_claim([{**r, "ratio_predicted": 1.0} for r in rows], 1.0).agrees
+    with pytest.raises(ValueError, match="gamma R"):
+        prop36_claim([{**r, "R": 0.5} for r in rows], 1.0)
+
+
+def test_sup_claim_fails_when_the_bound_is_off_by_a_factor():
+    """||V|| sqrt(n) is attained at the hub direction: a bound twice too large misses it, half as large
+    is exceeded."""
+    rows = [{"kind": "hub", "masked": m, "R": R, "limit": 2.0, "lip": 2.0 * (1 + 1e-9 / R), "v_norm_sqrt_n": 2.0}
+            for m in (False, True) for R in (1.0, 10.0)]
+    rows += [{"kind": "random", "masked": False, "R": 10.0, "limit": 1.2, "lip": 1.2, "v_norm_sqrt_n": 2.0}]
+    assert sup_claim(rows).agrees
+    for factor in (2.0, 0.5):
+        assert not sup_claim([{**r, "v_norm_sqrt_n": factor * r["v_norm_sqrt_n"]} for r in rows]).agrees
+
+
+def test_kim_claim_fails_for_the_recalled_form_and_a_doubled_bound():
+    """W_Q = 2I, W_V = W_O = I, D = k = 2, N = 1 (docs/math.md section 5.8): the map x -> x W_Q W_Q^T / sqrt(k)
+    has norm 4/sqrt(2); the fourth-power form gives 4/sqrt(2), the recalled one 2/sqrt(2)."""
+    WQ = 2 * I2
+    x = torch.tensor([[0.6, 0.8]], dtype=f64)
+    lip = dense_lipschitz(lambda Y: Y @ (WQ @ WQ.T / math.sqrt(2)), x)
+    assert lip == pytest.approx(4 / math.sqrt(2), rel=1e-12)
+    study = {"which": "study", "lip_l2": 0.3, "linear_map_norm": 0.3, "kim_bound": 0.7}
+    ident = {"which": "scaled identity", "lip_l2": lip, "linear_map_norm": 4 / math.sqrt(2)}
+    assert kim_attained_claim([{**ident, "kim_bound": 4 / math.sqrt(2)}, study]).agrees
+    for bound in (2 * 4 / math.sqrt(2), 2 / math.sqrt(2)):   # doubled, and the recalled form
+        assert not kim_attained_claim([{**ident, "kim_bound": bound}, study]).agrees
+
+
+def test_quadratic_claim_fails_for_another_limit():
+    """Lip / R^2 must tend to the origin's query term; a constant twice as large (or growing like R^3) fails."""
+    rows = [{"R": 64.0, "n": 12, "lip_dot": 366.81, "query_origin": 366.73}]
+    assert quadratic_claim(rows).agrees
+    assert not quadratic_claim([{**rows[0], "lip_dot": 2 * 366.81}]).agrees
+    assert not quadratic_claim([{**rows[0], "lip_dot": 366.81 * 64 / 10}]).agrees
+
+
+def test_closed_form_claim_fails_when_the_split_constant_depends_on_t():
+    from meanfield import bounds
+
+    g = torch.Generator().manual_seed(5)
+    A, V = 2 * torch.randn(2, 2, generator=g, dtype=f64), torch.randn(2, 2, generator=g, dtype=f64)
+    X = torch.randn(3, 2, generator=g, dtype=f64)
+    w = torch.tensor([0.3, 0.5, 0.2], dtype=f64)
+    base = dense_lipschitz(lambda Y: naive_attention(Y, A, V, log_weights=w.log()), X, weights=w)
+    rows = []
+    for t in (0.2, 0.5, 0.8):
+        Xs, ws = torch.cat([X, X[1:2]]), torch.cat([w, w[1:2] * (1 - t)])
+        ws[1] = w[1] * t
+        split = dense_lipschitz(lambda Y, ws=ws: naive_attention(Y, A, V, log_weights=ws.log()), Xs, weights=ws)
+        query = float(bounds.query_term_norms(A, V, X, w.log())[1])
+        rows.append({"t": t, "lip_unsplit": base, "lip_split": split, "query_term": query,
+                     "closed_form": max(base, query)})
+    assert closed_form_claim(rows).agrees
+    assert not closed_form_claim([{**r, "lip_split": r["lip_split"] * (1 + 0.01 * r["t"])} for r in rows]).agrees
+    # "splitting never changes the constant" (closed form = unsplit) fails where the query term is larger
+    helped = [{**r, "query_term": 1.5 * r["lip_unsplit"], "closed_form": 1.5 * r["lip_unsplit"]} for r in rows]
+    assert not closed_form_claim(helped).agrees
+
+
+def test_top_direction_claim_fails_for_a_wrong_local_constant():
+    rows = [{"kind": "sequence", "rep": 0, "eps": e, "deviation": 0.6 * e} for e in (1e-2, 1e-3, 1e-4)]
+    assert top_direction_claim(rows).agrees
+    assert not top_direction_claim([{**r, "deviation": 0.5 + r["deviation"]} for r in rows]).agrees  # Lip x 2/3
+    assert not top_direction_claim([{**r, "deviation": 0.3 * math.sqrt(r["eps"])} for r in rows]).agrees
+
+
+def test_peak_claim_fails_at_another_grid_point():
+    R, g = 3.0, 1.0
+    ns = 10.0 ** np.arange(1, 9.01, 0.5)
+    q = math.exp(-2 * g * R * R)
+
+    def form(n):
+        b = 1 / (1 + (n - 1) * q)
+        return math.sqrt(n - 1) * b * (1 + 2 * g * R * R * (1 - b))
+    curve = [{"n": n, "lip": form(n), "witness_predicted": form(n)} for n in ns]
+    n_star = math.exp(2 * g * R * R)
+    assert peak_claim(curve, n_star, 100.0, g, R).agrees
+    shifted = [{**r, "lip": form(r["n"] / 10)} for r in curve]   # peaks a decade later
+    assert not peak_claim(shifted, n_star, 100.0, g, R).agrees
+    assert not peak_claim(curve, n_star, 1.0, g, R).agrees          # above the mean-field bound
+
+
+def test_meanfield_claim_verdicts():
+    rng = np.random.default_rng(0)
+    ns = [16, 32, 64, 128, 256]
+
+    def rows(rate_T, noise):
+        return [{"n": n, "rep": r, "w2_0": n ** -0.5 * math.exp(0.05 * rng.normal()),
+                 "w2_T": 2 * n ** rate_T * math.exp(noise * rng.normal())} for n in ns for r in range(3)]
+    cfg = {"n_ref": 1024, "reps": 3}
+    assert meanfield_claim(rows(-0.5, 0.05), cfg).verdict == "reproduced"
+    assert meanfield_claim(rows(0.2, 0.05), cfg).verdict == "not reproduced"       # W2 at T grows with n
+    assert meanfield_claim(rows(-0.1, 0.05), cfg).verdict == "not reproduced"      # slower than at t = 0
+    assert meanfield_claim(rows(-0.5, 2.0), cfg).verdict == "inconclusive"     # too noisy to decide
+
+
+def test_witness_tolerance_is_the_order_of_the_neglected_terms():
+    assert witness_tolerance(1.0, 3.0) == pytest.approx(2 * math.exp(-18) * 100)
+    assert witness_tolerance(1.0, 100.0) == 1e-9

@@ -1,0 +1,163 @@
+"""Models and text for the real-model study (studies.models): tokenizers, corpus, checkpoint loading
+(offline failures, safetensors only, folders without tokenizer files)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meanfield import hf as mhf
+from studies import models as hf
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # small problems: threads only contend
+
+
+@pytest.fixture(scope="module")
+def models(one_thread):
+    return {("gpt2", False): hf.random_model("gpt2", size="tiny", seed=3),
+            ("bert", False): hf.random_model("bert", size="tiny", seed=3)}
+
+
+def _ids(model, n=9):
+    return hf.encode(hf.HashTokenizer(model.config.vocab_size), hf.default_corpus(), n)
+
+
+def test_hash_tokenizer_is_deterministic():
+    tok = hf.HashTokenizer(1000)
+    text = "Heaps are arrays, for which a[k] <= a[2*k+1]."
+    ids = tok.encode(text)
+    words = ["heaps", "are", "arrays", ",", "for", "which", "a", "[", "k", "]", "<", "=", "a", "[", "2", "*", "k",
+             "+", "1", "]", "."]
+    expect = [1 + int.from_bytes(hashlib.blake2b(w.encode(), digest_size=8).digest(), "little") % 999 for w in words]
+    assert ids == expect and tok.encode(text) == ids
+    assert all(1 <= i < 1000 for i in ids)
+    code = ("from studies.models import HashTokenizer; "
+            f"print(HashTokenizer(1000).encode({text!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+    assert out.strip() == str(ids)  # another process, another str-hash seed: same ids
+    assert tok("a b", return_tensors="pt")["input_ids"].shape == (1, 2)
+    with pytest.raises(ValueError, match="vocab_size"):
+        hf.HashTokenizer(1)
+    with pytest.raises(ValueError, match="n: the text has 2 tokens"):
+        hf.encode(tok, "two words", 3)
+
+
+def test_default_corpus_is_fixed_english_prose():
+    text = hf.default_corpus()
+    assert text == hf.default_corpus()
+    words = text.lower().split()
+    assert len(words) > 1500
+    common = sum(w in {"the", "of", "and", "to", "a", "is", "in", "that", "it", "be"} for w in words)
+    assert common / len(words) > 0.15  # English prose: about a quarter of words are these
+    # first paragraph of the first source, as Python ships it
+    import heapq
+    first = " ".join(heapq.__about__.split("\n\n")[2].split())
+    assert text.startswith(first)
+    assert "The strange invariant above is meant to be an efficient memory representation for a tournament." in text
+    assert ">>>" not in text
+    assert hf.read_text() == text
+    assert hf.read_text("hello world") == "hello world"
+    with pytest.raises(ValueError, match="text: is empty"):
+        hf.read_text("  ")
+    with pytest.raises(ValueError, match="path"):
+        hf.read_text(path="/nonexistent/file.txt")
+
+
+def test_offline_hub_name_fails_fast_and_clearly(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf_home" / "hub"))
+    with pytest.raises(hf.ModelNotAvailableError, match="'gpt2' is not in the local Hugging Face cache"):
+        hf.load_model("gpt2")
+    with pytest.raises(hf.ModelNotAvailableError, match="no checkpoint directory"):
+        hf.load_model(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(hf.ModelNotAvailableError, match="has no config.json"):
+        hf.load_model(tmp_path / "empty")
+
+
+def test_local_checkpoint_round_trip(models, tmp_path):
+    """save_pretrained (safetensors) -> load_model: same weights, eager attention, float64, eval."""
+    model = models[("gpt2", False)]
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = hf.load_model(tmp_path / "ckpt")
+    assert loaded.config._attn_implementation == "eager" and not loaded.training
+    X = mhf.capture_attention_inputs(model, _ids(model), [1])[1]
+    torch.testing.assert_close(mhf.attention_function(loaded, 1)(X), mhf.attention_function(model, 1)(X),
+                               rtol=0, atol=0)
+    (tmp_path / "ckpt" / "model.safetensors").unlink()
+    with pytest.raises(hf.ModelNotAvailableError, match="no weights"):
+        hf.load_model(tmp_path / "ckpt")
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="kind"):
+        hf.random_model("llama", size="tiny")
+    with pytest.raises(ValueError, match="is_decoder"):
+        hf.random_model("gpt2", size="tiny", is_decoder=True)
+    with pytest.raises(TypeError, match="allow_pickle"):
+        hf.load_model("gpt2", allow_pickle="yes")
+
+
+def _word_tokenizer(folder, words=None):
+    """A word-level tokenizer saved with transformers (tokenizer.json), built here from the corpus."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = words if words is not None else sorted(set(hf.default_corpus().lower().split()))[:500]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]", *words])}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]").save_pretrained(folder)
+
+
+def test_checkpoint_without_tokenizer_files_is_refused_by_name(models, tmp_path):
+    """A GPT-2 saved with save_pretrained alone has no tokenizer: a clear error naming the missing files
+    (never an empty tokenizer that turns every text into 0 tokens); with the files saved, it loads."""
+    ck = tmp_path / "gpt2-no-tokenizer"
+    models[("gpt2", False)].save_pretrained(ck)
+    assert hf.tokenizer_files(ck) is None
+    with pytest.raises(hf.ModelNotAvailableError, match=r"no tokenizer files.*tokenizer\.json or vocab\.txt or "
+                                                        r"vocab\.json \+ merges\.txt.*tokenizer\.save_pretrained"):
+        hf.load_tokenizer(ck)
+    (ck / "vocab.json").write_text("{}")  # half of GPT-2's pair: still refused
+    with pytest.raises(hf.ModelNotAvailableError, match="no tokenizer files"):
+        hf.load_tokenizer(ck)
+    _word_tokenizer(ck)
+    assert hf.tokenizer_files(ck) == ("tokenizer.json",)
+    tok = hf.load_tokenizer(ck)
+    assert len(tok) == 501 and hf.encode(tok, "the heap is a tree").shape == (1, 5)
+
+
+def test_pickled_weights_refused_unless_allowed(models, tmp_path):
+    """A folder with only pytorch_model.bin (a pickle, which can run code) is refused with a message saying
+    why and how to convert it; allow_pickle=True loads it (transformers' weights-only unpickler)."""
+    ck = tmp_path / "pickled"
+    model = models[("bert", False)]
+    model.save_pretrained(ck)
+    torch.save(model.state_dict(), ck / "pytorch_model.bin")   # the old pickle format
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(hf.ModelNotAvailableError, match="pickled weights.*allow_pickle=True.*safe_serialization"):
+        hf.load_model(ck)
+    loaded = hf.load_model(ck, allow_pickle=True)
+    X = torch.randn(5, 32, dtype=torch.float64)
+    torch.testing.assert_close(mhf.attention_function(loaded, 0)(X), mhf.attention_function(model, 0)(X),
+                               rtol=0, atol=0)
+
+
+def test_encode_cuts_one_stream_without_special_tokens(tmp_path):
+    """Section 5.1 tokenizes the text once and cuts it: no [CLS]/[SEP] added around the text, and no warning
+    about the text being longer than the model's window."""
+    ck = tmp_path / "tok"
+    ck.mkdir()
+    _word_tokenizer(ck)
+    tok = hf.load_tokenizer(ck)
+    tok.model_max_length = 4
+    ids = hf.encode(tok, "the heap is a binary tree")[0].tolist()
+    vocab = tok.get_vocab()
+    assert ids == [vocab.get(w, 0) for w in ["the", "heap", "is", "a", "binary", "tree"]]
