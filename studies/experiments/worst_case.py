@@ -333,7 +333,7 @@ def witness_claim(rows: list[dict], layer_rows: list[dict]) -> Claim:
     strict = sum(g > 1 + 10 * TOL for g in gains)
     return Claim(
         "The search's certified value is at least that of Proposition 3.4's witness (both eigen-cases), at every "
-        "grid point and on every trained layer measured",
+        "grid point and on every real layer measured",
         "search / witness >= 1 (within the certificates' tolerance)",
         f"{len(bad)} violations of {len(checks)}; search / best witness in [{min(gains):.3g}, {max(gains):.3g}] "
         f"on the random heads, strictly above at {strict} of {len(rows)} points"
@@ -528,16 +528,16 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
     # (f): real layers
     ax = axes[5]
     if layer_rows:
-        marks = [("upper", "upper\nbound"), ("lower", "search\n(certified)"), ("plain", "plain\nascent"),
-                 ("witness", "best Prop 3.4\nwitness"), ("text", "real\ntext")]
+        marks = [("upper", "upper bound"), ("lower", "search"), ("plain", "plain ascent"),
+                 ("witness", "Prop 3.4 witness"), ("text", "real text")]
         marks = [(k, lab) for k, lab in marks if not all(math.isnan(r[k]) for r in layer_rows)]
         for j, r in enumerate(layer_rows):
             ax.plot(np.arange(len(marks)) + 0.1 * (j - (len(layer_rows) - 1) / 2), [r[k] for k, _ in marks],
                     "os^Dv"[j % 5], color=P.COLORS[j % 10], ls="none", ms=7,
                     label=f"layer {r['layer']} (n = {r['n']}, R = {r['R']:.3g})")
-        ax.set_xticks(range(len(marks)), [lab for _, lab in marks])
+        ax.set_xticks(range(len(marks)), [lab for _, lab in marks], rotation=30, ha="right")
         ax.set_xlim(-0.5, len(marks) - 0.5)
-        P.finish(ax, "", "Lipschitz constant on B_R^n (certified lower bounds, and the upper bound)",
+        P.finish(ax, "", "Lipschitz constant on B_R^n",
                  f"{layer_rows[0]['model']}: the bracket per layer", logy=True, legend_loc="outside")
     else:
         ax.text(0.5, 0.5, "trained layers skipped:\n" + layer_what, ha="center", va="center", wrap=True,
