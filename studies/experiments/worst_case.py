@@ -486,7 +486,10 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
                     P.theory(ax, x, [r["witness"] for r in sel], f"Prop 3.4 witness, case {case}",
                              color=colors[case], kind="lower")
         P.finish(ax, "sequence length n" if x_key == "n" else "radius R", "Lipschitz constant on B_R^n",
-                 f"the bracket vs {x_key} ({fixed_key} = {fixed:g})", logx=True, logy=True, legend_loc="outside")
+                 f"the bracket vs {x_key} ({fixed_key} = {fixed:g})", logx=x_key == "n", logy=True,
+                 legend_loc="outside")
+        if x_key == "R":   # a few radii: a linear axis labelled at each of them
+            ax.set_xticks(Rs, [f"{R:g}" for R in Rs])
     # (c): lower / upper vs n, per case and R (unmasked)
     ax = axes[2]
     for i, R in enumerate(Rs):
