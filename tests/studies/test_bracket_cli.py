@@ -100,3 +100,14 @@ def test_bracket_on_the_trained_minilm(tmp_path, capsys):
     assert 0 < meta["lower"] <= meta["upper"] and meta["text"] <= meta["lower"] * (1 + 1e-6)
     mu = load_measure(out / "worst_case_input.npz")
     assert float(mu.points.norm(dim=1).max()) <= meta["R"] * (1 + 1e-12)
+
+
+def test_bracket_of_the_whole_block_has_no_upper_bound(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    out = tmp_path / "b"
+    assert main(["bracket", "--checkpoint", str(folder), "--n", "3", "--radius", "1", "--map", "block",
+                 "--budget", "100", "--plain", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "ratio  unknown" in printed and "plain gradient ascent, same budget" in printed
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["upper"] is None and meta["map"] == "block" and meta["lower"] > 0

@@ -179,3 +179,11 @@ def test_plain_claim_verdicts():
     assert wc.plain_claim(even, 100).agrees is False                             # plain ascent as good or better
     mixed = [{**rows[0], "plain": rows[0]["lower"] * 1.01}, rows[1]]
     assert wc.plain_claim(mixed, 100).agrees is None                             # better on average, not everywhere
+
+
+def test_trained_layers_are_skipped_with_the_reason_when_the_extra_is_missing(tmp_path, monkeypatch):
+    from studies import pretrained
+
+    monkeypatch.setattr(pretrained, "is_installed", lambda spec=None: False)
+    rows, why = wc._layer_rows(wc.grid("quick")["layers"], RunContext(tmp_path, level="quick"), tmp_path)
+    assert rows == [] and "pretrained extra is not installed" in why
