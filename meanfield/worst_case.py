@@ -48,7 +48,7 @@ from particles import Measure
 from particles.validation import check_positive_float, check_positive_int, check_radius, check_seed, make_generator
 
 from . import adversarial
-from .bounds import UpperBound, _heads_of, gamma_info, operator_upper
+from .bounds import UpperBound, _heads_of, _real_unit_eigenvector, operator_upper
 from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
 from .operator import as_operator, sequence_positions
 from .sigma_gradient import sigma_gradient
@@ -226,42 +226,29 @@ def _score_matrices(op) -> list[tuple[str, np.ndarray]]:
     return [(f"[head {h}]", a) for h, a in enumerate(mats)]
 
 
-def _real_eigvec(A, which):
-    """Unit real eigenvector of the largest ("max") or smallest ("min") real eigenvalue, or None."""
-    evals, evecs = np.linalg.eig(A)
-    real = np.abs(evals.imag) <= 1e-10 * (1.0 + np.abs(evals))
-    if not real.any():
-        return None, None
-    lam = evals.real[real]
-    k = int(np.argmax(lam) if which == "max" else np.argmin(lam))
-    if (which == "max" and lam[k] <= 0) or (which == "min" and lam[k] >= 0):
-        return None, None
-    v = evecs[:, real][:, k]
-    u = v.real if np.linalg.norm(v.real) >= np.linalg.norm(v.imag) else v.imag
-    if np.linalg.norm(A @ u - lam[k] * u) > 1e-8 * (1 + abs(lam[k])) * np.linalg.norm(u):
-        u = np.linalg.svd(A - lam[k] * np.eye(A.shape[0]))[2][-1]
-    return float(lam[k]), u / np.linalg.norm(u)
-
-
 def _prop34_pair(u, case, R):
     """(first token, the others) of Proposition 3.4's witness for eigenvector u (section 5.3)."""
     return (R * u, R * u / 2.0) if case == "max" else (-R * u, R * u)
 
 
 def _witness_cases(A, R):
-    """[(case, u)] for both eigen-cases that exist; the case of gamma first (via adversarial)."""
-    try:
-        info = gamma_info(A)
-    except ValueError:  # no real eigenvalue: Proposition 3.4 gives no witness
+    """[(case, gamma_case, u)] for both eigen-cases of Proposition 3.4 that exist (lambda_max > 0:
+    gamma_case = lambda_max / 8; lambda_min < 0: gamma_case = -lambda_min), the case of gamma(A)
+    first, u its unit real eigenvector as :func:`meanfield.bounds.gamma_info` gives it.
+
+    One eigen-decomposition serves both cases (for a real layer's d x d heads it is the expensive
+    part of building the starts)."""
+    a = np.asarray(A, dtype=np.float64)
+    evals, evecs = np.linalg.eig(a)
+    real = np.abs(evals.imag) <= 1e-10 * (1.0 + np.abs(evals))
+    if not real.any():  # Proposition 3.4 gives no witness
         return []
-    cases = []
-    if info.gamma > 0:
-        cases.append((info.case, np.asarray(info.eigenvector)))
-    other = "min" if info.case == "max" else "max"
-    lam, u = _real_eigvec(A, other)
-    if u is not None:
-        cases.append((other, u))
-    return cases
+    lam, vecs = evals.real[real], evecs[:, real]
+    i_max, i_min = int(np.argmax(lam)), int(np.argmin(lam))
+    cases = [("max", lam[i_max] / 8.0, i_max), ("min", -lam[i_min], i_min)]
+    if cases[0][1] < cases[1][1]:  # gamma_info's tie-break: "max" when lambda_max / 8 >= -lambda_min
+        cases.reverse()
+    return [(case, float(g), _real_unit_eigenvector(a, float(lam[i]), vecs[:, i])) for case, g, i in cases if g > 0]
 
 
 def _sphere(shape, R, g, dtype):
@@ -313,13 +300,9 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d
     out = []
     if structured and R > 0:
         for label, A in _score_matrices(op):
-            cases = _witness_cases(A, R)
-            for k, (case, u) in enumerate(cases):
-                if k == 0:
-                    X = adversarial.sqrt_n_sequence(A, R, n, dtype=dtype)
-                else:
-                    first, rest = _prop34_pair(u, case, R)
-                    X = torch.as_tensor(np.vstack([first] + [rest] * (n - 1)), dtype=dtype)
+            for case, _, u in _witness_cases(A, R):
+                first, rest = _prop34_pair(u, case, R)
+                X = torch.as_tensor(np.vstack([first] + [rest] * (n - 1)), dtype=dtype)
                 out.append((f"prop3.4-{case}{label}", X))
             try:
                 out.append((f"hub{label}", adversarial.large_radius_configuration(A, n, R, masked=op.masked,
@@ -373,18 +356,10 @@ def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, se
 
     if structured and R > 0:
         for label, A in _score_matrices(op):
-            cases = _witness_cases(A, R)
-            for k, (case, u) in enumerate(cases):
+            for case, g_case, u in _witness_cases(A, R):
                 if atoms >= 2:
-                    if k == 0:
-                        mu2 = adversarial.two_dirac(A, R, dtype=dtype)
-                        x0, x1 = mu2.points[0], mu2.points[1]
-                        log_p = float(mu2.log_weights[0])
-                    else:
-                        lam, _ = _real_eigvec(A, case)
-                        g_case = lam / 8.0 if case == "max" else -lam
-                        x0, x1 = (torch.as_tensor(x, dtype=dtype) for x in _prop34_pair(u, case, R))
-                        log_p = -2.0 * g_case * R * R
+                    x0, x1 = (torch.as_tensor(x, dtype=dtype) for x in _prop34_pair(u, case, R))
+                    log_p = -2.0 * g_case * R * R
                     log_q = math.log(-math.expm1(log_p)) if log_p < 0 else -math.inf
                     pts = torch.stack([x0] + [x1] * (atoms - 1))
                     lw = [log_p] + [log_q - math.log(atoms - 1)] * (atoms - 1)

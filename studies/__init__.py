@@ -5,6 +5,7 @@ context.py        RunContext: the run's parameters, built once by the command li
 experiments/      the studies, one module each
 report.py         run the studies, write config.json, summary.json, report.md
 cli.py            the ``meanfield`` command
+bracket.py        ``meanfield bracket``: a certified bracket on Lip(f on B_R^n) for one layer of your model
 grid.py           a study's grid through the sweep runner
 sweep/            the resumable sweep runner (self-contained)
 io.py             atomic CSV / JSON / PNG files

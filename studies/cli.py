@@ -3,7 +3,11 @@
     meanfield reproduce [--quick] [--out DIR] [--seed S] [--device cpu|cuda] [--only NAME ...]
     meanfield <study> [--quick] [--out DIR] [--seed S] [--device cpu|cuda]
     meanfield list
+    meanfield bracket (--model NAME | --checkpoint DIR) [--layer L] [--n N] [--radius R] [--out DIR] ...
     meanfield --help | --version
+
+``bracket`` is a tool, not a study: a certified bracket on the Lipschitz constant of one layer of the
+user's own model (:mod:`studies.bracket`); the study ``worst_case`` is its report version.
 
 The command line is the one place that reads flags and environment variables: it builds the
 run's :class:`~studies.context.RunContext` once and hands it to the studies. Every run writes one
@@ -113,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(rp)
     rp.add_argument("--only", nargs="+", metavar="NAME", default=None, help="run only these studies")
     sub.add_parser("list", help="list the registered studies")
+    from .bracket import add_arguments as _bracket_arguments
+
+    bp = sub.add_parser("bracket", help="a certified bracket on the Lipschitz constant of YOUR layer on B_R^n "
+                                        "(worst-case input search)",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        description="Search B_R^n for the input of largest local Lipschitz constant of one attention "
+                                    "layer of a GPT-2 / BERT checkpoint: prints the certified lower bound (that "
+                                    "input's constant), the best upper bound known, their ratio and the cost, and "
+                                    "saves the input (.npz). The study worst_case is the report's version.",
+                        epilog="Example: meanfield bracket --model minilm --layer 0 --n 64 --radius 10 --out "
+                               "runs/bracket\n\nexit codes: 0 done; 64 usage error (one line says what to change); "
+                               "74 the results cannot be written")
+    _bracket_arguments(bp)
     for name, study in registry().items():
         sp = sub.add_parser(name, help=study.title, description=f"{study.title}. {study.description}",
                             epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -194,12 +211,30 @@ def _run(ctx: RunContext, names: list[str] | None) -> int:
     return EXIT_VIOLATED if summary["violated_claims"] else EXIT_OK
 
 
+def _bracket(args) -> int:
+    from .bracket import UsageError, run
+
+    handler = _configure_logging(QUIET if args.quiet else NORMAL)
+    try:
+        return run(args)
+    except UsageError as exc:
+        _say(str(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return EXIT_INTERRUPTED
+    finally:
+        log.removeHandler(handler)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return EXIT_OK
+    if args.command == "bracket":
+        return _bracket(args)
     if args.command == "list":
         for name, study in registry().items():
             print(f"{name:24s} {study.title}")

@@ -55,6 +55,7 @@ STUDY_MODULES = [
     "studies.experiments.l2_attention",
     "studies.experiments.dynamics",
     "studies.experiments.real_models",
+    "studies.experiments.worst_case",
 ]
 
 

@@ -64,9 +64,9 @@ def markdown_table(data: dict | None = None) -> str:
         meta = data["levels"].get(level)
         if meta:
             loads = sorted({e["load"] for e in meta["studies"].values() if "load" in e})
-            load = loads[0] if len(loads) == 1 else f"{loads[0]} to {loads[-1]}" if loads else "unknown"
+            avg = loads[0] if len(loads) == 1 else f"{loads[0]} to {loads[-1]}" if loads else "unknown"
             commands = " and ".join(f"`{c}`" for c in meta["commands"])
-            notes.append(f"{level}: {commands}, {meta['date']}, load average {load}")
+            notes.append(f"{level}: {commands}, {meta['date']}, load average {avg}")
     if data.get("machine"):
         notes.insert(0, f"machine: {data['machine']}")
     return "\n".join(lines) + ("\n\n" + "; ".join(notes) + "." if notes else "")

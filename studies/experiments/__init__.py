@@ -9,4 +9,5 @@ discrete_vs_meanfield  Lemma 3.2 and convergence in n
 l2_attention           dot-product vs L2 attention (Kim et al. 2021)
 dynamics               token dynamics: Transformers as PDEs
 real_models            BERT and GPT-2 attention layers on real text
+worst_case             certified worst-case inputs: a bracket on Lip(f on B_R^n) between the bounds
 """

@@ -55,7 +55,7 @@ def test_list(capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     for name in ("sqrt_n", "mean_field", "large_radius", "masked", "mass_splitting", "discrete_vs_meanfield",
-                 "l2_attention", "dynamics", "real_models"):
+                 "l2_attention", "dynamics", "real_models", "worst_case"):
         assert name in out
 
 

@@ -1,0 +1,113 @@
+"""``meanfield bracket``: a certified bracket for a user's own layer. The saved input is re-verified with a
+dense Jacobian of the BERT attention written out here from the checkpoint's weights (independent of
+meanfield.hf); the bracket's order (lower <= upper) is a theorem; usage errors exit 64 with one line."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from particles.io import load_measure, read_header
+from studies import pretrained
+from studies.cli import EXIT_USAGE, main
+from tests.reference import dense_lipschitz
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random BERT (d = 32, 4 heads, 2 layers) saved as safetensors, without tokenizer files."""
+    from studies.models import random_model
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    model = random_model("bert", size="tiny", seed=3)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+def _written_out(model, layer, masked):
+    """BERT's attention alone, from its weights: W_O concat_h softmax(q_h k_h^T / sqrt(k)) v_h + b_O."""
+    att = model.encoder.layer[layer].attention
+    s, o = att.self, att.output.dense
+    H = s.num_attention_heads
+    k = s.attention_head_size
+
+    def f(X):
+        q, kk, v = s.query(X), s.key(X), s.value(X)
+        outs = []
+        for h in range(H):
+            sl = slice(h * k, (h + 1) * k)
+            S = q[:, sl] @ kk[:, sl].T / math.sqrt(k)
+            if masked:
+                S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)
+            outs.append(torch.softmax(S, -1) @ v[:, sl])
+        return o(torch.cat(outs, dim=1))
+
+    return f
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_bracket_on_a_checkpoint_is_reverified_by_a_dense_jacobian(checkpoint, tmp_path, capsys, mask):
+    folder, model = checkpoint
+    out = tmp_path / "out"
+    code = main(["bracket", "--checkpoint", str(folder), "--layer", "1", "--n", "4", "--radius", "2.5",
+                 "--budget", "300", "--mask", mask, "--out", str(out), "--quiet"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for word in ("lower", "upper", "ratio", "Jacobian products", "worst_case_input.npz"):
+        assert word in printed
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    mu = load_measure(out / "worst_case_input.npz")
+    assert mu.points.shape == (4, 32) and float(mu.points.norm(dim=1).max()) <= 2.5 * (1 + 1e-12)
+    assert meta["masked"] == (mask == "causal") and (mu.positions is not None) == (mask == "causal")
+    dense = dense_lipschitz(_written_out(model, 1, mask == "causal"), mu.points)
+    assert abs(dense - meta["lower"]) <= meta["error"] + 1e-9 * dense
+    assert meta["lower"] <= meta["upper"]        # a certified lower bound never exceeds an upper bound
+    assert f"{meta['lower']:.6g}" in printed
+
+
+def test_bracket_usage_errors_exit_64_with_one_line(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    cases = [([], "--model NAME or --checkpoint DIR"),
+             (["--checkpoint", str(folder), "--n", "4"], "--radius"),           # no tokenizer: no real radius
+             (["--checkpoint", str(folder), "--layer", "2", "--radius", "1"], "--layer"),
+             (["--checkpoint", str(folder), "--n", "0", "--radius", "1"], "--n"),
+             (["--checkpoint", str(folder), "--n", "500", "--radius", "1"], "--n"),
+             (["--checkpoint", str(folder), "--radius", "-1"], "--radius"),
+             (["--checkpoint", str(folder), "--radius", "1", "--out", str(afile)], "--out"),
+             (["--checkpoint", str(tmp_path / "missing"), "--radius", "1"], "--checkpoint")]
+    for argv, word in cases:
+        assert main(["bracket", *argv]) == EXIT_USAGE, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and word in err[0], (argv, err)
+    with pytest.raises(SystemExit) as exc:
+        main(["bracket", "--model", "llama"])
+    assert exc.value.code == EXIT_USAGE
+
+
+@pytest.mark.skipif(not pretrained.is_installed(pretrained.MINILM), reason="the pretrained extra is not installed")
+def test_bracket_on_the_trained_minilm(tmp_path, capsys):
+    out = tmp_path / "m"
+    assert main(["bracket", "--model", "minilm", "--layer", "-1", "--n", "4", "--budget", "400", "--out",
+                 str(out), "--quiet"]) == 0
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["layer"] == 5 and meta["radius_from"].startswith("the largest token norm")
+    assert 0 < meta["lower"] <= meta["upper"] and meta["text"] <= meta["lower"] * (1 + 1e-6)
+    mu = load_measure(out / "worst_case_input.npz")
+    assert float(mu.points.norm(dim=1).max()) <= meta["R"] * (1 + 1e-12)
+
+
+def test_bracket_of_the_whole_block_has_no_upper_bound(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    out = tmp_path / "b"
+    assert main(["bracket", "--checkpoint", str(folder), "--n", "3", "--radius", "1", "--map", "block",
+                 "--budget", "100", "--plain", "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "ratio  unknown" in printed and "plain gradient ascent, same budget" in printed
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["upper"] is None and meta["map"] == "block" and meta["lower"] > 0
