@@ -57,3 +57,27 @@ def test_a_broken_block_fails_with_its_readme_line():
 def test_blocks_keep_their_order_and_namespace():
     ns = run_blocks("```python\na = [1]\n```\n\n```python\na.append(2)\n```\n")
     assert ns["a"] == [1, 2]
+
+
+def test_readme_time_and_memory_table_is_the_measured_one():
+    """The README's time/memory table is studies/data/costs.json (the file ``meanfield --help`` prints),
+    so a re-measurement that is not pasted into the README fails here."""
+    from studies import costs
+
+    data = costs.load()
+    assert data["levels"].get("quick"), "studies/data/costs.json has no quick-level measurement"
+    assert costs.markdown_table(data) in README.read_text(encoding="utf-8"), (
+        "README.md's time and memory table differs from studies/data/costs.json: paste "
+        "`python -c 'from studies import costs; print(costs.markdown_table())'` into the README")
+
+
+def test_help_prints_the_same_measurements():
+    from studies import costs
+    from studies.cli import build_parser
+
+    data = costs.load()
+    text = build_parser().format_help()
+    for name, entry in data["levels"]["quick"]["studies"].items():
+        assert name in text
+        if entry.get("status") == "ok":
+            assert f"{entry['peak_gib']:.1f} GiB" in text

@@ -460,3 +460,11 @@ def test_radius_100_stays_finite():
     assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-8
     seq = worst_case_sequence(op, 100.0, 5, random=1, budget=300, max_steps=5)
     assert math.isfinite(seq.lower) and seq.lower <= seq.upper.value
+
+
+def test_repr_is_the_bracket_not_the_record():
+    op = SelfAttention(torch.eye(2, dtype=f64), torch.eye(2, dtype=f64))
+    wc = worst_case_sequence(op, 1.0, 3, budget=200, random=1, clusters=0)
+    text = repr(wc)
+    assert text.startswith("WorstCaseResult(lower=") and "upper=" in text and len(text) < 300
+    assert f"{wc.lower:.6g}" in text
