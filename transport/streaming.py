@@ -35,24 +35,13 @@ from particles.validation import ConvergenceError, check_allocation, check_on_fa
 from .options import check_memory_limit, resolve
 from .problem import Problem, ldexp
 from .result import worst_error
-from .tiles import rows_per_block, softmin, update
+from .tiles import plan_tiles, softmin, update
 
 __all__ = ["symmetric_potential"]
 
 #: Temporaries of one block of the soft-min (the product, its exponentials, the reduction), in elements
 #: of the block: used to estimate the solver's memory before running it.
 BLOCK_TEMPORARIES = 3
-
-
-def _plan_blocks(x, y, log_a, log_b, f, g, eps, chunk_elements):
-    """Yield (row slice, pi block) of pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)."""
-    xx, yy = (x * x).sum(1), (y * y).sum(1)
-    step = rows_per_block(y.shape[0], chunk_elements)
-    col = (log_b + (g - yy) / eps)[None, :]
-    for s in range(0, x.shape[0], step):
-        sl = slice(s, s + step)
-        row = (log_a[sl] + (f[sl] - xx[sl]) / eps)[:, None]
-        yield sl, torch.exp(torch.addmm(col + row, x[sl], y.T, alpha=2.0 / eps))
 
 
 class _EntropicValue(torch.autograd.Function):
@@ -69,10 +58,13 @@ class _EntropicValue(torch.autograd.Function):
         x, y, f, g, log_a, log_b = ctx.saved_tensors
         gx, gy = torch.zeros_like(x), torch.zeros_like(y)
         col_mass = torch.zeros(y.shape[0], dtype=y.dtype, device=y.device)
-        for sl, pi in _plan_blocks(x, y, log_a, log_b, f, g, ctx.eps, ctx.chunk):
-            gx[sl] = pi.sum(1)[:, None] * x[sl] - pi @ y
-            gy -= pi.T @ x[sl]
-            col_mass += pi.sum(0)
+        row_mass = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+        for rs, cs, pi in plan_tiles(x, y, log_a, log_b, f, g, ctx.eps, ctx.chunk):
+            gx[rs] -= pi @ y[cs]
+            gy[cs] -= pi.T @ x[rs]
+            row_mass[rs] += pi.sum(1)
+            col_mass[cs] += pi.sum(0)
+        gx += row_mass[:, None] * x
         gy += col_mass[:, None] * y
         return 2.0 * grad * gx, 2.0 * grad * gy, None, None, None, None, None, None
 
@@ -143,8 +135,8 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk):
 def _transport_cost(x, y, log_a, log_b, f, g, eps, chunk):
     xx, yy = (x * x).sum(1), (y * y).sum(1)
     total = x.new_zeros(())
-    for sl, pi in _plan_blocks(x, y, log_a, log_b, f, g, eps, chunk):
-        C = (xx[sl, None] + yy[None, :] - 2.0 * x[sl] @ y.T).clamp_min(0.0)
+    for rs, cs, pi in plan_tiles(x, y, log_a, log_b, f, g, eps, chunk):
+        C = torch.addmm(xx[rs, None] + yy[None, cs], x[rs], y[cs].T, alpha=-2.0).clamp_min_(0.0)
         total = total + (pi * C).sum()
     return total
 

@@ -66,9 +66,21 @@ def cofactors(y, yy, g, log_b, eps):
     return torch.cat([y, torch.ones_like(v)[:, None], v[:, None]], dim=1).T.contiguous()
 
 
-def _tile_shape(n: int, m: int, chunk_elements: int) -> tuple[int, int]:
-    cols = max(1, min(m, chunk_elements))
-    return max(1, min(n, chunk_elements // cols)), cols
+#: Fewest rows of a tile: below it the product of the thin factors runs far from the GEMM rate when they
+#: are wide (d = 64, one thread: 26 ns per entry with tiles of 2 whole rows of M = 10^5, 3.5 ns with 64
+#: rows of 4096 columns; d = 3 gains 1.7x, benchmarks/transport.md).
+MIN_ROWS = {True: 64, False: 16}
+
+
+def _tile_shape(n: int, m: int, chunk_elements: int, k: int) -> tuple[int, int]:
+    """(rows, cols) of a tile of at most ``chunk_elements`` entries for factors of width k: whole rows
+    while that leaves enough rows (MIN_ROWS), else MIN_ROWS rows of a part of a row."""
+    rows = max(1, chunk_elements // max(m, 1))
+    floor = MIN_ROWS[k > 8]
+    if rows < floor:
+        rows = floor
+    rows = min(n, rows)
+    return rows, max(1, min(m, chunk_elements // rows))
 
 
 def row_sums(A, B, chunk_elements):
@@ -77,7 +89,7 @@ def row_sums(A, B, chunk_elements):
     Exact where the terms neither overflow nor underflow (see :func:`safe`); one buffer for every tile.
     """
     n, m = A.shape[0], B.shape[1]
-    rows, cols = _tile_shape(n, m, chunk_elements)
+    rows, cols = _tile_shape(n, m, chunk_elements, A.shape[1])
     buf = torch.empty(rows * cols, dtype=A.dtype, device=A.device)
     out = torch.empty(n, dtype=A.dtype, device=A.device)
     if cols == m:
@@ -135,7 +147,7 @@ def plan_tiles(x, y, log_a, log_b, f, g, eps, chunk_elements):
     A = factors(x, (x * x).sum(1), f, eps, log_a)
     B = cofactors(y, (y * y).sum(1), g, log_b, eps)
     n, m = x.shape[0], y.shape[0]
-    rows, cols = _tile_shape(n, m, chunk_elements)
+    rows, cols = _tile_shape(n, m, chunk_elements, A.shape[1])
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
     for s in range(0, n, rows):
         r = min(rows, n - s)
