@@ -194,6 +194,8 @@ def memory_limit(value=None) -> int:
 
 
 def format_bytes(n: float) -> str:
+    if isinstance(n, int) and n.bit_length() > 1000:  # beyond the float range: n / size would overflow
+        return f"about 2^{n.bit_length() - 1} B"
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
             return f"{n / size:.1f} {unit}"

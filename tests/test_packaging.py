@@ -55,7 +55,9 @@ def test_own_packages_import_and_meanfield_does_not_import_transport(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
     assert lines[:2] == ["False", "False"]  # the check is cheap: POT is not imported by it
-    assert Path(lines[2]).resolve() == ROOT / "transport" / "__init__.py"
+    # the path is the last word: POT imports pykeops where it is installed (the bench extra), which prints a
+    # warning on stdout without a GPU
+    assert Path(lines[-1]).resolve() == ROOT / "transport" / "__init__.py"
 
 
 @pytest.mark.parametrize("module", ["meanfield", "transport"])

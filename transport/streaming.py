@@ -5,12 +5,15 @@ The N x M cost matrix is never stored: every Sinkhorn half-step is a soft-min
     f_i = -eps log sum_j b_j exp((g_j - \|x_i - y_j\|^2) / eps)
         = \|x_i\|^2 - eps LSE_j( log b_j + (g_j - \|y_j\|^2) / eps + (2 / eps) <x_i, y_j> ),
 
-evaluated on blocks of rows with one matrix product and one log-sum-exp per block (the online
-log-sum-exp of Feydy et al.'s GeomLoss, here in plain torch so the same code runs on CPU and
-CUDA, float32 or float64). eps-scaling (annealing eps from the squared diameter down to ``reg``,
-one update per level, then iterating to convergence at ``reg``) cuts the iteration count from
-O(diam^2 / eps) to a few dozen. Conventions are those of :mod:`transport.sinkhorn`
-(docs/math.md section 3).
+evaluated tile by tile (:mod:`transport.tiles`): relative to the current potential, one matrix
+product of thin factors writes a tile's exponents, ``exp_`` and one reduction finish it, without the
+max-shift of a log-sum-exp; rows where that would overflow or lose terms to underflow (first
+iterations, far-off potentials) are recomputed with the max-shifted log-sum-exp. Plain torch, so
+the same code runs on CPU and CUDA, float32 or float64.
+
+eps-scaling (annealing eps from the squared diameter down to ``reg``, one update per level, then
+iterating to convergence at ``reg``) cuts the iteration count from O(diam^2 / eps) to a few dozen.
+Conventions are those of :mod:`transport.sinkhorn` (docs/math.md section 3.2).
 
 Gradients with respect to the points use the envelope theorem (the potentials are optimal, so
 dOT_eps/dx_i = sum_j pi_ij 2 (x_i - y_j)), computed block by block in a custom autograd
@@ -32,43 +35,13 @@ from particles.validation import ConvergenceError, check_allocation, check_on_fa
 from .options import check_memory_limit, resolve
 from .problem import Problem, ldexp
 from .result import worst_error
+from .tiles import plan_tiles, softmin, update
 
 __all__ = ["symmetric_potential"]
 
 #: Temporaries of one block of the soft-min (the product, its exponentials, the reduction), in elements
 #: of the block: used to estimate the solver's memory before running it.
 BLOCK_TEMPORARIES = 3
-
-
-def _rows_per_block(m: int, chunk_elements: int) -> int:
-    return max(1, chunk_elements // max(m, 1))
-
-
-def softmin(x, xx, y, yy, log_b, g, eps, chunk_elements):
-    """f_i = -eps log sum_j exp(log b_j + (g_j - |x_i - y_j|^2) / eps), block by block over i.
-
-    ``xx``, ``yy``: the squared norms of the rows of ``x``, ``y``. Tensor routine of the solver
-    (no checks): points should be centred so that |x|^2 carries no avoidable cancellation.
-    """
-    h = (log_b + (g - yy) / eps)[None, :]
-    yt = y.T
-    out = torch.empty(x.shape[0], dtype=x.dtype, device=x.device)
-    step = _rows_per_block(y.shape[0], chunk_elements)
-    for s in range(0, x.shape[0], step):
-        block = torch.addmm(h, x[s:s + step], yt, alpha=2.0 / eps)
-        out[s:s + step] = torch.logsumexp(block, dim=1)
-    return xx - eps * out
-
-
-def _plan_blocks(x, y, log_a, log_b, f, g, eps, chunk_elements):
-    """Yield (row slice, pi block) of pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps)."""
-    xx, yy = (x * x).sum(1), (y * y).sum(1)
-    step = _rows_per_block(y.shape[0], chunk_elements)
-    col = (log_b + (g - yy) / eps)[None, :]
-    for s in range(0, x.shape[0], step):
-        sl = slice(s, s + step)
-        row = (log_a[sl] + (f[sl] - xx[sl]) / eps)[:, None]
-        yield sl, torch.exp(torch.addmm(col + row, x[sl], y.T, alpha=2.0 / eps))
 
 
 class _EntropicValue(torch.autograd.Function):
@@ -85,10 +58,13 @@ class _EntropicValue(torch.autograd.Function):
         x, y, f, g, log_a, log_b = ctx.saved_tensors
         gx, gy = torch.zeros_like(x), torch.zeros_like(y)
         col_mass = torch.zeros(y.shape[0], dtype=y.dtype, device=y.device)
-        for sl, pi in _plan_blocks(x, y, log_a, log_b, f, g, ctx.eps, ctx.chunk):
-            gx[sl] = pi.sum(1)[:, None] * x[sl] - pi @ y
-            gy -= pi.T @ x[sl]
-            col_mass += pi.sum(0)
+        row_mass = torch.zeros(x.shape[0], dtype=x.dtype, device=x.device)
+        for rs, cs, pi in plan_tiles(x, y, log_a, log_b, f, g, ctx.eps, ctx.chunk):
+            gx[rs] -= pi @ y[cs]
+            gy[cs] -= pi.T @ x[rs]
+            row_mass[rs] += pi.sum(1)
+            col_mass[cs] += pi.sum(0)
+        gx += row_mass[:, None] * x
         gy += col_mass[:, None] * y
         return 2.0 * grad * gx, 2.0 * grad * gy, None, None, None, None, None, None
 
@@ -119,21 +95,21 @@ def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk):
     f = torch.zeros_like(xx)
     g = torch.zeros_like(yy)
     levels = _schedule(x, y, eps, scaling, max_iter)
-    for e in levels[:-1]:
-        f = softmin(x, xx, y, yy, log_b, g, e, chunk)
-        g = softmin(y, yy, x, xx, log_a, f, e, chunk)
+    # every half-step is tiled relative to the current potentials (tiles.update); rows where they are
+    # too far off for that (the first levels) fall back to the max-shifted soft-min
+    for e in levels:
+        f = f + update(x, xx, y, yy, log_b, f, g, e, chunk)
+        g = g + update(y, yy, x, xx, log_a, g, f, e, chunk)
     it = len(levels) - 1
-    f = softmin(x, xx, y, yy, log_b, g, eps, chunk)
-    g = softmin(y, yy, x, xx, log_a, f, eps, chunk)
     while True:
-        f_new = softmin(x, xx, y, yy, log_b, g, eps, chunk)
-        # row marginal of the plan (f, g) is a_i exp((f_i - f_new_i) / eps); its columns are exact
-        err = float((a * torch.expm1((f - f_new) / eps).abs()).sum())
-        f = f_new
+        delta = update(x, xx, y, yy, log_b, f, g, eps, chunk)
+        # row marginal of the plan (f, g) is a_i exp(-delta_i / eps); its columns are exact
+        err = float((a * torch.expm1(-delta / eps).abs()).sum())
+        f = f + delta
         it += 1
         if err <= tol or it >= max_iter or math.isnan(err):
             break
-        g = softmin(y, yy, x, xx, log_a, f, eps, chunk)
+        g = g + update(y, yy, x, xx, log_a, g, f, eps, chunk)
     return f, g, err, it
 
 
@@ -144,12 +120,12 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk):
     f = torch.zeros_like(xx)
     levels = _schedule(x, x, eps, scaling, max_iter)
     for e in levels[:-1]:
-        f = 0.5 * (f + softmin(x, xx, x, xx, log_a, f, e, chunk))
+        f = f + 0.5 * update(x, xx, x, xx, log_a, f, f, e, chunk)
     it, err = 0, math.inf
     while it < max_iter:
-        t = softmin(x, xx, x, xx, log_a, f, eps, chunk)
-        err = float((a * torch.expm1((f - t) / eps).abs()).sum())
-        f = 0.5 * (f + t)
+        delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
+        err = float((a * torch.expm1(-delta / eps).abs()).sum())
+        f = f + 0.5 * delta
         it += 1
         if err <= tol or math.isnan(err):
             break
@@ -159,8 +135,8 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk):
 def _transport_cost(x, y, log_a, log_b, f, g, eps, chunk):
     xx, yy = (x * x).sum(1), (y * y).sum(1)
     total = x.new_zeros(())
-    for sl, pi in _plan_blocks(x, y, log_a, log_b, f, g, eps, chunk):
-        C = (xx[sl, None] + yy[None, :] - 2.0 * x[sl] @ y.T).clamp_min(0.0)
+    for rs, cs, pi in plan_tiles(x, y, log_a, log_b, f, g, eps, chunk):
+        C = torch.addmm(xx[rs, None] + yy[None, cs], x[rs], y[cs].T, alpha=-2.0).clamp_min_(0.0)
         total = total + (pi * C).sum()
     return total
 
