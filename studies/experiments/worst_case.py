@@ -480,9 +480,9 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
                 x = [r[x_key] for r in sel]
                 P.measured(ax, x, [r["lower"] for r in sel],
                            f"search, case {case}, {'masked' if masked else 'unmasked'}", color=colors[case],
-                           marker="s" if masked else "o", ls="--" if masked else "-")
+                           marker="s" if masked else "o", mfc="white" if masked else None, lw=0.9 if masked else 1.2)
                 if not masked:
-                    P.theory(ax, x, [r["upper"] for r in sel], f"upper bound, case {case}", color=colors[case])
+                    P.theory(ax, x, [r["upper"] for r in sel], f"best upper bound, case {case}", color=colors[case])
                     P.theory(ax, x, [r["witness"] for r in sel], f"Prop 3.4 witness, case {case}",
                              color=colors[case], kind="lower")
         P.finish(ax, "sequence length n" if x_key == "n" else "radius R", "Lipschitz constant on B_R^n",
