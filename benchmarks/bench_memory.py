@@ -106,7 +106,7 @@ def main(argv=None) -> int:
                    "unknown CPU")
         command = "python benchmarks/bench_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
         costs.record(args.level, rows, command=command.strip(), date=time.strftime("%Y-%m-%d"),
-                     load=f"{load0[0]:.1f}",
+                     load_average=f"{load0[0]:.1f}",
                      machine=f"{os.cpu_count()} x {cpu}, {mem:.0f} GiB, torch threads {rows[0].get('threads', '?')}")
         print(f"\nwritten to {costs.PATH}")
     return 0

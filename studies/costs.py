@@ -38,7 +38,8 @@ def _cell(entry: dict | None) -> str:
     if not entry:
         return "not measured"
     if entry.get("status", "ok") != "ok":
-        return f"failed ({entry['status']})"
+        status = str(entry["status"])
+        return status if status.startswith("failed") else f"failed ({status})"
     return f"{_minutes(entry['wall_s'])}, {entry['peak_gib']:.1f} GiB"
 
 
@@ -87,7 +88,7 @@ def help_text(data: dict | None = None) -> str:
     return f"measured time and peak memory (each study alone{where}):\n" + "\n".join(rows)
 
 
-def record(level: str, rows: list[dict], *, command: str, date: str, load: str, machine: str,
+def record(level: str, rows: list[dict], *, command: str, date: str, load_average: str, machine: str,
            path: Path | str = PATH) -> dict:
     """Store one measurement run (``rows`` as printed by benchmarks/bench_memory.py) at ``level``."""
     if level not in LEVELS:
@@ -101,12 +102,13 @@ def record(level: str, rows: list[dict], *, command: str, date: str, load: str, 
             continue
         peak = max(r["hwm_kib"], r.get("children_maxrss_kib", 0)) / 2**20
         studies[r["name"]] = {"wall_s": round(r["wall"], 1), "cpu_s": round(r["cpu"], 1),
-                              "peak_gib": round(peak, 2), "status": r["status"], "load": load}
+                              "peak_gib": round(peak, 2), "status": r["status"], "load": load_average}
     before = data["levels"].get(level, {})
     commands = [c for c in before.get("commands", []) if c != command] + [command]
     data["levels"][level] = {"commands": commands, "date": date,
                              "studies": {**before.get("studies", {}), **studies}}
     p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     tmp.replace(p)
