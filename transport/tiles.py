@@ -102,16 +102,23 @@ def row_sums(A, B, chunk_elements):
         return out
     out.zero_()
     part = torch.empty(rows, dtype=A.dtype, device=A.device)
+    for s, r, _, _, tile in _exp_tiles(A, B, rows, cols, buf):
+        torch.sum(tile, 1, out=part[:r])
+        out[s:s + r] += part[:r]
+    return out
+
+
+def _exp_tiles(A, B, rows, cols, buf):
+    """Yield (row start, rows, column start, columns, exp(A_rows B_cols)) over every tile, in ``buf``
+    (overwritten by the next tile)."""
+    n, m = A.shape[0], B.shape[1]
     for s in range(0, n, rows):
         r = min(rows, n - s)
         for c in range(0, m, cols):
             w = min(cols, m - c)
             tile = buf[:r * w].view(r, w)
             torch.mm(A[s:s + r], B[:, c:c + w], out=tile)
-            tile.exp_()
-            torch.sum(tile, 1, out=part[:r])
-            out[s:s + r] += part[:r]
-    return out
+            yield s, r, c, w, tile.exp_()
 
 
 def safe(S, m: int):
@@ -149,10 +156,5 @@ def plan_tiles(x, y, log_a, log_b, f, g, eps, chunk_elements):
     n, m = x.shape[0], y.shape[0]
     rows, cols = _tile_shape(n, m, chunk_elements, A.shape[1])
     buf = torch.empty(rows * cols, dtype=x.dtype, device=x.device)
-    for s in range(0, n, rows):
-        r = min(rows, n - s)
-        for c in range(0, m, cols):
-            w = min(cols, m - c)
-            tile = buf[:r * w].view(r, w)
-            torch.mm(A[s:s + r], B[:, c:c + w], out=tile)
-            yield slice(s, s + r), slice(c, c + w), tile.exp_()
+    for s, r, c, w, tile in _exp_tiles(A, B, rows, cols, buf):
+        yield slice(s, s + r), slice(c, c + w), tile
