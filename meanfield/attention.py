@@ -191,9 +191,9 @@ class SelfAttention(AttentionOperator):
             lw = ck if lw is None else lw + ck
         return q, k, v, lw
 
-    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
-        q, k, v, lw = self._qkv(xq, xk, log_weights)
-        out = attend(q, k, v, lw, q_pos, k_pos)
+    def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
+        q, k, v, lw = self._qkv(x, keys, log_weights)
+        out = attend(q, k, v, lw, x_positions, key_positions)
         return out if self._bV is None else out + self._bV
 
 
@@ -287,9 +287,9 @@ class MultiHeadAttention(AttentionOperator):
         kind = "masked, " if self.masked else ""
         return f"MultiHeadAttention({kind}heads={len(self.heads)}, d_in={self.d_in}, d_out={self.d_out})"
 
-    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
+    def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         if self._stack is None:
-            outs = [h.evaluate(xq, xk, log_weights, q_pos, k_pos) for h in self.heads]
+            outs = [h.evaluate(x, keys, log_weights, x_positions, key_positions) for h in self.heads]
             concat = torch.cat(outs, dim=-1)
         else:
             Qs, Ks, Vs, cs, bVs, fused = self._stack
@@ -298,14 +298,14 @@ class MultiHeadAttention(AttentionOperator):
             def heads(t, size):  # (..., n, H * size) -> (..., H, n, size): attend batches over heads
                 return t.unflatten(-1, (H, size)).transpose(-3, -2)
 
-            if xq is xk:
-                proj = xk @ fused.T
+            if x is keys:
+                proj = keys @ fused.T
                 q, rest = proj[..., : H * kq], proj[..., H * kq:]
             else:
-                q, rest = xq @ fused[: H * kq].T, xk @ fused[H * kq:].T
+                q, rest = x @ fused[: H * kq].T, keys @ fused[H * kq:].T
             q = heads(q, kq)
             if Ks is None:
-                k = xk.unsqueeze(-3)
+                k = keys.unsqueeze(-3)
             else:
                 k, rest = heads(rest[..., : H * kq], kq), rest[..., H * kq:]
             v = heads(rest[..., : H * kv], kv)
@@ -313,8 +313,8 @@ class MultiHeadAttention(AttentionOperator):
             if cs is not None:
                 ck = rest[..., H * kv:].transpose(-1, -2)  # (..., H, n): <c_h, x_j>
                 lw = ck if lw is None else lw + ck
-            qp = None if q_pos is None else q_pos.unsqueeze(-2)
-            kp = None if k_pos is None else k_pos.unsqueeze(-2)
+            qp = None if x_positions is None else x_positions.unsqueeze(-2)
+            kp = None if key_positions is None else key_positions.unsqueeze(-2)
             out = attend(q, k, v, lw, qp, kp)  # (..., H, m, k_v)
             concat = out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)
             if bVs is not None:
@@ -419,14 +419,14 @@ class L2SelfAttention(AttentionOperator):
         kind = "masked, " if self.masked else ""
         return f"L2SelfAttention({kind}heads={self.num_heads}, d_in={self.d_in}, d_out={self.d_out})"
 
-    def evaluate(self, xq, xk, log_weights=None, q_pos=None, k_pos=None):
-        qq = torch.einsum("...md,hdk->...hmk", xq, self._WQ)
-        kk = torch.einsum("...nd,hdk->...hnk", xk, self._WQ)
-        v = torch.einsum("...nd,hdk->...hnk", xk, self._AV)
+    def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
+        qq = torch.einsum("...md,hdk->...hmk", x, self._WQ)
+        kk = torch.einsum("...nd,hdk->...hnk", keys, self._WQ)
+        v = torch.einsum("...nd,hdk->...hnk", keys, self._AV)
         key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)
         lw = key_term if log_weights is None else key_term + log_weights.unsqueeze(-2)
-        qp = None if q_pos is None else q_pos.unsqueeze(-2)
-        kp = None if k_pos is None else k_pos.unsqueeze(-2)
+        qp = None if x_positions is None else x_positions.unsqueeze(-2)
+        kp = None if key_positions is None else key_positions.unsqueeze(-2)
         out = attend(2.0 * self._scale * qq, kk, v, lw, qp, kp)  # (..., H, m, k_v)
         concat = out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)
         out = concat @ self._WO

@@ -334,7 +334,8 @@ def _refuse_underflow(mask, dtype):
     if bool(mask.any()):
         raise OverflowError(
             f"X: the Jacobian at this input is below the {dtype} range (|J u| underflows to 0 or to subnormal "
-            f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f or use float64")
+            f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f"
+            + (" or use float64" if dtype != torch.float64 else ""))
 
 
 def _sdpa_backends(math_only: bool):
@@ -351,9 +352,9 @@ def _check_product(t, what, cheap=False):
     # overflowing sum only hands the work to float64, never hides a non-finite product)
     finite = torch.isfinite(t.sum()) if cheap else torch.isfinite(t).all()
     if not bool(finite):
+        fix = "use float64 or a smaller radius" if t.dtype != torch.float64 else "use a smaller radius or weights"
         raise OverflowError(f"X: the Jacobian product {what} overflows the {t.dtype} range at this input "
-                            "(the local constant, or the weights' scalings, exceed what the dtype holds); "
-                            "use float64 or a smaller radius")
+                            f"(the local constant, or the weights' scalings, exceed what the dtype holds); {fix}")
 
 
 def _scalings(log_weights, dtype):

@@ -683,8 +683,9 @@ def _ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep,
         if aux is None:  # the constant at this start is beyond the dtype's range
             members[-1].stopped = "overflow"
     if all(m.stopped == "overflow" for m in members):
+        fix = "use float64 or a smaller radius" if Ys[0].dtype != torch.float64 else "use a smaller radius"
         raise OverflowError("R: the local constant (or the weighted Jacobian) overflows the dtype's range at every "
-                            "start; use float64 or a smaller radius")
+                            f"start; {fix}")
     trace = []
     best = lambda: max(m.best[0] for m in members)
     stopped = "converged"

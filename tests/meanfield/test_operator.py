@@ -298,3 +298,17 @@ def test_operator_errors_name_the_fix():
         SelfAttention(1e308 * np.eye(3), np.eye(3)).sequence(10 * rand(4, 3, seed=0))
     with pytest.raises(TypeError, match="dtype: expected a floating dtype"):
         SelfAttention(0.5 * np.eye(3), np.eye(3), dtype=torch.int64)
+
+
+def test_every_operator_takes_the_protocol_argument_names():
+    """evaluate is called by keyword by users writing their own code: one set of names everywhere."""
+    import inspect
+
+    from meanfield import attention, hf, operator, sphere
+
+    want = list(inspect.signature(operator.AttentionOperator.evaluate).parameters)
+    classes = [c for m in (attention, hf, operator, sphere) for c in vars(m).values()
+               if isinstance(c, type) and issubclass(c, operator.AttentionOperator) and "evaluate" in vars(c)]
+    assert len(classes) >= 6
+    for cls in classes:
+        assert list(inspect.signature(cls.evaluate).parameters) == want, cls.__name__
