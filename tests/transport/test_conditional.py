@@ -14,20 +14,12 @@ import torch
 
 from particles import Measure
 from tests.reference import w2_assignment, w2_lp
+from tests.transport.helpers import rand, rand_weights
 from transport import conditional_w2, w2
 
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def rand(n, d, seed=0, scale=1.0):
-    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
-
-
-def rand_weights(n, seed=0):
-    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
-    return w / w.sum()
 
 
 def test_conditional_w2_of_sequences():

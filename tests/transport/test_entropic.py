@@ -18,20 +18,12 @@ import transport.api
 from particles import Measure
 from particles.validation import ConvergenceError
 from tests.reference import entropic_ot, sinkhorn_divergence, w2_lp
+from tests.transport.helpers import fd_check, rand, rand_weights
 from transport import TransportResult, solve, symmetric_potential, w2
 
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def rand(n, d, seed=0, scale=1.0):
-    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
-
-
-def rand_weights(n, seed=0):
-    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
-    return w / w.sum()
 
 
 @pytest.fixture(scope="module")
@@ -190,24 +182,11 @@ def test_auto_chooses_by_size(monkeypatch):
 
 
 # ---------------------------------------------------------------- gradients
-def _fd_check(fn, X, h=1e-5, tol=1e-6):
-    X = X.clone().requires_grad_()
-    val = fn(X)
-    assert isinstance(val, torch.Tensor) and val.dim() == 0
-    (g,) = torch.autograd.grad(val, X)
-    fd = torch.zeros_like(X)
-    for idx in np.ndindex(*X.shape):
-        E = torch.zeros_like(X)
-        E[idx] = h
-        fd[idx] = (float(fn((X + E).detach())) - float(fn((X - E).detach()))) / (2 * h)
-    assert torch.allclose(g, fd, atol=tol, rtol=tol), (g, fd)
-
-
 def test_gradients_match_finite_differences():
     Y, b = rand(6, 2, 1) + 0.5, rand_weights(6, 2)
     a, X = rand_weights(3, 3), rand(3, 2, 4)
-    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "sinkhorn", reg=1.0, squared=True, tol=1e-12), X, tol=1e-5)
-    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "streaming", reg=0.3, squared=True, tol=1e-13), X)
+    fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "sinkhorn", reg=1.0, squared=True, tol=1e-12), X, tol=1e-5)
+    fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), "streaming", reg=0.3, squared=True, tol=1e-13), X)
     # the streaming gradient also flows into both arguments at once
     Yg, Xg = Y.clone().requires_grad_(), X.clone().requires_grad_()
     val = w2(Measure(Xg, a), Measure(Yg, b), "streaming", reg=0.3, squared=True, tol=1e-13)

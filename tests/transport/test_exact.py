@@ -18,20 +18,12 @@ from hypothesis import strategies as st
 
 from particles import Measure
 from tests.reference import w2_assignment, w2_lp
+from tests.transport.helpers import fd_check, rand, rand_weights
 from transport import TransportResult, solve, w2
 
 F64 = torch.float64
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def rand(n, d, seed=0, scale=1.0):
-    return scale * torch.randn(n, d, generator=torch.Generator().manual_seed(seed), dtype=F64)
-
-
-def rand_weights(n, seed=0):
-    w = torch.rand(n, generator=torch.Generator().manual_seed(seed + 100), dtype=F64) + 0.05
-    return w / w.sum()
 
 
 @pytest.mark.parametrize("d,seed", [(2, 0), (3, 1), (5, 2)])
@@ -137,25 +129,12 @@ def test_float32_against_lp():
 
 
 # ---------------------------------------------------------------- gradients
-def _fd_check(fn, X, h=1e-5, tol=1e-6):
-    X = X.clone().requires_grad_()
-    val = fn(X)
-    assert isinstance(val, torch.Tensor) and val.dim() == 0
-    (g,) = torch.autograd.grad(val, X)
-    fd = torch.zeros_like(X)
-    for idx in np.ndindex(*X.shape):
-        E = torch.zeros_like(X)
-        E[idx] = h
-        fd[idx] = (float(fn((X + E).detach())) - float(fn((X - E).detach()))) / (2 * h)
-    assert torch.allclose(g, fd, atol=tol, rtol=tol), (g, fd)
-
-
 def test_gradients_match_finite_differences():
     Y, b = rand(6, 2, 1) + 0.5, rand_weights(6, 2)
     a, X = rand_weights(3, 3), rand(3, 2, 4)
-    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), squared=True), X)
-    _fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b)), X)
-    _fd_check(lambda Z: w2(Measure(Z[:, :1], a), Measure(Y[:, :1], b), squared=True), X)
+    fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b), squared=True), X)
+    fd_check(lambda Z: w2(Measure(Z, a), Measure(Y, b)), X)
+    fd_check(lambda Z: w2(Measure(Z[:, :1], a), Measure(Y[:, :1], b), squared=True), X)
 
 
 def test_gradient_at_equal_measures_is_zero_not_nan():
