@@ -134,6 +134,22 @@ def large(quick, budget, device):
     return res
 
 
+def _time_certificate_and_gradient(op, X, n):
+    """(n, products, seconds of a certified constant, seconds of its gradient) at X, the least of three
+    runs after a warm-up (the machine may be shared); prints the table row."""
+    local_lipschitz(op, X, tol=1e-6)  # warm-up
+    t_l = t_g = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        est = local_lipschitz(op, X, tol=1e-6)
+        t_l = min(t_l, time.perf_counter() - t)
+        t = time.perf_counter()
+        sigma_gradient(op, X, est.vector)
+        t_g = min(t_g, time.perf_counter() - t)
+    print(f"| {n} | {est.applications} | {t_l:.3f} | {t_l / est.applications * 1e3:.2f} | {t_g:.3f} |", flush=True)
+    return n, est.applications, t_l, t_g
+
+
 def scaling(quick, device):
     d = 64
     ns = [64, 128] if quick else [64, 128, 256, 512]
@@ -147,17 +163,7 @@ def scaling(quick, device):
     for n in ns:
         Z = torch.randn(n, d, generator=torch.Generator().manual_seed(n), dtype=f64)
         X = (3.0 * Z / Z.norm(dim=1, keepdim=True)).to(device)
-        local_lipschitz(op, X, tol=1e-6)  # warm-up
-        t_l = t_g = float("inf")
-        for _ in range(3):  # the least of three: the machine may be shared
-            t = time.perf_counter()
-            est = local_lipschitz(op, X, tol=1e-6)
-            t_l = min(t_l, time.perf_counter() - t)
-            t = time.perf_counter()
-            sigma_gradient(op, X, est.vector)
-            t_g = min(t_g, time.perf_counter() - t)
-        rows.append((n, est.applications, t_l, t_g))
-        print(f"| {n} | {est.applications} | {t_l:.3f} | {t_l / est.applications * 1e3:.2f} | {t_g:.3f} |", flush=True)
+        rows.append(_time_certificate_and_gradient(op, X, n))
     ns_a = np.array([r[0] for r in rows], dtype=float)
     per = np.array([r[2] / r[1] for r in rows])
     if ns_a[-1] == 512:
@@ -211,19 +217,7 @@ def layer_part(quick, budget, device, layer):
     print("|---|---|---|---|---|")
     rows = []
     for m in (64, 128):
-        Xm = xs[:m]
-        local_lipschitz(op, Xm, tol=1e-6)
-        t_l = t_g = float("inf")
-        for _ in range(3):
-            t = time.perf_counter()
-            est = local_lipschitz(op, Xm, tol=1e-6)
-            t_l = min(t_l, time.perf_counter() - t)
-            t = time.perf_counter()
-            sigma_gradient(op, Xm, est.vector)
-            t_g = min(t_g, time.perf_counter() - t)
-        rows.append((m, est.applications, t_l, t_g))
-        print(f"| {m} | {est.applications} | {t_l:.3f} | {t_l / est.applications * 1e3:.2f} | {t_g:.3f} |",
-              flush=True)
+        rows.append(_time_certificate_and_gradient(op, xs[:m], m))
     (n1, a1, l1, _), (n2, a2, l2, _) = rows
     slope = math.log((l2 / a2) / (l1 / a1)) / math.log(n2 / n1)
     per512 = (l2 / a2) * (512 / n2) ** slope
