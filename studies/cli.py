@@ -103,15 +103,16 @@ def _epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    epilog = _epilog()   # one read of the measured costs, shared by every (sub)command's help
     p = _Parser(
         prog="meanfield", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="How smooth is attention? Reproduce the claims of Castin, Ablin & Peyre (ICML 2024) "
                     "and neighbours: each study computes, plots next to the theory, and says whether "
                     "the numbers agree.",
-        epilog=_epilog())
+        epilog=epilog)
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    rp = sub.add_parser("reproduce", help="run every study and write the report", epilog=_epilog(),
+    rp = sub.add_parser("reproduce", help="run every study and write the report", epilog=epilog,
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         description="Run the registered studies and write config.json, summary.json, report.md.")
     _add_run_options(rp)
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bracket_arguments(bp)
     for name, study in registry().items():
         sp = sub.add_parser(name, help=study.title, description=f"{study.title}. {study.description}",
-                            epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                            epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
         _add_run_options(sp)
     return p
 
