@@ -183,21 +183,21 @@ class WorstCaseResult:
                 return s
         raise KeyError(f"name: no start called {name!r} (starts: {[s.name for s in self.starts]})")
 
+    def _upper_text(self) -> str:
+        if not self.upper.known:
+            return "unknown"
+        if self.upper.value < math.inf:
+            return f"{self.upper.value:.6g}"
+        return f"exp({self.upper.log_value:.6g})"
+
     def __repr__(self) -> str:
         # the full record (inputs, starts, trace) is in the attributes; the repr is the bracket
-        up = f"{self.upper.value:.6g}" if self.upper.known and self.upper.value < math.inf else (
-            f"exp({self.upper.log_value:.6g})" if self.upper.known else "unknown")
-        return (f"WorstCaseResult(lower={self.lower:.6g} +/- {self.error:.2g}, upper={up}, R={self.R:g}, "
-                f"n={self.n}, start={self.start!r}, products={self.products}, stopped={self.stopped!r})")
+        return (f"WorstCaseResult(lower={self.lower:.6g} +/- {self.error:.2g}, upper={self._upper_text()}, "
+                f"R={self.R:g}, n={self.n}, start={self.start!r}, products={self.products}, stopped={self.stopped!r})")
 
     def summary(self) -> str:
         """One paragraph: the bracket, the ratio, where it came from, what it cost."""
-        if not self.upper.known:
-            up = "unknown"
-        elif self.upper.value < math.inf:
-            up = f"{self.upper.value:.6g}"
-        else:
-            up = f"exp({self.upper.log_value:.6g})"
+        up = self._upper_text()
         if self.ratio is None:
             ratio = ""
         elif self.ratio > 0:
