@@ -43,6 +43,11 @@ def _cell(entry: dict | None) -> str:
     return f"{_minutes(entry['wall_s'])}, {entry['peak_gib']:.1f} GiB"
 
 
+def _cells(data: dict, name: str) -> list[str]:
+    """The study's cell at each level, in LEVELS order."""
+    return [_cell(data["levels"].get(level, {}).get("studies", {}).get(name)) for level in LEVELS]
+
+
 def _names(data: dict) -> list[str]:
     seen: list[str] = []
     for level in LEVELS:
@@ -58,7 +63,7 @@ def markdown_table(data: dict | None = None) -> str:
     data = load() if data is None else data
     lines = ["| study | `--quick` | full grids |", "|---|---|---|"]
     for name in _names(data):
-        cells = [_cell(data["levels"].get(level, {}).get("studies", {}).get(name)) for level in LEVELS]
+        cells = _cells(data, name)
         lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
     notes = []
     for level in LEVELS:
@@ -82,7 +87,7 @@ def help_text(data: dict | None = None) -> str:
     width = max(len(n) for n in names) + 2
     rows = [f"  {'study':<{width}}{'--quick':<22}full grids"]
     for name in names:
-        cells = [_cell(data["levels"].get(level, {}).get("studies", {}).get(name)) for level in LEVELS]
+        cells = _cells(data, name)
         rows.append(f"  {name:<{width}}{cells[0]:<22}{cells[1]}")
     where = f" on {data['machine']}" if data.get("machine") else ""
     return f"measured time and peak memory (each study alone{where}):\n" + "\n".join(rows)
