@@ -53,7 +53,7 @@ import torch  # noqa: E402
 from scipy.sparse.linalg import LinearOperator, eigsh  # noqa: E402
 
 from meanfield import MultiHeadAttention, SelfAttention, local_lipschitz  # noqa: E402
-from meanfield.lipschitz import _Problem  # noqa: E402
+from meanfield.jacobian import Jacobian  # noqa: E402
 
 D, H, K = 768, 12, 64
 TOL = 1e-6
@@ -98,7 +98,7 @@ def eigsh_run(op, X, products):
         _, vjp_fn = torch.func.vjp(fn, X)
         apply = lambda u: vjp_fn(torch.func.jvp(fn, (X,), (u,))[1])[0]
     else:
-        p = _Problem(lambda Y: op.points_map(Y), X.unsqueeze(0))
+        p = Jacobian(lambda Y: op.points_map(Y), X.unsqueeze(0))
         apply = lambda u: p._jt(p._jvp(u.unsqueeze(0)))[0]
     count = [0]
 
@@ -159,7 +159,7 @@ def compare(op, ns, repeats, device, with_power):
 
 
 def product_time(op, Xb, repeats):
-    p = _Problem(lambda Y: op.points_map(Y), Xb)
+    p = Jacobian(lambda Y: op.points_map(Y), Xb)
     u = torch.randn_like(Xb)
     p._jt(p._jvp(u))
     ts = []

@@ -6,7 +6,9 @@ Public names are loaded lazily from the submodules that hold them::
     attention    SelfAttention, MultiHeadAttention, L2SelfAttention
     sphere       SphereAttention (the sphere models of Geshkovski et al.)
     hf           HFAttention (Hugging Face attention layers as operators), extract_layer, ...
-    lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate
+    lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate, TOL (the default tolerance by dtype)
+    jacobian     the Jacobian products J u, J^T w behind local_lipschitz
+    krylov       its solvers: Lanczos, power iteration, dense
     bounds       the paper's bounds as functions (``meanfield.bounds``)
     adversarial  witnesses of the lower bounds (``meanfield.adversarial``)
     dynamics     simulate (token dynamics, Transformers as PDEs), Trajectory
@@ -62,8 +64,8 @@ _NAMES = {
     "WorstCaseResult": "worst_case",
     "split_lipschitz": "splitting",
 }
-_SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "bounds", "adversarial", "dynamics",
-               "integrators", "geometry", "kernels", "clustering", "io", "worst_case", "splitting",
+_SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "jacobian", "krylov", "bounds", "adversarial",
+               "dynamics", "integrators", "geometry", "kernels", "clustering", "io", "worst_case", "splitting",
                "sigma_gradient"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)

@@ -132,8 +132,12 @@ def test_batched_equals_one_by_one():
     X = rand(4, 6, 4, seed=5)
     for method in METHODS:
         batch = local_lipschitz(op, X, method=method, **KW)
-        assert isinstance(batch, list) and len(batch) == 4
+        # one kind of object whatever the rank: a batched estimate, indexable like the list it replaces
+        assert isinstance(batch, LipschitzEstimate) and batch.batched and len(batch) == 4
+        assert batch.value.shape == (4,) and batch.vector.shape == X.shape and bool(batch.converged.all())
+        assert [e.value for e in batch] == batch.value.tolist()
         for i in range(4):
+            assert torch.equal(batch[i].vector, batch.vector[i]) and batch[i].error == float(batch.error[i])
             single = local_lipschitz(op, X[i], method=method, **KW)
             assert rel(batch[i].value, single.value) <= 1e-9
             assert rel(batch[i].value, dense_lipschitz(op.sequence, X[i])) <= 1e-8

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-import meanfield.lipschitz as lipschitz
+import meanfield.jacobian as jacobian
 from meanfield import SelfAttention, adversarial, kernels, local_lipschitz
-from meanfield.lipschitz import ConvergenceError, _Problem
+from meanfield.jacobian import Jacobian
+from meanfield.lipschitz import ConvergenceError
 from particles import Measure
 from tests.meanfield.test_lipschitz import make_op, rand, rel
 from tests.reference import dense_jacobian, dense_lipschitz, dense_lipschitz_logweights, naive_attention
@@ -26,13 +27,13 @@ class _Float32Products:
 
     def __init__(self, monkeypatch):
         self.count = 0
-        raw = _Problem._raw_J
+        raw = Jacobian._raw_J
 
         def spy(p, u):
             self.count += u.dtype == f32
             return raw(p, u)
 
-        monkeypatch.setattr(_Problem, "_raw_J", spy)
+        monkeypatch.setattr(Jacobian, "_raw_J", spy)
 
 
 def _independent_certificate(op, X, u):
@@ -116,10 +117,10 @@ def test_products_by_reverse_over_reverse_and_forward_mode_agree(budget, monkeyp
     """J u by reverse-over-reverse on the recorded graph (default) or, above the graph budget, by
     forward-mode AD; both are J u (not f(X)), and the estimates agree with the dense Jacobian."""
     if budget is not None:
-        monkeypatch.setattr(lipschitz, "RR_BUDGET", budget)
+        monkeypatch.setattr(jacobian, "RR_BUDGET", budget)
     op = make_op("mha", masked=True)
     X = rand(6, 4, seed=7, scale=1.5)
-    p = _Problem(lambda Y: op.points_map(Y, None, torch.arange(1, 7, dtype=f64) / 6), X.unsqueeze(0))
+    p = Jacobian(lambda Y: op.points_map(Y, None, torch.arange(1, 7, dtype=f64) / 6), X.unsqueeze(0))
     u = rand(1, 6, 4, seed=8)
     J = dense_jacobian(op.sequence, X)
     Ju = p._jvp(u)
@@ -138,15 +139,15 @@ def test_streamed_operator_products_record_linear_memory(budget, monkeypatch):
     mode. Same certified constant as the dense kernel either way."""
     g = torch.Generator().manual_seed(4)
     n, d = 300, 3
-    monkeypatch.setattr(lipschitz, "RR_BUDGET", 64 * n * d * 8 if budget == "linear" else 0)
-    assert lipschitz.RR_BUDGET < n * n * 8
+    monkeypatch.setattr(jacobian, "RR_BUDGET", 64 * n * d * 8 if budget == "linear" else 0)
+    assert jacobian.RR_BUDGET < n * n * 8
     X = torch.randn(n, d, generator=g, dtype=f64)
     op = SelfAttention(torch.randn(d, d, generator=g, dtype=f64), torch.randn(d, d, generator=g, dtype=f64),
                        masked=True)
     pos = torch.arange(1, n + 1, dtype=f64) / n
     with kernels.use("stream", block_size=64):
         est = local_lipschitz(op, X, tol=1e-9, mixed=False)
-        p = _Problem(lambda Y: op.points_map(Y, None, pos), X.unsqueeze(0))
+        p = Jacobian(lambda Y: op.points_map(Y, None, pos), X.unsqueeze(0))
         p._jvp(torch.randn_like(p.X))
     assert p._MODES[p.mode] == ("rr" if budget == "linear" else "forward")
     with kernels.use("dense"):
@@ -182,7 +183,7 @@ def test_fused_sdpa_layers_take_reverse_over_reverse_on_the_math_backend():
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).to(f64).eval()
     op = as_operator(mha)
     X = rand(6, 8, seed=3)
-    p = _Problem(lambda Y: op.points_map(Y), X.unsqueeze(0))
+    p = Jacobian(lambda Y: op.points_map(Y), X.unsqueeze(0))
     u = rand(1, 6, 8, seed=4)
     Ju = p._jvp(u)
     assert p._MODES[p.mode] == "rr-math"

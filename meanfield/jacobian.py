@@ -1,0 +1,338 @@
+"""Jacobian products of attention: u -> J u and w -> J^T w, matrix-free (docs/math.md section 4.2).
+
+The Lipschitz solvers (:mod:`meanfield.krylov`) see the Jacobian of an operator's points map only
+through :class:`Jacobian`: ``J(u)`` (a tangent: forward-mode AD or reverse-over-reverse) and
+``JT(w)`` (a vector-Jacobian product on the graph recorded once), both divided by a power of two
+``c`` set from the first product so that every quantity a solver forms is of order one. This
+module also builds the problems of :func:`meanfield.local_lipschitz` from what users pass
+(:func:`make_problems`): the points map of an operator at X with weights and positions held fixed,
+the Lemma C.5 scalings of a measure (docs/math.md section 4.3), and the float32 twin used by the
+mixed-precision Lanczos.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.autograd import forward_ad
+
+from particles import Measure
+from particles.validation import memory_limit as memory_limit_bytes
+
+from .operator import AttentionOperator, as_operator, sequence_positions
+
+__all__ = ["Jacobian", "Problem", "make_problems", "norms", "RR_BUDGET"]
+
+#: bytes the recorded graph of J^T w (reverse-over-reverse J u) may save; above it (or above an
+#: eighth of the memory limit) J u runs in forward mode, which recomputes f but stores nothing
+RR_BUDGET = 512 * 2**20
+
+
+class _OverBudget(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _saved_bytes_budget(budget):
+    """Abort (``_OverBudget``) a graph recording once its saved tensors exceed ``budget`` bytes."""
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        if total[0] > budget:
+            raise _OverBudget
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+class Jacobian:
+    """The linear map u -> (weighted) J u at a batch of points, with J^T available.
+
+    ``fn`` maps X (b, n, d) to (b, n, d') independently per batch member; ``s_in`` and ``s_out``
+    (n, 1) are the Lemma C.5 scalings a^{-1/2} and a^{1/2} (up to a common factor), or None.
+
+    Products. f is evaluated once with its autograd graph recorded; J^T w is a backward pass on
+    that graph (f is never recomputed). J u is, in order of preference:
+
+    1. ``"rr"``: reverse-over-reverse on the same graph. g(w) = J^T w is linear in w, so
+       J u = d<g(w), u>/dw: one backward pass through the recorded graph of g, built once (with
+       create_graph) while its saved tensors stay within :data:`RR_BUDGET`;
+    2. ``"rr-math"``: the same on a graph recorded with torch's SDPA on its "math" backend (its
+       fused CPU kernels have no double backward nor forward-mode derivative), within the budget;
+       skipped when "rr" failed on the budget;
+    3. ``"forward"``: forward-mode AD (``torch.autograd.forward_ad``), which re-runs f with tangents
+       (nothing stored; the streamed attention kernel has an analytic JVP);
+    4. ``"forward-math"``: the same on SDPA's math backend;
+    5. ``"rr-unbudgeted"``: reverse-over-reverse on the math backend without the budget (functions
+       with neither forward-mode AD nor a graph within the budget).
+
+    A mode that fails on its first product hands over to the next; J u is the *tangent* output,
+    never f(X) (the pitfall of docs/math.md section 4.2).
+
+    The solvers see J / c, with c (b,) a power of two per batch member set from the first product
+    (``J(u)``): c is about ``|J u|`` for the random start, so every quantity the solvers form (J u,
+    J^T J u, their norms and Gram entries) is of order one however large or small Lip is. Scaling
+    by a power of two is exact, so the results are those of the unscaled solve wherever that one
+    does not overflow. Every product is checked: a non-finite one raises OverflowError (the
+    constant is beyond the dtype's range at this input), never a silent 0 or NaN.
+    """
+
+    _MODES = ("rr", "rr-math", "forward", "forward-math", "rr-unbudgeted")
+
+    def __init__(self, fn, X, s_in=None, s_out=None, memory_limit=None):
+        self.fn, self.X, self.s_in, self.s_out = fn, X, s_in, s_out
+        self.budget = min(RR_BUDGET, memory_limit_bytes(memory_limit) // 8)
+        self.math_sdpa = False  # run torch's SDPA on its math backend (forward-mode AD available)
+        self._record()
+        if not bool(torch.isfinite(self.out.detach()).all()):
+            raise ValueError("f: produced NaN or infinite outputs at X")
+        self.out_shape = self.out.shape
+        self.applications = 0
+        self.scale = None      # (b,) powers of two, set by the first J product
+        self.zero = None       # (b,) members whose Jacobian is exactly zero
+        self.forward_mode = True
+        self.cheap_checks = False
+        self.mode = 0          # index into _MODES
+        self._proven = False   # the current mode has returned a product
+        self._rr = None
+
+    def _record(self):
+        self.Xr = self.X.detach().requires_grad_(True)
+        with torch.enable_grad(), _sdpa_backends(self.math_sdpa):
+            self.out = self.fn(self.Xr)
+        # an output that does not depend on X (a zero Jacobian) has no graph
+        self.constant = not self.out.requires_grad
+
+    def _jt(self, w):
+        if self.constant:
+            return torch.zeros_like(self.X)
+        g = torch.autograd.grad(self.out, self.Xr, w, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros_like(self.X) if g is None else g
+
+    def _rr_product(self, u, budget):
+        if self._rr is None:
+            w0 = torch.zeros_like(self.out, requires_grad=True)
+            budget_ctx = contextlib.nullcontext() if budget is None else _saved_bytes_budget(budget)
+            with torch.enable_grad(), _sdpa_backends(self.math_sdpa), budget_ctx:
+                g = torch.autograd.grad(self.out, self.Xr, w0, create_graph=True, allow_unused=True)[0]
+            self._rr = (w0, g)
+        w0, g = self._rr
+        if g is None or not g.requires_grad:  # J^T w does not depend on w: J = 0
+            return torch.zeros_like(self.out)
+        Ju = torch.autograd.grad(g, w0, u, retain_graph=True, allow_unused=True)[0]
+        return torch.zeros_like(self.out) if Ju is None else Ju
+
+    def _forward_product(self, u):
+        with forward_ad.dual_level(), _sdpa_backends(self.math_sdpa):
+            t = forward_ad.unpack_dual(self.fn(forward_ad.make_dual(self.X, u))).tangent
+        return torch.zeros_like(self.out) if t is None else t.detach()
+
+    def _jvp(self, u):
+        if self.constant:
+            return torch.zeros_like(self.out)
+        while True:
+            mode = self._MODES[self.mode]
+            try:
+                if mode.startswith("rr"):
+                    w = self._rr_product(u, None if mode == "rr-unbudgeted" else self.budget)
+                else:
+                    w = self._forward_product(u)
+            except (NotImplementedError, RuntimeError, _OverBudget) as exc:
+                forward_failure = mode.startswith("forward") and isinstance(exc, NotImplementedError)
+                if self._proven or self.mode == len(self._MODES) - 1 or not (mode.startswith("rr") or forward_failure):
+                    raise
+                self._next_mode(over_budget=isinstance(exc, _OverBudget))
+                continue
+            self._proven = True
+            return w.detach()
+
+    def _next_mode(self, over_budget=False):
+        self._rr = None
+        self.mode += 1
+        if self._MODES[self.mode] == "rr-math" and over_budget:
+            self.mode += 1  # the math backend saves at least as much
+        mode = self._MODES[self.mode]
+        self.forward_mode = mode.startswith("forward")
+        if mode in ("rr-math", "forward-math", "rr-unbudgeted") and not self.math_sdpa:
+            # torch's fused SDPA kernels have no forward-mode derivative (nor a double backward) on
+            # CPU; its "math" backend is made of ordinary differentiable operations
+            self.math_sdpa = True
+            self._record()
+
+    def _raw_J(self, u):
+        if self.s_in is not None:
+            u = u * self.s_in
+        w = self._jvp(u)
+        self.applications += 1
+        w = w if self.s_out is None else w * self.s_out
+        _check_product(w, "J u", self.cheap_checks)
+        return w
+
+    def _raw_JT(self, w):
+        if self.s_out is not None:
+            w = w * self.s_out
+        u = self._jt(w)
+        self.applications += 1
+        u = u if self.s_in is None else u * self.s_in
+        _check_product(u, "J^T w", self.cheap_checks)
+        return u
+
+    def _calibrate(self, u, w):
+        size = norms(w).flatten()
+        zero = size == 0
+        if bool(zero.any()):
+            # exactly zero for a random start: a zero Jacobian, or one below the dtype's range; a
+            # tangent scaled by 2^(maxexp/2) (exact) tells the two apart
+            big = 2.0 ** (math.frexp(torch.finfo(u.dtype).max)[1] // 2)
+            probe = norms(self._raw_J(u * big)).flatten()
+            _refuse_underflow(zero & (probe > 0), u.dtype)
+        # products near the subnormal range have lost their precision: no certificate can hold there
+        _refuse_underflow(~zero & (size < _UNDERFLOW[u.dtype]), u.dtype)
+        self.zero = zero
+        exponent = torch.frexp(torch.where(zero, torch.ones_like(size), size))[1]
+        self.scale = torch.ldexp(torch.ones_like(size), exponent)
+
+    def _per_member(self, t):
+        return t.reshape(-1, *([1] * (self.X.dim() - 1)))
+
+    def J(self, u):
+        w = self._raw_J(u)
+        if self.scale is None:
+            self._calibrate(u, w)
+        return w / self._per_member(self.scale)
+
+    def JT(self, w):
+        return self._raw_JT(w) / self._per_member(self.scale)
+
+
+class _Underflow(dict):
+    def __missing__(self, dtype):
+        fi = torch.finfo(dtype)
+        return fi.tiny / fi.eps
+
+
+#: below this, ``|J u|`` has lost its relative precision to the subnormal range of the dtype
+_UNDERFLOW = _Underflow()
+
+
+def _refuse_underflow(mask, dtype):
+    if bool(mask.any()):
+        raise OverflowError(
+            f"X: the Jacobian at this input is below the {dtype} range (|J u| underflows to 0 or to subnormal "
+            f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f"
+            + (" or use float64" if dtype != torch.float64 else ""))
+
+
+def _sdpa_backends(math_only: bool):
+    """A context restricting torch's scaled_dot_product_attention to its math backend, or doing nothing."""
+    if not math_only:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.MATH])
+
+
+def _check_product(t, what, cheap=False):
+    # cheap: one sum (the float32 phase, whose products are of order one after the scaling; an
+    # overflowing sum only hands the work to float64, never hides a non-finite product)
+    finite = torch.isfinite(t.sum()) if cheap else torch.isfinite(t).all()
+    if not bool(finite):
+        fix = "use float64 or a smaller radius" if t.dtype != torch.float64 else "use a smaller radius or weights"
+        raise OverflowError(f"X: the Jacobian product {what} overflows the {t.dtype} range at this input "
+                            f"(the local constant, or the weights' scalings, exceed what the dtype holds); {fix}")
+
+
+def _scalings(log_weights, dtype):
+    """s_in = sqrt(a_max / a_j), s_out = sqrt(a_j / a_max); zero-mass atoms get 0 (they are not in the measure)."""
+    lw = log_weights.to(dtype)
+    half = (lw - lw.max()) / 2
+    present = torch.isfinite(half)
+    # s_in = exp(-half) must stay representable with headroom (e^12) for the products it enters;
+    # what still overflows inside a product is caught there (OverflowError)
+    limit = math.log(torch.finfo(dtype).max) - 12.0
+    if bool((present & (half < -limit)).any()):
+        raise ValueError("X: the weights of this measure span more than the floating range allows for the "
+                         "weighted Jacobian D^{1/2} J D^{-1/2} (ratio of largest to smallest mass over "
+                         f"e^{2 * limit:.0f} in {dtype}); "
+                         + ("use float64, or " if dtype != torch.float64 else "")
+                         + "merge or drop the tiniest atoms")
+    s_in = torch.where(present, torch.exp(-half.clamp(min=-limit)), torch.zeros_like(half))
+    s_out = torch.where(present, torch.exp(half), torch.zeros_like(half))
+    return s_in[:, None], s_out[:, None]
+
+
+def _float32_operator(op):
+    """The operator with float32 parameters, or None when it cannot convert (bare callables, layers
+    without ``to``)."""
+    if op.points_only:
+        return None
+    try:
+        op32 = op.to(dtype=torch.float32)
+    except (NotImplementedError, TypeError, ValueError, AttributeError, RuntimeError):
+        return None
+    return op32 if isinstance(op32, AttentionOperator) else None
+
+
+class Problem(NamedTuple):
+    """One solver run: the points map ``fn`` of (b, n, d) batches at ``X`` (b, n, d), the Lemma C.5
+    scalings ``s_in`` = a^{-1/2}, ``s_out`` = a^{1/2} of a measure (None for sequences), and ``lower``,
+    which builds the float32 twin (fn32, X32, s_in32, s_out32) of the problem (None where there is none)."""
+
+    fn: Callable
+    X: torch.Tensor
+    s_in: torch.Tensor | None
+    s_out: torch.Tensor | None
+    lower: Callable | None
+
+
+def make_problems(f, X):
+    """(operator, list of :class:`Problem`, batched flag) for f at X: one problem for a measure, a
+    sequence or a batch of sequences, one per sequence for a points-only callable (which may not batch).
+    """
+    op = as_operator(f)
+
+    def lowering(lw, pos, X_, log_weights=None):
+        def build():
+            op32 = _float32_operator(op)
+            if op32 is None:
+                return None
+            lw32, pos32 = (None if t is None else t.to(torch.float32) for t in (lw, pos))
+            s32 = (None, None) if log_weights is None else _scalings(log_weights, torch.float32)
+            return (lambda Y: op32.points_map(Y, lw32, pos32)), X_.to(torch.float32), *s32
+        return build
+
+    if isinstance(X, Measure):
+        mu = op.check_measure(X, "X")
+        lw = None if op.points_only else mu.log_weights
+        pos = mu.positions if op.masked else None
+        fn = lambda Y: op.points_map(Y, lw, pos)
+        s_in, s_out = _scalings(mu.log_weights, mu.dtype)
+        Xb = mu.points.detach().unsqueeze(0)
+        return op, [Problem(fn, Xb, s_in, s_out, lowering(lw, pos, Xb, mu.log_weights))], False
+    Xt = op.check_points(X, "X")
+    if Xt.dim() not in (2, 3):
+        raise ValueError(f"X: expected a sequence (n, d) or a batch of sequences (b, n, d), got {tuple(Xt.shape)}")
+    batched = Xt.dim() == 3
+    Xb = (Xt if batched else Xt.unsqueeze(0)).detach()
+    if Xb.shape[0] == 0 or Xb.shape[1] == 0:
+        raise ValueError(f"X: empty input of shape {tuple(Xt.shape)}")
+    pos = sequence_positions(Xb.shape[1], Xb) if op.masked else None
+    fn = lambda Y: op.points_map(Y, None, pos)
+    if op.points_only:
+        # a bare callable may not batch: one problem per sequence
+        return op, [Problem(fn, Xb[i:i + 1], None, None, None) for i in range(Xb.shape[0])], batched
+    return op, [Problem(fn, Xb, None, None, lowering(None, pos, Xb))], batched
+
+
+def norms(u):
+    """Per-member Euclidean norms (b, 1, ...), free of overflow and underflow in the squares."""
+    flat = u.flatten(1)
+    m = flat.abs().amax(dim=1)
+    safe = torch.where((m > 0) & torch.isfinite(m), m, torch.ones_like(m))
+    return ((flat / safe[:, None]).norm(dim=1) * safe).reshape(-1, *([1] * (u.dim() - 1)))

@@ -1,0 +1,491 @@
+"""Solvers for the top singular value of a Jacobian: Lanczos, power iteration, dense (docs/math.md 4.2).
+
+Every solver has one signature and returns one object::
+
+    SOLVERS[method](jac, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult
+
+with ``jac`` a :class:`meanfield.jacobian.Jacobian` (the map u -> J u / c and its transpose, over a
+batch of b inputs). The result holds, per batch member, the certified value ``|J u|`` / c, the unit
+vector u, the error bound, the residual, and whether ``tol`` was met; :func:`meanfield.local_lipschitz`
+turns it into :class:`~meanfield.lipschitz.LipschitzEstimate` objects.
+
+Certificate. For B = J^T J and a unit u with v = ``|J u|`` and normalized residual
+rho = ||B u - v^2 u|| / v, some singular value sigma of J has ``|sigma - v| <= min(rho, sqrt(rho v))``:
+that is ``error``. v never exceeds the top singular value (it is the square root of a Rayleigh
+quotient), so ``value`` is a certified lower bound; ``value + error`` bounds the top from above once
+the Ritz value approximates the top of the spectrum (Krylov methods from a random start reach it
+with probability one).
+
+Termination. Every solver stops within its budget and says whether it met ``tol``:
+
+* ``"lanczos"`` builds at most ``max_iter`` Krylov vectors (at most the problem size); each
+  certification pass after the first adds at least one vector, and the run stops when the certified
+  error stops improving although the Lanczos estimate says the target is met (``stalled``: the
+  rounding of the products at this input is above ``tol``). Each Krylov vector costs 2 products
+  and each certification pass at most 2, so a run uses at most ``4 max_iter + 2`` products (plus
+  those of the float32 phase of the mixed-precision variant).
+* ``"power"`` runs at most ``max_iter`` iterations (2 products each) and stops early when its best
+  certified error has not improved by 1% in :data:`PATIENCE` iterations (``stalled``).
+* ``"dense"`` builds the explicit Jacobian (one pass).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.func import jacfwd, jacrev
+
+from particles.validation import check_allocation, make_generator
+from particles.validation import memory_limit as memory_limit_bytes
+
+from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, norms
+
+__all__ = ["SolverResult", "SOLVERS", "lanczos", "power", "dense", "PATIENCE"]
+
+#: power iteration: iterations without a 1% gain of the best certified error after which it has stalled
+PATIENCE = 50
+#: target of the float32 phase of the mixed Lanczos: its own rounding (~1e-7 of |J|) limits what it can certify
+_LOW_TARGET = 2 * torch.finfo(torch.float32).eps
+#: a certification pass whose error is not below this fraction of the previous one made no progress
+_PROGRESS = 0.5
+
+
+@dataclass
+class SolverResult:
+    """What a solver returns, per batch member (tensors of length b), in units of the scaled J / c
+    (of J itself for dense).
+
+    Attributes
+    ----------
+    value, error, residual : torch.Tensor
+        The certified ``|J u|``, its error bound, the normalized residual rho.
+    vector : torch.Tensor
+        (b, ...) unit vectors u, shaped like the inputs.
+    converged : torch.Tensor
+        error <= tol * value (and a nonzero value unless J is exactly zero).
+    stalled : torch.Tensor
+        The run stopped because the certified error stopped improving (its rounding floor at this
+        input lies above tol), not because the budget ran out.
+    iterations : int
+        Krylov dimension (lanczos), iterations (power) or 1 (dense).
+    """
+
+    value: torch.Tensor
+    vector: torch.Tensor
+    error: torch.Tensor
+    residual: torch.Tensor
+    iterations: int
+    converged: torch.Tensor
+    stalled: torch.Tensor
+
+
+def _random_start(shape, like, seed):
+    g = make_generator(seed)
+    u = torch.randn(shape, generator=g, dtype=like.dtype).to(like.device)
+    return u / norms(u)
+
+
+def _dot(u, v):
+    return (u * v).flatten(1).sum(1)
+
+
+def _meets(err, value, tol, zero):
+    """Converged members: error <= tol * value; a zero value only for a Jacobian that is exactly zero
+    (for any other member it is an underflow and never meets the tolerance)."""
+    return (err <= tol * value) & ((value > 0) | zero)
+
+
+def _relative(err, value):
+    return torch.where(value > 0, err / torch.where(value > 0, value, torch.ones_like(value)),
+                       torch.full_like(err, math.inf))
+
+
+def _rayleigh(p, u):
+    """For unit vectors u (b, ...): v = ``|J u|`` (sqrt of the Rayleigh quotient of J^T J), the
+    normalized residual rho = ||J^T (J u / v) - v u|| = ||J^T J u - v^2 u|| / v, and the error bound
+    min(rho, sqrt(rho v)) on the distance from v to a singular value (module docstring). Working with
+    v and rho instead of v^2 and the plain residual keeps every quantity at the scale of Lip itself.
+    Also returns z = J^T J u / v (the next power iterate, up to its norm)."""
+    w = p.J(u)
+    v = norms(w)
+    z = p.JT(w / torch.where(v > 0, v, torch.ones_like(v)))
+    rho = norms(z - v * u).flatten()
+    v = v.flatten()
+    err = torch.minimum(rho, (rho * v).sqrt())
+    return v, rho, err, z
+
+
+def _rayleigh_from_image(u, Bu):
+    """:func:`_rayleigh` for a unit u whose image B u = J^T J u is known (a combination of computed
+    products): v = sqrt(u . B u), rho = ||B u / v - v u||, the same error bound."""
+    theta = _dot(u, Bu).clamp(min=0)
+    v = theta.sqrt().reshape(-1, *([1] * (u.dim() - 1)))
+    z = Bu / torch.where(v > 0, v, torch.ones_like(v))
+    rho = norms(z - v * u).flatten()
+    v = v.flatten()
+    return v, rho, torch.minimum(rho, (rho * v).sqrt()), z
+
+
+# ---------------------------------------------------------------------- power iteration
+def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
+    """Power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the explicit
+    certificate (not on the change of the estimate, which stops early on flat spectra), on
+    ``max_iter``, or when the best certified error has not improved by 1% in :data:`PATIENCE`
+    iterations. Members keep the iterate of their best certificate."""
+    u = _random_start(p.X.shape, p.X, seed)
+    shape = (-1, *([1] * (u.dim() - 1)))
+    b = u.shape[0]
+    done = torch.zeros(b, dtype=torch.bool, device=u.device)
+    stalled = torch.zeros_like(done)
+    best = since = None
+    kept = None
+    it = 0
+    for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+        v_new, r_new, e_new, z = _rayleigh(p, u)
+        rel = _relative(e_new, v_new)
+        if kept is None:
+            kept = [v_new, r_new, e_new, u]
+            best, since = rel, torch.zeros(b, dtype=torch.long, device=u.device)
+        else:
+            # members keep their best certificate (the one that met tol, for converged members)
+            better = ~done & ~stalled & (rel < best)
+            kept = [torch.where(better.reshape(shape) if new.dim() > 1 else better, new, old)
+                    for old, new in zip(kept, (v_new, r_new, e_new, u))]
+            gain = rel < 0.99 * best
+            since = torch.where(gain, torch.zeros_like(since), since + 1)
+            best = torch.minimum(best, rel)
+        done = done | _meets(kept[2], kept[0], tol, p.zero)
+        stalled = stalled | (~done & (since >= PATIENCE))
+        if bool((done | stalled).all()):
+            break
+        zn = norms(z)
+        nxt = torch.where(zn > 0, z / torch.where(zn > 0, zn, torch.ones_like(zn)), u)
+        u = torch.where((done | stalled).reshape(shape), u, nxt)
+    value, rho, err, vector = kept
+    return SolverResult(value, vector, err, rho, it, done, stalled)
+
+
+# ---------------------------------------------------------------------- Lanczos
+class _Basis:
+    """Krylov basis (b, m, N) that grows by doubling its capacity (never max_iter * N up front)."""
+
+    def __init__(self, b, N, like, capacity=16):
+        self.data = torch.empty(b, capacity, N, dtype=like.dtype, device=like.device)
+        self.m = 0
+
+    def append(self, q):
+        if self.m == self.data.shape[1]:
+            grown = torch.empty(self.data.shape[0], 2 * self.m, self.data.shape[2], dtype=self.data.dtype,
+                                device=self.data.device)
+            grown[:, : self.m] = self.data
+            self.data = grown
+        self.data[:, self.m] = q
+        self.m += 1
+
+    def view(self):
+        return self.data[:, : self.m]
+
+
+def _project_out(w, Q):
+    return w - torch.bmm(torch.bmm(Q, w.unsqueeze(-1)).transpose(1, 2), Q).squeeze(1)
+
+
+class _Krylov:
+    """Lanczos on a symmetric B with full reorthogonalization, one Krylov basis per batch member,
+    extended on demand (:meth:`run`) so that a caller can certify and go on.
+
+    ``apply(Q)`` returns B Q for Q (b, N); ``q`` (b, N) are unit start vectors in the working dtype
+    (the basis's); ``first`` is B q when already known. The small tridiagonal problem is solved in
+    float64 whatever the working dtype.
+    """
+
+    def __init__(self, apply, q, m_max, g, first=None, images=False):
+        self.apply, self.q, self.m_max, self.g, self.first = apply, q, m_max, g, first
+        b, N = q.shape
+        self.basis = _Basis(b, N, q, capacity=min(m_max, 16))
+        # with ``images`` the products B q_j are kept, so that B u of a Ritz vector costs no product
+        self.images = _Basis(b, N, q, capacity=min(m_max, 16)) if images else None
+        self.alpha, self.beta = [], []
+        self.q_prev = self.w = self.y = self.err = self.sig = None
+
+    @property
+    def m(self):
+        return self.basis.m
+
+    def _step(self):
+        q = self.q
+        dtype = q.dtype
+        tiny = torch.finfo(dtype).eps
+        j = self.m
+        if j > 0:
+            # the next vector from the last residual; an exhausted Krylov space (beta ~ 0) restarts with
+            # a fresh direction orthogonal to the basis
+            w, beta = self.w, self.beta[j - 1]
+            scale = torch.stack(self.alpha, 1).abs().amax(1).clamp(min=tiny)
+            broke = beta <= 1e3 * tiny * scale
+            self.q_prev = q
+            if bool(broke.any()):
+                Qj = self.basis.view()
+                fresh = torch.randn(q.shape, generator=self.g, dtype=dtype).to(q.device)
+                fresh = _project_out(_project_out(fresh, Qj), Qj)
+                fresh = fresh / fresh.norm(dim=1, keepdim=True)
+                self.beta[j - 1] = beta = torch.where(broke, torch.zeros_like(beta), beta)
+                q = torch.where(broke[:, None], fresh, w / beta[:, None].clamp(min=tiny))
+            else:
+                q = w / beta[:, None]
+            self.q = q
+        self.basis.append(q)
+        w = self.first if (j == 0 and self.first is not None) else self.apply(q)
+        if self.images is not None:
+            self.images.append(w)
+        self.alpha.append(_dot(q, w))
+        # three-term recurrence, then one pass of full reorthogonalization; a second pass only where
+        # the first removed most of what was left (the Daniel-Gragg-Kaufman-Stewart criterion)
+        w = w - self.alpha[j][:, None] * q
+        if self.q_prev is not None:
+            w = w - self.beta[j - 1][:, None] * self.q_prev
+        Qj = self.basis.view()
+        before = w.norm(dim=1)
+        w = _project_out(w, Qj)
+        after = w.norm(dim=1)
+        if bool((after < 0.7 * before).any()):
+            w = _project_out(w, Qj)
+            after = w.norm(dim=1)
+        self.w = w
+        self.beta.append(after)
+        a_t, b_t = torch.stack(self.alpha, 1).double(), torch.stack(self.beta, 1).double()
+        off = b_t[:, :j]
+        T = torch.diag_embed(a_t) + torch.diag_embed(off, 1) + torch.diag_embed(off, -1)
+        evals, evecs = torch.linalg.eigh(T)
+        theta, self.y = evals[:, -1], evecs[:, :, -1]
+        # Lanczos residual of the top Ritz pair: beta_m |last component of y|; the error bound on
+        # sqrt(theta) as in the certificate (module docstring)
+        r_est = b_t[:, j] * self.y[:, -1].abs()
+        self.sig = theta.clamp(min=0).sqrt()
+        self.err = torch.minimum(r_est / self.sig.clamp(min=torch.finfo(torch.float64).tiny), r_est.sqrt())
+
+    def run(self, target, at_least=0):
+        """Extend the basis by at least ``at_least`` vectors, then until every member's estimated
+        relative error is at most ``target``, or until the basis holds ``m_max`` vectors; returns
+        whether the target was met."""
+        start = self.m
+        while True:
+            if self.m > 0 and self.m - start >= at_least and bool((self.err <= target * self.sig).all()):
+                return True
+            if self.m >= self.m_max:
+                return False
+            self._step()
+
+    def ritz(self):
+        """The unit top Ritz vectors (b, N), and B applied to them when the images are kept (else None)."""
+        y = self.y.to(self.q.dtype).unsqueeze(1)
+        u = torch.bmm(y, self.basis.view()).squeeze(1)
+        norm = norms(u)
+        Bu = None if self.images is None else torch.bmm(y, self.images.view()).squeeze(1) / norm
+        return u / norm, Bu
+
+
+class _LowRange(Exception):
+    """A float32 product of the mixed-precision phase overflowed (float64 takes over)."""
+
+
+def _low_problem(build, u0):
+    """The float32 twin of a problem and its first product J u0 (scaled), the scale calibrated on it;
+    None where float32 cannot stand in: no float32 operator, products outside the float32 range, or a
+    Jacobian that is zero or below the float32 range for some member (float64 decides those)."""
+    try:
+        parts = build()
+        if parts is None:
+            return None
+        fn32, X32, s_in32, s_out32 = parts
+        low = Jacobian(fn32, X32, s_in32, s_out32)
+        w = low.J(u0.to(torch.float32))
+        low.cheap_checks = True
+    except (ValueError, OverflowError, RuntimeError, NotImplementedError):
+        return None
+    if bool(low.zero.any()) or not bool(torch.isfinite(low.scale).all()):
+        return None
+    return low, w
+
+
+class _Certificates:
+    """The best certificate of each batch member so far: members that met ``tol`` keep theirs."""
+
+    def __init__(self, p, tol, shape):
+        self.p, self.tol, self.shape = p, tol, shape
+        b = shape[0]
+        self.member = (-1, *([1] * (len(shape) - 1)))
+        self.value = self.u = self.err = self.rho = None
+        self.done = torch.zeros(b, dtype=torch.bool, device=p.X.device)
+        self.passes = 0
+
+    def certify(self, u, Bu=None):
+        """Certificate of u in p's dtype (from the products J u, J^T J u, or from B u when given).
+        Returns B u = ``|J u|`` z, flattened (b, N)."""
+        v, rho, err, z = _rayleigh(self.p, u) if Bu is None else _rayleigh_from_image(u, Bu.reshape(self.shape))
+        ok = _meets(err, v, self.tol, self.p.zero)
+        if self.value is None:
+            self.value, self.u, self.err, self.rho = v, u, err, rho
+        else:
+            keep = self.done
+            self.value, self.err, self.rho = (torch.where(keep, old, new) for old, new in
+                                              ((self.value, v), (self.err, err), (self.rho, rho)))
+            self.u = torch.where(keep.reshape(self.member), self.u, u)
+        self.done = self.done | ok
+        self.passes += 1
+        return (z * v.reshape(self.member)).reshape(self.shape[0], -1)
+
+    @property
+    def relative(self):
+        return _relative(self.err, self.value)
+
+
+def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
+    """Lanczos on B = J^T J with full reorthogonalization, one Krylov basis per batch member.
+
+    Stops when the explicit certificate of the Ritz vector (:func:`_rayleigh`) meets ``tol``; the
+    Lanczos residual estimate only decides when to compute it. When the estimate says the target is
+    met but the certificate misses ``tol``, the next pass tightens the target and adds at least one
+    vector; once a pass no longer halves the certified error, the run stops (``stalled``: the
+    rounding of the products at this input, not the Krylov space, limits the certificate). With
+    ``low_build`` (mixed precision), a first phase runs entirely in float32 (products and basis) to at
+    most float32 accuracy, its Ritz vectors certified with products in p's dtype; only if those miss
+    ``tol`` does a Lanczos in p's dtype continue from the last one. Every returned value, error and
+    residual comes from products in p's dtype.
+    """
+    b = p.X.shape[0]
+    shape = p.X.shape
+    N = p.X[0].numel()
+    m_max = min(max_iter, N)
+    check_allocation(b * m_max * N * p.X.element_size(), "method='lanczos'",
+                     f"the Krylov basis of up to max_iter = {m_max} vectors of {N} entries; lower max_iter "
+                     "(or tol), or use method='power', which stores no basis", memory_limit)
+    g = make_generator(None if seed is None else seed + 1)
+    q = _random_start(shape, p.X, seed)
+    best = _Certificates(p, tol, shape)
+    stalled = torch.zeros(b, dtype=torch.bool, device=p.X.device)
+
+    used = 0
+    first = None
+    twin = None if low_build is None else _low_problem(low_build, q)
+    if twin is not None:
+        low, w32 = twin
+        # the scale (a power of two: any one is exact) comes from the float32 product
+        p.scale, p.zero = low.scale.to(p.X.dtype), torch.zeros_like(low.zero)
+        # the whole phase in float32, basis included: it only has to reach float32 accuracy
+
+        def apply_low(v, Jv=None):
+            try:
+                return low.JT(low.J(v.reshape(shape)) if Jv is None else Jv).reshape(b, N)
+            except OverflowError as exc:
+                raise _LowRange from exc
+
+        target = max(0.5 * tol, _LOW_TARGET)
+        try:
+            q32 = q.reshape(b, N).to(torch.float32)
+            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32))
+            while True:
+                met = K.run(target)
+                q = K.ritz()[0].to(p.X.dtype).reshape(shape)
+                q = q / norms(q)
+                first = best.certify(q)
+                left = ~best.done
+                # float32 rounding dominates once the certified error is well above the float32 estimate
+                # (the float32 operator's eigenvector is not the float64 one): float64 takes over
+                estimate = (K.err / K.sig.clamp(min=torch.finfo(torch.float64).tiny)).to(best.err.dtype)
+                floor = bool((best.err > 2 * estimate * best.value)[left].any())
+                if bool(best.done.all()) or not met or target <= _LOW_TARGET or floor:
+                    break
+                target = max(0.25 * target, _LOW_TARGET)
+            used = K.m
+        except _LowRange:
+            # a float32 product left the float32 range: float64 from the start
+            if best.value is None:
+                q, first = _random_start(shape, p.X, seed), None
+            used = 0
+        p.applications += low.applications
+        del low
+    apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
+    if not bool(best.done.all()) and used < m_max:
+        # after a float32 phase, keep the images B q_j (a second basis) where memory allows: the
+        # certificate of the Ritz vector then costs no product
+        images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
+            memory_limit)
+        K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images)
+        target = 0.5 * tol
+        previous = None
+        while True:
+            # after a pass whose certificate missed tol, extend by at least one vector: a pass that
+            # only re-certifies the same Ritz vector learns nothing
+            met = K.run(target, at_least=0 if previous is None else 1)
+            u, Bu = K.ritz()
+            best.certify(u.reshape(shape), Bu)
+            if bool(best.done.all()) or not met:
+                break
+            # the Lanczos estimate met its target and the explicit certificate did not: the estimate was
+            # optimistic (it ignores rounding). Tighten the target while the certificate keeps improving;
+            # members whose certified error no longer halves per pass are at their rounding floor
+            rel = best.relative
+            if previous is not None:
+                stalled = stalled | (~best.done & ~(rel < _PROGRESS * previous))
+                if bool((best.done | stalled).all()):
+                    break
+            previous = rel
+            target *= 0.1
+        used += K.m
+    elif best.value is None:  # max_iter exhausted by the float32 phase before any certificate
+        best.certify(q)
+    return SolverResult(best.value, best.u, best.err, best.rho, used, best.done, stalled & ~best.done)
+
+
+# ---------------------------------------------------------------------- dense
+def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, low_build=None) -> SolverResult:
+    """Explicit (weighted) Jacobian of each batch member and its top singular triple (ground truth for
+    small sizes); the certificate is the rounding-level residual of the explicit product. A member
+    whose rounding-level error is above ``tol`` (float32 at a tight tol) has not converged: it is
+    ``stalled`` at the rounding floor, which no further work in this dtype lowers."""
+    n_in, n_out = p.X[0].numel(), math.prod(p.out_shape[1:])
+    check_allocation(3 * n_in * n_out * p.X.element_size(), "method='dense'",
+                     "the explicit Jacobian; use method='lanczos', which is matrix-free", memory_limit)
+    values, vectors, errs, res = [], [], [], []
+    for i in range(p.X.shape[0]):
+        X = p.X[i]
+        # members are independent, so the Jacobian of member i only needs f at member i
+        fn1 = lambda Y, i=i: p.fn(torch.cat([p.X[:i], Y.unsqueeze(0), p.X[i + 1:]]))[i]
+        if p.X.shape[0] == 1:
+            fn1 = lambda Y: p.fn(Y.unsqueeze(0))[0]
+        try:
+            J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
+        except NotImplementedError:  # no forward-mode derivative (fused kernels): reverse mode only
+            p.forward_mode = False
+            J = jacrev(fn1)(X).reshape(n_out, n_in)
+        if p.s_in is not None:
+            s_out = p.s_out.expand(p.out_shape[1:]).reshape(-1)
+            s_in = p.s_in.expand(X.shape).reshape(-1)
+            J = s_out[:, None] * J * s_in[None, :]
+        _check_product(J, "(the explicit Jacobian)")
+        p.applications += min(n_in, n_out)
+        # J / c with c a power of two near its largest entry: exact, and keeps S^2 in range
+        big = J.abs().max()
+        _refuse_underflow((big > 0) & (big < _UNDERFLOW[J.dtype]), J.dtype)
+        c = torch.ldexp(torch.ones_like(big), torch.frexp(big)[1]) if big > 0 else torch.ones_like(big)
+        _, S, Vh = torch.linalg.svd(J / c, full_matrices=False)
+        s, v = S[0], Vh[0]
+        # rounding-level certificate from the explicit product (normalized residual, as in _rayleigh)
+        w = (J / c) @ v
+        rho = float(((J / c).T @ (w / s if s > 0 else w) - s * v).norm()) if s > 0 else 0.0
+        c, s = float(c), float(s)
+        values.append(s * c)
+        vectors.append(v.reshape(X.shape))
+        errs.append(min(rho, math.sqrt(rho * s)) * c)
+        res.append(rho * c)
+    t = lambda v: torch.tensor(v, dtype=torch.float64)
+    value, err = t(values), t(errs)
+    ok = _meets(err, value, tol, value == 0) if tol is not None else torch.ones(len(values), dtype=torch.bool)
+    return SolverResult(value, torch.stack(vectors), err, t(res), 1, ok, ~ok)
+
+
+#: the solvers by method name, one signature (module docstring)
+SOLVERS = {"lanczos": lanczos, "power": power, "dense": dense}
