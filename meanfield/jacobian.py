@@ -99,6 +99,7 @@ class Jacobian:
         self.forward_mode = True
         self.cheap_checks = False
         self.mode = 0          # index into _MODES
+        self.on_product = None  # called after each product (the thread policy's re-check)
         self._proven = False   # the current mode has returned a product
         self._rr = None
 
@@ -170,6 +171,8 @@ class Jacobian:
             u = u * self.s_in
         w = self._jvp(u)
         self.applications += 1
+        if self.on_product is not None:
+            self.on_product()
         w = w if self.s_out is None else w * self.s_out
         _check_product(w, "J u", self.cheap_checks)
         return w
@@ -179,6 +182,8 @@ class Jacobian:
             w = w * self.s_out
         u = self._jt(w)
         self.applications += 1
+        if self.on_product is not None:
+            self.on_product()
         u = u if self.s_in is None else u * self.s_in
         _check_product(u, "J^T w", self.cheap_checks)
         return u

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.threads import ThreadPolicy, timed_probe
 from particles.validation import (
     ConvergenceError,
     check_on_failure,
@@ -271,16 +272,20 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     tol = _check_tol(tol, problems[0].X.dtype)
     solve = SOLVERS[method]
     members, applications, iterations = [], 0, 0
-    for prob in problems:
-        jac = Jacobian(prob.fn, prob.X, prob.s_in, prob.s_out, memory_limit)
-        low = prob.lower
-        if low is not None and (prob.X.dtype != torch.float64 or mixed is False
-                                or (mixed is None and prob.X[0].numel() < MIXED_MIN_SIZE)):
-            low = None
-        result = solve(jac, tol, max_iter, seed, memory_limit, low)
-        members += _estimates(result, jac, method)
-        applications += jac.applications
-        iterations = max(iterations, int(result.iterations))
+    with ThreadPolicy() as policy:
+        for k, prob in enumerate(problems):
+            # the first evaluation of f (recorded for the products) is the policy's probe
+            with timed_probe(policy if k == 0 else None):
+                jac = Jacobian(prob.fn, prob.X, prob.s_in, prob.s_out, memory_limit)
+            jac.on_product = policy.tick
+            low = prob.lower
+            if low is not None and (prob.X.dtype != torch.float64 or mixed is False
+                                    or (mixed is None and prob.X[0].numel() < MIXED_MIN_SIZE)):
+                low = None
+            result = solve(jac, tol, max_iter, seed, memory_limit, low)
+            members += _estimates(result, jac, method)
+            applications += jac.applications
+            iterations = max(iterations, int(result.iterations))
     est = _assemble(members, method, iterations, applications, batched)
     failed = [m for m in members if not m[4]]
     if failed:

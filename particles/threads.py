@@ -1,0 +1,187 @@
+"""The framework's thread policy: how many CPU threads torch uses inside each call.
+
+torch parallelizes an operation over a team of threads that meet at a barrier when it ends. When
+other processes keep the cores busy (a shared workstation, a cluster node), a team member is often
+descheduled, and every barrier waits for the scheduler: small and mid-sized operations then run 10
+to 100 times slower than on one thread, with the same results (benchmarks/threads.md). More threads
+only pay when each step has enough work and free cores exist. So every long-running entry point
+of the framework (``local_lipschitz``, the worst-case search, ``simulate``, ``transport.solve``)
+runs under a :class:`ThreadPolicy`:
+
+1. an override, if any, wins: :func:`set_threads` (or ``meanfield --threads N``), else the
+   environment variable ``SMOOTH_ATTENTION_THREADS`` (a positive integer, or ``auto``);
+2. a call whose steps take less than :data:`SMALL_STEP` seconds on one thread stays on one thread
+   (a second thread could save at most half of that, a busy core costs far more);
+3. otherwise it takes the cores that are free: the cores this process may run on, minus the
+   threads of other processes that are running now (sampled from ``/proc`` on Linux; elsewhere
+   the one-minute load average), never more than torch's own setting at the call
+   (``torch.set_num_threads`` stays an upper bound), and re-checked while the call runs, so a
+   machine that becomes busy during a long call moves it to fewer threads.
+
+Torch's setting is restored when the call ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+__all__ = ["ThreadPolicy", "timed_probe", "set_threads", "requested_threads", "free_cores", "SMALL_STEP", "ENV"]
+
+#: the environment variable that overrides the policy: a positive integer, or "auto"
+ENV = "SMOOTH_ATTENTION_THREADS"
+#: seconds of one-thread work per step below which a call stays on one thread
+SMALL_STEP = 2e-3
+#: seconds between two checks of the machine's load during a call
+RECHECK = 0.25
+
+_override: int | None = None
+
+
+def _parse(value, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "auto"):
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(f"{name}: expected a positive integer or 'auto', got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: expected a positive integer, 'auto' or None, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive integer or 'auto', got {value}")
+    return value
+
+
+def set_threads(n) -> None:
+    """Fix the number of threads of every framework call (a positive integer), or give the choice
+    back to the policy (None or "auto"). Wins over ``$SMOOTH_ATTENTION_THREADS``."""
+    global _override
+    _override = _parse(n, "threads")
+
+
+def requested_threads() -> int | None:
+    """The override in force: :func:`set_threads`, else ``$SMOOTH_ATTENTION_THREADS``, else None."""
+    if _override is not None:
+        return _override
+    return _parse(os.environ.get(ENV), ENV)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _running_here() -> int:
+    """Threads of this process in the running state now (Linux)."""
+    n = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "R":
+                    n += 1
+        except (OSError, IndexError):
+            continue
+    return n
+
+
+def _running_elsewhere() -> float:
+    """Threads of other processes that are running now: procs_running of /proc/stat minus this
+    process's running threads, median of three samples; elsewhere the load average minus one."""
+    try:
+        samples = []
+        for i in range(3):
+            with open("/proc/stat") as f:
+                running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+            samples.append(max(0, running - max(1, _running_here())))
+            if i < 2:
+                time.sleep(2e-4)
+        return float(sorted(samples)[1])
+    except (OSError, StopIteration, ValueError):
+        try:
+            return max(0.0, os.getloadavg()[0] - 1.0)
+        except (AttributeError, OSError):
+            return 0.0
+
+
+def free_cores() -> int:
+    """The cores this process may use that no other process is running on now (at least 1)."""
+    return max(1, _cores() - int(round(_running_elsewhere())))
+
+
+class ThreadPolicy:
+    """The threads of one call (module docstring). Use as a context manager::
+
+        with ThreadPolicy() as policy:      # starts on one thread: the first step is the probe
+            step()                          # ... timed by the caller
+            policy.observe(seconds)         # decides from the one-thread time of a step
+            for _ in range(k):
+                step(); policy.tick()       # re-checks the load now and then
+
+    ``step_seconds`` given up front decides at once. Torch's thread count is restored on exit.
+    """
+
+    def __init__(self, step_seconds: float | None = None):
+        self.step_seconds = step_seconds
+        self.threads = 1
+        self._entry = None
+        self._checked = 0.0
+        self._small = False
+
+    def __enter__(self) -> ThreadPolicy:
+        self._entry = torch.get_num_threads()
+        fixed = requested_threads()
+        if fixed is not None:
+            self._set(fixed)
+            self._small = True   # nothing to re-check: the user decided
+        elif self.step_seconds is not None:
+            self.observe(self.step_seconds)
+        else:
+            self._set(1)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.set_num_threads(self._entry)
+
+    def _set(self, n: int) -> None:
+        self.threads = n
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def observe(self, step_seconds: float) -> int:
+        """Decide from the one-thread time of a step; returns the threads chosen."""
+        if requested_threads() is not None:
+            return self.threads
+        self.step_seconds = step_seconds
+        self._small = step_seconds < SMALL_STEP or self._entry <= 1
+        self._recheck(force=True)
+        return self.threads
+
+    def tick(self) -> None:
+        """Re-check the machine's load (at most every :data:`RECHECK` seconds) and adjust."""
+        if not self._small and self.step_seconds is not None:
+            self._recheck()
+
+    def _recheck(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._checked < RECHECK:
+            return
+        self._checked = now
+        self._set(1 if self._small else max(1, min(self._entry, free_cores())))
+
+
+@contextlib.contextmanager
+def timed_probe(policy: ThreadPolicy | None):
+    """Time the block (on the policy's current threads) and hand the seconds to ``policy.observe``."""
+    t0 = time.perf_counter()
+    yield
+    if policy is not None:
+        policy.observe(time.perf_counter() - t0)
