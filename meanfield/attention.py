@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from particles.validation import as_tensor, check_ndim, float_dtype
@@ -200,20 +201,22 @@ class SelfAttention(AttentionOperator):
 class MultiHeadAttention(AttentionOperator):
     """Multi-head attention f_MH(X) = concat_h f^h(X) W_O^T + bias (docs/math.md section 1).
 
+    Two ways to build it::
+
+        MultiHeadAttention(heads, W_O, bias=None)                     # heads: SelfAttention operators
+        MultiHeadAttention([A1, A2], [V1, V2], W_O=W_O, masked=False) # score and value matrices per head
+
     ``heads`` is a list of :class:`SelfAttention` sharing the input dimension d and the masking
-    (V^h of shape (k_h, d)); ``W_O`` is (d_out, sum_h k_h); ``bias`` is (d_out,). Heads with the
-    same shapes are evaluated together in one batched kernel call.
+    (V^h of shape (k_h, d)); with matrices, head h is ``SelfAttention(A_h, V_h, masked=masked)``.
+    ``W_O`` is (d_out, sum_h k_h); ``bias`` is (d_out,). Heads with the same shapes are evaluated
+    together in one batched kernel call.
     """
 
-    def __init__(self, heads, W_O, bias=None):
-        if isinstance(heads, SelfAttention) or not hasattr(heads, "__iter__"):
-            raise TypeError("heads: expected a list of SelfAttention operators")
-        heads = list(heads)
-        if not heads:
-            raise ValueError("heads: expected at least one head")
+    def __init__(self, heads, *args, W_O=None, bias=None, masked=None, dtype=None):
+        heads, W_O, bias = self._heads_from(heads, args, W_O, bias, masked, dtype)
+        if W_O is None:
+            raise TypeError("W_O: the output matrix (d_out, sum of the heads' value sizes) is required")
         for h, head in enumerate(heads):
-            if not isinstance(head, SelfAttention):
-                raise TypeError(f"heads[{h}]: expected a SelfAttention, got {type(head).__name__}")
             if head.d_in != heads[0].d_in:
                 raise ValueError(f"heads[{h}]: input dimension {head.d_in} differs from heads[0]'s {heads[0].d_in}")
             if head.masked != heads[0].masked:
@@ -231,6 +234,41 @@ class MultiHeadAttention(AttentionOperator):
         self._b = _vector(bias, "bias", self._W_O.shape[0], heads[0].dtype, heads[0].device, "the heads")
         # heads evaluated in one kernel call when they have the same shapes
         self._stack = self._stackable()
+
+    @staticmethod
+    def _heads_from(heads, args, W_O, bias, masked, dtype):
+        """(list of SelfAttention heads, W_O, bias) from either construction form (class docstring)."""
+        if isinstance(heads, (SelfAttention, torch.Tensor, np.ndarray)) or not hasattr(heads, "__iter__"):
+            raise TypeError("heads: expected a list of SelfAttention operators, or a list of score matrices "
+                            "[A1, A2, ...] followed by the value matrices [V1, V2, ...] (then W_O=...)")
+        heads = list(heads)
+        if not heads:
+            raise ValueError("heads: expected at least one head")
+        if all(isinstance(h, SelfAttention) for h in heads):
+            if len(args) > 2:
+                raise TypeError(f"MultiHeadAttention(heads, W_O, bias): {2 + len(args)} positional arguments given")
+            if masked is not None or dtype is not None:
+                raise TypeError("masked, dtype: set them on the SelfAttention heads (or use the matrix form "
+                                "MultiHeadAttention([A1, A2], [V1, V2], W_O=..., masked=...))")
+            given = list(args) + [None] * (2 - len(args))
+            for name, pos, kw in (("W_O", given[0], W_O), ("bias", given[1], bias)):
+                if pos is not None and kw is not None:
+                    raise TypeError(f"{name}: given twice (positionally and by keyword)")
+            return heads, given[0] if W_O is None else W_O, given[1] if bias is None else bias
+        for h, head in enumerate(heads):
+            if isinstance(head, SelfAttention):
+                raise TypeError(f"heads[{h}]: mixes a SelfAttention with matrices; give all heads one way")
+        if len(args) != 1:
+            raise TypeError("heads: matrices given as heads; the form is MultiHeadAttention([A1, A2, ...], "
+                            "[V1, V2, ...], W_O=..., bias=None, masked=False) with one value matrix per head")
+        values = args[0]
+        if isinstance(values, torch.Tensor) and values.dim() == 3:
+            values = list(values)
+        values = list(values) if hasattr(values, "__iter__") else None
+        if values is None or len(values) != len(heads):
+            raise ValueError(f"V: expected one value matrix per head ({len(heads)}), got "
+                             f"{'none' if values is None else len(values)}")
+        return [SelfAttention(A, V, masked=bool(masked), dtype=dtype) for A, V in zip(heads, values)], W_O, bias
 
     def _stackable(self):
         h0 = self.heads[0]

@@ -23,14 +23,15 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor
+from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
            "interaction_energy", "w2_to_reference"]
 
 #: above this many points single linkage runs on grid-cell representatives (see cluster_labels)
 EXACT_LIMIT = 4000
-
+#: the default clustering distance, as a fraction of the diagonal of the points' bounding box
+RELATIVE_TOL = 1e-3
 
 def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
     if isinstance(x, Measure):
@@ -41,15 +42,22 @@ def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
     return t.detach().cpu().numpy(), None
 
 
-def _check_tol(tol) -> float:
-    tol = float(tol)
-    if not (math.isfinite(tol) and tol > 0):
-        raise ValueError(f"tol: expected a positive distance, got {tol}")
-    return tol
+def _check_tol(tol, X: np.ndarray) -> float:
+    """``tol``, or for None :data:`RELATIVE_TOL` times the diagonal of the bounding box of X (1.0 for a
+    configuration of one point: every tolerance then gives one cluster)."""
+    if tol is None:
+        diagonal = float(np.linalg.norm(X.max(0) - X.min(0))) if len(X) else 0.0
+        return RELATIVE_TOL * diagonal if diagonal > 0 else 1.0
+    return check_positive_float(tol, "tol")
 
 
-def cluster_labels(points, tol: float, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1) -> np.ndarray:
+def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+                   ) -> np.ndarray:
     """Single-linkage cluster labels at distance ``tol``, numbered 0..k-1 by first occurrence.
+
+    ``tol`` None: :data:`RELATIVE_TOL` (1e-3) of the diagonal of the points' bounding box, a scale-free
+    choice for collapsed clusters (on the unit sphere about 2e-3 to 3e-3); give an absolute distance
+    to compare configurations of different spreads.
 
     Up to ``exact_limit`` points: exact (scipy.cluster.hierarchy single linkage cut at ``tol``).
     Above: points are first grouped in grid cells of diameter ``slack * tol / 2`` and single linkage
@@ -58,7 +66,7 @@ def cluster_labels(points, tol: float, *, exact_limit: int = EXACT_LIMIT, slack:
     the cell diameter of its representative). This keeps collapsed clusters of 10^5 tokens cheap.
     """
     X, _ = _points(points)
-    tol = _check_tol(tol)
+    tol = _check_tol(tol, X)
     n, d = X.shape
     if n == 1:
         return np.zeros(1, dtype=int)
@@ -91,8 +99,9 @@ def _first_occurrence(raw: np.ndarray) -> np.ndarray:
     return rank[inv.reshape(-1)]
 
 
-def count_clusters(x, tol: float, **kw) -> int | np.ndarray:
-    """Number of single-linkage clusters at ``tol``; an array over time for a Trajectory or (T, N, d)."""
+def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
+    """Number of single-linkage clusters at ``tol`` (None: :func:`cluster_labels`'s default, frame by
+    frame); an array over time for a Trajectory or (T, N, d)."""
     pts = getattr(x, "points", x) if not isinstance(x, Measure) else x.points
     pts = as_tensor(pts, "x")
     if pts.dim() == 3:
@@ -100,7 +109,7 @@ def count_clusters(x, tol: float, **kw) -> int | np.ndarray:
     return int(cluster_labels(pts, tol, **kw).max()) + 1
 
 
-def cluster_centers(x, tol: float, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def cluster_centers(x, tol: float | None = None, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster."""
     X, w = _points(x)
     w = np.full(len(X), 1.0 / len(X)) if w is None else w
@@ -168,8 +177,9 @@ class LimitSet:
         return bool(self.is_vertex.all())
 
 
-def limit_set(x, tol: float, **kw) -> LimitSet:
-    """Cluster ``x`` at ``tol`` and test which cluster centers are vertices of their convex hull."""
+def limit_set(x, tol: float | None = None, **kw) -> LimitSet:
+    """Cluster ``x`` at ``tol`` (None: :func:`cluster_labels`'s default) and test which cluster centers
+    are vertices of their convex hull."""
     X, _ = _points(x)
     centers, masses, labels = cluster_centers(x, tol, **kw)
     is_vertex = np.zeros(len(centers), dtype=bool)

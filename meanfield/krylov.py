@@ -40,7 +40,7 @@ from torch.func import jacfwd, jacrev
 from particles.validation import check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
 
-from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, norms
+from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, _sdpa_backends, norms
 
 __all__ = ["SolverResult", "SOLVERS", "lanczos", "power", "dense", "PATIENCE"]
 
@@ -456,11 +456,14 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         fn1 = lambda Y, i=i: p.fn(torch.cat([p.X[:i], Y.unsqueeze(0), p.X[i + 1:]]))[i]
         if p.X.shape[0] == 1:
             fn1 = lambda Y: p.fn(Y.unsqueeze(0))[0]
-        try:
-            J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
-        except NotImplementedError:  # no forward-mode derivative (fused kernels): reverse mode only
-            p.forward_mode = False
-            J = jacrev(fn1)(X).reshape(n_out, n_in)
+        # torch's SDPA on its math backend: its fused CPU kernels have no forward-mode derivative and
+        # no batching rule for the vmap inside jacrev (a slow fallback with a warning)
+        with _sdpa_backends(True):
+            try:
+                J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
+            except NotImplementedError:  # no forward-mode derivative: reverse mode only
+                p.forward_mode = False
+                J = jacrev(fn1)(X).reshape(n_out, n_in)
         if p.s_in is not None:
             s_out = p.s_out.expand(p.out_shape[1:]).reshape(-1)
             s_in = p.s_in.expand(X.shape).reshape(-1)

@@ -227,3 +227,29 @@ def test_bad_inputs_name_the_argument():
         MultiHeadAttention([op, op], rand(3, 3))
     with pytest.raises(ValueError, match="W_V"):
         L2SelfAttention(rand(2, 4, 2), rand(3, 4, 2))
+
+
+def test_multihead_from_matrices_equals_multihead_from_heads():
+    """The two construction forms build the same map (checked against the heads summed through W_O by
+    hand), and the natural wrong guesses get a message that shows the right form."""
+    g = np.random.default_rng(3)
+    A1, A2, V1, V2 = g.standard_normal((4, 3, 3))
+    W = g.standard_normal((3, 6))
+    X = torch.randn(5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for masked in (False, True):
+        heads = [SelfAttention(A1, V1, masked=masked), SelfAttention(A2, V2, masked=masked)]
+        by_hand = torch.cat([h.sequence(X) for h in heads], -1) @ torch.as_tensor(W).T
+        for op in (MultiHeadAttention(heads, W), MultiHeadAttention(heads, W_O=W),
+                   MultiHeadAttention([A1, A2], [V1, V2], W_O=W, masked=masked)):
+            assert op.masked == masked
+            assert torch.allclose(op.sequence(X), by_hand, atol=1e-13)
+    with pytest.raises(TypeError, match=r"MultiHeadAttention\(\[A1, A2, \.\.\.\], \[V1, V2, \.\.\.\], W_O=\.\.\."):
+        MultiHeadAttention([A1, A2], W_O=W)
+    with pytest.raises(ValueError, match="one value matrix per head"):
+        MultiHeadAttention([A1, A2], [V1], W_O=W)
+    with pytest.raises(TypeError, match="W_O"):
+        MultiHeadAttention([A1, A2], [V1, V2])
+    with pytest.raises(TypeError, match="heads: expected a list"):
+        MultiHeadAttention(A1, W)
+    with pytest.raises(TypeError, match="W_O: given twice"):
+        MultiHeadAttention([SelfAttention(A1, V1)], W[:, :3], W_O=W[:, :3])

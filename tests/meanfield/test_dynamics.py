@@ -309,3 +309,22 @@ def test_w2_to_reference_matches_assignment():
         C = torch.cdist(a.points[k], b.points[k]).numpy() ** 2
         r, c = linear_sum_assignment(C)
         assert got[k] == pytest.approx(math.sqrt(C[r, c].mean()), rel=1e-9)
+
+
+def test_clustering_has_a_scale_free_default_tolerance():
+    """tol=None clusters at 1e-3 of the bounding box's diagonal: two tight groups 1e4 apart (spread 1)
+    are 2 clusters at that scale, and the same picture scaled by 1e-6 too; one point is one cluster."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.cat([torch.randn(20, 3, generator=g, dtype=torch.float64) * 1e-4,
+                      1e4 + torch.randn(20, 3, generator=g, dtype=torch.float64) * 1e-4])
+    for scale in (1.0, 1e-6):
+        X = base * scale
+        diag = float((X.max(0).values - X.min(0).values).norm())
+        assert count_clusters(X) == 2 == count_clusters(X, 1e-3 * diag)
+        assert count_clusters(X, 1e-9 * diag) == 40
+    assert count_clusters(torch.zeros(1, 3, dtype=torch.float64)) == 1
+    assert count_clusters(torch.zeros(5, 3, dtype=torch.float64)) == 1
+    with pytest.raises(TypeError, match="tol"):
+        count_clusters(base, True)
+    with pytest.raises(ValueError, match="tol"):
+        count_clusters(base, -1.0)
