@@ -3,6 +3,7 @@
 Public names are loaded lazily from the submodules that hold them::
 
     operator     AttentionOperator (the protocol), as_operator, CallableOperator, TorchMultiheadAttention
+    parameters   Parameters, Head: what an operator is made of (op.parameters())
     attention    SelfAttention, MultiHeadAttention, L2SelfAttention
     sphere       SphereAttention (the sphere models of Geshkovski et al.)
     hf           HFAttention (Hugging Face attention layers as operators), extract_layer, ...
@@ -10,13 +11,16 @@ Public names are loaded lazily from the submodules that hold them::
     jacobian     the Jacobian products J u, J^T w behind local_lipschitz
     krylov       its solvers: Lanczos, power iteration, dense
     bounds       the paper's bounds as functions (``meanfield.bounds``)
+    upper        operator_upper: the best bound known for a whole operator, from its parameters
     adversarial  witnesses of the lower bounds (``meanfield.adversarial``)
     dynamics     simulate (token dynamics, Transformers as PDEs), Trajectory
     integrators  Euler, RK4, torchdiffeq's adaptive methods
     geometry     Euclidean, Sphere (where tokens live during the dynamics)
     kernels      attend (the weighted, causal, log-sum-exp attention kernel)
-    worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult
-                 (certified brackets on the Lipschitz constant on a ball)
+    worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult,
+                 SearchOptions (certified brackets on the Lipschitz constant on a ball)
+    starts       the search's starting inputs (witnesses, hubs, random)
+    ascent       the certified projected ascent it runs (knows nothing of attention)
     sigma_gradient  the gradient of a local constant in the input (``meanfield.sigma_gradient.sigma_gradient``)
     splitting    split_lipschitz (mass splitting, closed form), query_jacobians
     io           save_trajectory, load_trajectory, save_estimate, load_estimate (.npz, never pickle)
@@ -62,11 +66,14 @@ _NAMES = {
     "worst_case_measure": "worst_case",
     "plain_gradient_ascent": "worst_case",
     "WorstCaseResult": "worst_case",
+    "SearchOptions": "worst_case",
+    "Parameters": "parameters",
+    "Head": "parameters",
     "split_lipschitz": "splitting",
 }
-_SUBMODULES = {"operator", "attention", "sphere", "hf", "lipschitz", "jacobian", "krylov", "bounds", "adversarial",
-               "dynamics", "integrators", "geometry", "kernels", "clustering", "io", "worst_case", "splitting",
-               "sigma_gradient"}
+_SUBMODULES = {"operator", "parameters", "attention", "sphere", "hf", "lipschitz", "jacobian", "krylov", "bounds",
+               "upper", "adversarial", "starts", "ascent", "dynamics", "integrators", "geometry", "kernels",
+               "clustering", "io", "worst_case", "splitting", "sigma_gradient"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 

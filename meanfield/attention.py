@@ -29,6 +29,7 @@ from particles.validation import as_tensor, check_ndim, float_dtype
 
 from .kernels import attend
 from .operator import AttentionOperator
+from .parameters import Head, Parameters
 
 __all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
 
@@ -132,6 +133,20 @@ class SelfAttention(AttentionOperator):
         obj = cls.__new__(cls)
         obj._init(scale * Q, K, V, masked, c, b_V, like)
         return obj
+
+    @classmethod
+    def from_head(cls, head: Head, masked: bool = False) -> SelfAttention:
+        """The operator of one dot-product head of a :class:`~meanfield.parameters.Parameters` record."""
+        if head.kind != "dot":
+            raise ValueError(f"head: expected a dot-product head, got kind {head.kind!r}")
+        obj = cls.__new__(cls)
+        obj._init(head.scale * head.Q, head.K, head.V, masked, head.key_bias, head.value_bias, None)
+        return obj
+
+    def parameters(self, d: int | None = None) -> Parameters:
+        """One dot-product head: Q = A, K = I (or the factors K, scale Q of ``from_qkv``), scale 1."""
+        K = torch.eye(self.d_in, dtype=self.dtype, device=self.device) if self._Kf is None else self._Kf
+        return Parameters((Head(self._Qf, K, self._V, self._c, self._bV, 1.0, "dot"),), masked=self.masked)
 
     # -------------------------------------------------------------- properties
     @property
@@ -301,6 +316,10 @@ class MultiHeadAttention(AttentionOperator):
     def bias(self) -> torch.Tensor | None:
         return self._b
 
+    def parameters(self, d: int | None = None) -> Parameters:
+        """The heads' records, W_O and the output bias."""
+        return Parameters(tuple(h.parameters().heads[0] for h in self.heads), self._W_O, self._b, self.masked)
+
     @property
     def d_in(self) -> int:
         return self.heads[0].d_in
@@ -431,6 +450,11 @@ class L2SelfAttention(AttentionOperator):
     @property
     def num_heads(self) -> int:
         return self._WQ.shape[0]
+
+    def parameters(self, d: int | None = None) -> Parameters:
+        """L2 heads (Q = K = W_Q^h^T, V = W_V^h^T, scale 1/sqrt(k)); W_O in the (d_out, H k_v) layout."""
+        heads = tuple(Head(q.T, q.T, v.T, None, None, self._scale, "l2") for q, v in zip(self._WQ, self._WV))
+        return Parameters(heads, self._WO.T, self._b, self.masked)
 
     @property
     def d_in(self) -> int:

@@ -323,10 +323,15 @@ def _resolve_rescale(rescale, op, dim, dtype, device):
     if rescale is False or rescale is None:
         return None
     if rescale is True:
-        V = getattr(op, "V", None) if isinstance(op, AttentionOperator) else None
-        if V is None:
-            raise ValueError("rescale: the operator has no attribute V; pass the matrix, rescale=V")
-        name = "op.V"
+        # the value map of a single head, read from the operator's parameters (meanfield.parameters)
+        p = op.parameters(dim) if isinstance(op, AttentionOperator) else None
+        if p is None or len(p.heads) != 1 or p.W_O is not None:
+            raise ValueError("rescale: rescale=True reads the value matrix V of a single-head operator from "
+                             f"op.parameters(), and {op!r} has "
+                             + ("no parameters" if p is None else f"{len(p.heads)} head(s) and an output matrix")
+                             + "; pass the matrix, rescale=V")
+        V = p.heads[0].value_map
+        name = "op.parameters().heads[0].V"
     else:
         V, name = rescale, "rescale"
     V = as_tensor(V, name, dtype=dtype, device=device).detach()

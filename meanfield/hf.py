@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .operator import AttentionOperator, additive_mask, sequence_positions
+from .parameters import Head, Parameters
 
 __all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
            "capture_attention_inputs", "causal_mask", "attention_function", "extract_layer", "LayerParameters",
@@ -177,9 +178,20 @@ class HFAttention(AttentionOperator):
     def __repr__(self) -> str:
         return f"HFAttention({self.name}, masked={self.masked}, block={self.block})"
 
-    def parameters(self) -> LayerParameters:
-        """Per-head parameters of the wrapped layer (:func:`extract_layer`)."""
-        return _extract(self.module, self.kind, masked=self.masked, layer=-1)
+    def parameters(self, d: int | None = None) -> Parameters:
+        """The layer's record (:mod:`meanfield.parameters`): per head Q_h, K_h, V_h, the key bias
+        scale K_h^T b_Q (what the query bias becomes), the value bias and the scale; W_O and the output
+        bias (``BertSelfAttention`` alone: none, the heads are concatenated). The whole block carries a
+        caveat (LayerNorm and residual: no bound applies). The raw weights, biases included, are
+        :func:`extract_layer`'s."""
+        raw = _extract(self.module, self.kind, masked=self.masked, layer=-1)
+        heads = tuple(Head(raw.Q[h], raw.K[h], raw.V[h], raw.scale * (raw.K[h].T @ raw.b_Q[h]), raw.b_V[h],
+                           raw.scale, "dot") for h in range(raw.num_heads))
+        caveat = ("the whole block (LayerNorm and residual) around the attention: no bound of the paper applies"
+                  if self.block else None)
+        legacy = {"Q": raw.Q, "K": raw.K, "V": raw.V, "b_Q": raw.b_Q, "b_K": raw.b_K, "b_V": raw.b_V,
+                  "scale": raw.scale, "layer": raw.layer}
+        return Parameters(heads, raw.W_O, raw.bias, self.masked, caveat, legacy)
 
     def _check_eval(self):
         if self.module.training or (self.ln is not None and self.ln.training):
@@ -288,8 +300,12 @@ def attention_function(model, layer: int, *, masked: bool | None = None, block: 
 class LayerParameters:
     """Per-head parameters of one attention layer (docs/math.md section 1), H heads of size k, width d.
 
-    Q, K, V: (H, k, d); b_Q, b_K, b_V: (H, k); W_O: (d, H k); bias: (d,); scale: the factor on
-    <q, k> (1/sqrt(k) by default, GPT-2 may add 1/(layer+1)); masked: the model's own mask.
+    The raw weights of a Hugging Face layer (:func:`extract_layer`); an operator's record for the
+    theory is :meth:`HFAttention.parameters` (:class:`meanfield.parameters.Parameters`).
+
+    Q, K, V: (H, k, d); b_Q, b_K, b_V: (H, k); W_O: (d, H k) and bias: (d,) (None for BertSelfAttention
+    alone); scale: the factor on <q, k> (1/sqrt(k) by default, GPT-2 may add 1/(layer+1)); masked: the
+    model's own mask.
     The layer computes f(X) = concat_h softmax((X Q_h^T + b_Q)(X K_h^T + b_K)^T scale) (X V_h^T + b_V) W_O^T + bias.
     """
 
@@ -299,8 +315,8 @@ class LayerParameters:
     b_Q: torch.Tensor
     b_K: torch.Tensor
     b_V: torch.Tensor
-    W_O: torch.Tensor
-    bias: torch.Tensor
+    W_O: torch.Tensor | None
+    bias: torch.Tensor | None
     scale: float
     masked: bool
     kind: str
@@ -344,18 +360,21 @@ def _extract(module, kind: str, *, masked: bool, layer: int) -> LayerParameters:
         W_O, bias = module.c_proj.weight.detach().T, module.c_proj.bias.detach()
         H, k, scale = module.num_heads, module.head_dim, float(module.scaling)
     else:
-        if kind != "bert":
-            raise ValueError("module: parameters need BertAttention (with output.dense as W_O), not BertSelfAttention")
-        core = module.self
+        # BertAttention (self + output.dense as W_O), or BertSelfAttention alone (heads concatenated)
+        core = module.self if kind == "bert" else module
         Wq, Wk, Wv = (m.weight.detach() for m in (core.query, core.key, core.value))
         bq, bk, bv = (m.bias.detach() for m in (core.query, core.key, core.value))
-        W_O, bias = module.output.dense.weight.detach(), module.output.dense.bias.detach()
+        if kind == "bert":
+            W_O, bias = module.output.dense.weight.detach(), module.output.dense.bias.detach()
+        else:
+            W_O = bias = None
         H, k, scale = core.num_attention_heads, core.attention_head_size, float(core.scaling)
 
     def heads(M):
         return M.reshape(H, k, -1).clone() if M.dim() == 2 else M.reshape(H, k).clone()
+    clone = lambda t: None if t is None else t.clone()
     return LayerParameters(Q=heads(Wq), K=heads(Wk), V=heads(Wv), b_Q=heads(bq), b_K=heads(bk), b_V=heads(bv),
-                           W_O=W_O.clone(), bias=bias.clone(), scale=scale, masked=masked, kind="gpt2" if
+                           W_O=clone(W_O), bias=clone(bias), scale=scale, masked=masked, kind="gpt2" if
                            kind == "gpt2" else "bert", layer=layer)
 
 

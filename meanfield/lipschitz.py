@@ -219,29 +219,38 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
 
     Parameters
     ----------
-    f : anything :func:`meanfield.as_operator` accepts (an operator of :mod:`meanfield.attention`, a
-        Hugging Face attention layer, a callable on tensors (n, d) -> (n, d'), ...).
-    X : tensor (n, d), batch (b, n, d), or :class:`~particles.Measure`
-        Tensors use the Euclidean (Frobenius) norm; a measure uses the W2 sense of Lemma C.5,
-        ||D^{1/2} J D^{-1/2}||_2 with its weights (and positions, for masked operators) held fixed.
-        A batch is solved in one run with batched operator applications (an arbitrary callable,
-        which may not batch, is looped over the sequences) and gives one batched estimate.
-    method : "lanczos" (default), "power" (Appendix E.1) or "dense".
-    tol : relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
+    f : operator or callable
+        Anything :func:`meanfield.as_operator` accepts: an operator of :mod:`meanfield.attention`,
+        a Hugging Face attention layer, a callable on tensors (n, d) -> (n, d'), ...
+    X : torch.Tensor or particles.Measure
+        A sequence (n, d), a batch (b, n, d), or a measure. Tensors use the Euclidean (Frobenius)
+        norm; a measure uses the W2 sense of Lemma C.5, ||D^{1/2} J D^{-1/2}||_2 with its weights
+        (and positions, for masked operators) held fixed. A batch is solved in one run with batched
+        operator applications (an arbitrary callable, which may not batch, is looped over the
+        sequences) and gives one batched estimate.
+    method : str
+        "lanczos" (default), "power" (Appendix E.1) or "dense".
+    tol : float or None
+        Relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
         (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon is a ValueError.
-    max_iter : iteration budget (lanczos: Krylov dimension; power: iterations); default :data:`MAX_ITER`.
-    seed : seed of the random start.
-    on_failure : "raise" (a :class:`ConvergenceError` carrying the estimate) or "warn" (return
-        the estimate with ``converged=False`` and emit a RuntimeWarning).
-    memory_limit : bytes (or a size such as "16G") the dense Jacobian or the Krylov basis may take;
-        default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or 8 GiB. Above it a
+    max_iter : int or None
+        Iteration budget (lanczos: Krylov dimension; power: iterations); default :data:`MAX_ITER`.
+    seed : int
+        Seed of the random start.
+    on_failure : str
+        "raise" (a :class:`ConvergenceError` carrying the estimate) or "warn" (return the estimate
+        with ``converged=False`` and emit a RuntimeWarning).
+    memory_limit : int, str or None
+        Bytes (or a size such as "16G") the dense Jacobian or the Krylov basis may take; default
+        ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or 8 GiB. Above it a
         :class:`~particles.validation.MemoryLimitError` is raised before allocating.
-    mixed : None (auto), True or False: whether Lanczos may run its first phase on float32 products
-        (about twice as fast on CPU) for a float64 input. The float32 phase only proposes a vector;
-        its value, error and ``converged`` come from float64 products, and a float64 Lanczos
-        continues from it when that certificate misses ``tol``. None uses it for operators that
-        convert to float32 (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE`
-        entries per batch member; True for every such operator; False never.
+    mixed : bool or None
+        Whether Lanczos may run its first phase on float32 products (about twice as fast on CPU)
+        for a float64 input. The float32 phase only proposes a vector; its value, error and
+        ``converged`` come from float64 products, and a float64 Lanczos continues from it when that
+        certificate misses ``tol``. None uses it for operators that convert to float32
+        (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE` entries per batch
+        member; True for every such operator; False never.
 
     Returns
     -------

@@ -1,7 +1,7 @@
 """The operator protocol: what every attention map of the framework is (docs/math.md section 2).
 
 An attention operator acts on sequences (the discrete map f) and on measures (the pushforward F).
-Every operator implements ONE primitive,
+Every operator implements ONE primitive (and, to be read by the theory, ``parameters()``),
 
     op.evaluate(x, keys, log_weights=None, x_positions=None, key_positions=None)
 
@@ -84,6 +84,15 @@ class AttentionOperator:
 
     def to(self, device=None, dtype=None) -> AttentionOperator:
         raise NotImplementedError(f"{type(self).__name__} cannot change device or dtype")
+
+    def parameters(self, d: int | None = None):
+        """What the operator is made of: a :class:`~meanfield.parameters.Parameters` record (per head
+        Q, K, V, biases, scale and kind; W_O and the output bias), which the bounds, the worst-case
+        starts and the dynamics read; None for an operator that is not made of softmax heads the
+        framework can read (a bare callable: the theory then says it cannot bound it). ``d`` is the
+        token dimension, needed only by operators that act in every dimension
+        (:class:`~meanfield.SphereAttention`)."""
+        return None
 
     # -------------------------------------------------------------- derived maps
     def points_map(self, X, log_weights=None, positions=None) -> torch.Tensor:
@@ -318,6 +327,31 @@ class TorchMultiheadAttention(AttentionOperator):
 
     def __repr__(self) -> str:
         return f"TorchMultiheadAttention(embed_dim={self.d_in}, heads={self.module.num_heads}, masked={self.masked})"
+
+    def parameters(self, d: int | None = None):
+        """Per head: Q, K, V from ``in_proj_weight`` (rows q | k | v, head h the rows h k..(h+1) k),
+        scale 1/sqrt(k), key bias scale K^T b_q, value bias b_v; W_O = ``out_proj.weight``."""
+        from .parameters import Head, Parameters
+
+        m = self.module
+        caveat = None
+        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+            caveat = "torch MultiheadAttention with kdim/vdim, bias_k/bias_v or add_zero_attn"
+        if not m._qkv_same_embed_dim:
+            return None
+        E, H = m.embed_dim, m.num_heads
+        k = E // H
+        W = m.in_proj_weight.detach()
+        b = m.in_proj_bias.detach() if m.in_proj_bias is not None else None
+        heads = []
+        for h in range(H):
+            rows = slice(h * k, (h + 1) * k)
+            Q, K, V = W[:E][rows], W[E:2 * E][rows], W[2 * E:][rows]
+            scale = 1.0 / k ** 0.5
+            c = None if b is None else scale * (K.T @ b[:E][rows])
+            heads.append(Head(Q, K, V, c, None if b is None else b[2 * E:][rows], scale, "dot"))
+        out_b = m.out_proj.bias.detach() if m.out_proj.bias is not None else None
+        return Parameters(tuple(heads), m.out_proj.weight.detach(), out_b, self.masked, caveat)
 
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         lead = x.shape[:-2]

@@ -51,6 +51,23 @@ class SphereAttention(AttentionOperator):
     def to(self, device=None, dtype=None) -> SphereAttention:
         return self  # no parameters: acts in the dtype and on the device of its inputs
 
+    def parameters(self, d: int | None = None):
+        """One head with A = beta I and V = I in dimension ``d`` (required: the model acts in every
+        dimension), float64 on the CPU. USA is not a softmax average: its record carries a caveat."""
+        from particles.validation import check_positive_int
+
+        from .parameters import Head, Parameters
+
+        if d is None:
+            raise ValueError("d: SphereAttention acts in every dimension; give the token dimension, "
+                             "op.parameters(d)")
+        d = check_positive_int(d, "d")
+        eye = torch.eye(d, dtype=torch.float64)
+        caveat = None if self.normalization == "SA" else \
+            "the unnormalized USA field is not a softmax average: no bound of the paper applies"
+        return Parameters((Head(self.beta * eye, eye, eye, None, None, 1.0, "dot"),), masked=self.masked,
+                          caveat=caveat)
+
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         q = self.beta * x
         out = attend(q, keys, keys, log_weights, x_positions, key_positions)

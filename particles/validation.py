@@ -116,6 +116,13 @@ def check_positive_int(n, name: str, minimum: int = 1) -> int:
     return int(n)
 
 
+def check_bool(value, name: str) -> bool:
+    """True or False (numpy booleans accepted); anything else, a truthy string included, is a TypeError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
     """A finite positive real number (numpy scalars accepted), as a float; bools and strings are errors."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):

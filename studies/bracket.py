@@ -146,8 +146,8 @@ def run(args) -> int:
     """Run the command for parsed ``args``; returns the exit code (raises :class:`UsageError`)."""
     import torch
 
+    from meanfield import SearchOptions, local_lipschitz, plain_gradient_ascent, worst_case_sequence
     from meanfield import hf as mhf
-    from meanfield import local_lipschitz, plain_gradient_ascent, worst_case_sequence
     from meanfield.io import save_estimate
     from particles import Measure
     from particles.io import save_measure
@@ -205,9 +205,10 @@ def run(args) -> int:
         else:
             text_value = None
         tol = 1e-6 if dtype == torch.float64 else 1e-3
-        res = worst_case_sequence(op, R, args.n, starts=starts, budget=args.budget, tol=tol, seed=args.seed)
-        plain = (plain_gradient_ascent(op, R, args.n, budget=args.budget, tol=tol, seed=args.seed)
-                 if args.plain else None)
+        res = worst_case_sequence(op, R, args.n, starts=starts, budget=args.budget,
+                                  options=SearchOptions(tol=tol, seed=args.seed))
+        opts = SearchOptions(tol=tol, seed=args.seed)
+        plain = plain_gradient_ascent(op, R, args.n, budget=args.budget, options=opts) if args.plain else None
     X = res.input.detach()
     up = f"{res.upper.value:.6g}" if res.upper.known else "unknown"
     lines = [f"{what}",

@@ -35,7 +35,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meanfield import SelfAttention, adversarial, bounds, local_lipschitz, plain_gradient_ascent, worst_case_sequence
+from meanfield import (
+    SearchOptions,
+    SelfAttention,
+    adversarial,
+    bounds,
+    local_lipschitz,
+    plain_gradient_ascent,
+    worst_case_sequence,
+)
 
 from .. import plotting as P
 from ..common import random_A
@@ -116,24 +124,14 @@ def case_matrix(d: int, seed: int, case: str) -> tuple[torch.Tensor, int]:
 
 
 def witness_sequence(A, R: float, n: int, case: str) -> torch.Tensor | None:
-    """Proposition 3.4's witness in eigen-case ``case``, written from docs/math.md section 5.3 with a
-    unit real eigenvector u of A: (R u, R u/2, ..., R u/2), A u = lambda_max u > 0 (case "max"), or
-    (-R u, R u, ..., R u), A u = lambda_min u < 0 (case "min"); None when that eigenvalue does not
-    exist with that sign."""
-    a = np.asarray(A, dtype=np.float64)
-    lam = np.linalg.eigvals(a)
-    real = np.abs(lam.imag) <= 1e-10 * (1 + np.abs(lam))
-    if not real.any():
-        return None
-    lam_r = lam.real[real]
-    i = int(np.argmax(lam_r)) if case == "max" else int(np.argmin(lam_r))
-    if (case == "max" and lam_r[i] <= 0) or (case == "min" and lam_r[i] >= 0):
-        return None
-    # a real unit eigenvector: the null space of A - lambda I
-    _, _, vt = np.linalg.svd(a - lam_r[i] * np.eye(a.shape[0]))
-    u = vt[-1] / np.linalg.norm(vt[-1])
-    first, rest = (R * u, R * u / 2) if case == "max" else (-R * u, R * u)
-    return torch.as_tensor(np.vstack([first] + [rest] * (n - 1)), dtype=torch.float64)
+    """Proposition 3.4's witness in eigen-case ``case`` (float64): (R u, R u/2, ..., R u/2) with
+    A u = lambda_max u > 0 (case "max"), or (-R u, R u, ..., R u) with A u = lambda_min u < 0 (case
+    "min"), from :func:`meanfield.bounds.eigen_cases` (the one place the case is decided); None when
+    that eigenvalue does not exist with that sign."""
+    for c in bounds.eigen_cases(np.asarray(A, dtype=np.float64)):
+        if c.case == case:
+            return adversarial.sqrt_n_sequence_from_info(c, R, n, dtype=torch.float64)
+    return None
 
 
 def naive_attention(X: torch.Tensor, A: torch.Tensor, masked: bool) -> torch.Tensor:
@@ -168,8 +166,10 @@ def search_task(case: str, masked: bool, n: int, d: int, R: float, seed: int, bu
     if device not in (None, "cpu"):
         op = op.to(device)
     t0 = time.perf_counter()
-    res = worst_case_sequence(op, R, n, budget=budget, random=random, clusters=clusters, seed=seed, tol=TOL)
-    plain = plain_gradient_ascent(op, R, n, budget=budget, random=plain_random, seed=seed, tol=TOL)
+    res = worst_case_sequence(op, R, n, budget=budget,
+                              options=SearchOptions(random=random, clusters=clusters, seed=seed, tol=TOL))
+    plain = plain_gradient_ascent(op, R, n, budget=budget,
+                                  options=SearchOptions(random=plain_random, seed=seed, tol=TOL))
     seconds = time.perf_counter() - t0
     row = {"a_seed": a_seed, "gamma": bounds.gamma_info(A.numpy()).gamma, "lower": res.lower,
            "lower_error": res.error, "upper": res.upper.value, "upper_source": res.upper.source,
@@ -241,7 +241,7 @@ def _layer_rows(spec: dict, ctx, out_dir: Path) -> tuple[list[dict], str]:
         R = float(Xt.norm(dim=1).max())
         op = mhf.HFAttention.from_model(model, layer)
         p = op.parameters()
-        infos = [bounds.gamma_info_factored(p.Q[h].double(), p.K[h].double(), p.scale) for h in range(p.num_heads)]
+        infos = [bounds.gamma_info_factored(h.Q.double(), h.K.double(), h.scale) for h in p.heads]
         top = max(range(len(infos)), key=lambda h: infos[h].gamma)
         A_top = p.A(top).detach().to(torch.float64)
         heads = [top] if spec["heads"] == "top" else list(range(p.num_heads))
@@ -269,9 +269,11 @@ def _layer_rows(spec: dict, ctx, out_dir: Path) -> tuple[list[dict], str]:
             C[k % n] = Xt[k % n]
             starts.append((f"cluster-{k}", C))
         text_est = local_lipschitz(op, Xt, tol=TOL)
-        res = worst_case_sequence(op, R, n, starts=starts, budget=spec["budget"], tol=TOL, seed=ctx.seed)
-        plain = (plain_gradient_ascent(op, R, n, budget=spec["budget"], random=max(2, spec["random"] + 2),
-                                       seed=ctx.seed, tol=TOL) if spec["plain"] else None)
+        res = worst_case_sequence(op, R, n, starts=starts, budget=spec["budget"],
+                                  options=SearchOptions(tol=TOL, seed=ctx.seed))
+        plain = (plain_gradient_ascent(op, R, n, budget=spec["budget"],
+                                       options=SearchOptions(random=max(2, spec["random"] + 2), seed=ctx.seed, tol=TOL))
+                 if spec["plain"] else None)
         best_c = max(witness, key=lambda c: witness[c][0]) if witness else None   # (case, head)
         row = {"model": label, "layer": layer, "n": n, "R": R, "d": Xt.shape[1], "heads": p.num_heads,
                "head": top, "gamma": infos[top].gamma, "case": infos[top].case, "lower": res.lower,

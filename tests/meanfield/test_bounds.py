@@ -278,9 +278,12 @@ def test_l2_attention_upper_with_library_operator():
     op = L2SelfAttention(torch.stack(WQ), torch.stack(WV), WO)
     X = rand(5, 4, seed=4)
     assert op.sequence(X) == pytest.approx(naive_l2(X, WQ, WV, WO), abs=1e-10)
-    assert bounds.l2_attention_upper(op, N=5) == bounds.l2_attention_upper(WQ, WV, WO, 5)
-    assert local_lipschitz(op, X, method="dense").value <= bounds.l2_attention_upper(op, N=5)
-    assert _jac(op.sequence, X).abs().sum(1).max() <= bounds.l2_attention_upper(op, N=5, norm="inf")
+    two = bounds.l2_attention_upper(WQ, WV, WO, 5)
+    assert bounds.operator_upper(op, R=1.0, n=5).value == pytest.approx(two, rel=1e-14)
+    assert local_lipschitz(op, X, method="dense").value <= two
+    assert _jac(op.sequence, X).abs().sum(1).max() <= bounds.l2_attention_upper(WQ, WV, WO, 5, norm="inf")
+    with pytest.warns(DeprecationWarning, match="operator_upper"):   # the previous spelling still works
+        assert bounds.l2_attention_upper(op, N=5) == pytest.approx(two, rel=1e-14)
 
 
 def test_lambert_phi_inverse_solves_phi():

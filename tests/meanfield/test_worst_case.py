@@ -17,6 +17,7 @@ import torch
 from meanfield import (
     L2SelfAttention,
     MultiHeadAttention,
+    SearchOptions,
     SelfAttention,
     bounds,
     local_lipschitz,
@@ -42,7 +43,7 @@ from tests.reference import (
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 f64 = torch.float64
-SMALL = dict(random=3, budget=4000, max_steps=200)
+SMALL = dict(budget=4000, options=SearchOptions(random=3, max_steps=200))
 
 
 def rand(*shape, seed=0, scale=1.0):
@@ -216,9 +217,10 @@ def test_measure_search_certifies_a_split_representation_when_splitting_helps():
     The certified value on the split representation matches the closed form the search maximized."""
     op = SelfAttention(torch.tensor([[-0.5612]], dtype=f64), torch.tensor([[-0.8676]], dtype=f64))
     mu = Measure(torch.tensor([[9.198], [-0.232]], dtype=f64), torch.tensor([0.25, 0.75], dtype=f64))
-    start = worst_case_measure(op, 9.2, 2, starts=[("given", mu)], max_steps=0)
+    start = worst_case_measure(op, 9.2, 2, starts=[("given", mu)], options=SearchOptions(max_steps=0))
     assert start.split and start.input.n == 3
-    for res in (start, worst_case_measure(op, 9.2, 2, starts=[("given", mu)], budget=600, max_steps=20)):
+    more = worst_case_measure(op, 9.2, 2, starts=[("given", mu)], budget=600, options=SearchOptions(max_steps=20))
+    for res in (start, more):
         f = lambda Z, res=res: naive_attention(Z, op.A, op.V, log_weights=res.input.log_weights)
         dense = dense_lipschitz_logweights(f, res.input.points, res.input.log_weights)
         assert rel(res.lower, dense) <= 1e-9
@@ -251,7 +253,8 @@ def test_search_at_least_its_starts_and_the_witness():
     n, d, R = 5, 3, 1.0
     for case in ("max", "min"):
         A = matrix(case, d, seed=11)
-        res = worst_case_sequence(SelfAttention(A, torch.eye(d, dtype=f64)), R, n, random=2, budget=500)
+        res = worst_case_sequence(SelfAttention(A, torch.eye(d, dtype=f64)), R, n, budget=500,
+                                  options=SearchOptions(random=2))
         assert all(s.final >= s.initial for s in res.starts)
         assert res.lower >= max(s.initial for s in res.starts)
         W = witness_by_hand(A, R, n, case)
@@ -269,7 +272,7 @@ def test_search_beats_dense_starts_many_cases(seed, n, d, R, masked):
     case = "max" if seed % 2 == 0 else "min"
     A, V = (matrix(case, d, seed=seed) if d > 1 else torch.tensor([[1.3 if case == "max" else -0.9]], dtype=f64),
             rand(d, d, seed=seed + 7))
-    res = worst_case_sequence(SelfAttention(A, V, masked=masked), R, n, random=4, budget=5000)
+    res = worst_case_sequence(SelfAttention(A, V, masked=masked), R, n, budget=5000, options=SearchOptions(random=4))
     best = float(batched_dense_lipschitz(A, V, candidate_inputs(A, R, n, d, 1000, seed=seed), masked).max())
     assert res.lower >= best
     assert float(res.input.norm(dim=1).max()) <= R * (1 + 1e-12)
@@ -342,7 +345,7 @@ def bracket_cases():
 def test_lower_never_exceeds_upper(k):
     op = bracket_cases()[k]
     for R in (0.5, 2.5):
-        res = worst_case_sequence(op, R, 4, random=1, clusters=1, budget=300, max_steps=10)
+        res = worst_case_sequence(op, R, 4, budget=300, options=SearchOptions(random=1, clusters=1, max_steps=10))
         assert res.upper.known
         assert res.lower <= res.upper.value and 0 < res.ratio <= 1
         assert float(res.input.norm(dim=1).max()) <= R * (1 + 1e-12)
@@ -354,10 +357,10 @@ def test_lower_never_exceeds_upper(k):
 def test_lower_never_exceeds_upper_measures_and_long_sequences(k):
     op = bracket_cases()[k]
     for R in (0.5, 1.5, 3.0):
-        res = worst_case_sequence(op, R, 16, random=4, budget=6000)
+        res = worst_case_sequence(op, R, 16, budget=6000, options=SearchOptions(random=4))
         assert res.lower <= res.upper.value
         if not isinstance(op, L2SelfAttention):
-            m = worst_case_measure(op, R, 3, random=2, budget=3000)
+            m = worst_case_measure(op, R, 3, budget=3000, options=SearchOptions(random=2))
             assert m.lower <= m.upper.value
             assert float(m.input.points.norm(dim=1).max()) <= R * (1 + 1e-12)
 
@@ -367,7 +370,7 @@ def test_measure_search_keeps_positions_weights_and_ball():
     d = 2
     op = SelfAttention(matrix("min", d, seed=2), rand(d, d, seed=3), masked=True)
     pos = torch.tensor([0.25, 0.5, 0.5, 1.0], dtype=f64)
-    res = worst_case_measure(op, 1.5, 4, positions=pos, random=2, budget=600, max_steps=20)
+    res = worst_case_measure(op, 1.5, 4, positions=pos, budget=600, options=SearchOptions(random=2, max_steps=20))
     mu = res.input
     assert torch.equal(mu.positions[: 4] if not res.split else mu.merge().positions, pos)
     assert abs(float(mu.weights.sum()) - 1) <= 1e-12 and bool((mu.weights > 0).all())
@@ -382,20 +385,21 @@ def test_measure_search_keeps_positions_weights_and_ball():
 def test_plain_gradient_ascent_uses_random_starts_and_the_same_budget():
     A, V = matrix("max", 2, seed=1), rand(2, 2, seed=2)
     op = SelfAttention(A, V)
-    plain = plain_gradient_ascent(op, 2.0, 4, random=3, budget=400)
+    plain = plain_gradient_ascent(op, 2.0, 4, budget=400, options=SearchOptions(random=3))
     assert plain.method == "plain gradient ascent"
     assert all(s.name.startswith("random-") for s in plain.starts)
     costs = np.diff([0] + [t.products for t in plain.trace])
     assert plain.products <= 400 + costs.max()
     assert rel(plain.lower, dense_lipschitz(lambda Y: naive_attention(Y, A, V), plain.input)) <= 1e-6
-    search = worst_case_sequence(op, 2.0, 4, random=3, budget=400)
+    search = worst_case_sequence(op, 2.0, 4, budget=400, options=SearchOptions(random=3))
     assert search.products <= 400 + np.diff([0] + [t.products for t in search.trace]).max()
     assert search.stopped in ("budget", "converged", "max_steps")
 
 
 def test_arguments_are_checked_and_numpy_scalars_accepted():
     op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
-    res = worst_case_sequence(op, np.float64(1.0), np.int64(3), random=1, budget=np.int64(200), max_steps=5)
+    res = worst_case_sequence(op, np.float64(1.0), np.int64(3), budget=np.int64(200),
+                              options=SearchOptions(random=1, max_steps=5))
     assert res.n == 3
     with pytest.raises(ValueError, match="R"):
         worst_case_sequence(op, 0.0, 3)
@@ -417,7 +421,8 @@ def test_arguments_are_checked_and_numpy_scalars_accepted():
 
 def test_bare_callable_gets_random_starts_and_no_bound():
     A, V = rand(2, 2, seed=1), rand(2, 2, seed=2)
-    res = worst_case_sequence(lambda X: naive_attention(X, A, V), 1.0, 3, d=2, random=2, budget=400, max_steps=10)
+    res = worst_case_sequence(lambda X: naive_attention(X, A, V), 1.0, 3, d=2, budget=400,
+                              options=SearchOptions(random=2, max_steps=10))
     # no score matrix to read: no witness and no hub, only the starts that need none
     assert {s.name.split("-")[0] for s in res.starts} <= {"random", "cluster", "zero+spread"}
     assert not res.upper.known and res.ratio is None
@@ -439,7 +444,7 @@ def test_hugging_face_layer_bracket():
         model.h[0].attn.c_proj.weight.mul_(10.0)
     attn = model.h[0].attn
     op = HFAttention.from_model(model, 0)
-    res = worst_case_sequence(op, 2.0, 4, random=1, clusters=1, budget=300, max_steps=10)
+    res = worst_case_sequence(op, 2.0, 4, budget=300, options=SearchOptions(random=1, clusters=1, max_steps=10))
     # the module itself (no mask given: unmasked), causal mask added by hand for the masked layer
     mask = torch.triu(torch.full((4, 4), torch.finfo(f64).min, dtype=f64), 1)[None, None]
     f = lambda Y: attn(Y[None], attention_mask=mask)[0][0]
@@ -453,18 +458,39 @@ def test_radius_100_stays_finite():
     needs, and the certified value is re-verified by the weighted dense Jacobian (entrywise log-scalings)."""
     A = torch.tensor([[1.0, 0.3], [0.0, -0.5]], dtype=f64)
     op = SelfAttention(A, torch.eye(2, dtype=f64))
-    res = worst_case_measure(op, 100.0, 3, random=1, budget=300, max_steps=5)
+    res = worst_case_measure(op, 100.0, 3, budget=300, options=SearchOptions(random=1, max_steps=5))
     assert math.isfinite(res.lower) and res.lower > 1e300 and res.log_ratio < 0
     mu = res.input
     f = lambda Z: naive_attention(Z, A, torch.eye(2, dtype=f64), log_weights=mu.log_weights)
     assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-8
-    seq = worst_case_sequence(op, 100.0, 5, random=1, budget=300, max_steps=5)
+    seq = worst_case_sequence(op, 100.0, 5, budget=300, options=SearchOptions(random=1, max_steps=5))
     assert math.isfinite(seq.lower) and seq.lower <= seq.upper.value
 
 
 def test_repr_is_the_bracket_not_the_record():
     op = SelfAttention(torch.eye(2, dtype=f64), torch.eye(2, dtype=f64))
-    wc = worst_case_sequence(op, 1.0, 3, budget=200, random=1, clusters=0)
+    wc = worst_case_sequence(op, 1.0, 3, budget=200, options=SearchOptions(random=1, clusters=0))
     text = repr(wc)
     assert text.startswith("WorstCaseResult(lower=") and "upper=" in text and len(text) < 300
     assert f"{wc.lower:.6g}" in text
+
+
+def test_search_options_are_one_object_and_the_old_keywords_still_work():
+    """SearchOptions checks each field by name; the keywords of the previous release give the same
+    search with a DeprecationWarning; unknown names are errors."""
+    op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
+    new = worst_case_sequence(op, 1.0, 3, budget=200, options=SearchOptions(random=1, clusters=0, max_steps=4))
+    as_dict = worst_case_sequence(op, 1.0, 3, budget=200, options={"random": 1, "clusters": 0, "max_steps": 4})
+    with pytest.warns(DeprecationWarning, match=r"options=SearchOptions\(random=\.\.\., clusters=\.\.\."):
+        old = worst_case_sequence(op, 1.0, 3, budget=200, random=1, clusters=0, max_steps=4)
+    assert new.lower == as_dict.lower == old.lower and new.options == old.options
+    assert new.options["random"] == 1 and new.options["budget"] == 200
+    for field, bad, error in (("random", -1, ValueError), ("structured", "yes", TypeError), ("keep", 0, ValueError),
+                              ("gtol", float("nan"), ValueError), ("tol", 0.0, ValueError),
+                              ("batch_size", 1.5, TypeError)):
+        with pytest.raises(error, match=field):
+            SearchOptions(**{field: bad})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        worst_case_sequence(op, 1.0, 3, budgett=10)
+    with pytest.raises(TypeError, match="unknown search option"):
+        worst_case_sequence(op, 1.0, 3, options={"randomm": 1})

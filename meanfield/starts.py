@@ -1,0 +1,186 @@
+"""Starting inputs of the worst-case search: witnesses, hubs, spread and random configurations.
+
+:func:`sequence_starts` and :func:`measure_starts` build, from an operator's parameters
+(:meth:`~meanfield.operator.AttentionOperator.parameters`), the inputs the search of
+:mod:`meanfield.worst_case` ascends from: Proposition 3.4's witness in both eigen-cases
+(:func:`meanfield.bounds.eigen_cases`), the two-Dirac witness of Proposition 3.6 (measures), the
+large-radius hub configurations (Theorems 3.7 / 4.5), one token at 0 with the others spread
+(Appendix C.7), and random and clustered random configurations on the sphere of radius R
+(docs/math.md section 5). Operators without parameters (bare callables) get the unstructured ones.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from particles import Measure
+from particles.validation import check_bool, check_positive_int, check_radius, make_generator
+
+from . import adversarial
+from .bounds import eigen_cases
+from .operator import as_operator, sequence_positions
+
+__all__ = ["sequence_starts", "measure_starts"]
+
+
+def _score_matrices(op, d) -> list[tuple[str, np.ndarray]]:
+    """(label, A) of every head of the operator's record: the bilinear part of the scores, A x_i . x_j
+    (for L2 heads 2 scale Q^T Q: the scores -scale |Q x_i - Q x_j|^2 differ from it by terms in i
+    alone or j alone). The heads of a whole Hugging Face block are its attention's. None for
+    operators without a record (bare callables)."""
+    p = op.parameters(d)
+    if p is None:
+        return []
+    mats = [h.A.detach().to(torch.float64).cpu().numpy() for h in p.heads]
+    if len(mats) == 1:
+        return [("", mats[0])]
+    return [(f"[head {h}]", a) for h, a in enumerate(mats)]
+
+
+def _witnesses(A, R, n):
+    """[(case, X)] Proposition 3.4's witness (n, d) (float64) in each eigen-case of A that exists,
+    the case of gamma(A) first (:func:`meanfield.bounds.eigen_cases`)."""
+    return [(c.case, adversarial.sqrt_n_sequence_from_info(c, R, n, dtype=torch.float64))
+            for c in eigen_cases(A)]
+
+
+def _sphere(shape, R, g, dtype):
+    Z = torch.randn(*shape, generator=g, dtype=torch.float64)
+    return (R * Z / Z.norm(dim=-1, keepdim=True)).to(dtype)
+
+
+def _dims(op, d):
+    if op.d_in is not None:
+        if d is not None and d != op.d_in:
+            raise ValueError(f"d: {d} differs from the operator's input dimension {op.d_in}")
+        return op.d_in
+    if d is None:
+        raise ValueError(f"d: the token dimension is required for {op!r}, which does not fix it")
+    return check_positive_int(d, "d")
+
+
+def _dtype_device(op):
+    return (op.dtype or torch.float64), (op.device or torch.device("cpu"))
+
+
+def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d=None
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """Starting sequences (name, X (n, d)) in B_R^n for :func:`worst_case_sequence`.
+
+    Structured (``structured=True``), for the score matrix A of every head (docs/math.md section 5):
+
+    * ``prop3.4-max`` / ``prop3.4-min``: Proposition 3.4's witness (R u, R u/2, ..., R u/2) with
+      A u = lambda_max u, and (-R u, R u, ..., R u) with A u = lambda_min u, each where that
+      eigenvalue exists with the right sign; the case of gamma(A) is
+      :func:`meanfield.adversarial.sqrt_n_sequence` itself;
+    * ``hub``: :func:`meanfield.adversarial.large_radius_configuration` (every token attends to
+      token 0; Theorems 3.7 / 4.5);
+    * ``zero+spread`` (once): :func:`meanfield.adversarial.zero_plus_spread` (Appendix C.7);
+
+    ``random`` sequences of i.i.d. tokens uniform on the sphere of radius R (``random-k``), and
+    ``clusters`` clustered ones (``cluster-k``): one or two single tokens at random places and n-1 or
+    n-2 copies of a third, all uniform on the sphere (the worst cases found are often of this form:
+    a few tokens and a cluster). Operators without readable score matrices (bare callables) get
+    the random, clustered and zero-plus-spread starts only.
+    """
+    op = as_operator(f)
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n")
+    random = check_positive_int(random, "random", minimum=0)
+    clusters = check_positive_int(clusters, "clusters", minimum=0)
+    d = _dims(op, d)
+    dtype, device = _dtype_device(op)
+    out = []
+    if check_bool(structured, "structured") and R > 0:
+        for label, A in _score_matrices(op, d):
+            for case, X in _witnesses(A, R, n):
+                out.append((f"prop3.4-{case}{label}", X.to(dtype)))
+            try:
+                out.append((f"hub{label}", adversarial.large_radius_configuration(A, n, R, masked=op.masked,
+                                                                                  dtype=dtype)))
+            except ValueError:  # A = 0: no hub
+                pass
+        if n >= 2:
+            out.append(("zero+spread", adversarial.zero_plus_spread(R, n, d, dtype=dtype)))
+    g = make_generator(seed)
+    for k in range(random):
+        out.append((f"random-{k}", _sphere((n, d), R, g, dtype)))
+    for k in range(clusters if n >= 3 else 0):
+        P = _sphere((3, d), R, g, dtype)
+        singles = 1 + k % 2
+        X = P[2].expand(n, d).clone()
+        where = torch.randperm(n, generator=g)[:singles]
+        X[where] = P[:singles]
+        out.append((f"cluster-{k}", X))
+    return [(name, X.to(device)) for name, X in out]
+
+
+def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, seed=0, d=None
+                   ) -> list[tuple[str, Measure]]:
+    """Starting measures (name, mu) with ``atoms`` atoms in B_R for :func:`worst_case_measure`.
+
+    Structured, for every head's score matrix A (docs/math.md section 5):
+
+    * ``prop3.6-max`` / ``prop3.6-min``: the two-Dirac witness of Proposition 3.6 in each eigen-case,
+      p delta_{x0} + (1 - p) delta_{x1} with p = exp(-2 gamma_case R^2) (the case of gamma(A) is
+      :func:`meanfield.adversarial.two_dirac`), its heavy atom split into atoms - 1 equal parts;
+    * ``prop3.4-max`` / ``-min``: Proposition 3.4's sequence witness with uniform weights;
+    * ``hub``: the hub configuration with uniform weights;
+
+    and ``random`` measures: atoms uniform on the sphere of radius R, weights softmax of standard
+    Gaussian logits. ``positions`` (masked operators; default i/atoms) are shared by every start.
+    """
+    op = as_operator(f)
+    R = check_radius(R, "R")
+    atoms = check_positive_int(atoms, "atoms")
+    random = check_positive_int(random, "random", minimum=0)
+    d = _dims(op, d)
+    dtype, device = _dtype_device(op)
+    pos = _positions(op, positions, atoms, dtype)
+    out = []
+
+    def measure(points, log_weights):
+        pts = torch.as_tensor(np.asarray(points), dtype=dtype) if not isinstance(points, torch.Tensor) else points
+        lw = torch.as_tensor(log_weights, dtype=dtype)
+        lw = lw - torch.logsumexp(lw, 0)
+        return Measure(pts.to(dtype), log_weights=lw, positions=pos)
+
+    if check_bool(structured, "structured") and R > 0:
+        for label, A in _score_matrices(op, d):
+            for c in eigen_cases(A):
+                case, g_case = c.case, c.gamma
+                W = adversarial.sqrt_n_sequence_from_info(c, R, max(atoms, 2), dtype=torch.float64)
+                if atoms >= 2:
+                    x0, x1 = W[0].to(dtype), W[1].to(dtype)
+                    log_p = -2.0 * g_case * R * R
+                    log_q = math.log(-math.expm1(log_p)) if log_p < 0 else -math.inf
+                    pts = torch.stack([x0] + [x1] * (atoms - 1))
+                    lw = [log_p] + [log_q - math.log(atoms - 1)] * (atoms - 1)
+                    if all(math.isfinite(v) for v in lw):
+                        out.append((f"prop3.6-{case}{label}", measure(pts, lw)))
+                out.append((f"prop3.4-{case}{label}", measure(W[:atoms].numpy(), [0.0] * atoms)))
+            try:
+                hub = adversarial.large_radius_configuration(A, atoms, R, masked=op.masked, dtype=dtype)
+                out.append((f"hub{label}", measure(hub, [0.0] * atoms)))
+            except ValueError:
+                pass
+    g = make_generator(seed)
+    for k in range(random):
+        pts = _sphere((atoms, d), R, g, dtype)
+        logits = torch.randn(atoms, generator=g, dtype=torch.float64)
+        out.append((f"random-{k}", measure(pts, logits)))
+    return [(name, mu.to(device=device)) for name, mu in out]
+
+
+def _positions(op, positions, atoms, dtype):
+    if positions is None:
+        return sequence_positions(atoms, torch.zeros(0, dtype=dtype)) if op.masked else None
+    if not op.masked:
+        raise ValueError("positions: only masked operators use positions")
+    pos = torch.as_tensor(positions, dtype=dtype).detach().cpu()
+    if pos.shape != (atoms,):
+        raise ValueError(f"positions: expected {atoms} entries (one per atom), got shape {tuple(pos.shape)}")
+    return pos
