@@ -80,6 +80,8 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         if opts["reg"] is None:
             raise ValueError(f"reg: method={method!r} needs an entropic regularization reg > 0 "
                              "(POT's epsilon, in units of squared distance)")
+        # float32 that cannot resolve the plan at this reg works in float64 (Problem.precision)
+        problem = problem.to(problem.precision(opts["reg"], opts["tol"]))
         eps = problem.eps(opts["reg"])
         if method == "streaming" and return_plan:
             raise ValueError("return_plan: the streaming method never forms the N x M plan; "
@@ -89,7 +91,10 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         # the normalization keeps every finite input finite: reaching this is a solver failure
         raise ConvergenceError(f"w2 ({method}): the computed value is {float(raw['value'])} "
                                f"(error {raw['error']:.3g} after {raw['iterations']} iterations)")
-    value, value_sq = to_units(raw["value"], problem.k, problem.grad)
+    raw_value = raw["value"]
+    if problem.grad:  # a value with gradients comes in the measures' dtype, whatever the solver worked in
+        raw_value = raw_value.to(problem.input_dtype)
+    value, value_sq = to_units(raw_value, problem.k, problem.grad)
     potentials = raw["potentials"]
     if potentials is not None:
         potentials = tuple(ldexp(p.detach(), 2 * problem.k) for p in potentials)
@@ -99,7 +104,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
     err = float(raw["error"])
     result = TransportResult(
         value=value, value_squared=value_sq, method=method, plan=raw["plan"], potentials=potentials,
-        error=err, converged=tol is None or err <= tol, iterations=raw["iterations"],
+        error=err, converged=tol is None or err <= tol, iterations=raw["iterations"], precision=raw["precision"],
         reg=opts.get("reg"), debias=opts.get("debias"), tol=tol, max_iter=opts.get("max_iter"))
     if not result.converged:
         report_failure(result, on_failure, stacklevel + 1)

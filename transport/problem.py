@@ -8,13 +8,14 @@ size (the usual case) are only centred: their results are bit-for-bit those of t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from particles import Measure
 
-from .options import TOL
+from .options import TOL, UNIT_ROUNDOFF
 
 #: Squared distances (d of them summed) stay far from the dtype's limits while the centred
 #: coordinates lie in [2^SMALL, 2^BIG]; outside, the clouds are rescaled by a power of two.
@@ -83,7 +84,8 @@ class Problem:
 
     ``x``, ``y``: the centred points divided by 2^``k`` (with the autograd graph of the measures'
     points); ``a``, ``b`` and ``log_a``, ``log_b``: the weights; a squared distance of the problem is
-    4^k times one of the normalized clouds. Holds no solver state and no option.
+    4^k times one of the normalized clouds. ``dtype``: the precision these tensors are held in (the
+    measures' own, ``input_dtype``, unless :meth:`to` changed it). Holds no solver state and no option.
     """
 
     def __init__(self, mu: Measure, nu: Measure):
@@ -93,6 +95,7 @@ class Problem:
         self.log_a, self.log_b = mu.log_weights, nu.log_weights
         self.x, self.y, self.k = normalize(mu.points, self.a, nu.points, self.b)
         self.grad = needs_grad(mu, nu)
+        self.dtype = mu.dtype
 
     def plain_points(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The points as given when no rescaling is needed (k = 0), else the normalized ones.
@@ -100,12 +103,56 @@ class Problem:
         For the closed forms that difference points directly (d = 1 quantiles, one-atom slices):
         they then round exactly as the formula written on the user's points.
         """
-        return (self.mu.points, self.nu.points) if self.k == 0 else (self.x, self.y)
+        if self.k == 0:
+            return self.mu.points.to(self.dtype), self.nu.points.to(self.dtype)
+        return self.x, self.y
+
+    def to(self, dtype: torch.dtype) -> Problem:
+        """The same problem held in ``dtype``, with the same scale 2^k (so that eps and potentials carry over).
+
+        The clouds are centred anew from the measures' points in ``dtype``: float32 points centred in
+        float32 are rounded by ~6e-8 of their size, as much as the distances of close clouds can afford.
+        The autograd graph of the points and weights is kept.
+        """
+        if dtype == self.dtype:
+            return self
+        out = copy.copy(self)
+        out.a, out.b, out.log_a, out.log_b = (t.to(dtype) for t in (self.a, self.b, self.log_a, self.log_b))
+        # the scale 2^k suits the narrower dtype, hence the wider one; scaling by it is exact
+        x, y = ldexp(self.mu.points.to(dtype), -self.k), ldexp(self.nu.points.to(dtype), -self.k)
+        c = (0.5 * (out.a @ x + out.b @ y)).detach()
+        out.x, out.y = x - c, y - c
+        out.dtype = dtype
+        return out
+
+    def precision(self, reg: float, tol: float) -> torch.dtype:
+        """The dtype an entropic solve at ``reg`` works in to certify the marginal error ``tol``: the
+        measures' own, or float64 where float32 cannot resolve the plan.
+
+        The plan pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps) is formed from costs and potentials of
+        magnitude up to the squared diameter D2 of the clouds, each held to about u D2 in a dtype of unit
+        roundoff u: the exponents carry an absolute error of order u D2 / eps, and the plan's masses a
+        relative one of that order. A dtype can certify an L1 marginal error ``tol`` only where
+        u D2 / eps <= tol. float32 (u = 6e-8) at its default tol = 1e-5 resolves D2 / eps up to about 170
+        (a blur sqrt(reg) above 8% of the diameter); beyond, float32 iterates judge their marginals with
+        their own rounding and can report a wrong value as converged (cost / eps ~ 1e7 gave a value 15%
+        below W2 with error 0), so the solve runs in float64. float64 (u = 1.1e-16) resolves D2 / eps up
+        to ~1e9 at tol = 1e-7; it is kept whatever the ratio (there is no wider dtype).
+        """
+        if self.input_dtype != torch.float32:
+            return self.input_dtype
+        try:
+            eps = math.ldexp(reg, -2 * self.k)
+        except OverflowError:
+            return self.input_dtype
+        if eps > 0 and UNIT_ROUNDOFF[torch.float32] * self.squared_diameter() <= tol * eps:
+            return torch.float32
+        return torch.float64
 
     n = property(lambda self: self.mu.n)
     m = property(lambda self: self.nu.n)
     dim = property(lambda self: self.mu.dim)
-    dtype = property(lambda self: self.mu.dtype)
+    input_dtype = property(lambda self: self.mu.dtype)
     device = property(lambda self: self.mu.device)
 
     def squared_diameter(self) -> float:
@@ -116,7 +163,8 @@ class Problem:
     def eps(self, reg: float) -> float:
         """The entropic regularization in normalized units, reg / 4^k, checked to be representable.
 
-        exp(-C / eps) is formed in the measures' dtype: C / eps must stay well inside its range.
+        exp(-C / eps) is formed in the problem's ``dtype`` (after :meth:`precision`, float64 for float32
+        measures that float32 cannot resolve): C / eps must stay well inside its range.
         """
         try:
             eps = math.ldexp(reg, -2 * self.k)  # underflows to 0.0, or overflows (tiny clouds)
