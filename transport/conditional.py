@@ -11,7 +11,7 @@ from particles.validation import check_allocation
 
 from .exact import emd_squared
 from .options import check_bool, check_memory_limit, check_real
-from .problem import check_pair, needs_grad, normalize, to_units
+from .problem import check_pair, log_weights, needs_grad, normalize, to_units
 
 #: Default tolerance on positions (two positions closer than this are the same position).
 POSITION_ATOL = 1e-9
@@ -82,8 +82,8 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     gx = _nearest(s_mu, mu.positions)
     gy = _nearest(s_mu, nu.positions)
     m64 = m_mu.to(torch.float64)
-    lx = mu.log_weights.to(torch.float64) - torch.log(m64)[gx]
-    ly = nu.log_weights.to(torch.float64) - torch.log(m64)[gy]
+    lx = log_weights(mu, torch.float64) - torch.log(m64)[gx]
+    ly = log_weights(nu, torch.float64) - torch.log(m64)[gy]
     plan = torch.zeros(mu.n, nu.n, dtype=mu.dtype, device=mu.device) if return_plan else None
     count_x = torch.bincount(gx, minlength=n_pos)
     count_y = torch.bincount(gy, minlength=n_pos)

@@ -203,19 +203,20 @@ def _certified_pair(x, y, la, lb, eps, opts, wide, cost: bool = False):
     """:func:`_solve_pair`, certified: (f, g, error, updates, cost or None).
 
     In float64 the error is the solver's own. A float32 solve is certified by :func:`plan_check` in
-    float64 (which also gives <pi, C> in float64 when ``cost``); where it misses ``tol`` there, the
-    solve continues in float64 on ``wide()`` (the problem's (x, y, log_a, log_b) in float64) from the
-    float32 potentials (no new annealing) within the remaining ``max_iter``, and the potentials come
-    back in float64 (cost None: the caller computes it).
+    float64 on ``wide()`` (the problem's (x, y, log_a, log_b) in float64, centred from the measures'
+    points: the plan of the data given, not of its float32 rounding), which also gives <pi, C> in
+    float64 when ``cost``. Where it misses ``tol`` there, the solve continues in float64 on ``wide()``
+    from the float32 potentials (no new annealing) within the remaining ``max_iter``, and the
+    potentials come back in float64 (cost None: the caller computes it).
     """
     tol, max_iter, scaling, chunk = opts["tol"], opts["max_iter"], opts["scaling"], opts["chunk_elements"]
     f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk)
     if x.dtype == torch.float64:
         return f, g, err, it, None
+    x, y, la, lb = wide()
     err, total = plan_check(x, y, la, lb, f, g, eps, chunk, cost=cost)
     if err <= tol or it >= max_iter:
         return f, g, err, it, total
-    x, y, la, lb = wide()
     f, g = f.to(torch.float64), g.to(torch.float64)
     f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk, start=(f, g), done=it)
     return f, g, err, it, None
@@ -227,10 +228,10 @@ def _certified_self(x, la, eps, opts, wide):
     f, err, it = _solve_symmetric(x, la, eps, tol, max_iter, scaling, chunk)
     if x.dtype == torch.float64:
         return f, err, it
+    x, la = wide()
     err = plan_check(x, x, la, la, f, f, eps, chunk)[0]
     if err <= tol or it >= max_iter:
         return f, err, it
-    x, la = wide()
     f = f.to(torch.float64)
     f, err, more = _solve_symmetric(x, la, eps, tol, max_iter - it, scaling, chunk, start=f)
     return f, err, it + more
