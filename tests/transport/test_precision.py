@@ -75,13 +75,14 @@ def truth(mu, nu):
 def check_entropic_bounds(res, mu, nu, reg):
     """A converged <pi_eps, C> lies between W2^2 and W2^2 + reg log min(N, M), up to what its marginal
     error allows (err * max C: the mass moved off the marginals at most at the largest cost), and the
-    rounding of the exponents (f_i + g_j - C_ij) / reg in the precision the solver worked in (absolute
-    ~u D2 / reg, D2 the squared diameter: 1e-8 in float64 at D2 / reg ~ 1e8, the regime of these cases)."""
+    float64 rounding of the exponents (f_i + g_j - C_ij) / reg (absolute ~u D2 / reg, D2 the squared
+    diameter: 1e-8 at D2 / reg ~ 1e8, the regime of these cases). float64's, whatever the result's
+    precision: a result that float32 could not resolve has no business being converged."""
     w = truth(mu, nu)
     both = torch.cat([mu.points, nu.points]).double()
     D2 = float(((both.max(0).values - both.min(0).values) ** 2).sum())
     C_max = float(((mu.points.double()[:, None] - nu.points.double()[None]) ** 2).sum(-1).max())
-    rounding = 8 * torch.finfo(res.precision).eps * D2 / reg
+    rounding = 8 * torch.finfo(F64).eps * D2 / reg
     slack = (res.error + rounding) * C_max + 1e-12 * w * w
     low, high = w * w - slack, w * w + reg * math.log(min(mu.n, nu.n)) + slack
     assert low <= res.value_squared <= high, (res, w)
