@@ -146,7 +146,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         <pi_eps, C>, the cost of the entropic plan (>= W2^2; POT's ``sinkhorn2`` value).
     tol : float
         L1 error of the plan's marginals, sum_i \|pi 1 - a\|_i + sum_j \|pi^T 1 - b\|_j, at which
-        Sinkhorn stops; default by dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in float32).
+        Sinkhorn stops; default by the measures' dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in
+        float32, also when float32 measures are solved in float64).
         Not POT's ``stopThr`` (an L2 error of one marginal): the dense method passes POT
         tol / sqrt(M), which implies ours.
     max_iter : int
@@ -175,7 +176,7 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     TransportResult
         ``value`` (W2, a float or a 0-d tensor carrying the autograd graph when the points require
         grad), ``value_squared``, ``plan``, ``potentials``, ``error``, ``converged``, ``iterations``,
-        ``method`` and the options used.
+        ``method``, ``precision`` (the dtype the solver worked in) and the options used.
 
     Notes
     -----
@@ -184,6 +185,19 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     scales (coordinates beyond ~1e149 or below ~1e-149 in float64, ~1e14 / 1e-14 in float32),
     rescaled by a power of two before solving, so that squared distances never overflow or
     underflow; a ``reg`` too small or too large for the dtype at that scale is a ValueError.
+
+    Precision: "exact" works in float64 whatever the dtype (POT's network simplex does anyway), the
+    cost matrix formed from the differences x_i - y_j (no cancellation for close clouds). The entropic
+    methods work in the measures' dtype, except float32 measures whose plan float32 cannot resolve:
+    its exponents (f_i + g_j - C_ij) / reg carry an error of about 6e-8 squared diameter / reg, which
+    must stay below ``tol`` (squared diameter / reg <= ~170 at the default tol = 1e-5); those are
+    solved in float64. A float32 "streaming" solve is certified: the marginal error of the plan its
+    potentials define is measured again in float64 (one pass over the N M entries), and if it misses
+    ``tol`` there the solve continues in float64 from those potentials; "sinkhorn" forms its plan and
+    measures that plan's marginals, summed in float64. ``precision`` of the result
+    says which dtype ran; plan and potentials come in it, a value with gradients in the measures'
+    dtype. float32 weights are renormalized in float64. A float32 result is therefore never
+    ``converged=True`` on float32's own rounding (docs/math.md section 3.2).
 
     Examples
     --------

@@ -269,3 +269,31 @@ def test_exact_float32_gradient_comes_in_float32():
     X64 = X.double().requires_grad_()
     (grad64,) = torch.autograd.grad(w2(Measure(X64), Measure(Y.double()), squared=True), X64)
     assert grad.dtype == F32 and torch.allclose(grad.double(), grad64, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32])
+def test_cost_matrix_of_close_points_is_accurate(dtype):
+    """sq_dists against numpy's differences in float64: within a few roundings of each entry for pairs at
+    distance 1e-7 of points of norm 10, coincident points, and 400 copies of one point (160000 close
+    pairs: recomputed in chunks); its gradient is that of the differences."""
+    from transport.problem import sq_dists
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(50, 4, generator=g, dtype=F64) * 10
+    cases = [(X, X + 1e-7 * torch.randn(50, 4, generator=g, dtype=F64)), (X, X.flip(0)),
+             (X[:1].repeat(400, 1), torch.cat([X[:1].repeat(400, 1), X[1:3]]))]
+    for x, y in cases:
+        x, y = x.to(dtype), y.to(dtype)
+        X64, Y64 = x.double().numpy(), y.double().numpy()
+        ref = ((X64[:, None, :] - Y64[None, :, :]) ** 2).sum(-1)
+        got = sq_dists(x, y).double().numpy()
+        # each entry: a few roundings of the differences, or the product's rounding kept only where it is
+        # below (d + 2) u / 2^-10 of the entry
+        u = torch.finfo(dtype).eps / 2
+        assert np.all(np.abs(got - ref) <= 8 * u * ref + 6 * 2 ** 10 * u * ref + 1e-300)
+    x = cases[0][0].clone().requires_grad_()
+    y = cases[0][1]
+    W = torch.rand(50, 50, generator=g, dtype=F64)
+    (grad,) = torch.autograd.grad((sq_dists(x, y) * W).sum(), x)
+    (ref,) = torch.autograd.grad((((x[:, None] - y[None]) ** 2).sum(-1) * W).sum(), x)
+    assert torch.allclose(grad, ref, rtol=1e-12, atol=1e-12)
