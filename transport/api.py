@@ -187,7 +187,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     underflow; a ``reg`` too small or too large for the dtype at that scale is a ValueError.
 
     Precision: "exact" works in float64 whatever the dtype (POT's network simplex does anyway), the
-    cost matrix formed from the differences x_i - y_j (no cancellation for close clouds). The entropic
+    cost matrix's close pairs recomputed from their differences (no cancellation for close clouds,
+    :func:`transport.problem.sq_dists`). The entropic
     methods work in the measures' dtype, except float32 measures whose plan float32 cannot resolve:
     its exponents (f_i + g_j - C_ij) / reg carry an error of about 6e-8 squared diameter / reg, which
     must stay below ``tol`` (squared diameter / reg <= ~170 at the default tol = 1e-5); those are

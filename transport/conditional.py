@@ -42,7 +42,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
 
     Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
     network simplex; one-atom slices in closed form), so no mass ever crosses positions. In float64
-    whatever the dtype, costs formed from the differences x_i - y_j (see :func:`transport.solve`). For two
+    whatever the dtype, close pairs' costs from their differences (see :func:`transport.solve`). For two
     sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n).
 
     Returns

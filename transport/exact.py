@@ -56,13 +56,14 @@ def _network_simplex(a, b, M, return_plan: bool):
 def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     """W2^2 by linear programming (POT ``emd2``), differentiable through POT's torch backend.
 
-    The cost matrix is formed in float64 whatever the dtype of the points: POT's network simplex works
-    in float64 anyway, and a float32 matrix |x|^2 + |y|^2 - 2<x, y> loses the distances of close
-    clouds (relative error ~1e-7 (R / delta)^2 for clouds of radius R at distance delta: 1.6% at
-    delta = 1e-3 R). Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd
-    graph of the points and weights), the (N, M) optimal plan (or None) and the Kantorovich
-    potentials. Raises MemoryLimitError before allocating above the memory limit, and RuntimeError
-    when POT's verdict (``log["result_code"]``) is anything but an optimal solution.
+    The cost matrix is formed in float64 whatever the dtype of the points (POT's network simplex works
+    in float64 anyway), its close pairs from their differences (:func:`transport.problem.sq_dists`):
+    a float32 matrix |x|^2 + |y|^2 - 2<x, y> loses the distances of close clouds (relative error
+    ~1e-7 (R / delta)^2 for clouds of radius R at distance delta: 1.6% at delta = 1e-3 R).
+    Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of the
+    points and weights), the (N, M) optimal plan (or None) and the Kantorovich potentials. Raises
+    MemoryLimitError before allocating above the memory limit, and RuntimeError when POT's verdict
+    (``log["result_code"]``) is anything but an optimal solution.
     """
     n, m = x.shape[0], y.shape[0]
     check_allocation(EMD_BYTES_PER_PAIR * n * m, f"w2 (exact) between {n} and {m} atoms",
