@@ -187,17 +187,17 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     underflow; a ``reg`` too small or too large for the dtype at that scale is a ValueError.
 
     Precision: "exact" works in float64 whatever the dtype (POT's network simplex does anyway), the
-    cost matrix's close pairs recomputed from their differences (no cancellation for close clouds,
-    :func:`transport.problem.sq_dists`). The entropic
-    methods work in the measures' dtype, except float32 measures whose plan float32 cannot resolve:
-    its exponents (f_i + g_j - C_ij) / reg carry an error of about 6e-8 squared diameter / reg, which
-    must stay below ``tol`` (squared diameter / reg <= ~170 at the default tol = 1e-5); those are
-    solved in float64. A float32 "streaming" solve is certified: the marginal error of the plan its
-    potentials define is measured again in float64 (one pass over the N M entries), and if it misses
-    ``tol`` there the solve continues in float64 from those potentials; "sinkhorn" forms its plan and
-    measures that plan's marginals, summed in float64. ``precision`` of the result
-    says which dtype ran; plan and potentials come in it, a value with gradients in the measures'
-    dtype. float32 weights are renormalized in float64. A float32 result is therefore never
+    close pairs of the cost matrix recomputed from their differences (no cancellation for close
+    clouds, see :func:`transport.problem.sq_dists`). The entropic methods work in the measures'
+    dtype, except float32 measures whose plan float32 cannot resolve: its exponents
+    (f_i + g_j - C_ij) / reg carry an error of about 6e-8 squared diameter / reg, which must stay
+    below ``tol`` (squared diameter / reg <= ~170 at the default tol = 1e-5); those are solved in
+    float64. A float32 "streaming" solve is certified: the marginal error of the plan its potentials
+    define is measured again in float64 (one pass over the N M entries), and if it misses ``tol``
+    there the solve continues in float64 from those potentials; "sinkhorn" forms its plan and
+    measures that plan's marginals, summed in float64. ``precision`` of the result says which dtype
+    ran; plan and potentials come in it, a value with gradients in the measures' dtype. float32
+    weights are renormalized in float64. A float32 result is therefore never
     ``converged=True`` on float32's own rounding (docs/math.md section 3.2).
 
     Examples

@@ -23,6 +23,12 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
                    return_plan=False, memory_limit=None):
     """W2c(mu, nu)^2 = sum over distinct positions s of m(s) W2(mu_s, nu_s)^2 (Definition 4.1).
 
+    Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
+    network simplex; one-atom slices in closed form), so no mass ever crosses positions. For two
+    sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n). Computed in
+    float64 whatever the dtype, the costs of close pairs from their differences, as exact W2 is
+    (see :func:`transport.solve`).
+
     Parameters
     ----------
     mu, nu : :class:`particles.Measure`
@@ -39,11 +45,6 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         Also return the block-diagonal (N, M) coupling (None when the value is infinite).
     memory_limit : int or str
         Bytes (or "16G") one slice's network simplex, or the plan, may take (see :func:`transport.solve`).
-
-    Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
-    network simplex; one-atom slices in closed form), so no mass ever crosses positions. In float64
-    whatever the dtype, close pairs' costs from their differences (see :func:`transport.solve`). For two
-    sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n).
 
     Returns
     -------

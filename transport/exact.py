@@ -58,8 +58,9 @@ def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
 
     The cost matrix is formed in float64 whatever the dtype of the points (POT's network simplex works
     in float64 anyway), its close pairs from their differences (:func:`transport.problem.sq_dists`):
-    a float32 matrix |x|^2 + |y|^2 - 2<x, y> loses the distances of close clouds (relative error
-    ~1e-7 (R / delta)^2 for clouds of radius R at distance delta: 1.6% at delta = 1e-3 R).
+    a float32 matrix of squared norms minus twice the inner products loses the distances of close
+    clouds to cancellation (relative error ~1e-7 (R / delta)^2 for clouds of radius R at distance
+    delta: 1.6% at delta = 1e-3 R).
     Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of the
     points and weights), the (N, M) optimal plan (or None) and the Kantorovich potentials. Raises
     MemoryLimitError before allocating above the memory limit, and RuntimeError when POT's verdict
