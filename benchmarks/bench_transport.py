@@ -3,6 +3,14 @@ lazy Sinkhorn and GeomLoss's tensorized backend, on uniform clouds in [0, 1]^3 (
 
     python benchmarks/bench_transport.py [--quick]
     python benchmarks/bench_transport.py --versus [--sizes 10000 30000] [--dims 3 64] [--repeats 2]
+    python benchmarks/bench_transport.py --precision [--sizes 1000 3000] [--repeats 3]
+
+``--precision``: what the float32 certificate and the float64 exact cost cost, side by side in one process
+(interleaved repeats, fastest CPU time of each): the streaming solver on float32 clouds that float32
+resolves (certified in float64, the default) against the same solve without the certificate (the previous
+path, float32's own marginal error trusted) and against float64 clouds; exact W2 of float32 clouds (cost
+matrix in float64, close pairs recomputed from their differences) against the previous float32 cost matrix
+|x|^2 + |y|^2 - 2<x, y>; and the cost matrix alone, transport.problem.sq_dists against the plain expansion.
 
 ``--versus``: the streaming Sinkhorn against GeomLoss (tensorized, and its KeOps ``online`` backend)
 and against the previous streaming path (max-shifted log-sum-exp on every block), debiased (S_eps)
@@ -223,12 +231,123 @@ def _print_versus(n, d, debias, ref, results, key, load):
     print()
 
 
+def _cpu(fn, repeats):
+    """Fastest CPU time (one thread) of ``repeats`` calls, and the last value."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        c = time.process_time()
+        out = fn()
+        best = min(best, time.process_time() - c)
+    return best, out
+
+
+def _uncertified_pair(x, y, la, lb, eps, opts, wide, cost=False):
+    """The previous streaming path: float32's own marginal error trusted (no float64 certificate)."""
+    import transport.streaming as st
+    f, g, err, it = st._solve_pair(x, y, la, lb, eps, opts["tol"], opts["max_iter"], opts["scaling"],
+                                   opts["chunk_elements"])
+    return f, g, err, it, None
+
+
+def _uncertified_self(x, la, eps, opts, wide):
+    import transport.streaming as st
+    return st._solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"], opts["chunk_elements"])
+
+
+def _streaming(mu, nu, debias, certified=True):
+    from unittest import mock
+
+    import transport.streaming as st
+    from transport import solve
+    if certified:
+        return solve(mu, nu, "streaming", reg=REG, debias=debias)
+    with mock.patch.object(st, "_certified_pair", _uncertified_pair), \
+            mock.patch.object(st, "_certified_self", _uncertified_self):
+        return solve(mu, nu, "streaming", reg=REG, debias=debias)
+
+
+def _expansion(x, y):
+    """The previous cost matrix: |x|^2 + |y|^2 - 2<x, y>, one matrix product."""
+    xx, yy = (x * x).sum(1), (y * y).sum(1)
+    return (xx[:, None] + yy[None, :] - 2.0 * x @ y.T).clamp_min(0.0)
+
+
+def _exact_previous(x, y):
+    """The previous exact path on float32 clouds: centred, the cost matrix in float32 by expansion."""
+    import ot
+    import torch
+    a = torch.full((x.shape[0],), 1.0 / x.shape[0], dtype=x.dtype)
+    c = 0.5 * (x.mean(0) + y.mean(0))
+    return float(ot.emd2(a, a, _expansion(x - c, y - c), numItermax=50_000_000))
+
+
+def precision(args):
+    """The overhead of the float32 certificate and of float64 exact costs (see the module docstring)."""
+    import os
+    from functools import partial
+
+    import torch
+
+    from particles import Measure
+    from transport import w2
+    from transport.problem import sq_dists
+
+    torch.set_num_threads(args.threads)
+    print(f"uptime before: {os.getloadavg()} (load average 1/5/15 min, {os.cpu_count()} CPUs); "
+          f"threads = {args.threads}, reg = {REG}, d = 3, uniform clouds in [0,1]^3 (second shifted by 0.1), "
+          f"fastest CPU time of {args.repeats} interleaved repeats\n")
+    print("| N | case | CPU (s) | vs first of its group | value | error | iterations | precision |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in args.sizes:
+        X64, Y64 = _data(n, 0), _data(n, 1) + 0.1
+        mu32, nu32 = Measure(X64, dtype=torch.float32), Measure(Y64, dtype=torch.float32)
+        mu64, nu64 = Measure(mu32.points.double()), Measure(nu32.points.double())
+        for debias in (False, True):
+            _print_precision(n, {
+                f"streaming float32, debias={debias}, previous (float32's own error)":
+                    partial(_streaming, mu32, nu32, debias, certified=False),
+                f"streaming float32, debias={debias}, certified in float64 (default)":
+                    partial(_streaming, mu32, nu32, debias),
+                f"streaming float64, debias={debias}": partial(_streaming, mu64, nu64, debias)}, args.repeats)
+        _print_precision(n, {
+            "exact float32, previous (float32 cost by expansion)": partial(_exact_previous, mu32.points, nu32.points),
+            "exact float32, float64 cost, close pairs from differences (default)": partial(w2, mu32, nu32,
+                                                                                           squared=True)},
+            args.repeats)
+        for d in (3, 64):
+            x, y = _versus_data(n, d)
+            c = 0.5 * (x.mean(0) + y.mean(0))  # centred, as the solvers hold them
+            x, y = x - c, y - c
+            _print_precision(n, {
+                f"cost matrix only, float64, d = {d}, expansion (previous)": partial(_expansion, x, y),
+                f"cost matrix only, float64, d = {d}, close pairs from differences (default)": partial(sq_dists, x, y)},
+                args.repeats)
+    print(f"\nuptime after: {os.getloadavg()}")
+
+
+def _print_precision(n, cases, repeats):
+    """One group of cases, timed interleaved; ratios against the group's first case."""
+    runs = {name: (float("inf"), None) for name in cases}
+    for _ in range(repeats):  # interleaved: a change of load hits every case of the group alike
+        for name, fn in cases.items():
+            t, out = _cpu(fn, 1)
+            runs[name] = (min(runs[name][0], t), out)
+    base = next(iter(runs.values()))[0]
+    for name, (t, out) in runs.items():
+        value = getattr(out, "value_squared", out if isinstance(out, float) else None)
+        value = f"{value:.10g}" if isinstance(value, float) else ""
+        error = getattr(out, "error", None)
+        print(f"| {n} | {name} | {t:.3g} | {t / base:.3f}x | {value} | {'' if error is None else f'{error:.2g}'} | "
+              f"{getattr(out, 'iterations', '') or ''} | {getattr(out, 'precision', '') or ''} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--case", nargs=2)
     ap.add_argument("--versus", action="store_true")
     ap.add_argument("--versus-case", nargs=5)
+    ap.add_argument("--precision", action="store_true", help="overhead of the float32 certificate, float64 costs")
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
     ap.add_argument("--dims", type=int, nargs="+", default=[3, 64])
     ap.add_argument("--repeats", type=int, default=2)
@@ -253,6 +372,12 @@ def main():
     if args.versus:
         args.timeout = args.timeout or 1800
         versus(args)
+        return
+    if args.precision:
+        if args.sizes == [10_000]:  # the --versus default
+            args.sizes = [1000, 3000]
+        args.repeats = max(args.repeats, 3)
+        precision(args)
         return
     try:
         import geomloss  # noqa: F401

@@ -80,6 +80,8 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         if opts["reg"] is None:
             raise ValueError(f"reg: method={method!r} needs an entropic regularization reg > 0 "
                              "(POT's epsilon, in units of squared distance)")
+        # float32 that cannot resolve the plan at this reg works in float64 (Problem.precision)
+        problem = problem.to(problem.precision(opts["reg"], opts["tol"]))
         eps = problem.eps(opts["reg"])
         if method == "streaming" and return_plan:
             raise ValueError("return_plan: the streaming method never forms the N x M plan; "
@@ -89,7 +91,10 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         # the normalization keeps every finite input finite: reaching this is a solver failure
         raise ConvergenceError(f"w2 ({method}): the computed value is {float(raw['value'])} "
                                f"(error {raw['error']:.3g} after {raw['iterations']} iterations)")
-    value, value_sq = to_units(raw["value"], problem.k, problem.grad)
+    raw_value = raw["value"]
+    if problem.grad:  # a value with gradients comes in the measures' dtype, whatever the solver worked in
+        raw_value = raw_value.to(problem.input_dtype)
+    value, value_sq = to_units(raw_value, problem.k, problem.grad)
     potentials = raw["potentials"]
     if potentials is not None:
         potentials = tuple(ldexp(p.detach(), 2 * problem.k) for p in potentials)
@@ -99,7 +104,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
     err = float(raw["error"])
     result = TransportResult(
         value=value, value_squared=value_sq, method=method, plan=raw["plan"], potentials=potentials,
-        error=err, converged=tol is None or err <= tol, iterations=raw["iterations"],
+        error=err, converged=tol is None or err <= tol, iterations=raw["iterations"], precision=raw["precision"],
         reg=opts.get("reg"), debias=opts.get("debias"), tol=tol, max_iter=opts.get("max_iter"))
     if not result.converged:
         report_failure(result, on_failure, stacklevel + 1)
@@ -141,7 +146,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         <pi_eps, C>, the cost of the entropic plan (>= W2^2; POT's ``sinkhorn2`` value).
     tol : float
         L1 error of the plan's marginals, sum_i \|pi 1 - a\|_i + sum_j \|pi^T 1 - b\|_j, at which
-        Sinkhorn stops; default by dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in float32).
+        Sinkhorn stops; default by the measures' dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in
+        float32, also when float32 measures are solved in float64).
         Not POT's ``stopThr`` (an L2 error of one marginal): the dense method passes POT
         tol / sqrt(M), which implies ours.
     max_iter : int
@@ -170,7 +176,7 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     TransportResult
         ``value`` (W2, a float or a 0-d tensor carrying the autograd graph when the points require
         grad), ``value_squared``, ``plan``, ``potentials``, ``error``, ``converged``, ``iterations``,
-        ``method`` and the options used.
+        ``method``, ``precision`` (the dtype the solver worked in) and the options used.
 
     Notes
     -----
@@ -179,6 +185,20 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     scales (coordinates beyond ~1e149 or below ~1e-149 in float64, ~1e14 / 1e-14 in float32),
     rescaled by a power of two before solving, so that squared distances never overflow or
     underflow; a ``reg`` too small or too large for the dtype at that scale is a ValueError.
+
+    Precision: "exact" works in float64 whatever the dtype (POT's network simplex does anyway), the
+    close pairs of the cost matrix recomputed from their differences (no cancellation for close
+    clouds, see :func:`transport.problem.sq_dists`). The entropic methods work in the measures'
+    dtype, except float32 measures whose plan float32 cannot resolve: its exponents
+    (f_i + g_j - C_ij) / reg carry an error of about 6e-8 squared diameter / reg, which must stay
+    below ``tol`` (squared diameter / reg <= ~170 at the default tol = 1e-5); those are solved in
+    float64. A float32 "streaming" solve is certified: the marginal error of the plan its potentials
+    define is measured again in float64 (one pass over the N M entries), and if it misses ``tol``
+    there the solve continues in float64 from those potentials; "sinkhorn" forms its plan and
+    measures that plan's marginals, summed in float64. ``precision`` of the result says which dtype
+    ran; plan and potentials come in it, a value with gradients in the measures' dtype. float32
+    weights are renormalized in float64. A float32 result is therefore never
+    ``converged=True`` on float32's own rounding (docs/math.md section 3.2).
 
     Examples
     --------

@@ -11,7 +11,7 @@ from particles.validation import check_allocation
 
 from .exact import emd_squared
 from .options import check_bool, check_memory_limit, check_real
-from .problem import check_pair, needs_grad, normalize, to_units
+from .problem import check_pair, log_weights, needs_grad, normalize, to_units
 
 #: Default tolerance on positions (two positions closer than this are the same position).
 POSITION_ATOL = 1e-9
@@ -22,6 +22,12 @@ MASS_ATOL = 1e-9
 def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MASS_ATOL, squared=False,
                    return_plan=False, memory_limit=None):
     """W2c(mu, nu)^2 = sum over distinct positions s of m(s) W2(mu_s, nu_s)^2 (Definition 4.1).
+
+    Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
+    network simplex; one-atom slices in closed form), so no mass ever crosses positions. For two
+    sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n). Computed in
+    float64 whatever the dtype, the costs of close pairs from their differences, as exact W2 is
+    (see :func:`transport.solve`).
 
     Parameters
     ----------
@@ -39,10 +45,6 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         Also return the block-diagonal (N, M) coupling (None when the value is infinite).
     memory_limit : int or str
         Bytes (or "16G") one slice's network simplex, or the plan, may take (see :func:`transport.solve`).
-
-    Each slice (the renormalized atoms of mu and nu at one position s) is solved exactly (POT's
-    network simplex; one-atom slices in closed form), so no mass ever crosses positions. For two
-    sequences with positions i/n, W2c is the Frobenius norm of X - Y divided by sqrt(n).
 
     Returns
     -------
@@ -71,15 +73,19 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     if (s_mu.shape != s_nu.shape or bool(((s_mu - s_nu).abs() > atol).any())
             or bool(((m_mu - m_nu).detach().abs() > mass_atol).any())):
         return (math.inf, None) if return_plan else math.inf
-    x, y, k = normalize(mu.points, mu.weights, nu.points, nu.weights)
+    # in float64 whatever the dtype: the slices' network simplex works in float64, and a float32 cost
+    # matrix (or centring) would lose the distances of close clouds
+    x, y, k = normalize(mu.points.to(torch.float64), mu.weights.to(torch.float64),
+                        nu.points.to(torch.float64), nu.weights.to(torch.float64))
     if k == 0:  # no rescaling needed: difference the points as given (see Problem.plain_points)
-        x, y = mu.points, nu.points
+        x, y = mu.points.to(torch.float64), nu.points.to(torch.float64)
     n_pos = s_mu.shape[0]
     # each atom's group: the nearest marginal position (atoms of zero mass included)
     gx = _nearest(s_mu, mu.positions)
     gy = _nearest(s_mu, nu.positions)
-    lx = mu.log_weights - torch.log(m_mu)[gx]
-    ly = nu.log_weights - torch.log(m_mu)[gy]
+    m64 = m_mu.to(torch.float64)
+    lx = log_weights(mu, torch.float64) - torch.log(m64)[gx]
+    ly = log_weights(nu, torch.float64) - torch.log(m64)[gy]
     plan = torch.zeros(mu.n, nu.n, dtype=mu.dtype, device=mu.device) if return_plan else None
     count_x = torch.bincount(gx, minlength=n_pos)
     count_y = torch.bincount(gy, minlength=n_pos)
@@ -90,7 +96,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         ix = torch.nonzero(single[gx])[:, 0]
         iy = torch.nonzero(single[gy])[:, 0]
         ix, iy = ix[torch.argsort(gx[ix])], iy[torch.argsort(gy[iy])]
-        total = total + (m_mu[gx[ix]] * ((x[ix] - y[iy]) ** 2).sum(1)).sum()
+        total = total + (m64[gx[ix]] * ((x[ix] - y[iy]) ** 2).sum(1)).sum()
         if plan is not None:
             plan[ix, iy] = m_mu[gx[ix]].detach()
     for s in torch.nonzero(~single)[:, 0].tolist():
@@ -100,10 +106,10 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         # centred on the slice, as for any exact solve (see transport.problem.normalize)
         c = (0.5 * (a @ x[ix] + b @ y[iy])).detach()
         value, p, _ = emd_squared(x[ix] - c, a, y[iy] - c, b, return_plan=return_plan, memory_limit=limit)
-        total = total + m_mu[s] * value
+        total = total + m64[s] * value
         if plan is not None:
             plan[ix[:, None], iy[None, :]] = m_mu[s].detach() * p.detach()
-    value, value_sq = to_units(total, k, grad)
+    value, value_sq = to_units(total.to(mu.dtype) if grad else total, k, grad)
     if squared and not isinstance(value_sq, torch.Tensor) and math.isinf(value_sq):
         raise OverflowError(f"squared: W2c^2 = ({float(value):.6g})^2 exceeds the float range; "
                             "ask for W2c (squared=False)")

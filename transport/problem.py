@@ -8,13 +8,14 @@ size (the usual case) are only centred: their results are bit-for-bit those of t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from particles import Measure
 
-from .options import TOL
+from .options import TOL, UNIT_ROUNDOFF
 
 #: Squared distances (d of them summed) stay far from the dtype's limits while the centred
 #: coordinates lie in [2^SMALL, 2^BIG]; outside, the clouds are rescaled by a power of two.
@@ -74,6 +75,19 @@ def normalize(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor
     return x, y, k
 
 
+def log_weights(m: Measure, dtype: torch.dtype) -> torch.Tensor:
+    """The measure's log-weights in ``dtype``, normalized there: from its weights where they are normal
+    numbers (float32's log(1/50) is rounded by 6e-8, enough to be seen in a marginal error of 1e-5),
+    from its log-weights where the weights underflow; float32 weights summing to 1 within float32's
+    rounding are renormalized to sum to 1 in float64."""
+    if dtype == m.dtype:
+        return m.log_weights
+    normal = m.weights >= torch.finfo(m.dtype).tiny
+    from_weights = torch.log(torch.where(normal, m.weights, torch.ones_like(m.weights)).to(dtype))
+    lw = torch.where(normal, from_weights, m.log_weights.to(dtype))
+    return lw - torch.logsumexp(lw, 0)
+
+
 def needs_grad(*measures: Measure) -> bool:
     return any(m.points.requires_grad or m.weights.requires_grad for m in measures)
 
@@ -83,7 +97,8 @@ class Problem:
 
     ``x``, ``y``: the centred points divided by 2^``k`` (with the autograd graph of the measures'
     points); ``a``, ``b`` and ``log_a``, ``log_b``: the weights; a squared distance of the problem is
-    4^k times one of the normalized clouds. Holds no solver state and no option.
+    4^k times one of the normalized clouds. ``dtype``: the precision these tensors are held in (the
+    measures' own, ``input_dtype``, unless :meth:`to` changed it). Holds no solver state and no option.
     """
 
     def __init__(self, mu: Measure, nu: Measure):
@@ -93,6 +108,7 @@ class Problem:
         self.log_a, self.log_b = mu.log_weights, nu.log_weights
         self.x, self.y, self.k = normalize(mu.points, self.a, nu.points, self.b)
         self.grad = needs_grad(mu, nu)
+        self.dtype = mu.dtype
 
     def plain_points(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The points as given when no rescaling is needed (k = 0), else the normalized ones.
@@ -100,12 +116,57 @@ class Problem:
         For the closed forms that difference points directly (d = 1 quantiles, one-atom slices):
         they then round exactly as the formula written on the user's points.
         """
-        return (self.mu.points, self.nu.points) if self.k == 0 else (self.x, self.y)
+        if self.k == 0:
+            return self.mu.points.to(self.dtype), self.nu.points.to(self.dtype)
+        return self.x, self.y
+
+    def to(self, dtype: torch.dtype) -> Problem:
+        """The same problem held in ``dtype``, with the same scale 2^k (so that eps and potentials carry over).
+
+        The clouds are centred anew from the measures' points in ``dtype``: float32 points centred in
+        float32 are rounded by ~6e-8 of their size, as much as the distances of close clouds can afford.
+        The autograd graph of the points and weights is kept.
+        """
+        if dtype == self.dtype:
+            return self
+        out = copy.copy(self)
+        out.log_a, out.log_b = log_weights(self.mu, dtype), log_weights(self.nu, dtype)
+        out.a, out.b = out.log_a.exp(), out.log_b.exp()
+        # the scale 2^k suits the narrower dtype, hence the wider one; scaling by it is exact
+        x, y = ldexp(self.mu.points.to(dtype), -self.k), ldexp(self.nu.points.to(dtype), -self.k)
+        c = (0.5 * (out.a @ x + out.b @ y)).detach()
+        out.x, out.y = x - c, y - c
+        out.dtype = dtype
+        return out
+
+    def precision(self, reg: float, tol: float) -> torch.dtype:
+        """The dtype an entropic solve at ``reg`` works in to certify the marginal error ``tol``: the
+        measures' own, or float64 where float32 cannot resolve the plan.
+
+        The plan pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps) is formed from costs and potentials of
+        magnitude up to the squared diameter D2 of the clouds, each held to about u D2 in a dtype of unit
+        roundoff u: the exponents carry an absolute error of order u D2 / eps, and the plan's masses a
+        relative one of that order. A dtype can certify an L1 marginal error ``tol`` only where
+        u D2 / eps <= tol. float32 (u = 6e-8) at its default tol = 1e-5 resolves D2 / eps up to about 170
+        (a blur sqrt(reg) above 8% of the diameter); beyond, float32 iterates judge their marginals with
+        their own rounding and can report a wrong value as converged (cost / eps ~ 1e7 gave a value 15%
+        below W2 with error 0), so the solve runs in float64. float64 (u = 1.1e-16) resolves D2 / eps up
+        to ~1e9 at tol = 1e-7; it is kept whatever the ratio (there is no wider dtype).
+        """
+        if self.input_dtype != torch.float32:
+            return self.input_dtype
+        try:
+            eps = math.ldexp(reg, -2 * self.k)
+        except OverflowError:
+            return self.input_dtype
+        if eps > 0 and UNIT_ROUNDOFF[torch.float32] * self.squared_diameter() <= tol * eps:
+            return torch.float32
+        return torch.float64
 
     n = property(lambda self: self.mu.n)
     m = property(lambda self: self.nu.n)
     dim = property(lambda self: self.mu.dim)
-    dtype = property(lambda self: self.mu.dtype)
+    input_dtype = property(lambda self: self.mu.dtype)
     device = property(lambda self: self.mu.device)
 
     def squared_diameter(self) -> float:
@@ -116,7 +177,8 @@ class Problem:
     def eps(self, reg: float) -> float:
         """The entropic regularization in normalized units, reg / 4^k, checked to be representable.
 
-        exp(-C / eps) is formed in the measures' dtype: C / eps must stay well inside its range.
+        exp(-C / eps) is formed in the problem's ``dtype`` (after :meth:`precision`, float64 for float32
+        measures that float32 cannot resolve): C / eps must stay well inside its range.
         """
         try:
             eps = math.ldexp(reg, -2 * self.k)  # underflows to 0.0, or overflows (tiny clouds)
@@ -148,11 +210,33 @@ class Problem:
             return math.inf
 
 
+#: sq_dists recomputes from the differences every entry below this fraction of |x_i|^2 + |y_j|^2: the
+#: matrix product's rounding (about (d + 2) u (|x_i|^2 + |y_j|^2)) is then at most (d + 2) u / 2^-10 of
+#: the entries it keeps, 7e-12 relative in float64 at d = 64.
+CANCELLATION = 2.0 ** -10
+#: Pairs recomputed at once (their differences take d times as many numbers).
+RECOMPUTE_CHUNK = 2 ** 16
+
+
 def sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Dense matrix |x_i - y_j|^2 (N, M), differentiable, never negative."""
-    xx = (x * x).sum(1)
-    yy = (y * y).sum(1)
-    return (xx[:, None] + yy[None, :] - 2.0 * x @ y.T).clamp_min(0.0)
+    """Dense matrix |x_i - y_j|^2 (N, M), differentiable, never negative, accurate for close points.
+
+    |x|^2 + |y|^2 - 2<x, y> (one matrix product) loses the distance of close points to cancellation:
+    a relative error of about u (R / delta)^2 for points of norm R at distance delta (u the unit
+    roundoff: 1e-4 at delta = 1e-6 R in float64, 1.6% at delta = 1e-3 R in float32). The entries where
+    that cancellation is severe (below :data:`CANCELLATION` times |x_i|^2 + |y_j|^2: pairs much closer
+    to each other than to the origin, usually a few per row) are recomputed from the differences
+    x_i - y_j, so that every entry is within a few roundings of its value, at the cost of the product.
+    """
+    xx, yy = (x * x).sum(1), (y * y).sum(1)
+    scale = xx[:, None] + yy[None, :]
+    C = torch.addmm(scale, x, y.T, alpha=-2.0)
+    i, j = torch.nonzero(C.detach() < CANCELLATION * scale.detach(), as_tuple=True)
+    if i.numel():
+        exact = torch.cat([((x[i[s:s + RECOMPUTE_CHUNK]] - y[j[s:s + RECOMPUTE_CHUNK]]) ** 2).sum(1)
+                           for s in range(0, i.numel(), RECOMPUTE_CHUNK)])
+        C = C.index_put((i, j), exact)
+    return C.clamp_min(0.0)
 
 
 def sqrt0(v: torch.Tensor) -> torch.Tensor:

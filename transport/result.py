@@ -29,17 +29,26 @@ class TransportResult:
     plan : tensor (N, M) or None
         The optimal (or entropic) coupling, when asked for with ``return_plan=True``.
     potentials : (f, g) of tensors (N,), (M,), or None
-        Dual potentials in squared-distance units. Exact (d > 1): Kantorovich potentials of the
-        network simplex, f_i + g_j <= |x_i - y_j|^2 with equality on the plan's support. Entropic:
-        the potentials of OT_eps(mu, nu), pi_ij = a_i b_j exp((f_i + g_j - |x_i - y_j|^2) / reg)
-        (on atoms of zero mass, the soft c-transform). None for the d = 1 sorted formula, or when
-        squared distances exceed the dtype's range.
+        Dual potentials in squared-distance units, in the dtype ``precision``. Exact (d > 1):
+        Kantorovich potentials of the network simplex, f_i + g_j <= |x_i - y_j|^2 with equality on
+        the plan's support. Entropic: the potentials of OT_eps(mu, nu),
+        pi_ij = a_i b_j exp((f_i + g_j - |x_i - y_j|^2) / reg) (on atoms of zero mass, the soft
+        c-transform). None for the d = 1 sorted formula, or when squared distances exceed the dtype's
+        range.
     error : float
-        L1 error of the plan's marginals when the solver stopped (0.0 for exact methods).
+        L1 error of the plan's marginals when the solver stopped (0.0 for exact methods); with
+        ``debias=True`` the largest of the three problems'. Never measured with a rounding that cannot
+        resolve the plan: a float32 solve's error is measured again in float64, from the potentials
+        returned (the float32 iterates' own measure shares their rounding).
     converged : bool
         error <= tol (always True for exact methods).
     iterations : int or None
         Sinkhorn updates of the (mu, nu) problem, eps-scaling levels included; None for exact methods.
+    precision : torch.dtype or None
+        The dtype the solver computed in, and that of ``plan`` and ``potentials``: the measures' own, or
+        float64 where float32 cannot resolve the problem (the network simplex of "exact" in d > 1,
+        always; an entropic solve where float32's rounding of the exponents, about 6e-8 squared
+        diameter / reg, exceeds ``tol``, or whose certificate in float64 missed ``tol``).
     reg, debias, tol, max_iter : the options the solve used (None where they do not apply).
     """
 
@@ -55,9 +64,35 @@ class TransportResult:
     debias: bool | None = None
     tol: float | None = None
     max_iter: int | None = None
+    precision: torch.dtype | None = None
 
     def __float__(self) -> float:
         return float(self.value)
+
+    def __repr__(self) -> str:
+        """One line of scalars and the shapes and dtypes of the tensors, never their entries."""
+        value = self.value
+        if isinstance(value, torch.Tensor):
+            value = f"{float(value.detach()):.10g} (tensor, grad_fn={type(value.grad_fn).__name__})"
+        else:
+            value = f"{value:.10g}"
+        fields = [f"value={value}", f"method={self.method!r}", f"converged={self.converged}",
+                  f"error={self.error:.3g}", f"iterations={self.iterations}"]
+        fields += [f"{name}={getattr(self, name)!r}" for name in ("reg", "debias", "tol")
+                   if getattr(self, name) is not None]
+        fields.append(f"plan={_summary(self.plan)}")
+        pots = None if self.potentials is None else "(" + ", ".join(_summary(p) for p in self.potentials) + ")"
+        fields.append(f"potentials={pots}")
+        fields.append(f"precision={self.precision}")
+        return "TransportResult(" + ", ".join(fields) + ")"
+
+
+def _summary(t: torch.Tensor | None) -> str:
+    """A tensor as its shape, dtype and device, e.g. ``tensor(shape=(3, 4), dtype=torch.float64)``."""
+    if t is None:
+        return "None"
+    where = "" if t.device.type == "cpu" else f", device={t.device}"
+    return f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}{where})"
 
 
 def worst_error(*errors: float) -> float:

@@ -48,7 +48,9 @@ def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None):
                          stopThr=tol / math.sqrt(C.shape[1]), log=True, warn=False, warmstart=warm)
     log_plan = log["log_u"][:, None] + log["log_v"][None, :] - C / eps
     plan = log_plan.exp()
-    err = float(((plan.sum(1) - a).abs().sum() + (plan.sum(0) - b).abs().sum()).detach())
+    # the plan's marginals summed in float64: the rounding of N or M float32 terms would blur tol
+    p64 = plan.detach().to(torch.float64)
+    err = float((p64.sum(1) - a.detach()).abs().sum() + (p64.sum(0) - b.detach()).abs().sum())
     cost = (plan * C).sum()
     p, lp = plan.detach(), log_plan.detach()
     kl = (p * (lp - log_a[:, None] - log_b[None, :])).sum()
@@ -70,7 +72,7 @@ def _symmetric_warmstart(x, log_a, eps, tol):
         f = symmetric_potential(mu, eps, tol=tol, max_iter=WARMSTART_MAX_ITER)[0]
     except ConvergenceError as exc:  # a start, not a result: POT iterates on from it
         f = exc.estimate[0]
-    u = log_a.detach() + f / eps
+    u = log_a.detach() + f.to(log_a.dtype) / eps
     return u, u.clone()
 
 
@@ -105,4 +107,4 @@ def solve_sinkhorn(problem: Problem, eps: float, opts: dict, return_plan: bool =
         x_all, y_all = problem.x.detach(), problem.y.detach()
         potentials = (extend_potential(f, sa, x_all, y.detach(), lb.detach(), g, eps, DEFAULT_CHUNK_ELEMENTS),
                       extend_potential(g, sb, y_all, x.detach(), la.detach(), f, eps, DEFAULT_CHUNK_ELEMENTS))
-    return dict(value=value, plan=full, potentials=potentials, error=err, iterations=it)
+    return dict(value=value, plan=full, potentials=potentials, error=err, iterations=it, precision=problem.dtype)

@@ -20,6 +20,12 @@ dOT_eps/dx_i = sum_j pi_ij 2 (x_i - y_j)), computed block by block in a custom a
 function: the backward pass is O(N) in memory too. Weights are treated as constants.
 
 Every loop is bounded: the eps-scaling levels and the Sinkhorn updates together by ``max_iter``.
+
+Certificate of float32 solves: the iterates measure their marginals with the rounding that made
+them, which cannot see an error below about 6e-8 squared diameter / eps. A float32 solve (run only
+where that is below tol, :meth:`transport.problem.Problem.precision`) is checked by
+:func:`plan_check`, the marginals of the plan its potentials define summed again in float64 on the
+measures' own points; where it misses tol the solve continues in float64 (:func:`_certified_pair`).
 """
 
 from __future__ import annotations
@@ -89,18 +95,27 @@ def _schedule(x, y, eps, scaling, max_iter):
                      f"takes more than max_iter = {max_iter} levels; use a smaller scaling or a larger max_iter")
 
 
-def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk):
+def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0):
+    """Sinkhorn for OT_eps between (x, log_a) and (y, log_b): (f, g, error, updates).
+
+    From ``start`` = (f, g) (no annealing; ``done`` updates already spent) or from zero through the
+    eps-scaling levels. The error is the L1 row error of the plan (f, g) before the last update of f
+    (its columns are exact), as the iterates' own dtype computes it.
+    """
     xx, yy = (x * x).sum(1), (y * y).sum(1)
     a = log_a.exp()
-    f = torch.zeros_like(xx)
-    g = torch.zeros_like(yy)
-    levels = _schedule(x, y, eps, scaling, max_iter)
+    if start is None:
+        f = torch.zeros_like(xx)
+        g = torch.zeros_like(yy)
+        levels = _schedule(x, y, eps, scaling, max_iter)
+    else:
+        (f, g), levels = start, []
     # every half-step is tiled relative to the current potentials (tiles.update); rows where they are
     # too far off for that (the first levels) fall back to the max-shifted soft-min
     for e in levels:
         f = f + update(x, xx, y, yy, log_b, f, g, e, chunk)
         g = g + update(y, yy, x, xx, log_a, g, f, e, chunk)
-    it = len(levels) - 1
+    it = len(levels) - 1 if start is None else done
     while True:
         delta = update(x, xx, y, yy, log_b, f, g, eps, chunk)
         # row marginal of the plan (f, g) is a_i exp(-delta_i / eps); its columns are exact
@@ -113,18 +128,25 @@ def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk):
     return f, g, err, it
 
 
-def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk):
-    """Symmetric Sinkhorn for OT_eps(mu, mu): f <- (f + softmin(f)) / 2 converges in few steps."""
+def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
+    """Symmetric Sinkhorn for OT_eps(mu, mu): f <- (f + softmin(f)) / 2 converges in few steps.
+
+    Returns (f, error, updates); ``start``: a potential to continue from (no annealing). The error is
+    the L1 error of both marginals (equal by symmetry) of the self coupling (f, f) before the last update.
+    """
     xx = (x * x).sum(1)
     a = log_a.exp()
-    f = torch.zeros_like(xx)
-    levels = _schedule(x, x, eps, scaling, max_iter)
-    for e in levels[:-1]:
+    if start is None:
+        f = torch.zeros_like(xx)
+        levels = _schedule(x, x, eps, scaling, max_iter)[:-1]
+    else:
+        f, levels = start, []
+    for e in levels:
         f = f + 0.5 * update(x, xx, x, xx, log_a, f, f, e, chunk)
     it, err = 0, math.inf
     while it < max_iter:
         delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
-        err = float((a * torch.expm1(-delta / eps).abs()).sum())
+        err = 2.0 * float((a * torch.expm1(-delta / eps).abs()).sum())
         f = f + 0.5 * delta
         it += 1
         if err <= tol or math.isnan(err):
@@ -139,6 +161,31 @@ def _transport_cost(x, y, log_a, log_b, f, g, eps, chunk):
         C = torch.addmm(xx[rs, None] + yy[None, cs], x[rs], y[cs].T, alpha=-2.0).clamp_min_(0.0)
         total = total + (pi * C).sum()
     return total
+
+
+def plan_check(x, y, log_a, log_b, f, g, eps, chunk, cost: bool = False):
+    """The L1 error of both marginals of the plan (f, g), and its cost <pi, C> if asked, in float64.
+
+    The certificate of a float32 solve: its iterates measure their marginals with the rounding that
+    made them (exponents of absolute error ~ u D2 / eps), so a float32 solve that cannot resolve the plan
+    reports a small error for a wrong one. Here the plan the returned potentials define,
+    pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps), is summed again in float64: one pass over the N x M
+    entries, tile by tile. Returns (error, cost or None); the error is inf or NaN where the potentials
+    are far from optimal (a sum overflows).
+    """
+    x, y, log_a, log_b, f, g = (t.to(torch.float64) for t in (x, y, log_a, log_b, f, g))
+    rows = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+    cols = torch.zeros(y.shape[0], dtype=torch.float64, device=x.device)
+    xx, yy = (x * x).sum(1), (y * y).sum(1)
+    total = x.new_zeros(())
+    for rs, cs, pi in plan_tiles(x, y, log_a, log_b, f, g, eps, chunk):
+        rows[rs] += pi.sum(1)
+        cols[cs] += pi.sum(0)
+        if cost:
+            C = torch.addmm(xx[rs, None] + yy[None, cs], x[rs], y[cs].T, alpha=-2.0).clamp_min_(0.0)
+            total = total + (pi * C).sum()
+    err = float((rows - log_a.exp()).abs().sum() + (cols - log_b.exp()).abs().sum())
+    return err, (total if cost else None)
 
 
 def _check_blocks(n: int, m: int, chunk: int, element_size: int, memory_limit) -> None:
@@ -158,39 +205,104 @@ def extend_potential(f, support, x_all, y, log_b, g, eps, chunk):
     return out
 
 
+def _certified_pair(x, y, la, lb, eps, opts, wide, cost: bool = False):
+    """:func:`_solve_pair`, certified: (f, g, error, updates, cost or None).
+
+    In float64 the error is the solver's own. A float32 solve is certified by :func:`plan_check` in
+    float64 on ``wide()`` (the problem's (x, y, log_a, log_b) in float64, centred from the measures'
+    points: the plan of the data given, not of its float32 rounding), which also gives <pi, C> in
+    float64 when ``cost``. Where it misses ``tol`` there, the solve continues in float64 on ``wide()``
+    from the float32 potentials (no new annealing) within the remaining ``max_iter``, and the
+    potentials come back in float64 (cost None: the caller computes it).
+    """
+    tol, max_iter, scaling, chunk = opts["tol"], opts["max_iter"], opts["scaling"], opts["chunk_elements"]
+    f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk)
+    if x.dtype == torch.float64:
+        return f, g, err, it, None
+    x, y, la, lb = wide()
+    err, total = plan_check(x, y, la, lb, f, g, eps, chunk, cost=cost)
+    if err <= tol or it >= max_iter:
+        return f, g, err, it, total
+    f, g = f.to(torch.float64), g.to(torch.float64)
+    f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk, start=(f, g), done=it)
+    return f, g, err, it, None
+
+
+def _certified_self(x, la, eps, opts, wide):
+    """:func:`_solve_symmetric`, certified as :func:`_certified_pair` is: (f, error, updates)."""
+    tol, max_iter, scaling, chunk = opts["tol"], opts["max_iter"], opts["scaling"], opts["chunk_elements"]
+    f, err, it = _solve_symmetric(x, la, eps, tol, max_iter, scaling, chunk)
+    if x.dtype == torch.float64:
+        return f, err, it
+    x, la = wide()
+    err = plan_check(x, x, la, la, f, f, eps, chunk)[0]
+    if err <= tol or it >= max_iter:
+        return f, err, it
+    f = f.to(torch.float64)
+    f, err, more = _solve_symmetric(x, la, eps, tol, max_iter - it, scaling, chunk, start=f)
+    return f, err, it + more
+
+
+def _solve_all(x, y, la, lb, eps, opts, debias, wide):
+    """The pair problem and, when ``debias``, the two self problems, each certified (``wide()``: the
+    problem's (x, y, log_a, log_b) in float64, for a float32 solve that has to continue in float64).
+
+    Returns (potentials, errors, updates, cost): ``potentials`` (f, g) or (f, g, f_xx, f_yy), all in
+    float64 if any problem had to continue in float64, one error per problem, the updates of the pair
+    problem, and <pi, C> of the pair's plan in float64 when the certificate computed it, else None.
+    """
+    f, g, err, it, cost = _certified_pair(x, y, la, lb, eps, opts, wide, cost=not debias)
+    pots, errs = [f, g], [err]
+    if debias:
+        for side, (z, lz) in enumerate(((x, la), (y, lb))):
+            f_zz, err_zz, _ = _certified_self(z, lz, eps, opts, lambda side=side: wide()[side::2])
+            pots.append(f_zz)
+            errs.append(err_zz)
+    work = torch.float64 if any(p.dtype == torch.float64 for p in pots) else x.dtype
+    return [p.to(work) for p in pots], errs, it, cost
+
+
 def solve_streaming(problem: Problem, eps: float, opts: dict, return_plan: bool = False, memory_limit=None) -> dict:
     """Routine of method "streaming": S_eps or <pi_eps, C> in normalized units, and what it reached.
 
-    Never forms the plan (``return_plan`` is refused by :func:`transport.solve` before this runs).
+    Works in the problem's dtype; a float32 solve is certified in float64 and continued in float64
+    where it misses ``tol`` (:func:`_solve_all`), the returned ``precision`` saying which dtype the
+    potentials come in. Never forms the plan (``return_plan`` is refused by :func:`transport.solve`
+    before this runs).
     """
-    debias, tol, max_iter = opts["debias"], opts["tol"], opts["max_iter"]
-    scaling, chunk = opts["scaling"], opts["chunk_elements"]
+    debias, chunk = opts["debias"], opts["chunk_elements"]
     if problem.grad and not debias:
         raise ValueError("debias: gradients of the streaming path are available for debias=True only "
                          "(the cost of the entropic plan has no envelope formula)")
-    _check_blocks(problem.n, problem.m, chunk, problem.x.element_size(), memory_limit)
+    _check_blocks(problem.n, problem.m, chunk, 8, memory_limit)  # the certificate's blocks are float64
     sa, sb = problem.log_a > -math.inf, problem.log_b > -math.inf
-    xg, yg = problem.x[sa], problem.y[sb]
     la, lb = problem.log_a[sa].detach(), problem.log_b[sb].detach()
-    x, y = xg.detach(), yg.detach()
+    x, y = problem.x[sa].detach(), problem.y[sb].detach()
+
+    def wide():
+        p = problem.to(torch.float64)
+        return p.x[sa].detach(), p.y[sb].detach(), p.log_a[sa].detach(), p.log_b[sb].detach()
+
     with torch.no_grad():
-        f, g, err, it = _solve_pair(x, y, la, lb, eps, tol, max_iter, scaling, chunk)
-        if debias:
-            f_xx, err_x, _ = _solve_symmetric(x, la, eps, tol, max_iter, scaling, chunk)
-            f_yy, err_y, _ = _solve_symmetric(y, lb, eps, tol, max_iter, scaling, chunk)
-            err = worst_error(err, err_x, err_y)
+        pots, errs, it, cost = _solve_all(x, y, la, lb, eps, opts, debias, wide)
+    work = pots[0].dtype
+    problem = problem.to(work)
+    xg, yg = problem.x[sa], problem.y[sb]
+    x, y, la, lb = xg.detach(), yg.detach(), la.to(work), lb.to(work)
+    f, g = pots[:2]
     if debias:
         val = _EntropicValue.apply(xg, yg, f, g, la, lb, eps, chunk)
-        val = val - 0.5 * _EntropicValue.apply(xg, xg, f_xx, f_xx, la, la, eps, chunk)
-        val = val - 0.5 * _EntropicValue.apply(yg, yg, f_yy, f_yy, lb, lb, eps, chunk)
+        val = val - 0.5 * _EntropicValue.apply(xg, xg, pots[2], pots[2], la, la, eps, chunk)
+        val = val - 0.5 * _EntropicValue.apply(yg, yg, pots[3], pots[3], lb, lb, eps, chunk)
     else:
         with torch.no_grad():
-            val = _transport_cost(x, y, la, lb, f, g, eps, chunk)
+            val = _transport_cost(x, y, la, lb, f, g, eps, chunk) if cost is None else cost
     with torch.no_grad():
         x_all, y_all = problem.x.detach(), problem.y.detach()
         potentials = (extend_potential(f, sa, x_all, y, lb, g, eps, chunk),
                       extend_potential(g, sb, y_all, x, la, f, eps, chunk))
-    return dict(value=val, plan=None, potentials=potentials, error=err, iterations=it)
+    return dict(value=val, plan=None, potentials=potentials, error=worst_error(*errs), iterations=it,
+                precision=work)
 
 
 def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=None, chunk_elements=None,
@@ -215,7 +327,10 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     Returns
     -------
     (f, error, iterations) : the potential (N,) in squared-distance units (the soft c-transform on
-        atoms of zero mass), the L1 marginal error of the self coupling, the updates made.
+        atoms of zero mass), the L1 error of both marginals of the self coupling, the updates made.
+        Precision as for :func:`transport.solve`: float32 measures are solved in float32 where it
+        resolves the plan (:meth:`transport.problem.Problem.precision`), the error then measured in
+        float64, else in float64, and ``f`` comes in the dtype of the solve.
     """
     check_on_failure(on_failure)
     memory_limit = check_memory_limit(memory_limit)
@@ -224,18 +339,24 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
                                      chunk_elements=chunk_elements), mu.dtype)
     if opts["reg"] is None:
         raise ValueError("reg: symmetric_potential needs an entropic regularization reg > 0")
+    problem = problem.to(problem.precision(opts["reg"], opts["tol"]))
     eps = problem.eps(opts["reg"])
-    _check_blocks(mu.n, mu.n, opts["chunk_elements"], problem.x.element_size(), memory_limit)
+    _check_blocks(mu.n, mu.n, opts["chunk_elements"], 8, memory_limit)  # the certificate's blocks are float64
     sa = problem.log_a > -math.inf
     x, la = problem.x.detach()[sa], problem.log_a.detach()[sa]
+
+    def wide():
+        p = problem.to(torch.float64)
+        return p.x.detach()[sa], p.log_a.detach()[sa]
+
     with torch.no_grad():
-        f, err, it = _solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"],
-                                      opts["chunk_elements"])
-        f = ldexp(extend_potential(f, sa, problem.x.detach(), x, la, f, eps, opts["chunk_elements"]),
+        f, err, it = _certified_self(x, la, eps, opts, wide)
+        x_all = problem.x.detach().to(f.dtype)
+        f = ldexp(extend_potential(f, sa, x_all, x.to(f.dtype), la.to(f.dtype), f, eps, opts["chunk_elements"]),
                   2 * problem.k)
     if not bool(torch.isfinite(f).all()):
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
-                               f"{mu.dtype} (squared distances beyond its range)", (f, err, it))
+                               f"{f.dtype} (squared distances beyond its range)", (f, err, it))
     if not err <= opts["tol"]:
         msg = (f"symmetric_potential: did not converge in {it} iterations (marginal L1 error {err:.3g} > tol "
                f"{opts['tol']:.3g}); increase max_iter or reg")

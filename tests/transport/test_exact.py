@@ -8,8 +8,10 @@ duality for the potentials, finite differences for gradients, metric axioms (hyp
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
+import ot
 import pytest
 import scipy.linalg
 import torch
@@ -185,3 +187,86 @@ def test_rigid_motion_invariance(a, b, angle, shift):
     move = lambda p: p @ R.T + t
     moved = w2(mu.pushforward(move), nu.pushforward(move), squared=True)
     assert moved == pytest.approx(w2(mu, nu, squared=True), rel=1e-9, abs=1e-12)
+
+
+# ---------------------------------------------------------------- POT's verdict, and warnings of other origins
+def test_foreign_warning_inside_pot_is_not_a_simplex_failure(monkeypatch):
+    """A UserWarning raised inside ``ot.emd2`` by something else (as POT's JAX backend warns about float64
+    when JAX for CUDA is installed) passes through, re-emitted where it was raised, and the value is the
+    LP optimum: only POT's ``log["result_code"]`` says whether the simplex failed."""
+    import ot.lp._network_simplex as simplex
+
+    real = simplex.get_backend
+
+    def warning_backend(*args):
+        warnings.warn("Explicitly requested dtype float64 requested in zeros is not available (JAX)", UserWarning,
+                      stacklevel=1)
+        return real(*args)
+
+    monkeypatch.setattr(simplex, "get_backend", warning_backend)
+    X, Y = rand(9, 3, 7), rand(6, 3, 8) + 1.0
+    a, b = rand_weights(9, 4), rand_weights(6, 5)
+    with pytest.warns(UserWarning, match="float64 requested in zeros") as record:
+        value = w2(Measure(X, a), Measure(Y, b))
+    assert value == pytest.approx(w2_lp(X, a, Y, b), rel=1e-9)
+    # the same warnings as POT's own call emits, from the same place
+    with warnings.catch_warnings(record=True) as direct:
+        warnings.simplefilter("always")
+        ot.emd2(a, b, torch.cdist(X, Y) ** 2)
+    assert [(str(w.message), w.filename, w.lineno) for w in record] == [
+        (str(w.message), w.filename, w.lineno) for w in direct] and record[0].filename == __file__
+    # a warning the caller's filters turn into errors still is one, after POT returned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UserWarning, match="float64 requested"):
+            w2(Measure(X, a), Measure(Y, b))
+
+
+def test_simplex_failure_is_still_reported(monkeypatch):
+    """numItermax too small: POT's verdict (result_code 3, MAX_ITER_REACHED) is an error, and POT's own
+    warning about it is not repeated; a foreign warning during the same call still passes through."""
+    import ot.lp._network_simplex as simplex
+
+    import transport.exact
+
+    X, Y = rand(30, 2, 1), rand(30, 2, 2) + 0.5
+    monkeypatch.setattr(transport.exact, "EMD_MAX_ITER", 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="network simplex did not find an optimal plan \\(result_code 3\\)"
+                           ": numItermax reached"):
+            w2(Measure(X), Measure(Y))
+    assert not caught
+    real = simplex.get_backend
+
+    def foreign(*args):
+        warnings.warn("foreign", UserWarning, stacklevel=1)
+        return real(*args)
+
+    monkeypatch.setattr(simplex, "get_backend", foreign)
+    with pytest.warns(UserWarning, match="^foreign$"):
+        with pytest.raises(RuntimeError, match="result_code 3"):
+            w2(Measure(X), Measure(Y))
+    monkeypatch.setattr(transport.exact, "EMD_MAX_ITER", 50_000_000)
+    monkeypatch.setattr(simplex, "get_backend", real)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a finished simplex emits nothing of its own
+        assert w2(Measure(X), Measure(Y)) == pytest.approx(w2_assignment(X, Y), rel=1e-12)
+
+
+# ---------------------------------------------------------------- the result's repr
+def test_result_repr_is_a_summary():
+    """repr shows the scalars and the shapes and dtypes of plan and potentials, never their entries."""
+    X, Y = rand(300, 3, 7), rand(200, 3, 8) + 1.0
+    res = solve(Measure(X), Measure(Y), return_plan=True)
+    text = repr(res)
+    assert "tensor([" not in text and len(text) < 400, text
+    assert text.startswith(f"TransportResult(value={res.value:.10g}, method='exact', converged=True, error=0, "
+                           "iterations=None")
+    assert "plan=tensor(shape=(300, 200), dtype=torch.float64)" in text
+    assert ("potentials=(tensor(shape=(300,), dtype=torch.float64), tensor(shape=(200,), dtype=torch.float64))"
+            in text)
+    ent = solve(Measure(X[:, :2].requires_grad_()), Measure(Y[:, :2]), "streaming", reg=0.5)
+    text = repr(ent)
+    assert "tensor([" not in text and "grad_fn=" in text and "reg=0.5, debias=True, tol=1e-07" in text
+    assert f"iterations={ent.iterations}" in text and "plan=None" in text and str(ent) == text
