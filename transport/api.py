@@ -8,14 +8,16 @@ measures (normalized), a routine of :data:`ROUTINES` solves it with the options 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from particles import Measure
+from particles.threads import ThreadPolicy
 from particles.validation import ConvergenceError, check_on_failure
 
 from .exact import solve_exact
-from .options import check_bool, check_memory_limit, check_method, resolve
+from .options import UNIT_ROUNDOFF, check_bool, check_memory_limit, check_method, resolve
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
@@ -30,12 +32,15 @@ ROUTINES = {
 }
 ENTROPIC = ("sinkhorn", "streaming")
 
-#: "auto" solves exactly while N * M is at most this (N = M = 2000: about a second on one core,
-#: 190 MB for the network simplex).
+#: "auto" solves exactly while N * M is at most this. N = M = 2000 takes about a second on one core
+#: and 190 MB for the network simplex.
 AUTO_EXACT_MAX_PAIRS = 2000 * 2000
-#: "auto" without reg uses reg = (AUTO_BLUR * diameter)^2 on the streaming path (diameter: of the box
-#: holding both clouds, max coordinate spread times sqrt(d)).
+#: "auto" without reg uses reg = (AUTO_BLUR * diameter)^2 on the streaming path, the diameter being
+#: that of the box holding both clouds (the largest coordinate spread times sqrt(d)).
 AUTO_BLUR = 0.05
+#: one-thread seconds per cost entry of a Sinkhorn half-step (the tiled soft-min on a 2-core Xeon,
+#: benchmarks/transport.md): the thread policy's estimate of a step, N M times this
+SECONDS_PER_ENTRY = 1.5e-9
 
 
 def _auto(problem: Problem) -> str:
@@ -86,8 +91,17 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         if method == "streaming" and return_plan:
             raise ValueError("return_plan: the streaming method never forms the N x M plan; "
                              "use method='sinkhorn' (dense) for a plan, or the potentials of the result")
-    raw = ROUTINES[method](problem, eps, opts, return_plan, limit)
+    # one thread for small problems, the free cores for large ones (particles/threads.py)
+    with ThreadPolicy(step_seconds=SECONDS_PER_ENTRY * problem.n * problem.m):
+        raw = ROUTINES[method](problem, eps, opts, return_plan, limit)
     if not bool(torch.isfinite(raw["value"].detach())):
+        if eps is not None:
+            # float64 is kept whatever D2 / eps (Problem.precision): far beyond what it resolves, the plan's
+            # exponents (f + g - C) / eps are rounding noise amplified by D2 / eps, and the value overflows
+            noise = UNIT_ROUNDOFF[problem.dtype] * problem.squared_diameter() / eps
+            raise ValueError(f"reg: reg = {opts['reg']:.3g} is too small for {problem.dtype} at this scale: the "
+                             f"plan's exponents carry rounding errors of about {noise:.2g} (unit roundoff x squared "
+                             "diameter / reg), and its value overflows; use a larger reg or method='exact'")
         # the normalization keeps every finite input finite: reaching this is a solver failure
         raise ConvergenceError(f"w2 ({method}): the computed value is {float(raw['value'])} "
                                f"(error {raw['error']:.3g} after {raw['iterations']} iterations)")
@@ -220,8 +234,10 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
 
     The value of :func:`transport.solve` (same parameters; see it for the methods, their options
     and conventions): a float, or a 0-d tensor carrying the autograd graph when the points (or
-    weights) require grad. ``squared=True`` returns W2^2 (OverflowError when it exceeds the float
-    range although W2 does not). ``return_plan=True`` returns ``(value, plan)``.
+    weights) require grad, whatever the options. ``squared=True`` returns W2^2 (OverflowError when
+    it exceeds the float range although W2 does not). The plan, the potentials and the certificate
+    come from :func:`transport.solve`, which returns a :class:`~transport.result.TransportResult`
+    (``return_plan=True`` here still returns ``(value, plan)``, with a DeprecationWarning).
 
     Examples
     --------
@@ -233,6 +249,10 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
     2.0
     """
     squared = check_bool(squared, "squared")
+    if check_bool(return_plan, "return_plan"):
+        warnings.warn("w2(..., return_plan=True): w2 returns a number; use transport.solve(mu, nu, method, "
+                      "return_plan=True).plan (its TransportResult also has the potentials and the error)",
+                      DeprecationWarning, stacklevel=2)
     given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
                  chunk_elements=chunk_elements)
     res = _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)

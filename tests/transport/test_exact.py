@@ -59,7 +59,8 @@ def test_one_dimensional_sorted_formula():
     a, b = rand_weights(7, 1), rand_weights(11, 2)
     x, y = rand(7, 1, 5), rand(11, 1, 6)
     truth = w2_lp(x, a, y, b)
-    value, plan = w2(Measure(x, a), Measure(y, b), return_plan=True)
+    res = solve(Measure(x, a), Measure(y, b), return_plan=True)
+    value, plan = res.value, res.plan
     assert value == pytest.approx(truth, rel=1e-9)
     assert torch.allclose(plan.sum(1), a, atol=1e-14) and torch.allclose(plan.sum(0), b, atol=1e-14)
     M = (x - y.T) ** 2
@@ -86,7 +87,11 @@ def test_gaussian_samples_approach_bures_distance():
 
 def test_plan_is_a_coupling_of_optimal_cost():
     mu, nu = Measure(rand(9, 2), rand_weights(9)), Measure(rand(6, 2, 1), rand_weights(6, 3))
-    value, plan = w2(mu, nu, return_plan=True)
+    res = solve(mu, nu, return_plan=True)
+    value, plan = res.value, res.plan
+    with pytest.warns(DeprecationWarning, match=r"transport.solve"):   # w2's old spelling still works
+        old_value, old_plan = w2(mu, nu, return_plan=True)
+    assert old_value == value and torch.equal(old_plan, plan) and w2(mu, nu) == value
     C = ((mu.points[:, None] - nu.points[None]) ** 2).sum(-1)
     assert torch.allclose(plan.sum(1), mu.weights, atol=1e-12)
     assert torch.allclose(plan.sum(0), nu.weights, atol=1e-12)

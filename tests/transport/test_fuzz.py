@@ -252,7 +252,8 @@ def test_symmetric_potential_fuzz(data):
 
 
 class _quiet:
-    """Non-convergence warnings are expected (on_failure="warn"); any other warning still surfaces."""
+    """Non-convergence warnings are expected (on_failure="warn"), and w2's deprecated return_plan
+    spelling warns by design (tests/transport/test_exact.py asserts it); any other warning surfaces."""
 
     def __enter__(self):
         import warnings
@@ -260,6 +261,7 @@ class _quiet:
         self._cm = warnings.catch_warnings()
         self._cm.__enter__()
         warnings.filterwarnings("ignore", message=".*did not converge", category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=r"w2\(\.\.\., return_plan=True\)", category=DeprecationWarning)
 
     def __exit__(self, *exc):
         return self._cm.__exit__(*exc)

@@ -143,7 +143,7 @@ def test_memory_limit_is_overridable(pair, monkeypatch):
     big = Measure(randn(200_000, 1, 0))
     monkeypatch.delenv("SMOOTH_ATTENTION_MEMORY_LIMIT")
     with pytest.raises(MemoryLimitError, match="the plan of w2 between 200000 and 200000 atoms"):
-        w2(big, big, return_plan=True)
+        solve(big, big, return_plan=True)
     with pytest.raises(MemoryLimitError, match="chunk_elements"):
         w2(mu, nu, "streaming", reg=1.0, chunk_elements=10 ** 12)
     seq = Measure.sequence(randn(200_000, 1, 0))
@@ -175,9 +175,9 @@ def test_unknown_and_inapplicable_options_are_errors(pair):
     with pytest.raises(ValueError, match="on_failure"):
         w2(mu, nu, "sinkhorn", reg=0.1, on_failure="ignore")
     with pytest.raises(ValueError, match="return_plan: the streaming method"):
-        w2(mu, nu, "streaming", reg=0.1, return_plan=True)
+        solve(mu, nu, "streaming", reg=0.1, return_plan=True)
     with pytest.raises(ValueError, match="return_plan: method='auto' may choose 'streaming'"):
-        w2(mu, nu, "auto", return_plan=True)
+        solve(mu, nu, "auto", return_plan=True)
 
 
 @pytest.mark.parametrize("name,value,exc,match", [
@@ -247,3 +247,17 @@ def test_mismatched_devices():
     mu = Measure(randn(3, 2))
     with pytest.raises(ValueError, match="nu: device"):
         w2(mu, mu.to(device="cuda"))
+
+
+def test_a_reg_below_what_float64_resolves_is_named():
+    """Found by the fuzz campaign: float32 points ~1e30 with reg = 1 (squared diameter / reg ~ 1e60, solved
+    in float64) gave a plan cost <pi, C> (debias=False) of inf, reported as a solver failure; the plan is
+    only rounding noise there, so the error names reg and the remedy. The debiased value (differences of
+    potentials) and the exact method give W2, the distance of the two atoms."""
+    X = torch.tensor([[1.6584488295922873e+29, -8.011524205755206e+29]], dtype=F32)
+    Y = torch.tensor([[-3.092511204541815e+29, -1.8867212629454025e+30]], dtype=F32)
+    with pytest.raises(ValueError, match=r"reg: reg = 1 is too small for torch.float64 at this scale.*method='exact'"):
+        solve(Measure(X), Measure(Y), "streaming", reg=1.0, debias=False, max_iter=300)
+    truth = float((X.double() - Y.double()).norm())
+    assert w2(Measure(X), Measure(Y)) == pytest.approx(truth, rel=1e-6)
+    assert w2(Measure(X), Measure(Y), "streaming", reg=1.0, max_iter=300) == pytest.approx(truth, rel=1e-6)
