@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.validation import check_bool
+
 from .operator import AttentionOperator, additive_mask, sequence_positions
 
 __all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
@@ -127,9 +129,7 @@ class HFAttention(AttentionOperator):
         if kind is None:
             raise TypeError(f"module: expected a GPT2Attention, BertAttention or BertSelfAttention module, "
                             f"got {type(module).__name__}")
-        for flag, val in (("masked", masked), ("block", block)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{flag}: expected a bool, got {type(val).__name__}")
+        masked, block = check_bool(masked, "masked"), check_bool(block, "block")
         if kind == "gpt2" and getattr(module, "is_cross_attention", False):
             raise ValueError("module: cross-attention is not self-attention")
         if block and kind == "bert_self":
@@ -237,6 +237,7 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
     each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
     BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
     """
+    with_mask = check_bool(with_mask, "with_mask")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
     layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
@@ -328,7 +329,7 @@ class LayerParameters:
         """The layer as ``meanfield.MultiHeadAttention`` (heads from ``SelfAttention.from_qkv``)."""
         from .attention import MultiHeadAttention, SelfAttention
 
-        masked = self.masked if masked is None else bool(masked)
+        masked = self.masked if check_bool(masked, "masked", allow_none=True) is None else masked
         heads = [SelfAttention.from_qkv(self.Q[h], self.K[h], self.V[h], b_Q=self.b_Q[h], b_K=self.b_K[h],
                                         b_V=self.b_V[h], scale=self.scale, masked=masked)
                  for h in range(self.num_heads)]

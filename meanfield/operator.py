@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor
+from particles.validation import as_tensor, check_bool
 
 __all__ = ["AttentionOperator", "CallableOperator", "TorchMultiheadAttention", "as_operator",
            "sequence_positions"]
@@ -220,8 +220,7 @@ class CallableOperator(AttentionOperator):
                  dtype=None, device=None, name: str | None = None):
         if not callable(fn):
             raise TypeError(f"f: expected a callable on tensors, got {type(fn).__name__}")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         self.fn, self.masked = fn, masked
         self._d_in, self._d_out, self._dtype, self._device = d_in, d_out, dtype, device
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
@@ -303,8 +302,7 @@ class TorchMultiheadAttention(AttentionOperator):
             raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
         if module.training:
             raise ValueError("module: is in training mode (dropout makes it random); call module.eval()")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         self.module, self.masked = module, masked
         p = next(module.parameters())
         self._dtype, self._device = p.dtype, p.device
@@ -367,8 +365,7 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
     * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention`;
     * any other callable X (n, d) -> (n, d') becomes a points-only :class:`CallableOperator`.
     """
-    if masked is not None and not isinstance(masked, bool):
-        raise TypeError(f"masked: expected a bool or None, got {type(masked).__name__}")
+    masked = check_bool(masked, "masked", allow_none=True)
     if isinstance(f, AttentionOperator):
         if masked is not None and masked != f.masked:
             raise ValueError(f"masked: {masked} contradicts the operator's own masked={f.masked}")

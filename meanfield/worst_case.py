@@ -45,7 +45,14 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.validation import check_positive_float, check_positive_int, check_radius, check_seed, make_generator
+from particles.validation import (
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_radius,
+    check_seed,
+    make_generator,
+)
 
 from . import adversarial
 from .bounds import UpperBound, _heads_of, _real_unit_eigenvector, operator_upper
@@ -302,6 +309,7 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d
     n = check_positive_int(n, "n")
     random = check_positive_int(random, "random", minimum=0)
     clusters = check_positive_int(clusters, "clusters", minimum=0)
+    structured = check_bool(structured, "structured")
     d = _dims(op, d)
     dtype, device = _dtype_device(op)
     out = []
@@ -350,6 +358,7 @@ def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, se
     R = check_radius(R, "R")
     atoms = check_positive_int(atoms, "atoms")
     random = check_positive_int(random, "random", minimum=0)
+    structured = check_bool(structured, "structured")
     d = _dims(op, d)
     dtype, device = _dtype_device(op)
     pos = _positions(op, positions, atoms, dtype)
@@ -1019,8 +1028,7 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, starts=None, 
     atoms = check_positive_int(atoms, "atoms")
     R, budget, max_steps, gtol, tol, _ = _check_common(R, budget, max_steps, gtol, tol, seed, None)
     step = check_positive_float(step, "step")
-    if not isinstance(split, bool):
-        raise TypeError(f"split: expected a bool, got {type(split).__name__}")
+    split = check_bool(split, "split")
     if keep is not None:
         keep = check_positive_int(keep, "keep")
     d = _dims(op, d)

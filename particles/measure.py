@@ -19,6 +19,7 @@ import torch
 
 from .validation import (
     as_tensor,
+    check_bool,
     check_ndim,
     check_positive_int,
     check_radius,
@@ -53,6 +54,7 @@ class Measure:
         dtype = resolve_dtype(dtype)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
+        normalize = check_bool(normalize, "normalize")
         pts = as_tensor(points, "points", dtype=dtype, device=device)
         check_ndim(pts, "points", 2, "an (N, d) array of atoms")
         n, d = pts.shape
@@ -213,6 +215,7 @@ class Measure:
 
         ``positions=True`` gives them positions i/n (a sequence for masked attention).
         """
+        positions = check_bool(positions, "positions")
         X = _sample_sphere(n, dim, radius, seed, dtype, device)
         return cls.sequence(X) if positions else cls(X)
 
@@ -220,6 +223,7 @@ class Measure:
     def ball(cls, n: int, dim: int, radius: float = 1.0, *, seed=None, dtype=None, device=None,
              positions: bool = False) -> Measure:
         """n i.i.d. uniform atoms in the closed ball B_R of R^d (uniform weights)."""
+        positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
         g = make_generator(seed)
         U = _sample_sphere(n, dim, 1.0, g, dtype, device)
@@ -231,6 +235,7 @@ class Measure:
     def gaussian(cls, n: int, mean, cov=None, *, seed=None, dtype=None, device=None,
                  positions: bool = False) -> Measure:
         """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
+        positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
         m = as_tensor(mean, "mean", dtype=dtype)
         check_ndim(m, "mean", 1, "a vector")

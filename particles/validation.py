@@ -126,6 +126,18 @@ def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
     return x
 
 
+def check_bool(value, name: str, *, allow_none: bool = False):
+    """``value`` as a Python bool: True or False only (numpy booleans accepted), None too when
+    ``allow_none``. A truthy string such as ``"yes"`` or ``"False"``, or a number, is a TypeError
+    naming ``name``, never taken for its truth value."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        allowed = "None, True or False" if allow_none else "True or False"
+        raise TypeError(f"{name}: expected {allowed}, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_seed(seed, name: str = "seed"):
     """None, a torch.Generator, or an integer (numpy integers accepted)."""
     if seed is None or isinstance(seed, torch.Generator):

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from meanfield.hf import KINDS
+from particles.validation import check_bool
 
 __all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "tokenizer_files", "TOKENIZER_FILES",
            "HashTokenizer", "default_corpus", "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError",
@@ -41,6 +42,8 @@ class ModelNotAvailableError(OSError):
 # ---------------------------------------------------------------------- models
 def _config(kind: str, *, tiny: bool, is_decoder: bool, overrides: dict):
     from transformers import BertConfig, GPT2Config
+
+    is_decoder = check_bool(is_decoder, "is_decoder")
 
     if kind == "gpt2":
         base = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=512, bos_token_id=511,
@@ -137,8 +140,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
-    if not isinstance(allow_pickle, bool):
-        raise TypeError(f"allow_pickle: expected a bool, got {type(allow_pickle).__name__}")
+    allow_pickle = check_bool(allow_pickle, "allow_pickle")
+    is_decoder = check_bool(is_decoder, "is_decoder", allow_none=True)
+    local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     path = Path(name_or_path)
     local = path.is_dir()
     if not local and (path.is_absolute() or str(name_or_path).startswith((".", "~"))):
@@ -204,6 +208,7 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
     """
     from transformers import AutoTokenizer
 
+    local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     local = Path(name_or_path).is_dir()
     if local and tokenizer_files(name_or_path) is None:
         wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)

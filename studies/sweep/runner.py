@@ -204,7 +204,11 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     Returns a :class:`SweepResult`; also writes ``results.csv`` and ``failures.json``. Failures do
     not raise: check ``result.ok`` or call ``result.raise_for_failures()``.
     """
+    from particles.validation import check_bool
+
     backend = _validate(fn, backend, n_workers, retries, scheduler)
+    resume, progress, overwrite = (check_bool(v, k) for k, v in
+                                   (("resume", resume), ("progress", progress), ("overwrite", overwrite)))
     if name is None:
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not isinstance(name, str) or not name:
