@@ -138,6 +138,21 @@ def check_bool(value, name: str, *, allow_none: bool = False):
     return bool(value)
 
 
+def check_device(device, name: str = "device") -> torch.device | None:
+    """None or a torch device (or its name) that torch can use here; a ValueError saying so for a CUDA
+    device when torch sees none (instead of torch's AssertionError deep inside the first transfer)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name}: expected a torch device or a name such as 'cpu' or 'cuda', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: {device!r} was asked for, but CUDA is not available (torch sees no CUDA "
+                         "device); use device='cpu'")
+    return dev
+
+
 def check_seed(seed, name: str = "seed"):
     """None, a torch.Generator, or an integer (numpy integers accepted)."""
     if seed is None or isinstance(seed, torch.Generator):
