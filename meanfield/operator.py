@@ -302,6 +302,10 @@ class TorchMultiheadAttention(AttentionOperator):
             raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
         if module.training:
             raise ValueError("module: is in training mode (dropout makes it random); call module.eval()")
+        if not module._qkv_same_embed_dim:
+            raise ValueError(f"module: kdim = {module.kdim}, vdim = {module.vdim} differ from embed_dim = "
+                             f"{module.embed_dim}: cross-attention between two spaces, not self-attention on one "
+                             "(build it with kdim = vdim = embed_dim, the default)")
         check_bool(masked, "masked")
         self.module, self.masked = module, masked
         p = next(module.parameters())
@@ -362,7 +366,10 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
       ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` (weights as additive
       log-weights, positions as the causal mask); ``masked`` defaults to False for a module given
       alone (use ``HFAttention.from_model(model, layer)`` for the model's own mask);
-    * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention`;
+    * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention` (self-attention:
+      ``kdim = vdim = embed_dim``);
+    * a Hugging Face module that holds attention but is not a layer (a whole model, a GPT-2 block, a BERT
+      layer) is refused with what to pass instead (:func:`meanfield.hf.container_advice`);
     * any other callable X (n, d) -> (n, d') becomes a points-only :class:`CallableOperator`.
     """
     masked = check_bool(masked, "masked", allow_none=True)
@@ -377,6 +384,9 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
 
         if hf.is_hf_attention(f):
             return hf.HFAttention(f, masked=bool(masked))
+        advice = hf.container_advice(f)
+        if advice is not None:
+            raise TypeError(f"f: {advice}")
     if callable(f):
         return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False))
     raise TypeError(f"f: expected an attention operator, a Hugging Face attention layer, a "
