@@ -41,7 +41,7 @@ from .files import atomic_write, normalize, write_csv
 from .progress import Progress
 from .store import SweepStore, task_key
 
-__all__ = ["run_sweep", "load_sweep", "expand_grid", "SweepResult", "TaskFailure", "BACKENDS"]
+__all__ = ["run_sweep", "load_sweep", "expand_grid", "check_options", "SweepResult", "TaskFailure", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,12 @@ def _validate(fn, backend, n_workers, retries, scheduler):
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries: expected an integer >= 0, got {retries!r}")
     return backend
+
+
+def check_options(backend, n_workers, retries, scheduler) -> str:
+    """The backend a sweep with these options runs on ("inprocess", "processes" or "dask"), after checking
+    them as :func:`run_sweep` does (a ValueError naming the option otherwise)."""
+    return _validate(lambda: None, backend, n_workers, retries, scheduler)
 
 
 def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto", n_workers: int = 2,
