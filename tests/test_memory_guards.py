@@ -90,3 +90,19 @@ def test_simulate_with_10_to_the_7_output_times():
     many = simulate(att, mu, np.linspace(0.0, 1.0, 11), method="rk4", steps=10)
     one = simulate(att, mu, [0.0, 1.0], method="rk4", steps=100)
     assert torch.allclose(many.final.points, one.final.points, rtol=1e-12, atol=1e-12)
+
+
+def test_the_worst_case_search_names_its_own_options_when_memory_runs_short(monkeypatch):
+    """Its MemoryLimitError used to suggest max_iter, which the search does not take: now it names batch_size,
+    and with batch_size=1 the same search fits and brackets (lower <= upper, a theorem)."""
+    import inspect
+
+    from meanfield import SelfAttention, worst_case_sequence
+
+    att = SelfAttention(0.5 * np.eye(3), np.eye(3))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "1M")
+    with pytest.raises(MemoryLimitError, match="worst-case search certifying .* lower batch_size") as exc:
+        worst_case_sequence(att, 1.0, 40, budget=200)
+    assert "max_iter" not in str(exc.value) and "max_iter" not in inspect.signature(worst_case_sequence).parameters
+    res = worst_case_sequence(att, 1.0, 40, budget=200, batch_size=1)
+    assert 0 < res.lower <= res.upper.value
