@@ -186,7 +186,7 @@ def _where(name_or_path) -> bool:
     if path.exists():
         raise ModelNotAvailableError(f"name_or_path: {str(path)!r} is a file; give the checkpoint's folder")
     if not _HUB_NAME.fullmatch(str(name_or_path)) or str(name_or_path).startswith((".", "~")):
-        raise ModelNotAvailableError(f"name_or_path: no checkpoint folder at {str(path)!r}")
+        raise ModelNotAvailableError(f"name_or_path: no checkpoint directory at {str(path)!r}")
     return False
 
 
@@ -226,8 +226,8 @@ def _config_of(name_or_path, local: bool, offline: bool):
         cfg = AutoConfig.from_pretrained(name_or_path, local_files_only=offline, trust_remote_code=False)
     except OSError as exc:
         where = (f"folder {name!r}: its config.json cannot be read" if local else
-                 f"no folder {name!r} here, and as a hub name it is not in the local Hugging Face cache while the "
-                 "hub is not reachable (offline)" if offline else f"could not fetch {name!r} from the hub")
+                 f"no folder {name!r} here, and {name!r} is not in the local Hugging Face cache while the hub is "
+                 "not reachable (offline)" if offline else f"could not fetch {name!r} from the hub")
         raise ModelNotAvailableError(f"name_or_path: model not available: {where} ({exc.__class__.__name__}). "
                                      "Pass a local checkpoint folder, or use random_model().") from exc
     except Exception as exc:  # noqa: BLE001 - transformers' own validation of the fields

@@ -61,7 +61,7 @@ def test_a_missing_checkpoint_folder_is_refused_before_the_first_study(tmp_path,
     for missing in (str(tmp_path / "nope"), "./fx/missing", "a/b/c"):
         line = _refused(["reproduce", "--only", "zz_first", "real_models", "--tiny", "--checkpoint", missing,
                          "--out", str(out)], capsys)
-        assert line == f"meanfield: --checkpoint {missing}: no checkpoint folder at {str(Path(missing))!r}"
+        assert line == f"meanfield: --checkpoint {missing}: no checkpoint directory at {str(Path(missing))!r}"
     assert first_study == [] and not out.exists()
 
 
