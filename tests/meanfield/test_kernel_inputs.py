@@ -77,7 +77,7 @@ def test_nan_inputs_and_overflowing_scores_raise_instead_of_returning_nan(method
     lw[2] = float("nan")
     with pytest.raises(FloatingPointError, match="^log_weights: contains NaN or \\+inf"):
         kernels.attend(q, k, v, lw, method=method)
-    with pytest.raises(FloatingPointError, match="the scores <q_i, k_j> overflow torch.float64"):
+    with pytest.raises(FloatingPointError, match="the scores <q_i, k_j> .*overflow torch.float64"):
         kernels.attend(q * 1e200, k * 1e200, v, method=method)
     with pytest.raises(FloatingPointError, match="overflow torch.float32.*use float64"):
         kernels.attend(q.float() * 1e20, k.float() * 1e20, v.float(), method=method)
@@ -119,11 +119,26 @@ def test_the_dense_path_checks_its_memory_before_allocating(monkeypatch):
         kernels.attend(x, x, x, method="dense")
     with kernels.use("dense"), pytest.raises(MemoryLimitError, match="method='stream'"):
         kernels.attend(x, x, x)
-    # below the limit the same path computes: a limit just above 3 * m * n * 8 bytes lets it through
-    q, k, v = _qkv(m=64, n=64)
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 64 * 64 * 8))
+    # at the limit the same path computes, one byte below it refuses (3 * m * n * 8 bytes, above the 1 MiB
+    # that is always allowed)
+    q, k, v = _qkv(m=256, n=256)
+    assert 3 * 256 * 256 * 8 > kernels.DENSE_ALWAYS_ALLOWED
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8))
     assert torch.allclose(kernels.attend(q, k, v, method="dense"), _reference(q, k, v), rtol=1e-12, atol=1e-14)
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 64 * 64 * 8 - 1))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8 - 1))
     with pytest.raises(MemoryLimitError):
         kernels.attend(q, k, v, method="dense")
     assert torch.allclose(kernels.attend(q, k, v, method="stream"), _reference(q, k, v), rtol=1e-12, atol=1e-14)
+
+
+def test_finite_outputs_whose_sum_overflows_are_returned():
+    """The check sums the output first; values near the dtype's maximum (finite, but their sum is not) must still
+    be returned, equal to the reference computed on the unscaled values. (The streamed path's running sums
+    overflow there: it raises instead of returning inf.)"""
+    q, k, v = _qkv()
+    big = torch.full_like(v, 1e308) + v.abs()
+    with pytest.raises(FloatingPointError, match="sums of the values v"):
+        kernels.attend(q, k, big, method="stream")
+    out = kernels.attend(q, k, big, method="dense")
+    assert bool(torch.isfinite(out).all()) and not torch.isfinite(out.sum())
+    assert torch.allclose(out / 1e308, _reference(q, k, big / 1e308), rtol=1e-12)
