@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.validation import check_positive_int, check_radius, resolve_dtype
+from particles.validation import check_bool, check_positive_int, check_radius, resolve_dtype
 
 from .bounds import GammaInfo, _gamma_value, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
@@ -51,10 +51,7 @@ def _dtype(dtype) -> torch.dtype:
     return dt
 
 
-def _bool(value, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__}")
-    return value
+_bool = check_bool
 
 
 def sqrt_n_sequence(A, R, n, *, return_info: bool = False, dtype=None):

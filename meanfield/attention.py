@@ -25,7 +25,7 @@ import math
 import numpy as np
 import torch
 
-from particles.validation import as_tensor, check_ndim, float_dtype
+from particles.validation import as_tensor, check_bool, check_ndim, float_dtype
 
 from .kernels import attend
 from .operator import AttentionOperator
@@ -99,8 +99,7 @@ class SelfAttention(AttentionOperator):
     def _init(self, Qf, Kf, V, masked, key_bias, value_bias, like):
         # scores are <q_i, k_j> with q = X Qf^T and k = X Kf^T (k = X when Kf is None): the factored
         # form keeps a GPT-2 head at k = 64 columns instead of a dense 768 x 768 A.
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         d = Qf.shape[1]
         self._Qf, self._Kf = Qf, Kf
         self._V = _matrix(V, "V", Qf.dtype, Qf.device, shape=(None, d), like=like)
@@ -421,8 +420,7 @@ class L2SelfAttention(AttentionOperator):
             WV = WV.unsqueeze(0)
         if WV.dim() != 3 or WV.shape[:2] != (H, D):
             raise ValueError(f"W_V: expected shape ({H}, {D}, k_v) to match W_Q's (H, D), got {tuple(WV.shape)}")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         width = H * WV.shape[2]
         if W_O is None:
             WO = torch.eye(width, dtype=WQ.dtype, device=WQ.device)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from particles.validation import as_tensor, check_positive_int, check_radius
+from particles.validation import as_tensor, check_allocation, check_bool, check_positive_int, check_radius
 
 __all__ = [
     "GammaInfo",
@@ -74,6 +74,12 @@ def _matrix(M, name: str) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
+def _check_scores_memory(n: int, what: str) -> None:
+    """The (n, n) float64 score matrix of every token against every other, and the two copies the
+    argmax and the runner-up take: checked against the memory limit before they are allocated."""
+    check_allocation(3 * 8 * n * n, f"{what}: the ({n}, {n}) score matrix of X", "give fewer tokens (rows of X)")
+
+
 def _square(A, name: str = "A") -> np.ndarray:
     a = _matrix(A, name)
     if a.shape[0] != a.shape[1]:
@@ -95,9 +101,7 @@ def spectral_norm(M, name: str = "M") -> float:
 
 
 def _check_log(log) -> bool:
-    if not isinstance(log, bool):
-        raise TypeError(f"log: expected True or False, got {type(log).__name__}")
-    return log
+    return check_bool(log, "log")
 
 
 def _exp_or_inf(log_value: float) -> float:
@@ -306,8 +310,8 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     x = _matrix(X, "X")
     if x.shape[1] != a.shape[0]:
         raise ValueError(f"X: expected tokens of dimension {a.shape[0]} to match A, got shape {x.shape}")
-    if not isinstance(masked, bool):
-        raise TypeError(f"masked: expected True or False, got {type(masked).__name__}")
+    masked = check_bool(masked, "masked")
+    _check_scores_memory(x.shape[0], "argmax_indices")
     S = (x @ a.T) @ x.T
     n = S.shape[0]
     if masked:
@@ -631,8 +635,8 @@ def score_gap(A, X, *, masked: bool = False) -> float:
     x = as_tensor(X, "X", dtype=torch.float64)
     if a.dim() != 2 or a.shape[0] != a.shape[1] or x.dim() != 2 or x.shape[1] != a.shape[0] or x.shape[0] == 0:
         raise ValueError(f"A, X: expected A (d, d) and X (n, d), got {tuple(a.shape)} and {tuple(x.shape)}")
-    if not isinstance(masked, bool):
-        raise TypeError(f"masked: expected True or False, got {type(masked).__name__}")
+    masked = check_bool(masked, "masked")
+    _check_scores_memory(x.shape[0], "score_gap")
     S = x @ a.T @ x.T
     if masked:
         S = S.masked_fill(torch.triu(torch.ones_like(S, dtype=torch.bool), 1), -math.inf)

@@ -29,12 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.validation import check_bool
+
 from .operator import AttentionOperator, additive_mask, sequence_positions
 from .parameters import Head, Parameters
 
 __all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
-           "capture_attention_inputs", "causal_mask", "attention_function", "extract_layer", "LayerParameters",
-           "KINDS"]
+           "capture_attention_inputs", "causal_mask", "container_advice", "attention_function", "extract_layer",
+           "LayerParameters", "KINDS"]
 
 KINDS = ("gpt2", "bert")
 
@@ -106,6 +108,37 @@ def is_hf_attention(module) -> bool:
     return isinstance(module, torch.nn.Module) and _kind_of_module(module) is not None
 
 
+def container_advice(module) -> str | None:
+    """What to pass instead of a Hugging Face module that holds attention but is not an attention layer (a
+    whole model, a GPT-2 block, a BERT layer, a stack of them), in one sentence; None for other modules.
+
+    Such a module takes token ids or returns a tuple, so wrapped as a callable on points it would fail
+    inside torch (or compute something else than attention)."""
+    name = type(module).__name__
+    kind = getattr(getattr(module, "config", None), "model_type", None)
+    if not callable(getattr(module, "get_input_embeddings", None)):   # a part of a model, not a model
+        kind = None
+    if kind in KINDS:
+        return (f"a whole {name} is a model (token ids in, hidden states out), not an attention layer; pass one "
+                "layer: HFAttention.from_model(model, layer) (block=True for its attention block with the "
+                "LayerNorm), or meanfield.hf.attention_function(model, layer)")
+    if kind is not None:
+        return f"{name} is a {kind!r} model; only GPT-2 and BERT attention layers are supported ({KINDS})"
+    if _kind_of_module(getattr(module, "attn", None)) == "gpt2" and hasattr(module, "ln_1"):
+        return (f"a GPT-2 block ({name}) holds attention, LayerNorms and an MLP; pass its attention "
+                "(as_operator(block.attn)), or the attention block with its LayerNorm: "
+                "HFAttention.from_model(model, layer, block=True)")
+    if _kind_of_module(getattr(module, "attention", None)) == "bert":
+        return (f"a BERT layer ({name}) holds attention and a feed-forward part; pass its attention "
+                "(as_operator(layer.attention)), or HFAttention.from_model(model, layer, block=True)")
+    for stack in (module, getattr(module, "h", None), getattr(module, "layer", None)):
+        if isinstance(stack, torch.nn.ModuleList) and len(stack) and (container_advice(stack[0]) is not None
+                                                                     or is_hf_attention(stack[0])):
+            return (f"{name} is a stack of {len(stack)} layers, not one attention layer; pass one layer: "
+                    "HFAttention.from_model(model, layer)")
+    return None
+
+
 # ---------------------------------------------------------------------- the operator
 class HFAttention(AttentionOperator):
     """A Hugging Face GPT-2 / BERT attention layer as an operator (module docstring).
@@ -128,9 +161,7 @@ class HFAttention(AttentionOperator):
         if kind is None:
             raise TypeError(f"module: expected a GPT2Attention, BertAttention or BertSelfAttention module, "
                             f"got {type(module).__name__}")
-        for flag, val in (("masked", masked), ("block", block)):
-            if not isinstance(val, bool):
-                raise TypeError(f"{flag}: expected a bool, got {type(val).__name__}")
+        masked, block = check_bool(masked, "masked"), check_bool(block, "block")
         if kind == "gpt2" and getattr(module, "is_cross_attention", False):
             raise ValueError("module: cross-attention is not self-attention")
         if block and kind == "bert_self":
@@ -249,8 +280,11 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
     each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
     BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
     """
+    with_mask = check_bool(with_mask, "with_mask")
+    model_kind(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
+    _check_ids(model, input_ids)
     layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
     xs, masks, handles = {}, {}, []
 
@@ -270,6 +304,20 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
         for h in handles:
             h.remove()
     return (xs, masks) if with_mask else xs
+
+
+def _check_ids(model, input_ids: torch.Tensor) -> None:
+    """Token ids the model's embeddings can look up: integers in [0, vocab_size), at most its positions."""
+    if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
+        raise TypeError(f"input_ids: expected integer token ids (torch.long), got {input_ids.dtype}")
+    cfg = model.config
+    n, max_pos = input_ids.shape[1], getattr(cfg, "n_positions", None) or cfg.max_position_embeddings
+    if not 1 <= n <= max_pos:
+        raise ValueError(f"input_ids: {n} tokens; the model takes 1 to {max_pos} (its position embeddings)")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+        raise ValueError(f"input_ids: ids must lie in [0, {cfg.vocab_size}) (the model's vocabulary), got the range "
+                         f"[{lo}, {hi}]; encode the text with the model's own tokenizer")
 
 
 def causal_mask(n: int, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
@@ -344,7 +392,7 @@ class LayerParameters:
         """The layer as ``meanfield.MultiHeadAttention`` (heads from ``SelfAttention.from_qkv``)."""
         from .attention import MultiHeadAttention, SelfAttention
 
-        masked = self.masked if masked is None else bool(masked)
+        masked = self.masked if check_bool(masked, "masked", allow_none=True) is None else masked
         heads = [SelfAttention.from_qkv(self.Q[h], self.K[h], self.V[h], b_Q=self.b_Q[h], b_K=self.b_K[h],
                                         b_V=self.b_V[h], scale=self.scale, masked=masked)
                  for h in range(self.num_heads)]

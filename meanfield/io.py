@@ -20,6 +20,7 @@ Non-finite floats are written as the ``NaN`` / ``Infinity`` tokens that Python's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 
@@ -27,6 +28,7 @@ import torch
 
 from particles.io import (
     FileFormatError,
+    check_array,
     check_keys,
     measure_from_arrays,
     read_archive,
@@ -34,8 +36,11 @@ from particles.io import (
     to_numpy,
     write_archive,
 )
+from particles.validation import check_device
 
 from .dynamics import Trajectory
+from .integrators import ADAPTIVE, FIXED
+from .lipschitz import METHODS as _ESTIMATE_METHODS
 from .lipschitz import LipschitzEstimate
 
 __all__ = ["save_trajectory", "load_trajectory", "save_estimate", "load_estimate"]
@@ -79,16 +84,30 @@ def load_trajectory(path, *, device=None) -> Trajectory:
     particles.io.FileFormatError
         Not a trajectory archive, a newer format version, or inconsistent arrays (named in the message).
     """
+    device = check_device(device)
     header, arrays = read_archive(path, "trajectory")
     name = os.fspath(path)
     check_keys(arrays, {"times", "points", "weights", "log_weights"}, {"positions", "rescale_V"}, name)
-    points = tensor_of(arrays, "points", header, name, ndim=3, device=device)
-    T, N, d = points.shape
+    # every shape from the npy headers before any data is read
+    T, N, d = check_array(arrays, "points", header, name, ndim=3)
     if T == 0:
         raise FileFormatError(f"{name}: array 'points' holds no time")
+    n_times = check_array(arrays, "times", header, name, ndim=1)[0]
+    if n_times != T:
+        raise FileFormatError(f"{name}: {n_times} times for {T} point sets in 'points'")
+    for key in ("weights", "log_weights", "positions"):
+        if key in arrays:
+            check_array(arrays, key, header, name, ndim=1, length=N)
+    if "rescale_V" in arrays and check_array(arrays, "rescale_V", header, name, ndim=2) != (d, d):
+        raise FileFormatError(f"{name}: array 'rescale_V' has shape {arrays['rescale_V'].shape}; expected ({d}, {d})")
+    method = _field(header, "method", str, name)
+    if method not in FIXED and method not in ADAPTIVE:
+        raise FileFormatError(f"{name}: header field 'method' is {method!r}; expected one of "
+                              f"{(*FIXED, *ADAPTIVE)}")
+    nfev = _count(header, "nfev", name)
+    steps = _count(header, "steps", name)
+    points = tensor_of(arrays, "points", header, name, ndim=3, device=device)
     times = tensor_of(arrays, "times", header, name, ndim=1)
-    if times.shape[0] != T:
-        raise FileFormatError(f"{name}: {times.shape[0]} times for {T} point sets in 'points'")
     if not bool(torch.isfinite(times).all()) or not bool((times[1:] > times[:-1]).all()):
         raise FileFormatError(f"{name}: array 'times' must be finite and strictly increasing")
     if not bool(torch.isfinite(points).all()):
@@ -97,11 +116,8 @@ def load_trajectory(path, *, device=None) -> Trajectory:
     V = None
     if "rescale_V" in arrays:
         V = tensor_of(arrays, "rescale_V", header, name, ndim=2, device=device)
-        if V.shape != (d, d):
-            raise FileFormatError(f"{name}: array 'rescale_V' has shape {tuple(V.shape)}; expected ({d}, {d})")
-    method = _field(header, "method", str, name)
-    nfev = _field(header, "nfev", int, name)
-    steps = _field(header, "steps", int, name)
+        if not bool(torch.isfinite(V).all()):
+            raise FileFormatError(f"{name}: array 'rescale_V' contains NaN or infinite entries")
     sphere = header.get("sphere")
     if sphere not in _SPHERE or isinstance(sphere, int) and not isinstance(sphere, bool):
         raise FileFormatError(f"{name}: header field 'sphere' is {sphere!r}; expected one of {_SPHERE}")
@@ -139,14 +155,18 @@ def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None)
 
 
 def load_estimate(path, *, device=None) -> LipschitzEstimate:
-    """Read an estimate written by :func:`save_estimate`; every field is checked against its type.
+    """Read an estimate written by :func:`save_estimate`; every field is checked against its type and
+    its meaning: ``value`` finite and >= 0, ``error`` and ``residual`` >= 0 (infinite only for an
+    estimate that did not converge), counts >= 0, ``method`` one of ``local_lipschitz``'s, ``vector`` a
+    finite unit vector.
 
     Raises
     ------
     particles.io.FileFormatError
         Not an estimate archive, a newer format version, missing or unknown fields, or fields of the
-        wrong type (named in the message).
+        wrong type or meaning (named in the message).
     """
+    device = check_device(device)
     header, arrays = read_archive(path, "lipschitz_estimate")
     name = os.fspath(path)
     stored = header.get("fields")
@@ -159,14 +179,47 @@ def load_estimate(path, *, device=None) -> LipschitzEstimate:
     unknown = sorted(set(stored) - set(hints))
     if missing or unknown:
         raise FileFormatError(f"{name}: estimate fields missing: {missing or 'none'}; unknown: {unknown or 'none'}")
-    values = {}
-    for key, kind in hints.items():
-        if key in tensors:
-            t = tensor_of(arrays, key, header, name, ndim=arrays[key].ndim, device=device)
-            values[key] = t
-        else:
-            values[key] = _field(stored, key, kind, name)
+    values = {key: _field(stored, key, kind, name) for key, kind in hints.items() if key not in tensors}
+    _check_estimate(values, name)
+    for key in tensors:
+        values[key] = tensor_of(arrays, key, header, name, ndim=arrays[key].ndim, device=device)
+    _check_vector(values["vector"], name)
     return LipschitzEstimate(**values)
+
+
+def _check_estimate(v: dict, name: str) -> None:
+    """The scalar fields of an estimate mean what local_lipschitz's do (LipschitzEstimate's docstring)."""
+    if not (math.isfinite(v["value"]) and v["value"] >= 0):
+        raise FileFormatError(f"{name}: field 'value' is {v['value']!r}; a local Lipschitz constant is finite and "
+                              ">= 0")
+    for key in ("error", "residual"):
+        x = v[key]
+        if math.isnan(x) or x < 0 or (math.isinf(x) and v["converged"]):
+            raise FileFormatError(f"{name}: field {key!r} is {x!r}; expected a number >= 0 (infinite only for an "
+                                  "estimate that did not converge)")
+    for key in ("iterations", "applications"):
+        if v[key] < 0:
+            raise FileFormatError(f"{name}: field {key!r} is {v[key]}; a count is >= 0")
+    if v["method"] not in _ESTIMATE_METHODS:
+        raise FileFormatError(f"{name}: field 'method' is {v['method']!r}; expected one of {_ESTIMATE_METHODS}")
+
+
+def _check_vector(u: torch.Tensor, name: str) -> None:
+    """The direction of maximal change is a finite unit vector (its norm within the dtype's rounding)."""
+    if u.numel() == 0 or not bool(torch.isfinite(u).all()):
+        raise FileFormatError(f"{name}: array 'vector' is empty or contains NaN or infinite entries")
+    norm = float(u.double().norm())
+    tol = max(1e-6, 8 * torch.finfo(u.dtype).eps)
+    if abs(norm - 1.0) > tol:
+        raise FileFormatError(f"{name}: array 'vector' has norm {norm:.6g}; the direction of maximal change is a "
+                              "unit vector")
+
+
+def _count(header: dict, key: str, name: str) -> int:
+    value = _field(header, key, int, name)
+    if value < 0:
+        raise FileFormatError(f"{name}: header field {key!r} is {value}; a count is >= 0")
+    return value
 
 
 def _field(header: dict, key: str, kind: type, name: str):

@@ -109,7 +109,7 @@ def use(method="auto", *, block_size=None, threshold=None):
     if block_size is not None:
         from .streaming import _check_block
 
-        block_size = _check_block(block_size)
+        block_size = _check_block(_check_block_size(block_size))
     token = _DEFAULTS.set((method, block_size, threshold))
     try:
         yield
@@ -126,11 +126,29 @@ def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
 
 
 def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
-    """Shape errors that name the argument (cheap: shapes only, no data is read)."""
+    """Type, dtype, device and shape errors that name the argument (cheap: no data is read; the common
+    case, three floating tensors on one device, costs a few attribute reads)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            raise ValueError(f"{name}: expected a tensor of shape (..., rows, features), got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} (convert with torch.as_tensor)")
+        if t.dim() < 2:
+            raise ValueError(f"{name}: expected a tensor of shape (..., rows, features), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name}: expected a floating tensor (torch.float64, float32, ...), got {t.dtype}; "
+                            "convert with .to(torch.float64)")
+    others = [(name, t) for name, t in (("log_weights", log_weights), ("q_pos", q_pos), ("k_pos", k_pos))
+              if t is not None]
+    for name, t in others:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} (convert with torch.as_tensor)")
+        if name != "log_weights" and (t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"{name}: expected real positions, got {t.dtype}")
+    if k.device != q.device or v.device != q.device or any(t.device != q.device for _, t in others):
+        devices = sorted({str(t.device) for t in (q, k, v, log_weights, q_pos, k_pos) if t is not None})
+        raise ValueError(f"q, k, v, log_weights, q_pos, k_pos: tensors on several devices {devices}; move them to "
+                         "one device")
+    if k.shape[-2] == 0:
+        raise ValueError(f"k: no keys (shape {tuple(k.shape)}): attention needs at least one key")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q, k: queries have {q.shape[-1]} features and keys {k.shape[-1]}; they must agree")
     if v.shape[-2] != k.shape[-2]:
@@ -150,6 +168,77 @@ def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
             raise ValueError(f"q_pos: expected one position per query ({q.shape[-2]}), got shape {tuple(q_pos.shape)}")
         if k_pos.shape[-1] != k.shape[-2]:
             raise ValueError(f"k_pos: expected one position per key ({k.shape[-2]}), got shape {tuple(k_pos.shape)}")
+    lead = q.shape[:-2]
+    if k.shape[:-2] == lead and v.shape[:-2] == lead and all(t.shape[:-1] == lead for _, t in others):
+        return
+    leads = {"q": lead, "k": k.shape[:-2], "v": v.shape[:-2], **{name: t.shape[:-1] for name, t in others}}
+    try:
+        torch.broadcast_shapes(*leads.values())
+    except RuntimeError:
+        raise ValueError("q, k, v, log_weights, q_pos, k_pos: batch dimensions do not broadcast ("
+                         + ", ".join(f"{n} {tuple(s)}" for n, s in leads.items()) + ")") from None
+
+
+def _check_block_size(block_size):
+    """None, a positive int or a pair of them (the streamed tiles' edges); TypeError / ValueError naming it."""
+    if block_size is None:
+        return None
+    pair = (block_size, block_size) if not isinstance(block_size, (tuple, list)) else tuple(block_size)
+    if len(pair) != 2 or not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in pair):
+        raise TypeError(f"block_size: expected a positive int or a pair (block_q, block_k) of them, "
+                        f"got {block_size!r}")
+    if not all(b >= 1 for b in pair):
+        raise ValueError(f"block_size: expected positive tile edges, got {block_size!r}")
+    return block_size
+
+
+#: bytes per score entry the dense path holds at once (scores, their exponentials, the probabilities)
+DENSE_BYTES_FACTOR = 3
+
+
+#: dense allocations below this many bytes are never refused (the guard then costs one multiplication)
+DENSE_ALWAYS_ALLOWED = 2**20
+
+
+def _check_dense_memory(q, k, log_weights, q_pos, k_pos) -> None:
+    """The memory guard of the dense path: its (..., m, n) matrices, before they are allocated."""
+    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+    nbytes = DENSE_BYTES_FACTOR * entries * q.element_size()
+    if nbytes <= DENSE_ALWAYS_ALLOWED:
+        return
+    from particles.validation import check_allocation, memory_limit
+
+    if nbytes > memory_limit():   # the message is built only when it is needed
+        check_allocation(nbytes, f"attend(method='dense'): {entries} score entries (m = {q.shape[-2]} queries, "
+                         f"n = {k.shape[-2]} keys)", "use method='stream' (tiles, O(m + n) memory) or 'auto' "
+                         "(with kernels.use(threshold=...) no larger than the memory allows)")
+
+
+def _check_output(out, q, k, v, log_weights, *, queries: bool = False) -> torch.Tensor:
+    """A NaN or infinite output names its cause instead of being returned. One reduction, the sum of the output
+    (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the streamed and
+    fused paths turn a NaN query's row into zeros), one host sync; the entry-wise check only when that sum is
+    not finite. None inside torch.func transforms, whose callers check their own results."""
+    if _transforms_active() or _forward_ad._current_level >= 0:
+        return out
+    total = out.detach().sum()
+    if queries:
+        total = total + q.detach().sum()
+    if math.isfinite(float(total)):
+        return out
+    if bool(torch.isfinite(out.detach()).all()) and not (queries and not bool(torch.isfinite(q.detach()).all())):
+        return out   # finite entries whose sum overflows
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not bool(torch.isfinite(t.detach()).all()):
+            raise FloatingPointError(f"{name}: contains NaN or infinite entries, so the attention output is not finite "
+                                     f"(an input that holds them, or a product computing {name} that overflows "
+                                     f"{t.dtype})")
+    if log_weights is not None and bool((torch.isnan(log_weights) | (log_weights == math.inf)).any()):
+        raise FloatingPointError("log_weights: contains NaN or +inf (-inf, a zero weight, is the only infinity "
+                                 "allowed), so the attention output is not finite")
+    fix = "smaller inputs" if q.dtype == torch.float64 else "float64 or smaller inputs"
+    raise FloatingPointError(f"attend: the output is not finite: the scores <q_i, k_j> (or the sums of the values v) "
+                             f"overflow {q.dtype} at these inputs (beyond the dtype's range); use {fix}")
 
 
 def _needs_derivatives(*tensors) -> bool:
@@ -213,6 +302,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
+    _check_block_size(block_size)
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
     causal = None
@@ -221,10 +311,13 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     elif method not in METHODS:
         _check_method(method)
     if method == "dense":
-        return attention_probs(q, k, log_weights, q_pos, k_pos) @ v
+        _check_dense_memory(q, k, log_weights, q_pos, k_pos)
+        return _check_output(attention_probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights)
     from . import streaming
 
     if method == "fused":
-        return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal)
-    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
-                                   block_size=default_block if block_size is None else block_size)
+        return _check_output(streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal),
+                             q, k, v, log_weights, queries=True)
+    return _check_output(streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
+                                                 block_size=default_block if block_size is None else block_size),
+                         q, k, v, log_weights, queries=True)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor
+from particles.validation import as_tensor, check_bool
 
 __all__ = ["AttentionOperator", "CallableOperator", "TorchMultiheadAttention", "as_operator",
            "sequence_positions"]
@@ -229,8 +229,7 @@ class CallableOperator(AttentionOperator):
                  dtype=None, device=None, name: str | None = None):
         if not callable(fn):
             raise TypeError(f"f: expected a callable on tensors, got {type(fn).__name__}")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         self.fn, self.masked = fn, masked
         self._d_in, self._d_out, self._dtype, self._device = d_in, d_out, dtype, device
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
@@ -312,8 +311,11 @@ class TorchMultiheadAttention(AttentionOperator):
             raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
         if module.training:
             raise ValueError("module: is in training mode (dropout makes it random); call module.eval()")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        if not module._qkv_same_embed_dim:
+            raise ValueError(f"module: kdim = {module.kdim}, vdim = {module.vdim} differ from embed_dim = "
+                             f"{module.embed_dim}: cross-attention between two spaces, not self-attention on one "
+                             "(build it with kdim = vdim = embed_dim, the default)")
+        check_bool(masked, "masked")
         self.module, self.masked = module, masked
         p = next(module.parameters())
         self._dtype, self._device = p.dtype, p.device
@@ -398,11 +400,13 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
       ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` (weights as additive
       log-weights, positions as the causal mask); ``masked`` defaults to False for a module given
       alone (use ``HFAttention.from_model(model, layer)`` for the model's own mask);
-    * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention`;
+    * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention` (self-attention:
+      ``kdim = vdim = embed_dim``);
+    * a Hugging Face module that holds attention but is not a layer (a whole model, a GPT-2 block, a BERT
+      layer) is refused with what to pass instead (:func:`meanfield.hf.container_advice`);
     * any other callable X (n, d) -> (n, d') becomes a points-only :class:`CallableOperator`.
     """
-    if masked is not None and not isinstance(masked, bool):
-        raise TypeError(f"masked: expected a bool or None, got {type(masked).__name__}")
+    masked = check_bool(masked, "masked", allow_none=True)
     if isinstance(f, AttentionOperator):
         if masked is not None and masked != f.masked:
             raise ValueError(f"masked: {masked} contradicts the operator's own masked={f.masked}")
@@ -414,6 +418,9 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
 
         if hf.is_hf_attention(f):
             return hf.HFAttention(f, masked=bool(masked))
+        advice = hf.container_advice(f)
+        if advice is not None:
+            raise TypeError(f"f: {advice}")
     if callable(f):
         return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False))
     raise TypeError(f"f: expected an attention operator, a Hugging Face attention layer, a "

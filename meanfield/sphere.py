@@ -21,6 +21,8 @@ import numbers
 
 import torch
 
+from particles.validation import check_bool
+
 from .kernels import attend
 from .operator import AttentionOperator
 
@@ -39,8 +41,7 @@ class SphereAttention(AttentionOperator):
             raise ValueError(f"beta: expected a finite inverse temperature >= 0, got {beta!r}")
         if normalization not in SPHERE_MODELS:
             raise ValueError(f"normalization: expected 'SA' or 'USA', got {normalization!r}")
-        if not isinstance(masked, bool):
-            raise TypeError(f"masked: expected a bool, got {type(masked).__name__}")
+        check_bool(masked, "masked")
         self.beta = float(beta)
         self.normalization = normalization
         self.masked = masked

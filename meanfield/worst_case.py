@@ -39,6 +39,7 @@ import torch
 from particles import Measure
 from particles.threads import ThreadPolicy
 from particles.validation import (
+    MemoryLimitError,
     check_bool,
     check_positive_float,
     check_positive_int,
@@ -371,6 +372,13 @@ def _lipschitz(op, X, tol, seed):
         return local_lipschitz(op, X, method=method, tol=tol, seed=seed)
     except ConvergenceError as err:  # the value is still a Rayleigh quotient: a certified lower bound
         return err.estimate
+    except MemoryLimitError as err:   # its advice names local_lipschitz's options, which the search does not take
+        size = str(err).split("); ", 1)[0] + ")"
+        batch = X.points.shape[0] if isinstance(X, Measure) else X.shape[0]
+        raise MemoryLimitError(f"the worst-case search certifying {1 if isinstance(X, Measure) else batch} "
+                               f"input(s) at once ({method}) {size.split(': ', 1)[-1]}; lower batch_size (starts "
+                               "certified per Lanczos run: SearchOptions(batch_size=...) of worst_case_sequence and "
+                               "plain_gradient_ascent), or n / atoms, or raise the limit") from err
 
 
 class _Sequences(_Problem):

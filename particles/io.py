@@ -22,17 +22,23 @@ Loading checks everything a crafted or damaged file could get wrong: the header,
 newer version is refused with a message to upgrade), the kind, unknown or missing arrays, shapes
 and dtypes, object (pickled) arrays, and the measure itself (weights that sum to one, positions in
 [0, 1], finite points), and raises :class:`FileFormatError` (a ``ValueError``) naming the file and
-what was wrong.
+what was wrong. Names, dtypes, shapes and sizes are read from the arrays' ``.npy`` headers before
+any data: an array whose member holds fewer (or more) bytes than its header declares is named as
+truncated, and the arrays' total size is checked against the memory limit
+(:func:`particles.validation.check_allocation`, a :class:`~particles.validation.MemoryLimitError`)
+before anything is decompressed, so a small compressed file cannot request gigabytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import tempfile
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,14 +46,18 @@ import torch
 
 from ._version import DISTRIBUTION, __version__
 from .measure import Measure
-from .validation import weight_tolerance
+from .validation import check_allocation, check_device, weight_tolerance
 
-__all__ = ["FORMAT_VERSION", "FileFormatError", "save_measure", "load_measure", "read_header"]
+__all__ = ["FORMAT_VERSION", "FileFormatError", "save_measure", "load_measure", "read_header", "LazyArray"]
 
 #: version of the file format written by this library (readers accept this version and older ones)
 FORMAT_VERSION = 1
 FORMAT_NAME = DISTRIBUTION
 _HEADER = "header"
+#: the JSON header is a few hundred bytes plus the user's metadata; beyond this it is not one
+_HEADER_MAX_BYTES = 4 << 20
+#: arrays in a file of this format: at most 6 (a trajectory), with margin
+_MAX_MEMBERS = 64
 _FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
@@ -94,6 +104,7 @@ def load_measure(path, *, device=None) -> Measure:
         The file is not a smooth-attention archive, holds another kind of object, was written by a
         newer format version, or its arrays are inconsistent (the message says which).
     """
+    device = check_device(device)
     header, arrays = read_archive(path, "measure")
     check_keys(arrays, {"points", "weights", "log_weights"}, {"positions"}, path)
     return measure_from_arrays(arrays, header, path, device=device)
@@ -138,6 +149,10 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
         raise TypeError(f"metadata: must be JSON-serializable ({exc})") from exc
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; give a file name such as {path / 'measure.npz'}")
+    if not path.parent.is_dir():
+        where = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise FileNotFoundError(errno.ENOENT, f"path: the folder {path.parent} {where}; create it first "
+                                f"(to write {path.name} into it)", str(path.parent))
     # write next to the target, then rename: an interrupted save never leaves half a file behind
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -151,33 +166,146 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
     return path
 
 
-def read_archive(path, kind: str | None) -> tuple[dict, dict[str, np.ndarray]]:
-    """The header and arrays of a smooth-attention archive of the given ``kind`` (None: any), checked."""
+class LazyArray:
+    """An array of an archive known by its ``.npy`` header (dtype, shape) until :meth:`load` reads it."""
+
+    __slots__ = ("archive", "member", "dtype", "shape", "fortran_order", "offset")
+
+    def __init__(self, archive: _Archive, member: str, dtype: np.dtype, shape: tuple, fortran_order: bool,
+                 offset: int):
+        self.archive, self.member, self.dtype, self.shape = archive, member, dtype, shape
+        self.fortran_order, self.offset = fortran_order, offset
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.member!r}, dtype={self.dtype}, shape={self.shape})"
+
+    def load(self) -> np.ndarray:
+        """The array's data (read once the archive's total size passed the memory limit)."""
+        self.archive.check_memory()
+        return self.archive.read(self)
+
+
+class _Archive:
+    """The members of an ``.npz`` file, read from their ``.npy`` headers; data only on request."""
+
+    def __init__(self, name: str):
+        self.name, self.arrays, self._checked = name, {}, False
+
+    def check_memory(self) -> None:
+        if not self._checked:
+            total = sum(a.nbytes for a in self.arrays.values())
+            check_allocation(total, f"{self.name}: its arrays ({', '.join(map(repr, self.arrays))})",
+                             "a file this large is damaged or crafted, or needs a larger limit")
+            self._checked = True
+
+    def read(self, arr: LazyArray) -> np.ndarray:
+        out = np.empty(arr.size, dtype=arr.dtype)
+        view = out.view(np.uint8).reshape(-1)
+        pos = 0
+        try:
+            with zipfile.ZipFile(self.name) as zf, zf.open(arr.member) as fh:
+                fh.seek(arr.offset)
+                while pos < arr.nbytes:
+                    chunk = fh.read(min(1 << 24, arr.nbytes - pos))
+                    if not chunk:
+                        break
+                    view[pos:pos + len(chunk)] = np.frombuffer(chunk, np.uint8)
+                    pos += len(chunk)
+        except (OSError, zipfile.BadZipFile, EOFError, zlib.error) as exc:
+            raise FileFormatError(f"{self.name}: array {_key(arr.member)!r} is damaged or truncated ({exc})") from exc
+        if pos < arr.nbytes:
+            raise FileFormatError(f"{self.name}: array {_key(arr.member)!r} is truncated: its header declares "
+                                  f"{arr.nbytes} bytes of data, the file holds {pos}")
+        return out.reshape(arr.shape, order="F" if arr.fortran_order else "C")
+
+
+def _key(member: str) -> str:
+    return member[:-4] if member.endswith(".npy") else member
+
+
+def _open_members(name: str) -> _Archive:
+    """The archive's members with their npy headers; FileFormatError naming what is not an array of numbers."""
+    with open(name, "rb") as fh:
+        magic = fh.read(8)
+    if magic.startswith(b"\x93NUMPY"):
+        raise FileFormatError(f"{name}: a single .npy array, not a smooth-attention .npz archive")
+    try:
+        zf = zipfile.ZipFile(name)
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+        if magic.startswith(b"PK\x03\x04"):
+            raise FileFormatError(f"{name}: a damaged or truncated .npz archive (its zip directory is unreadable: "
+                                  f"{exc})") from exc
+        what = "pickled data, which smooth-attention files never contain; refusing it" \
+            if magic[:1] == b"\x80" else "not a zip file"
+        raise FileFormatError(f"{name}: not a smooth-attention archive (an .npz file): {what}") from exc
+    archive = _Archive(name)
+    with zf:
+        infos = zf.infolist()
+        if len(infos) > _MAX_MEMBERS:
+            raise FileFormatError(f"{name}: {len(infos)} members; a smooth-attention archive has at most a few")
+        for info in infos:
+            key = _key(info.filename)
+            if not info.filename.endswith(".npy") or key in archive.arrays:
+                what = "a duplicate" if key in archive.arrays else "not an .npy array"
+                raise FileFormatError(f"{name}: member {info.filename!r} is {what}; not a smooth-attention archive")
+            try:
+                with zf.open(info) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    read = {(1, 0): np.lib.format.read_array_header_1_0,
+                            (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+                    if read is None:
+                        raise ValueError(f"unsupported .npy format version {version}")
+                    shape, fortran, dtype = read(fh)
+                    offset = fh.tell()
+            except (ValueError, OSError, zipfile.BadZipFile, EOFError, zlib.error, SyntaxError) as exc:
+                raise FileFormatError(f"{name}: array {key!r} has an unreadable header ({exc})") from exc
+            if dtype.hasobject:
+                raise FileFormatError(f"{name}: array {key!r} holds Python objects (pickled data), which "
+                                      "smooth-attention files never contain; refusing to load it")
+            if dtype.kind not in "fiubU" or dtype.fields is not None or dtype.subdtype is not None:
+                raise FileFormatError(f"{name}: array {key!r} has dtype {dtype}; expected numbers")
+            arr = LazyArray(archive, info.filename, dtype, tuple(int(s) for s in shape), bool(fortran), offset)
+            if info.file_size != offset + arr.nbytes:
+                state = "truncated" if info.file_size < offset + arr.nbytes else "followed by stray bytes"
+                raise FileFormatError(f"{name}: array {key!r} is {state}: its header declares shape {arr.shape} "
+                                      f"of {dtype} ({arr.nbytes} bytes), its member holds {info.file_size - offset}")
+            archive.arrays[key] = arr
+    return archive
+
+
+def read_archive(path, kind: str | None) -> tuple[dict, dict[str, LazyArray]]:
+    """The header and arrays of a smooth-attention archive of the given ``kind`` (None: any), checked.
+
+    The arrays are :class:`LazyArray` objects (dtype and shape from their npy headers, data on
+    :meth:`LazyArray.load`): check names and shapes first, then load.
+    """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path, got {type(path).__name__}")
     name = os.fspath(path)
     if not os.path.isfile(name):
         raise FileNotFoundError(f"path: no such file: {name}")
-    try:
-        archive = np.load(name, allow_pickle=False)
-    except ValueError as exc:
-        raise FileFormatError(f"{name}: not a smooth-attention archive (an .npz file); refusing pickled data "
-                              f"({exc})") from exc
-    except (OSError, zipfile.BadZipFile, EOFError) as exc:
-        raise FileFormatError(f"{name}: not a readable .npz archive ({exc})") from exc
-    if not hasattr(archive, "files"):
-        raise FileFormatError(f"{name}: a single .npy array, not a smooth-attention .npz archive")
-    with archive:
-        arrays = {}
-        for key in archive.files:
-            try:
-                arrays[key] = archive[key]
-            except ValueError as exc:
-                raise FileFormatError(f"{name}: array {key!r} holds Python objects (pickled data), which "
-                                      "smooth-attention files never contain; refusing to load it") from exc
-            except (OSError, zipfile.BadZipFile, EOFError) as exc:
-                raise FileFormatError(f"{name}: array {key!r} is damaged ({exc})") from exc
-    header = _parse_header(arrays.pop(_HEADER, None), name)
+    archive = _open_members(name)
+    arrays = dict(archive.arrays)
+    raw = arrays.pop(_HEADER, None)
+    if raw is not None:
+        if raw.dtype.kind != "U" or raw.ndim != 0:
+            raise FileFormatError(f"{name}: the {_HEADER!r} entry is not a JSON text")
+        if raw.nbytes > _HEADER_MAX_BYTES:
+            raise FileFormatError(f"{name}: the {_HEADER!r} entry holds {raw.nbytes} bytes, not a header")
+        raw = archive.read(raw)
+    header = _parse_header(raw, name)
     if kind is not None and header["kind"] != kind:
         where = {"measure": "particles.load_measure", "trajectory": "meanfield.load_trajectory",
                  "lipschitz_estimate": "meanfield.load_estimate"}.get(header["kind"], "another reader")
@@ -199,8 +327,9 @@ def check_keys(arrays: dict, required: set[str], optional: set[str], name) -> No
                               f"(not written by smooth-attention {FORMAT_NAME} format version {FORMAT_VERSION})")
 
 
-def tensor_of(arrays: dict, key: str, header: dict, name, *, ndim: int, device=None) -> torch.Tensor:
-    """Array ``key`` as a tensor of the header's dtype, after checking its dtype and number of dimensions."""
+def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length: int | None = None) -> tuple:
+    """The shape of array ``key``, after checking (from its npy header, before reading it) that its dtype is
+    the header's, its number of dimensions ``ndim`` and, when given, its first dimension ``length``."""
     arr = arrays[key]
     dtype = _FLOATS[header["dtype"]]
     stored = torch.float32 if dtype == torch.bfloat16 else dtype
@@ -210,24 +339,30 @@ def tensor_of(arrays: dict, key: str, header: dict, name, *, ndim: int, device=N
     if arr.ndim != ndim:
         raise FileFormatError(f"{os.fspath(name)}: array {key!r} has shape {arr.shape}; expected {ndim} "
                               "dimension(s)")
-    return torch.from_numpy(np.ascontiguousarray(arr)).to(dtype=dtype, device=device)
+    if length is not None and arr.shape[0] != length:
+        raise FileFormatError(f"{os.fspath(name)}: array {key!r} has {arr.shape[0]} entries for {length} atoms")
+    return tuple(arr.shape)
+
+
+def tensor_of(arrays: dict, key: str, header: dict, name, *, ndim: int, device=None) -> torch.Tensor:
+    """Array ``key`` as a tensor of the header's dtype, after :func:`check_array`."""
+    check_array(arrays, key, header, name, ndim=ndim)
+    arr = arrays[key]
+    data = arr.load() if isinstance(arr, LazyArray) else np.ascontiguousarray(arr)
+    return torch.from_numpy(np.ascontiguousarray(data)).to(dtype=_FLOATS[header["dtype"]], device=device)
 
 
 def measure_from_arrays(arrays: dict, header: dict, name, *, device=None,
                         points: torch.Tensor | None = None) -> Measure:
     """Rebuild a measure from its arrays (keys already checked); ``points`` given: a trajectory's first atoms."""
     name = os.fspath(name)
+    n = check_array(arrays, "points", header, name, ndim=2)[0] if points is None else points.shape[0]
+    keys = [key for key in ("weights", "log_weights", "positions") if key in arrays]
+    for key in keys:   # every shape before any data
+        check_array(arrays, key, header, name, ndim=1, length=n)
     if points is None:
         points = tensor_of(arrays, "points", header, name, ndim=2, device=device)
-    n = points.shape[0]
-    vectors = {}
-    for key in ("weights", "log_weights", "positions"):
-        if key not in arrays:
-            continue
-        t = tensor_of(arrays, key, header, name, ndim=1, device=device)
-        if t.shape[0] != n:
-            raise FileFormatError(f"{name}: array {key!r} has {t.shape[0]} entries for {n} atoms")
-        vectors[key] = t
+    vectors = {key: tensor_of(arrays, key, header, name, ndim=1, device=device) for key in keys}
     try:
         # the constructor's checks: finite points, log-weights that sum to one, positions in [0, 1]
         checked = Measure(points, positions=vectors.get("positions"), log_weights=vectors["log_weights"])
@@ -259,6 +394,9 @@ def _parse_header(raw, name: str) -> dict:
         header = json.loads(str(raw))
     except ValueError as exc:
         raise FileFormatError(f"{name}: the header is not valid JSON ({exc})") from exc
+    except RecursionError:
+        raise FileFormatError(f"{name}: the header is JSON nested too deeply to be a smooth-attention header") \
+            from None
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise FileFormatError(f"{name}: not a {FORMAT_NAME} archive (header format "
                               f"{header.get('format') if isinstance(header, dict) else header!r})")

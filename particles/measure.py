@@ -19,6 +19,8 @@ import torch
 
 from .validation import (
     as_tensor,
+    check_allocation,
+    check_bool,
     check_ndim,
     check_positive_int,
     check_radius,
@@ -53,6 +55,7 @@ class Measure:
         dtype = resolve_dtype(dtype)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
+        normalize = check_bool(normalize, "normalize")
         pts = as_tensor(points, "points", dtype=dtype, device=device)
         check_ndim(pts, "points", 2, "an (N, d) array of atoms")
         n, d = pts.shape
@@ -213,6 +216,7 @@ class Measure:
 
         ``positions=True`` gives them positions i/n (a sequence for masked attention).
         """
+        positions = check_bool(positions, "positions")
         X = _sample_sphere(n, dim, radius, seed, dtype, device)
         return cls.sequence(X) if positions else cls(X)
 
@@ -220,6 +224,7 @@ class Measure:
     def ball(cls, n: int, dim: int, radius: float = 1.0, *, seed=None, dtype=None, device=None,
              positions: bool = False) -> Measure:
         """n i.i.d. uniform atoms in the closed ball B_R of R^d (uniform weights)."""
+        positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
         g = make_generator(seed)
         U = _sample_sphere(n, dim, 1.0, g, dtype, device)
@@ -231,6 +236,7 @@ class Measure:
     def gaussian(cls, n: int, mean, cov=None, *, seed=None, dtype=None, device=None,
                  positions: bool = False) -> Measure:
         """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
+        positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
         m = as_tensor(mean, "mean", dtype=dtype)
         check_ndim(m, "mean", 1, "a vector")
@@ -244,6 +250,7 @@ class Measure:
         if float(evals.min()) < -1e-10 * (1 + float(evals.abs().max())):
             raise ValueError("cov: must be positive semi-definite")
         L = evecs * evals.clamp(min=0).sqrt()
+        _check_sample_memory(n, d, m.dtype, "Measure.gaussian")
         g = make_generator(seed)
         Z = torch.randn(n, d, generator=g, dtype=m.dtype)
         X = (m + Z @ L.T).to(device or "cpu")
@@ -419,15 +426,27 @@ class Measure:
         return Measure._trusted(self._points[keep], torch.exp(lw), lw, pos)
 
 
+def _check_sample_memory(n: int, dim: int, dtype, what: str) -> None:
+    """n samples of dimension dim: the Gaussian draws and the scaled copy, before they are allocated."""
+    size = torch.empty(0, dtype=resolve_dtype(dtype) or torch.float64).element_size()
+    check_allocation(2 * n * dim * size, f"{what}: {n} atoms in dimension {dim}", "lower n")
+
+
 def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     check_positive_int(n, "n")
     check_positive_int(dim, "dim")
     R = check_radius(radius, "radius")
+    _check_sample_memory(n, dim, dtype, "Measure.sphere / Measure.ball")
     g = make_generator(seed)
     Z = torch.randn(n, dim, generator=g, dtype=resolve_dtype(dtype) or torch.float64)
     norms = Z.norm(dim=1, keepdim=True)
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
     return (R * Z / norms).to(device or "cpu")
+
+
+#: bytes per pair of atoms Measure.merge links: the (pairs, 2) int64 array, the COO matrix (data, row, col)
+#: and connected_components' symmetric CSR copy
+_MERGE_BYTES_PER_PAIR = 64
 
 
 def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:
@@ -441,7 +460,13 @@ def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:
         from scipy.sparse.csgraph import connected_components
         from scipy.spatial import cKDTree
 
-        pairs = cKDTree(X).query_pairs(r=atol, p=np.inf, output_type="ndarray")
+        tree = cKDTree(X)
+        # count the pairs within atol first (the dual-tree count allocates nothing per pair): every pair
+        # becomes an index pair, a sparse entry and its symmetric CSR copy
+        pairs = (int(tree.count_neighbors(tree, atol, p=np.inf)) - n) // 2
+        check_allocation(_MERGE_BYTES_PER_PAIR * pairs, f"Measure.merge(atol={atol:g}): {pairs} pairs of atoms "
+                         f"within atol of {n} atoms", "use a smaller atol (atoms closer than it are merged)")
+        pairs = tree.query_pairs(r=atol, p=np.inf, output_type="ndarray")
         graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n)) if len(pairs) \
             else coo_matrix((n, n))
         _, inv = connected_components(graph, directed=False)

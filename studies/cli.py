@@ -41,8 +41,10 @@ EXIT_CODES = {
              "finding, not a failure)",
     EXIT_VIOLATED: "a theorem claim was violated (a bug in the code, or in the paper)",
     EXIT_STUDY_FAILED: "a study failed: it raised an error (report.md has its traceback)",
-    EXIT_USAGE: "usage error: unknown option or study, bad value, --out or --cache names a file, --text names no file, "
-                "--device cuda without CUDA",
+    EXIT_USAGE: "usage error, found before the first study starts: unknown option or study, bad value, --out or "
+                "--cache names a file, --text is no UTF-8 text, a --checkpoint that is not a complete folder or a "
+                "reachable hub name, --model minilm without the pretrained extra, an unreachable --scheduler, "
+                "$SMOOTH_ATTENTION_MEMORY_LIMIT not a size, --device cuda without CUDA",
     EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
                  "left truncated)",
     EXIT_BUSY: "the --out folder is in use by another meanfield run",
@@ -164,22 +166,6 @@ def context_from_args(args: argparse.Namespace, argv: list[str], environ=None) -
         progress=progress, argv=tuple(argv), **fields)
 
 
-def _usage_problem(ctx: RunContext) -> str | None:
-    """A problem with the context that is the user's to fix, in one line; None when there is none."""
-    if ctx.out.exists() and not ctx.out.is_dir():
-        return f"--out: {ctx.out} is an existing file; give a folder"
-    if ctx.text is not None and not ctx.text.is_file():
-        return f"--text: no text file at {ctx.text}"
-    if ctx.cache is not None and ctx.cache.exists() and not ctx.cache.is_dir():
-        return f"--cache: {ctx.cache} is an existing file; give a folder"
-    if ctx.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return "--device: cuda was asked for, but torch sees no CUDA device (use --device cpu)"
-    return None
-
-
 def _configure_logging(verbosity: int) -> logging.Handler:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s" if verbosity < VERBOSE
@@ -191,11 +177,15 @@ def _configure_logging(verbosity: int) -> logging.Handler:
 
 def _run(ctx: RunContext, names: list[str] | None) -> int:
     from .io import OutputError
+    from .preflight import UsageError
     from .report import reproduce, summary_line
     from .sweep import FolderBusy
 
     try:
-        summary = reproduce(ctx, only=names)
+        summary = reproduce(ctx, only=names)   # checks every option first (studies.preflight)
+    except UsageError as exc:
+        _say(str(exc))
+        return EXIT_USAGE
     except FolderBusy as exc:
         _say(str(exc))
         return EXIT_BUSY
@@ -253,10 +243,10 @@ def main(argv=None) -> int:
         parser.error("--workers must be >= 1 and --retries >= 0")
     handler = _configure_logging(QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     try:
-        ctx = context_from_args(args, sys.argv if argv is None else ["meanfield", *argv])
-        problem = _usage_problem(ctx)
-        if problem:
-            _say(problem)
+        try:
+            ctx = context_from_args(args, sys.argv if argv is None else ["meanfield", *argv])
+        except (ValueError, TypeError) as exc:
+            _say(str(exc))
             return EXIT_USAGE
         return _run(ctx, names)
     finally:

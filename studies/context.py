@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from particles.validation import check_bool
+
 __all__ = ["RunContext", "LEVELS", "CHECKPOINTS_ENV", "TEXT_ENV", "CACHE_ENV", "QUIET", "NORMAL", "VERBOSE"]
 
 LEVELS = ("tiny", "quick", "full")   # tiny: test-size grids; quick: reproduce --quick; full: the paper's sizes
@@ -108,6 +110,7 @@ class RunContext:
             object.__setattr__(self, "cache", Path(self.cache).expanduser())
         if self.text is not None:
             object.__setattr__(self, "text", Path(self.text))
+        object.__setattr__(self, "progress", check_bool(self.progress, "progress"))
         if self.verbosity not in (QUIET, NORMAL, VERBOSE):
             raise ValueError(f"verbosity: expected -1 (quiet), 0 or 1 (verbose), got {self.verbosity!r}")
         object.__setattr__(self, "argv", tuple(str(a) for a in self.argv))

@@ -115,7 +115,9 @@ class StudyResult:
 
 @dataclass
 class Study:
-    """A registered study: ``run(out_dir, ctx) -> StudyResult``, its sizes per level ``grid(level)``."""
+    """A registered study: ``run(out_dir, ctx) -> StudyResult``, its sizes per level ``grid(level)``, and
+    ``check(ctx)``, which raises a ValueError naming the option when the run context cannot serve the study
+    (run by :func:`studies.preflight.check_run` before the first study of a run starts)."""
 
     name: str
     title: str
@@ -123,23 +125,27 @@ class Study:
     order: int
     description: str
     grid: Callable[[str], dict] | None = None
+    check: Callable | None = None
 
 
 _REGISTRY: dict[str, Study] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 
-def register(name: str, title: str, order: int = 100, *, grid: Callable[[str], dict] | None = None) -> Callable:
+def register(name: str, title: str, order: int = 100, *, grid: Callable[[str], dict] | None = None,
+             check: Callable | None = None) -> Callable:
     """Decorator registering ``run(out_dir, ctx) -> StudyResult`` as study ``name``.
 
-    ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json).
+    ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json). ``check(ctx)``
+    checks what the study reads from the run context (files, models, the cache) before any study of the run
+    starts, raising a ValueError whose message starts with the option to change (``--checkpoint: ...``).
     The first line of the function's docstring describes the study on the command line.
     """
 
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].run is not fn:
             raise ValueError(f"name: a study called {name!r} is already registered")
-        _REGISTRY[name] = Study(name, title, fn, order, (fn.__doc__ or "").strip().split("\n")[0], grid)
+        _REGISTRY[name] = Study(name, title, fn, order, (fn.__doc__ or "").strip().split("\n")[0], grid, check)
         return fn
 
     return deco

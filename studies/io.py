@@ -19,7 +19,7 @@ from .sweep.files import atomic_write, normalize
 from .sweep.files import write_csv as _write_csv
 
 __all__ = ["to_json", "write_json", "write_text", "write_csv", "read_csv", "save_figure", "write_with",
-           "probe_output", "OutputError", "is_output_error"]
+           "probe_output", "OutputError", "output_error", "is_output_error"]
 
 # errno values that mean "no file can be written here any more", whoever writes it
 _FULL_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EDQUOT, errno.EFBIG}
@@ -29,7 +29,19 @@ _OUTPUT_ERRNOS = _FULL_ERRNOS | {errno.EACCES, errno.EPERM, errno.ENOTDIR, errno
 
 
 class OutputError(OSError):
-    """The run's output cannot be written (disk full, read-only or unwritable folder, ...)."""
+    """The run's output cannot be written (disk full, read-only or unwritable folder, ...).
+
+    Its message is the path and the reason, once (no ``[Errno N]`` prefix: the reason already says it)."""
+
+    def __str__(self) -> str:
+        return self.strerror if self.strerror else super().__str__()
+
+
+def output_error(exc: OSError, where) -> OutputError:
+    """``exc`` as an :class:`OutputError` naming the file it failed on (``exc.filename``, else ``where``)."""
+    if isinstance(exc, OutputError):
+        return exc
+    return OutputError(exc.errno, f"{exc.filename or where}: {exc.strerror or exc}")
 
 
 def is_output_error(exc: BaseException) -> bool:
@@ -45,7 +57,7 @@ def _guard(path: Path, write):
         raise
     except OSError as exc:
         if exc.errno in _OUTPUT_ERRNOS:
-            raise OutputError(exc.errno, f"cannot write {path}: {exc.strerror or exc}") from exc
+            raise OutputError(exc.errno, f"{path}: {exc.strerror or exc}") from exc
         raise
 
 
@@ -132,16 +144,17 @@ def write_with(path, writer) -> Path:
 
 
 def probe_output(folder) -> Path:
-    """Create ``folder`` and check that a file can be written in it; :class:`OutputError` otherwise."""
+    """Create ``folder`` and check that a file can be written in it; :class:`OutputError` otherwise (any
+    failure to create the folder or a file in it: a path through a file, a read-only or virtual file
+    system such as /proc, permissions, a full disk)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputError(errno.ENOTDIR, f"{folder} is a file, not a folder")
     probe = folder / f".write-test.{os.getpid()}"
-
-    def check():
+    try:
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(probe, b"")
         probe.unlink()
-        return folder
-
-    return _guard(folder, check)
+    except OSError as exc:
+        raise output_error(exc, folder) from exc
+    return folder

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
+import math
 import os
 import re
 import socket
@@ -28,8 +29,10 @@ from pathlib import Path
 import torch
 
 from meanfield.hf import KINDS
+from particles.validation import check_bool
 
-__all__ = ["random_model", "tiny_config", "load_model", "load_tokenizer", "tokenizer_files", "TOKENIZER_FILES",
+__all__ = ["random_model", "tiny_config", "load_model", "check_checkpoint", "check_safetensors", "load_tokenizer",
+           "tokenizer_files", "TOKENIZER_FILES",
            "HashTokenizer", "default_corpus", "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError",
            "KINDS"]
 
@@ -41,6 +44,8 @@ class ModelNotAvailableError(OSError):
 # ---------------------------------------------------------------------- models
 def _config(kind: str, *, tiny: bool, is_decoder: bool, overrides: dict):
     from transformers import BertConfig, GPT2Config
+
+    is_decoder = check_bool(is_decoder, "is_decoder")
 
     if kind == "gpt2":
         base = dict(n_embd=32, n_layer=2, n_head=4, n_positions=128, vocab_size=512, bos_token_id=511,
@@ -133,43 +138,26 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     detection); otherwise only the local cache is tried, and a missing model raises
     :class:`ModelNotAvailableError` saying what was missing.
     """
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoModel
 
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
         raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
-    if not isinstance(allow_pickle, bool):
-        raise TypeError(f"allow_pickle: expected a bool, got {type(allow_pickle).__name__}")
+    allow_pickle = check_bool(allow_pickle, "allow_pickle")
+    is_decoder = check_bool(is_decoder, "is_decoder", allow_none=True)
+    local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     path = Path(name_or_path)
-    local = path.is_dir()
-    if not local and (path.is_absolute() or str(name_or_path).startswith((".", "~"))):
-        raise ModelNotAvailableError(f"name_or_path: no checkpoint directory at {str(path)!r}")
-    if local and not (path / "config.json").is_file():
-        raise ModelNotAvailableError(f"name_or_path: directory {str(path)!r} has no config.json")
+    local = _where(name_or_path)
+    if local:
+        _check_local_files(path, allow_pickle)
     offline = True if local else _offline(local_files_only)
-    try:
-        cfg = AutoConfig.from_pretrained(name_or_path, local_files_only=offline, trust_remote_code=False)
-    except OSError as exc:
-        where = (f"directory {str(path)!r} has no config.json" if local else
-                 f"{str(name_or_path)!r} is not in the local Hugging Face cache and the hub is not reachable"
-                 if offline else f"could not fetch {str(name_or_path)!r} from the hub")
-        raise ModelNotAvailableError(f"name_or_path: model not available: {where} ({exc.__class__.__name__}). "
-                                     "Pass a local checkpoint directory, or use random_model().") from exc
-    if cfg.model_type not in KINDS:
-        raise ValueError(f"name_or_path: model_type {cfg.model_type!r} is not supported (expected {KINDS})")
+    cfg = _config_of(name_or_path, local, offline)
     kwargs = dict(attn_implementation="eager", local_files_only=offline, trust_remote_code=False)
     if is_decoder is not None:
         if cfg.model_type != "bert":
             raise ValueError("is_decoder: applies to BERT only (GPT-2 is always causal)")
         kwargs["is_decoder"] = bool(is_decoder)
     if local:
-        has_st = any(path.glob("*.safetensors"))
-        has_bin = any(path.glob("*.bin"))
-        if not has_st and not (has_bin and allow_pickle):
-            what = ("only pickled weights (pytorch_model.bin), refused unless allow_pickle=True: pickles can run "
-                    "code; convert them with save_pretrained(folder, safe_serialization=True)") if has_bin else \
-                "no weights (model.safetensors)"
-            raise ModelNotAvailableError(f"name_or_path: directory {str(path)!r} has a config.json but {what}")
-        kwargs["use_safetensors"] = has_st
+        kwargs["use_safetensors"] = any(path.glob("*.safetensors"))
     elif not allow_pickle:
         kwargs["use_safetensors"] = True
     try:
@@ -178,7 +166,170 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except OSError as exc:
         raise ModelNotAvailableError(f"name_or_path: weights of {str(name_or_path)!r} not available "
                                      f"({exc})") from exc
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - weights that do not fit the config, a library check: the input's fault
+        raise ValueError(f"name_or_path: transformers cannot build {str(name_or_path)!r} from its files "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
     return model.to(device=device, dtype=dtype).eval()
+
+
+#: a hub repository id: "name" or "owner/name" (what is not of this form, and is not a folder, is a path)
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+
+
+def _where(name_or_path) -> bool:
+    """True for a local folder; False for a hub name; ModelNotAvailableError for a path that is not a folder."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return True
+    if path.exists():
+        raise ModelNotAvailableError(f"name_or_path: {str(path)!r} is a file; give the checkpoint's folder")
+    if not _HUB_NAME.fullmatch(str(name_or_path)) or str(name_or_path).startswith((".", "~")):
+        raise ModelNotAvailableError(f"name_or_path: no checkpoint directory at {str(path)!r}")
+    return False
+
+
+def _check_local_files(path: Path, allow_pickle: bool) -> None:
+    """A local folder's config.json (a JSON object of a supported model_type) and weights (safetensors, each
+    well formed), checked without loading anything."""
+    import json
+
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise ModelNotAvailableError(f"name_or_path: folder {str(path)!r} has no config.json")
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:   # a UnicodeDecodeError is a ValueError
+        raise ValueError(f"name_or_path: {str(cfg)!r} is not a readable JSON file ({type(exc).__name__}: "
+                         f"{exc})") from None
+    if not isinstance(data, dict) or data.get("model_type") not in KINDS:
+        kind = data.get("model_type") if isinstance(data, dict) else None
+        raise ValueError(f"name_or_path: {str(cfg)!r} has model_type {kind!r}; expected one of {KINDS}")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        what = ("only pickled weights (pytorch_model.bin), refused unless allow_pickle=True: pickles can run "
+                "code; convert them with save_pretrained(folder, safe_serialization=True)") \
+            if any(path.glob("*.bin")) else "no weights (model.safetensors)"
+        if not (allow_pickle and any(path.glob("*.bin"))):
+            raise ModelNotAvailableError(f"name_or_path: folder {str(path)!r} has a config.json but {what}")
+    for shard in shards:
+        check_safetensors(shard)
+
+
+def _config_of(name_or_path, local: bool, offline: bool):
+    """``AutoConfig`` of a checkpoint, its failures said in one line (what is missing, or what transformers refuses)."""
+    from transformers import AutoConfig
+
+    name = str(name_or_path)
+    try:
+        cfg = AutoConfig.from_pretrained(name_or_path, local_files_only=offline, trust_remote_code=False)
+    except OSError as exc:
+        where = (f"folder {name!r}: its config.json cannot be read" if local else
+                 f"no folder {name!r} here, and {name!r} is not in the local Hugging Face cache while the hub is "
+                 "not reachable (offline)" if offline else f"could not fetch {name!r} from the hub")
+        raise ModelNotAvailableError(f"name_or_path: model not available: {where} ({exc.__class__.__name__}). "
+                                     "Pass a local checkpoint folder, or use random_model().") from exc
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation of the fields
+        raise ValueError(f"name_or_path: the config.json of {name!r} is refused by transformers "
+                         f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+    if cfg.model_type not in KINDS:
+        raise ValueError(f"name_or_path: model_type {cfg.model_type!r} is not supported (expected {KINDS})")
+    return cfg
+
+
+#: bytes per element of the safetensors dtypes a GPT-2 / BERT checkpoint may hold
+_SAFETENSORS_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                       "U16": 2, "U32": 4, "U64": 8, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+#: the safetensors library's own bound on the JSON header
+_SAFETENSORS_HEADER_MAX = 100_000_000
+
+
+def check_safetensors(path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{tensor name: (dtype, shape)} of a ``.safetensors`` file, read from its header alone, after checking that
+    the header is well formed and that its tensors exactly cover the file (a truncated file, stray bytes, a
+    header length beyond the file are a ValueError naming the file, not the library's deserialization error)."""
+    import json
+
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n > _SAFETENSORS_HEADER_MAX or 0 <= n < 2:
+            raise ValueError(f"name_or_path: {str(path)!r} is not a safetensors file: its header length {n} is "
+                             f"outside 2 to {_SAFETENSORS_HEADER_MAX} bytes (damaged, or another format)")
+        if n < 0 or n > size - 8:
+            raise ValueError(f"name_or_path: {str(path)!r} is truncated: {size} bytes, fewer than its own header "
+                             f"declares ({max(n, 0) + 8} bytes before any tensor)")
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"name_or_path: {str(path)!r} has an unreadable safetensors header "
+                             f"({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"name_or_path: {str(path)!r} has a safetensors header that is not a JSON object")
+    out, spans = {}, []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            ok = (dtype in _SAFETENSORS_DTYPES and all(isinstance(s, int) and s >= 0 for s in shape)
+                  and isinstance(begin, int) and isinstance(end, int)
+                  and end - begin == _SAFETENSORS_DTYPES[dtype] * math.prod(shape) and begin >= 0)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"name_or_path: {str(path)!r}: tensor {name!r} has an invalid entry in the header "
+                             f"({str(entry)[:120]})")
+        out[name] = (dtype, shape)
+        spans.append((begin, end))
+    spans.sort()
+    covered = 0
+    for begin, end in spans:
+        if begin != covered:
+            raise ValueError(f"name_or_path: {str(path)!r}: the tensors' data overlap or leave a gap at byte {covered}")
+        covered = end
+    data = size - 8 - n
+    if covered != data:
+        state = "truncated" if data < covered else "followed by stray bytes"
+        raise ValueError(f"name_or_path: {str(path)!r} is {state}: its header describes {covered} bytes of tensors, "
+                         f"the file holds {data}")
+    return out
+
+
+def check_checkpoint(name_or_path, *, tokenizer: bool = False, local_files_only: bool | None = None) -> str:
+    """Check a checkpoint before anything loads it; return its model type (``"gpt2"`` or ``"bert"``).
+
+    A local folder: config.json is JSON of a supported model type that transformers accepts and builds (on
+    the meta device: no memory), its safetensors files are complete (:func:`check_safetensors`) and, with
+    ``tokenizer=True``, tokenizer files are there. A hub name (``name`` or ``owner/name`` that is not a
+    folder): its config is found in the local cache, or on the hub when it is reachable. Anything else (a
+    path that is not a folder, a file) is a :class:`ModelNotAvailableError`; a malformed file a ValueError;
+    both name what to change.
+    """
+    from transformers import AutoModel
+
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
+    local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
+    local = _where(name_or_path)
+    if local:
+        _check_local_files(Path(name_or_path), allow_pickle=False)
+    cfg = _config_of(name_or_path, local, True if local else _offline(local_files_only))
+    if local:
+        try:
+            with torch.device("meta"):
+                AutoModel.from_config(cfg, attn_implementation="eager")
+        except Exception as exc:  # noqa: BLE001 - an inconsistent config (heads that do not divide the width, ...)
+            raise ValueError(f"name_or_path: the config.json of {str(name_or_path)!r} does not describe a model "
+                             f"transformers can build ({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+        if tokenizer and tokenizer_files(name_or_path) is None:
+            wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+            raise ModelNotAvailableError(f"name_or_path: checkpoint folder {str(name_or_path)!r} has no tokenizer "
+                                         f"files (expected {wanted}); save the tokenizer beside the model")
+    return cfg.model_type
 
 
 # Files from which transformers builds a GPT-2 / BERT tokenizer: any one of these sets is enough.
@@ -204,6 +355,7 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
     """
     from transformers import AutoTokenizer
 
+    local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     local = Path(name_or_path).is_dir()
     if local and tokenizer_files(name_or_path) is None:
         wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
@@ -271,7 +423,15 @@ def read_text(text: str | None = None, path: str | os.PathLike | None = None) ->
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"path: no text file at {str(p)!r}")
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"path: {str(p)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                             f"{exc.start})") from None
+        except OSError as exc:
+            raise ValueError(f"path: cannot read {str(p)!r} ({exc.strerror or exc})") from None
+        if not text.strip():
+            raise ValueError(f"path: {str(p)!r} is empty (no words)")
     if text is None:
         return default_corpus()
     if not isinstance(text, str):

@@ -37,12 +37,15 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from particles.validation import check_bool
+
 from .context import CACHE_ENV
 from .models import ModelNotAvailableError
 
 __all__ = ["PackagedModel", "MINILM", "PACKAGED", "CACHE_ENV", "PretrainedNotInstalled", "CorruptCacheError",
            "CacheNotWritable",
-           "default_cache_dir", "archive_path", "is_installed", "model_folder", "extract", "verify", "provenance"]
+           "default_cache_dir", "archive_path", "is_installed", "model_folder", "extract", "verify", "read_manifest",
+           "provenance"]
 
 log = logging.getLogger(__name__)
 
@@ -163,23 +166,57 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+#: a manifest is a few hundred bytes per member; anything much larger is not one
+_MANIFEST_MAX_BYTES = 1 << 20
+
+
+def _is_count(value, below=None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= 0
+            and (below is None or value < below))
+
+
+def read_manifest(folder) -> dict:
+    """The manifest of an extracted folder, checked field by field; :class:`CorruptCacheError` saying
+    what is wrong when it is missing, unreadable, not JSON, nested beyond reason, or when a field has
+    the wrong type (``members`` maps safe relative names to ``{"size": int >= 0, "crc32": int}``)."""
+    path = Path(folder) / MANIFEST
+    try:
+        if path.stat().st_size > _MANIFEST_MAX_BYTES:
+            raise CorruptCacheError(f"{path}: {path.stat().st_size} bytes, not a manifest")
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except CorruptCacheError:
+        raise
+    except (OSError, ValueError, RecursionError) as exc:   # UnicodeDecodeError is a ValueError
+        raise CorruptCacheError(f"{path}: missing or unreadable ({type(exc).__name__}: {exc})") from None
+    members = manifest.get("members") if isinstance(manifest, dict) else None
+    if not isinstance(members, dict):
+        raise CorruptCacheError(f"{path}: no 'members' mapping")
+    for name, meta in members.items():
+        try:
+            _safe_name(name)
+        except CorruptCacheError:
+            raise CorruptCacheError(f"{path}: member {name!r} is not a relative path inside the folder") from None
+        if not (isinstance(meta, dict) and _is_count(meta.get("size")) and _is_count(meta.get("crc32"), 2**32)):
+            raise CorruptCacheError(f"{path}: member {name!r} has no integer size and CRC-32 ({meta!r:.80})")
+    return manifest
+
+
 def verify(folder, spec: PackagedModel = MINILM, *, checksums: bool = True) -> list[str]:
     """Problems of an extracted folder, [] when it is intact.
 
-    Checks that the manifest exists and names every file ``spec`` requires, and that each file it
-    lists exists with its recorded size and (``checksums=True``, about 0.1 s for the MiniLM
-    weights) its recorded CRC-32.
+    Checks that the manifest exists, is well formed (:func:`read_manifest`) and names every file
+    ``spec`` requires, and that each file it lists exists with its recorded size and
+    (``checksums=True``, about 0.1 s for the MiniLM weights) its recorded CRC-32. Whatever is
+    damaged, the answer is a list of problems (the folder is then extracted again), never an error.
     """
+    checksums = check_bool(checksums, "checksums")
     folder = Path(folder)
     if not folder.is_dir():
         return [f"no folder at {folder}"]
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        members = manifest["members"]
-        if not isinstance(members, dict):
-            raise TypeError("members is not a mapping")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        return [f"manifest {MANIFEST} missing or unreadable ({type(exc).__name__}: {exc})"]
+        members = read_manifest(folder)["members"]
+    except CorruptCacheError as exc:
+        return [str(exc)]
     problems = [f"{name}: required by the checkpoint but not in the manifest" for name in spec.required
                 if name not in members]
     for name, meta in members.items():
@@ -188,9 +225,9 @@ def verify(folder, spec: PackagedModel = MINILM, *, checksums: bool = True) -> l
             problems.append(f"{name}: missing")
             continue
         size = p.stat().st_size
-        if size != meta.get("size"):
-            problems.append(f"{name}: {size} bytes, expected {meta.get('size')}")
-        elif checksums and _crc32(p) != meta.get("crc32"):
+        if size != meta["size"]:
+            problems.append(f"{name}: {size} bytes, expected {meta['size']}")
+        elif checksums and _crc32(p) != meta["crc32"]:
             problems.append(f"{name}: CRC-32 differs from the archive's")
     return problems
 
@@ -285,6 +322,7 @@ def extract(spec: PackagedModel = MINILM, cache_dir=None, *, checksums: bool = T
     (a RuntimeWarning says what was wrong). Raises :class:`PretrainedNotInstalled` when the
     distribution is missing and :class:`CorruptCacheError` when the shipped zip itself is damaged.
     """
+    checksums = check_bool(checksums, "checksums")
     archive = archive_path(spec)
     _, size, digest, version = _record(spec)
     folder = model_folder(spec, cache_dir)
@@ -348,5 +386,5 @@ def _install(tmp: Path, folder: Path, spec: PackagedModel) -> None:
 
 def provenance(folder) -> dict:
     """What the manifest of an extracted folder says: name, source, distribution, version, archive sha256."""
-    m = json.loads((Path(folder) / MANIFEST).read_text())
+    m = read_manifest(folder)
     return {k: m.get(k) for k in ("name", "source", "distribution", "version", "archive_sha256")}

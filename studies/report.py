@@ -33,7 +33,8 @@ import torch
 from .context import RunContext
 from .contract import EMPIRICAL, THEOREM, StudyResult, import_errors, registry
 from .grid import code_fingerprint
-from .io import OutputError, is_output_error, probe_output, write_json, write_text
+from .io import OutputError, is_output_error, output_error, probe_output, write_json, write_text
+from .preflight import check_run
 from .sweep.files import FolderLock
 from .sweep.progress import format_seconds
 
@@ -98,7 +99,7 @@ def run_study(name: str, ctx: RunContext) -> dict:
         entry["status"] = "ok"
     except Exception as exc:  # a failing study is reported, the run goes on
         if is_output_error(exc):
-            raise exc if isinstance(exc, OutputError) else OutputError(exc.errno, str(exc)) from exc
+            raise output_error(exc, sdir) from exc
         entry.update({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(), "claims": [], "figures": [], "tables": []})
     entry["seconds"] = round(time.perf_counter() - t0, 2)
@@ -108,7 +109,11 @@ def run_study(name: str, ctx: RunContext) -> dict:
 
 def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
     """Run the studies (all, or ``only``) with the run context ``ctx``; write config.json, then
-    summary.json and report.md after each study. Returns the final summary (:func:`summarize`)."""
+    summary.json and report.md after each study. Returns the final summary (:func:`summarize`).
+
+    Before the first study, :func:`studies.preflight.check_run` checks every option, file and service the
+    run names (a :class:`studies.preflight.UsageError` at the first problem), then the output folder is
+    probed (:class:`studies.io.OutputError` when it cannot be written)."""
     if not isinstance(ctx, RunContext):
         raise TypeError(f"ctx: expected a studies.context.RunContext, got {type(ctx).__name__}")
     studies = registry()
@@ -118,6 +123,7 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
         if unknown:
             raise ValueError(f"only: unknown study name(s) {unknown}; registered: {', '.join(studies)}")
         names = [n for n in names if n in only]
+    check_run(ctx, names)   # every option, file and service the run names, before the first study
     out = probe_output(ctx.out)
     lock = FolderLock(out, what="meanfield run", argument="out").acquire()
     try:

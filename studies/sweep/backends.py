@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from .files import normalize
 
-__all__ = ["run_task", "make_backend"]
+__all__ = ["run_task", "make_backend", "local_cluster"]
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,13 @@ class _Dask:
             self.client = scheduler
             log.info("sweep %s: Dask client given by the caller, scheduler %s", name, _address(self.client))
         elif scheduler is None:
-            self._cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                                     dashboard_address=None)
-            self.client, self._own_client, self.threads = distributed.Client(self._cluster), True, 1
-            log.info("sweep %s: started a local Dask cluster of %d worker(s), scheduler %s (no authentication: "
-                     "see docs/sweeps.md on shared machines)", name, n_workers, _address(self.client))
+            self._cluster, security = local_cluster(n_workers)
+            self.client = distributed.Client(self._cluster, security=security)
+            self._own_client, self.threads = True, 1
+            log.info("sweep %s: started a local Dask cluster of %d worker(s), scheduler %s (%s; see docs/sweeps.md)",
+                     name, n_workers, _address(self.client),
+                     "mutual TLS with temporary credentials, no dashboard" if security is not None else
+                     "WITHOUT authentication: any local user can connect; pip install cryptography")
         elif isinstance(scheduler, str) or hasattr(scheduler, "scheduler_address"):
             self.client, self._own_client = distributed.Client(scheduler), True   # address or cluster object
             log.info("sweep %s: Dask scheduler %s", name, _address(self.client))
@@ -242,6 +244,48 @@ class _Dask:
             self.client.close()
             if self._cluster is not None:
                 self._cluster.close()
+
+
+def local_cluster(n_workers: int):
+    """(cluster, security): the ``LocalCluster`` of ``backend="dask"`` without a scheduler, binding as little
+    as its worker processes allow.
+
+    * Every listener is on 127.0.0.1 (the scheduler, one nanny and one worker per process: worker processes
+      reach the scheduler over TCP, so an in-process ``inproc://`` transport cannot serve them).
+    * With ``cryptography`` installed (the ``distributed`` extra), every connection is mutual TLS with
+      credentials made for this cluster and kept in memory (``Security.temporary()``): a local client
+      without them (another user, another process of yours) cannot connect, so it can neither submit code
+      nor read results. Without ``cryptography`` a warning says that the cluster is open to local users.
+    * No HTTP server answers: ``dashboard_address=None`` alone does not turn it off (the scheduler always
+      starts one, on 8787 by default, with the health, metrics, info and API routes); its routes are
+      emptied and the scheduler's server is stopped once the cluster is up. The workers' own HTTP servers
+      stay, on random ports of 127.0.0.1, without any route (every request gets 404).
+    """
+    import dask
+    import distributed
+
+    try:
+        from distributed.security import Security
+
+        security = Security.temporary()
+    except ImportError:
+        security = None
+        log.warning("cryptography is not installed: the local Dask cluster runs without TLS, and any local user "
+                    "can connect to its scheduler and run code as you (pip install cryptography)")
+    no_routes = {"distributed.scheduler.http.routes": [], "distributed.worker.http.routes": []}
+    with dask.config.set(no_routes):   # read when the scheduler and the nannies are created, just below
+        cluster = distributed.LocalCluster(
+            n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1", security=security,
+            dashboard_address=None, scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"})
+    try:
+        cluster.sync(_stop_http, cluster.scheduler)
+    except Exception as exc:  # noqa: BLE001 - an internal of distributed: without it the server has no route
+        log.debug("could not stop the local scheduler's HTTP server (it serves no route): %s", exc)
+    return cluster, security
+
+
+async def _stop_http(scheduler) -> None:
+    scheduler.http_server.stop()
 
 
 def _address(client) -> str:

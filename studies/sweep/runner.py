@@ -41,7 +41,7 @@ from .files import atomic_write, normalize, write_csv
 from .progress import Progress
 from .store import SweepStore, task_key
 
-__all__ = ["run_sweep", "load_sweep", "expand_grid", "SweepResult", "TaskFailure", "BACKENDS"]
+__all__ = ["run_sweep", "load_sweep", "expand_grid", "check_options", "SweepResult", "TaskFailure", "BACKENDS"]
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +184,12 @@ def _validate(fn, backend, n_workers, retries, scheduler):
     return backend
 
 
+def check_options(backend, n_workers, retries, scheduler) -> str:
+    """The backend a sweep with these options runs on ("inprocess", "processes" or "dask"), after checking
+    them as :func:`run_sweep` does (a ValueError naming the option otherwise)."""
+    return _validate(lambda: None, backend, n_workers, retries, scheduler)
+
+
 def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto", n_workers: int = 2,
               scheduler=None, resume: bool = True, retries: int = 2, progress: bool = True,
               name: str | None = None, label: str | None = None, overwrite: bool = False) -> SweepResult:
@@ -204,7 +210,11 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     Returns a :class:`SweepResult`; also writes ``results.csv`` and ``failures.json``. Failures do
     not raise: check ``result.ok`` or call ``result.raise_for_failures()``.
     """
+    from particles.validation import check_bool
+
     backend = _validate(fn, backend, n_workers, retries, scheduler)
+    resume, progress, overwrite = (check_bool(v, k) for k, v in
+                                   (("resume", resume), ("progress", progress), ("overwrite", overwrite)))
     if name is None:
         name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
     if not isinstance(name, str) or not name:

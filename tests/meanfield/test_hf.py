@@ -207,3 +207,55 @@ def test_bad_arguments(models):
         mhf.capture_attention_inputs(model, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="model"):
         mhf.model_kind(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("which, match", [
+    ("gpt2 model", r"a whole GPT2Model is a model .*HFAttention.from_model\(model, layer\)"),
+    ("bert model", r"a whole BertModel is a model"),
+    ("gpt2 block", r"a GPT-2 block \(GPT2Block\).*as_operator\(block.attn\).*block=True"),
+    ("bert layer", r"a BERT layer \(BertLayer\).*as_operator\(layer.attention\)"),
+    ("gpt2 stack", r"ModuleList is a stack of 2 layers"),
+    ("bert encoder", r"BertEncoder is a stack of 2 layers"),
+])
+def test_models_and_blocks_are_refused_with_what_to_pass_instead(models, which, match):
+    from meanfield import as_operator, local_lipschitz
+
+    gpt2, bert = models[("gpt2", False)], models[("bert", False)]
+    module = {"gpt2 model": gpt2, "bert model": bert, "gpt2 block": gpt2.h[0], "bert layer": bert.encoder.layer[0],
+              "gpt2 stack": gpt2.h, "bert encoder": bert.encoder}[which]
+    with pytest.raises(TypeError, match="^f: " + match):
+        as_operator(module)
+    with pytest.raises(TypeError, match=match):
+        local_lipschitz(module, torch.randn(4, 32, dtype=torch.float64))
+    # what the message says to pass works: the layer's attention as the model computes it
+    layer = gpt2.h[0].attn if which == "gpt2 block" else bert.encoder.layer[0].attention
+    assert as_operator(layer).d_in == 32
+
+
+def test_multihead_attention_with_other_key_dimensions_is_refused():
+    from meanfield import as_operator
+
+    cross = torch.nn.MultiheadAttention(8, 2, kdim=4, vdim=4, batch_first=True).double().eval()
+    with pytest.raises(ValueError, match="module: kdim = 4, vdim = 4 differ from embed_dim = 8"):
+        as_operator(cross)
+    same = torch.nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    X = torch.randn(5, 8, dtype=torch.float64)
+    assert torch.allclose(as_operator(same).sequence(X), same(X[None], X[None], X[None])[0][0], atol=1e-12)
+
+
+def test_capture_checks_the_token_ids(models):
+    model = models[("gpt2", False)]   # vocabulary 512, 128 positions
+    with pytest.raises(ValueError, match=r"input_ids: ids must lie in \[0, 512\).*\[1, 9999\]"):
+        mhf.capture_attention_inputs(model, torch.tensor([[1, 2, 9999]]))
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 512\).*\[-1, 2\]"):
+        mhf.capture_attention_inputs(model, torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="input_ids: 200 tokens; the model takes 1 to 128"):
+        mhf.capture_attention_inputs(model, torch.zeros(1, 200, dtype=torch.long))
+    with pytest.raises(TypeError, match="input_ids: expected integer token ids.*float32"):
+        mhf.capture_attention_inputs(model, torch.zeros(1, 3))
+    with pytest.raises(TypeError, match="input_ids: expected integer token ids.*bool"):
+        mhf.capture_attention_inputs(model, torch.zeros(1, 3, dtype=torch.bool))
+    ids = torch.tensor([[0, 511, 5]])   # the extremes of the vocabulary are valid
+    X = mhf.capture_attention_inputs(model, ids, [0])[0]
+    emb = model.wte(ids[0]) + model.wpe(torch.arange(3))
+    assert torch.allclose(X, model.h[0].ln_1(emb), atol=1e-12)

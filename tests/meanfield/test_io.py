@@ -149,3 +149,86 @@ def test_wrong_objects_and_kinds(tmp_path):
     save_measure(mu, tmp_path / "m.npz")
     with pytest.raises(FileFormatError, match="holds a 'measure'"):
         load_estimate(tmp_path / "m.npz")
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"value": math.nan}, "'value' is nan"),
+    ({"value": math.inf}, "'value' is inf"),
+    ({"value": -5.0}, "'value' is -5.0"),
+    ({"error": -1.0}, "'error' is -1.0"),
+    ({"error": math.nan}, "'error' is nan"),
+    ({"error": math.inf}, "'error' is inf.*did not converge"),
+    ({"residual": -1e-3}, "'residual' is -0.001"),
+    ({"iterations": -3}, "'iterations' is -3; a count is >= 0"),
+    ({"applications": -1}, "'applications' is -1"),
+    ({"method": "magic"}, "'method' is 'magic'; expected one of \\('lanczos', 'power', 'dense'\\)"),
+])
+def test_estimate_fields_must_mean_what_they_say(tmp_path, fields, match):
+    """A certified-looking estimate (converged=True) with a value, error or count that no run of
+    local_lipschitz gives is refused; the file as saved loads."""
+    est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
+    path = save_estimate(est, tmp_path / "e.npz")
+    assert load_estimate(path).converged
+    with np.load(path, allow_pickle=False) as z:
+        vector = z["vector"]
+        header = json.loads(str(z["header"]))
+    header["fields"].update(fields)
+    np.savez(path, header=np.array(json.dumps(header)), vector=vector)
+    with pytest.raises(FileFormatError, match=match):
+        load_estimate(path)
+
+
+def test_an_unconverged_estimate_may_carry_an_infinite_error_and_the_vector_is_checked(tmp_path):
+    est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
+    path = save_estimate(est, tmp_path / "e.npz")
+    with np.load(path, allow_pickle=False) as z:
+        vector = z["vector"]
+        header = json.loads(str(z["header"]))
+    header["fields"].update(error=math.inf, converged=False)
+    np.savez(path, header=np.array(json.dumps(header)), vector=vector)
+    assert load_estimate(path).error == math.inf
+    for bad, match in [(vector * np.nan, "NaN or infinite"), (2 * vector, "norm 2"), (vector[:0], "empty")]:
+        np.savez(path, header=np.array(json.dumps(header)), vector=bad)
+        with pytest.raises(FileFormatError, match=match):
+            load_estimate(path)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(header={"method": "magic"}), "'method' is 'magic'"),
+    (dict(header={"nfev": -1}), "'nfev' is -1; a count is >= 0"),
+    (dict(header={"steps": -2}), "'steps' is -2"),
+    (dict(rescale_V=np.full((2, 2), np.nan)), "'rescale_V' contains NaN"),
+])
+def test_trajectory_header_fields_must_mean_what_they_say(tmp_path, change, match):
+    with pytest.raises(FileFormatError, match=match):
+        load_trajectory(_traj_file(tmp_path, **change))
+
+
+def test_trajectory_shapes_are_checked_before_any_data_is_read(tmp_path):
+    """A trajectory whose weights have the wrong length is refused before its (large, compressed) points are
+    decompressed: the traced allocation peak stays below the size of 'points'."""
+    import tracemalloc
+
+    path = _traj_file(tmp_path)
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["points"] = np.zeros((3, 10**6, 2))   # 48 MB, compresses to a few dozen KB
+    np.savez_compressed(path, **arrays)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FileFormatError, match="'weights' has 4 entries for 1000000 atoms"):
+            load_trajectory(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+
+
+def test_loading_on_cuda_without_cuda_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
+    path = save_estimate(est, tmp_path / "e.npz")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        load_estimate(path, device="cuda")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        load_trajectory(_traj_file(tmp_path), device="cuda:0")

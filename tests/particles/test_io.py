@@ -159,3 +159,139 @@ def test_refuses_missing_arrays(tmp_path):
     with pytest.raises(FileFormatError, match="missing array.*log_weights"):
         load_measure(_craft(tmp_path / "bad.npz", **arrays))
     assert issubclass(FileFormatError, ValueError)
+
+
+# ---------------------------------------------------------------------- damaged and hostile files
+_MEASURE_HEADER = json.dumps({"format": "smooth-attention", "version": 1, "kind": "measure", "dtype": "float64",
+                              "metadata": {}})
+
+
+def _zip(path, members: dict[str, bytes], compression=None):
+    """An .npz written member by member (what a crafted or damaged file can hold)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", compression=compression or zipfile.ZIP_STORED) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _npy(arr) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    return buf.getvalue()
+
+
+def _npy_header_only(shape, descr="<f8") -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": descr, "fortran_order": False, "shape": shape})
+    return b"\x93NUMPY\x01\x00" + buf.getvalue()[8:]
+
+
+def test_a_header_nested_100000_levels_is_a_file_format_error(tmp_path):
+    deep = "[" * 100_000 + "]" * 100_000
+    path = _craft(tmp_path / "deep.npz", None, **_good_arrays())
+    arrays = _good_arrays()
+    np.savez(path, header=np.array(deep), **arrays)
+    with pytest.raises(FileFormatError, match="nested too deeply"):
+        load_measure(path)
+    with pytest.raises(FileFormatError, match="nested too deeply"):
+        read_header(path)
+
+
+def test_a_header_claiming_10_to_the_12_entries_is_truncated_not_a_memory_error(tmp_path):
+    path = _zip(tmp_path / "huge.npz", {"header.npy": _npy(np.array(_MEASURE_HEADER)),
+                                        "points.npy": _npy_header_only((10**6, 10**6)) + b"\0" * 16,
+                                        "weights.npy": _npy(np.ones(1)), "log_weights.npy": _npy(np.zeros(1))})
+    with pytest.raises(FileFormatError, match=r"'points' is truncated: its header declares shape \(1000000, 1000000\)"):
+        load_measure(path)
+
+
+def test_a_truncated_array_is_named_truncated(tmp_path):
+    good = _good_arrays()
+    members = {f"{k}.npy": _npy(v) for k, v in good.items()}
+    members["header.npy"] = _npy(np.array(_MEASURE_HEADER))
+    members["points.npy"] = members["points.npy"][:-8]   # the last coordinate is cut off
+    with pytest.raises(FileFormatError, match="'points' is truncated"):
+        load_measure(_zip(tmp_path / "cut.npz", members))
+    members["points.npy"] = _npy(good["points"]) + b"\0" * 8
+    with pytest.raises(FileFormatError, match="'points' is followed by stray bytes"):
+        load_measure(_zip(tmp_path / "long.npz", members))
+    # the whole file cut in half: its zip directory is gone
+    whole = save_measure(Measure.sphere(50, 3, seed=0), tmp_path / "whole.npz").read_bytes()
+    (tmp_path / "half.npz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(FileFormatError, match="damaged or truncated .npz archive"):
+        load_measure(tmp_path / "half.npz")
+
+
+def test_a_pickle_is_refused_as_pickled_data(tmp_path):
+    import pickle
+
+    (tmp_path / "p.npz").write_bytes(pickle.dumps({"points": [1, 2]}))
+    with pytest.raises(FileFormatError, match="pickled data"):
+        load_measure(tmp_path / "p.npz")
+
+
+def test_shapes_are_checked_before_a_compressed_array_is_decompressed(tmp_path):
+    """A small compressed file whose 'positions' decompress to 160 MB is refused from its npy header: the
+    peak of traced allocations during the load stays far below the array's size."""
+    import tracemalloc
+    import zipfile
+
+    arrays = {**_good_arrays(), "positions": np.zeros(2 * 10**7)}
+    path = tmp_path / "bomb.npz"
+    np.savez_compressed(path, header=np.array(_MEASURE_HEADER), **arrays)
+    assert path.stat().st_size < 1_000_000 and zipfile.ZipFile(path).getinfo("positions.npy").file_size > 1.6e8
+    tracemalloc.start()
+    try:
+        with pytest.raises(FileFormatError, match="'positions' has 20000000 entries for 3 atoms"):
+            load_measure(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+
+
+def test_the_arrays_total_size_is_bounded_by_the_memory_limit_before_reading(tmp_path, monkeypatch):
+    """Consistent shapes, 3 x 16 MiB decompressed from a file of a few dozen KiB: above a 16 MiB limit the
+    load is a MemoryLimitError naming the size, with nothing allocated; below it, the measure loads."""
+    import tracemalloc
+
+    from particles.validation import MEMORY_LIMIT_ENV, MemoryLimitError
+
+    n = 2**20
+    w = np.full(n, 1.0 / n)
+    path = tmp_path / "big.npz"
+    np.savez_compressed(path, header=np.array(_MEASURE_HEADER), points=np.zeros((n, 2)), weights=w,
+                        log_weights=np.log(w))
+    assert path.stat().st_size < 200_000
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "16M")
+    tracemalloc.start()
+    try:
+        with pytest.raises(MemoryLimitError, match="needs about 32.0 MiB, above the memory limit of 16.0 MiB"):
+            load_measure(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "64M")
+    mu = load_measure(path)
+    assert mu.n == n and float(mu.weights.sum()) == pytest.approx(1.0)
+
+
+def test_saving_into_a_missing_folder_names_the_folder(tmp_path):
+    mu = Measure.sphere(4, 3, seed=0)
+    with pytest.raises(FileNotFoundError, match=r"path: the folder .*nope does not exist; create it first") as exc:
+        save_measure(mu, tmp_path / "nope" / "a.npz")
+    assert ".tmp" not in str(exc.value) and not (tmp_path / "nope").exists()
+
+
+def test_loading_on_cuda_without_cuda_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = save_measure(Measure.sphere(4, 3, seed=0), tmp_path / "mu.npz")
+    with pytest.raises(ValueError, match="device: 'cuda' was asked for, but CUDA is not available"):
+        load_measure(path, device="cuda")

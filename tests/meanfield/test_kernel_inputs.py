@@ -1,0 +1,144 @@
+"""Bad inputs to the attention kernel: each is an error naming the argument, before any torch error, and
+a non-finite output (NaN inputs, overflowing scores) is an error instead of a silent NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meanfield import kernels
+from particles.validation import MEMORY_LIMIT_ENV, MemoryLimitError
+
+
+def _qkv(m=4, n=5, e=3, c=2, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(m, e, generator=g, dtype=dtype), torch.randn(n, e, generator=g, dtype=dtype),
+            torch.randn(n, c, generator=g, dtype=dtype))
+
+
+def _reference(q, k, v):
+    """softmax(q k^T) v written out with exp and a sum (no log-sum-exp trick: small, moderate inputs)."""
+    e = torch.exp(q @ k.T)
+    return (e / e.sum(dim=1, keepdim=True)) @ v
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.int64, "int64"), (torch.bool, "bool"), (torch.complex64, "complex64")])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_floating_tensors_are_a_type_error_naming_the_argument(dtype, name, which):
+    q, k, v = _qkv()
+    args = {"q": q, "k": k, "v": v}
+    args[which] = (args[which] > 0).to(dtype) if dtype == torch.bool else args[which].to(dtype)
+    with pytest.raises(TypeError, match=rf"^{which}: expected a floating tensor .* got torch.{name}"):
+        kernels.attend(args["q"], args["k"], args["v"])
+
+
+def test_zero_keys_lists_and_bad_blocks_are_named():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"^k: no keys \(shape \(0, 3\)\)"):
+        kernels.attend(q, k[:0], v[:0])
+    with pytest.raises(TypeError, match="^q_pos: expected a torch tensor, got list"):
+        kernels.attend(q, k, v, None, [0.5] * 4, [0.5] * 5)
+    with pytest.raises(TypeError, match="^log_weights: expected a torch tensor, got list"):
+        kernels.attend(q, k, v, [0.0] * 5)
+    with pytest.raises(TypeError, match="^v: expected a torch tensor, got list"):
+        kernels.attend(q, k, v.tolist())
+    for bad in (2.5, "64", (8, 2.0), (8,), True):
+        with pytest.raises(TypeError, match="^block_size: expected a positive int or a pair"):
+            kernels.attend(q, k, v, method="stream", block_size=bad)
+    with pytest.raises(ValueError, match="^block_size: expected positive tile edges"):
+        kernels.attend(q, k, v, method="stream", block_size=0)
+    with pytest.raises(TypeError, match="^block_size"):
+        with kernels.use("stream", block_size=2.5):
+            pass
+
+
+def test_batch_dimensions_that_do_not_broadcast_are_named():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    k = torch.randn(3, 5, 3, generator=g, dtype=torch.float64)
+    v = torch.randn(3, 5, 2, generator=g, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"batch dimensions do not broadcast \(q \(2,\), k \(3,\), v \(3,\)\)"):
+        kernels.attend(q, k, v)
+    # batch shapes that do broadcast still give the reference, batch member by batch member
+    out = kernels.attend(q[:1], k, v)
+    for b in range(3):
+        assert torch.allclose(out[b], _reference(q[0], k[b], v[b]), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("method", ["dense", "stream", "fused", "auto"])
+def test_nan_inputs_and_overflowing_scores_raise_instead_of_returning_nan(method):
+    q, k, v = _qkv()
+    assert torch.allclose(kernels.attend(q, k, v, method=method), _reference(q, k, v), rtol=1e-10, atol=1e-12)
+    bad = q.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="^q: contains NaN or infinite entries"):
+        kernels.attend(bad, k, v, method=method)
+    lw = torch.zeros(5, dtype=torch.float64)
+    lw[2] = float("nan")
+    with pytest.raises(FloatingPointError, match="^log_weights: contains NaN or \\+inf"):
+        kernels.attend(q, k, v, lw, method=method)
+    with pytest.raises(FloatingPointError, match="the scores <q_i, k_j> .*overflow torch.float64"):
+        kernels.attend(q * 1e200, k * 1e200, v, method=method)
+    with pytest.raises(FloatingPointError, match="overflow torch.float32.*use float64"):
+        kernels.attend(q.float() * 1e20, k.float() * 1e20, v.float(), method=method)
+
+
+def test_zero_weights_and_fully_masked_rows_are_still_finite():
+    """-inf log-weights (atoms of mass zero) and a query before every key (a row of zeros) are valid: the
+    finiteness check must not refuse them."""
+    q, k, v = _qkv()
+    lw = torch.log(torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0], dtype=torch.float64))
+    out = kernels.attend(q, k, v, lw)
+    assert torch.allclose(out, _reference(q, k[1:3], v[1:3]), rtol=1e-12, atol=1e-14)
+    q_pos = torch.tensor([0.0, 0.5, 0.5, 1.0], dtype=torch.float64)
+    k_pos = torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0], dtype=torch.float64)
+    out = kernels.attend(q, k, v, None, q_pos, k_pos)
+    assert torch.equal(out[0], torch.zeros(2, dtype=torch.float64))
+    assert torch.allclose(out[1], _reference(q[1:2], k[:2], v[:2])[0], rtol=1e-12)
+
+
+def test_derivatives_through_the_check():
+    """Inside torch.func transforms the output check is skipped (no data-dependent control flow), outside
+    it autograd still flows: the Jacobian matches a finite difference."""
+    q, k, v = _qkv()
+    J = torch.func.jacrev(lambda x: kernels.attend(x, k, v, method="dense"))(q)
+    eps = 1e-6
+    dq = torch.zeros_like(q)
+    dq[1, 2] = eps
+    fd = (kernels.attend(q + dq, k, v) - kernels.attend(q - dq, k, v)) / (2 * eps)
+    assert torch.allclose(J[..., 1, 2], fd, rtol=1e-6, atol=1e-9)
+
+
+def test_the_dense_path_checks_its_memory_before_allocating(monkeypatch):
+    """N = 1e5 queries and keys: 1e10 score entries, 3 matrices of float32 (120 GB) or float64. Refused at
+    once with the size and the method to use instead, by method='dense' and by kernels.use('dense')."""
+    x = torch.zeros(10**5, 2)
+    expected = f"needs about {3 * 10**10 * 4 / 2**30:.1f} GiB"
+    with pytest.raises(MemoryLimitError, match=rf"attend\(method='dense'\): 10000000000 score entries.*{expected}.*"
+                                               "method='stream'"):
+        kernels.attend(x, x, x, method="dense")
+    with kernels.use("dense"), pytest.raises(MemoryLimitError, match="method='stream'"):
+        kernels.attend(x, x, x)
+    # at the limit the same path computes, one byte below it refuses (3 * m * n * 8 bytes, above the 1 MiB
+    # that is always allowed)
+    q, k, v = _qkv(m=256, n=256)
+    assert 3 * 256 * 256 * 8 > kernels.DENSE_ALWAYS_ALLOWED
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8))
+    assert torch.allclose(kernels.attend(q, k, v, method="dense"), _reference(q, k, v), rtol=1e-12, atol=1e-14)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8 - 1))
+    with pytest.raises(MemoryLimitError):
+        kernels.attend(q, k, v, method="dense")
+    assert torch.allclose(kernels.attend(q, k, v, method="stream"), _reference(q, k, v), rtol=1e-12, atol=1e-14)
+
+
+def test_finite_outputs_whose_sum_overflows_are_returned():
+    """The check sums the output first; values near the dtype's maximum (finite, but their sum is not) must still
+    be returned, equal to the reference computed on the unscaled values. (The streamed path's running sums
+    overflow there: it raises instead of returning inf.)"""
+    q, k, v = _qkv()
+    big = torch.full_like(v, 1e308) + v.abs()
+    with pytest.raises(FloatingPointError, match="sums of the values v"):
+        kernels.attend(q, k, big, method="stream")
+    out = kernels.attend(q, k, big, method="dense")
+    assert bool(torch.isfinite(out).all()) and not torch.isfinite(out.sum())
+    assert torch.allclose(out / 1e308, _reference(q, k, big / 1e308), rtol=1e-12)
