@@ -2,7 +2,8 @@
 
 Public names are loaded lazily from the submodules that hold them::
 
-    operator     AttentionOperator (the protocol), as_operator, CallableOperator, TorchMultiheadAttention
+    operator     AttentionOperator (the protocol: evaluate + parameters)
+    adapters     as_operator, CallableOperator, TorchMultiheadAttention (what users pass, as operators)
     parameters   Parameters, Head: what an operator is made of (op.parameters())
     attention    SelfAttention, MultiHeadAttention, L2SelfAttention
     sphere       SphereAttention (the sphere models of Geshkovski et al.)
@@ -41,9 +42,9 @@ require_own("transport")
 
 _NAMES = {
     "AttentionOperator": "operator",
-    "as_operator": "operator",
-    "CallableOperator": "operator",
-    "TorchMultiheadAttention": "operator",
+    "as_operator": "adapters",
+    "CallableOperator": "adapters",
+    "TorchMultiheadAttention": "adapters",
     "SphereAttention": "sphere",
     "HFAttention": "hf",
     "Euclidean": "geometry",
@@ -69,11 +70,13 @@ _NAMES = {
     "SearchOptions": "worst_case",
     "Parameters": "parameters",
     "Head": "parameters",
+    "operator_upper": "upper",
+    "UpperBound": "upper",
     "split_lipschitz": "splitting",
 }
-_SUBMODULES = {"operator", "parameters", "attention", "sphere", "hf", "lipschitz", "jacobian", "krylov", "bounds",
-               "upper", "adversarial", "starts", "ascent", "dynamics", "integrators", "geometry", "kernels",
-               "clustering", "io", "worst_case", "splitting", "sigma_gradient"}
+_SUBMODULES = {"operator", "adapters", "parameters", "attention", "sphere", "hf", "lipschitz", "jacobian",
+               "krylov", "bounds", "upper", "adversarial", "starts", "ascent", "dynamics", "integrators",
+               "geometry", "kernels", "clustering", "io", "worst_case", "splitting", "sigma_gradient"}
 
 __all__ = sorted(_NAMES) + sorted(_SUBMODULES)
 

@@ -249,6 +249,21 @@ class MultiHeadAttention(AttentionOperator):
         # heads evaluated in one kernel call when they have the same shapes
         self._stack = self._stackable()
 
+    @classmethod
+    def from_parameters(cls, p: Parameters, masked: bool | None = None) -> SelfAttention | MultiHeadAttention:
+        """The operator of a :class:`~meanfield.parameters.Parameters` record of dot-product heads: a
+        MultiHeadAttention (a SelfAttention for one head without W_O and bias). ``masked`` defaults to
+        the record's."""
+        if p.kind != "dot":
+            raise ValueError("p: only dot-product heads convert to SelfAttention (L2 heads: meanfield.L2SelfAttention)")
+        masked = p.masked if masked is None else check_bool(masked, "masked")
+        heads = [SelfAttention.from_head(h, masked=masked) for h in p.heads]
+        if p.W_O is None and len(heads) == 1 and p.bias is None:
+            return heads[0]
+        W_O = p.W_O if p.W_O is not None else torch.eye(sum(h.V.shape[0] for h in p.heads), dtype=p.heads[0].Q.dtype,
+                                                       device=p.heads[0].Q.device)
+        return cls(heads, W_O, bias=p.bias)
+
     @staticmethod
     def _heads_from(heads, args, W_O, bias, masked, dtype):
         """(list of SelfAttention heads, W_O, bias) from either construction form (class docstring)."""

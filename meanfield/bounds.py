@@ -10,8 +10,7 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 * large radius: :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`;
 * eigen-structure of A: :func:`gamma`, :func:`gamma_info`.
 * biases: :func:`absorb_key_bias` (a key bias as one more coordinate); the best bound known for a
-  whole operator, from its parameters, is :func:`meanfield.upper.operator_upper` (also reachable as
-  ``bounds.operator_upper``).
+  whole operator, from its parameters, is :func:`meanfield.upper.operator_upper`.
 * lower-bound corrections: :func:`two_dirac_ratio` (Prop 3.6's factor 1 + 1/(gamma R^2));
 * mass splitting: :func:`query_term_norms`, :func:`split_constant` (docs/math.md section 4.7).
 
@@ -22,6 +21,7 @@ exceeds the float64 range (about 1.8e308); it is never NaN.
 
 from __future__ import annotations
 
+import importlib
 import math
 import numbers
 import warnings
@@ -402,7 +402,7 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
     if callable(getattr(W_Q, "parameters", None)):
         # an operator in the W_Q argument (the previous release's spelling): read its parameter record
         warnings.warn("l2_attention_upper(op, N=...): passing an operator is deprecated; use "
-                      "bounds.operator_upper(op, R, n) or pass its matrices", DeprecationWarning, stacklevel=2)
+                      "meanfield.operator_upper(op, R, n) or pass its matrices", DeprecationWarning, stacklevel=2)
         if W_V is not None or W_O is not None:
             raise ValueError("W_V, W_O: give them only with matrices, not with an L2SelfAttention operator")
         p = W_Q.parameters()
@@ -815,10 +815,10 @@ def split_constant(lip_unsplit, query_norms, split) -> float:
 
 
 def __getattr__(name: str):
-    # the bounds of whole operators read the operators' parameters: they live in meanfield.upper, which
-    # imports this module (this module imports no operator); the old path bounds.operator_upper stays
+    # operator_upper reads the operators' parameters: it lives in meanfield.upper, above the operators
+    # (this module imports none). The previous spelling bounds.operator_upper works for one more release
     if name in ("operator_upper", "UpperBound"):
-        from . import upper
-
-        return getattr(upper, name)
+        warnings.warn(f"meanfield.bounds.{name} moved to meanfield.upper.{name} (also meanfield.{name}); the old "
+                      "path will be removed in the next release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("meanfield.upper"), name)
     raise AttributeError(f"module 'meanfield.bounds' has no attribute {name!r}")

@@ -38,9 +38,10 @@ import torch
 from particles import Measure
 from particles.validation import as_tensor, check_allocation, check_ndim, check_positive_int
 
+from .adapters import as_operator
 from .geometry import Euclidean, Sphere, resolve_geometry
 from .integrators import ADAPTIVE, FIXED, check_finite, integrate_adaptive, integrate_fixed
-from .operator import AttentionOperator, as_operator
+from .operator import AttentionOperator
 from .sphere import SPHERE_MODELS, SphereAttention
 
 __all__ = ["simulate", "Trajectory", "SphereAttention", "FIXED_METHODS", "residual_layers"]

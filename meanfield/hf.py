@@ -31,7 +31,8 @@ import torch
 
 from particles.validation import check_bool
 
-from .operator import AttentionOperator, additive_mask, sequence_positions
+from .kernels import additive_mask
+from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 
 __all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
@@ -221,7 +222,7 @@ class HFAttention(AttentionOperator):
         caveat = ("the whole block (LayerNorm and residual) around the attention: no bound of the paper applies"
                   if self.block else None)
         legacy = {"Q": raw.Q, "K": raw.K, "V": raw.V, "b_Q": raw.b_Q, "b_K": raw.b_K, "b_V": raw.b_V,
-                  "scale": raw.scale, "layer": raw.layer}
+                  "scale": raw.scale, "layer": raw.layer, "to_meanfield": raw.to_meanfield}
         return Parameters(heads, raw.W_O, raw.bias, self.masked, caveat, legacy)
 
     def _check_eval(self):

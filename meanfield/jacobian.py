@@ -23,7 +23,8 @@ from torch.autograd import forward_ad
 from particles import Measure
 from particles.validation import memory_limit as memory_limit_bytes
 
-from .operator import AttentionOperator, as_operator, sequence_positions
+from .adapters import as_operator
+from .operator import AttentionOperator, sequence_positions
 
 __all__ = ["Jacobian", "Problem", "make_problems", "norms", "RR_BUDGET"]
 

@@ -46,8 +46,8 @@ from torch.autograd import forward_ad as _forward_ad
 
 from .streaming import _transforms_active, sequence_mask
 
-__all__ = ["attend", "attention_probs", "use", "choose", "STREAM_THRESHOLD", "TRANSFORM_STREAM_THRESHOLD",
-           "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
+__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "STREAM_THRESHOLD",
+           "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
 #: auto: passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -321,3 +321,22 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     return _check_output(streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
                                                  block_size=default_block if block_size is None else block_size),
                          q, k, v, log_weights, queries=True)
+
+
+def additive_mask(m, n, log_weights, q_pos, k_pos, dtype, device):
+    """The (..., m, n) additive score mask log a_j (+ a very negative number where s_j > t_i), or None.
+
+    Masked entries get the dtype's most negative finite value, as Hugging Face's eager attention
+    does, so that no softmax row is all -inf (every query sees at least one key in a valid measure).
+    """
+    if log_weights is None and q_pos is None:
+        return None
+    low = torch.finfo(dtype).min
+    mask = torch.zeros(m, n, dtype=dtype, device=device)
+    if log_weights is not None:
+        lw = log_weights.to(dtype)
+        mask = mask + torch.where(torch.isfinite(lw), lw, torch.full_like(lw, low)).unsqueeze(-2)
+    if q_pos is not None:
+        visible = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+        mask = torch.where(visible, mask, torch.full_like(mask, low))
+    return mask

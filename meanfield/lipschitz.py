@@ -56,9 +56,9 @@ from particles.validation import (
 )
 from particles.validation import memory_limit as memory_limit_bytes
 
+from .adapters import as_operator
 from .jacobian import Jacobian, make_problems
 from .krylov import SOLVERS
-from .operator import as_operator
 
 __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "ConvergenceError", "TOL", "MAX_ITER",
            "default_tol", "MIXED_MIN_SIZE"]

@@ -170,31 +170,16 @@ class Parameters:
         return Parameters(tuple(h.to(device, dtype) for h in self.heads), mv(self.W_O), mv(self.bias), self.masked,
                           self.caveat)
 
-    def to_meanfield(self, masked: bool | None = None):
-        """These parameters as a :class:`meanfield.MultiHeadAttention` of ``"dot"`` heads (a
-        :class:`meanfield.SelfAttention` for one head without W_O)."""
-        from .attention import MultiHeadAttention, SelfAttention
-
-        if self.kind != "dot":
-            raise ValueError("to_meanfield: only dot-product heads convert to SelfAttention (L2 heads: "
-                             "meanfield.L2SelfAttention)")
-        masked = self.masked if masked is None else bool(masked)
-        heads = [SelfAttention.from_head(h, masked=masked) for h in self.heads]
-        if self.W_O is None and len(heads) == 1 and self.bias is None:
-            return heads[0]
-        W_O = self.W_O if self.W_O is not None else torch.eye(sum(h.V.shape[0] for h in self.heads),
-                                                              dtype=self.heads[0].Q.dtype)
-        return MultiHeadAttention(heads, W_O, bias=self.bias)
-
     # ------------------------------------------------------------------ deprecated spellings
     def __getattr__(self, name):
         # HFAttention.parameters() used to return meanfield.hf.LayerParameters, with stacked tensors
-        if name in ("Q", "K", "V", "b_V", "scale", "b_Q", "b_K", "layer") and not name.startswith("__"):
+        if name in ("Q", "K", "V", "b_V", "scale", "b_Q", "b_K", "layer", "to_meanfield"):
             legacy = object.__getattribute__(self, "_legacy")
             if name in legacy:
-                warnings.warn(f"Parameters.{name}: the stacked per-head tensors of an HFAttention layer are "
-                              f"deprecated here; use p.heads[h].{'scale' if name == 'scale' else name} (or "
-                              "meanfield.hf.extract_layer(model, layer) for the raw weights)",
-                              DeprecationWarning, stacklevel=2)
+                instead = ("meanfield.MultiHeadAttention.from_parameters(p)" if name == "to_meanfield"
+                           else f"p.heads[h].{name}")
+                warnings.warn(f"Parameters.{name}: a field of the LayerParameters an HFAttention layer used to return, "
+                              f"deprecated here; use {instead} (or meanfield.hf.extract_layer(model, layer) for the "
+                              "raw weights)", DeprecationWarning, stacklevel=2)
                 return legacy[name]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

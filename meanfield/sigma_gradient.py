@@ -28,7 +28,8 @@ from torch.func import jvp, vjp
 
 from particles import Measure
 
-from .operator import as_operator, sequence_positions
+from .adapters import as_operator
+from .operator import sequence_positions
 
 __all__ = ["SigmaGradient", "sigma_gradient"]
 

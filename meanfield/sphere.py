@@ -21,10 +21,11 @@ import numbers
 
 import torch
 
-from particles.validation import check_bool
+from particles.validation import check_bool, check_positive_int
 
 from .kernels import attend
 from .operator import AttentionOperator
+from .parameters import Head, Parameters
 
 __all__ = ["SphereAttention", "SPHERE_MODELS"]
 
@@ -55,10 +56,6 @@ class SphereAttention(AttentionOperator):
     def parameters(self, d: int | None = None):
         """One head with A = beta I and V = I in dimension ``d`` (required: the model acts in every
         dimension), float64 on the CPU. USA is not a softmax average: its record carries a caveat."""
-        from particles.validation import check_positive_int
-
-        from .parameters import Head, Parameters
-
         if d is None:
             raise ValueError("d: SphereAttention acts in every dimension; give the token dimension, "
                              "op.parameters(d)")

@@ -32,9 +32,9 @@ from torch.func import grad, jvp
 
 from particles import Measure
 
+from .adapters import as_operator
 from .bounds import split_constant
 from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
-from .operator import as_operator
 
 __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
 

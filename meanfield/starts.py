@@ -20,8 +20,9 @@ from particles import Measure
 from particles.validation import check_bool, check_positive_int, check_radius, make_generator
 
 from . import adversarial
+from .adapters import as_operator
 from .bounds import eigen_cases
-from .operator import as_operator, sequence_positions
+from .operator import sequence_positions
 
 __all__ = ["sequence_starts", "measure_starts"]
 

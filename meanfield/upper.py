@@ -111,12 +111,12 @@ def operator_upper(op, R, n=None, *, d=None) -> UpperBound:
     Examples
     --------
     >>> import numpy as np
-    >>> from meanfield import SelfAttention, bounds
-    >>> b = bounds.operator_upper(SelfAttention(np.eye(2), np.eye(2)), R=1.0, n=8)
+    >>> from meanfield import SelfAttention, operator_upper
+    >>> b = operator_upper(SelfAttention(np.eye(2), np.eye(2)), R=1.0, n=8)
     >>> round(b.value, 4), b.source
     (11.0905, 'Theorem 3.3 / 4.3')
     """
-    from .operator import as_operator
+    from .adapters import as_operator
 
     op = as_operator(op)
     R = check_radius(R, "R")

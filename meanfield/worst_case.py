@@ -47,9 +47,9 @@ from particles.validation import (
     check_seed,
 )
 
+from .adapters import as_operator
 from .ascent import TracePoint, ascend
 from .lipschitz import ConvergenceError, LipschitzEstimate, default_tol, local_lipschitz
-from .operator import as_operator
 from .sigma_gradient import sigma_gradient
 from .splitting import query_jacobians, query_term_gradient, split_measure
 from .starts import _dims, _dtype_device, _positions, measure_starts, sequence_starts
@@ -196,7 +196,7 @@ class WorstCaseResult:
         Its certified local constant (:func:`meanfield.local_lipschitz`): ``lower`` = its value is a
         certified lower bound on Lip(f on B_R^n) (measures: on the W2 constant of F on P(B_R)).
     upper : UpperBound
-        The best upper bound the framework knows (:func:`meanfield.bounds.operator_upper`).
+        The best upper bound the framework knows (:func:`meanfield.upper.operator_upper`).
     R, n : float, int
         The radius and the number of tokens (atoms for measures).
     start : str

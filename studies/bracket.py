@@ -12,7 +12,7 @@ and random tokens), and prints
 
 * lower: the certified local constant at the best input found (a lower bound on Lip(f on B_R^n)), its
   error bar, and the start it came from;
-* upper: the best upper bound the framework knows (:func:`meanfield.bounds.operator_upper`);
+* upper: the best upper bound the framework knows (:func:`meanfield.upper.operator_upper`);
 * their ratio, the Jacobian products spent, the wall time, why the search stopped;
 
 and saves the found input as a measure with uniform weights (``worst_case_input.npz``, read it with

@@ -27,7 +27,7 @@ def _att():
 def _options():
     """(name of the argument, call taking the value)."""
     from meanfield import L2SelfAttention, SelfAttention, SphereAttention, adversarial, bounds, worst_case
-    from meanfield.operator import CallableOperator, as_operator
+    from meanfield.adapters import CallableOperator, as_operator
     from studies.context import RunContext
 
     return [

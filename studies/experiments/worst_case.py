@@ -2,7 +2,7 @@
 
 The Lipschitz constant of attention on inputs of radius R, Lip(f on B_R^n) = sup over X in B_R^n of
 Lip_X(f), is bracketed by formulas: the best upper bound the framework knows
-(``meanfield.bounds.operator_upper``: Theorems 3.3 / 4.3 and 3.5 / 4.4, Lemma 3.8 over heads) and
+(``meanfield.upper.operator_upper``: Theorems 3.3 / 4.3 and 3.5 / 4.4, Lemma 3.8 over heads) and
 Proposition 3.4's witness below. ``meanfield.worst_case_sequence`` searches B_R^n for inputs of
 large local constant (projected ascent on the top singular value, a step rule that never accepts a
 decrease, restarts from the witnesses of both eigen-cases, hubs, clustered and random tokens); the
@@ -312,7 +312,7 @@ def bracket_claim(rows: list[dict], layer_rows: list[dict]) -> Claim:
         "lower / upper <= 1", f"max lower / upper = {top[0] / top[1]:.3g} ({top[2]}); {len(bad)} violations of "
                               f"{len(pairs)}" + (f": {bad[:3]}" if bad else ""), not bad,
         "the lower bounds are Rayleigh quotients (never above the top singular value, no error bar needed); the "
-        "upper bound is bounds.operator_upper (min of Theorems 3.3 and 3.5 for one head, Lemma 3.8 over a layer's "
+        "upper bound is meanfield.operator_upper (min of Theorems 3.3 and 3.5 for one head, Lemma 3.8 over a layer's "
         "heads with biases absorbed); relative slack 1e-12 for rounding", kind=THEOREM,
         fails_if="some certified constant exceeds the upper bound (a wrong bound, a wrong Jacobian, or an input "
                  "outside the ball)")

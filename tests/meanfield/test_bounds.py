@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from meanfield import L2SelfAttention, MultiHeadAttention, SelfAttention, adversarial, bounds, local_lipschitz
+from meanfield.upper import operator_upper
 from tests.reference import dense_lipschitz, naive_attention, naive_l2
 
 F64 = torch.float64
@@ -279,7 +280,7 @@ def test_l2_attention_upper_with_library_operator():
     X = rand(5, 4, seed=4)
     assert op.sequence(X) == pytest.approx(naive_l2(X, WQ, WV, WO), abs=1e-10)
     two = bounds.l2_attention_upper(WQ, WV, WO, 5)
-    assert bounds.operator_upper(op, R=1.0, n=5).value == pytest.approx(two, rel=1e-14)
+    assert operator_upper(op, R=1.0, n=5).value == pytest.approx(two, rel=1e-14)
     assert local_lipschitz(op, X, method="dense").value <= two
     assert _jac(op.sequence, X).abs().sum(1).max() <= bounds.l2_attention_upper(WQ, WV, WO, 5, norm="inf")
     with pytest.warns(DeprecationWarning, match="operator_upper"):   # the previous spelling still works

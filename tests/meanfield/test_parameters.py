@@ -27,6 +27,7 @@ from meanfield import (
 from meanfield.kernels import attend
 from meanfield.operator import AttentionOperator
 from meanfield.parameters import Head, Parameters
+from meanfield.upper import operator_upper
 from particles import Measure
 from tests.reference import dense_lipschitz, lemma38_upper, naive_attention, thm33_upper
 
@@ -77,10 +78,10 @@ def test_a_new_operator_gets_bounds_a_bracket_and_dynamics(masked):
     p = op.parameters()
     # the record rebuilds the map (a MultiHeadAttention of its heads: the key bias is exactly the query bias)
     X = rand(6, 3, seed=5)
-    assert torch.allclose(p.to_meanfield().sequence(X), op.sequence(X), atol=1e-12)
+    assert torch.allclose(MultiHeadAttention.from_parameters(p).sequence(X), op.sequence(X), atol=1e-12)
     # bounds: Lemma 3.8 over the heads' Theorem 3.3 / 3.5 bounds, key bias absorbed, written out here
     R, n = 1.5, 6
-    up = bounds.operator_upper(op, R, n)
+    up = operator_upper(op, R, n)
     per = []
     for h in p.heads:
         A, R2, _ = bounds.absorb_key_bias(h.A.numpy(), h.key_bias.numpy(), R)
@@ -108,11 +109,12 @@ def test_records_of_the_framework_operators_rebuild_their_maps():
     for op in (single, qkv, mha):
         p = op.parameters()
         assert p.kind == "dot" and p.caveat is None
-        assert torch.allclose(p.to_meanfield().sequence(X), op.sequence(X), atol=1e-12)
+        assert torch.allclose(MultiHeadAttention.from_parameters(p).sequence(X), op.sequence(X), atol=1e-12)
     # A of the record is the operator's score matrix; naive attention with it gives the single head
     assert torch.allclose(single.parameters().A(0), A)
     plain = SelfAttention(A, V)
-    assert torch.allclose(naive_attention(X, A, V), plain.parameters().to_meanfield().sequence(X), atol=1e-12)
+    rebuilt = MultiHeadAttention.from_parameters(plain.parameters())
+    assert torch.allclose(naive_attention(X, A, V), rebuilt.sequence(X), atol=1e-12)
     # L2 heads: A = 2 scale Q^T Q, values through scale Q^T Q (Kim et al.)
     WQ, WV = rand(2, 3, 2, seed=12), rand(2, 3, 2, seed=13)
     l2 = L2SelfAttention(WQ, WV, rand(4, 3, seed=14))
@@ -131,12 +133,12 @@ def test_records_of_the_framework_operators_rebuild_their_maps():
 def test_operators_without_parameters_are_said_to_be_unbounded():
     callable_op = as_operator(lambda Y: Y * 2.0)
     assert callable_op.parameters() is None
-    up = bounds.operator_upper(callable_op, 1.0, 4)
+    up = operator_upper(callable_op, 1.0, 4)
     assert not up.known and "does not declare its parameters" in up.source
-    assert not bounds.operator_upper(SphereAttention(1.0, "USA"), 1.0, 4, d=3).known
-    assert "every dimension" in bounds.operator_upper(SphereAttention(1.0), 1.0, 4).source
-    sa = bounds.operator_upper(SphereAttention(1.5), 1.0, 4, d=3)
-    assert sa.known and abs(sa.value - bounds.operator_upper(SelfAttention(1.5 * np.eye(3), np.eye(3)), 1.0, 4).value) \
+    assert not operator_upper(SphereAttention(1.0, "USA"), 1.0, 4, d=3).known
+    assert "every dimension" in operator_upper(SphereAttention(1.0), 1.0, 4).source
+    sa = operator_upper(SphereAttention(1.5), 1.0, 4, d=3)
+    assert sa.known and abs(sa.value - operator_upper(SelfAttention(1.5 * np.eye(3), np.eye(3)), 1.0, 4).value) \
         <= 1e-12 * sa.value
 
 
@@ -162,9 +164,12 @@ def test_hugging_face_parameters_keep_the_old_stacked_fields_with_a_warning():
     p = op.parameters()
     raw = extract_layer(model, 0)
     X = rand(5, op.d_in, seed=1)
-    assert torch.allclose(p.to_meanfield().sequence(X), op.sequence(X), atol=1e-10)
+    assert torch.allclose(MultiHeadAttention.from_parameters(p).sequence(X), op.sequence(X), atol=1e-10)
     with pytest.warns(DeprecationWarning, match=r"p.heads\[h\].Q"):
         Q = p.Q
     assert torch.equal(Q, raw.Q)
+    with pytest.warns(DeprecationWarning, match=r"MultiHeadAttention.from_parameters"):
+        old = p.to_meanfield()
+    assert torch.allclose(old.sequence(X), op.sequence(X), atol=1e-10)
     block = HFAttention.from_model(model, 0, block=True)
-    assert "block" in block.parameters().caveat and not bounds.operator_upper(block, 1.0, 4).known
+    assert "block" in block.parameters().caveat and not operator_upper(block, 1.0, 4).known

@@ -1,6 +1,6 @@
 """Worst-case search (meanfield.worst_case), the gradient of the top singular value
 (meanfield.sigma_gradient), mass splitting (meanfield.splitting) and the operator upper bounds
-(bounds.operator_upper, bounds.absorb_key_bias).
+(upper.operator_upper, bounds.absorb_key_bias).
 
 Truths: dense Jacobians of attention written out in tests/reference.py (and, batched, here), central
 finite differences of the dense top singular value, the paper's bounds typed in by hand, the
@@ -28,6 +28,7 @@ from meanfield import (
 from meanfield import sigma_gradient as sg_module
 from meanfield.sigma_gradient import sigma_gradient
 from meanfield.splitting import query_jacobians, split_lipschitz, split_measure
+from meanfield.upper import operator_upper
 from particles import Measure
 from tests.reference import (
     dense_jacobian,
@@ -284,10 +285,10 @@ def test_search_beats_dense_starts_many_cases(seed, n, d, R, masked):
 def test_upper_bound_of_a_single_head_is_the_smaller_theorem():
     A, V = rand(3, 3, seed=1), rand(2, 3, seed=2)
     for R, n in [(0.5, 4), (2.0, 16), (4.0, 3)]:
-        b = bounds.operator_upper(SelfAttention(A, V), R, n)
+        b = operator_upper(SelfAttention(A, V), R, n)
         truth = min(thm33_upper(A, V, R, n), math.exp(thm35_upper_log(A, V, R)))
         assert rel(b.value, truth) <= 1e-12
-        assert rel(bounds.operator_upper(SelfAttention(A, V), R).log_value, thm35_upper_log(A, V, R)) <= 1e-12
+        assert rel(operator_upper(SelfAttention(A, V), R).log_value, thm35_upper_log(A, V, R)) <= 1e-12
 
 
 def test_key_bias_lift_reproduces_the_scores_and_minimizes_the_product():
@@ -319,14 +320,14 @@ def test_upper_bound_of_multihead_with_biases_is_lemma_38_over_lifted_heads():
         Al, Rl, _ = bounds.absorb_key_bias(h.A, h.key_bias, R)
         Vl = torch.cat([h.V, torch.zeros(2, 1, dtype=f64)], 1)
         per.append(min(thm33_upper(Al, Vl, Rl, n), math.exp(thm35_upper_log(Al, Vl, Rl))))
-    assert rel(bounds.operator_upper(op, R, n).value, lemma38_upper(per, W_O)) <= 1e-10
+    assert rel(operator_upper(op, R, n).value, lemma38_upper(per, W_O)) <= 1e-10
 
 
 def test_upper_bound_of_l2_attention_is_kim_et_al():
     WQ, WV, WO = rand(2, 3, 2, seed=1), rand(2, 3, 2, seed=2), rand(4, 3, seed=3)
-    b = bounds.operator_upper(L2SelfAttention(WQ, WV, WO), 2.0, 5)
+    b = operator_upper(L2SelfAttention(WQ, WV, WO), 2.0, 5)
     assert rel(b.value, kim_l2_upper(list(WQ), list(WV), WO, 5)) <= 1e-12
-    assert not bounds.operator_upper(L2SelfAttention(WQ, WV, WO, masked=True), 2.0, 5).known
+    assert not operator_upper(L2SelfAttention(WQ, WV, WO, masked=True), 2.0, 5).known
 
 
 def bracket_cases():
@@ -450,7 +451,8 @@ def test_hugging_face_layer_bracket():
     f = lambda Y: attn(Y[None], attention_mask=mask)[0][0]
     assert rel(res.lower, float(torch.linalg.matrix_norm(dense_jacobian(f, res.input), ord=2))) <= 1e-6
     assert res.upper.known and res.lower <= res.upper.value
-    assert rel(res.upper.value, bounds.operator_upper(op.parameters().to_meanfield(), 2.0, 4).value) <= 1e-10
+    rebuilt = MultiHeadAttention.from_parameters(op.parameters())
+    assert rel(res.upper.value, operator_upper(rebuilt, 2.0, 4).value) <= 1e-10
 
 
 def test_radius_100_stays_finite():
