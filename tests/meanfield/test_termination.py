@@ -242,3 +242,11 @@ def test_hugging_face_layers_return_in_both_dtypes(kind, dtype):
                                  "lanczos", MAX_ITER["lanczos"], X.numel(), dtype == f64, dtype, tol)
         if tol is None:
             assert est is not None and est.converged
+
+
+def test_a_function_that_is_not_finite_at_x_is_a_floating_point_error():
+    """Non-finite outputs at X are an arithmetic failure of that input (FloatingPointError, as the
+    operators' own maps report overflowing scores), which the worst-case search rejects and goes on."""
+    f = lambda Y: Y / (Y.sum() - Y.sum())   # inf everywhere
+    with pytest.raises(FloatingPointError, match="f: produced NaN or infinite outputs at X"):
+        local_lipschitz(f, torch.ones(3, 2, dtype=f64))
