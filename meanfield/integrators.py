@@ -11,6 +11,7 @@ its order.
 
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
 
@@ -62,18 +63,20 @@ def integrate_fixed(field, Y, times, method, step, steps):
     if step is not None:
         if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) or step <= 0:
             raise ValueError(f"step: expected a positive step size, got {step!r}")
-        h_max = {(a, b): float(step) for a, b in zip(times[:-1], times[1:])}
+        h_max = [float(step)] * (len(times) - 1)
     elif steps is None:
-        h_max = {(a, b): (times[-1] - times[0]) / DEFAULT_STEPS for a, b in zip(times[:-1], times[1:])}
+        h_max = [(times[-1] - times[0]) / DEFAULT_STEPS] * (len(times) - 1)
     else:
         k = check_positive_int(steps, "steps")
-        h_max = {(a, b): (b - a) / k for a, b in zip(times[:-1], times[1:])}
+        h_max = [(b - a) / k for a, b in zip(times[:-1], times[1:])]
     out, nsteps = [field.retract(Y)], 0
     Y = out[0]
     for a, b, k_out in _segments(field, times):
         layer = field.layer_of(a, b)
-        # a piece between layer boundaries inherits the step of the requested interval holding it
-        h_piece = next(h for (lo, hi), h in h_max.items() if lo <= a and b <= hi)
+        # a piece between layer boundaries inherits the step of the requested interval holding it: the
+        # interval [times[i], times[i + 1]] with times[i] <= a (a bisection, not a scan: many output times)
+        i = min(bisect.bisect_right(times, a) - 1, len(h_max) - 1)
+        h_piece = h_max[i]
         m = max(1, math.ceil((b - a) / h_piece - 1e-9))
         h = (b - a) / m
         for s in range(m):

@@ -328,3 +328,18 @@ def test_clustering_has_a_scale_free_default_tolerance():
         count_clusters(base, True)
     with pytest.raises(ValueError, match="tol"):
         count_clusters(base, -1.0)
+
+
+def test_fixed_steps_follow_each_requested_interval():
+    """steps=k takes k steps in every interval between requested times, whatever their lengths, and
+    step=h at most h: counted independently from the times given (the interval of each piece is found
+    by bisection, so thousands of output times stay cheap)."""
+    op = SelfAttention(np.eye(2) * 0.5, np.eye(2))
+    mu = Measure(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64))
+    times = [0.0, 0.01, 0.5, 0.51, 2.0]
+    assert simulate(op, mu, times, method="euler", steps=3).steps == 3 * (len(times) - 1)
+    h = 0.1
+    expected = sum(max(1, math.ceil((b - a) / h - 1e-9)) for a, b in zip(times[:-1], times[1:]))
+    assert simulate(op, mu, times, method="euler", step=h).steps == expected
+    many = np.linspace(0.0, 1.0, 2001).tolist()
+    assert simulate(op, mu, many, method="euler", steps=1).steps == 2000
