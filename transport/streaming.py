@@ -32,10 +32,10 @@ import torch
 from particles import Measure
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from .options import check_memory_limit, resolve
+from .options import DEFAULT_CHUNK_ELEMENTS, check_memory_limit, resolve
 from .problem import Problem, ldexp
 from .result import worst_error
-from .tiles import plan_tiles, softmin, update
+from .tiles import device_chunk, plan_tiles, softmin, update
 
 __all__ = ["symmetric_potential"]
 
@@ -164,7 +164,9 @@ def solve_streaming(problem: Problem, eps: float, opts: dict, return_plan: bool 
     Never forms the plan (``return_plan`` is refused by :func:`transport.solve` before this runs).
     """
     debias, tol, max_iter = opts["debias"], opts["tol"], opts["max_iter"]
-    scaling, chunk = opts["scaling"], opts["chunk_elements"]
+    scaling = opts["scaling"]
+    chunk = device_chunk(opts["chunk_elements"], DEFAULT_CHUNK_ELEMENTS, problem.x.device, problem.x.element_size(),
+                         BLOCK_TEMPORARIES, memory_limit)
     if problem.grad and not debias:
         raise ValueError("debias: gradients of the streaming path are available for debias=True only "
                          "(the cost of the entropic plan has no envelope formula)")
@@ -225,14 +227,14 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     if opts["reg"] is None:
         raise ValueError("reg: symmetric_potential needs an entropic regularization reg > 0")
     eps = problem.eps(opts["reg"])
-    _check_blocks(mu.n, mu.n, opts["chunk_elements"], problem.x.element_size(), memory_limit)
+    chunk = device_chunk(opts["chunk_elements"], DEFAULT_CHUNK_ELEMENTS, problem.x.device, problem.x.element_size(),
+                         BLOCK_TEMPORARIES, memory_limit)
+    _check_blocks(mu.n, mu.n, chunk, problem.x.element_size(), memory_limit)
     sa = problem.log_a > -math.inf
     x, la = problem.x.detach()[sa], problem.log_a.detach()[sa]
     with torch.no_grad():
-        f, err, it = _solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"],
-                                      opts["chunk_elements"])
-        f = ldexp(extend_potential(f, sa, problem.x.detach(), x, la, f, eps, opts["chunk_elements"]),
-                  2 * problem.k)
+        f, err, it = _solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"], chunk)
+        f = ldexp(extend_potential(f, sa, problem.x.detach(), x, la, f, eps, chunk), 2 * problem.k)
     if not bool(torch.isfinite(f).all()):
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
                                f"{mu.dtype} (squared distances beyond its range)", (f, err, it))
