@@ -329,12 +329,19 @@ def _check(q, k, v):
                            "TRITON_INTERPRET=1 before triton is first imported")
 
 
+def _lse_dtype(dtype):
+    # L of the half types in float32: the backward recomputes P = exp(s - L), whose relative error is
+    # the absolute error of L (bfloat16 would give percents)
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def forward(q, k, v, lw, qp, kp, causal):
-    """(out (B, m, c), L (B, m)) of 3-D inputs; ``causal``: the positions are a sequence's causal mask."""
+    """(out (B, m, c), L (B, m)) of 3-D inputs; ``causal``: the positions are a sequence's causal mask.
+    L is float32 for the half types."""
     _check(q, k, v)
     B, m, n, e, c, ptrs, strides, flags, meta, launch = _common(q, k, v, lw, qp, kp, causal)
     out = q.new_empty(B, m, c)
-    lse = q.new_empty(B, m)
+    lse = q.new_empty(B, m, dtype=_lse_dtype(q.dtype))
     if m == 0 or B == 0:
         return out, lse
     grid = (triton.cdiv(m, meta["BLOCK_M"]), B)
@@ -348,7 +355,7 @@ def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     _check(q, k, v)
     B, m, n, e, c, ptrs, strides, flags, meta, launch = _common(q, k, v, lw, qp, kp, causal)
     d_out = q.new_empty(B, m, c)
-    d_lse = q.new_empty(B, m)
+    d_lse = q.new_empty(B, m, dtype=_lse_dtype(q.dtype))
     if m == 0 or B == 0:
         return d_out, d_lse
     tans = [t if t is not None else q for t in (tq, tk, tv)] + [tlw if tlw is not None else q]
