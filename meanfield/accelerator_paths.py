@@ -12,10 +12,11 @@ The rules, in order:
 1. **dense** (the (m, n) score matrix, a few launches) while the scores are small
    (:data:`CUDA_DENSE_THRESHOLD` entries, or ``use(threshold=...)``) *and* their temporaries fit the budget;
 2. **stream** whenever derivatives are needed: its engine (:func:`stream_engine`) is the Triton kernels of
-   :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass), or, where
-   Triton does not run (or inside ``torch.func`` transforms), the tile loops of :mod:`meanfield.streaming`
-   with tiles sized by the budget (:func:`tile_shape`: row blocks against all keys, a few large launches
-   per block instead of thousands of cache-sized ones);
+   :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
+   heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streaming` with tiles sized
+   by the budget (:func:`tile_shape`: row blocks against all keys, a few large cuBLAS products per block
+   instead of thousands of cache-sized ones) for wide heads, where Triton does not run, and inside
+   ``torch.func`` transforms;
 3. **fused** (torch's ``scaled_dot_product_attention``) for forward passes with no positions or a
    sequence's causal mask, in a dtype CUDA's fused kernels take (float32, float16, bfloat16), the head
    zero-padded to a multiple of :data:`FUSED_ALIGN` (:func:`fused_widths`; zero columns change no score
@@ -36,8 +37,8 @@ import warnings
 import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES",
-           "TRITON_DTYPES", "TRITON_MAX_FEATURES", "choose", "stream_engine", "tile_shape", "fused_widths",
-           "fused_or_stream"]
+           "TRITON_DTYPES", "TRITON_MAX_FEATURES", "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine",
+           "tile_shape", "fused_widths", "fused_or_stream"]
 
 #: dense up to this many score entries (all batch entries) on an accelerator: below it the dense path's
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
@@ -58,22 +59,38 @@ MAX_TILE_ENTRIES = 2**28
 TILE_TEMPORARIES = 3
 #: dtypes the Triton kernels take (products accumulate in float32 for the half types, float64 for float64)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-#: largest feature size (of q, k and of v) the Triton kernels take: a (block, features) tile stays on chip
+#: largest feature size (of q, k and of v) the Triton kernels accept at all
 TRITON_MAX_FEATURES = 256
+#: the smallest reduction (K) of a Triton matrix product on NVIDIA GPUs, by element size in bytes
+TRITON_MIN_K = {8: 4, 4: 8, 2: 16}
+#: the widest padded feature size (:func:`triton_width`) the streamed kernel sends to Triton, by dtype:
+#: up to it every kernel compiles for sm_80 and sm_90 without register spills at its tile size
+#: (tests/test_triton_compile.py). float32 and float64 products are IEEE, i.e. CUDA-core FMAs,
+#: whose registers grow with the width; wider heads take the tile loops, whose products are cuBLAS GEMMs
+TRITON_MAX_WIDTH = {torch.float64: 16, torch.float32: 16, torch.float16: 32, torch.bfloat16: 32}
 
 
 def _dense_fits(entries, element_size, budget):
     return DENSE_TEMPORARIES * entries * element_size <= budget
 
 
+def triton_width(size: int, dtype) -> int:
+    """The tile width of a feature size in the Triton kernels: zero-padded to a power of two, at least the
+    smallest reduction of a matrix product (:data:`TRITON_MIN_K`; d = 3 is 8 columns in float32)."""
+    floor = TRITON_MIN_K[torch.empty((), dtype=dtype).element_size()]
+    return max(floor, 1 << max(0, int(size) - 1).bit_length())
+
+
 def stream_engine(device_type: str, dtype, e: int, c: int, *, triton: bool, transforms: bool = False) -> str:
     """The engine of the streamed kernel: "auto" on CPU (its fused flash kernel where the mask allows, tile
-    loops otherwise: the measured CPU map), "triton" on an accelerator where Triton runs and takes the
-    dtype and feature sizes (outside ``torch.func`` transforms, which wrap tensors), "tiles" otherwise."""
+    loops otherwise: the measured CPU map); on an accelerator "triton" where Triton runs, outside
+    ``torch.func`` transforms (which wrap tensors), for the dtypes and widths of :data:`TRITON_MAX_WIDTH`
+    (d <= 16 in float32 / float64: the particle regime); "tiles" (budget-sized, cuBLAS products) otherwise."""
     if device_type == "cpu":
         return "auto"
-    if triton and not transforms and dtype in TRITON_DTYPES and max(e, c) <= TRITON_MAX_FEATURES:
-        return "triton"
+    if triton and not transforms and dtype in TRITON_MAX_WIDTH:
+        if max(triton_width(e, dtype), triton_width(c, dtype)) <= TRITON_MAX_WIDTH[dtype]:
+            return "triton"
     return "tiles"
 
 

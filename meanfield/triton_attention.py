@@ -13,8 +13,9 @@ where s_j > t_i; P_ij = exp(s_ij - L_i); rows with no visible key give 0 and L =
 Each program holds a (BLOCK_M, BLOCK_N) tile of scores in registers; nothing of size m n touches
 memory. The mask is either none, the causal mask of a sequence (key index <= query index; the loops stop
 at the diagonal) or arbitrary positions (kp_j <= qp_i, every key block visited). Feature sizes are
-padded to a power of two >= 16 (the smallest matrix-product tile) with zeros, which change no product;
-float32 and float64 products are IEEE (no TF32), so results agree with the CPU to rounding.
+padded with zeros (which change no product) to a power of two, at least the smallest reduction of a
+Triton matrix product (4 in float64, 8 in float32, 16 in the half types: d = 3 costs 8 columns in
+float32); float32 and float64 products are IEEE (no TF32), so results agree with the CPU to rounding.
 
 Inputs are 3-D (batch, rows, features) with any strides (a key tensor expanded over the batch is read,
 never copied). On a machine without a GPU the kernels run in Triton's interpreter on CPU tensors when
@@ -28,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .accelerator_paths import TRITON_DTYPES, TRITON_MAX_FEATURES
+from .accelerator_paths import TRITON_DTYPES, TRITON_MAX_FEATURES, triton_width
 
 __all__ = ["forward", "jvp", "backward", "padded"]
 #: Triton itself was imported in interpreter mode (TRITON_INTERPRET=1 set before ``import triton``):
@@ -36,20 +37,26 @@ __all__ = ["forward", "jvp", "backward", "padded"]
 _INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
 
-def padded(size: int) -> int:
-    """The tile width of a feature size: a power of two, at least 16 (the smallest dot tile)."""
-    return max(16, triton.next_power_of_2(int(size)))
+def padded(size: int, dtype=torch.float32) -> int:
+    """The tile width of a feature size (:func:`meanfield.accelerator_paths.triton_width`)."""
+    return triton_width(size, dtype)
 
 
-def _blocks(dtype, width: int):
-    """(BLOCK_M, BLOCK_N, num_warps): tiles whose registers fit for this dtype and padded width."""
+def _blocks(dtype, width: int, kernel: str = "forward"):
+    """(BLOCK_M, BLOCK_N, num_warps) of ``kernel`` for this dtype and padded width: for the widths the
+    streamed kernel sends here (accelerator_paths.TRITON_MAX_WIDTH) every kernel compiles without register
+    spills for sm_80 and sm_90 (tests/test_triton_compile.py); wider ones (forced) get small tiles."""
     if _INTERPRETED:
         return 16, 16, 1
-    if dtype == torch.float64 or width > 128:
+    if kernel == "backward_q" and dtype == torch.float32 and width <= 8:
+        return 64, 64, 4
+    if dtype in (torch.float16, torch.bfloat16):
+        return (64, 32, 4) if width <= 32 else (32, 32, 4)
+    if dtype == torch.float64:
         return 32, 32, 4
-    if width > 64:
-        return 64, 32, 4
-    return 64, 64, 4
+    if width <= 8:
+        return 64, 64, 8
+    return (64, 32, 4) if width <= 16 else (32, 16, 4)
 
 
 def _precision(dtype):
@@ -309,12 +316,15 @@ def _common(q, k, v, lw, qp, kp, causal):
     ptrs = (q, k, v, lw_, qp_, kp_)
     strides = (*q.stride(), *k.stride(), *v.stride(), *s_lw, *s_qp, *s_kp)
     flags = dict(HAS_LW=lw is not None, HAS_POS=has_pos, CAUSAL=bool(causal))
-    width = max(padded(e), padded(c))
-    bm, bn, warps = _blocks(q.dtype, width)
-    meta = dict(E=padded(e), C=padded(c), BLOCK_M=bm, BLOCK_N=bn, PREC=_precision(q.dtype),
-                ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
-    launch = {} if _INTERPRETED else dict(num_warps=warps)
-    return B, m, n, e, c, ptrs, strides, flags, meta, launch
+    E, C = padded(e, q.dtype), padded(c, q.dtype)
+    meta = dict(E=E, C=C, PREC=_precision(q.dtype), ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
+    return B, m, n, e, c, ptrs, strides, flags, meta
+
+
+def _tiles(q, meta, kernel):
+    """Block sizes and launch options of ``kernel`` (:func:`_blocks`)."""
+    bm, bn, warps = _blocks(q.dtype, max(meta["E"], meta["C"]), kernel)
+    return dict(BLOCK_M=bm, BLOCK_N=bn, **({} if _INTERPRETED else dict(num_warps=warps)))
 
 
 def _check(q, k, v):
@@ -339,21 +349,22 @@ def forward(q, k, v, lw, qp, kp, causal):
     """(out (B, m, c), L (B, m)) of 3-D inputs; ``causal``: the positions are a sequence's causal mask.
     L is float32 for the half types."""
     _check(q, k, v)
-    B, m, n, e, c, ptrs, strides, flags, meta, launch = _common(q, k, v, lw, qp, kp, causal)
+    B, m, n, e, c, ptrs, strides, flags, meta = _common(q, k, v, lw, qp, kp, causal)
     out = q.new_empty(B, m, c)
     lse = q.new_empty(B, m, dtype=_lse_dtype(q.dtype))
     if m == 0 or B == 0:
         return out, lse
-    grid = (triton.cdiv(m, meta["BLOCK_M"]), B)
+    tiles = _tiles(q, meta, "forward")
+    grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
     _forward_kernel[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(), m, n, e, c,
-                          **flags, **meta, **launch)
+                          **flags, **meta, **tiles)
     return out, lse
 
 
 def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     """(d out, d L): the JVP of :func:`forward` at (q, k, v, lw) along (tq, tk, tv, tlw) (None: zero)."""
     _check(q, k, v)
-    B, m, n, e, c, ptrs, strides, flags, meta, launch = _common(q, k, v, lw, qp, kp, causal)
+    B, m, n, e, c, ptrs, strides, flags, meta = _common(q, k, v, lw, qp, kp, causal)
     d_out = q.new_empty(B, m, c)
     d_lse = q.new_empty(B, m, dtype=_lse_dtype(q.dtype))
     if m == 0 or B == 0:
@@ -362,17 +373,18 @@ def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     tstr = []
     for t, rank in zip((tq, tk, tv, tlw), (3, 3, 3, 2)):
         tstr += list(t.stride()) if t is not None else [0] * rank
-    grid = (triton.cdiv(m, meta["BLOCK_M"]), B)
+    tiles = _tiles(q, meta, "jvp")
+    grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
     _jvp_kernel[grid](*ptrs, out, lse, *tans, d_out, d_lse, *strides, *out.stride(), *lse.stride(), *tstr,
                       m, n, e, c, **flags, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
-                      HAS_TLW=tlw is not None, **meta, **launch)
+                      HAS_TLW=tlw is not None, **meta, **tiles)
     return d_out, d_lse
 
 
 def backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, need):
     """(dq, dk, dv, dlw): the VJP of (out, L) with cotangents (g_out, g_lse or None); ``need`` = 4 flags."""
     _check(q, k, v)
-    B, m, n, e, c, ptrs, strides, flags, meta, launch = _common(q, k, v, lw, qp, kp, causal)
+    B, m, n, e, c, ptrs, strides, flags, meta = _common(q, k, v, lw, qp, kp, causal)
     need = (need[0], need[1], need[2], bool(need[3]) and lw is not None)
     delta = (g_out * out).sum(-1)
     if g_lse is not None:
@@ -386,11 +398,13 @@ def backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, need):
         return dq, dk, dv, dlw
     tail = (*lse.stride(), *g_out.stride(), m, n, e, c)
     if need[0]:
-        grid = (triton.cdiv(m, meta["BLOCK_M"]), B)
-        _backward_q_kernel[grid](*ptrs, lse, g_out, delta, dq, *strides, *tail, **flags, **meta, **launch)
+        tiles = _tiles(q, meta, "backward_q")
+        grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
+        _backward_q_kernel[grid](*ptrs, lse, g_out, delta, dq, *strides, *tail, **flags, **meta, **tiles)
     if need[1] or need[2] or need[3]:
-        grid = (triton.cdiv(n, meta["BLOCK_N"]), B)
+        tiles = _tiles(q, meta, "backward_kv")
+        grid = (triton.cdiv(n, tiles["BLOCK_N"]), B)
         _backward_kv_kernel[grid](*ptrs, lse, g_out, delta, dk if need[1] else q, dv if need[2] else q,
                                   dlw if need[3] else q, *strides, *tail, **flags, NEED_DK=need[1],
-                                  NEED_DV=need[2], NEED_DLW=need[3], **meta, **launch)
+                                  NEED_DV=need[2], NEED_DLW=need[3], **meta, **tiles)
     return dq, dk, dv, dlw

@@ -6,8 +6,8 @@ program holds a block of rows and sweeps the columns in (BLOCK_M, BLOCK_N) tiles
 with an online max-shifted log-sum-exp: one exponential per entry, nothing of size N M in memory, and
 exact for any potentials (no overflow, no lost terms), so the safe-range test and the fallback of
 :func:`transport.tiles.update` are not needed. The exponent is formed as the CPU path forms it (the same
-products of the same factors), with FMAs for narrow factors (d + 2 <= 16 columns: d <= 14) and an
-IEEE matrix product (no TF32) for wide ones.
+products of the same factors) by an IEEE matrix product (no TF32) of the factors zero-padded to a power
+of two.
 
 Runs compiled on CUDA; on CPU tensors in Triton's interpreter when ``TRITON_INTERPRET=1`` was set before
 ``triton`` was first imported (the tests do so).
@@ -19,40 +19,45 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lse_rows", "NARROW"]
+__all__ = ["lse_rows"]
 
-#: factors of at most this many columns form the exponent with FMAs (one per column) instead of a
-#: matrix product padded to 16 columns
-NARROW = 16
 _INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
+
+
+def _width(K: int, dtype) -> int:
+    """Columns of the factors in the kernel: zero-padded to a power of two, at least the smallest reduction
+    of a Triton matrix product (8 in float32, 4 in float64): d = 3 (K = 5) takes 8."""
+    return max(8 if dtype == torch.float32 else 4, triton.next_power_of_2(K))
+
+
+def _blocks(dtype, width: int):
+    """(BLOCK_M, BLOCK_N, num_warps): for these widths the kernel compiles for sm_80 and sm_90 without
+    register spills (tests/test_triton_compile.py); IEEE products of wide factors are CUDA-core
+    FMAs whose registers grow with the width, hence the small tiles."""
+    if _INTERPRETED:
+        return 16, 16, 1
+    if width <= 8:
+        return (128, 64, 8) if dtype == torch.float32 else (64, 64, 4)
+    if width <= 16:
+        return 64, 32, 4
+    return (32, 16, 4) if dtype == torch.float32 else (32, 32, 4)
 
 
 @triton.jit
 def _lse_kernel(A, B, OUT, n, m, sa_n, sa_k, sb_k, sb_m,
-                K: tl.constexpr, KP: tl.constexpr, NARROW_K: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
+                K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < n
     fk = tl.arange(0, KP)
-    if not NARROW_K:
-        a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K),
-                    other=0.0)
+    a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K), other=0.0)
     run_max = tl.full([BLOCK_M], -float("inf"), ACC)
     run_sum = tl.zeros([BLOCK_M], ACC)
     for j0 in range(0, m, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         cmask = cols < m
-        if NARROW_K:
-            s = tl.zeros([BLOCK_M, BLOCK_N], ACC)
-            for kk in tl.static_range(K):
-                a_k = tl.load(A + rows * sa_n + kk * sa_k, mask=rmask, other=0.0).to(ACC)
-                b_k = tl.load(B + kk * sb_k + cols * sb_m, mask=cmask, other=0.0).to(ACC)
-                s += a_k[:, None] * b_k[None, :]
-        else:
-            b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :],
-                        other=0.0)
-            s = tl.dot(a, b, input_precision="ieee").to(ACC)
+        b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :], other=0.0)
+        s = tl.dot(a, b, input_precision="ieee").to(ACC)
         s = tl.where(cmask[None, :], s, -float("inf"))
         new_max = tl.maximum(run_max, tl.max(s, 1))
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -74,14 +79,10 @@ def lse_rows(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     out = A.new_empty(n)
     if n == 0:
         return out
-    narrow = K <= NARROW
-    if _INTERPRETED:
-        bm, bn, launch = 16, 16, {}
-    else:
-        bm, bn = (64, 64) if A.dtype == torch.float64 else (128, 64)
-        launch = dict(num_warps=8 if bm == 128 else 4)
+    KP = _width(K, A.dtype)
+    bm, bn, warps = _blocks(A.dtype, KP)
     grid = (triton.cdiv(n, bm),)
-    _lse_kernel[grid](A, B, out, n, m, *A.stride(), *B.stride(), K=K, KP=max(16, triton.next_power_of_2(K)),
-                      NARROW_K=narrow, BLOCK_M=bm, BLOCK_N=bn,
-                      ACC=tl.float64 if A.dtype == torch.float64 else tl.float32, **launch)
+    _lse_kernel[grid](A, B, out, n, m, *A.stride(), *B.stride(), K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn,
+                      ACC=tl.float64 if A.dtype == torch.float64 else tl.float32,
+                      **({} if _INTERPRETED else dict(num_warps=warps)))
     return out

@@ -83,8 +83,11 @@ def test_never_a_kernel_that_materializes_the_scores_above_the_budget(dtype):
 
 @pytest.mark.parametrize("transforms, triton, dtype, e, expected", [
     (False, True, torch.float32, 3, "triton"),
-    (False, True, torch.float64, 64, "triton"),
-    (False, True, torch.float32, 257, "tiles"),      # a tile of 512 features would not stay on chip
+    (False, True, torch.float64, 16, "triton"),
+    (False, True, torch.float16, 32, "triton"),
+    (False, True, torch.float16, 64, "tiles"),
+    (False, True, torch.float32, 17, "tiles"),       # IEEE FMA products of 32 columns spill registers
+    (False, True, torch.float64, 64, "tiles"),
     (True, True, torch.float32, 3, "tiles"),         # torch.func wraps tensors: the differentiable tiles
     (False, False, torch.float32, 3, "tiles"),       # no Triton: tiles sized by the budget
 ])
@@ -108,6 +111,12 @@ def test_tile_shape_fits_the_budget_and_spans_the_keys_when_it_can(batch, m, n, 
     # the CPU-cache-sized tiles (256 x 256) are 152,881 tiles per pass at N = 1e5; here a few dozen
     if m == n == 10**5:
         assert math.ceil(m / bq) * math.ceil(n / bk) <= 64
+
+
+def test_triton_width():
+    assert [ap.triton_width(e, torch.float32) for e in (1, 3, 8, 9, 16, 17, 64)] == [8, 8, 8, 16, 16, 32, 64]
+    assert [ap.triton_width(e, torch.float64) for e in (1, 3, 5)] == [4, 4, 8]
+    assert [ap.triton_width(e, torch.float16) for e in (3, 64, 65)] == [16, 64, 128]
 
 
 def test_choose_rejects_an_unknown_positions_kind():
