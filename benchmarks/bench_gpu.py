@@ -50,7 +50,7 @@ from torch.autograd import forward_ad
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meanfield import SelfAttention, local_lipschitz, simulate  # noqa: E402
+from meanfield import SelfAttention, local_lipschitz, simulate, streaming  # noqa: E402
 from meanfield.kernels import attend, choose  # noqa: E402
 from particles import Measure  # noqa: E402
 from transport import w2  # noqa: E402
@@ -249,7 +249,17 @@ def forward_rows(b, n, d, mask, with_stream=False, with_dense=True):
     return res
 
 
-def vjp_rows(b, n, d, mask):
+def _engines(b):
+    """The streamed kernel's engines to time side by side (derivatives section): which is faster where
+    decides meanfield.accelerator_paths.TRITON_MAX_WIDTH."""
+    from particles.device import triton_runs
+
+    return ["tiles"] + (["triton"] if triton_runs(b.device.type) else [])
+
+
+def vjp_rows(b, n, d, mask, engines=()):
+    """VJP (backward only, on a recorded graph) and JVP (forward-mode, forward + tangent) of ours (auto, and
+    each engine of ``engines`` forced) against SDPA's backward and dense forward-mode AD."""
     q, k, v, lw, qp, kp = attention_inputs(n, d, mask, b.device, grad=True)
     g = torch.randn(n, v.shape[-1], device=b.device, dtype=q.dtype)
 
@@ -260,7 +270,9 @@ def vjp_rows(b, n, d, mask):
             return None
 
     fns = {}
-    for name, f in (("ours (VJP)", lambda *a: attend(*a)), ("SDPA backward", sdpa_padded)):
+    paths = [("ours (VJP)", lambda *a: attend(*a)), ("SDPA backward", sdpa_padded)]
+    paths += [(f"ours (VJP, {e} engine)", lambda *a, e=e: streaming.stream_attend(*a, engine=e)) for e in engines]
+    for name, f in paths:
         out = graph(f)
         fns[name] = None if out is None else (lambda out=out: torch.autograd.grad(out, (q, k, v), g,
                                                                                    retain_graph=True))
@@ -270,14 +282,18 @@ def vjp_rows(b, n, d, mask):
     tans = [torch.randn_like(t) for t in (q, k, v)]
     qd, kd, vd = (t.detach() for t in (q, k, v))
 
-    def ours_jvp():
+    def ours_jvp(engine=None):
         with forward_ad.dual_level():
             duals = [forward_ad.make_dual(p, t) for p, t in zip((qd, kd, vd), tans)]
-            return forward_ad.unpack_dual(attend(*duals, lw, qp, kp)).tangent
+            if engine is None:
+                return forward_ad.unpack_dual(attend(*duals, lw, qp, kp)).tangent
+            return forward_ad.unpack_dual(streaming.stream_attend(*duals, lw, qp, kp, engine=engine)).tangent
 
     dense_jvp = (lambda: torch.func.jvp(lambda a, bb, c: naive(a, bb, c, lw, qp, kp), (qd, kd, vd), tuple(tans))[1])
-    res.update(b.time({"ours (JVP)": ours_jvp,
-                       "dense forward-mode AD": dense_jvp if dense_fits(n, b.device, temporaries=6) else None}))
+    fns = {"ours (JVP)": ours_jvp,
+           "dense forward-mode AD": dense_jvp if dense_fits(n, b.device, temporaries=6) else None}
+    fns.update({f"ours (JVP, {e} engine)": (lambda e=e: ours_jvp(e)) for e in engines})
+    res.update(b.time(fns))
     return res
 
 
@@ -449,7 +465,7 @@ def section_derivatives(b, quick):
         for mask in ("none", "weighted", "causal", "positions"):
             b.too_slow.clear()
             for n in sizes:
-                r = vjp_rows(b, n, d, mask)
+                r = vjp_rows(b, n, d, mask, engines=_engines(b))
                 rows.append((f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"]))
                 rows.append((f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"]))
     return rows
