@@ -492,10 +492,17 @@ def _triton():
     return triton_attention
 
 
+def _key(name, q, v):
+    return ("attention " + name, q.device.type, q.dtype, q.shape[-1], v.shape[-1])
+
+
 def _forward(q, k, v, lw, qp, kp, plan):
     """(out, L) for 3-D inputs."""
     if _triton_ok(plan):
-        return _triton().forward(q, k, v, lw, qp, kp, plan.causal)
+        from particles.device import run_triton
+
+        return run_triton(_key("forward", q, v), lambda: _triton().forward(q, k, v, lw, qp, kp, plan.causal),
+                          lambda: _forward_tiles(q, k, v, lw, qp, kp, plan), "attend")
     if _flash_ok(q, plan, qp):
         return _flash_forward(q, k, v, lw, plan.causal)
     return _forward_tiles(q, k, v, lw, qp, kp, plan)
@@ -553,7 +560,11 @@ class StreamAttention(torch.autograd.Function):
 
 def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
     if _triton_ok(plan):
-        return _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw)
+        from particles.device import run_triton
+
+        return run_triton(_key("jvp", q, v),
+                          lambda: _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw),
+                          lambda: _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan), "attend (JVP)")
     if cache is None:
         return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
     return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache)
@@ -561,7 +572,12 @@ def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
     if _triton_ok(plan):
-        return _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need)
+        from particles.device import run_triton
+
+        return run_triton(_key("backward", q, v),
+                          lambda: _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need),
+                          lambda: _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need),
+                          "attend (VJP)")
     if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
         return _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
     return _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
 from .validation import memory_limit
 
-__all__ = ["memory_budget", "triton_runs", "triton_interpreted"]
+__all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton"]
 
 
 def memory_budget(device, limit=None) -> int:
@@ -59,3 +60,36 @@ def triton_runs(device_type: str) -> bool:
     if device_type == "cuda":
         return torch.cuda.is_available()
     return device_type == "cpu" and triton_interpreted()
+
+
+#: Triton kernels that failed to compile in this process (key -> the error), run by their torch path since
+_FAILED: dict = {}
+
+
+def _compile_failure(exc) -> bool:
+    """A Triton compile-time or resource error (not an error of the computation, nor of the interpreter)."""
+    try:
+        from triton.errors import TritonError
+        from triton.runtime.errors import InterpreterError
+    except ImportError:
+        return False
+    return isinstance(exc, TritonError) and not isinstance(exc, InterpreterError)
+
+
+def run_triton(key, kernel, fallback, what: str):
+    """``kernel()``, or ``fallback()`` (the torch path computing the same thing) where the Triton kernel of
+    ``key`` does not compile on this GPU: the first failure warns (RuntimeWarning naming the error) and
+    every later call with that key takes the fallback at once. Errors of the computation itself (a CUDA
+    error, a wrong input) propagate. The kernels are compiled without spills for sm_80 and sm_90 by the
+    tests; this covers other GPUs and Triton versions."""
+    if key in _FAILED:
+        return fallback()
+    try:
+        return kernel()
+    except Exception as exc:
+        if not _compile_failure(exc):
+            raise
+        _FAILED[key] = repr(exc)
+        warnings.warn(f"{what}: the Triton kernel does not compile here ({str(exc)[:300]}); computing with "
+                      "torch instead from now on in this process", RuntimeWarning, stacklevel=3)
+        return fallback()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from particles.device import memory_budget, triton_runs
+from particles.device import memory_budget, run_triton, triton_runs
 
 __all__ = ["softmin", "factors", "cofactors", "row_sums", "safe", "update", "plan_tiles", "device_chunk"]
 
@@ -171,9 +171,17 @@ def update(x, xx, y, yy, log_b, f, g, eps, chunk_elements):
     same exponents, in one kernel (:func:`transport.triton_softmin.lse_rows`), for every row.
     """
     if _fused(x):
-        from .triton_softmin import lse_rows
+        def kernel():
+            from .triton_softmin import lse_rows
 
-        return lse_rows(factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps)).mul_(-eps)
+            return lse_rows(factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps)).mul_(-eps)
+
+        return run_triton(("sinkhorn soft-min", x.device.type, x.dtype, x.shape[1]), kernel,
+                          lambda: _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements), "w2 (streaming)")
+    return _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements)
+
+
+def _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements):
     S = row_sums(factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps), chunk_elements)
     bad = ~safe(S, y.shape[0])
     delta = S.log_().mul_(-eps)

@@ -308,3 +308,31 @@ def test_local_lipschitz_certificate_through_the_triton_engine(triton_engine):
     assert triton_engine["jvp"] + triton_engine["backward"] > 0
     assert abs(got.value - ref.value) <= 1e-7 * ref.value
     assert got.converged and ref.converged
+
+
+def test_a_kernel_that_does_not_compile_falls_back_to_the_tiles_once_with_a_warning(triton_engine, ta, monkeypatch):
+    """On a GPU where a kernel does not compile (Triton's compile-time or resource errors), the call is
+    computed by the tile loops (same result), the first time with a RuntimeWarning, then silently;
+    errors of the computation itself propagate."""
+    from triton.runtime.errors import OutOfResources
+
+    from particles import device
+
+    monkeypatch.setattr(device, "_FAILED", {})
+    calls = []
+
+    def no_compile(*a):
+        calls.append(1)
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(ta, "forward", no_compile)
+    q, k, v, lw, qp, kp = _problem(13, B=1, positions="other")
+    with pytest.warns(RuntimeWarning, match="does not compile"):
+        out = streaming.stream_attend(q, k, v, lw, qp, kp)
+    _close(out, _dense(q, k, v, lw, qp, kp)[0])
+    out = streaming.stream_attend(q, k, v, lw, qp, kp)  # no second warning, no second attempt
+    assert len(calls) == 1
+    monkeypatch.setattr(ta, "forward", lambda *a: 1 / 0)
+    monkeypatch.setattr(device, "_FAILED", {})
+    with pytest.raises(ZeroDivisionError):
+        streaming.stream_attend(q, k, v, lw, qp, kp)

@@ -118,6 +118,27 @@ def test_the_gradient_through_the_kernel_matches_the_cpu_path(fused, monkeypatch
     np.testing.assert_allclose(grads[0].numpy(), grads[1].numpy(), rtol=0, atol=1e-10)
 
 
+def test_a_soft_min_that_does_not_compile_falls_back_to_the_tiles(ts, monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    from particles import device
+
+    monkeypatch.setattr(device, "_FAILED", {})
+    monkeypatch.setattr(tiles, "_fused", lambda x: True)
+
+    def no_compile(A, B):
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(ts, "lse_rows", no_compile)
+    X, Y = _cloud(20, 3, 10), _cloud(15, 3, 11, 0.3)
+    with pytest.warns(RuntimeWarning, match="does not compile"):
+        got = w2(Measure(X), Measure(Y), "streaming", reg=1.0, squared=True, tol=1e-10, max_iter=20_000)
+    a, b = torch.full((20,), 1 / 20, dtype=F64), torch.full((15,), 1 / 15, dtype=F64)
+    ot = lambda P, p, Q, r: entropic_ot(P, p, Q, r, 1.0)[0]
+    truth = ot(X, a, Y, b) - 0.5 * ot(X, a, X, a) - 0.5 * ot(Y, b, Y, b)
+    assert got == pytest.approx(truth, rel=1e-8, abs=1e-10)
+
+
 # ---------------------------------------------------------------- tiles sized by the device
 
 
