@@ -32,6 +32,11 @@ Force a path per call (``attend(..., method="stream", block_size=256)``) or for 
         ...
 
 ``use(threshold=t)`` replaces both thresholds by t (dense up to t entries in every regime).
+
+On other devices (CUDA) ``auto`` follows :mod:`meanfield.accelerator_paths` instead: dense while the
+scores are small and fit the device's memory budget, the fused kernel with the head zero-padded to a
+multiple of 8 (never SDPA's math kernel, which would materialize the scores), and the streamed kernel
+(Triton kernels, or tiles sized by the memory budget) for derivatives, arbitrary positions and float64.
 """
 
 from __future__ import annotations
@@ -272,6 +277,8 @@ def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None)
 def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
     """(path, causal): causal is True when the positions were read and form a sequence's causal mask,
     None when they were not read."""
+    if q.device.type != "cpu":
+        return _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold)
     entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     if threshold is not None:
         fused_at = stream_at = threshold
@@ -294,6 +301,28 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
     return ("dense" if entries <= fused_at else "fused"), q_pos is not None
 
 
+def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
+    """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
+    device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask."""
+    from particles.device import memory_budget, triton_runs
+
+    from . import accelerator_paths
+
+    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+    causal = None
+    positions = "none"
+    if q_pos is not None:
+        causal = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
+        positions = "causal" if causal else "other"
+    transforms = _transforms_active()
+    path = accelerator_paths.choose(
+        q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
+        k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
+        derivatives=_needs_derivatives(q, k, v, log_weights), transforms=transforms,
+        budget=memory_budget(q.device), triton=triton_runs(q.device.type), threshold=threshold)
+    return path, causal
+
+
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
@@ -308,6 +337,10 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     causal = None
     if method == "auto":
         method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold)
+        if method == "fused" and q.device.type != "cpu":
+            from .accelerator_paths import fused_or_stream
+
+            return fused_or_stream(q, k, v, log_weights, q_pos, k_pos, causal=causal)
     elif method not in METHODS:
         _check_method(method)
     if method == "dense":
@@ -316,7 +349,9 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     from . import streaming
 
     if method == "fused":
-        return _check_output(streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal),
+        # CUDA's fused kernels take heads of a multiple of 8 (zero-padded; scores and outputs unchanged)
+        return _check_output(streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
+                                                    align=8 if q.device.type == "cuda" else 1),
                              q, k, v, log_weights, queries=True)
     return _check_output(streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
                                                  block_size=default_block if block_size is None else block_size),

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK"]
+__all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
 #: default tile edge: a 256 x 256 tile of float64 is 512 KiB and stays in cache; in the Python tile
 #: loops it beat 128, 512, 1024 and wide (256 x 1024 to 64 x 4096) tiles at d = 3 and 64, masked or
@@ -101,8 +101,8 @@ _FLASH_BWD = _flash_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def _flash_ok(q, plan, qp) -> bool:
-    return (_FLASH_FWD is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and (qp is None or plan.causal) and not _transforms_active())
+    return (plan.engine == "auto" and _FLASH_FWD is not None and q.device.type == "cpu"
+            and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
 
 
 # ---------------------------------------------------------------------- layout of the mask
@@ -110,12 +110,15 @@ def _flash_ok(q, plan, qp) -> bool:
 class _Plan:
     """Tile sizes and what the positions allow: ``tiles`` lists, per query block, the key blocks with a
     visible key and whether they need the mask (None: visit and mask all); ``causal`` says that the
-    mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n)."""
+    mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n); ``engine``
+    the fast engine of plain passes: "auto" (CPU: the flash kernel where the mask allows, tiles otherwise),
+    "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`)."""
 
     bq: int
     bk: int
     tiles: tuple | None = None
     causal: bool = False
+    engine: str = "auto"
 
 
 def _block_extremes(p, block, fill_min, fill_max):
@@ -128,7 +131,7 @@ def _block_extremes(p, block, fill_min, fill_max):
     return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
 
 
-def _plan(qp, kp, m, n, bq, bk) -> _Plan:
+def _plan(qp, kp, m, n, bq, bk, engine="auto") -> _Plan:
     """The mask layout from the positions, read from the device once (one host sync).
 
     A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
@@ -137,7 +140,7 @@ def _plan(qp, kp, m, n, bq, bk) -> _Plan:
     read: then every tile is visited and masked.
     """
     if qp is None:
-        return _Plan(bq, bk)
+        return _Plan(bq, bk, engine=engine)
     try:
         q_lo, q_hi = _block_extremes(qp, bq, math.inf, -math.inf)
         k_lo, k_hi = _block_extremes(kp, bk, math.inf, -math.inf)
@@ -147,7 +150,7 @@ def _plan(qp, kp, m, n, bq, bk) -> _Plan:
             causal = seq.to(qp.dtype).reshape(1)
         vals = torch.cat([q_lo, q_hi, k_lo, k_hi, causal]).tolist()
     except RuntimeError:
-        return _Plan(bq, bk)
+        return _Plan(bq, bk, engine=engine)
     nq, nk = len(q_lo), len(k_lo)
     q_lo, q_hi = vals[:nq], vals[nq:2 * nq]
     k_lo, k_hi = vals[2 * nq:2 * nq + nk], vals[2 * nq + nk:2 * nq + 2 * nk]
@@ -155,7 +158,7 @@ def _plan(qp, kp, m, n, bq, bk) -> _Plan:
         tuple((b, not k_hi[b] <= q_lo[a]) for b in range(nk) if k_lo[b] <= q_hi[a])
         for a in range(nq)
     )
-    return _Plan(bq, bk, tiles, bool(vals[-1]))
+    return _Plan(bq, bk, tiles, bool(vals[-1]), engine)
 
 
 def _visit(plan, a, count):
@@ -479,8 +482,27 @@ def _flat3(t, rows_dims=2):
     return t.reshape(-1, *t.shape[t.dim() - rows_dims:])
 
 
+def _triton_ok(plan) -> bool:
+    return plan.engine == "triton" and not _transforms_active()
+
+
+def _triton():
+    from . import triton_attention
+
+    return triton_attention
+
+
+def _key(name, q, v):
+    return ("attention " + name, q.device.type, q.dtype, q.shape[-1], v.shape[-1])
+
+
 def _forward(q, k, v, lw, qp, kp, plan):
     """(out, L) for 3-D inputs."""
+    if _triton_ok(plan):
+        from particles.device import run_triton
+
+        return run_triton(_key("forward", q, v), lambda: _triton().forward(q, k, v, lw, qp, kp, plan.causal),
+                          lambda: _forward_tiles(q, k, v, lw, qp, kp, plan), "attend")
     if _flash_ok(q, plan, qp):
         return _flash_forward(q, k, v, lw, plan.causal)
     return _forward_tiles(q, k, v, lw, qp, kp, plan)
@@ -532,11 +554,30 @@ class StreamAttention(torch.autograd.Function):
         q, k, v, lw, qp, kp, out, lse = ctx.saved_tensors
         tlw = tlw if ctx.has_lw else None
         if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
-            return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+            return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
         return _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
 
 
+def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
+    if _triton_ok(plan):
+        from particles.device import run_triton
+
+        return run_triton(_key("jvp", q, v),
+                          lambda: _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw),
+                          lambda: _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan), "attend (JVP)")
+    if cache is None:
+        return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+    return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache)
+
+
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    if _triton_ok(plan):
+        from particles.device import run_triton
+
+        return run_triton(_key("backward", q, v),
+                          lambda: _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need),
+                          lambda: _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need),
+                          "attend (VJP)")
     if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
         return _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
     return _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
@@ -601,8 +642,8 @@ class _StreamBackward(torch.autograd.Function):
                 # probability tiles while they fit in P_CACHE_BYTES
                 if not hasattr(ctx, "p_cache"):
                     small = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() <= P_CACHE_BYTES
-                    ctx.p_cache = {} if small else None
-                d_out, d_lse = _jvp_tiles(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
+                    ctx.p_cache = {} if small and plan.engine != "triton" else None
+                d_out, d_lse = _fast_jvp(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
             else:
                 d_out, d_lse = _jvp_functional(q, k, v, lw, qp, kp, out, lse, *tans, plan)
             grads[8] = d_out if ctx.needs_input_grad[8] else None
@@ -669,19 +710,55 @@ def _broadcast(q, k, v, log_weights, q_pos, k_pos):
     return batch, q, k, v, log_weights, q_pos, k_pos
 
 
-def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_size=None, return_lse=False):
+ENGINES = ("auto", "tiles", "triton")
+
+
+def _resolve_engine(engine, q, v):
+    from particles.device import triton_runs
+
+    from .accelerator_paths import stream_engine
+
+    dev = q.device.type
+    if engine is None:
+        return stream_engine(dev, q.dtype, q.shape[-1], v.shape[-1], triton=dev != "cpu" and triton_runs(dev),
+                             transforms=_transforms_active())
+    if engine not in ENGINES:
+        raise ValueError(f"engine: expected None or one of {ENGINES}, got {engine!r}")
+    if engine == "triton" and not triton_runs(dev):
+        raise ValueError(f"engine: 'triton' does not run on {dev} tensors here (Triton not installed, no CUDA, "
+                         "or on CPU without TRITON_INTERPRET=1)")
+    return engine
+
+
+def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_size=None, return_lse=False,
+                  engine=None):
     """Weighted (causal) softmax attention in tiles of ``block_size`` (int or (block_q, block_k)).
 
     Same result as :func:`meanfield.kernels.attend`'s dense path (to rounding), memory
-    O((m + n)(d + c) + block_q block_k); ``block_size`` None takes :data:`DEFAULT_BLOCK`. With
+    O((m + n)(d + c) + block_q block_k); ``block_size`` None takes :data:`DEFAULT_BLOCK` on CPU and, on
+    other devices, tiles sized by the memory budget (:func:`meanfield.accelerator_paths.tile_shape`).
+    ``engine`` picks the fast engine of plain (not differentiated) passes: None by device
+    (:func:`meanfield.accelerator_paths.stream_engine`: the measured CPU map on CPU, the Triton kernels
+    on CUDA), "auto" (the CPU map), "tiles" (the in-place tile loops) or "triton"
+    (:mod:`meanfield.triton_attention`; on CPU only under ``TRITON_INTERPRET=1``, for tests). With
     ``return_lse`` also returns the row log-sum-exp L.
     """
     pair = _check_block(block_size)
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
-    bq, bk = pair if pair is not None else (DEFAULT_BLOCK, DEFAULT_BLOCK)
+    engine = _resolve_engine(engine, q, v)
+    if pair is not None:
+        bq, bk = pair
+    elif q.device.type == "cpu":
+        bq, bk = DEFAULT_BLOCK, DEFAULT_BLOCK
+    else:
+        from particles.device import memory_budget
+
+        from .accelerator_paths import tile_shape
+
+        bq, bk = tile_shape(math.prod(batch), m, n, q.element_size(), memory_budget(q.device))
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
-    plan = _plan(flat[4], flat[5], m, n, bq, bk)
+    plan = _plan(flat[4], flat[5], m, n, bq, bk, engine)
     out, lse = StreamAttention.apply(*flat, plan)
     out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
     return (out, lse) if return_lse else out
@@ -704,7 +781,7 @@ def sequence_mask(q_pos, k_pos) -> bool:
         return False
 
 
-def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None):
+def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None, align=1):
     """Attention through ``torch.nn.functional.scaled_dot_product_attention`` in its 4-D layout.
 
     Torch picks the kernel (on CPU the fused flash kernel for float32/float64; on CUDA flash or
@@ -714,7 +791,9 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
     O(m n) memory (``attend(method="auto")`` streams those instead). Log-weights enter as a broadcast
     additive mask row, or with ``is_causal`` as an extra coordinate q' = [q, 1], k' = [k, log a];
     SDPA's own 1/sqrt(e) scale is replaced by 1. Rows with no visible key of positive weight give
-    zeros, as in the dense kernel.
+    zeros, as in the dense kernel. ``align`` > 1 zero-pads q, k and v to a multiple of it (CUDA's fused
+    kernels need heads of a multiple of 8; :func:`meanfield.accelerator_paths.fused_widths`), and then
+    log-weights ride as the extra coordinate wherever it costs no width.
     """
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
@@ -727,7 +806,12 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
     Q, K, V = to4(q), to4(k), to4(v)
     mask = None
     lw = None if log_weights is None else log_weights.reshape(*lead, n)
-    if lw is not None and causal:
+    fold = causal
+    if align > 1:
+        from .accelerator_paths import fused_widths
+
+        fold = fused_widths(q.shape[-1], c, lw is not None, causal)[1]
+    if lw is not None and fold:
         low = torch.finfo(q.dtype).min / 4
         Q = torch.cat([Q, torch.ones_like(Q[..., :1])], -1)
         K = torch.cat([K, lw.clamp(min=low).unsqueeze(-1)], -1)
@@ -737,7 +821,7 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
         visible = k_pos.reshape(*lead, n).unsqueeze(-2) <= q_pos.reshape(*lead, m).unsqueeze(-1)
         mask = visible if mask is None else mask.masked_fill(~visible, -math.inf)
     # the CPU kernels need one width for q, k and v; zero columns change no product
-    width = max(Q.shape[-1], c)
+    width = align * -(-max(Q.shape[-1], c) // align)
     pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
     out = torch.nn.functional.scaled_dot_product_attention(pad(Q), pad(K), pad(V), attn_mask=mask,
                                                            is_causal=causal, scale=1.0)[..., :c]

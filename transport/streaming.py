@@ -38,10 +38,10 @@ import torch
 from particles import Measure
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from .options import check_memory_limit, resolve
+from .options import DEFAULT_CHUNK_ELEMENTS, check_memory_limit, resolve
 from .problem import Problem, ldexp
 from .result import worst_error
-from .tiles import plan_tiles, softmin, update
+from .tiles import device_chunk, plan_tiles, softmin, update
 
 __all__ = ["symmetric_potential"]
 
@@ -270,7 +270,11 @@ def solve_streaming(problem: Problem, eps: float, opts: dict, return_plan: bool 
     potentials come in. Never forms the plan (``return_plan`` is refused by :func:`transport.solve`
     before this runs).
     """
-    debias, chunk = opts["debias"], opts["chunk_elements"]
+    # blocks sized by the device's memory budget off the CPU (an explicit chunk_elements is kept)
+    chunk = device_chunk(opts["chunk_elements"], DEFAULT_CHUNK_ELEMENTS, problem.x.device, problem.x.element_size(),
+                         BLOCK_TEMPORARIES, memory_limit)
+    opts = {**opts, "chunk_elements": chunk}
+    debias = opts["debias"]
     if problem.grad and not debias:
         raise ValueError("debias: gradients of the streaming path are available for debias=True only "
                          "(the cost of the entropic plan has no envelope formula)")
@@ -341,7 +345,10 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         raise ValueError("reg: symmetric_potential needs an entropic regularization reg > 0")
     problem = problem.to(problem.precision(opts["reg"], opts["tol"]))
     eps = problem.eps(opts["reg"])
-    _check_blocks(mu.n, mu.n, opts["chunk_elements"], 8, memory_limit)  # the certificate's blocks are float64
+    chunk = device_chunk(opts["chunk_elements"], DEFAULT_CHUNK_ELEMENTS, problem.x.device, problem.x.element_size(),
+                         BLOCK_TEMPORARIES, memory_limit)
+    opts = {**opts, "chunk_elements": chunk}
+    _check_blocks(mu.n, mu.n, chunk, 8, memory_limit)  # the certificate's blocks are float64
     sa = problem.log_a > -math.inf
     x, la = problem.x.detach()[sa], problem.log_a.detach()[sa]
 
@@ -352,8 +359,7 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     with torch.no_grad():
         f, err, it = _certified_self(x, la, eps, opts, wide)
         x_all = problem.x.detach().to(f.dtype)
-        f = ldexp(extend_potential(f, sa, x_all, x.to(f.dtype), la.to(f.dtype), f, eps, opts["chunk_elements"]),
-                  2 * problem.k)
+        f = ldexp(extend_potential(f, sa, x_all, x.to(f.dtype), la.to(f.dtype), f, eps, chunk), 2 * problem.k)
     if not bool(torch.isfinite(f).all()):
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
                                f"{f.dtype} (squared distances beyond its range)", (f, err, it))

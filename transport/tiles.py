@@ -22,13 +22,27 @@ A row whose S_i leaves the range where its terms are exact (overflow, or the ter
 underflowing: the first iterations, a new eps level, far-off potentials) is recomputed with the
 max-shifted log-sum-exp of :func:`softmin`, so the result never depends on how good f was.
 Memory: one tile of ``chunk_elements`` entries and O(N + M) vectors; CPU and CUDA alike.
+
+On CUDA with Triton (shipped with torch's CUDA wheels on Linux) the half-step is one kernel instead
+(:mod:`transport.triton_softmin`): the tiles stay in registers and the log-sum-exp is max-shifted
+online, exact for any potentials, so neither the safe-range test nor the fallback (nor their host
+synchronisations) is needed. The routines still made of tiles there (:func:`plan_tiles` for gradients
+and costs, :func:`softmin` for atoms of zero mass) take tiles sized by the device's memory budget
+(:func:`device_chunk`) rather than the CPU-cache-sized default.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["softmin", "factors", "cofactors", "row_sums", "safe", "update", "plan_tiles"]
+from particles.device import memory_budget, run_triton, triton_runs
+
+__all__ = ["softmin", "factors", "cofactors", "row_sums", "safe", "update", "plan_tiles", "device_chunk"]
+
+#: on CUDA the default chunk (cache-sized for a CPU) becomes tiles of this fraction of the memory budget
+DEVICE_BUDGET_FRACTION = 0.25
+#: ... and at most this many entries (1 GiB of float32): larger tiles no longer amortize anything
+DEVICE_MAX_CHUNK = 2**28
 
 
 def rows_per_block(m: int, chunk_elements: int) -> int:
@@ -129,14 +143,45 @@ def safe(S, m: int):
     return (S >= m * fi.tiny / fi.eps) & (S <= fi.max)
 
 
+def _fused(x) -> bool:
+    """Whether the half-step runs as the Triton kernel: CUDA tensors, Triton installed."""
+    return x.device.type == "cuda" and triton_runs("cuda")
+
+
+def device_chunk(chunk_elements: int, default: int, device, element_size: int, temporaries: int,
+                 memory_limit=None) -> int:
+    """The tile size of the tiled routines on ``device``: ``chunk_elements`` as given on CPU, or when it is
+    not the ``default`` (a choice of the caller); on another device the default, sized for a CPU's cache
+    (thousands of tiny launches per half-step on a GPU), grows to :data:`DEVICE_BUDGET_FRACTION` of the
+    memory budget (:func:`particles.device.memory_budget`) spread over ``temporaries`` buffers."""
+    device = torch.device(device)
+    if device.type == "cpu" or chunk_elements != default:
+        return chunk_elements
+    room = int(DEVICE_BUDGET_FRACTION * memory_budget(device, memory_limit)) // (temporaries * element_size)
+    return max(chunk_elements, min(DEVICE_MAX_CHUNK, room))
+
+
 def update(x, xx, y, yy, log_b, f, g, eps, chunk_elements):
     """delta = T(g) - f, the change of a Sinkhorn half-step on the x side (see the module docstring).
 
     Returns delta (N,): -eps log S_i where S_i is :func:`safe`, ``softmin(...) - f`` on the other rows
     (T(g) never depends on f; only the cost does: the fallback rows are computed twice). a_i
     exp(-delta_i / eps) is the i-th row mass of the plan (f, g), so the marginal error needs no
-    subtraction of close numbers.
+    subtraction of close numbers. On CUDA with Triton: -eps times the max-shifted log-sum-exp of the
+    same exponents, in one kernel (:func:`transport.triton_softmin.lse_rows`), for every row.
     """
+    if _fused(x):
+        def kernel():
+            from .triton_softmin import lse_rows
+
+            return lse_rows(factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps)).mul_(-eps)
+
+        return run_triton(("sinkhorn soft-min", x.device.type, x.dtype, x.shape[1]), kernel,
+                          lambda: _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements), "w2 (streaming)")
+    return _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements)
+
+
+def _update_tiles(x, xx, y, yy, log_b, f, g, eps, chunk_elements):
     S = row_sums(factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps), chunk_elements)
     bad = ~safe(S, y.shape[0])
     delta = S.log_().mul_(-eps)

@@ -1,0 +1,624 @@
+"""The framework on one GPU against the fastest peers, side by side in one process.
+
+    python benchmarks/bench_gpu.py                       # every section (about 30-60 min on an H100)
+    python benchmarks/bench_gpu.py --sections table      # the issue's table only (about 10 min)
+    python benchmarks/bench_gpu.py --sections grid derivatives lipschitz sinkhorn dynamics --quick
+
+On a machine without CUDA it says so and exits (status 0) without measuring anything. Every figure is
+the median of ``--repeats`` (3) timed calls after one warm-up, candidates interleaved (A, B, C, A, ...
+in an order rotated at every repeat), ``torch.cuda.synchronize`` around each call, float32 unless
+said; ratios are peer / ours (> 1: ours faster). A call that raises CUDA's out-of-memory error is
+reported as such; a candidate whose call exceeds ``--cap`` seconds is not timed again nor run at larger
+N. Sections (each writes its rows as it finishes them; results of separate runs on the same GPU are
+merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from all of them):
+
+* ``table``: every row of the table that motivated the GPU work, same peers, same sizes (attention
+  forward d = 3 / 64, the streamed path, small N, VJP and JVP at d = 64, Sinkhorn, simulate, the
+  certified Lipschitz constant of a Hugging Face GPT-2 layer against power iteration);
+* ``grid`` (goal: auto within 1.2x of the best peer): attention forward, N = 1e3 .. 1e6, d = 3 and 64,
+  unweighted / weighted / causal sequence / arbitrary positions; peers: SDPA with the head zero-padded
+  to a multiple of 8, rows in chunks of 2048 against all keys, naive dense;
+* ``derivatives`` (goals: VJP within 1.5x and JVP within 2x of SDPA's backward): N = 1e4 .. 1e6, d = 64
+  and 3, plain, weighted, causal, arbitrary positions;
+* ``lipschitz`` (goal: N = 1e5 under 30 s, 1e6 under 10 min, the CPU's certificate): the certified
+  mean-field constant of SelfAttention(A, V) on a weighted measure in d = 3;
+* ``sinkhorn`` (goals: within 1.5x of GeomLoss ``tensorized`` where it fits, N = 1e6 under 60 s):
+  debiased, blur 0.05 (reg = 2 blur^2 = 0.005 in squared-distance units), tol 1e-3;
+* ``dynamics`` (goal: within 1.3x of a plain RK4 loop on the best kernel): simulate, rk4, 10 steps, d = 3.
+
+``--quick`` leaves out N = 1e6 (and Sinkhorn's 2e5). ``--cpu-smoke`` runs every section at tiny sizes
+on the CPU (to check the script itself; its figures mean nothing) and writes to ``--out`` only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import forward_ad
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from meanfield import SelfAttention, local_lipschitz, simulate, streaming  # noqa: E402
+from meanfield.kernels import attend, choose  # noqa: E402
+from particles import Measure  # noqa: E402
+from transport import w2  # noqa: E402
+
+SECTIONS = ("table", "grid", "derivatives", "lipschitz", "sinkhorn", "dynamics")
+OOM = "out of memory"
+CHUNK_ROWS = 2048
+BLUR = 0.05
+SINKHORN_TOL = 1e-3
+
+
+# ---------------------------------------------------------------------- timing
+class Bench:
+    def __init__(self, device, repeats, cap, smoke):
+        self.device, self.repeats, self.cap, self.smoke = device, repeats, cap, smoke
+        self.too_slow = set()   # candidate names that exceeded the cap (skipped at larger N)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _call(self, fn):
+        """(seconds, result) of one synchronized call, or (None, 'out of memory')."""
+        self.sync()
+        t0 = time.perf_counter()
+        try:
+            out = fn()
+            self.sync()
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            out = OOM
+        except RuntimeError as exc:
+            if "out of memory" not in str(exc).lower():
+                raise
+            out = OOM
+        t = time.perf_counter() - t0
+        if out is OOM:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return None, OOM
+        return t, out
+
+    def peak(self, fn):
+        """Peak memory (GiB) allocated during one call, above what was allocated before it (CUDA only)."""
+        if self.device.type != "cuda":
+            return None
+        self.sync()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        t, _ = self._call(fn)
+        return None if t is None else (torch.cuda.max_memory_allocated() - base) / 2**30
+
+    def time(self, fns: dict) -> dict:
+        """name -> median seconds, 'out of memory', 'over cap (X s)' or 'skipped (over cap at smaller N)'."""
+        res, live = {}, []
+        for name, fn in fns.items():
+            if fn is None:
+                res[name] = "n/a"
+                continue
+            if name in self.too_slow:
+                res[name] = "skipped (over cap at smaller N)"
+                continue
+            t, out = self._call(fn)  # warm-up (compilation, autotuning, allocator)
+            if t is None:
+                res[name] = OOM
+            elif t > self.cap:
+                res[name] = f"over cap ({t:.0f} s)"
+                self.too_slow.add(name)
+            else:
+                live.append(name)
+        times = {k: [] for k in live}
+        for r in range(self.repeats):
+            for name in live[r % max(1, len(live)):] + live[:r % max(1, len(live))]:
+                if name in res:
+                    continue
+                t, out = self._call(fns[name])
+                if t is None:
+                    res[name] = OOM
+                else:
+                    times[name].append(t)
+        for name in live:
+            if name not in res:
+                res[name] = statistics.median(times[name])
+        return res
+
+
+def fmt(x):
+    if isinstance(x, str):
+        return x
+    if x is None:
+        return "-"
+    if x >= 1:
+        return f"{x:.2f} s"
+    return f"{x * 1e3:.3g} ms"
+
+
+def ratio(peer, ours):
+    if isinstance(peer, float) and isinstance(ours, float) and ours > 0:
+        return f"{peer / ours:.2f}x"
+    return "-"
+
+
+def best(res: dict, names):
+    vals = [(res[n], n) for n in names if isinstance(res.get(n), float)]
+    return min(vals) if vals else (None, None)
+
+
+# ---------------------------------------------------------------------- attention inputs and peers
+def attention_inputs(n, d, mask, device, dtype=torch.float32, seed=0, grad=False):
+    """Self-attention inputs q = X A^T, k = X, v = X V^T (as tensors of their own), log-weights, positions."""
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    A = torch.randn(d, d, generator=g, dtype=torch.float64) / d
+    V = torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    q, k, v = (t.to(device=device, dtype=dtype).contiguous() for t in (X @ A.T, X, X @ V.T))
+    if grad:
+        q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+    lw = qp = kp = None
+    if mask in ("weighted", "weighted causal"):
+        lw = torch.log_softmax(torch.randn(n, generator=g, dtype=torch.float64), 0).to(device=device, dtype=dtype)
+    if mask in ("causal", "weighted causal"):
+        qp = kp = torch.arange(n, dtype=dtype, device=device)
+    if mask == "positions":
+        qp = torch.rand(n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+        kp = torch.rand(n, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+    return q, k, v, lw, qp, kp
+
+
+def _pad8(t):
+    w = -(-t.shape[-1] // 8) * 8
+    return t if t.shape[-1] == w else F.pad(t, (0, w - t.shape[-1]))
+
+
+def sdpa_padded(q, k, v, lw, qp, kp, pad=True):
+    """torch's SDPA, heads zero-padded to a multiple of 8 (the peer); log-weights as a mask row, or with the
+    causal mask as an extra coordinate; arbitrary positions as an explicit (m, n) boolean mask."""
+    c = v.shape[-1]
+    causal = qp is not None and bool((qp == kp).all())
+    mask = None
+    if lw is not None and causal:
+        q = torch.cat([q, torch.ones_like(q[:, :1])], -1)
+        k = torch.cat([k, lw.unsqueeze(-1)], -1)
+    elif lw is not None:
+        mask = lw[None, None, None, :]
+    if qp is not None and not causal:
+        vis = kp[None, :] <= qp[:, None]
+        mask = vis[None, None] if mask is None else mask.masked_fill(~vis[None, None], -math.inf)
+    w = max(q.shape[-1], c)
+    fit = lambda t: F.pad(t, (0, w - t.shape[-1])) if t.shape[-1] < w else t
+    Q, K, Vv = (fit(t)[None, None] for t in (q, k, v))
+    if pad:
+        Q, K, Vv = _pad8(Q), _pad8(K), _pad8(Vv)
+    return F.scaled_dot_product_attention(Q, K, Vv, attn_mask=mask, is_causal=causal, scale=1.0)[0, 0, :, :c]
+
+
+def chunked(q, k, v, lw, qp, kp, rows=CHUNK_ROWS):
+    """Rows in chunks against all keys, five lines of torch (the peer)."""
+    out = []
+    kT = k.T
+    for i in range(0, q.shape[0], rows):
+        s = q[i:i + rows] @ kT
+        if lw is not None:
+            s = s + lw
+        if qp is not None:
+            s = s.masked_fill(kp[None, :] > qp[i:i + rows, None], -math.inf)
+        out.append(torch.softmax(s, -1).nan_to_num_(0.0) @ v)
+    return torch.cat(out)
+
+
+def naive(q, k, v, lw, qp, kp):
+    s = q @ k.T
+    if lw is not None:
+        s = s + lw
+    if qp is not None:
+        s = s.masked_fill(kp[None, :] > qp[:, None], -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+def dense_fits(n, device, dtype=torch.float32, temporaries=3):
+    if device.type != "cuda":
+        return n <= 4096
+    return temporaries * n * n * torch.empty((), dtype=dtype).element_size() < 0.8 * torch.cuda.mem_get_info()[0]
+
+
+# ---------------------------------------------------------------------- sections
+def forward_rows(b, n, d, mask, with_stream=False, with_dense=True):
+    args = attention_inputs(n, d, mask, b.device)
+    fns = {"ours (auto)": lambda: attend(*args)}
+    if with_stream:
+        fns["ours (stream)"] = lambda: attend(*args, method="stream")
+    fns["SDPA padded"] = lambda: sdpa_padded(*args)
+    fns["chunked dense"] = lambda: chunked(*args)
+    fns["naive dense"] = (lambda: naive(*args)) if with_dense and dense_fits(n, b.device) else None
+    res = b.time(fns)
+    with torch.no_grad():
+        res["info"] = {"auto's path": choose(*args), "auto's peak GiB": b.peak(fns["ours (auto)"])}
+    return res
+
+
+def _engines(b):
+    """The streamed kernel's engines to time side by side (derivatives section): which is faster where
+    decides meanfield.accelerator_paths.TRITON_MAX_WIDTH."""
+    from particles.device import triton_runs
+
+    return ["tiles"] + (["triton"] if triton_runs(b.device.type) else [])
+
+
+def vjp_rows(b, n, d, mask, engines=()):
+    """VJP (backward only, on a recorded graph) and JVP (forward-mode, forward + tangent) of ours (auto, and
+    each engine of ``engines`` forced) against SDPA's backward and dense forward-mode AD."""
+    q, k, v, lw, qp, kp = attention_inputs(n, d, mask, b.device, grad=True)
+    g = torch.randn(n, v.shape[-1], device=b.device, dtype=q.dtype)
+
+    def graph(f):
+        try:
+            return f(q, k, v, lw, qp, kp)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            return None
+
+    fns = {}
+    paths = [("ours (VJP)", lambda *a: attend(*a)), ("SDPA backward", sdpa_padded)]
+    paths += [(f"ours (VJP, {e} engine)", lambda *a, e=e: streaming.stream_attend(*a, engine=e)) for e in engines]
+    for name, f in paths:
+        out = graph(f)
+        fns[name] = None if out is None else (lambda out=out: torch.autograd.grad(out, (q, k, v), g,
+                                                                                   retain_graph=True))
+    res = b.time(fns)
+    del fns
+    # forward-mode: ours against dense forward-mode AD (torch.func.jvp of the naive kernel)
+    tans = [torch.randn_like(t) for t in (q, k, v)]
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+
+    def ours_jvp(engine=None):
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(p, t) for p, t in zip((qd, kd, vd), tans)]
+            if engine is None:
+                return forward_ad.unpack_dual(attend(*duals, lw, qp, kp)).tangent
+            return forward_ad.unpack_dual(streaming.stream_attend(*duals, lw, qp, kp, engine=engine)).tangent
+
+    dense_jvp = (lambda: torch.func.jvp(lambda a, bb, c: naive(a, bb, c, lw, qp, kp), (qd, kd, vd), tuple(tans))[1])
+    fns = {"ours (JVP)": ours_jvp,
+           "dense forward-mode AD": dense_jvp if dense_fits(n, b.device, temporaries=6) else None}
+    fns.update({f"ours (JVP, {e} engine)": (lambda e=e: ours_jvp(e)) for e in engines})
+    res.update(b.time(fns))
+    return res
+
+
+def sinkhorn_rows(b, n, with_peers=True):
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(n, 3, generator=g, dtype=torch.float64).to(b.device, torch.float32)
+    Y = (torch.rand(n, 3, generator=g, dtype=torch.float64) + 0.1).to(b.device, torch.float32)
+    reg = 2 * BLUR**2  # GeomLoss's p = 2 cost is |x - y|^2 / 2 with eps = blur^2
+    iters = 30 if b.smoke else None  # the smoke run checks the code path, not the convergence
+    fns = {"ours (streaming)": lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg, squared=True,
+                                          debias=True, tol=SINKHORN_TOL, max_iter=iters, on_failure="warn")}
+    try:
+        from geomloss import SamplesLoss
+
+        loss = SamplesLoss("sinkhorn", p=2, blur=BLUR, scaling=0.5, debias=True, backend="tensorized")
+        fits = dense_fits(n, b.device, temporaries=4)
+        fns["GeomLoss tensorized"] = (lambda: 2 * float(loss(X, Y))) if with_peers and fits else None
+    except ImportError:
+        fns["GeomLoss tensorized"] = None
+    try:
+        import ot
+
+        def pot():
+            M = torch.cdist(X, Y) ** 2
+            a = torch.full((n,), 1.0 / n, device=b.device, dtype=X.dtype)
+            P = ot.bregman.sinkhorn_log(a, a, M, reg, numItermax=iters or 10_000, stopThr=SINKHORN_TOL,
+                                        warn=False)
+            return float((P * M).sum())
+
+        fns["POT sinkhorn_log dense (not debiased)"] = pot if with_peers and dense_fits(n, b.device, temporaries=4) \
+            else None
+    except ImportError:
+        fns["POT sinkhorn_log dense (not debiased)"] = None
+    return b.time(fns)
+
+
+def dynamics_rows(b, n, d=3, steps=10, T=1.0):
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(n, d, generator=g, dtype=torch.float64).to(b.device, torch.float32)
+    A = (torch.randn(d, d, generator=g, dtype=torch.float64) / d).to(b.device, torch.float32)
+    V = (torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)).to(b.device, torch.float32)
+    op = SelfAttention(A, V)
+    mu = Measure(X)
+    h = T / steps
+
+    def rk4(pad):
+        def field(Y):
+            return sdpa_padded(Y @ A.T, Y, Y @ V.T, None, None, None, pad=pad)
+
+        Y = X
+        for _ in range(steps):
+            k1 = field(Y)
+            k2 = field(Y + h / 2 * k1)
+            k3 = field(Y + h / 2 * k2)
+            k4 = field(Y + h * k3)
+            Y = Y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
+        return Y
+
+    return b.time({"ours (simulate rk4)": lambda: simulate(op, mu, [0.0, T], method="rk4", steps=steps).final,
+                   "RK4 loop on SDPA": lambda: rk4(False), "RK4 loop on SDPA padded": lambda: rk4(True)})
+
+
+def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(n)
+    X = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
+    A = torch.randn(d, d, generator=g, dtype=torch.float64)
+    V = torch.randn(d, d, generator=g, dtype=torch.float64)
+    mu = Measure(X.to(device, dtype), (w / w.sum()).to(device, dtype))
+    op = SelfAttention(A.to(device, dtype), V.to(device, dtype))
+    b_ = Bench(device, 1, b.cap, b.smoke)
+    t, est = b_._call(lambda: local_lipschitz(op, mu, tol=1e-6, on_failure="warn"))
+    return t, est
+
+
+def gpt2_rows(b, n):
+    try:
+        from meanfield.hf import attention_function
+        from studies.models import random_model
+    except ImportError:
+        return {"info": {"note": "transformers not installed"}}
+    try:
+        model = random_model("gpt2", size="tiny" if b.smoke else "full", dtype=torch.float32, device=b.device)
+    except ImportError:
+        return {"info": {"note": "transformers not installed"}}
+    f = attention_function(model, 0)
+    D = model.config.n_embd
+    X = torch.randn(n, D, generator=torch.Generator().manual_seed(n), dtype=torch.float32).to(b.device)
+    runs = {}
+    fns = {"ours (lanczos)": lambda: runs.__setitem__("ours", local_lipschitz(f, X, tol=1e-6)),
+           "power iteration": lambda: runs.__setitem__("power", local_lipschitz(f, X, method="power", tol=1e-6,
+                                                                                 max_iter=50 if b.smoke else 5000,
+                                                                                 on_failure="warn"))}
+    res = b.time(fns)
+    info = res["info"] = {}
+    for key in ("ours", "power"):
+        if key in runs:
+            info[f"{key} products"] = runs[key].applications
+            info[f"{key} value"] = runs[key].value
+    if "ours" in runs and b.device.type == "cuda":
+        info["CPU value"] = local_lipschitz(attention_function(model.cpu(), 0), X.cpu(), tol=1e-6).value
+        model.to(b.device)
+    return res
+
+
+# ---------------------------------------------------------------------- the sections as tables
+def section_table(b, quick):
+    rows = []
+    s = (lambda n: min(n, 40)) if b.smoke else (lambda n: n)
+    for n in ([10**5] if quick else [10**5, 10**6]):
+        r = forward_rows(b, s(n), 3, "none", with_dense=False)
+        rows.append(("attention forward, d = 3, auto", s(n), r, "ours (auto)", ["SDPA padded"]))
+    r = forward_rows(b, s(10**5), 3, "weighted", with_dense=False)
+    rows.append(("attention forward, d = 3, weighted, auto", s(10**5), r, "ours (auto)", ["SDPA padded"]))
+    for n in (10**4, 10**5):
+        r = forward_rows(b, s(n), 3, "weighted", with_stream=True, with_dense=False)
+        rows.append(("attention forward, d = 3, weighted, method='stream'", s(n), r, "ours (stream)",
+                     ["SDPA padded", "chunked dense"]))
+    for n in (10**4, 10**5):
+        r = forward_rows(b, s(n), 64, "none", with_stream=True, with_dense=False)
+        rows.append(("attention forward, d = 64, method='stream'", s(n), r, "ours (stream)", ["SDPA padded"]))
+        rows.append(("attention forward, d = 64, auto", s(n), r, "ours (auto)", ["SDPA padded"]))
+    for d in (3, 64):
+        r = forward_rows(b, s(1000), d, "none")
+        rows.append((f"attention forward, auto, d = {d}", s(1000), r, "ours (auto)", ["naive dense", "SDPA padded"]))
+    for n in (10**4, 10**5):
+        r = vjp_rows(b, s(n), 64, "none")
+        rows.append(("VJP (backward), d = 64", s(n), r, "ours (VJP)", ["SDPA backward"]))
+        rows.append(("JVP (forward + tangent), d = 64", s(n), r, "ours (JVP)",
+                     ["dense forward-mode AD", "SDPA backward"]))
+    for n in (10**4, 3 * 10**4, 10**5, 2 * 10**5):
+        if quick and n > 10**5:
+            continue
+        r = sinkhorn_rows(b, s(n), with_peers=n <= 3 * 10**4)
+        rows.append((f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", s(n), r, "ours (streaming)",
+                     ["GeomLoss tensorized", "POT sinkhorn_log dense (not debiased)"]))
+    for n in (10**4, 10**5):
+        r = dynamics_rows(b, s(n))
+        rows.append(("simulate, rk4, 10 steps, d = 3", s(n), r, "ours (simulate rk4)",
+                     ["RK4 loop on SDPA", "RK4 loop on SDPA padded"]))
+    for n in (64, 256, 1024):
+        r = gpt2_rows(b, 8 if b.smoke else n)
+        rows.append(("certified Lipschitz, GPT-2-sized layer (HF, float32)", n, r, "ours (lanczos)",
+                     ["power iteration"]))
+    return rows
+
+
+def section_grid(b, quick):
+    rows = []
+    sizes = [10**3, 10**4, 10**5] + ([] if quick else [10**6])
+    if b.smoke:
+        sizes = [24, 40]
+    for d in (3, 64):
+        for mask in ("none", "weighted", "causal", "positions"):
+            b.too_slow.clear()
+            for n in sizes:
+                r = forward_rows(b, n, d, mask)
+                rows.append((f"forward, d = {d}, {mask}", n, r, "ours (auto)",
+                             ["SDPA padded", "chunked dense", "naive dense"]))
+    return rows
+
+
+def section_derivatives(b, quick):
+    rows = []
+    sizes = [10**4, 10**5] + ([] if quick else [10**6])
+    if b.smoke:
+        sizes = [24, 40]
+    for d in (64, 3):
+        for mask in ("none", "weighted", "causal", "positions"):
+            b.too_slow.clear()
+            for n in sizes:
+                r = vjp_rows(b, n, d, mask, engines=_engines(b))
+                rows.append((f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"]))
+                rows.append((f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"]))
+    return rows
+
+
+def section_lipschitz(b, quick):
+    rows = []
+    small = 24 if b.smoke else 10**4
+    t_gpu, est_gpu = lipschitz_measure(b, small, b.device)
+    t_cpu, est_cpu = lipschitz_measure(b, small, torch.device("cpu"))
+    info = {}
+    if not isinstance(est_gpu, str) and not isinstance(est_cpu, str):
+        info = {"GPU value": est_gpu.value, "CPU value": est_cpu.value,
+                "relative difference": abs(est_gpu.value - est_cpu.value) / est_cpu.value,
+                "certified rel. error (GPU)": est_gpu.error / est_gpu.value}
+    rows.append(("certified mean-field Lipschitz, SelfAttention, d = 3, float64 (GPU vs CPU)", small,
+                 {"ours (GPU)": t_gpu if t_gpu is not None else OOM, "CPU": t_cpu if t_cpu is not None else OOM,
+                  "info": info}, "ours (GPU)", ["CPU"]))
+    for n in ([40] if b.smoke else [10**5] + ([] if quick else [10**6])):
+        t, est = lipschitz_measure(b, n, b.device)
+        r = {"ours (GPU)": t if t is not None else OOM}
+        if not isinstance(est, str):
+            r["info"] = {"value": est.value, "certified rel. error": est.error / est.value,
+                         "converged": est.converged, "products": est.applications}
+        rows.append(("certified mean-field Lipschitz, SelfAttention, d = 3, float64", n, r, "ours (GPU)", []))
+    return rows
+
+
+def section_sinkhorn(b, quick):
+    rows = []
+    sizes = [10**4, 2 * 10**4, 10**5] + ([] if quick else [10**6])
+    if b.smoke:
+        sizes = [24, 40]
+    for n in sizes:
+        r = sinkhorn_rows(b, n, with_peers=n <= 2 * 10**4 or b.smoke)
+        rows.append((f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", n, r, "ours (streaming)",
+                     ["GeomLoss tensorized"]))
+    return rows
+
+
+def section_dynamics(b, quick):
+    rows = []
+    sizes = [10**5] + ([] if quick else [10**6])
+    if b.smoke:
+        sizes = [24, 40]
+    for n in sizes:
+        rows.append(("simulate, rk4, 10 steps, d = 3", n, dynamics_rows(b, n), "ours (simulate rk4)",
+                     ["RK4 loop on SDPA padded"]))
+    return rows
+
+
+RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
+           "lipschitz": section_lipschitz, "sinkhorn": section_sinkhorn, "dynamics": section_dynamics}
+
+
+# ---------------------------------------------------------------------- output
+def environment(device) -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "date": datetime.datetime.now().isoformat(timespec="minutes"), "host": platform.node()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env["gpu"] = f"{p.name}, {p.total_memory / 2**30:.0f} GiB"
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = "unknown"
+    else:
+        env["gpu"] = "none (CPU smoke run: figures mean nothing)"
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = "not installed"
+    try:
+        env["load"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        env["load"] = "unknown"
+    return env
+
+
+def render_rows(rows) -> list[str]:
+    lines = ["| what | N | this project | best peer measured | peer / ours | all candidates |",
+             "|---|---|---|---|---|---|"]
+    for what, n, r, ours_key, peers in rows:
+        ours = r.get(ours_key)
+        peer_val, peer = best(r, peers)
+        if peer is None:
+            peer_txt = "; ".join(f"{p}: {fmt(r.get(p))}" for p in peers if p in r) or "-"
+        else:
+            peer_txt = f"{peer}: {fmt(peer_val)}"
+        others = [f"{k}: {fmt(v)}" for k, v in r.items() if k not in (ours_key, "info")]
+        others += [f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}" for k, v in r.get("info", {}).items()]
+        others = "; ".join(others)
+        lines.append(f"| {what} | {n:g} | {fmt(ours)} | {peer_txt} | {ratio(peer_val, ours)} | {others} |")
+    return lines
+
+
+def write_markdown(store: dict, out: Path, command: str):
+    env = store["environment"]
+    lines = ["# The framework on a GPU, side by side with the fastest peers", "",
+             f"Produced by `{command}` (benchmarks/bench_gpu.py; sections merged from its runs on this GPU).", "",
+             f"GPU: **{env.get('gpu')}**, driver {env.get('driver', '-')}; torch {env['torch']}, CUDA "
+             f"{env['cuda']}, Triton {env['triton']}, Python {env['python']}; host {env['host']}.", "",
+             "Each figure: median of the timed calls after a warm-up, all candidates of a row in one process, "
+             "interleaved; float32 unless said. 'peer / ours' > 1 means ours is faster.", ""]
+    for name in SECTIONS:
+        if name not in store["sections"]:
+            continue
+        sec = store["sections"][name]
+        lines += [f"## {name}", "", f"{sec['date']}, repeats {sec['repeats']}, load before: `{sec['load']}`", ""]
+        lines += render_rows([tuple(r) for r in sec["rows"]]) + [""]
+    out.write_text("\n".join(lines))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+    ap.add_argument("--quick", action="store_true", help="leave out N = 1e6 (and Sinkhorn's 2e5)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cap", type=float, default=120.0, help="seconds: a slower call is not repeated nor scaled up")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu.md")
+    ap.add_argument("--json", type=Path, default=None, help="results store (default: --out with .json)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
+    a = ap.parse_args(argv)
+    if not a.cpu_smoke and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing measured. "
+              "Run it on a machine with an NVIDIA GPU and torch's CUDA build.")
+        return 0
+    device = torch.device("cpu" if a.cpu_smoke else "cuda")
+    store_path = a.json or a.out.with_suffix(".json")
+    env = environment(device)
+    store = {"environment": env, "sections": {}}
+    if store_path.exists():
+        old = json.loads(store_path.read_text())
+        if old.get("environment", {}).get("gpu") == env["gpu"] and old["environment"].get("torch") == env["torch"]:
+            store["sections"] = old.get("sections", {})
+    bench = Bench(device, 1 if a.cpu_smoke else a.repeats, a.cap, a.cpu_smoke)
+    command = "python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(f"# bench_gpu on {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}\n")
+    for name in a.sections:
+        load = environment(device)["load"]
+        print(f"## {name}\n\nload before: `{load}`\n", flush=True)
+        rows = RUNNERS[name](bench, a.quick)
+        print("\n".join(render_rows(rows)) + "\n", flush=True)
+        store["sections"][name] = {"rows": [list(r) for r in rows], "date": env["date"], "load": load,
+                                   "repeats": bench.repeats}
+        store_path.write_text(json.dumps(store, indent=1, default=str))
+        write_markdown(store, a.out, command.strip())
+    print(f"written: {a.out} and {store_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

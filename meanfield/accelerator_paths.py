@@ -1,0 +1,167 @@
+"""Which attention path runs on an accelerator (CUDA), as a pure function of what the call is.
+
+:func:`meanfield.kernels.attend` keeps its measured CPU map (benchmarks/README.md) on CPU; on any other
+device it asks :func:`choose`, whose inputs are the device type, dtype, shapes, whether log-weights and
+which positions are present, whether derivatives are needed, the memory budget
+(:func:`particles.device.memory_budget`: the framework's limit capped by the device's free memory) and
+whether Triton kernels run there. Nothing here reads a tensor or queries a device, so the CUDA decisions
+are tested on CPU.
+
+The rules, in order:
+
+1. **dense** (the (m, n) score matrix, a few launches) while the scores are small
+   (:data:`CUDA_DENSE_THRESHOLD` entries, or ``use(threshold=...)``) *and* their temporaries fit the budget;
+2. **stream** whenever derivatives are needed: its engine (:func:`stream_engine`) is the Triton kernels of
+   :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
+   heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streaming` with tiles sized
+   by the budget (:func:`tile_shape`: row blocks against all keys, a few large cuBLAS products per block
+   instead of thousands of cache-sized ones) for wide heads, where Triton does not run, and inside
+   ``torch.func`` transforms;
+3. **fused** (torch's ``scaled_dot_product_attention``) for forward passes with no positions or a
+   sequence's causal mask, in a dtype CUDA's fused kernels take (float32, float16, bfloat16), the head
+   zero-padded to a multiple of :data:`FUSED_ALIGN` (:func:`fused_widths`; zero columns change no score
+   and no output) so that SDPA's flash / memory-efficient kernels take it instead of its math kernel,
+   which would materialize the scores. The call runs with the math kernel excluded: should no fused
+   kernel take the inputs after all, the call is streamed instead (:func:`fused_or_stream`);
+4. **stream** otherwise: arbitrary positions (SDPA would need an (m, n) mask) and float64 (SDPA's CUDA
+   float64 backend is the math kernel).
+
+The (m, n) scores are thus never materialized above the budget on an accelerator.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+__all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES",
+           "TRITON_DTYPES", "TRITON_MAX_FEATURES", "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine",
+           "tile_shape", "fused_widths", "fused_or_stream"]
+
+#: dense up to this many score entries (all batch entries) on an accelerator: below it the dense path's
+#: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
+#: 0.24-0.83 ms for auto's fused call on an H100; benchmarks/gpu.md re-measures it)
+CUDA_DENSE_THRESHOLD = 2**21
+#: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities)
+DENSE_TEMPORARIES = 4
+#: SDPA's fused CUDA kernels take heads whose size is a multiple of this
+FUSED_ALIGN = 8
+#: dtypes SDPA has fused CUDA kernels for (float64 runs its math kernel, which materializes the scores)
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: the tiles of the tile loops take at most this fraction of the budget (inputs, outputs and the
+#: allocator's slack share the rest)
+TILE_FRACTION = 0.25
+#: larger tiles gain nothing once a launch's fixed cost is amortized; this many entries (1 GiB of float32)
+MAX_TILE_ENTRIES = 2**28
+#: score-sized buffers the tile loops hold per tile (scores / probabilities, their cotangent, a product)
+TILE_TEMPORARIES = 3
+#: dtypes the Triton kernels take (products accumulate in float32 for the half types, float64 for float64)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: largest feature size (of q, k and of v) the Triton kernels accept at all
+TRITON_MAX_FEATURES = 256
+#: the smallest reduction (K) of a Triton matrix product on NVIDIA GPUs, by element size in bytes
+TRITON_MIN_K = {8: 4, 4: 8, 2: 16}
+#: the widest padded feature size (:func:`triton_width`) the streamed kernel sends to Triton, by dtype:
+#: up to it every kernel compiles for sm_80 and sm_90 without register spills at its tile size
+#: (tests/test_triton_compile.py). float32 and float64 products are IEEE, i.e. CUDA-core FMAs,
+#: whose registers grow with the width; wider heads take the tile loops, whose products are cuBLAS GEMMs
+TRITON_MAX_WIDTH = {torch.float64: 16, torch.float32: 16, torch.float16: 32, torch.bfloat16: 32}
+
+
+def _dense_fits(entries, element_size, budget):
+    return DENSE_TEMPORARIES * entries * element_size <= budget
+
+
+def triton_width(size: int, dtype) -> int:
+    """The tile width of a feature size in the Triton kernels: zero-padded to a power of two, at least the
+    smallest reduction of a matrix product (:data:`TRITON_MIN_K`; d = 3 is 8 columns in float32)."""
+    floor = TRITON_MIN_K[torch.empty((), dtype=dtype).element_size()]
+    return max(floor, 1 << max(0, int(size) - 1).bit_length())
+
+
+def stream_engine(device_type: str, dtype, e: int, c: int, *, triton: bool, transforms: bool = False) -> str:
+    """The engine of the streamed kernel: "auto" on CPU (its fused flash kernel where the mask allows, tile
+    loops otherwise: the measured CPU map); on an accelerator "triton" where Triton runs, outside
+    ``torch.func`` transforms (which wrap tensors), for the dtypes and widths of :data:`TRITON_MAX_WIDTH`
+    (d <= 16 in float32 / float64: the particle regime); "tiles" (budget-sized, cuBLAS products) otherwise."""
+    if device_type == "cpu":
+        return "auto"
+    if triton and not transforms and dtype in TRITON_MAX_WIDTH:
+        if max(triton_width(e, dtype), triton_width(c, dtype)) <= TRITON_MAX_WIDTH[dtype]:
+            return "triton"
+    return "tiles"
+
+
+def tile_shape(batch: int, m: int, n: int, element_size: int, budget: int) -> tuple[int, int]:
+    """(block_q, block_k) of the tile loops on an accelerator: rows of all n keys while
+    :data:`TILE_TEMPORARIES` tiles of ``batch`` x rows x n entries fit :data:`TILE_FRACTION` of ``budget``
+    (and :data:`MAX_TILE_ENTRIES`); with keys too many for one row block, blocks of 64 rows x part of the keys."""
+    entries = min(MAX_TILE_ENTRIES, int(TILE_FRACTION * budget) // (TILE_TEMPORARIES * element_size))
+    per_row = max(1, batch) * max(1, n)
+    rows = entries // per_row
+    if rows >= min(64, max(1, m)):
+        return max(1, min(m, rows)), max(1, n)
+    rows = max(1, min(m, 64))
+    return rows, max(1, min(n, entries // (max(1, batch) * rows)))
+
+
+def fused_widths(e: int, c: int, weighted: bool, causal: bool) -> tuple[int, bool]:
+    """(padded width of q, k and v, whether the log-weights ride as an extra coordinate) for SDPA on CUDA.
+
+    The log-weights become one more coordinate (q' = [q, 1], k' = [k, log a]) with the causal mask (which
+    SDPA cannot combine with a mask) and wherever that coordinate costs no width after padding (d = 3:
+    4 -> 8); otherwise a broadcast additive mask row (memory-efficient kernel).
+    """
+    align = lambda w: FUSED_ALIGN * math.ceil(max(1, w) / FUSED_ALIGN)
+    plain = align(max(e, c))
+    fold = weighted and (causal or align(max(e + 1, c)) == plain)
+    return (align(max(e + 1, c)) if fold else plain), fold
+
+
+def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, *, weighted: bool,
+           positions: str, derivatives: bool, transforms: bool, budget: int, triton: bool,
+           threshold=None) -> str:
+    """The path ("dense", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
+    on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
+    or "other"; ``budget`` in bytes; ``threshold`` the size given to ``kernels.use(threshold=...)``."""
+    if positions not in ("none", "causal", "other"):
+        raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
+    entries = max(1, batch) * m * n
+    element_size = torch.empty((), dtype=dtype).element_size()
+    dense_at = CUDA_DENSE_THRESHOLD if threshold is None else threshold
+    if entries <= dense_at and _dense_fits(entries, element_size, budget):
+        return "dense"
+    if derivatives:
+        return "stream"
+    if dtype in FUSED_DTYPES and positions in ("none", "causal"):
+        return "fused"
+    return "stream"
+
+
+def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None):
+    """SDPA on an accelerator with its math kernel excluded; streamed where no fused kernel takes the call.
+
+    ``auto`` chose SDPA because a fused kernel should take these inputs (:func:`choose`); torch decides
+    at run time (architecture, alignment, its own limits), and a math fallback would materialize the
+    scores, so it is excluded here and the call streams instead (O(N) memory) if torch finds no kernel.
+    """
+    from . import streaming
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: no way to exclude the math kernel
+        return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)
+    backends = [b for b in (getattr(SDPBackend, name, None) for name in
+                            ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")) if b is not None]
+    try:
+        with warnings.catch_warnings(), sdpa_kernel(backends):
+            # torch warns once per backend that does not apply before raising: the fallback below says it all
+            warnings.simplefilter("ignore", UserWarning)
+            return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
+                                          align=FUSED_ALIGN)
+    except RuntimeError as exc:
+        if "No available kernel" not in str(exc):
+            raise
+    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)

@@ -1,0 +1,236 @@
+"""The attention path on an accelerator, decided on CPU: the pure choice of meanfield.accelerator_paths as
+a function of device type, dtype, head size, masks, derivatives and memory budget; the memory budget
+from a faked ``torch.cuda.mem_get_info``; the tile shapes; SDPA with a zero-padded head against the
+dense kernel; and the fallback from SDPA to the streamed kernel where no fused kernel takes a call."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from meanfield import accelerator_paths as ap
+from meanfield import kernels, streaming
+from meanfield.kernels import attend
+from particles import device
+
+DT = torch.float64
+GiB = 2**30
+
+
+def _close(a, b, tol=1e-10):
+    assert a.shape == b.shape
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), err
+
+
+def _choose(n, e=3, dtype=torch.float32, positions="none", derivatives=False, budget=40 * GiB, weighted=False,
+            batch=1, triton=True, transforms=False, threshold=None, m=None):
+    return ap.choose("cuda", dtype, batch, n if m is None else m, n, e, e, weighted=weighted, positions=positions,
+                     derivatives=derivatives, transforms=transforms, budget=budget, triton=triton,
+                     threshold=threshold)
+
+
+# ---------------------------------------------------------------- the choice on CUDA
+
+
+def test_the_issue_regimes_on_an_h100_sized_budget():
+    """The cases of the measurements that failed: d = 3 forward at 1e5 and 1e6 (SDPA's math kernel would
+    allocate the 9.3 GiB / 3.7 TiB scores) go to SDPA with the head padded to 8; float64 and arbitrary
+    positions stream; derivatives stream; small problems stay dense."""
+    assert _choose(10**5) == "fused" and _choose(10**6) == "fused"
+    assert ap.fused_widths(3, 3, weighted=False, causal=False) == (8, False)
+    assert ap.fused_widths(3, 3, weighted=True, causal=False) == (8, True)   # log a rides in column 4
+    assert ap.fused_widths(64, 64, weighted=True, causal=False) == (64, False)  # a mask row, no 72
+    assert ap.fused_widths(64, 64, weighted=True, causal=True) == (72, True)  # SDPA: no mask with is_causal
+    assert _choose(10**5, weighted=True, positions="causal") == "fused"
+    assert _choose(10**5, dtype=torch.float64) == "stream"
+    assert _choose(10**5, positions="other") == "stream"
+    assert _choose(10**5, derivatives=True) == "stream" and _choose(10**6, e=64, derivatives=True) == "stream"
+    assert _choose(1000) == "dense" and _choose(1000, dtype=torch.float64, derivatives=True) == "dense"
+
+
+def test_dense_needs_both_a_small_size_and_room():
+    assert _choose(1000, budget=GiB) == "dense"
+    # 1e6 entries of float32 with 4 temporaries: 16 MB
+    assert _choose(1000, budget=15 * 10**6) == "fused"
+    assert _choose(1000, budget=15 * 10**6, derivatives=True) == "stream"
+    # use(threshold=...) widens the dense regime, never beyond the budget
+    assert _choose(10**4, threshold=10**8) == "dense"
+    assert _choose(10**4, threshold=10**8, budget=GiB) == "fused"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_never_a_kernel_that_materializes_the_scores_above_the_budget(dtype):
+    """Over a grid of sizes, heads, masks, derivatives and budgets: "dense" only where its temporaries fit
+    the budget; "fused" only where SDPA has fused CUDA kernels (not float64, no arbitrary mask)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    grid = itertools.product([10, 1000, 3000, 10**5, 10**6], [1, 3, 8, 64, 65, 300], ["none", "causal", "other"],
+                             [False, True], [2**20, GiB, 80 * GiB], [1, 12])
+    for n, e, positions, derivatives, budget, batch in grid:
+        path = _choose(n, e=e, dtype=dtype, positions=positions, derivatives=derivatives, budget=budget,
+                       batch=batch)
+        if path == "dense":
+            assert ap.DENSE_TEMPORARIES * batch * n * n * size <= budget
+        elif path == "fused":
+            assert dtype != torch.float64 and positions != "other" and not derivatives
+        else:
+            assert path == "stream"
+
+
+@pytest.mark.parametrize("transforms, triton, dtype, e, expected", [
+    (False, True, torch.float32, 3, "triton"),
+    (False, True, torch.float64, 16, "triton"),
+    (False, True, torch.float16, 32, "triton"),
+    (False, True, torch.float16, 64, "tiles"),
+    (False, True, torch.float32, 17, "tiles"),       # IEEE FMA products of 32 columns spill registers
+    (False, True, torch.float64, 64, "tiles"),
+    (True, True, torch.float32, 3, "tiles"),         # torch.func wraps tensors: the differentiable tiles
+    (False, False, torch.float32, 3, "tiles"),       # no Triton: tiles sized by the budget
+])
+def test_stream_engine(transforms, triton, dtype, e, expected):
+    assert ap.stream_engine("cuda", dtype, e, e, triton=triton, transforms=transforms) == expected
+    # the CPU keeps its measured map whatever is installed
+    assert ap.stream_engine("cpu", dtype, e, e, triton=triton, transforms=transforms) == "auto"
+
+
+@pytest.mark.parametrize("batch, m, n, size, budget", [
+    (1, 10**5, 10**5, 4, 40 * GiB), (1, 10**6, 10**6, 4, 40 * GiB), (12, 4096, 4096, 8, GiB),
+    (1, 10**6, 10**6, 8, 2**20), (1, 7, 5, 4, 40 * GiB), (3, 10**6, 2 * 10**8, 4, GiB)])
+def test_tile_shape_fits_the_budget_and_spans_the_keys_when_it_can(batch, m, n, size, budget):
+    bq, bk = ap.tile_shape(batch, m, n, size, budget)
+    assert 1 <= bq <= m and 1 <= bk <= n
+    entries = batch * bq * bk
+    allowed = max(ap.TILE_FRACTION * budget / (ap.TILE_TEMPORARIES * size), batch * min(m, 64))
+    assert entries <= min(ap.MAX_TILE_ENTRIES, allowed) or (bq == min(m, 64) and bk == 1)
+    if batch * min(m, 64) * n <= ap.TILE_FRACTION * budget / (ap.TILE_TEMPORARIES * size):
+        assert bk == n  # row blocks against all keys: one launch of each kind per row block
+    # the CPU-cache-sized tiles (256 x 256) are 152,881 tiles per pass at N = 1e5; here a few dozen
+    if m == n == 10**5:
+        assert math.ceil(m / bq) * math.ceil(n / bk) <= 64
+
+
+def test_triton_width():
+    assert [ap.triton_width(e, torch.float32) for e in (1, 3, 8, 9, 16, 17, 64)] == [8, 8, 8, 16, 16, 32, 64]
+    assert [ap.triton_width(e, torch.float64) for e in (1, 3, 5)] == [4, 4, 8]
+    assert [ap.triton_width(e, torch.float16) for e in (3, 64, 65)] == [16, 64, 128]
+
+
+def test_choose_rejects_an_unknown_positions_kind():
+    with pytest.raises(ValueError, match="positions"):
+        _choose(100, positions="sequence")
+
+
+# ---------------------------------------------------------------- the memory budget
+
+
+def test_memory_budget_is_the_free_memory_capped_by_the_limit(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: GiB)
+    # free 3 GiB + 1 GiB cached by torch but unused
+    assert device.memory_budget("cuda", limit=100 * GiB) == 4 * GiB
+    assert device.memory_budget("cuda", limit="2G") == 2 * GiB
+    monkeypatch.setenv("SMOOTH_ATTENTION_MEMORY_LIMIT", "1G")
+    assert device.memory_budget("cuda:0") == GiB
+    assert device.memory_budget("cpu") == GiB
+
+
+def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
+    """kernels._choose_accelerator (what auto runs on a device other than the CPU), on CPU tensors with a
+    faked budget: it classifies the positions and passes the budget to the pure choice."""
+    seen = {}
+
+    def fake_choose(*args, **kw):
+        seen.update(kw, args=args)
+        return "stream"
+
+    monkeypatch.setattr(ap, "choose", fake_choose)
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None: 123)
+    n = 50
+    q, k, v = (torch.randn(2, n, 3, dtype=DT) for _ in range(3))
+    pos = torch.arange(n, dtype=DT)
+    assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("stream", True)
+    assert seen["positions"] == "causal" and seen["budget"] == 123 and seen["args"][2:6] == (2, n, n, 3)
+    assert kernels._choose_accelerator(q, k, v, None, pos, pos.flip(0), None)[1] is False
+    assert seen["positions"] == "other"
+    kernels._choose_accelerator(q, k, v, torch.zeros(n, dtype=DT), None, None, None)
+    assert seen["positions"] == "none" and seen["weighted"] and not seen["derivatives"]
+    kernels._choose_accelerator(q.requires_grad_(True), k, v, None, None, None, None)
+    assert seen["derivatives"]
+
+
+# ---------------------------------------------------------------- SDPA with a padded head (runs on CPU too)
+
+
+def _inputs(seed, n=40, e=3, c=3, weighted=True, positions=None):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, n, e, generator=g, dtype=DT), torch.randn(2, n, e, generator=g, dtype=DT)
+    v = torch.randn(2, n, c, generator=g, dtype=DT)
+    lw = None
+    if weighted:
+        lw = torch.log_softmax(torch.randn(n, generator=g, dtype=DT), 0)
+        lw[[1, 7]] = -math.inf
+    qp = kp = None
+    if positions == "causal":
+        qp = kp = torch.arange(1, n + 1, dtype=DT) / n
+    elif positions == "other":
+        qp, kp = torch.rand(n, generator=g, dtype=DT), torch.rand(n, generator=g, dtype=DT)
+        qp[0] = -1.0
+    return q, k, v, lw, qp, kp
+
+
+@pytest.mark.parametrize("e, c", [(3, 3), (3, 5), (64, 64), (7, 2)])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("positions", [None, "causal", "other"])
+def test_padded_sdpa_equals_dense(e, c, weighted, positions):
+    args = _inputs(1, e=e, c=c, weighted=weighted, positions=positions)
+    ref = attend(*args, method="dense")
+    _close(streaming.fused_attend(*args, align=ap.FUSED_ALIGN), ref)
+    if positions == "causal" and weighted:
+        lw = args[3].clone()
+        lw[:5] = -math.inf  # the first queries see only zero-mass keys: their rows are zeros
+        args = args[:3] + (lw,) + args[4:]
+        out = streaming.fused_attend(*args, align=ap.FUSED_ALIGN)
+        assert torch.all(out[..., :5, :] == 0)
+        _close(out, attend(*args, method="dense"))
+
+
+def test_no_fused_kernel_falls_back_to_the_streamed_kernel(monkeypatch):
+    """Where torch finds no fused kernel (math excluded), the call streams instead of failing or
+    materializing the scores; any other error propagates."""
+    args = _inputs(2, positions="causal")
+
+    def refuse(*a, **kw):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    monkeypatch.setattr(streaming, "fused_attend", refuse)
+    streamed = []
+    stream = streaming.stream_attend
+    monkeypatch.setattr(streaming, "stream_attend", lambda *a, **kw: streamed.append(1) or stream(*a, **kw))
+    _close(ap.fused_or_stream(*args), attend(*args, method="dense"))
+    assert streamed
+
+    def broken(*a, **kw):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(streaming, "fused_attend", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        ap.fused_or_stream(*args)
+
+
+def test_fused_or_stream_runs_sdpa_without_its_math_kernel_on_cpu():
+    """On CPU torch's flash kernel takes the padded call: the result equals dense (and the math kernel,
+    excluded, is not needed)."""
+    args = _inputs(3, e=3, c=3, positions="causal")
+    _close(ap.fused_or_stream(*args), attend(*args, method="dense"))
+
+
+def test_stream_engine_argument_is_checked():
+    q = torch.randn(5, 3, dtype=DT)
+    with pytest.raises(ValueError, match="engine"):
+        streaming.stream_attend(q, q, q, engine="cuda")
+    _close(streaming.stream_attend(q, q, q, engine="tiles"), attend(q, q, q, method="dense"))

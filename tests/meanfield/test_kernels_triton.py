@@ -1,0 +1,338 @@
+"""The Triton kernels of the attention kernel (forward, JVP, VJP), run in Triton's interpreter on CPU,
+against the dense kernel (``attention_probs(...) @ v``, its log-sum-exp, and torch's autograd / torch.func
+derivatives of it) in float64: weighted (zero-weight atoms), arbitrary positions (a query that sees no
+key), sequences' causal masks, batch dimensions, a key tensor shared across the batch, radii up to 100.
+
+Skipped where Triton is not installed (``pip install 'smooth-attention[gpu]'``, Linux): the CPU build of
+torch does not bring it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+# Triton reads TRITON_INTERPRET when it is first imported: set it before (on CPU nothing else runs Triton)
+_IMPORTED_BEFORE = "triton" in sys.modules
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="Triton is not installed (the 'gpu' extra); its kernels are tested in "
+                                     "its interpreter on CPU")
+
+from meanfield import kernels, streaming  # noqa: E402
+from meanfield.kernels import attend, attention_probs  # noqa: E402
+
+DT = torch.float64
+TOL = 1e-10
+
+
+@pytest.fixture(scope="module")
+def ta():
+    """meanfield.triton_attention, its kernels running in Triton's interpreter on CPU tensors."""
+    import meanfield.triton_attention as mod
+
+    if not mod._INTERPRETED:
+        pytest.skip(f"triton was imported before TRITON_INTERPRET=1 was set (imported before this module: "
+                    f"{_IMPORTED_BEFORE}); run this file alone")
+    return mod
+
+
+def _close(a, b, tol=TOL):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    err = (a - b).abs().max().item()
+    assert err <= tol * max(1.0, b.abs().max().item()), err
+
+
+def _problem(seed, B=2, m=23, n=37, e=3, c=5, weighted=True, positions="other", shared_k=False, dtype=DT):
+    """3-D kernel inputs. ``positions``: None, "other" (random; the first query before every key: an empty
+    row) or "causal" (a sequence; m = n). Log-weights with two zero-weight atoms."""
+    g = torch.Generator().manual_seed(seed)
+    if positions == "causal":
+        m = n
+    q = torch.randn(B, m, e, generator=g, dtype=dtype)
+    k = torch.randn(1 if shared_k else B, n, e, generator=g, dtype=dtype).expand(B, n, e)
+    v = torch.randn(B, n, c, generator=g, dtype=dtype)
+    lw = qp = kp = None
+    if weighted:
+        lw = torch.log_softmax(torch.randn(B, n, generator=g, dtype=dtype), -1)
+        lw[:, [j for j in (2, 5) if j < n]] = -math.inf
+    if positions == "other":
+        qp = torch.rand(B, m, generator=g, dtype=dtype)
+        kp = torch.rand(B, n, generator=g, dtype=dtype).clamp(min=0.05)
+        qp[:, 0], qp[:, -1] = 0.0, 1.0  # before every key (an empty row), after every key
+    elif positions == "causal":
+        qp = kp = (torch.arange(1, n + 1, dtype=dtype) / n).expand(B, n)
+    return q, k, v, lw, qp, kp
+
+
+def _dense(q, k, v, lw, qp, kp):
+    """(out, L) of the dense kernel: the independent truth."""
+    s = q @ k.transpose(-1, -2)
+    if lw is not None:
+        s = s + lw.unsqueeze(-2)
+    if qp is not None:
+        s = s.masked_fill(kp.unsqueeze(-2) > qp.unsqueeze(-1), -math.inf)
+    return attention_probs(q, k, lw, qp, kp) @ v, torch.logsumexp(s, -1)
+
+
+CASES = [
+    dict(weighted=False, positions=None),
+    dict(weighted=True, positions=None),
+    dict(weighted=False, positions="other"),
+    dict(weighted=True, positions="other"),
+    dict(weighted=True, positions="causal"),
+    dict(weighted=False, positions="causal", n=50),
+    dict(weighted=True, positions=None, e=20, c=17, shared_k=True),
+    dict(weighted=True, positions="other", B=1, m=2, n=4),
+]
+
+
+def _ids(case):
+    return ",".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_forward_and_log_sum_exp_match_dense(ta, case):
+    q, k, v, lw, qp, kp = _problem(1, **case)
+    out, lse = ta.forward(q, k, v, lw, qp, kp, case["positions"] == "causal")
+    ref_out, ref_lse = _dense(q, k, v, lw, qp, kp)
+    _close(out, ref_out)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty) and torch.all(lse[empty] < 0)
+    _close(lse[~empty], ref_lse[~empty])
+    if case["positions"] == "other":
+        assert empty[:, 0].all() and torch.all(out[:, 0] == 0)  # the query before every key
+
+
+def test_causal_flag_equals_the_positions_of_the_sequence(ta):
+    """The index mask with skipped blocks (causal=True) and the same mask read from positions agree."""
+    q, k, v, lw, qp, kp = _problem(2, n=45, positions="causal")
+    lw[:, :4] = -math.inf  # the first queries see only zero-mass keys: empty rows
+    a = ta.forward(q, k, v, lw, qp, kp, True)
+    b = ta.forward(q, k, v, lw, qp, kp, False)
+    _close(a[0], b[0])
+    assert torch.equal(torch.isinf(a[1]), torch.isinf(b[1])) and torch.isinf(a[1][:, :4]).all()
+    _close(a[0], _dense(q, k, v, lw, qp, kp)[0])
+
+
+def test_radius_100_stays_finite_and_agrees(ta):
+    q, k, v, lw, qp, kp = _problem(3, positions="other")
+    q = 100 * q / q.norm(dim=-1, keepdim=True)
+    k = 100 * k / k.norm(dim=-1, keepdim=True)
+    assert (q @ k.transpose(-1, -2)).abs().max() > 5e3
+    out, lse = ta.forward(q, k, v, lw, qp, kp, False)
+    _close(out, _dense(q, k, v, lw, qp, kp)[0])
+    live = torch.isfinite(lse)
+    tans = [torch.randn_like(t) for t in (q, k, v, lw)]
+    d_out, d_lse = ta.jvp(q, k, v, lw, qp, kp, False, out, lse, *tans)
+    assert torch.isfinite(d_out).all() and torch.isfinite(d_lse[live]).all()
+    grads = ta.backward(q, k, v, lw, qp, kp, False, out, lse, torch.randn_like(out), None, (True,) * 4)
+    assert all(torch.isfinite(gr).all() for gr in grads)
+
+
+def test_float32_agrees_with_float64_dense(ta):
+    args = _problem(4, positions="other", dtype=torch.float32)
+    out, _ = ta.forward(*args, False)
+    assert out.dtype == torch.float32
+    ref = _dense(*[None if a is None else a.double() for a in args])[0]
+    _close(out.double(), ref, tol=1e-5)
+
+
+# bfloat16 is left out: Triton's interpreter computes on numpy arrays, which have no bfloat16 (it returns
+# garbage for a plain bfloat16 load and store); on a GPU it takes the float16 code path
+@pytest.mark.parametrize("dtype", [torch.float16])
+def test_half_types_agree_with_float64_dense_to_their_precision(ta, dtype):
+    args = _problem(12, positions="causal", n=40)
+    half = [None if a is None else a.to(dtype) for a in args]
+    out, lse = ta.forward(*half, True)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = _dense(*[None if a is None else a.double() for a in half])
+    _close(out.double(), ref_out, tol=2e-2)
+    live = torch.isfinite(ref_lse)
+    _close(lse[live].double(), ref_lse[live], tol=1e-2)
+    g_out = torch.randn(out.shape, dtype=torch.float64)
+    dq = ta.backward(*half, True, out, lse, g_out.to(dtype), None, (True, False, False, False))[0]
+    qd = half[0].double().requires_grad_(True)
+    ref = torch.autograd.grad((_dense(qd, *[None if a is None else a.double() for a in half[1:]])[0] * g_out).sum(),
+                              qd)[0]
+    _close(dq.double(), ref, tol=5e-2)
+
+
+def _dense_fn(qp, kp):
+    return lambda q, k, v, lw: _dense(q, k, v, lw, qp, kp)
+
+
+# every tangent at once on each mask; each tangent alone (the kernel's flags) on the weighted ones
+JVP_CASES = [(case, "all") for case in CASES[:6]] + [
+    (case, which) for case in (CASES[3], CASES[4]) for which in ("q", "k", "v", "lw")]
+
+
+@pytest.mark.parametrize("case, which", JVP_CASES, ids=[f"{_ids(c)}-{w}" for c, w in JVP_CASES])
+def test_jvp_matches_dense_forward_mode(ta, case, which):
+    q, k, v, lw, qp, kp = _problem(5, **case)
+    names = ["q", "k", "v"] + (["lw"] if lw is not None else [])
+    prim = (q, k, v, lw)[:len(names)]
+    g = torch.Generator().manual_seed(6)
+    tans = [torch.randn(t.shape, generator=g, dtype=DT) if which in ("all", name) else None
+            for t, name in zip(prim, names)]
+    f = lambda *p: _dense(*p[:3], p[3] if len(p) > 3 else None, qp, kp)
+    (_, ref_lse), (t_out, t_lse) = torch.func.jvp(
+        f, prim, tuple(torch.zeros_like(p) if t is None else t for p, t in zip(prim, tans)))
+    causal = case["positions"] == "causal"
+    out, lse = ta.forward(q, k, v, lw, qp, kp, causal)
+    d_out, d_lse = ta.jvp(q, k, v, lw, qp, kp, causal, out, lse, *(tans + [None] * (4 - len(tans))))
+    _close(d_out, t_out)
+    live = torch.isfinite(ref_lse)
+    _close(d_lse[live], t_lse[live])
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_vjp_matches_dense_reverse_mode(ta, case, with_lse):
+    q, k, v, lw, qp, kp = _problem(7, **case)
+    causal = case["positions"] == "causal"
+    prim = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    lw_r = None if lw is None else lw.detach().clone().requires_grad_(True)
+    ref_out, ref_lse = _dense(*prim, lw_r, qp, kp)
+    g = torch.Generator().manual_seed(8)
+    g_out = torch.randn(ref_out.shape, generator=g, dtype=DT)
+    g_lse = torch.randn(ref_lse.shape, generator=g, dtype=DT) if with_lse else None
+    live = torch.isfinite(ref_lse)
+    total = (ref_out * g_out).sum()
+    if with_lse:
+        total = total + (ref_lse[live] * g_lse[live]).sum()
+    wrt = prim + ([lw_r] if lw_r is not None else [])
+    ref = torch.autograd.grad(total, wrt)
+    out, lse = ta.forward(q, k, v, lw, qp, kp, causal)
+    got = ta.backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, (True,) * 4)
+    for a, b in zip(got, ref):
+        if b is not None and b is ref[-1] and lw is not None:
+            finite = torch.isfinite(lw)  # the dense gradient at log a = -inf is 0 * inf bookkeeping
+            _close(a[finite], b[finite])
+        else:
+            _close(a, b)
+    if lw is None:
+        assert got[3] is None
+
+
+def test_vjp_computes_only_what_is_needed(ta):
+    q, k, v, lw, qp, kp = _problem(9)
+    out, lse = ta.forward(q, k, v, lw, qp, kp, False)
+    g_out = torch.randn_like(out)
+    full = ta.backward(q, k, v, lw, qp, kp, False, out, lse, g_out, None, (True,) * 4)
+    for i in range(4):
+        need = tuple(j == i for j in range(4))
+        part = ta.backward(q, k, v, lw, qp, kp, False, out, lse, g_out, None, need)
+        assert all((p is None) == (j != i) for j, p in enumerate(part))
+        assert torch.equal(part[i], full[i])
+
+
+# ---------------------------------------------------------------- through the streamed kernel
+
+
+@pytest.fixture
+def triton_engine(ta, monkeypatch):
+    """Every streamed call takes the Triton engine (what it does on CUDA)."""
+    resolve = streaming._resolve_engine
+    monkeypatch.setattr(streaming, "_resolve_engine", lambda engine, q, v: resolve("triton", q, v))
+    calls = {"forward": 0, "jvp": 0, "backward": 0}
+    for name in calls:
+        fn = getattr(ta, name)
+        monkeypatch.setattr(ta, name, lambda *a, _fn=fn, _name=name: calls.__setitem__(_name, calls[_name] + 1)
+                            or _fn(*a))
+    return calls
+
+
+@pytest.mark.parametrize("positions", [None, "sequence", "other"])
+def test_autograd_forward_ad_and_double_backward_through_the_triton_engine(triton_engine, positions):
+    """Reverse mode, forward mode and reverse-over-reverse products (what local_lipschitz uses) of
+    self-attention in the Triton engine equal the dense kernel's."""
+    from torch.autograd import forward_ad
+
+    g = torch.Generator().manual_seed(10)
+    n, d = 29, 3
+    X = torch.randn(2, n, d, generator=g, dtype=DT)
+    A, V = torch.randn(d, d, generator=g, dtype=DT), torch.randn(d, d, generator=g, dtype=DT)
+    lw = torch.log_softmax(torch.randn(n, generator=g, dtype=DT), 0)
+    lw[3] = -math.inf
+    pos = torch.arange(1, n + 1, dtype=DT) / n if positions == "sequence" else None
+    qpos = kpos = pos
+    if positions == "other":
+        qpos, kpos = torch.rand(n, generator=g, dtype=DT), torch.rand(n, generator=g, dtype=DT)
+
+    def f(method):
+        return lambda Z: attend(Z @ A.T, Z, Z @ V.T, lw, qpos, kpos, method=method)
+
+    U, W = torch.randn_like(X), torch.randn_like(X)
+    Xs = X.clone().requires_grad_(True)
+    ys = f("stream")(Xs)
+    _close(ys, f("dense")(X))
+    assert triton_engine["forward"] >= 1
+    (gs,) = torch.autograd.grad((ys * W).sum(), Xs, create_graph=True)
+    assert triton_engine["backward"] >= 1
+    ref_vjp = torch.func.vjp(f("dense"), X)[1](W)[0]
+    _close(gs, ref_vjp)
+    ref_jvp = torch.func.jvp(f("dense"), (X,), (U,))[1]
+    # J u as the derivative of <J^T w, u> in w: the reverse-over-reverse product
+    w0 = torch.zeros_like(X, requires_grad=True)
+    (g0,) = torch.autograd.grad(f("stream")(Xs), Xs, w0, create_graph=True)
+    (ju,) = torch.autograd.grad(g0, w0, U)
+    _close(ju, ref_jvp)
+    with forward_ad.dual_level():
+        t = forward_ad.unpack_dual(f("stream")(forward_ad.make_dual(X, U))).tangent
+    _close(t, ref_jvp)
+    assert triton_engine["jvp"] >= 2
+
+
+def test_local_lipschitz_certificate_through_the_triton_engine(triton_engine):
+    """The certified mean-field Lipschitz constant of self-attention on a weighted measure, computed with
+    the Triton engine, equals the one computed with the dense kernel (both certified to tol)."""
+    from meanfield import SelfAttention, local_lipschitz
+    from particles import Measure
+
+    g = torch.Generator().manual_seed(11)
+    n, d = 24, 3
+    X = torch.randn(n, d, generator=g, dtype=DT)
+    w = torch.rand(n, generator=g, dtype=DT) + 0.1
+    A, V = torch.randn(d, d, generator=g, dtype=DT), torch.randn(d, d, generator=g, dtype=DT)
+    mu = Measure(X, w / w.sum())
+    op = SelfAttention(A, V)
+    with kernels.use("dense"):
+        ref = local_lipschitz(op, mu, tol=1e-8)
+    with kernels.use("stream"):
+        got = local_lipschitz(op, mu, tol=1e-8)
+    assert triton_engine["jvp"] + triton_engine["backward"] > 0
+    assert abs(got.value - ref.value) <= 1e-7 * ref.value
+    assert got.converged and ref.converged
+
+
+def test_a_kernel_that_does_not_compile_falls_back_to_the_tiles_once_with_a_warning(triton_engine, ta, monkeypatch):
+    """On a GPU where a kernel does not compile (Triton's compile-time or resource errors), the call is
+    computed by the tile loops (same result), the first time with a RuntimeWarning, then silently;
+    errors of the computation itself propagate."""
+    from triton.runtime.errors import OutOfResources
+
+    from particles import device
+
+    monkeypatch.setattr(device, "_FAILED", {})
+    calls = []
+
+    def no_compile(*a):
+        calls.append(1)
+        raise OutOfResources(300_000, 232_448, "shared memory")
+
+    monkeypatch.setattr(ta, "forward", no_compile)
+    q, k, v, lw, qp, kp = _problem(13, B=1, positions="other")
+    with pytest.warns(RuntimeWarning, match="does not compile"):
+        out = streaming.stream_attend(q, k, v, lw, qp, kp)
+    _close(out, _dense(q, k, v, lw, qp, kp)[0])
+    out = streaming.stream_attend(q, k, v, lw, qp, kp)  # no second warning, no second attempt
+    assert len(calls) == 1
+    monkeypatch.setattr(ta, "forward", lambda *a: 1 / 0)
+    monkeypatch.setattr(device, "_FAILED", {})
+    with pytest.raises(ZeroDivisionError):
+        streaming.stream_attend(q, k, v, lw, qp, kp)

@@ -1,0 +1,42 @@
+"""The Triton kernels compile for NVIDIA GPUs (sm_80: A100, sm_90: H100) without one, at the tile sizes
+the framework launches, with no register spills and within the architecture's shared memory
+(tests/triton_compile_check.py, in a subprocess: Triton must not be in interpreter mode there).
+
+What this cannot check: speed, and that the compiled code computes what the interpreter does (the
+interpreter tests of tests/meanfield/test_kernels_triton.py check the latter for the same source).
+Skipped without Triton or without its NVIDIA backend (ptxas ships in the wheel).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_every_launched_kernel_compiles_without_spills():
+    triton = pytest.importorskip("triton", reason="Triton is not installed (the 'gpu' extra)")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("Triton's NVIDIA backend (ptxas) is not in this installation")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_compile_check.py")], capture_output=True,
+                         text=True, env=env, timeout=3600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    kinds = {(r["kernel"], r["arch"]) for r in rows}
+    for kernel in ("forward", "jvp", "backward_q", "backward_kv", "sinkhorn_lse"):
+        for arch in (80, 90):
+            assert (kernel, arch) in kinds
+    for r in rows:
+        assert r["ptxas_ok"], r
+        assert r["spill_bytes"] == 0, r
+        assert r["registers"] is not None and r["registers"] <= 255, r
+        assert r["shared"] <= r["shared_limit"], r
