@@ -34,7 +34,7 @@ import time
 import torch
 from torch.autograd import forward_ad as fwAD
 
-from meanfield import streaming
+from meanfield import streamed_attention as streaming
 from meanfield.kernels import attend, choose
 
 DT = torch.float64

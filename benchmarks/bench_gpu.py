@@ -50,7 +50,8 @@ from torch.autograd import forward_ad
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meanfield import SelfAttention, local_lipschitz, simulate, streaming  # noqa: E402
+from meanfield import SelfAttention, local_lipschitz, simulate  # noqa: E402
+from meanfield import streamed_attention as streaming  # noqa: E402
 from meanfield.kernels import attend, choose  # noqa: E402
 from particles import Measure  # noqa: E402
 from transport import w2  # noqa: E402

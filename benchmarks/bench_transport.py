@@ -79,7 +79,7 @@ def run_versus(method: str, n: int, d: int, debias: bool, param: float, threads:
         info["ot_eps" if not debias else "s_eps"] = value
     else:
         if method == "streaming_lse":  # the previous path: the max-shifted soft-min on every half-step
-            import transport.streaming as st
+            import transport.streaming_sinkhorn as st
             st.update = lambda x, xx, y, yy, lb, f, g, e, ch: st.softmin(x, xx, y, yy, lb, g, e, ch) - f
         r = solve(Measure(X), Measure(Y), "streaming", reg=reg, debias=debias, tol=param, max_iter=100_000)
         value = r.value_squared
@@ -243,21 +243,21 @@ def _cpu(fn, repeats):
 
 def _uncertified_pair(x, y, la, lb, eps, opts, wide, cost=False):
     """The previous streaming path: float32's own marginal error trusted (no float64 certificate)."""
-    import transport.streaming as st
+    import transport.streaming_sinkhorn as st
     f, g, err, it = st._solve_pair(x, y, la, lb, eps, opts["tol"], opts["max_iter"], opts["scaling"],
                                    opts["chunk_elements"])
     return f, g, err, it, None
 
 
 def _uncertified_self(x, la, eps, opts, wide):
-    import transport.streaming as st
+    import transport.streaming_sinkhorn as st
     return st._solve_symmetric(x, la, eps, opts["tol"], opts["max_iter"], opts["scaling"], opts["chunk_elements"])
 
 
 def _streaming(mu, nu, debias, certified=True):
     from unittest import mock
 
-    import transport.streaming as st
+    import transport.streaming_sinkhorn as st
     from transport import solve
     if certified:
         return solve(mu, nu, "streaming", reg=REG, debias=debias)

@@ -13,7 +13,7 @@ The rules, in order:
    (:data:`CUDA_DENSE_THRESHOLD` entries, or ``use(threshold=...)``) *and* their temporaries fit the budget;
 2. **stream** whenever derivatives are needed: its engine (:func:`stream_engine`) is the Triton kernels of
    :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
-   heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streaming` with tiles sized
+   heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streamed_attention` with tiles sized
    by the budget (:func:`tile_shape`: row blocks against all keys, a few large cuBLAS products per block
    instead of thousands of cache-sized ones) for wide heads, where Triton does not run, and inside
    ``torch.func`` transforms;
@@ -147,7 +147,7 @@ def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal
     at run time (architecture, alignment, its own limits), and a math fallback would materialize the
     scores, so it is excluded here and the call streams instead (O(N) memory) if torch finds no kernel.
     """
-    from . import streaming
+    from . import streamed_attention as streaming
 
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel

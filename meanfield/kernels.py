@@ -10,7 +10,7 @@ that <q_i, k_j> = <A x_i, x_j> = s_ij.
 Every operator of the framework calls :func:`attend`. Three paths compute the same map:
 
 * ``"dense"`` materializes the (m, n) score matrix; plain autograd; the ground truth.
-* ``"stream"`` (:mod:`meanfield.streaming`) works in tiles with an online softmax, memory
+* ``"stream"`` (:mod:`meanfield.streamed_attention`) works in tiles with an online softmax, memory
   O((m + n)(d + c) + block^2), with analytic streamed JVP / VJP (torch.func compatible); on CPU its
   forward pass and VJP run in torch's fused flash kernel where the mask allows.
 * ``"fused"``: torch's ``scaled_dot_product_attention`` in its 4-D layout, positions of a sequence as
@@ -49,7 +49,7 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from .streaming import _transforms_active, sequence_mask
+from .streamed_attention import _transforms_active, sequence_mask
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
@@ -112,7 +112,7 @@ def use(method="auto", *, block_size=None, threshold=None):
             raise ValueError(f"threshold: expected a non-negative int, got {threshold!r}")
         threshold = int(threshold)
     if block_size is not None:
-        from .streaming import _check_block
+        from .streamed_attention import _check_block
 
         block_size = _check_block(_check_block_size(block_size))
     token = _DEFAULTS.set((method, block_size, threshold))
@@ -346,7 +346,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     if method == "dense":
         _check_dense_memory(q, k, log_weights, q_pos, k_pos)
         return _check_output(attention_probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights)
-    from . import streaming
+    from . import streamed_attention as streaming
 
     if method == "fused":
         # CUDA's fused kernels take heads of a multiple of 8 (zero-padded; scores and outputs unchanged)

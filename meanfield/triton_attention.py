@@ -1,6 +1,6 @@
 """Triton kernels of the attention kernel (forward, JVP, VJP) in O(N) memory: one launch per pass.
 
-They compute the maps of :mod:`meanfield.streaming` (same notation: s_ij = <q_i, k_j> + log a_j, -inf
+They compute the maps of :mod:`meanfield.streamed_attention` (same notation: s_ij = <q_i, k_j> + log a_j, -inf
 where s_j > t_i; P_ij = exp(s_ij - L_i); rows with no visible key give 0 and L = -inf):
 
 * forward: out_i = sum_j P_ij v_j and L_i = log sum_j exp(s_ij), online softmax over key blocks;

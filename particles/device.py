@@ -1,7 +1,7 @@
 """What a device can hold and run: the memory budget of a computation, and whether Triton kernels run there.
 
 Kernels that work in tiles (the attention kernel of :mod:`meanfield.kernels`, the streaming Sinkhorn of
-:mod:`transport.streaming`) size their tiles by :func:`memory_budget`, and pick a Triton kernel where
+:mod:`transport.streaming_sinkhorn`) size their tiles by :func:`memory_budget`, and pick a Triton kernel where
 :func:`triton_runs` says one runs. Both are small queries kept apart from the decisions that use them,
 so that those decisions are pure functions of (device type, dtype, shapes, budget) and testable on CPU.
 """

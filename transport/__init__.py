@@ -73,7 +73,7 @@ from .api import AUTO_BLUR, AUTO_EXACT_MAX_PAIRS, ROUTINES, solve, w2  # noqa: E
 from .conditional import conditional_w2  # noqa: E402
 from .options import DEFAULTS, METHODS, TOL  # noqa: E402
 from .result import TransportResult  # noqa: E402
-from .streaming import symmetric_potential  # noqa: E402
+from .streaming_sinkhorn import symmetric_potential  # noqa: E402
 
 __smooth_attention__ = "smooth-attention"  # marker: this is smooth-attention's transport
 

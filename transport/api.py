@@ -21,7 +21,7 @@ from .options import UNIT_ROUNDOFF, check_bool, check_memory_limit, check_method
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
-from .streaming import solve_streaming
+from .streaming_sinkhorn import solve_streaming
 
 #: Method name -> routine(problem, eps, options, return_plan, memory_limit) -> dict of raw outputs
 #: (value in normalized units, plan, potentials, error, iterations).

@@ -1,6 +1,6 @@
 r"""Entropic W2 with POT's log-domain Sinkhorn (dense N x M cost matrix; meant for N, M <= ~5000).
 
-Conventions shared with :mod:`transport.streaming` (Feydy et al. 2019, "Interpolating between
+Conventions shared with :mod:`transport.streaming_sinkhorn` (Feydy et al. 2019, "Interpolating between
 optimal transport and MMD using Sinkhorn divergences"; docs/math.md section 3):
 
 * ``OT_eps(mu, nu) = min_pi <pi, C> + eps KL(pi | mu x nu)``, C_ij = \|x_i - y_j\|^2, eps = ``reg``:
@@ -24,7 +24,7 @@ from particles.validation import ConvergenceError, check_allocation
 from .options import DEFAULT_CHUNK_ELEMENTS
 from .problem import Problem, sq_dists
 from .result import worst_error
-from .streaming import extend_potential, symmetric_potential
+from .streaming_sinkhorn import extend_potential, symmetric_potential
 
 #: Peak memory of a dense solve per pair of atoms, in matrices of the dtype, measured (ru_maxrss) at
 #: N = M = 1500 in float64: 7.4 (debiased) to 9.3 (plan cost); 10 leaves a margin.
@@ -61,7 +61,7 @@ def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None):
 
 
 def _symmetric_warmstart(x, log_a, eps, tol):
-    """Log-scalings for POT from :func:`transport.streaming.symmetric_potential`.
+    """Log-scalings for POT from :func:`transport.streaming_sinkhorn.symmetric_potential`.
 
     POT's alternating updates on a self-problem OT_eps(mu, mu) can stall near 1e-7 marginal
     error for hours of iterations; started from the symmetric fixed point they confirm it in a

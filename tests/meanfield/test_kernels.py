@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from meanfield import kernels
 from meanfield.kernels import attend, use
-from meanfield.streaming import fused_attend, stream_attend
+from meanfield.streamed_attention import fused_attend, stream_attend
 from tests.reference import dense_jacobian, dense_lipschitz, naive_attention
 
 DT = torch.float64
@@ -438,7 +438,7 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
     both equal the dense kernel's forward-mode derivative."""
     from torch.autograd import forward_ad
 
-    from meanfield import streaming
+    from meanfield import streamed_attention as streaming
 
     if masked == "arbitrary":
         q, k, v, lw, qp, kp = _problem(22, m=40, n=40, empty=False)
@@ -468,7 +468,7 @@ def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):
     kernel would otherwise take: forward, fast VJP, fast JVP against the dense kernel."""
     from torch.autograd import forward_ad
 
-    from meanfield import streaming
+    from meanfield import streamed_attention as streaming
 
     monkeypatch.setattr(streaming, "_FLASH_FWD", None)
     monkeypatch.setattr(streaming, "_FLASH_BWD", None)
@@ -492,7 +492,7 @@ def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):
 
 
 def test_sequence_mask_recognises_only_the_causal_mask_of_a_sequence():
-    from meanfield.streaming import sequence_mask
+    from meanfield.streamed_attention import sequence_mask
 
     pos = torch.arange(1, 9, dtype=DT) / 8
     assert sequence_mask(pos, pos) and sequence_mask(pos.expand(2, 8), pos)

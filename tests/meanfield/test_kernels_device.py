@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from meanfield import accelerator_paths as ap
-from meanfield import kernels, streaming
+from meanfield import kernels
+from meanfield import streamed_attention as streaming
 from meanfield.kernels import attend
 from particles import device
 

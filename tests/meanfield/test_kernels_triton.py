@@ -22,7 +22,8 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton", reason="Triton is not installed (the 'gpu' extra); its kernels are tested in "
                                      "its interpreter on CPU")
 
-from meanfield import kernels, streaming  # noqa: E402
+from meanfield import kernels  # noqa: E402
+from meanfield import streamed_attention as streaming  # noqa: E402
 from meanfield.kernels import attend, attention_probs  # noqa: E402
 
 DT = torch.float64

@@ -142,8 +142,8 @@ def test_certificate_catches_a_precision_that_does_not_hold(monkeypatch, case, r
             assert res.precision == F64 or not res.converged
         # without the certificate (float32's own measure trusted) the value is wrong and "converged": the
         # failure this test guards against
-        monkeypatch.setattr(transport.streaming, "plan_check", lambda *a, cost=False: (
-            0.0, transport.streaming._transport_cost(*a) if cost else None))
+        monkeypatch.setattr(transport.streaming_sinkhorn, "plan_check", lambda *a, cost=False: (
+            0.0, transport.streaming_sinkhorn._transport_cost(*a) if cost else None))
         res = solve(mu, nu, "streaming", **kw)
     assert res.precision == F32 and res.converged and abs(res.value / truth(mu, nu) - 1) > 0.01
 
