@@ -5,7 +5,7 @@
 For N particles in d = 3 (a SelfAttention with random A, V), it times, in the same run:
 
 * ``attention``: one velocity evaluation Gamma_mu(x_i) for all particles (``op.velocity(mu, X)``);
-* ``rk4 step``: one step of ``simulate(op, mu, [0, h], method="rk4", steps=1)`` (4 evaluations);
+* ``rk4 step``: one step of ``simulate(op, mu, [0, h], method="rk4", options={"steps": 1})`` (4 evaluations);
 * ``torchdiffeq rk4``: the same step through ``torchdiffeq.odeint(method="rk4")`` on the same field;
 * ``loop``: the straightforward reference, one RK4 step with a Python loop over particles
   (Gamma(x_i) = softmax_j(<A x_i, x_j> + log a_j) V x_j one query at a time), small N only.
@@ -62,7 +62,7 @@ def _one_size(op, A, V, X, h, repeats, loop_max) -> dict:
     n = X.shape[0]
     mu = Measure(X)
     t_att = _median_time(lambda: op.velocity(mu, X), repeats)
-    t_rk4 = _median_time(lambda: simulate(op, mu, [0.0, h], method="rk4", steps=1), repeats)
+    t_rk4 = _median_time(lambda: simulate(op, mu, [0.0, h], method="rk4", options={"steps": 1}), repeats)
     grid = torch.tensor([0.0, h], dtype=torch.float64)
     t_tde = _median_time(lambda: odeint(lambda t, Y: op.velocity(mu.with_points(Y), Y), X, grid, method="rk4",
                                         options={"step_size": h}), repeats)
@@ -71,7 +71,7 @@ def _one_size(op, A, V, X, h, repeats, loop_max) -> dict:
         row["loop_s"] = _median_time(lambda: _loop_rk4(A, V, X, mu.log_weights, h), 1)
         # same numbers as the reference loop: the benchmark compares like with like
         ref = _loop_rk4(A, V, X, mu.log_weights, h)
-        ours = simulate(op, mu, [0.0, h], method="rk4", steps=1).final.points
+        ours = simulate(op, mu, [0.0, h], method="rk4", options={"steps": 1}).final.points
         assert torch.allclose(ours, ref, atol=1e-12), "the RK4 step differs from the reference loop"
     return row
 

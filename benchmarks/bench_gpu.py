@@ -353,7 +353,8 @@ def dynamics_rows(b, n, d=3, steps=10, T=1.0):
             Y = Y + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
         return Y
 
-    return b.time({"ours (simulate rk4)": lambda: simulate(op, mu, [0.0, T], method="rk4", steps=steps).final,
+    ours = lambda: simulate(op, mu, [0.0, T], method="rk4", options={"steps": steps}).final
+    return b.time({"ours (simulate rk4)": ours,
                    "RK4 loop on SDPA": lambda: rk4(False), "RK4 loop on SDPA padded": lambda: rk4(True)})
 
 

@@ -4,7 +4,7 @@
 (docs/math.md section 2): the same calls as for ``SelfAttention`` apply to it, here
 ``local_lipschitz`` on the hidden states that the layer really receives, for growing prefixes of
 the text, and ``simulate``, the layer's attention as the velocity field of the token dynamics, with
-the tokens kept on their spheres (``sphere=True``, as LayerNorm would): they collapse to one
+the tokens kept on their spheres (``geometry="sphere"``, as LayerNorm would): they collapse to one
 cluster (docs/math.md section 6.3).
 
 Point it at a local checkpoint folder (``config.json`` and the weights, as written by
@@ -113,7 +113,7 @@ def main(argv=None) -> Path:
     mu = Measure.sequence(X[:n_dyn]) if op.masked else Measure(X[:n_dyn])
     T = 20.0
     times = torch.linspace(0.0, T, 9 if args.tiny else 41, dtype=torch.float64)
-    traj = simulate(op, mu, times, method="rk4", steps=2 if args.tiny else 10, sphere=True)
+    traj = simulate(op, mu, times, method="rk4", geometry="sphere", options={"steps": 2 if args.tiny else 10})
     P = traj.points
     diameter = torch.cdist(P, P).amax(dim=(1, 2)).numpy()
     scale = float(P[0].norm(dim=1).mean())

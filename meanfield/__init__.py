@@ -6,7 +6,7 @@ Public names are loaded lazily from the submodules that hold them::
     adapters     as_operator, CallableOperator, TorchMultiheadAttention (what users pass, as operators)
     parameters   Parameters, Head: what an operator is made of (op.parameters())
     attention    SelfAttention, MultiHeadAttention, L2SelfAttention
-    sphere       SphereAttention (the sphere models of Geshkovski et al.)
+    isotropic    IsotropicAttention (A = beta I, V = I: the sphere models of Geshkovski et al.)
     hf           HFAttention (Hugging Face attention layers as operators), extract_layer, ...
     lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate, TOL (the default tolerance by dtype)
     jacobian     the Jacobian products J u, J^T w behind local_lipschitz
@@ -45,7 +45,8 @@ _NAMES = {
     "as_operator": "adapters",
     "CallableOperator": "adapters",
     "TorchMultiheadAttention": "adapters",
-    "SphereAttention": "sphere",
+    "IsotropicAttention": "isotropic",
+    "SphereAttention": "isotropic",
     "HFAttention": "hf",
     "Euclidean": "geometry",
     "Sphere": "geometry",
@@ -74,7 +75,7 @@ _NAMES = {
     "UpperBound": "upper",
     "split_lipschitz": "splitting",
 }
-_SUBMODULES = {"operator", "adapters", "parameters", "attention", "sphere", "hf", "lipschitz", "jacobian",
+_SUBMODULES = {"operator", "adapters", "parameters", "attention", "isotropic", "hf", "lipschitz", "jacobian",
                "krylov", "bounds", "upper", "adversarial", "starts", "ascent", "dynamics", "integrators",
                "geometry", "kernels", "clustering", "io", "worst_case", "splitting", "sigma_gradient"}
 

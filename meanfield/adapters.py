@@ -186,7 +186,7 @@ class TorchMultiheadAttention(AttentionOperator):
 def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
     """Any attention the framework accepts, as an :class:`AttentionOperator`.
 
-    * a meanfield operator (SelfAttention, MultiHeadAttention, L2SelfAttention, SphereAttention,
+    * a meanfield operator (SelfAttention, MultiHeadAttention, L2SelfAttention, IsotropicAttention,
       a Hugging Face layer already wrapped, ...) is returned as is (``masked`` must agree);
     * a Hugging Face attention module (GPT-2 ``GPT2Attention``, BERT ``BertAttention`` or
       ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` (weights as additive

@@ -20,9 +20,9 @@ holding only the requested times. Variants:
   Rigollet (2023), y_i' = exp(-tV) (Gamma_{mu(t)}(e^{tV} y_i) - V e^{tV} y_i), which for
   self-attention is y_i' = sum_j P_ij(t) V (y_j - y_i) with P_ij proportional to
   a_j exp(<A e^{tV} y_i, e^{tV} y_j>);
-* ``geometry=Sphere()`` (or ``sphere=True``): the field projected on the tangent spaces, so that every
-  ``|x_i|`` is conserved; ``sphere="SA"`` / ``"USA"`` with ``beta`` is the shorthand for the sphere models
-  (:class:`meanfield.sphere.SphereAttention`) on the sphere;
+* ``geometry=Sphere()`` (or ``"sphere"``): the field projected on the tangent spaces, so that every
+  ``|x_i|`` is conserved; with ``op=IsotropicAttention(beta, "SA" / "USA")`` the sphere models of
+  Geshkovski et al.;
 * time-dependent parameters: a list of operators, one per layer, acting on equal sub-intervals of
   [times[0], times[-1]], or a callable ``t -> operator``;
 * masked (causal) operators on [0, 1] x R^d, and multi-head operators.
@@ -31,20 +31,23 @@ holding only the requested times. Variants:
 from __future__ import annotations
 
 import numbers
+import time
+import warnings
 from collections.abc import Iterator
 
 import torch
 
 from particles import Measure
+from particles.threads import ThreadPolicy
 from particles.validation import as_tensor, check_allocation, check_ndim, check_positive_int
 
 from .adapters import as_operator
-from .geometry import Euclidean, Sphere, resolve_geometry
+from .geometry import GEOMETRIES, Euclidean, Sphere, resolve_geometry
 from .integrators import ADAPTIVE, FIXED, check_finite, integrate_adaptive, integrate_fixed
+from .isotropic import NORMALIZATIONS, IsotropicAttention
 from .operator import AttentionOperator
-from .sphere import SPHERE_MODELS, SphereAttention
 
-__all__ = ["simulate", "Trajectory", "SphereAttention", "FIXED_METHODS", "residual_layers"]
+__all__ = ["simulate", "Trajectory", "FIXED_METHODS", "residual_layers"]
 
 FIXED_METHODS = tuple(FIXED)
 
@@ -55,11 +58,11 @@ class Trajectory:
     Attributes: ``times`` (T,), ``points`` (T, N, d), ``weights`` / ``log_weights`` (N,) (constant in
     time), ``positions`` (N,) or None (constant in time), ``method``, ``nfev`` (velocity-field
     evaluations), ``steps`` (solver steps), ``rescale_V`` (the V of y = exp(-tV) x, or None),
-    ``sphere`` (False, True, "SA" or "USA"). Indexing and iteration give :class:`Measure` objects.
+    ``geometry`` ("euclidean" or "sphere"). Indexing and iteration give :class:`Measure` objects.
     """
 
     def __init__(self, times, points, template: Measure, *, method: str, nfev: int, steps: int,
-                 rescale_V=None, sphere=False):
+                 rescale_V=None, geometry: str = "euclidean", sphere=None):
         self.times = times
         self.points = points
         self._template = template
@@ -67,7 +70,18 @@ class Trajectory:
         self.nfev = nfev
         self.steps = steps
         self.rescale_V = rescale_V
-        self.sphere = sphere
+        if sphere is not None:   # the previous release's record: False, True, "SA" or "USA"
+            geometry = "sphere" if sphere else "euclidean"
+        if geometry not in GEOMETRIES:
+            raise ValueError(f"geometry: expected one of {sorted(GEOMETRIES)}, got {geometry!r}")
+        self.geometry = geometry
+
+    @property
+    def sphere(self) -> bool:
+        """Deprecated: ``geometry == "sphere"``."""
+        warnings.warn("Trajectory.sphere: use Trajectory.geometry ('euclidean' or 'sphere')", DeprecationWarning,
+                      stacklevel=2)
+        return self.geometry == "sphere"
 
     weights = property(lambda self: self._template.weights, doc="Masses a_i, shape (N,).")
     log_weights = property(lambda self: self._template.log_weights, doc="log a_i, shape (N,).")
@@ -98,11 +112,11 @@ class Trajectory:
         E = torch.linalg.matrix_exp(self.times[:, None, None] * self.rescale_V)
         X = self.points @ E.transpose(-1, -2)
         return Trajectory(self.times, X, self._template, method=self.method, nfev=self.nfev,
-                          steps=self.steps, rescale_V=None, sphere=self.sphere)
+                          steps=self.steps, rescale_V=None, geometry=self.geometry)
 
     def __repr__(self) -> str:
-        extra = (", rescaled" if self.rescale_V is not None else "") + (f", sphere={self.sphere!r}"
-                                                                         if self.sphere else "")
+        extra = (", rescaled" if self.rescale_V is not None else "") + (f", geometry={self.geometry!r}"
+                                                                         if self.geometry != "euclidean" else "")
         return (f"Trajectory(T={len(self)}, n={self.points.shape[1]}, dim={self.points.shape[2]}, "
                 f"method={self.method!r}{extra}, nfev={self.nfev})")
 
@@ -124,6 +138,7 @@ class _Field:
         self.template = template
         self.rescale_V = rescale_V
         self.geometry = geometry
+        self.policy = None   # the call's ThreadPolicy: the first evaluation decides the threads
         self.nfev = 0
         self.layers = None
         self.factory = None
@@ -172,6 +187,17 @@ class _Field:
         return min(max(sum(e <= mid for e in self.edges) - 1, 0), len(self.layers) - 1)
 
     def __call__(self, t, Y: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        if self.policy is None:
+            return self._velocity(t, Y, layer)
+        if self.nfev == 0:
+            start = time.perf_counter()
+            v = self._velocity(t, Y, layer)
+            self.policy.observe(time.perf_counter() - start)
+            return v
+        self.policy.tick()
+        return self._velocity(t, Y, layer)
+
+    def _velocity(self, t, Y: torch.Tensor, layer: int | None) -> torch.Tensor:
         self.nfev += 1
         t = float(t)
         X = Y
@@ -203,40 +229,50 @@ class _Field:
         return self.geometry.retract(Y)
 
 
-def simulate(op, mu0, times, method: str = "rk4", rescale=False, sphere=False, *, geometry=None,
-             step: float | None = None, steps: int | None = None, rtol: float | None = None,
-             atol: float | None = None, beta: float | None = None, max_steps: int = 100_000,
-             options: dict | None = None) -> Trajectory:
+#: the options of simulate for each kind of method (everything else in ``options`` goes to torchdiffeq)
+FIXED_OPTIONS = ("step", "steps")
+ADAPTIVE_OPTIONS = ("max_steps",)
+#: keywords of the previous release, moved into ``options`` or ``geometry`` (they warn for one release)
+_MOVED = ("step", "steps", "max_steps", "sphere", "beta")
+
+
+def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, atol: float | None = None,
+             geometry=None, rescale=False, options: dict | None = None, **deprecated) -> Trajectory:
     """Integrate the token dynamics x_i' = Gamma_{mu(t)}(x_i) (docs/math.md section 6) from ``mu0``.
+
+    torchdiffeq's ``odeint(func, y0, t, rtol, atol, method, options)``, for measures.
 
     Parameters
     ----------
-    op : operator, list of operators, callable ``t -> operator``, or None
+    op : operator, list of operators, or callable ``t -> operator``
         Anything :func:`meanfield.as_operator` accepts with a velocity field (SelfAttention,
-        MultiHeadAttention, L2SelfAttention, SphereAttention, a Hugging Face attention layer,
+        MultiHeadAttention, L2SelfAttention, IsotropicAttention, a Hugging Face attention layer,
         torch.nn.MultiheadAttention; masked or not). A list gives one operator per layer on equal
         sub-intervals of [times[0], times[-1]] (layer boundaries are step boundaries, so piecewise
         constant parameters keep the order of the scheme); a callable is evaluated at every stage
-        time (use it for smooth t-dependence). None only with ``sphere="SA"`` or ``"USA"``.
+        time (use it for smooth t-dependence).
     mu0 : Measure or tensor (N, d)
         Initial particles at ``times[0]`` (a tensor is the empirical measure). Weights, and the
         positions of a masked measure, are kept constant.
     times : increasing sequence (T,) or a number t1
         Requested output times; ``times[0]`` is the initial time (a number means [0, t1]).
-    method : "euler", "rk4", or a torchdiffeq adaptive method ("dopri5", "bosh3", "dopri8", ...)
-        Fixed-step methods use ``step`` (largest step size) or ``steps`` (steps between consecutive
-        requested times); by default 100 steps over the whole span. Euler with step 1/L on [0, 1] is
-        exactly L residual layers x <- x + (1/L) Gamma(x). Adaptive methods use ``rtol`` (default
-        1e-7), ``atol`` (default 1e-9), ``options`` (torchdiffeq's) and at most ``max_steps`` steps per
-        layer (else RuntimeError: not converged); these are errors with a fixed-step method.
-    rescale : bool or matrix (d, d)
-        True: return y = exp(-tV) x with V = op.V (or the matrix given). See the module docstring.
-    sphere : False, True, "SA" or "USA"
-        True: the same as ``geometry=Sphere()``. "SA"/"USA": the sphere models with inverse
-        temperature ``beta`` (op must be None), on the sphere.
+    method : str
+        "euler", "rk4", or a torchdiffeq adaptive method ("dopri5", "bosh3", "dopri8", ...).
+        Euler with 1 step per layer on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x).
+    rtol, atol : float, optional
+        Tolerances of the adaptive methods (default 1e-7 and 1e-9); an error with a fixed-step method.
     geometry : Euclidean(), Sphere(), "euclidean" or "sphere" (default: Euclidean)
         Where the tokens live (:mod:`meanfield.geometry`): the field is projected on the tangent
-        spaces and the points retracted after each step.
+        spaces and the points retracted after each step. The sphere models of Geshkovski et al. are
+        ``simulate(IsotropicAttention(beta, "SA"), mu0, times, geometry="sphere")``.
+    rescale : bool or matrix (d, d)
+        True: return y = exp(-tV) x with V the value matrix of a single-head operator (read from
+        ``op.parameters()``), or the matrix given. See the module docstring.
+    options : dict, optional
+        Fixed-step methods: ``step`` (largest step size) or ``steps`` (steps between consecutive
+        requested times); by default 100 steps over the whole span. Adaptive methods: ``max_steps``
+        (per layer, default 100000; beyond it a RuntimeError says it did not converge) and any
+        option of torchdiffeq's solver. An option of the other kind of method is an error.
 
     Returns
     -------
@@ -245,7 +281,15 @@ def simulate(op, mu0, times, method: str = "rk4", rescale=False, sphere=False, *
     Raises
     ------
     FloatingPointError when the particles leave the floating-point range (with the time).
+
+    Notes
+    -----
+    The keywords of the previous release (``step=``, ``steps=``, ``max_steps=``, ``sphere=``,
+    ``beta=``) still work, with a DeprecationWarning: the first three go into ``options``,
+    ``sphere=True`` is ``geometry="sphere"``, and ``sphere="SA"`` / ``"USA"`` with ``beta`` is
+    ``op=IsotropicAttention(beta, "SA" / "USA")`` on the sphere.
     """
+    op, geometry, options = _legacy_spelling(op, mu0, geometry, options, deprecated)
     mu0 = mu0 if isinstance(mu0, Measure) else Measure(mu0)
     dtype, device = mu0.dtype, mu0.device
     t = _check_times(times, dtype)
@@ -258,24 +302,10 @@ def simulate(op, mu0, times, method: str = "rk4", rescale=False, sphere=False, *
     if method not in FIXED and method not in ADAPTIVE:
         raise ValueError(f"method: unknown solver {method!r}; fixed-step: {tuple(FIXED)}, adaptive "
                          f"(torchdiffeq): {ADAPTIVE}")
-
-    model = _resolve_sphere(sphere)
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"options: expected a dict, got {type(options).__name__}")
+    options = dict(options or {})
     geo = resolve_geometry(geometry)
-    if model:
-        if geometry is not None and not isinstance(geo, Sphere):
-            raise ValueError(f"geometry: sphere={sphere!r} puts the tokens on the sphere; {geo!r} contradicts it")
-        geo = Sphere()
-    if model in SPHERE_MODELS:
-        if op is not None:
-            raise ValueError(f"op: with sphere={model!r} the operator is SphereAttention(beta); pass op=None "
-                             "(or sphere=True to project another operator's field)")
-        if beta is None:
-            raise ValueError(f"beta: sphere={model!r} needs an inverse temperature beta")
-        op = SphereAttention(beta, model, masked=mu0.masked)
-    elif beta is not None:
-        raise ValueError("beta: only used with sphere='SA' or 'USA' (the operator carries its own parameters)")
-    if op is None:
-        raise ValueError("op: give an operator (or op=None with sphere='SA'/'USA' and beta)")
 
     V = _resolve_rescale(rescale, op, mu0.dim, dtype, device)
     if V is not None and not isinstance(geo, Euclidean):
@@ -287,19 +317,67 @@ def simulate(op, mu0, times, method: str = "rk4", rescale=False, sphere=False, *
     if V is not None:
         Y = Y @ torch.linalg.matrix_exp(-t0 * V).T
 
-    if method in FIXED:
-        for name, val in (("rtol", rtol), ("atol", atol), ("options", options)):
-            if val is not None:
-                raise ValueError(f"{name}: only for the adaptive methods {ADAPTIVE}, not {method!r}")
-        out, nsteps = integrate_fixed(field, Y, [float(s) for s in t], method, step, steps)
-    else:
-        if step is not None or steps is not None:
-            raise ValueError(f"step, steps: only for the fixed-step methods {tuple(FIXED)}, not {method!r}")
-        out, nsteps = integrate_adaptive(field, Y, t, method, 1e-7 if rtol is None else rtol,
-                                         1e-9 if atol is None else atol, max_steps, options)
+    with ThreadPolicy() as policy:
+        field.policy = policy
+        if method in FIXED:
+            for name, val in (("rtol", rtol), ("atol", atol)):
+                if val is not None:
+                    raise ValueError(f"{name}: only for the adaptive methods {ADAPTIVE}, not {method!r}")
+            wrong = sorted(set(options) - set(FIXED_OPTIONS))
+            if wrong:
+                raise ValueError(f"options: {wrong} do not apply to the fixed-step method {method!r} "
+                                 f"(its options: {FIXED_OPTIONS})")
+            out, nsteps = integrate_fixed(field, Y, [float(s) for s in t], method, options.get("step"),
+                                          options.get("steps"))
+        else:
+            wrong = sorted(set(options) & set(FIXED_OPTIONS))
+            if wrong:
+                raise ValueError(f"options: {wrong} only for the fixed-step methods {tuple(FIXED)}, not {method!r}")
+            max_steps = options.pop("max_steps", 100_000)
+            out, nsteps = integrate_adaptive(field, Y, t, method, 1e-7 if rtol is None else rtol,
+                                             1e-9 if atol is None else atol, max_steps, options or None)
     points = torch.stack(out)
     return Trajectory(t, points, mu0, method=method, nfev=field.nfev, steps=nsteps, rescale_V=V,
-                      sphere=model if model else (True if isinstance(geo, Sphere) else False))
+                      geometry=geo.name)
+
+
+def _legacy_spelling(op, mu0, geometry, options, given: dict):
+    """(op, geometry, options) from the keywords of the previous release, each with a DeprecationWarning."""
+    unknown = sorted(set(given) - set(_MOVED))
+    if unknown:
+        raise TypeError(f"simulate() got unexpected keyword argument(s) {unknown}")
+    if not given:
+        return op, geometry, options
+    warnings.warn(f"simulate({', '.join(f'{k}=...' for k in given)}): step, steps and max_steps go into options=, "
+                  "sphere=True is geometry='sphere', and sphere='SA'/'USA' with beta is "
+                  "op=IsotropicAttention(beta, 'SA'/'USA') with geometry='sphere'; the keywords will be removed in the "
+                  "next release", DeprecationWarning, stacklevel=3)
+    options = dict(options or {})
+    for k in ("step", "steps", "max_steps"):
+        if given.get(k) is not None:
+            if k in options:
+                raise ValueError(f"{k}: given twice (as a keyword and in options)")
+            options[k] = given[k]
+    model = _resolve_sphere(given.get("sphere", False))
+    beta = given.get("beta")
+    if model:
+        geo = resolve_geometry(geometry)
+        if geometry is not None and not isinstance(geo, Sphere):
+            raise ValueError(f"geometry: sphere={model!r} puts the tokens on the sphere; {geo!r} contradicts it")
+        geometry = "sphere"
+    if model in NORMALIZATIONS:
+        if op is not None:
+            raise ValueError(f"op: with sphere={model!r} the operator is IsotropicAttention(beta); pass op=None "
+                             "(or sphere=True to project another operator's field)")
+        if beta is None:
+            raise ValueError(f"beta: sphere={model!r} needs an inverse temperature beta")
+        masked = mu0.masked if isinstance(mu0, Measure) else False
+        op = IsotropicAttention(beta, model, masked=masked)
+    elif beta is not None:
+        raise ValueError("beta: only used with sphere='SA' or 'USA' (the operator carries its own parameters)")
+    if op is None:
+        raise ValueError("op: give an operator (or op=None with sphere='SA'/'USA' and beta)")
+    return op, geometry, options
 
 
 #: memory of one stored time besides its data: a torch tensor object and its allocation (measured: ~0.8 KiB)
@@ -323,7 +401,7 @@ def _resolve_sphere(sphere):
         return False
     if sphere is True:
         return True
-    if isinstance(sphere, str) and sphere.upper() in SPHERE_MODELS:
+    if isinstance(sphere, str) and sphere.upper() in NORMALIZATIONS:
         return sphere.upper()
     raise ValueError(f"sphere: expected False, True, 'SA' or 'USA', got {sphere!r}")
 
@@ -353,6 +431,7 @@ def _resolve_rescale(rescale, op, dim, dtype, device):
 def residual_layers(op, X: torch.Tensor, L: int, T: float = 1.0) -> torch.Tensor:
     """L residual layers x <- x + (T/L) Gamma(x) on a sequence X (n, d): Euler on [0, T]."""
     L = check_positive_int(L, "L")
-    traj = simulate(op, X if isinstance(X, Measure) else Measure(X), [0.0, float(T)], method="euler", steps=L)
+    traj = simulate(op, X if isinstance(X, Measure) else Measure(X), [0.0, float(T)], method="euler",
+                    options={"steps": L})
     return traj.points[-1]
 

@@ -9,7 +9,8 @@ A :class:`~meanfield.dynamics.Trajectory` (``kind = "trajectory"``) stores the a
 ``times`` (T,), ``points`` (T, N, d), ``weights`` (N,), ``log_weights`` (N,), ``positions`` (N,)
 (masked measures only) and ``rescale_V`` (d, d) (rescaled trajectories only),
 
-and in the header ``method``, ``nfev``, ``steps`` and ``sphere``.
+and in the header ``method``, ``nfev``, ``steps`` and ``geometry`` ("euclidean" or "sphere"; files of
+the previous release carry ``sphere`` instead, False, True, "SA" or "USA", and still load).
 
 A :class:`~meanfield.lipschitz.LipschitzEstimate` (``kind = "lipschitz_estimate"``) stores its
 tensor fields as arrays (``vector``) and its other fields (``value``, ``error``, ``iterations``,
@@ -39,6 +40,7 @@ from particles.io import (
 from particles.validation import check_device
 
 from .dynamics import Trajectory
+from .geometry import GEOMETRIES
 from .integrators import ADAPTIVE, FIXED
 from .lipschitz import METHODS as _ESTIMATE_METHODS
 from .lipschitz import LipschitzEstimate
@@ -72,7 +74,7 @@ def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
         arrays["positions"] = to_numpy(traj.positions)
     if traj.rescale_V is not None:
         arrays["rescale_V"] = to_numpy(traj.rescale_V)
-    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": int(traj.steps), "sphere": traj.sphere}
+    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": int(traj.steps), "geometry": traj.geometry}
     return write_archive(path, "trajectory", arrays, dtype=traj.points.dtype, metadata=metadata, fields=fields)
 
 
@@ -118,10 +120,18 @@ def load_trajectory(path, *, device=None) -> Trajectory:
         V = tensor_of(arrays, "rescale_V", header, name, ndim=2, device=device)
         if not bool(torch.isfinite(V).all()):
             raise FileFormatError(f"{name}: array 'rescale_V' contains NaN or infinite entries")
-    sphere = header.get("sphere")
-    if sphere not in _SPHERE or isinstance(sphere, int) and not isinstance(sphere, bool):
-        raise FileFormatError(f"{name}: header field 'sphere' is {sphere!r}; expected one of {_SPHERE}")
-    return Trajectory(times, points, template, method=method, nfev=nfev, steps=steps, rescale_V=V, sphere=sphere)
+    if "geometry" in header:
+        geometry = header["geometry"]
+        if geometry not in GEOMETRIES:
+            raise FileFormatError(f"{name}: header field 'geometry' is {geometry!r}; expected one of "
+                                  f"{sorted(GEOMETRIES)}")
+    else:   # a file of the previous release
+        sphere = header.get("sphere")
+        if sphere not in _SPHERE or isinstance(sphere, int) and not isinstance(sphere, bool):
+            raise FileFormatError(f"{name}: header field 'sphere' is {sphere!r}; expected one of {_SPHERE}")
+        geometry = "sphere" if sphere else "euclidean"
+    return Trajectory(times, points, template, method=method, nfev=nfev, steps=steps, rescale_V=V,
+                      geometry=geometry)
 
 
 # ---------------------------------------------------------------------- Lipschitz estimates

@@ -92,7 +92,7 @@ class AttentionOperator:
         starts and the dynamics read; None for an operator that is not made of softmax heads the
         framework can read (a bare callable: the theory then says it cannot bound it). ``d`` is the
         token dimension, needed only by operators that act in every dimension
-        (:class:`~meanfield.SphereAttention`)."""
+        (:class:`~meanfield.isotropic.IsotropicAttention`)."""
         return None
 
     # -------------------------------------------------------------- derived maps

@@ -1,87 +1,11 @@
-"""The sphere models of Geshkovski, Letrouit, Polyanskiy and Rigollet (docs/math.md section 6).
+"""The previous release's module of the sphere models: now :mod:`meanfield.isotropic`.
 
-Tokens on the unit sphere interact through the fields (before projection on the tangent spaces)
-
-* SA (self-attention):  Gamma(x) = sum_j a_j e^{beta <x, x_j>} x_j / sum_l a_l e^{beta <x, x_l>},
-  i.e. attention with A = beta I and V = I;
-* USA (unnormalized):   Gamma(x) = sum_j a_j e^{beta <x, x_j>} x_j, the 1/n normalization of uniform
-  weights a_j = 1/n.
-
-:func:`meanfield.simulate` moves tokens along them on the sphere (``geometry=Sphere()``, or the
-``sphere="SA"``/``"USA"`` shorthand). Along both flows the interaction energy
-E_beta = (1/(2 beta)) sum_ij a_i a_j e^{beta <x_i, x_j>} is non-decreasing (for USA the field is
-a_i^{-1} times the gradient of E_beta in x_i). With positions (``masked=True``) only atoms with
-s_j <= s are seen (the causal sphere model).
+Importing it warns; it will be removed in the next release.
 """
 
-from __future__ import annotations
+import warnings
 
-import math
-import numbers
+from .isotropic import SPHERE_MODELS, SphereAttention  # noqa: F401
 
-import torch
-
-from particles.validation import check_bool, check_positive_int
-
-from .kernels import attend
-from .operator import AttentionOperator
-from .parameters import Head, Parameters
-
-__all__ = ["SphereAttention", "SPHERE_MODELS"]
-
-SPHERE_MODELS = ("SA", "USA")
-
-
-class SphereAttention(AttentionOperator):
-    """The SA / USA velocity fields (module docstring) as an operator of any dimension and dtype."""
-
-    d_in = d_out = dtype = device = None
-
-    def __init__(self, beta: float, normalization: str = "SA", masked: bool = False):
-        if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta < 0:
-            raise ValueError(f"beta: expected a finite inverse temperature >= 0, got {beta!r}")
-        if normalization not in SPHERE_MODELS:
-            raise ValueError(f"normalization: expected 'SA' or 'USA', got {normalization!r}")
-        check_bool(masked, "masked")
-        self.beta = float(beta)
-        self.normalization = normalization
-        self.masked = masked
-
-    def __repr__(self) -> str:
-        return f"SphereAttention(beta={self.beta}, normalization={self.normalization!r}, masked={self.masked})"
-
-    def to(self, device=None, dtype=None) -> SphereAttention:
-        return self  # no parameters: acts in the dtype and on the device of its inputs
-
-    def parameters(self, d: int | None = None):
-        """One head with A = beta I and V = I in dimension ``d`` (required: the model acts in every
-        dimension), float64 on the CPU. USA is not a softmax average: its record carries a caveat."""
-        if d is None:
-            raise ValueError("d: SphereAttention acts in every dimension; give the token dimension, "
-                             "op.parameters(d)")
-        d = check_positive_int(d, "d")
-        eye = torch.eye(d, dtype=torch.float64)
-        caveat = None if self.normalization == "SA" else \
-            "the unnormalized USA field is not a softmax average: no bound of the paper applies"
-        return Parameters((Head(self.beta * eye, eye, eye, None, None, 1.0, "dot"),), masked=self.masked,
-                          caveat=caveat)
-
-    def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
-        q = self.beta * x
-        out = attend(q, keys, keys, log_weights, x_positions, key_positions)
-        if self.normalization == "USA":
-            out = out * torch.exp(_row_logsumexp(q, keys, log_weights, x_positions, key_positions)).unsqueeze(-1)
-        return out
-
-
-def _row_logsumexp(q, k, log_weights, q_pos, k_pos, block: int = 2048) -> torch.Tensor:
-    """log sum_j exp(<q_i, k_j> + log a_j) over visible keys, in row blocks (O(block * n) memory)."""
-    rows = []
-    for i0 in range(0, q.shape[-2], block):
-        s = q[..., i0:i0 + block, :] @ k.transpose(-1, -2)
-        if log_weights is not None:
-            s = s + log_weights.unsqueeze(-2)
-        if q_pos is not None:
-            s = s.masked_fill(k_pos.unsqueeze(-2) > q_pos[..., i0:i0 + block].unsqueeze(-1), float("-inf"))
-        rows.append(torch.logsumexp(s, dim=-1))
-    return torch.cat(rows, dim=-1)
+warnings.warn("meanfield.sphere is now meanfield.isotropic (IsotropicAttention); 'sphere' names the manifold "
+              "(meanfield.geometry.Sphere)", DeprecationWarning, stacklevel=2)

@@ -84,11 +84,11 @@ def test_simulate_with_10_to_the_7_output_times():
     times = np.linspace(0.0, 1.0, 10**7)
     with pytest.raises(MemoryLimitError, match=r"simulate: the particles \(8 x 2\) at 10000000 requested times.*"
                                                "fewer output times"):
-        simulate(att, Measure.sphere(8, 2, seed=0), times, method="euler", steps=1)
+        simulate(att, Measure.sphere(8, 2, seed=0), times, method="euler", options={"steps": 1})
     # a few output times: the trajectory at t = 1 is the same as when asked for alone
     mu = Measure.sphere(8, 2, seed=0)
-    many = simulate(att, mu, np.linspace(0.0, 1.0, 11), method="rk4", steps=10)
-    one = simulate(att, mu, [0.0, 1.0], method="rk4", steps=100)
+    many = simulate(att, mu, np.linspace(0.0, 1.0, 11), method="rk4", options={"steps": 10})
+    one = simulate(att, mu, [0.0, 1.0], method="rk4", options={"steps": 100})
     assert torch.allclose(many.final.points, one.final.points, rtol=1e-12, atol=1e-12)
 
 

@@ -26,7 +26,7 @@ def _att():
 
 def _options():
     """(name of the argument, call taking the value)."""
-    from meanfield import L2SelfAttention, SelfAttention, SphereAttention, adversarial, bounds, worst_case
+    from meanfield import IsotropicAttention, L2SelfAttention, SelfAttention, adversarial, bounds, worst_case
     from meanfield.adapters import CallableOperator, as_operator
     from studies.context import RunContext
 
@@ -35,7 +35,7 @@ def _options():
         ("positions", lambda v: Measure.sphere(4, 3, positions=v)),
         ("positions", lambda v: Measure.ball(4, 3, positions=v)),
         ("positions", lambda v: Measure.gaussian(4, np.zeros(3), positions=v)),
-        ("masked", lambda v: SphereAttention(1.0, masked=v)),
+        ("masked", lambda v: IsotropicAttention(1.0, masked=v)),
         ("masked", lambda v: SelfAttention(A, V, masked=v)),
         ("masked", lambda v: SelfAttention.from_qkv(A, A, V, masked=v)),
         ("masked", lambda v: L2SelfAttention(A, V, masked=v)),

@@ -144,7 +144,7 @@ def _leading(cfg, seed, dev, rows):
 
 
 def _sphere(cfg, seed, dev, rows):
-    from meanfield import simulate
+    from meanfield import IsotropicAttention, simulate
     from meanfield.clustering import count_clusters, interaction_energy
     from particles import Measure
 
@@ -152,7 +152,7 @@ def _sphere(cfg, seed, dev, rows):
     times = torch.linspace(0, cfg["T_sph"], cfg["frames"] + 1, dtype=D)
     out = {}
     for model in ("SA", "USA"):
-        traj = simulate(None, Measure(X), times, sphere=model, beta=1.0, step=0.2)
+        traj = simulate(IsotropicAttention(1.0, model), Measure(X), times, geometry="sphere", options={"step": 0.2})
         E = interaction_energy(traj, 1.0)
         c = count_clusters(traj, 1e-3)
         drift = float((traj.points.norm(dim=2) - 1).abs().max())
@@ -163,12 +163,13 @@ def _sphere(cfg, seed, dev, rows):
 
 
 def _causal(cfg, seed, dev, rows):
-    from meanfield import simulate
+    from meanfield import IsotropicAttention, simulate
     from particles import Measure
 
     X = _unit(cfg["n_causal"], 3, seed + 5).to(dev)
     times = torch.linspace(0, cfg["T_causal"], cfg["frames"] + 1, dtype=D)
-    traj = simulate(None, Measure.sequence(X), times, sphere="SA", beta=1.0, step=0.2)
+    traj = simulate(IsotropicAttention(1.0, "SA", masked=True), Measure.sequence(X), times, geometry="sphere",
+                    options={"step": 0.2})
     dist = (traj.points - traj.points[:, :1]).norm(dim=2).max(dim=1).values
     moved_first = float((traj.points[:, 0] - X[0]).norm(dim=1).max())
     for t, r in zip(times.tolist(), dist.tolist()):
@@ -186,11 +187,11 @@ def _meanfield(cfg, seed, dev, rows):
     op = SelfAttention(A.to(dev), V.to(dev))
     T = 1.0
     ref = simulate(op, Measure(torch.randn(cfg["n_ref"], 2, generator=_gen(seed + 8), dtype=D).to(dev)), [0.0, T],
-                   steps=10)
+                   options={"steps": 10})
     for n in cfg["ns"]:
         for r in range(cfg["reps"]):
             X = torch.randn(n, 2, generator=_gen(seed * 7919 + 31 * n + r), dtype=D).to(dev)
-            tr = simulate(op, Measure(X), [0.0, T], steps=10)
+            tr = simulate(op, Measure(X), [0.0, T], options={"steps": 10})
             w0, wT = w2_to_reference(tr, ref)
             rows.append({"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)})
 

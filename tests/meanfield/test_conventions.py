@@ -21,7 +21,7 @@ from meanfield import (
     simulate,
 )
 from meanfield.dynamics import residual_layers
-from meanfield.sphere import SphereAttention
+from meanfield.isotropic import IsotropicAttention
 from particles import Measure
 from tests.reference import naive_attention, prop34_lower, thm33_upper
 
@@ -51,7 +51,7 @@ def test_float32_measure_into_float64_operator_names_the_fix(call):
     run = {"pushforward": lambda: att(mu), "velocity": lambda: att.velocity(mu, mu.points),
            "local_lipschitz": lambda: local_lipschitz(att, mu),
            "lipschitz_ratio": lambda: lipschitz_ratio(att, mu, nu),
-           "simulate": lambda: simulate(att, mu, [0.0, 1.0], steps=2)}[call]
+           "simulate": lambda: simulate(att, mu, [0.0, 1.0], options={"steps": 2})}[call]
     with pytest.raises(TypeError, match=r"dtype torch.float32 differs from the operator's torch.float64; convert "
                                         r"the measure \(\w+.to\(dtype=torch.float64\)\) or the operator"):
         run()
@@ -92,23 +92,24 @@ def test_numpy_scalars_in_operators_and_estimators_give_the_python_results():
     assert est.value == same.value and est.iterations == same.iterations
     est = local_lipschitz(ref, X, method="power", tol=np.float64(1e-7), max_iter=np.int32(5000))
     assert est.converged
-    assert SphereAttention(np.float32(2.0), "SA").beta == 2.0
+    assert IsotropicAttention(np.float32(2.0), "SA").beta == 2.0
 
 
 def test_numpy_scalars_in_simulate():
     mu = Measure.sphere(5, 2, seed=0)
     att = SelfAttention(A, V)
-    ref = simulate(att, mu, [0.0, 0.5, 1.0], steps=3)
-    for kw in (dict(times=np.array([0.0, 0.5, 1.0], dtype=np.float32), steps=np.int64(3)),
-               dict(times=[np.float64(0.0), np.float32(0.5), np.int64(1)], step=np.float64(0.5 / 3))):
+    ref = simulate(att, mu, [0.0, 0.5, 1.0], options={"steps": 3})
+    for kw in (dict(times=np.array([0.0, 0.5, 1.0], dtype=np.float32), options={"steps": np.int64(3)}),
+               dict(times=[np.float64(0.0), np.float32(0.5), np.int64(1)], options={"step": np.float64(0.5 / 3)})):
         out = simulate(att, mu, **kw)
         torch.testing.assert_close(out.points, ref.points, rtol=1e-12, atol=1e-12)
-    assert torch.equal(simulate(att, mu, np.float32(1.0), steps=np.int64(6)).points[-1],
-                       simulate(att, mu, 1.0, steps=6).points[-1])
+    assert torch.equal(simulate(att, mu, np.float32(1.0), options={"steps": np.int64(6)}).points[-1],
+                       simulate(att, mu, 1.0, options={"steps": 6}).points[-1])
     ada = simulate(att, mu, [0.0, 1.0], method="dopri5", rtol=np.float32(1e-6), atol=np.float32(1e-8),
-                   max_steps=np.int64(1000))
+                   options={"max_steps": np.int64(1000)})
     torch.testing.assert_close(ada.points[-1], ref.points[-1], rtol=1e-4, atol=1e-4)
-    sa = simulate(None, Measure.sphere(4, 3, seed=0), [0.0, 1.0], steps=2, sphere="SA", beta=np.float32(1.0))
+    sa = simulate(IsotropicAttention(np.float32(1.0), "SA"), Measure.sphere(4, 3, seed=0), [0.0, 1.0],
+                  geometry="sphere", options={"steps": 2})
     assert sa.points.shape == (2, 4, 3)
     torch.testing.assert_close(residual_layers(att, mu.points, np.int64(3), T=np.float32(1.0)),
                                residual_layers(att, mu.points, 3, T=1.0), rtol=0, atol=0)

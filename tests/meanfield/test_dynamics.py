@@ -23,7 +23,8 @@ from meanfield.clustering import (
     limit_set,
     w2_to_reference,
 )
-from meanfield.dynamics import SphereAttention, Trajectory, residual_layers
+from meanfield.dynamics import Trajectory, residual_layers
+from meanfield.isotropic import IsotropicAttention
 from particles import Measure
 from tests.reference import naive_attention
 
@@ -58,7 +59,7 @@ def test_weights_and_positions_are_conserved_masked():
     X = _rand(7, 2, seed=5)
     w = torch.linspace(1, 2, 7, dtype=D)
     mu = Measure(X, w / w.sum(), positions=torch.arange(1, 8, dtype=D) / 7)
-    traj = simulate(_op(masked=True), mu, [0.0, 0.5, 1.0], steps=10)
+    traj = simulate(_op(masked=True), mu, [0.0, 0.5, 1.0], options={"steps": 10})
     assert isinstance(traj, Trajectory) and len(traj) == 3
     assert traj.points.shape == (3, 7, 2)
     for m in traj:
@@ -72,8 +73,8 @@ def test_split_measure_follows_the_same_dynamics():
     mu = _weighted()
     op = _op(seed=2, scale=0.8)
     times = [0.0, 0.7, 1.5]
-    a = simulate(op, mu, times, method="rk4", steps=20)
-    b = simulate(op, mu.split(2, 0.3), times, method="rk4", steps=20)
+    a = simulate(op, mu, times, method="rk4", options={"steps": 20})
+    b = simulate(op, mu.split(2, 0.3), times, method="rk4", options={"steps": 20})
     keep = [0, 1, 2, 4, 5, 6]  # atom 3 of the split measure is the second half of atom 2
     assert torch.allclose(b.points[:, keep], a.points, atol=1e-12, rtol=0)
     assert torch.allclose(b.points[:, 3], b.points[:, 2], atol=1e-13, rtol=0)
@@ -106,7 +107,8 @@ def test_rk4_is_fourth_order():
     X = _rand(5, 3, seed=21)
     op = _op(d=3, seed=22, scale=0.6)
     ref = simulate(op, Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-13, atol=1e-15).final.points
-    errs = [float((simulate(op, Measure(X), [0.0, 2.0], steps=s).final.points - ref).norm()) for s in (8, 16, 32)]
+    errs = [float((simulate(op, Measure(X), [0.0, 2.0], options={"steps": s}).final.points - ref).norm())
+            for s in (8, 16, 32)]
     ratios = [errs[0] / errs[1], errs[1] / errs[2]]
     assert all(12 < r < 20 for r in ratios), (errs, ratios)
 
@@ -114,9 +116,9 @@ def test_rk4_is_fourth_order():
 def test_requested_times_only_and_step_vs_steps():
     X = _rand(4, 2, seed=31)
     op = _op(seed=32)
-    a = simulate(op, Measure(X), [0.0, 0.25, 1.0], step=0.05)
+    a = simulate(op, Measure(X), [0.0, 0.25, 1.0], options={"step": 0.05})
     assert a.points.shape[0] == 3 and a.steps == 20
-    b = simulate(op, Measure(X), [0.0, 1.0], steps=20)
+    b = simulate(op, Measure(X), [0.0, 1.0], options={"steps": 20})
     assert torch.allclose(a.final.points, b.final.points, atol=1e-14, rtol=0)
 
 
@@ -164,7 +166,7 @@ def test_sphere_models_keep_norms_and_increase_energy(model):
     X = X / X.norm(dim=1, keepdim=True)
     beta = 2.0
     times = torch.linspace(0, 4, 21, dtype=D)
-    tr = simulate(None, Measure(X), times, sphere=model, beta=beta, step=0.05)
+    tr = simulate(IsotropicAttention(beta, model), Measure(X), times, geometry="sphere", options={"step": 0.05})
     assert torch.allclose(tr.points.norm(dim=2), torch.ones(21, 10, dtype=D), atol=1e-13)
     # energy written out: (1 / (2 beta n^2)) sum_ij exp(beta <x_i, x_j>)
     E = [float(torch.exp(beta * P @ P.T).sum() / (2 * beta * 100)) for P in tr.points]
@@ -173,7 +175,7 @@ def test_sphere_models_keep_norms_and_increase_energy(model):
     # the same dynamics with an explicit operator: SA is attention with A = beta I, V = I, projected
     if model == "SA":
         op = SelfAttention(beta * torch.eye(3, dtype=D), torch.eye(3, dtype=D))
-        tr2 = simulate(op, Measure(X), times, sphere=True, step=0.05)
+        tr2 = simulate(op, Measure(X), times, geometry="sphere", options={"step": 0.05})
         assert torch.allclose(tr2.points, tr.points, atol=1e-12)
 
 
@@ -183,13 +185,13 @@ def test_usa_field_is_gradient_of_energy_over_weights():
     X = mu.points.clone().requires_grad_(True)
     E = (torch.exp(beta * X @ X.T) * mu.weights[:, None] * mu.weights[None, :]).sum() / (2 * beta)
     (g,) = torch.autograd.grad(E, X)
-    v = SphereAttention(beta, "USA").velocity(mu, mu.points)
+    v = IsotropicAttention(beta, "USA").velocity(mu, mu.points)
     assert torch.allclose(v, g / mu.weights[:, None], atol=1e-12)
 
 
 def test_sphere_d3_collapses_to_one_cluster():
     mu = Measure.sphere(16, 3, seed=3)
-    tr = simulate(None, mu, [0.0, 30.0], sphere="SA", beta=1.0, step=0.25)
+    tr = simulate(IsotropicAttention(1.0, "SA"), mu, [0.0, 30.0], geometry="sphere", options={"step": 0.25})
     assert count_clusters(tr.final, 1e-3) == 1
 
 
@@ -197,10 +199,10 @@ def test_sphere_d3_collapses_to_one_cluster():
 def test_masked_dynamics_are_causal():
     X = _rand(8, 2, seed=81)
     op = _op(seed=82, scale=0.8, masked=True)
-    a = simulate(op, Measure.sequence(X), [0.0, 1.0, 2.0], steps=10)
+    a = simulate(op, Measure.sequence(X), [0.0, 1.0, 2.0], options={"steps": 10})
     Y = X.clone()
     Y[5:] += _rand(3, 2, seed=83, scale=3.0)  # change every token after the 5th
-    b = simulate(op, Measure.sequence(Y), [0.0, 1.0, 2.0], steps=10)
+    b = simulate(op, Measure.sequence(Y), [0.0, 1.0, 2.0], options={"steps": 10})
     assert torch.equal(a.points[:, :5], b.points[:, :5])
     assert not torch.allclose(a.points[:, 5:], b.points[:, 5:])
     # token 1 sees only itself: x_1' = V x_1, so x_1(t) = exp(tV) x_1(0)
@@ -210,18 +212,19 @@ def test_masked_dynamics_are_causal():
 def test_layers_list_equals_composition_and_callable():
     X = _rand(5, 2, seed=91)
     op1, op2 = _op(seed=92), _op(seed=94)
-    both = simulate([op1, op2], Measure(X), [0.0, 1.0, 2.0], steps=16)
-    first = simulate(op1, Measure(X), [0.0, 1.0], steps=16).final
-    second = simulate(op2, first, [1.0, 2.0], steps=16).final
+    both = simulate([op1, op2], Measure(X), [0.0, 1.0, 2.0], options={"steps": 16})
+    first = simulate(op1, Measure(X), [0.0, 1.0], options={"steps": 16}).final
+    second = simulate(op2, first, [1.0, 2.0], options={"steps": 16}).final
     assert torch.allclose(both.final.points, second.points, atol=1e-14, rtol=0)
     # smooth time dependence through a callable: RK4 converges at fourth order to dopri5
     A, V = op1.A, op1.V
     smooth = lambda t: SelfAttention(A * math.cos(t), V * (1 + 0.5 * t))
     ref = simulate(smooth, Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-13, atol=1e-15).final.points
-    e1, e2 = (float((simulate(smooth, Measure(X), [0.0, 2.0], steps=s).final.points - ref).norm()) for s in (16, 32))
+    e1, e2 = (float((simulate(smooth, Measure(X), [0.0, 2.0], options={"steps": s}).final.points - ref).norm())
+              for s in (16, 32))
     assert 12 < e1 / e2 < 20
     ad = simulate([op1, op2], Measure(X), [0.0, 2.0], method="dopri5", rtol=1e-11, atol=1e-13)
-    rk = simulate([op1, op2], Measure(X), [0.0, 2.0], steps=200)
+    rk = simulate([op1, op2], Measure(X), [0.0, 2.0], options={"steps": 200})
     assert torch.allclose(ad.final.points, rk.final.points, atol=1e-8)
 
 
@@ -230,7 +233,7 @@ def test_multihead_euler_step_is_one_residual_layer():
     heads = [SelfAttention(_rand(4, 4, seed=102 + h, scale=0.5), _rand(2, 4, seed=110 + h)) for h in range(2)]
     W_O = _rand(4, 4, seed=120, scale=0.5)
     mh = MultiHeadAttention(heads, W_O)
-    one = simulate(mh, Measure(X), [0.0, 0.1], method="euler", steps=1).final.points
+    one = simulate(mh, Measure(X), [0.0, 0.1], method="euler", options={"steps": 1}).final.points
     ref = X + 0.1 * torch.cat([naive_attention(X, h.A, h.V) for h in heads], dim=1) @ W_O.T
     assert torch.allclose(one, ref, atol=1e-13)
 
@@ -238,7 +241,7 @@ def test_multihead_euler_step_is_one_residual_layer():
 def test_float32_is_kept():
     X = _rand(5, 2, seed=131).float()
     op = SelfAttention(torch.eye(2), torch.eye(2))
-    tr = simulate(op, Measure(X), [0.0, 1.0], steps=5)
+    tr = simulate(op, Measure(X), [0.0, 1.0], options={"steps": 5})
     assert tr.points.dtype == torch.float32
 
 
@@ -248,12 +251,14 @@ def test_bad_inputs_are_reported():
     op = _op()
     with pytest.raises(ValueError, match="times"):
         simulate(op, mu, [0.0, 1.0, 0.5])
-    with pytest.raises(ValueError, match="sphere"):
-        simulate(op, mu, [0.0, 1.0], sphere="XY")
-    with pytest.raises(ValueError, match="beta"):
-        simulate(op, mu, [0.0, 1.0], beta=1.0)
-    with pytest.raises(ValueError, match="beta"):
-        simulate(None, mu, [0.0, 1.0], sphere="SA")
+    with pytest.raises(ValueError, match="geometry"):
+        simulate(op, mu, [0.0, 1.0], geometry="torus")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        simulate(op, mu, [0.0, 1.0], spherre=True)
+    with pytest.raises(ValueError, match="options"):
+        simulate(op, mu, [0.0, 1.0], options={"max_steps": 10})
+    with pytest.raises(ValueError, match="options"):
+        simulate(op, mu, [0.0, 1.0], method="dopri5", options={"steps": 10})
     with pytest.raises(ValueError, match="rescale"):
         simulate(op, mu, [0.0, 1.0], rescale=torch.eye(3, dtype=D))
     with pytest.raises(TypeError, match="op"):
@@ -263,11 +268,11 @@ def test_bad_inputs_are_reported():
     with pytest.raises(ValueError, match="rtol"):
         simulate(op, mu, [0.0, 1.0], method="dopri5", rtol=-1.0)
     with pytest.raises(ValueError, match="step"):
-        simulate(op, mu, [0.0, 1.0], step=0.0)
+        simulate(op, mu, [0.0, 1.0], options={"step": 0.0})
     with pytest.raises(ValueError, match="d_out"):
         simulate(SelfAttention(torch.eye(2, dtype=D), torch.ones(3, 2, dtype=D)), mu, [0.0, 1.0])
     with pytest.raises(RuntimeError, match="did not converge"):
-        simulate(op, mu, [0.0, 10.0], method="dopri5", max_steps=2)
+        simulate(op, mu, [0.0, 10.0], method="dopri5", options={"max_steps": 2})
 
 
 # ------------------------------------------------------------------ clustering diagnostics
@@ -302,8 +307,8 @@ def test_w2_to_reference_matches_assignment():
     from scipy.optimize import linear_sum_assignment
 
     op = _op(seed=141)
-    a = simulate(op, Measure(_rand(8, 2, seed=142)), [0.0, 0.5], steps=5)
-    b = simulate(op, Measure(_rand(8, 2, seed=143)), [0.0, 0.5], steps=5)
+    a = simulate(op, Measure(_rand(8, 2, seed=142)), [0.0, 0.5], options={"steps": 5})
+    b = simulate(op, Measure(_rand(8, 2, seed=143)), [0.0, 0.5], options={"steps": 5})
     got = w2_to_reference(a, b)
     for k in range(2):
         C = torch.cdist(a.points[k], b.points[k]).numpy() ** 2
@@ -337,9 +342,32 @@ def test_fixed_steps_follow_each_requested_interval():
     op = SelfAttention(np.eye(2) * 0.5, np.eye(2))
     mu = Measure(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], dtype=torch.float64))
     times = [0.0, 0.01, 0.5, 0.51, 2.0]
-    assert simulate(op, mu, times, method="euler", steps=3).steps == 3 * (len(times) - 1)
+    assert simulate(op, mu, times, method="euler", options={"steps": 3}).steps == 3 * (len(times) - 1)
     h = 0.1
     expected = sum(max(1, math.ceil((b - a) / h - 1e-9)) for a, b in zip(times[:-1], times[1:]))
-    assert simulate(op, mu, times, method="euler", step=h).steps == expected
+    assert simulate(op, mu, times, method="euler", options={"step": h}).steps == expected
     many = np.linspace(0.0, 1.0, 2001).tolist()
-    assert simulate(op, mu, many, method="euler", steps=1).steps == 2000
+    assert simulate(op, mu, many, method="euler", options={"steps": 1}).steps == 2000
+
+
+def test_the_previous_keywords_of_simulate_still_work_with_a_warning():
+    """step / steps / max_steps moved into options, sphere into geometry, sphere="SA" with beta into
+    op=IsotropicAttention(beta, "SA"): the old spellings give the same trajectories, with a warning."""
+    X = _rand(6, 3, seed=5)
+    X = X / X.norm(dim=1, keepdim=True)
+    mu, op = Measure(X), _op(d=3, seed=6)
+    cases = [(dict(steps=4), dict(options={"steps": 4}), op),
+             (dict(step=0.1), dict(options={"step": 0.1}), op),
+             (dict(sphere=True, steps=3), dict(geometry="sphere", options={"steps": 3}), op),
+             (dict(sphere="SA", beta=2.0, steps=3), dict(geometry="sphere", options={"steps": 3}),
+              IsotropicAttention(2.0, "SA"))]
+    for old, new, new_op in cases:
+        with pytest.warns(DeprecationWarning, match="go into options"):
+            a = simulate(None if "beta" in old else op, mu, [0.0, 0.5], **old)
+        b = simulate(new_op, mu, [0.0, 0.5], **new)
+        assert torch.equal(a.points, b.points) and a.geometry == b.geometry
+    with pytest.warns(DeprecationWarning, match="IsotropicAttention"):
+        from meanfield import SphereAttention
+
+        old_op = SphereAttention(1.5, "USA")
+    assert isinstance(old_op, IsotropicAttention)

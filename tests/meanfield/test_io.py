@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from meanfield import (
+    IsotropicAttention,
     LipschitzEstimate,
     SelfAttention,
     load_estimate,
@@ -34,7 +35,7 @@ def _att(masked=False, dtype=torch.float64):
 def test_trajectory_round_trip(tmp_path, masked, rescale):
     lw = torch.tensor([-math.inf, math.log(0.25), math.log(0.75)], dtype=torch.float64)
     mu = Measure(torch.randn(3, 2, dtype=torch.float64), log_weights=lw, positions=[0.3, 0.6, 1.0] if masked else None)
-    traj = simulate(_att(masked), mu, [0.0, 0.5, 1.0], steps=2, rescale=rescale)
+    traj = simulate(_att(masked), mu, [0.0, 0.5, 1.0], rescale=rescale, options={"steps": 2})
     back = load_trajectory(save_trajectory(traj, tmp_path / "traj.npz", metadata={"layer": 3}))
     assert torch.equal(back.times, traj.times) and torch.equal(back.points, traj.points)
     assert torch.equal(back.log_weights, traj.log_weights) and back.log_weights[0] == -math.inf
@@ -42,7 +43,7 @@ def test_trajectory_round_trip(tmp_path, masked, rescale):
     assert (back.positions is None) == (not masked)
     if masked:
         assert torch.equal(back.positions, traj.positions)
-    assert (back.method, back.nfev, back.steps, back.sphere) == (traj.method, traj.nfev, traj.steps, traj.sphere)
+    assert (back.method, back.nfev, back.steps, back.geometry) == (traj.method, traj.nfev, traj.steps, traj.geometry)
     if rescale:
         assert torch.equal(back.rescale_V, traj.rescale_V)
         assert torch.equal(back.unscaled().points, traj.unscaled().points)
@@ -51,14 +52,23 @@ def test_trajectory_round_trip(tmp_path, masked, rescale):
 
 def test_sphere_trajectory_float32_round_trip(tmp_path):
     mu = Measure.sphere(6, 3, seed=0, dtype=torch.float32)
-    traj = simulate(None, mu, [0.0, 1.0], steps=4, sphere="USA", beta=1.0)
+    traj = simulate(IsotropicAttention(1.0, "USA"), mu, [0.0, 1.0], geometry="sphere", options={"steps": 4})
     back = load_trajectory(save_trajectory(traj, tmp_path / "t.npz"))
     assert back.points.dtype == torch.float32 and torch.equal(back.points, traj.points)
-    assert back.sphere == "USA"
+    assert back.geometry == "sphere"
+
+
+def test_trajectories_of_the_previous_release_still_load(tmp_path):
+    """Files written before geometry replaced sphere carry ``sphere`` (False, True, "SA", "USA")."""
+    for old, geometry in ((False, "euclidean"), (True, "sphere"), ("SA", "sphere"), ("USA", "sphere")):
+        back = load_trajectory(_traj_file(tmp_path, header={"geometry": None, "sphere": old}))
+        assert back.geometry == geometry
+        with pytest.warns(DeprecationWarning, match="geometry"):
+            assert back.sphere == (geometry == "sphere")
 
 
 def test_trajectory_file_is_the_documented_npz(tmp_path):
-    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 1.0], steps=2)
+    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 1.0], options={"steps": 2})
     with np.load(save_trajectory(traj, tmp_path / "t.npz"), allow_pickle=False) as z:
         assert sorted(z.files) == ["header", "log_weights", "points", "times", "weights"]
         header = json.loads(str(z["header"]))
@@ -67,12 +77,16 @@ def test_trajectory_file_is_the_documented_npz(tmp_path):
 
 
 def _traj_file(tmp_path, **change):
-    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 0.5, 1.0], steps=2)
+    traj = simulate(_att(), Measure.sphere(4, 2, seed=0), [0.0, 0.5, 1.0], options={"steps": 2})
     path = save_trajectory(traj, tmp_path / "t.npz")
     with np.load(path, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
     header = json.loads(str(arrays.pop("header")))
-    header.update(change.pop("header", {}))
+    for key, value in change.pop("header", {}).items():
+        if value is None:
+            header.pop(key, None)   # a field the previous release did not write
+        else:
+            header[key] = value
     arrays.update(change)
     np.savez(path, header=np.array(json.dumps(header)), **arrays)
     return path
@@ -84,7 +98,8 @@ def _traj_file(tmp_path, **change):
     (dict(weights=np.full(5, 0.2)), "'weights' has 5 entries for 4 atoms"),
     (dict(points=np.zeros((3, 4))), "'points' has shape"),
     (dict(rescale_V=np.eye(3)), "'rescale_V' has shape \\(3, 3\\); expected \\(2, 2\\)"),
-    (dict(header={"sphere": "XY"}), "'sphere'"),
+    (dict(header={"geometry": "torus"}), "'geometry' is 'torus'"),
+    (dict(header={"geometry": None, "sphere": "XY"}), "'sphere'"),
     (dict(header={"nfev": 2.5}), "'nfev' is 2.5"),
     (dict(header={"version": 7}), "format version 7.*upgrade"),
     (dict(header={"kind": "measure"}), "holds a 'measure'.*load_measure"),

@@ -165,7 +165,7 @@ def test_hf_layer_token_dynamics_match_a_plain_ode_solve():
     X, w, pos = weighted_masked_measure()
     X = 0.3 * X
     op = HFAttention.from_model(model, 0, masked=True)
-    traj = simulate(op, Measure(X, w, positions=pos), [0.0, 0.5, 1.0], method="rk4", steps=200)
+    traj = simulate(op, Measure(X, w, positions=pos), [0.0, 0.5, 1.0], method="rk4", options={"steps": 200})
 
     def rhs(t, y):
         Y = torch.as_tensor(y, dtype=f64).reshape(5, 8)
@@ -304,10 +304,10 @@ def test_every_operator_takes_the_protocol_argument_names():
     """evaluate is called by keyword by users writing their own code: one set of names everywhere."""
     import inspect
 
-    from meanfield import attention, hf, operator, sphere
+    from meanfield import adapters, attention, hf, isotropic, operator
 
     want = list(inspect.signature(operator.AttentionOperator.evaluate).parameters)
-    classes = [c for m in (attention, hf, operator, sphere) for c in vars(m).values()
+    classes = [c for m in (adapters, attention, hf, isotropic, operator) for c in vars(m).values()
                if isinstance(c, type) and issubclass(c, operator.AttentionOperator) and "evaluate" in vars(c)]
     assert len(classes) >= 6
     for cls in classes:

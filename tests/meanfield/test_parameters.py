@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from meanfield import (
+    IsotropicAttention,
     L2SelfAttention,
     MultiHeadAttention,
     SearchOptions,
     SelfAttention,
-    SphereAttention,
     as_operator,
     bounds,
     simulate,
@@ -96,7 +96,7 @@ def test_a_new_operator_gets_bounds_a_bracket_and_dynamics(masked):
     assert res.lower <= truth * (1 + 1e-9) and truth - res.lower <= res.error + 1e-9 * truth
     # the dynamics run it (on measures, with weights and positions)
     mu = Measure(rand(5, 3, seed=6), positions=torch.linspace(0.2, 1, 5, dtype=f64) if masked else None)
-    traj = simulate(op, mu, [0.0, 0.5], steps=5)
+    traj = simulate(op, mu, [0.0, 0.5], options={"steps": 5})
     assert traj.final.n == 5 and bool(torch.isfinite(traj.final.points).all())
 
 
@@ -123,11 +123,11 @@ def test_records_of_the_framework_operators_rebuild_their_maps():
     for h in range(2):
         assert torch.allclose(p.heads[h].A, 2 * WQ[h] @ WQ[h].T / math.sqrt(2))
     # the sphere models: A = beta I, V = I in the dimension asked; USA carries a caveat
-    sa = SphereAttention(2.0).parameters(4)
+    sa = IsotropicAttention(2.0).parameters(4)
     assert torch.equal(sa.A(0), 2.0 * torch.eye(4, dtype=f64)) and torch.equal(sa.heads[0].V, torch.eye(4, dtype=f64))
-    assert SphereAttention(2.0, "USA").parameters(4).caveat
+    assert IsotropicAttention(2.0, "USA").parameters(4).caveat
     with pytest.raises(ValueError, match="d"):
-        SphereAttention(2.0).parameters()
+        IsotropicAttention(2.0).parameters()
 
 
 def test_operators_without_parameters_are_said_to_be_unbounded():
@@ -135,9 +135,9 @@ def test_operators_without_parameters_are_said_to_be_unbounded():
     assert callable_op.parameters() is None
     up = operator_upper(callable_op, 1.0, 4)
     assert not up.known and "does not declare its parameters" in up.source
-    assert not operator_upper(SphereAttention(1.0, "USA"), 1.0, 4, d=3).known
-    assert "every dimension" in operator_upper(SphereAttention(1.0), 1.0, 4).source
-    sa = operator_upper(SphereAttention(1.5), 1.0, 4, d=3)
+    assert not operator_upper(IsotropicAttention(1.0, "USA"), 1.0, 4, d=3).known
+    assert "every dimension" in operator_upper(IsotropicAttention(1.0), 1.0, 4).source
+    sa = operator_upper(IsotropicAttention(1.5), 1.0, 4, d=3)
     assert sa.known and abs(sa.value - operator_upper(SelfAttention(1.5 * np.eye(3), np.eye(3)), 1.0, 4).value) \
         <= 1e-12 * sa.value
 
@@ -146,11 +146,11 @@ def test_the_rescaled_dynamics_read_the_value_matrix_from_the_record():
     V = rand(3, 3, seed=2, scale=0.3)
     op = SelfAttention(rand(3, 3, seed=1), V)
     mu = Measure(rand(6, 3, seed=3))
-    by_record = simulate(op, mu, [0.0, 0.5], rescale=True, steps=5)
-    by_matrix = simulate(op, mu, [0.0, 0.5], rescale=V, steps=5)
+    by_record = simulate(op, mu, [0.0, 0.5], rescale=True, options={"steps": 5})
+    by_matrix = simulate(op, mu, [0.0, 0.5], rescale=V, options={"steps": 5})
     assert torch.equal(by_record.final.points, by_matrix.final.points)
     with pytest.raises(ValueError, match="rescale"):
-        simulate(two_heads(), mu, [0.0, 0.5], rescale=True, steps=5)
+        simulate(two_heads(), mu, [0.0, 0.5], rescale=True, options={"steps": 5})
 
 
 def test_hugging_face_parameters_keep_the_old_stacked_fields_with_a_warning():
