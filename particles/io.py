@@ -31,12 +31,10 @@ before anything is decompressed, so a small compressed file cannot request gigab
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import math
 import os
-import tempfile
 import zipfile
 import zlib
 from pathlib import Path
@@ -45,6 +43,7 @@ import numpy as np
 import torch
 
 from ._version import DISTRIBUTION, __version__
+from .files import atomic_write_with
 from .measure import Measure
 from .validation import check_allocation, check_device, weight_tolerance
 
@@ -153,17 +152,12 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
         where = "is a file, not a folder" if path.parent.exists() else "does not exist"
         raise FileNotFoundError(errno.ENOENT, f"path: the folder {path.parent} {where}; create it first "
                                 f"(to write {path.name} into it)", str(path.parent))
-    # write next to the target, then rename: an interrupted save never leaves half a file behind
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
+    def write(tmp):
+        with open(tmp, "wb") as fh:   # a handle: np.savez would append ".npz" to a temporary name
             np.savez(fh, **{_HEADER: np.array(text)}, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+
+    # an interrupted save never leaves half a file behind
+    return atomic_write_with(path, write, make_parents=False)
 
 
 class LazyArray:

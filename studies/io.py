@@ -15,7 +15,9 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .sweep.files import atomic_write, normalize
+from particles.files import atomic_write, atomic_write_with
+
+from .sweep.files import normalize
 from .sweep.files import write_csv as _write_csv
 
 __all__ = ["to_json", "write_json", "write_text", "write_csv", "read_csv", "save_figure", "write_with",
@@ -122,25 +124,10 @@ def save_figure(fig, path, dpi: int = 120) -> Path:
 
 def write_with(path, writer) -> Path:
     """Atomically write a file that a library writes by name: ``writer(tmp_path)`` writes a
-    temporary file in the same folder, which then replaces ``path`` (animations, for example)."""
-    import contextlib
-    import uuid
-
+    temporary file in the same folder (with the target's suffix), which then replaces ``path``
+    (animations, for example)."""
     path = Path(path)
-
-    def write():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}"
-        try:
-            writer(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
-        return path
-
-    return _guard(path, write)
+    return _guard(path, lambda: atomic_write_with(path, writer))
 
 
 def probe_output(folder) -> Path:

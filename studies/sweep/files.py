@@ -15,9 +15,10 @@ import json
 import math
 import numbers
 import os
-import uuid
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+
+from particles.files import atomic_write  # the framework's one atomic writer
 
 __all__ = ["normalize", "canonical_json", "atomic_write", "write_csv", "FolderLock", "FolderBusy"]
 
@@ -65,42 +66,6 @@ def _normalize(value, where: str, as_string: bool):
 def canonical_json(obj) -> str:
     """One text per value: sorted keys, no spaces, ASCII only. Floats round-trip exactly."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename is durable only once the directory entry is; not every platform allows it.
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a part.
-
-    The bytes go to a temporary file in the same folder, which is flushed, fsynced and renamed
-    over ``path``. Any failure (a full disk, a read-only file system, an interruption) removes the
-    temporary file and re-raises: ``path`` keeps its previous content, or stays absent.
-    """
-    path = Path(path)
-    if isinstance(data, str):
-        data = data.encode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
-    return path
 
 
 def write_csv(rows: Iterable[Mapping], path) -> Path:

@@ -295,3 +295,22 @@ def test_loading_on_cuda_without_cuda_says_so(tmp_path, monkeypatch):
     path = save_measure(Measure.sphere(4, 3, seed=0), tmp_path / "mu.npz")
     with pytest.raises(ValueError, match="device: 'cuda' was asked for, but CUDA is not available"):
         load_measure(path, device="cuda")
+
+
+def test_the_one_atomic_writer_leaves_the_old_file_when_the_writer_fails(tmp_path):
+    """particles.files is the framework's only atomic writer (measures, sweep records, study files): a
+    writer that fails midway leaves the previous content and no temporary file behind."""
+    from particles.files import atomic_write, atomic_write_with
+
+    target = tmp_path / "t.csv"
+    atomic_write(target, "old\n")
+
+    def half(tmp):
+        tmp.write_bytes(b"ne")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write_with(target, half)
+    assert target.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
+    atomic_write_with(target, lambda tmp: tmp.write_text("new\n"))
+    assert target.read_text() == "new\n" and sorted(p.name for p in tmp_path.iterdir()) == ["t.csv"]
