@@ -29,19 +29,24 @@ def fsync_dir(folder) -> None:
             os.close(fd)
 
 
-def _temporary(path: Path) -> Path:
-    # same folder (the rename stays on one file system), hidden, unique per process and call; the
-    # suffix is kept for libraries that choose the format from the file name (animations)
-    return path.parent / f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}"
+def _temporary(path: Path, keep_suffix: bool) -> Path:
+    # same folder (the rename stays on one file system), hidden, unique per process and call. The
+    # suffix is kept only for libraries that choose the format from the file name (numpy's savez,
+    # animations); otherwise the name ends in ".tmp", so that a glob for the final files ("*.rec")
+    # never sees a file being written
+    tail = f".tmp{path.suffix}" if keep_suffix else f"{path.suffix}.tmp"
+    return path.parent / f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}{tail}"
 
 
-def atomic_write_with(path, writer: Callable[[Path], object], *, make_parents: bool = True) -> Path:
+def atomic_write_with(path, writer: Callable[[Path], object], *, make_parents: bool = True,
+                      keep_suffix: bool = True) -> Path:
     """Write ``path`` atomically with ``writer(tmp)``, which writes the whole file at the temporary path
-    ``tmp`` (next to ``path``, with its suffix). Returns ``path``."""
+    ``tmp`` (hidden, next to ``path``; it ends with ``path``'s suffix when ``keep_suffix``, for writers
+    that choose the format from the name, else with ``.tmp``). Returns ``path``."""
     path = Path(path)
     if make_parents:
         path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temporary(path)
+    tmp = _temporary(path, keep_suffix)
     try:
         writer(tmp)
         with open(tmp, "rb+") as fh:
@@ -64,4 +69,4 @@ def atomic_write(path, data: bytes | str) -> Path:
         with open(tmp, "wb") as fh:
             fh.write(data)
 
-    return atomic_write_with(path, write)
+    return atomic_write_with(path, write, keep_suffix=False)

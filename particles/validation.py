@@ -7,6 +7,7 @@ numbers to a torch tensor; integer arrays to the default floating dtype).
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -108,22 +109,31 @@ def check_radius(R, name: str = "R") -> float:
     return R
 
 
-def check_positive_int(n, name: str, minimum: int = 1) -> int:
-    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, got {type(n).__name__}")
-    if n < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {n}")
-    return int(n)
+def check_positive_int(value, name: str, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` (numpy integers accepted), as an int; bools, floats and strings are a
+    TypeError naming ``name``, a smaller integer a ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return int(value)
 
 
-def check_positive_float(x, name: str, *, allow_zero: bool = False) -> float:
-    """A finite positive real number (numpy scalars accepted), as a float; bools and strings are errors."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name}: expected a number, got {type(x).__name__}")
-    x = float(x)
-    if not np.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
-        raise ValueError(f"{name}: expected a finite {'non-negative' if allow_zero else 'positive'} number, got {x}")
-    return x
+def check_positive_float(value, name: str, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
+    """A real number > 0 (>= 0 with ``allow_zero``), finite unless ``allow_inf`` (numpy scalars accepted),
+    as a float; bools and strings are a TypeError naming ``name``, NaN or a value out of range a
+    ValueError. The one check of real options, from particles to the studies."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
+    try:
+        out = float(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        out = math.inf if value > 0 else -math.inf
+    if math.isnan(out) or (math.isinf(out) and not allow_inf):
+        raise ValueError(f"{name}: expected a finite number, got {out}")
+    if not (out >= 0 if allow_zero else out > 0):
+        raise ValueError(f"{name}: expected a {'non-negative' if allow_zero else 'positive'} number, got {out}")
+    return out
 
 
 def check_bool(value, name: str, *, allow_none: bool = False):

@@ -14,10 +14,10 @@ import torch
 
 from particles import Measure
 from particles.threads import ThreadPolicy
-from particles.validation import ConvergenceError, check_on_failure
+from particles.validation import ConvergenceError, check_bool, check_on_failure
 
 from .exact import solve_exact
-from .options import UNIT_ROUNDOFF, check_bool, check_memory_limit, check_method, resolve
+from .options import UNIT_ROUNDOFF, check_memory_limit, check_method, resolve
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn

@@ -7,10 +7,10 @@ import math
 import torch
 
 from particles import Measure
-from particles.validation import check_allocation
+from particles.validation import check_allocation, check_bool, check_positive_float
 
 from .exact import emd_squared
-from .options import check_bool, check_memory_limit, check_real
+from .options import check_memory_limit
 from .problem import check_pair, log_weights, needs_grad, normalize, to_units
 
 #: Default tolerance on positions (two positions closer than this are the same position).
@@ -56,8 +56,8 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         if not m.masked:
             raise ValueError(f"{name}: conditional W2 needs a masked measure with positions "
                              "(build it with positions=... or Measure.sequence)")
-    atol = check_real(atol, "atol", positive=False, allow_inf=True)
-    mass_atol = check_real(mass_atol, "mass_atol", positive=False, allow_inf=True)
+    atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
+    mass_atol = check_positive_float(mass_atol, "mass_atol", allow_zero=True, allow_inf=True)
     squared = check_bool(squared, "squared")
     return_plan = check_bool(return_plan, "return_plan")
     limit = check_memory_limit(memory_limit)

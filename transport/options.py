@@ -7,12 +7,9 @@ means "the method's default". Tolerances depend on the precision only, through :
 
 from __future__ import annotations
 
-import math
-import numbers
-
-import numpy as np
 import torch
 
+from particles.validation import check_bool, check_positive_float, check_positive_int
 from particles.validation import memory_limit as resolve_memory_limit
 
 #: Default marginal tolerance (L1 error of the plan's marginals) by dtype: what the precision reaches.
@@ -72,22 +69,6 @@ def resolve(method: str, given: dict, dtype: torch.dtype) -> dict:
 
 
 # ---------------------------------------------------------------------- checks of single values
-def check_real(value, name: str, *, positive: bool = True, allow_inf: bool = False) -> float:
-    """A real number (Python or numpy scalar, not bool or str) > 0 (>= 0 unless positive), finite unless
-    ``allow_inf``; TypeError or ValueError naming ``name`` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
-    try:
-        out = float(value)
-    except OverflowError:  # an int beyond the float range, e.g. 10**400
-        out = math.inf if value > 0 else -math.inf
-    if math.isnan(out) or (math.isinf(out) and not allow_inf):
-        raise ValueError(f"{name}: expected a finite number, got {out}")
-    if not (out > 0 if positive else out >= 0):
-        raise ValueError(f"{name}: expected a {'positive' if positive else 'non-negative'} number, got {out}")
-    return out
-
-
 def check_memory_limit(value) -> int:
     """The memory limit in bytes (:func:`particles.validation.memory_limit`), every failure naming memory_limit."""
     try:
@@ -96,33 +77,19 @@ def check_memory_limit(value) -> int:
         raise ValueError(f"memory_limit: expected a size in bytes below 1e308, got {value!r}") from None
 
 
-def check_int(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
-    return int(value)
-
-
-def check_bool(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected True or False, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
 def _check_scaling(value, name: str) -> float:
     # 0 jumps straight to reg (no annealing); 1 would never decrease eps
-    out = check_real(value, name, positive=False)
+    out = check_positive_float(value, name, allow_zero=True)
     if not out < 1.0:
         raise ValueError(f"{name}: expected an eps-scaling ratio in [0, 1) (0: no annealing), got {out}")
     return out
 
 
 _CHECKS = {
-    "reg": check_real,
+    "reg": check_positive_float,
     "debias": check_bool,
-    "tol": check_real,
-    "max_iter": check_int,
+    "tol": check_positive_float,
+    "max_iter": check_positive_int,
     "scaling": _check_scaling,
-    "chunk_elements": check_int,
+    "chunk_elements": check_positive_int,
 }
