@@ -104,10 +104,11 @@ def test_fit_groups_fits_each_group_on_its_own_rows():
     _, y2 = noisy(4, 1.0, seed=2)
     rows = ([{"g": "a", "n": xi, "lip": yi} for xi, yi in zip(x, y1)]
             + [{"g": "b", "n": xi, "lip": yi} for xi, yi in zip(x[:4], y2)]
-            + [{"g": "c", "n": 4.0, "lip": 1.0}, {"g": "c", "n": 8.0, "lip": 2.0}])   # 2 points: no fit
+            + [{"g": "c", "n": 4.0, "lip": 1.0}, {"g": "c", "n": 8.0, "lip": 2.0}]   # 2 points: no fit
+            + [{"g": "d", "n": xi, "lip": yi} for xi, yi in zip([0.25, 0.5, 2.0], [1.0, 1.5, 2.5])])  # x < 1 kept
     fits = fit_groups(rows, ["g"], "n", "lip")
-    assert [f["g"] for f in fits] == ["a", "b"]
-    for f, (xs, ys) in zip(fits, [(x, y1), (x[:4], y2)]):
+    assert [f["g"] for f in fits] == ["a", "b", "d"]
+    for f, (xs, ys) in zip(fits, [(x, y1), (x[:4], y2), (np.array([0.25, 0.5, 2.0]), np.array([1.0, 1.5, 2.5]))]):
         b, a, se, lo, hi = ols_interval(xs, ys, 0.95)
         assert f["slope"] == pytest.approx(b, rel=1e-10) and f["lo"] == pytest.approx(lo, rel=1e-10)
         assert f["hi"] == pytest.approx(hi, rel=1e-10) and f["points"] == len(xs)
