@@ -52,16 +52,22 @@ def dense_lipschitz(f, X, weights=None):
     return float(torch.linalg.matrix_norm(J, ord=2))
 
 
-def dense_lipschitz_logweights(f, X, log_weights):
-    """Weighted (Lemma C.5) top singular value with the scalings formed from log-weights, entry by
-    entry: J_ij sqrt(a_i / a_j) = J_ij exp((log a_i - log a_j) / 2). Stays finite where the weights
-    themselves (or their square roots) leave the float64 range, as long as the constant does not."""
+def dense_jacobian_logweights(f, X, log_weights):
+    """The weighted Jacobian D^{1/2} J D^{-1/2} of Lemma C.5 with the scalings formed from
+    log-weights, entry by entry: J_ij sqrt(a_i / a_j) = J_ij exp((log a_i - log a_j) / 2)."""
     J = dense_jacobian(f, X)
     d_in = X.shape[-1]
     d_out = J.shape[0] // X.shape[0]
     lo = torch.repeat_interleave(log_weights, d_out)
     li = torch.repeat_interleave(log_weights, d_in)
-    Jw = J * torch.exp((lo[:, None] - li[None, :]) / 2)
+    return J * torch.exp((lo[:, None] - li[None, :]) / 2)
+
+
+def dense_lipschitz_logweights(f, X, log_weights):
+    """Weighted (Lemma C.5) top singular value of :func:`dense_jacobian_logweights`. Stays finite where
+    the weights themselves (or their square roots) leave the float64 range, as long as the constant
+    does not."""
+    Jw = dense_jacobian_logweights(f, X, log_weights)
     if not bool(torch.isfinite(Jw).all()):
         return float("inf")  # the constant itself is beyond float64
     return float(torch.linalg.matrix_norm(Jw, ord=2))

@@ -30,6 +30,7 @@ FIGURES: list[tuple[str, list[str]]] = []   # (title of the first axes, problems
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_run")
+    FIGURES.clear()  # a second run in the same process (mutation testing) starts afresh
     original = plotting.finalize
 
     def finalize_and_check(fig):  # io.save_figure calls plotting.finalize on every figure before writing it

@@ -26,6 +26,7 @@ FIGURES: list[list[str]] = []
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("worst_case")
+    FIGURES.clear()  # a second run in the same process (mutation testing) starts afresh
     original = plotting.finalize
 
     def finalize_and_check(fig):
