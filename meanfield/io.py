@@ -67,7 +67,9 @@ def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
         arrays["positions"] = to_numpy(traj.positions)
     if traj.rescale_V is not None:
         arrays["rescale_V"] = to_numpy(traj.rescale_V)
-    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": int(traj.steps), "sphere": traj.sphere}
+    # adaptive solvers count no fixed steps: steps is None, and stays None through the file
+    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": None if traj.steps is None else int(traj.steps),
+              "sphere": traj.sphere}
     return write_archive(path, "trajectory", arrays, dtype=traj.points.dtype, metadata=metadata, fields=fields)
 
 
@@ -101,7 +103,7 @@ def load_trajectory(path, *, device=None) -> Trajectory:
             raise FileFormatError(f"{name}: array 'rescale_V' has shape {tuple(V.shape)}; expected ({d}, {d})")
     method = _field(header, "method", str, name)
     nfev = _field(header, "nfev", int, name)
-    steps = _field(header, "steps", int, name)
+    steps = None if header.get("steps") is None else _field(header, "steps", int, name)
     sphere = header.get("sphere")
     if sphere not in _SPHERE or isinstance(sphere, int) and not isinstance(sphere, bool):
         raise FileFormatError(f"{name}: header field 'sphere' is {sphere!r}; expected one of {_SPHERE}")
