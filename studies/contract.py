@@ -49,16 +49,19 @@ THEOREM, EMPIRICAL = "theorem", "empirical"
 VERDICTS = {THEOREM: ("holds", "violated"), EMPIRICAL: ("reproduced", "not reproduced", "inconclusive")}
 
 SHORT_MAX = 72   # characters of a short form: a claims-table cell that reads on one line
+_REFERENCE = re.compile(r"\s+\((?:Sections?|docs/|Appendix|Lemma|Theorem|Proposition|stated|[A-Z][A-Za-z-]+ et al)"
+                        r"(?:[^()]|\([^()]*\))*\)")
 
 
 def shorten(text: str, limit: int = SHORT_MAX, *, first_clause: bool = False) -> str:
-    """A table cell from a long text: parenthetical asides dropped (``(Section 5.2)``, not ``sqrt(n)``),
-    optionally only the part before the first ``"; "``, cut at a word boundary with an ellipsis when
-    still longer than ``limit``, with no ``|`` (a Markdown table would need it escaped)."""
+    """A table cell from a long text: references in parentheses dropped (``(Section 5.2)``,
+    ``(docs/math.md section 4)``, ``(Geshkovski et al. 2023)``; never mathematics such as ``sqrt(n)``
+    or ``(0, 0.5)``), optionally only the part before the first ``"; "``, cut at a word boundary with an
+    ellipsis when still longer than ``limit``, with no ``|`` (a Markdown table would need it escaped)."""
     t = " ".join(str(text).split())
     if first_clause:
         t = t.split("; ")[0]
-    t = re.sub(r"\s+\((?:[^()]|\([^()]*\))*\)", "", t).strip() or t
+    t = _REFERENCE.sub("", t).strip() or t
     t = t.replace("||", "‖").replace("|", "/")
     if len(t) > limit:
         cut = t[:limit - 1].rsplit(" ", 1)[0].rstrip(",;:")

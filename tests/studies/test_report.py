@@ -138,9 +138,13 @@ def test_claims_carry_short_forms_for_the_table():
     # without them: the long texts, asides in parentheses dropped, the first clause of the measurement,
     # norms as a character that needs no escape, cut at a word with an ellipsis
     long = Claim("Theorem 3.7: Lip_(RX) -> ||V|| sqrt(max multiplicity) (Castin et al. 2024), random direction",
-                 "t", "3.08959 at R = 46.5; more details; and more", True, fails_if="f")
+                 "t", "3.08959 at R = 46.5 (docs/math.md section 5); more details; and more", True, fails_if="f")
     assert long.short == "Theorem 3.7: Lip_(RX) -> ‖V‖ sqrt(max multiplicity), random direction"
     assert long.short_measured == "3.08959 at R = 46.5"
+    math_kept = Claim("Lip <= ||W_O|| (sum_h bound_h^2)^{1/2} (Lemma 3.8, biases absorbed)", "t",
+                      "5 of 6 layers with 95% CI inside (0, 0.5); mean 0.25", True, fails_if="f")
+    assert math_kept.short == "Lip <= ‖W_O‖ (sum_h bound_h^2)^{1/2}"
+    assert math_kept.short_measured == "5 of 6 layers with 95% CI inside (0, 0.5)"
     cut = contract.shorten("word " * 30)
     assert cut.endswith("word…") and len(cut) <= contract.SHORT_MAX
 
