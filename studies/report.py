@@ -48,7 +48,7 @@ from .sweep.files import FolderLock
 from .sweep.progress import format_seconds
 
 __all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir", "summarize", "summary_line",
-           "study_fingerprint", "resume_command", "attention_lines", "claims_table"]
+           "study_fingerprint", "resume_command", "attention_lines", "claims_table", "readme_excerpt"]
 
 log = logging.getLogger(__name__)
 
@@ -394,6 +394,24 @@ def attention_lines(summary: dict, config: dict, *, markdown: bool = True) -> li
     return lines
 
 
+def readme_excerpt(run_dir: Path | str) -> str:
+    """The top of a finished run's report as the README shows it: the summary line, one line per claim
+    to act on, the claims table (read from the run folder's summary.json and config.json)."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    # summary.json's keys are sorted: the run's order is config.json's list of studies
+    order = [n for n in config.get("studies", []) if n in summary["studies"]]
+    order += [n for n in summary["studies"] if n not in order]
+    summary["studies"] = {n: summary["studies"][n] for n in order}
+    n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
+    lines = [f"**{n_ok} of {len(summary['studies'])} studies ran; {summary_line(summary)}.**", ""]
+    lines += [f"- {t}" for t in attention_lines(summary, config)] + [""]
+    lines += ["Each id leads to the claim in full (theory, measurement, tolerance, what would make it fail) in its "
+              "study's section of `report.md`.", "", claims_table(summary)]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- report.md
 def _claim_id(study: str, k: int) -> str:
     return f"{study}-{k}"
@@ -480,7 +498,8 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
         if e.get("notes"):
             lines += [e["notes"].strip(), ""]
         for k, c in enumerate(e.get("claims", []), 1):
-            detail = f" {_one_line(c['detail']).rstrip('.')}." if c.get("detail") else ""
+            detail = _one_line(c.get("detail", "")).rstrip(".")
+            detail = f" {detail[:1].upper()}{detail[1:]}." if detail else ""
             lines.append(f"- **{_claim_id(name, k)}** *{_one_line(c['claim'])}* ({c['kind']}, {c['verdict']}). "
                          f"Theory: {_one_line(c['theory'])}. Measured: {_one_line(c['measured'])}.{detail} "
                          f"Fails if {_one_line(c['fails_if']).rstrip('.')}.")

@@ -14,7 +14,7 @@ from studies.context import RunContext
 from studies.contract import Claim, StudyResult, register
 from studies.grid import run_grid
 from studies.io import save_figure, write_csv
-from studies.report import reproduce
+from studies.report import claims_table, readme_excerpt, reproduce
 
 
 @pytest.fixture()
@@ -96,7 +96,7 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
     assert "| zz_fake_ok-3 | an observation | empirical | **not reproduced** | p |" in md
     assert "| zz_fake_ok-4 | undecided | empirical | inconclusive | p |" in md
     # the long texts are in the study's section, under the claim's id
-    assert "- **zz_fake_ok-2** *a | pipe* (theorem, violated). Theory: b. Measured: c. detail. Fails if never." in md
+    assert "- **zz_fake_ok-2** *a | pipe* (theorem, violated). Theory: b. Measured: c. Detail. Fails if never." in md
     assert "Fails if x is not finite." in md
     assert "theorem claims: 1 hold, 1 violated; empirical claims: 0 reproduced, 1 not reproduced" in md
     # the summary comes before the table, one line per claim to act on, with the next step
@@ -106,6 +106,11 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
            "`meanfield zz_fake_ok --seed 3 --out runs/zz_fake_ok-full`" in top
     assert "**inconclusive** `zz_fake_ok-4`: undecided. Measured: p. Next: run the full grid" in top
     assert "**study failed** `zz_fake_fail`: RuntimeError: boom from the fake study." in top
+    # the README's copy: the same summary lines and table, read back from the run folder
+    excerpt = readme_excerpt(tmp_path)
+    assert excerpt.endswith(claims_table(summary)) and claims_table(summary) in md
+    assert [line for line in excerpt.splitlines() if line.startswith("- **")] == \
+        [line for line in top.splitlines() if line.startswith("- **")]
 
     # while the third study ran, the first two were already aggregated on disk
     assert set(seen["summary"]["studies"]) == {"zz_fake_ok", "zz_fake_fail"}
