@@ -19,11 +19,15 @@ attention is not nearly uniform) and feeds it random token ids. Needs ``pip inst
 smooth-attention[models]`` (transformers).
 
     python examples/hf_checkpoint.py [--out DIR] [--tiny]
+
+Next to the figure: ``hf_checkpoint.csv`` (the constants against n; the diameter and the number of
+clusters against t) and ``hf_checkpoint_trajectory.npz`` (``meanfield.io.load_trajectory``).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 from pathlib import Path
 
@@ -36,6 +40,7 @@ import torch  # noqa: E402
 
 from meanfield import hf, local_lipschitz, simulate  # noqa: E402
 from meanfield.clustering import count_clusters  # noqa: E402
+from meanfield.io import save_trajectory  # noqa: E402
 from particles import Measure  # noqa: E402
 
 TEXT = ("Attention layers move every token towards a weighted average of the others, with weights "
@@ -156,15 +161,28 @@ def main(argv=None) -> Path:
     cx.set_xlabel("time $t$ (depth)")
     cx.set_ylabel("diameter of the tokens (largest distance)")
     cx.grid(alpha=0.3, which="both")
-    cx.set_title(f"{clusters[0]} tokens end in {clusters[-1]} cluster(s)", fontsize=10)
+    cx.set_title(f"{n_dyn} tokens ({_plural(clusters[0], 'cluster')} at t = 0) end in "
+                 f"{_plural(clusters[-1], 'cluster')} at t = {T:g}", fontsize=10)
     fig.tight_layout()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "hf_checkpoint.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    print(f"wrote {path}")
+    # what the figure shows, next to it: the constants, the diameter and cluster count over time, the trajectory
+    with open(out / "hf_checkpoint.csv", "w", newline="", encoding="utf-8") as fh:
+        w = csv.writer(fh)
+        w.writerow(["panel", "n", "lip", "t", "diameter", "clusters"])
+        w.writerows(["local_constant", n, f"{v:.10g}", "", "", ""] for n, v in zip(ns, lips))
+        w.writerows(["dynamics", n_dyn, "", f"{float(t):g}", f"{dd:.10g}", int(c)]
+                    for t, dd, c in zip(times, diameter, clusters))
+    save_trajectory(traj, out / "hf_checkpoint_trajectory.npz", metadata={"what": what, "layer": layer})
+    print(f"wrote {path} (data: hf_checkpoint.csv, hf_checkpoint_trajectory.npz)")
     return path
+
+
+def _plural(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,9 @@ def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
         arrays["positions"] = to_numpy(traj.positions)
     if traj.rescale_V is not None:
         arrays["rescale_V"] = to_numpy(traj.rescale_V)
-    fields = {"method": traj.method, "nfev": int(traj.nfev), "steps": int(traj.steps), "geometry": traj.geometry}
+    # adaptive solvers count no fixed steps: steps is None, and stays None through the file
+    fields = {"method": traj.method, "nfev": int(traj.nfev),
+              "steps": None if traj.steps is None else int(traj.steps), "geometry": traj.geometry}
     return write_archive(path, "trajectory", arrays, dtype=traj.points.dtype, metadata=metadata, fields=fields)
 
 
@@ -107,7 +109,7 @@ def load_trajectory(path, *, device=None) -> Trajectory:
         raise FileFormatError(f"{name}: header field 'method' is {method!r}; expected one of "
                               f"{(*FIXED, *ADAPTIVE)}")
     nfev = _count(header, "nfev", name)
-    steps = _count(header, "steps", name)
+    steps = None if header.get("steps") is None else _count(header, "steps", name)   # None: adaptive
     points = tensor_of(arrays, "points", header, name, ndim=3, device=device)
     times = tensor_of(arrays, "times", header, name, ndim=1)
     if not bool(torch.isfinite(times).all()) or not bool((times[1:] > times[:-1]).all()):

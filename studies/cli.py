@@ -35,6 +35,7 @@ EXIT_USAGE = 64          # sysexits.h EX_USAGE
 EXIT_OUTPUT = 74         # sysexits.h EX_IOERR
 EXIT_BUSY = 75           # sysexits.h EX_TEMPFAIL: try again when the other run has finished
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, the shell's convention
+EXIT_TERMINATED = 143    # 128 + SIGTERM
 
 EXIT_CODES = {
     EXIT_OK: "every study ran and every theorem claim holds (empirical claims may be 'not reproduced': a "
@@ -48,7 +49,9 @@ EXIT_CODES = {
     EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
                  "left truncated)",
     EXIT_BUSY: "the --out folder is in use by another meanfield run",
-    EXIT_INTERRUPTED: "interrupted (Ctrl-C); the studies that finished are in report.md",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); report.md has the studies that finished and the command that resumes "
+                      "the run",
+    EXIT_TERMINATED: "terminated (SIGTERM, e.g. a job's time limit); report.md as after Ctrl-C",
 }
 
 log = logging.getLogger("studies")
@@ -175,12 +178,41 @@ def _configure_logging(verbosity: int) -> logging.Handler:
     return handler
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it stops as after Ctrl-C (report written, exit 143)."""
+
+    signal_name = "SIGTERM"
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _interrupted_line(ctx: RunContext) -> str:
+    """What the report says about the interruption, for the terminal."""
+    import json
+
+    try:
+        stop = json.loads((ctx.out / "summary.json").read_text(encoding="utf-8")).get("interrupted") or {}
+    except (OSError, ValueError):
+        stop = {}
+    if not stop:
+        return f"interrupted; the studies that finished are in {ctx.out / 'report.md'}"
+    return (f"interrupted during {stop['during']} ({stop['done']} of {stop['of']} studies done); "
+            f"{ctx.out / 'report.md'} has them. Resume with: {stop['resume']}")
+
+
 def _run(ctx: RunContext, names: list[str] | None) -> int:
+    import signal
+    import threading
+
     from .io import OutputError
     from .preflight import UsageError
-    from .report import reproduce, summary_line
+    from .report import attention_lines, reproduce, summary_line
     from .sweep import FolderBusy
 
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         summary = reproduce(ctx, only=names)   # checks every option first (studies.preflight)
     except UsageError as exc:
@@ -192,11 +224,16 @@ def _run(ctx: RunContext, names: list[str] | None) -> int:
     except OutputError as exc:
         _say(f"cannot write the run's files: {exc}")
         return EXIT_OUTPUT
-    except KeyboardInterrupt:
-        _say(f"interrupted; the studies that finished are in {ctx.out / 'report.md'}")
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as exc:
+        _say(_interrupted_line(ctx))
+        return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     print(f"report: {ctx.out / 'report.md'}")
     print(summary_line(summary))
+    for line in attention_lines(summary, ctx.to_config(), markdown=False):
+        print(f"  {line}")
     if summary["failed"]:
         return EXIT_STUDY_FAILED
     return EXIT_VIOLATED if summary["violated_claims"] else EXIT_OK

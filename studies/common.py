@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from .contract import THEOREM, Claim
+from .contract import THEOREM, Claim, shorten
 
 __all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device", "slope_claim", "witness_tolerance"]
 
@@ -84,5 +84,7 @@ def slope_claim(ns, lips, predicted_lips, what: str, *, context: str = "") -> tu
         "agrees if the 95% CI of the fitted slope contains the predicted slope; at finite n the witness's local "
         "slope is not 1/2 (sqrt(n - 1) is steeper at small n, the saturation flattens it near exp(2 gamma R^2))",
         kind=THEOREM, fails_if="the 95% CI of the fitted slope excludes the slope of the predicted constant over the "
-                               "same n (for instance a slope of 0.6, or 0.5 where the prediction is 0.54)")
+                               "same n (for instance a slope of 0.6, or 0.5 where the prediction is 0.54)",
+        short=shorten(f"{what} grows like sqrt(n): fitted = predicted exponent"),
+        short_measured=f"slope {fit['slope']:.3f} [{fit['lo']:.3f}, {fit['hi']:.3f}] vs {pred['slope']:.3f} predicted")
     return claim, fit, pred

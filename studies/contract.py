@@ -27,22 +27,47 @@ Claims come in two kinds (``kind``):
   concentration of samples). Verdict ``reproduced``, ``not reproduced`` (a finding, reported as
   such; the run does not fail) or ``inconclusive`` (the evidence cannot decide; ``agrees=None``).
 
-Every claim also says what would make it fail (``fails_if``).
+Every claim also says what would make it fail (``fails_if``), and carries a short form for the
+report's claims table (``short``: the claim in a few words; ``short_measured``: the number that
+decides it); the long texts go to the study's section below the table. A claim built without them
+gets :func:`shorten` of its long texts.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .io import to_json
 
 __all__ = ["Claim", "StudyResult", "Study", "register", "registry", "import_errors", "STUDY_MODULES",
-           "THEOREM", "EMPIRICAL", "VERDICTS"]
+           "THEOREM", "EMPIRICAL", "VERDICTS", "SHORT_MAX", "shorten"]
 
 THEOREM, EMPIRICAL = "theorem", "empirical"
 VERDICTS = {THEOREM: ("holds", "violated"), EMPIRICAL: ("reproduced", "not reproduced", "inconclusive")}
+
+SHORT_MAX = 72   # characters of a short form: a claims-table cell that reads on one line
+_REFERENCE = re.compile(r"\s+\((?:Sections?|docs/|Appendix|Lemma|Theorem|Proposition|stated|[A-Z][A-Za-z-]+ et al)"
+                        r"(?:[^()]|\([^()]*\))*\)")
+
+
+def shorten(text: str, limit: int = SHORT_MAX, *, first_clause: bool = False) -> str:
+    """A table cell from a long text: references in parentheses dropped (``(Section 5.2)``,
+    ``(docs/math.md section 4)``, ``(Geshkovski et al. 2023)``; never mathematics such as ``sqrt(n)``
+    or ``(0, 0.5)``), optionally only the part before the first ``"; "``, cut at a word boundary with an
+    ellipsis when still longer than ``limit``, with no ``|`` (a Markdown table would need it escaped)."""
+    t = " ".join(str(text).split())
+    if first_clause:
+        t = t.split("; ")[0]
+    t = _REFERENCE.sub("", t).strip() or t
+    t = t.replace("||", "‖").replace("|", "/")
+    if len(t) > limit:
+        cut = t[:limit - 1].rsplit(" ", 1)[0].rstrip(",;:")
+        t = cut + "…"
+    return t
+
 
 # Modules that define studies, in report order. Each registers its study on import.
 STUDY_MODULES = [
@@ -74,6 +99,8 @@ class Claim:
     detail: str = ""                # tolerance used, caveats
     kind: str = field(default=THEOREM, kw_only=True)   # "theorem" or "empirical"
     fails_if: str = field(default="", kw_only=True)    # the result that would make the claim fail
+    short: str = field(default="", kw_only=True)       # the claim in a few words (the claims table)
+    short_measured: str = field(default="", kw_only=True)  # the deciding number in a few words (idem)
 
     def __post_init__(self):
         if self.kind not in VERDICTS:
@@ -85,6 +112,15 @@ class Claim:
                              f"({self.claim!r})")
         if not isinstance(self.fails_if, str) or not self.fails_if.strip():
             raise ValueError(f"fails_if: say what result would make the claim fail ({self.claim!r})")
+        for name, long in (("short", self.claim), ("short_measured", self.measured)):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise TypeError(f"{name}: expected a string, got {type(value).__name__}")
+            if len(value) > SHORT_MAX or "|" in value or "\n" in value:
+                raise ValueError(f"{name}: at most {SHORT_MAX} characters on one line, without '|' (a table cell); "
+                                 f"got {value!r}")
+            if not value.strip():
+                setattr(self, name, shorten(long, first_clause=name == "short_measured"))
 
     @property
     def verdict(self) -> str:

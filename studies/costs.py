@@ -15,7 +15,7 @@ from pathlib import Path
 PATH = Path(__file__).resolve().parent / "data" / "costs.json"
 LEVELS = ("quick", "full")
 
-__all__ = ["PATH", "LEVELS", "load", "markdown_table", "help_text", "record"]
+__all__ = ["PATH", "LEVELS", "load", "markdown_table", "help_text", "record", "minutes"]
 
 
 def load(path: Path | str = PATH) -> dict:
@@ -28,7 +28,8 @@ def load(path: Path | str = PATH) -> dict:
     return json.loads(p.read_text(encoding="utf-8"))
 
 
-def _minutes(seconds: float) -> str:
+def minutes(seconds: float) -> str:
+    """A duration as people say it: "40 s" below 90 s, else "6.9 min"."""
     if seconds < 90:
         return f"{seconds:.0f} s"
     return f"{seconds / 60:.1f} min"
@@ -40,7 +41,7 @@ def _cell(entry: dict | None) -> str:
     if entry.get("status", "ok") != "ok":
         status = str(entry["status"])
         return status if status.startswith("failed") else f"failed ({status})"
-    return f"{_minutes(entry['wall_s'])}, {entry['peak_gib']:.1f} GiB"
+    return f"{minutes(entry['wall_s'])}, {entry['peak_gib']:.1f} GiB"
 
 
 def _cells(data: dict, name: str) -> list[str]:

@@ -6,10 +6,11 @@ joined by thin lines (:func:`measured`), their spread over repetitions as a shad
 asymptotics) (:func:`theory`), so a reader tells them apart in every figure of the report.
 
 Every figure passes through :func:`finalize` before it is written (``studies.io.save_figure``
-calls it): a log axis spanning too few decades gets labelled ticks at 1-2-5 (or finer) instead of
-a single decade label, and a legend that covers plotted data moves outside the axes.
-:func:`check_figure` lists what a reader would still stumble on (an axis with fewer than two
-labelled ticks, a legend over data); the tests run it on every figure of the studies.
+calls it): a log axis spanning too few decades, or with a curve that lies far from every decade
+label, gets labelled ticks at 1-2-5 (or finer) instead, and a legend that covers plotted data
+moves outside the axes. :func:`check_figure` lists what a reader would still stumble on (an axis
+with fewer than two labelled ticks, a log axis with no label near a curve, a legend over data);
+the tests run it on every figure of the studies.
 """
 
 from __future__ import annotations
@@ -160,19 +161,32 @@ def _tick_text(v: float) -> str:
     return f"$10^{{{e}}}$" if abs(m - 1) < 1e-9 else f"${m:.3g}\\times10^{{{e}}}$"
 
 
-def _fix_log_axis(axis, lo: float, hi: float) -> None:
-    """Give a log axis at least two labelled ticks: decades when it spans two of them, else the
-    1-2-5 (then 1..9) multiples of powers of ten inside the range, else evenly spaced values."""
+def _log_ticks(lo: float, hi: float, subs) -> list[float]:
+    k_lo, k_hi = math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1
+    return [m * 10.0**k for k in range(k_lo, k_hi + 1) for m in subs if lo <= m * 10.0**k <= hi]
+
+
+def _unlabelled_data(ticks: Sequence[float], groups: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The data ranges (of a log axis) with no labelled tick within a factor NEAR of them."""
+    return [(a, b) for a, b in groups if not any(a / _NEAR <= t <= b * _NEAR for t in ticks)]
+
+
+_NEAR = 2.0   # a label more than a factor 2 away from a curve leaves the reader guessing its values
+
+
+def _fix_log_axis(axis, lo: float, hi: float, groups: Sequence[tuple[float, float]] = ()) -> None:
+    """Give a log axis at least two labelled ticks, and a labelled tick near every plotted curve
+    (within a factor 2 of its range, ``groups``): decades when they do both, else the 1-2-5 (then
+    1..9) multiples of powers of ten inside the range, else evenly spaced values."""
     if not (lo > 0 and hi > lo and math.isfinite(hi)):
         return
-    k_lo, k_hi = math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1
-    decades = [10.0**k for k in range(k_lo, k_hi + 1) if lo <= 10.0**k <= hi]
-    if len(decades) >= 2:
+    decades = _log_ticks(lo, hi, (1,))
+    if len(decades) >= 2 and not _unlabelled_data(decades, groups):
         return
     ticks = []
     for subs in ((1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
-        ticks = [m * 10.0**k for k in range(k_lo, k_hi + 1) for m in subs if lo <= m * 10.0**k <= hi]
-        if len(ticks) >= 2:
+        ticks = _log_ticks(lo, hi, subs)
+        if len(ticks) >= 2 and not _unlabelled_data(ticks, groups):
             break
     if len(ticks) < 2:
         ticks = [t for t in ticker.MaxNLocator(nbins=3, steps=[1, 2, 2.5, 5, 10]).tick_values(lo, hi) if lo <= t <= hi]
@@ -181,6 +195,36 @@ def _fix_log_axis(axis, lo: float, hi: float) -> None:
     axis.set_major_locator(ticker.FixedLocator(ticks))
     axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _tick_text(v)))
     axis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _data_ranges(ax, which: str) -> list[tuple[float, float]]:
+    """For each line, scatter and band of ``ax``: the range of its positive values along the ``which``
+    axis inside the view (data coordinates; lines drawn in axes coordinates span the view)."""
+    k = 0 if which == "x" else 1
+    lo, hi = sorted(ax.get_xlim() if which == "x" else ax.get_ylim())
+    to_data = ax.transData.inverted()
+    arrays = []
+    for line in ax.get_lines():
+        if line.get_visible() and len(line.get_xydata()):
+            arrays.append(to_data.transform(line.get_transform().transform(np.asarray(line.get_xydata(), float))))
+    for coll in ax.collections:
+        if not coll.get_visible():
+            continue
+        if isinstance(coll, matplotlib.collections.PathCollection):
+            offs = np.asarray(coll.get_offsets(), float)
+            if offs.size:
+                arrays.append(to_data.transform(coll.get_offset_transform().transform(offs)))
+        elif isinstance(coll, matplotlib.collections.PolyCollection):
+            for path in coll.get_paths():
+                if len(path.vertices):
+                    arrays.append(to_data.transform(coll.get_transform().transform(path.vertices)))
+    ranges = []
+    for xy in arrays:
+        v = xy[:, k]
+        v = v[np.isfinite(v) & (v > 0) & (v >= lo * (1 - 1e-9)) & (v <= hi * (1 + 1e-9))]
+        if v.size:
+            ranges.append((float(v.min()), float(v.max())))
+    return ranges
 
 
 def _legend_outside(ax):
@@ -247,9 +291,9 @@ def finalize(fig) -> None:
         if not ax.get_visible() or not ax.axison or _is_colorbar(ax) or ax.name != "rectilinear":
             continue
         if ax.get_xscale() == "log":
-            _fix_log_axis(ax.xaxis, *sorted(ax.get_xlim()))
+            _fix_log_axis(ax.xaxis, *sorted(ax.get_xlim()), _data_ranges(ax, "x"))
         if ax.get_yscale() == "log":
-            _fix_log_axis(ax.yaxis, *sorted(ax.get_ylim()))
+            _fix_log_axis(ax.yaxis, *sorted(ax.get_ylim()), _data_ranges(ax, "y"))
     fig.canvas.draw()
     moved = False
     for ax in fig.axes:
@@ -261,21 +305,23 @@ def finalize(fig) -> None:
         fig.canvas.draw()
 
 
-def _labelled(axis, ax, which: str) -> int:
+def _labelled(axis, ax, which: str) -> list[float]:
+    """Positions of the visible, labelled ticks of ``axis`` inside its view."""
     lo, hi = sorted(axis.get_view_interval())
-    n = 0
+    where = []
     for t in axis.get_ticklabels(which="both"):
         if not t.get_visible() or not t.get_text().strip():
             continue
         pos = t.get_position()[0 if which == "x" else 1]
         if lo - 1e-12 * abs(lo) <= pos <= hi + 1e-12 * abs(hi):
-            n += 1
-    return n
+            where.append(pos)
+    return where
 
 
 def check_figure(fig) -> list[str]:
     """What would make a reader stumble: every visible axis (the long one of a colour bar) with fewer
-    than two labelled ticks, every legend that covers plotted data, legends that overlap each other.
+    than two labelled ticks, a log axis with no labelled tick within a factor 2 of a plotted curve,
+    every legend that covers plotted data, legends that overlap each other.
     An empty list when none."""
     fig.canvas.draw()
     problems = []
@@ -290,9 +336,13 @@ def check_figure(fig) -> list[str]:
         for which, axis in axes_to_check:
             if not axis.get_visible():
                 continue
-            n = _labelled(axis, ax, which)
-            if n < 2:
-                problems.append(f"{name!r}: {which} axis has {n} labelled tick(s)")
+            ticks = _labelled(axis, ax, which)
+            if len(ticks) < 2:
+                problems.append(f"{name!r}: {which} axis has {len(ticks)} labelled tick(s)")
+            if axis.get_scale() == "log" and not _is_colorbar(ax):
+                for a, b in _unlabelled_data(ticks, _data_ranges(ax, which)):
+                    problems.append(f"{name!r}: no labelled tick on the log {which} axis within a factor "
+                                    f"{_NEAR:g} of data in [{a:.3g}, {b:.3g}]")
         leg = ax.get_legend()
         if leg is not None and leg.get_visible() and _legend_overlaps(ax, leg):
             problems.append(f"{name!r}: the legend covers plotted data")

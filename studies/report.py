@@ -3,7 +3,9 @@
     runs/<name>/
         config.json     every parameter: the run context, each study's grid, versions, device
         summary.json    per study: status, seconds, claims (kind, verdict), figures, tables, its own summary
-        report.md       the claims table (study, claim, kind, theory, measured, verdict), then every figure
+        report.md       a summary (counts; each claim not reproduced, inconclusive or violated in one line,
+                        with the next step), the claims table (short forms), then each study's section:
+                        every claim in full (theory, measured, detail, what would make it fail), figures
         <study>/        the study's CSV tables, PNG figures and result.json
 
 The run folder is locked for the whole run (a second run on it is refused with
@@ -11,7 +13,11 @@ The run folder is locked for the whole run (a second run on it is refused with
 ``report.md`` are rewritten as each study finishes, so a run that is killed or hangs in one study
 leaves the others aggregated. A study that raises is reported as failed (with its error and
 traceback) and the others still run; a full disk or a read-only folder stops the run with
-:class:`studies.io.OutputError`. :func:`reproduce` returns the summary; ``summary["ok"]`` says
+:class:`studies.io.OutputError`. An interrupted run (Ctrl-C, or SIGTERM through the command line)
+writes when and during which study it stopped, and the command that resumes it: running the same
+command again into the same folder reuses every study that finished there with the same code and
+settings (:func:`study_fingerprint`) and resumes the stored grid points of the others
+(``--no-resume`` recomputes everything). :func:`reproduce` returns the summary; ``summary["ok"]`` says
 whether every study ran and every theorem claim holds (empirical claims that are not reproduced
 are findings, not failures).
 """
@@ -19,9 +25,12 @@ are findings, not failures).
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import importlib.metadata as _md
+import json
 import logging
 import platform
+import shlex
 import sys
 import time
 import traceback
@@ -30,15 +39,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import costs
 from .context import RunContext
-from .contract import EMPIRICAL, THEOREM, StudyResult, import_errors, registry
+from .contract import EMPIRICAL, THEOREM, StudyResult, import_errors, registry, shorten
 from .grid import code_fingerprint
 from .io import OutputError, is_output_error, output_error, probe_output, write_json, write_text
 from .preflight import check_run
 from .sweep.files import FolderLock
 from .sweep.progress import format_seconds
 
-__all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir", "summarize"]
+__all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir", "summarize", "summary_line",
+           "study_fingerprint", "resume_command", "attention_lines", "claims_table", "readme_excerpt"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +87,35 @@ def _seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+# packages whose version can change a study's numbers (a study reused from an earlier run must match them)
+_NUMERIC_PACKAGES = ("torch", "numpy", "scipy", "pot", "transformers")
+
+
+def study_fingerprint(name: str, ctx: RunContext) -> str:
+    """Short hash of everything a study's results depend on: the framework's code
+    (:func:`studies.grid.code_fingerprint`), the study's grid at the run's level, the seed, the device,
+    the real-model inputs (models, checkpoints, the text file's bytes) and the versions of the numeric
+    packages. A study that finished in the run folder with the same fingerprint is reused on resume."""
+    study = registry()[name]
+    text = None
+    if ctx.text is not None:
+        try:
+            text = hashlib.sha256(Path(ctx.text).read_bytes()).hexdigest()
+        except OSError:
+            text = str(ctx.text)
+    versions = {}
+    for pkg in _NUMERIC_PACKAGES:
+        try:
+            versions[pkg] = _md.version(pkg)
+        except _md.PackageNotFoundError:
+            versions[pkg] = None
+    key = {"code": code_fingerprint(), "study": name, "level": ctx.level, "seed": ctx.seed, "device": ctx.device,
+           "grid": study.grid(ctx.level) if study.grid is not None else None, "models": list(ctx.models),
+           "checkpoints": list(ctx.checkpoints), "text": text, "versions": versions}
+    blob = json.dumps(key, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def run_study(name: str, ctx: RunContext) -> dict:
     """Run one registered study into ``ctx.out/name``; never raises for the study's own errors.
 
@@ -90,7 +130,8 @@ def run_study(name: str, ctx: RunContext) -> dict:
     probe_output(sdir)
     _seed_everything(ctx.seed)
     t0 = time.perf_counter()
-    entry = {"name": name, "title": study.title}
+    entry = {"name": name, "title": study.title, "fingerprint": study_fingerprint(name, ctx),
+             "finished": None}
     try:
         res = study.run(sdir, ctx)
         if not isinstance(res, StudyResult):
@@ -103,8 +144,30 @@ def run_study(name: str, ctx: RunContext) -> dict:
         entry.update({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(), "claims": [], "figures": [], "tables": []})
     entry["seconds"] = round(time.perf_counter() - t0, 2)
+    entry["finished"] = _now()
     write_json(entry, sdir / "result.json")
     return entry
+
+
+def _now() -> str:
+    return _dt.datetime.now().isoformat(timespec="seconds")
+
+
+def _reusable(ctx: RunContext, name: str) -> dict | None:
+    """The entry of ``name`` from an earlier run in the same folder, when it finished (status ok) with the
+    same :func:`study_fingerprint` and every figure and table it lists is still there; else None."""
+    path = ctx.out / name / "result.json"
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(entry, dict) or entry.get("status") != "ok" or entry.get("name") != name:
+        return None
+    if entry.get("fingerprint") != study_fingerprint(name, ctx):
+        return None
+    if not all((ctx.out / name / f).is_file() for f in [*entry.get("figures", []), *entry.get("tables", [])]):
+        return None
+    return {**entry, "reused": True}
 
 
 def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
@@ -113,7 +176,12 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
 
     Before the first study, :func:`studies.preflight.check_run` checks every option, file and service the
     run names (a :class:`studies.preflight.UsageError` at the first problem), then the output folder is
-    probed (:class:`studies.io.OutputError` when it cannot be written)."""
+    probed (:class:`studies.io.OutputError` when it cannot be written).
+
+    With ``ctx.sweep["resume"]`` (the default), a study that already finished in ``ctx.out`` with the
+    same code and settings (:func:`study_fingerprint`) is reused instead of run again. A
+    ``KeyboardInterrupt`` (Ctrl-C) is re-raised after summary.json and report.md say when and
+    during which study the run stopped, and how to resume it (:func:`resume_command`)."""
     if not isinstance(ctx, RunContext):
         raise TypeError(f"ctx: expected a studies.context.RunContext, got {type(ctx).__name__}")
     studies = registry()
@@ -124,12 +192,13 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
             raise ValueError(f"only: unknown study name(s) {unknown}; registered: {', '.join(studies)}")
         names = [n for n in names if n in only]
     check_run(ctx, names)   # every option, file and service the run names, before the first study
+    resume = bool(ctx.sweep.get("resume", True))
     out = probe_output(ctx.out)
     lock = FolderLock(out, what="meanfield run", argument="out").acquire()
     try:
         config = {**ctx.to_config(), "studies": names,
                   "grids": {n: studies[n].grid(ctx.level) for n in names if studies[n].grid is not None},
-                  "started": _dt.datetime.now().isoformat(timespec="seconds"), **environment()}
+                  "started": _now(), **environment()}
         write_json(config, out / "config.json")
         broken = [] if only else [
             {"name": mod.rsplit(".", 1)[-1], "title": mod, "status": "failed", "seconds": 0.0,
@@ -138,12 +207,23 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
         entries: list[dict] = []
         for k, name in enumerate(names, 1):
             _write_aggregate(out, entries + broken, config, names[k - 1:], running=name)
+            entry = _reusable(ctx, name) if resume else None
+            if entry is not None:
+                entries.append(entry)
+                log.info("[%d/%d] %s: reused (finished here at %s with the same code and settings; --no-resume "
+                         "runs it again); %s", k, len(names), name, entry.get("finished") or "an earlier run",
+                         _entry_line(entry))
+                continue
             log.info("[%d/%d] %s: %s", k, len(names), name, studies[name].title)
             try:
                 entry = run_study(name, ctx)
             except BaseException as exc:
                 if not isinstance(exc, OutputError):   # interrupted: what finished stays aggregated
-                    _write_aggregate(out, entries + broken, config, names[k - 1:], running=None)
+                    stop = {"at": _now(), "during": name, "done": k - 1, "of": len(names),
+                            "signal": getattr(exc, "signal_name", None) or
+                            ("SIGINT" if isinstance(exc, KeyboardInterrupt) else type(exc).__name__),
+                            "resume": resume_command(config)}
+                    _write_aggregate(out, entries + broken, config, names[k - 1:], running=None, interrupted=stop)
                 raise
             entries.append(entry)
             log.info("[%d/%d] %s: %s", k, len(names), name, _entry_line(entry))
@@ -168,18 +248,21 @@ def _counts(claims) -> dict:
     return counts
 
 
-def _write_aggregate(out: Path, entries: list[dict], config: dict, pending: list[str], running) -> dict:
-    summary = summarize(entries, config, pending=pending, running=running)
+def _write_aggregate(out: Path, entries: list[dict], config: dict, pending: list[str], running,
+                     interrupted: dict | None = None) -> dict:
+    summary = summarize(entries, config, pending=pending, running=running, interrupted=interrupted)
     write_json(summary, out / "summary.json")
     write_report(out, summary, config)
     return summary
 
 
-def summarize(entries: list[dict], config: dict, *, pending=(), running=None) -> dict:
+def summarize(entries: list[dict], config: dict, *, pending=(), running=None, interrupted=None) -> dict:
     """The run's summary from the study entries: failed studies, claims by verdict, overall status.
 
     ``ok``: every study ran (none pending) and no theorem claim is violated. ``not_reproduced`` and
-    ``inconclusive`` list empirical claims: findings, they do not change ``ok``.
+    ``inconclusive`` list empirical claims: findings, they do not change ``ok``. ``interrupted``
+    (None when the run was not): when (``at``), during which study, how many studies were done of how
+    many, the signal, and the command that resumes the run (``resume``).
     """
     pairs = [(e["name"], c) for e in entries for c in e.get("claims", [])]
     failed = [e["name"] for e in entries if e["status"] != "ok"]
@@ -190,6 +273,8 @@ def summarize(entries: list[dict], config: dict, *, pending=(), running=None) ->
         "failed": failed,
         "running": running,
         "pending": [p for p in pending if p != running],
+        "interrupted": interrupted,
+        "reused": [e["name"] for e in entries if e.get("reused")],
         "violated_claims": by["violated"],
         "not_reproduced": by["not reproduced"],
         "inconclusive": by["inconclusive"],
@@ -209,59 +294,221 @@ def summary_line(summary: dict) -> str:
             f"failed studies: {', '.join(summary['failed']) or 'none'}")
 
 
-def _cell(text) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+# ---------------------------------------------------------------------------- commands for the reader
+def _command_words(config: dict) -> list[str]:
+    cmd = config.get("command")
+    words = [str(w) for w in cmd] if isinstance(cmd, (list, tuple)) else []
+    if words and words[0].endswith(("meanfield", "cli.py")):
+        words[0] = "meanfield"  # the console script's full path is machine-specific
+    return words
+
+
+def _drop_option(words: list[str], option: str, nargs: str = "1") -> list[str]:
+    """``words`` without ``option`` and its value(s) (``nargs``: "0", "1" or "+"), in both the
+    ``--opt value`` and the ``--opt=value`` spellings."""
+    out, skip, many = [], 0, False
+    for w in words:
+        if many:
+            if w.startswith("-"):
+                many = False
+            else:
+                continue
+        if skip:
+            skip -= 1
+            continue
+        if w == option:
+            if nargs == "1":
+                skip = 1
+            elif nargs == "+":
+                many = True
+            continue
+        if w.startswith(option + "="):
+            continue
+        out.append(w)
+    return out
+
+
+def resume_command(config: dict) -> str:
+    """The command that resumes the run of ``config``: the same command into the same folder (an
+    explicit ``--out``), with resuming on (``--no-resume`` dropped)."""
+    words = _command_words(config)
+    if len(words) < 2 or words[0] != "meanfield":
+        only = config.get("studies") or []
+        words = ["meanfield", "reproduce", *(["--quick"] if config.get("grid") == "quick" else []),
+                 *(["--only", *only] if only else [])]
+        if config.get("seed"):
+            words += ["--seed", str(config["seed"])]
+    words = _drop_option(_drop_option(words, "--out"), "--no-resume", "0")
+    return shlex.join([*words, "--out", str(config.get("out_dir", "."))])
+
+
+def study_command(config: dict, name: str, level: str = "full") -> str:
+    """The command that runs study ``name`` alone at ``level`` with the run's other options, into
+    ``runs/<name>-<level>``."""
+    words = _command_words(config)
+    rest = words[2:] if len(words) >= 2 and words[0] == "meanfield" else []
+    for opt, nargs in (("--quick", "0"), ("--tiny", "0"), ("--only", "+"), ("--out", "1"), ("-q", "0"),
+                       ("--quiet", "0"), ("-v", "0"), ("--verbose", "0")):
+        rest = _drop_option(rest, opt, nargs)
+    if not rest and config.get("seed"):
+        rest = ["--seed", str(config["seed"])]
+    flag = {"quick": ["--quick"], "full": []}.get(level, [])
+    return shlex.join(["meanfield", name, *flag, *rest, "--out", f"runs/{name}-{level}"])
+
+
+def _measured_cost(name: str, level: str = "full") -> str:
+    entry = costs.load().get("levels", {}).get(level, {}).get("studies", {}).get(name)
+    if not entry or "wall_s" not in entry:
+        return "time not measured"
+    return f"{costs.minutes(entry['wall_s'])} measured, studies/data/costs.json"
+
+
+def _next_step(name: str, verdict: str, config: dict, code=lambda s: s) -> str:
+    """What a reader does about a claim with ``verdict`` (not reproduced, inconclusive, violated)."""
+    if verdict == "violated":
+        return (f"a bug in the code or in the paper: read the `{name}` section below and report it with "
+                "config.json and the study's folder")
+    full = config.get("grid") == "full"
+    if verdict == "inconclusive":
+        if full:
+            return f"the full grid cannot decide: the `{name}` section below says what evidence is missing"
+        return (f"run the full grid, which has more samples: {code(study_command(config, name))} "
+                f"({_measured_cost(name)})")
+    if full:
+        return f"a finding on the full grid: the `{name}` section below and docs/studies/{name}.md discuss it"
+    return f"check it on the full grid: {code(study_command(config, name))} ({_measured_cost(name)})"
+
+
+def attention_lines(summary: dict, config: dict, *, markdown: bool = True) -> list[str]:
+    """One line per claim a reader must act on (violated, not reproduced, inconclusive) and per failed
+    study: id, short claim, the short measurement as the reason, the next step."""
+    code = (lambda s: f"`{s}`") if markdown else (lambda s: s)
+    lines = []
+    for verdict in ("violated", "not reproduced", "inconclusive"):
+        for name, e in summary["studies"].items():
+            for k, c in enumerate(e.get("claims", []), 1):
+                if c["verdict"] != verdict:
+                    continue
+                head = f"**{verdict}**" if markdown else verdict.upper()
+                lines.append(f"{head} {code(_claim_id(name, k))}: {_short(c)}. Measured: {_short_measured(c)}. "
+                             f"Next: {_next_step(name, verdict, config, code)}.")
+    for name in summary["failed"]:
+        e = summary["studies"][name]
+        head = "**study failed**" if markdown else "STUDY FAILED"
+        lines.append(f"{head} {code(name)}: {shorten(e.get('error', ''), 120)}. Next: its traceback is in the "
+                     f"`{name}` section below; run it alone with {code(study_command(config, name, config['grid']))}.")
+    return lines
+
+
+def readme_excerpt(run_dir: Path | str) -> str:
+    """The top of a finished run's report as the README shows it: the summary line, one line per claim
+    to act on, the claims table (read from the run folder's summary.json and config.json)."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    # summary.json's keys are sorted: the run's order is config.json's list of studies
+    order = [n for n in config.get("studies", []) if n in summary["studies"]]
+    order += [n for n in summary["studies"] if n not in order]
+    summary["studies"] = {n: summary["studies"][n] for n in order}
+    n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
+    lines = [f"**{n_ok} of {len(summary['studies'])} studies ran; {summary_line(summary)}.**", ""]
+    lines += [f"- {t}" for t in attention_lines(summary, config)] + [""]
+    lines += ["Each id leads to the claim in full (theory, measurement, tolerance, what would make it fail) in its "
+              "study's section of `report.md`.", "", claims_table(summary)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- report.md
+def _claim_id(study: str, k: int) -> str:
+    return f"{study}-{k}"
+
+
+def _short(c: dict) -> str:
+    return c.get("short") or shorten(c["claim"])
+
+
+def _short_measured(c: dict) -> str:
+    return c.get("short_measured") or shorten(c["measured"], first_clause=True)
 
 
 def _verdict_cell(c: dict) -> str:
     return f"**{c['verdict']}**" if c["verdict"] in ("violated", "not reproduced") else c["verdict"]
 
 
+def claims_table(summary: dict) -> str:
+    """The claims table of report.md (and of the README): one row per claim with its id (its full
+    statement is in the study's section under the same id), short claim, kind, verdict and short
+    measurement. No cell needs a Markdown escape."""
+    lines = ["| id | claim | kind | verdict | measured |", "|---|---|---|---|---|"]
+    for name, e in summary["studies"].items():
+        if e["status"] != "ok":
+            lines.append(f"| {name} | study failed | | **failed** | {shorten(e.get('error', ''))} |")
+            continue
+        for k, c in enumerate(e.get("claims", []), 1):
+            lines.append(f"| {_claim_id(name, k)} | {_short(c)} | {c['kind']} | {_verdict_cell(c)} | "
+                         f"{_short_measured(c)} |")
+    return "\n".join(lines)
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _summary_section(summary: dict, config: dict) -> list[str]:
+    n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
+    total = len(summary["studies"]) + len(summary["pending"]) + (1 if summary["running"] else 0)
+    lines = ["## Summary", ""]
+    stop = summary.get("interrupted")
+    if stop:
+        lines += [f"**Interrupted** ({stop['signal']}) at {stop['at']} during `{stop['during']}`, after {stop['done']} "
+                  f"of {stop['of']} studies. Resume with `{stop['resume']}`: it reuses the studies that finished here "
+                  "(same code and settings) and the stored grid points of the interrupted one.", ""]
+    elif summary["running"] or summary["pending"]:
+        lines += [f"Not finished yet: {', '.join(filter(None, [summary['running'], *summary['pending']]))} "
+                  "(this report is rewritten as each study finishes).", ""]
+    reused = summary.get("reused") or []
+    lines += [f"**{n_ok} of {total} studies ran; {summary_line(summary)}.**"
+              + (f" Reused from an earlier run in this folder (same code and settings): {', '.join(reused)}."
+                 if reused else ""), ""]
+    todo = attention_lines(summary, config)
+    if todo:
+        lines += [f"- {t}" for t in todo] + [""]
+    lines += ["Theorem claims are mathematical statements: a violation is a bug (exit code 1). Empirical claims "
+              "are observations the paper reports: *not reproduced* is a finding, not a failure of the run.", ""]
+    return lines
+
+
 def write_report(out: Path, summary: dict, config: dict) -> Path:
-    """report.md: the claims table first, then each study with its figures, tables and notes."""
+    """report.md: the summary (counts, then every claim to act on in one line with the next step), the
+    claims table in short form, then each study with every claim in full, its figures and tables."""
     out = Path(out)
     lines = ["# How smooth is attention? Reproduction report", ""]
     pk = config.get("packages", {})
     lines += [f"Seed {config['seed']}, grids: {config['grid']}, Python {config['python']}, torch {config['torch']} "
               f"({config['device']}), smooth-attention {pk.get('smooth-attention')}. "
               "Every parameter is in `config.json`; every number in the CSV files next to the figures.", ""]
-    cmd = config.get("command")
-    if isinstance(cmd, (list, tuple)) and cmd:
-        words = [str(w) for w in cmd]
-        if words[0].endswith("meanfield"):  # the console script's full path is machine-specific
-            words[0] = "meanfield"
-        lines += [f"Command: `{' '.join(words)}`", ""]
-    n_ok = sum(1 for e in summary["studies"].values() if e["status"] == "ok")
-    total = len(summary["studies"]) + len(summary["pending"]) + (1 if summary["running"] else 0)
-    lines += [f"**{n_ok} of {total} studies ran; {summary_line(summary)}.**", ""]
-    if summary["running"] or summary["pending"]:
-        lines += [f"Not finished yet: {', '.join(filter(None, [summary['running'], *summary['pending']]))} "
-                  "(this report is rewritten as each study finishes).", ""]
-    if summary["failed"]:
-        lines += [f"Failed studies: {', '.join(summary['failed'])} (errors below).", ""]
-    lines += ["Theorem claims are mathematical statements: a violation is a bug (exit code 1). Empirical claims "
-              "are observations the paper reports: *not reproduced* is a finding, not a failure of the run.", ""]
-    lines += ["## Claims", "", "| study | claim | kind | theory | measured | verdict |", "|---|---|---|---|---|---|"]
-    for name, e in summary["studies"].items():
-        if e["status"] != "ok":
-            lines.append(f"| {name} | study failed | | | {_cell(e['error'])} | **failed** |")
-            continue
-        for c in e.get("claims", []):
-            lines.append(f"| {name} | {_cell(c['claim'])} | {c['kind']} | {_cell(c['theory'])} | "
-                         f"{_cell(c['measured'])} | {_verdict_cell(c)} |")
-    lines.append("")
+    words = _command_words(config)
+    if words:
+        lines += [f"Command: `{shlex.join(words)}`", ""]
+    lines += _summary_section(summary, config)
+    lines += ["## Claims", "", "Each id leads to the claim in full (theory, measurement, tolerance, what would make "
+              "it fail) in its study's section below.", "", claims_table(summary), ""]
     for name, e in summary["studies"].items():
         lines += [f"## {e.get('title') or name} (`{name}`)", ""]
-        lines.append(f"Status: {e['status']}, {e['seconds']} s.")
+        when = f", reused from the run that finished it at {e.get('finished')}" if e.get("reused") else ""
+        lines.append(f"Status: {e['status']}, {e['seconds']} s{when}.")
         lines.append("")
         if e["status"] != "ok":
             lines += ["```", e.get("traceback", e.get("error", "")).rstrip(), "```", ""]
             continue
         if e.get("notes"):
             lines += [e["notes"].strip(), ""]
-        for c in e.get("claims", []):
-            detail = f" {c['detail']}." if c.get("detail") else ""
-            lines.append(f"- *{_cell(c['claim'])}* ({c['kind']}, {c['verdict']}).{detail} Fails if {c['fails_if']}.")
+        for k, c in enumerate(e.get("claims", []), 1):
+            detail = _one_line(c.get("detail", "")).rstrip(".")
+            detail = f" {detail[:1].upper()}{detail[1:]}." if detail else ""
+            lines.append(f"- **{_claim_id(name, k)}** *{_one_line(c['claim'])}* ({c['kind']}, {c['verdict']}). "
+                         f"Theory: {_one_line(c['theory'])}. Measured: {_one_line(c['measured'])}.{detail} "
+                         f"Fails if {_one_line(c['fails_if']).rstrip('.')}.")
         if e.get("claims"):
             lines.append("")
         for fig in e.get("figures", []):

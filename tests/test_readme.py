@@ -81,3 +81,29 @@ def test_help_prints_the_same_measurements():
         assert name in text
         if entry.get("status") == "ok":
             assert f"{entry['peak_gib']:.1f} GiB" in text
+
+
+def test_readme_claims_table_is_the_reports_short_form():
+    """The README's copy of the report's claims table has report.claims_table's header and reads without
+    escapes: five cells per row, each one line of at most SHORT_MAX characters, ids of the form
+    <study>-<k> numbered from 1 within each study."""
+    from studies.contract import SHORT_MAX
+    from studies.report import claims_table
+
+    header = claims_table({"studies": {}}).splitlines()[0]
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert header in lines, "README.md lost the report's claims table (or has the old, long form)"
+    rows = []
+    for line in lines[lines.index(header) + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    assert len(rows) >= 40
+    seen: dict = {}
+    for row in rows:
+        assert "\\|" not in row, row
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert len(cells) == 5 and all(len(c) <= SHORT_MAX for c in cells), row
+        study, k = cells[0].rsplit("-", 1)
+        assert int(k) == seen.get(study, 0) + 1, row
+        seen[study] = int(k)

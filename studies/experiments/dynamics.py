@@ -37,20 +37,21 @@ D = torch.float64
 def grid(level: str) -> dict:
     """Sizes: particles and final time of each experiment, sample sizes, reference size and samples of
     the mean-field check, and frames stored per trajectory. Final times are long enough at every level
-    for the clustering theorems to be visible at the claims' tolerances (the tiny grid has fewer
-    particles and frames, not shorter trajectories: T = 4 and 20 left 5 clusters along e_1 and a causal
-    distance of 0.33, artefacts of stopping early)."""
+    for the clustering theorems to be visible at the claims' tolerances, and for the counts to have
+    settled (the tiny grid has fewer particles and frames, not shorter trajectories: T = 4 and 20 left
+    5 clusters along e_1 and a causal distance of 0.33, artefacts of stopping early; along e_1 the count
+    was still falling at T = 5, 24 -> 3 -> 2, and stays at 2 from t = 6 to 12 at every level)."""
     return _settings(level)
 
 
 def _settings(level: str) -> dict:
     if level == "tiny":
-        return dict(n_poly=10, T_poly=8.0, n_neg=10, T_neg=6.0, n_sph=12, T_sph=20.0, n_causal=8, T_causal=40.0,
+        return dict(n_poly=10, T_poly=8.0, n_neg=10, T_neg=10.0, n_sph=12, T_sph=20.0, n_causal=8, T_causal=40.0,
                     ns=[8, 16, 32], n_ref=128, reps=2, frames=6)
     if level == "quick":
-        return dict(n_poly=32, T_poly=9.0, n_neg=24, T_neg=5.0, n_sph=32, T_sph=30.0, n_causal=12,
+        return dict(n_poly=32, T_poly=9.0, n_neg=24, T_neg=10.0, n_sph=32, T_sph=30.0, n_causal=12,
                     T_causal=30.0, ns=[16, 32, 64, 128, 256], n_ref=1024, reps=3, frames=24)
-    return dict(n_poly=64, T_poly=10.0, n_neg=64, T_neg=6.0, n_sph=128, T_sph=40.0, n_causal=24, T_causal=40.0,
+    return dict(n_poly=64, T_poly=10.0, n_neg=64, T_neg=10.0, n_sph=128, T_sph=40.0, n_causal=24, T_causal=40.0,
                 ns=[16, 32, 64, 128, 256, 512, 1024], n_ref=4096, reps=5, frames=48)
 
 
@@ -140,7 +141,7 @@ def _leading(cfg, seed, dev, rows):
     for t, a, b in zip(times.tolist(), c_lead, c_other):
         rows.append({"experiment": "simple_leading_eigenvalue", "t": t, "clusters_leading": int(a),
                      "clusters_other": int(b)})
-    return traj, int(c_lead[-1]), int(c_other[-1])
+    return traj, [int(c) for c in c_lead], [int(c) for c in c_other]
 
 
 def _sphere(cfg, seed, dev, rows):
@@ -220,7 +221,10 @@ def meanfield_claim(mf_rows: list[dict], cfg: dict) -> Claim:
         f"95% CIs from all {len(mf_rows)} samples (reference n = {cfg['n_ref']}, {cfg['reps']} samples per n, exact "
         "W2); inconclusive when the slope at T has a CI containing 0", kind=EMPIRICAL,
         fails_if="the CI of the slope of W2 at T lies at or above 0, or the CI of the slope of W2(T)/W2(0) lies above "
-                 "0 (the ratio grows with n)")
+                 "0 (the ratio grows with n)",
+        short="mean-field limit: W2(mu_n(T), mu_ref(T)) -> 0 at the samples' rate",
+        short_measured=f"slope at T: {fT['slope']:.2f} [{fT['lo']:.2f}, {fT['hi']:.2f}]; of W2(T)/W2(0): "
+                       f"{fr['slope']:.2f} [{fr['lo']:.2f}, {fr['hi']:.2f}]")
 
 
 @register("dynamics", "Token dynamics: Transformers as PDEs", order=80, grid=grid)
@@ -245,7 +249,8 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         bar.set_postfix(now="polytope")
         traj_p, ls, counts_p = _polytope(cfg, seed, dev, rows)
         bar.update(1, now="leading eigenvalue")
-        traj_n, lead_k, other_k = _leading(cfg, seed, dev, rows)
+        traj_n, lead_c, other_c = _leading(cfg, seed, dev, rows)
+        lead_k, other_k = lead_c[-1], other_c[-1]
         bar.update(1, now="sphere")
         sph = _sphere(cfg, seed, dev, rows)
         bar.update(1, now="causal")
@@ -270,19 +275,28 @@ def _run(out_dir: Path, ctx) -> StudyResult:
               bool(ls.all_vertices and ls.spread < 1e-2 and 1 < ls.n_clusters < counts_p[0]),
               "single linkage at tol 1e-2 on y(T); hull by scipy.spatial.ConvexHull", kind=THEOREM,
               fails_if="at T some cluster center is not a vertex of the hull, the spread is 1e-2 or more, or the "
-                       "tokens form one cluster or as many as at t = 0"),
+                       "tokens form one cluster or as many as at t = 0",
+              short="V = I: rescaled tokens converge to the vertices of a polytope",
+              short_measured=f"{int(ls.is_vertex.sum())} of {ls.n_clusters} centers are vertices; spread "
+                             f"{ls.spread:.0e}"),
         Claim("V with a simple positive leading eigenvalue: the coordinate along its eigenvector clusters on at most "
               "3 values, i.e. 3 parallel hyperplanes (Geshkovski et al. 2023)",
               "<= 3 clusters of <y_i, e_1>",
-              f"{lead_k} clusters along e_1 at T = {cfg['T_neg']:g} (n = {cfg['n_neg']})",
+              f"{lead_k} clusters along e_1 at T = {cfg['T_neg']:g} (n = {cfg['n_neg']}), the same since t = "
+              f"{_settled_since(traj_n.times, lead_c):.3g} (counts over time: rescaled_clusters.csv)",
               bool(lead_k <= 3), "V = diag(1, -1/2) (leading eigenvalue 1, simple), A = I; 1-D single linkage at "
-              "tol 1e-2", kind=THEOREM, fails_if="more than 3 clusters along e_1 at T"),
+              "tol 1e-2", kind=THEOREM, fails_if="more than 3 clusters along e_1 at T",
+              short="simple positive leading eigenvalue: <= 3 clusters along its eigenvector",
+              short_measured=f"{lead_k} along e_1 at T = {cfg['T_neg']:g}, the same since t = "
+                             f"{_settled_since(traj_n.times, lead_c):.2g}"),
         Claim("the clustering is specific to the leading direction: the coordinate along the eigenvalue -1/2 does "
               "not cluster", "more than 3 clusters of <y_i, e_2>",
               f"{other_k} clusters along e_2 (n = {cfg['n_neg']})", bool(other_k > 3),
               "the theorem says nothing about the other coordinates; this contrast shows that the count along e_1 "
               "is not an artefact of the tolerance", kind=EMPIRICAL,
-              fails_if="3 or fewer clusters along e_2 at T"),
+              fails_if="3 or fewer clusters along e_2 at T",
+              short="the coordinate along the eigenvalue -1/2 does not cluster",
+              short_measured=f"{other_k} clusters along e_2 (n = {cfg['n_neg']})"),
     ]
     for model in ("SA", "USA"):
         _, E, c, drift = sph[model]
@@ -290,12 +304,15 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         claims.append(Claim(f"Sphere model {model}, d = 3: almost every start collapses to one cluster; "
                             "E_beta increases",
                             "1 cluster at T; E_beta non-decreasing; |x_i| = 1",
-                            f"{int(c[-1])} cluster(s) at T = {cfg['T_sph']:g}; E {E[0]:.4g} -> {E[-1]:.4g} "
+                            f"{_plural(int(c[-1]), 'cluster')} at T = {cfg['T_sph']:g}; E {E[0]:.4g} -> {E[-1]:.4g} "
                             f"({'monotone' if mono else 'NOT monotone'}); norm drift {drift:.1e}",
                             bool(c[-1] == 1 and mono and drift < 1e-10),
                             f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; tol 1e-3", kind=THEOREM,
                             fails_if="more than one cluster at T, E_beta decreasing at some step, or a token "
-                                     "leaving the sphere by 1e-10 or more"))
+                                     "leaving the sphere by 1e-10 or more",
+                            short=f"sphere model {model}, d = 3: one cluster; E_beta increases",
+                            short_measured=f"{_plural(int(c[-1]), 'cluster')} at T; E_beta "
+                                           f"{'monotone' if mono else 'NOT monotone'}; drift {drift:.0e}"))
     claims += [
         Claim("Causal sphere dynamics: the first token is fixed and attracts every token (Karagodin et al. 2024)",
               "x_1 does not move; max_i |x_i(T) - x_1| -> 0",
@@ -303,11 +320,14 @@ def _run(out_dir: Path, ctx) -> StudyResult:
               bool(moved_first < 1e-12 and dist_c[-1] < 1e-2 * dist_c[0]),
               f"SA, beta = 1, n = {cfg['n_causal']} tokens at positions i/n, T = {cfg['T_causal']:g}", kind=THEOREM,
               fails_if="x_1 moves by 1e-12 or more, or the largest distance to x_1 at T is not below 1% of its "
-                       "initial value"),
+                       "initial value",
+              short="causal sphere dynamics: x_1 is fixed and attracts every token",
+              short_measured=f"x_1 moved {moved_first:.0e}; max distance {dist_c[0]:.3f} -> {dist_c[-1]:.1e}"),
         meanfield_claim(mf_rows, cfg),
     ]
 
-    figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows)
+    figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, counts_p, lead_c, other_c)
+    data = _save_rescaled(out_dir, traj_p, traj_n, counts_p, lead_c, other_c)
     summary = {"polytope_clusters": ls.n_clusters, "polytope_spread": ls.spread, "leading_eigenvalue_clusters":
                lead_k, "sphere_SA_final_clusters": int(sph["SA"][2][-1]), "causal_final_max_dist": float(dist_c[-1]),
                "meanfield_slope_T": sT, "meanfield_slope_0": s0, "level": level}
@@ -316,14 +336,47 @@ def _run(out_dir: Path, ctx) -> StudyResult:
              "trajectories started from independent samples of N(0, I): W2 at T inherits the n^{-1/2}-type "
              "rate of the initial empirical measures (stability of the continuity equation).")
     return StudyResult("dynamics", "Token dynamics: Transformers as PDEs", claims=claims, figures=figures,
-                       tables=["clusters.csv", "meanfield_w2.csv"], summary=summary, notes=notes)
+                       tables=["clusters.csv", "meanfield_w2.csv", *data], summary=summary, notes=notes)
 
 
-def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows) -> list[str]:
+def _plural(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")
+
+
+def _settled_since(times, counts) -> float:
+    """The first stored time from which the cluster count no longer changes."""
+    k = len(counts) - 1
+    while k > 0 and counts[k - 1] == counts[-1]:
+        k -= 1
+    return float(times[k])
+
+
+def _save_rescaled(out_dir, traj_p, traj_n, counts_p, lead_c, other_c) -> list[str]:
+    """What rescaled_clusters.png shows, next to it: both trajectories (.npz, meanfield.io.load_trajectory
+    reads them back) and the cluster counts at every stored time (CSV)."""
+    from meanfield.io import save_trajectory
+
+    rows = [{"experiment": "V=I", "coordinate": "y", "t": float(t), "clusters": int(c)}
+            for t, c in zip(traj_p.times.tolist(), counts_p)]
+    for coord, counts in (("y_1 (eigenvalue 1)", lead_c), ("y_2 (eigenvalue -1/2)", other_c)):
+        rows += [{"experiment": "V=diag(1,-1/2)", "coordinate": coord, "t": float(t), "clusters": int(c)}
+                 for t, c in zip(traj_n.times.tolist(), counts)]
+    write_csv(rows, out_dir / "rescaled_clusters.csv")
+    save_trajectory(traj_p, out_dir / "rescaled_polytope.npz",
+                    metadata={"what": "rescaled tokens y = exp(-tV) x, V = I, A = I (rescaled_clusters.png, left)"})
+    save_trajectory(traj_n, out_dir / "rescaled_leading.npz",
+                    metadata={"what": "rescaled tokens y = exp(-tV) x, V = diag(1, -1/2), A = I "
+                                      "(rescaled_clusters.png, middle)"})
+    return ["rescaled_clusters.csv", "rescaled_polytope.npz", "rescaled_leading.npz"]
+
+
+def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, counts_p, lead_c, other_c) -> list[str]:
     from scipy.spatial import ConvexHull
 
+    from meanfield.clustering import cluster_centers
+
     figs = []
-    fig, axes = P.figure(ncols=2, width=11.0, height=4.8)
+    fig, axes = P.figure(ncols=3, width=16.0, height=5.0)
     Y = traj_p.points.cpu().numpy()
     ax = axes[0]
     for i in range(Y.shape[1]):
@@ -336,16 +389,33 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows) -> 
         cyc = list(h.vertices) + [h.vertices[0]]
         ax.plot(ls.centers[cyc, 0], ls.centers[cyc, 1], "--", color=P.COLORS[3], lw=1, label="polytope")
     ax.set_aspect("equal")
-    P.finish(ax, "y_1", "y_2", "V = I: rescaled tokens -> polytope vertices", legend=False)
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower left", ncol=2)
+    P.finish(ax, "y_1", "y_2", f"V = I: rescaled tokens -> {ls.n_clusters} polytope vertices\n"
+             f"(theorem: the limits are vertices; n = {cfg['n_poly']})", legend=False)
     ax = axes[1]
     Z = traj_n.points.cpu().numpy()
     for i in range(Z.shape[1]):
         ax.plot(Z[:, i, 0], Z[:, i, 1], lw=0.7, color="0.6", label="trajectories" if i == 0 else None)
-    ax.scatter(Z[-1, :, 0], Z[-1, :, 1], s=12, color=P.COLORS[1], label="y(T)", zorder=3)
-    P.finish(ax, "y_1 (eigenvalue 1)", "y_2 (eigenvalue -1/2)", "V = diag(1, -1/2): at most three lines y_1 = c",
-             legend=False)
-    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=2)
+    ax.scatter(Z[0, :, 0], Z[0, :, 1], s=10, color=P.COLORS[0], label="y(0)")
+    ax.scatter(Z[-1, :, 0], Z[-1, :, 1], s=12, color=P.COLORS[1], label=f"y(T), T = {cfg['T_neg']:g}", zorder=3)
+    lines = np.sort(cluster_centers(traj_n.points[-1, :, :1], 1e-2)[0][:, 0])
+    for k, c in enumerate(lines):
+        ax.axvline(c, color=P.COLORS[1], lw=0.8, ls="--", label="lines y_1 = c at T" if k == 0 else None)
+    # y_2 grows like e^(t/2) while y_1 settles: a symmetric log scale shows both the start and the end
+    ax.set_yscale("symlog", linthresh=1.0)
+    P.finish(ax, "y_1 (eigenvalue 1)", "y_2 (eigenvalue -1/2), symmetric log scale",
+             f"V = diag(1, -1/2): y_1 ends on {_plural(len(lines), 'value')} at T\n"
+             "(theorem: at most 3 lines y_1 = c)", legend=False)
+    ax = axes[2]
+    P.measured(ax, traj_p.times.cpu().numpy(), counts_p, "V = I, tokens y", color=P.COLORS[3], ms=3)
+    P.measured(ax, traj_n.times.cpu().numpy(), lead_c, "V = diag(1, -1/2), along e_1", color=P.COLORS[1], ms=3)
+    P.measured(ax, traj_n.times.cpu().numpy(), other_c, "V = diag(1, -1/2), along e_2 (no theorem)",
+               color="0.5", ms=3, marker="s")
+    ax.axhline(3, color="k", lw=0.8, ls=":", label="theorem: at most 3 along e_1")
+    since = _settled_since(traj_n.times, lead_c)
+    P.finish(ax, "t", "number of clusters (single linkage, tol 1e-2)",
+             f"cluster counts: settled before T\n(along e_1: {lead_c[-1]} from t = {since:.2g}; V = I: {counts_p[-1]} "
+             f"from t = {_settled_since(traj_p.times, counts_p):.2g})", logy=True, legend=False)
+    P.figure_legend(fig, axes, ncol=5)
     figs.append(save_figure(fig, out_dir / "rescaled_clusters.png").name)
 
     fig, axes = P.figure(ncols=3, width=15.0, height=4.4)

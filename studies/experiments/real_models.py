@@ -52,7 +52,7 @@ from meanfield import hf as mhf
 from .. import models as hf
 from .. import pretrained
 from ..common import fit_groups
-from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register, shorten
 from ..io import is_output_error, write_csv, write_json
 from . import real_models_report as report
 
@@ -374,7 +374,10 @@ def _real_text_claim(label, mode, fits) -> Claim:
         agrees, "attention alone (W_O concat_h f_h + bias), the model's own mask, every sequence of every length; "
         "inconclusive when a CI straddles 0 or 0.5", kind=EMPIRICAL,
         fails_if="some layer's 95% CI lies entirely at or above 0.5 (as fast as the worst case) or at or below 0 "
-                 "(no growth)")
+                 "(no growth)",
+        short=shorten(f"{label} {mode}: real-text exponent in (0, 0.5), slower than sqrt(n)"),
+        short_measured=shorten(f"{len(inside)} of {len(own)} layers' CI inside (0, 0.5)"
+                               + "".join([f"; L{f['layer']}: {_ci(f)}" for f in own if f not in inside][:1])))
 
 
 def _witness_claim(label, mode, adv_fits, gamma_rows, n_max) -> Claim:
@@ -403,7 +406,11 @@ def _witness_claim(label, mode, adv_fits, gamma_rows, n_max) -> Claim:
                 "that does not grow with n and lowers the finite-n slope); heads with exp(2 gamma R^2) < 1000 n_max "
                 "left out", kind=EMPIRICAL,
         fails_if=f"the 95% CI of some layer's exponent lies more than {SQRT_BAND} away from Proposition 3.4's "
-                 "slope (the real layer does not grow like sqrt(n) at the witness)")
+                 "slope (the real layer does not grow like sqrt(n) at the witness)",
+        short=shorten(f"{label} {mode}: at Prop 3.4's witness the real layer grows like sqrt(n)"),
+        short_measured=shorten(f"{sum(ok(f) for f in top)} of {len(top)} layers agree"
+                               + "".join([f"; L{f['layer']}: {_ci(f)} vs {f['predicted_slope']:.2f}" for f in top
+                                          if not ok(f)][:1]) if top else "no head in the sqrt(n) regime"))
 
 
 def _gamma_claim(label, mode, gamma_rows, n_max) -> Claim:
@@ -419,7 +426,10 @@ def _gamma_claim(label, mode, gamma_rows, n_max) -> Claim:
         "max_h 2 gamma_h R^2 per layer: " + ", ".join(f"L{i}: {top[i]:.3g}" for i in layers)
         + (f"; median over every head {np.median([2 * r['gamma_R2'] for r in rows]):.3g}" if rows else ""),
         (not low) if rows else None, "R = mean radius of the layer's real inputs (every sequence measured)",
-        kind=EMPIRICAL, fails_if="at some layer every head has exp(2 gamma_h R^2) < 1000 n_max")
+        kind=EMPIRICAL, fails_if="at some layer every head has exp(2 gamma_h R^2) < 1000 n_max",
+        short=shorten(f"{label} {mode}: 2 gamma R^2 is large, so n << exp(2 gamma R^2)"),
+        short_measured=(f"smallest max_h 2 gamma_h R^2 over layers {min(top.values()):.3g} (needs {need:.1f})"
+                        if top else "no layer measured"))
 
 
 def _bound_claims(tables) -> list[Claim]:
@@ -442,7 +452,11 @@ def _bound_claims(tables) -> list[Claim]:
         "Lip / bound <= 1", f"{len(viol)} violations of {len(lip) + len(adv)}; " + "; ".join(where),
         not viol, "certified estimates: Lip - error bar compared with the bound; the ratio says how far from tight "
                   "the bound is on each input family (the witnesses come closest)", kind=THEOREM,
-        fails_if="some certified constant minus its error bar exceeds the layer's bound")]
+        fails_if="some certified constant minus its error bar exceeds the layer's bound",
+        short="Lemma 3.8: a real multi-head layer's Lip <= its bound",
+        short_measured=shorten(f"{len(viol)} of {len(lip) + len(adv)} above; max Lip / bound"
+                               + (f" {real['lip'] / real['upper']:.3g} on text" if real else "")
+                               + (f", {wit['lip_layer'] / wit['layer_upper']:.3g} at witnesses" if wit else "")))]
     heads = [r for r in adv if r["head_converged"]]
     if heads:
         low = [r for r in heads if r["lip_head"] + r["lip_head_error"] < r["lower"] * (1 - 1e-9)]
@@ -454,7 +468,9 @@ def _bound_claims(tables) -> list[Claim]:
             f"{len(low)} violations of {len(heads)}; Lip / lower in [{min(ratios):.4g}, {max(ratios):.4g}]",
             not low, "Lip + error bar compared with the bound (1e-9 relative); the ratio is the bound's tightness",
             kind=THEOREM, fails_if="the head's certified constant plus its error bar is below the lower bound at "
-                                   "some witness"))
+                                   "some witness",
+            short="Prop 3.4 at the witness of every measured real head",
+            short_measured=f"{len(low)} of {len(heads)} below; Lip / lower in [{min(ratios):.4g}, {max(ratios):.4g}]"))
     return claims
 
 
@@ -531,7 +547,9 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
                             "no trained model was measured: " + why, None,
                             "random-init exponents are in the tables, labelled, and are no evidence about trained "
                             "models", kind=EMPIRICAL,
-                            fails_if="a trained model's layer has a 95% CI at or above 0.5, or at or below 0"))
+                            fails_if="a trained model's layer has a 95% CI at or above 0.5, or at or below 0",
+                            short="a trained model's real-text exponent is in (0, 0.5)",
+                            short_measured="no trained model was measured"))
     notes = report.notes(measured, failed, why, corpus, g, tables, fits, adv_fits)
     summary = {"models": measured, "failed_models": failed, "why": why, "fits": fits, "adversarial_fits": adv_fits,
                "corpus": corpus}

@@ -34,7 +34,8 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--scheduler", default=None, metavar="ADDRESS",
                    help=f"dask scheduler address, e.g. tcp://10.0.0.1:8786 (default ${SCHEDULER_ENV})")
     g.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="skip tasks already stored (default); --no-resume recomputes everything")
+                   help="skip tasks already stored, and studies that finished in --out with the same code and "
+                        "settings (default); --no-resume recomputes everything")
     g.add_argument("--retries", type=int, default=2, metavar="K", help="extra attempts for a failing task (2)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                    help="show progress (a bar on a terminal, plain lines otherwise)")

@@ -50,6 +50,16 @@ def test_trajectory_round_trip(tmp_path, masked, rescale):
     assert read_header(tmp_path / "traj.npz")["metadata"] == {"layer": 3}
 
 
+def test_adaptive_trajectory_round_trip(tmp_path):
+    """An adaptive solver (dopri5) counts no fixed steps (steps is None): the file keeps that."""
+    pytest.importorskip("torchdiffeq")
+    traj = simulate(_att(), Measure.sphere(5, 2, seed=1), [0.0, 0.5, 1.0], method="dopri5", rescale=True)
+    assert traj.steps is None
+    back = load_trajectory(save_trajectory(traj, tmp_path / "t.npz"))
+    assert torch.equal(back.points, traj.points) and torch.equal(back.rescale_V, traj.rescale_V)
+    assert (back.method, back.nfev, back.steps) == ("dopri5", traj.nfev, None)
+
+
 def test_sphere_trajectory_float32_round_trip(tmp_path):
     mu = Measure.sphere(6, 3, seed=0, dtype=torch.float32)
     traj = simulate(IsotropicAttention(1.0, "USA"), mu, [0.0, 1.0], geometry="sphere", options={"steps": 4})

@@ -39,7 +39,7 @@ def test_help_and_version_from_a_fresh_process():
 
 
 def test_exit_codes_are_distinct():
-    assert len(set(EXIT_CODES)) == len(EXIT_CODES) == 7
+    assert len(set(EXIT_CODES)) == len(EXIT_CODES) == 8
     assert EXIT_USAGE not in (0, 1, 2) and EXIT_OUTPUT not in (0, 1, 2, EXIT_USAGE)
 
 

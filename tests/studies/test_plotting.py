@@ -46,6 +46,27 @@ def test_wide_log_axes_keep_their_decades():
     plt.close(fig)
 
 
+def test_a_curve_between_decade_labels_gets_a_label_where_it_lies():
+    """The masked study's panel: constants of 2 to 3 under a bound of 35 to 140, so matplotlib's only
+    labels are 10 and 100, a factor 3 or more above every measured value."""
+    fig, ax = P.figure()
+    n = np.array([4, 8, 16, 32, 64])
+    P.measured(ax, n, [2.0, 2.3, 2.2, 2.6, 2.9], "measured")
+    P.theory(ax, n, 35 * np.sqrt(n / 4), "bound")
+    P.finish(ax, "n", "constant", logx=True, logy=True, legend=False)
+    fig.canvas.draw()
+    assert any("no labelled tick on the log y axis" in p and "[2, 2.9]" in p for p in P.check_figure(fig))
+    P.finalize(fig)
+    fig.canvas.draw()
+    assert P.check_figure(fig) == []
+    lo, hi = sorted(ax.get_ylim())
+    labelled = [t.get_position()[1] for t in ax.yaxis.get_ticklabels() if t.get_text().strip()
+                and lo <= t.get_position()[1] <= hi]
+    assert any(1.0 <= t <= 5.8 for t in labelled), labelled      # within a factor 2 of [2, 2.9]
+    assert any(30 <= t <= 300 for t in labelled), labelled       # and the bound keeps its labels
+    plt.close(fig)
+
+
 def test_a_legend_over_the_data_is_found_and_moved_off_it():
     fig, ax = P.figure()
     x = np.linspace(0, 1, 50)

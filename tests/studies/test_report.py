@@ -14,7 +14,7 @@ from studies.context import RunContext
 from studies.contract import Claim, StudyResult, register
 from studies.grid import run_grid
 from studies.io import save_figure, write_csv
-from studies.report import reproduce
+from studies.report import claims_table, readme_excerpt, reproduce
 
 
 @pytest.fixture()
@@ -81,7 +81,7 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
     assert on_disk["studies"]["zz_fake_ok"]["summary"]["inf"] == "inf"   # strict JSON: no Infinity token
 
     md = (tmp_path / "report.md").read_text()
-    assert "| study | claim | kind | theory | measured | verdict |" in md
+    assert "| id | claim | kind | verdict | measured |" in md
     # every figure that exists is shown; a declared figure that is absent is not linked
     pngs = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
     assert pngs == ["zz_fake_ok/fig.png"]
@@ -89,40 +89,34 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
         assert f"]({p})" in md
     assert "missing.png" not in md
     assert "zz_fake_ok/data.csv" in md
-    # the failing study is in the table and its traceback in its section; pipes are escaped
-    assert re.search(r"\| zz_fake_fail \| study failed \|.*boom from the fake study.*\| \*\*failed\*\* \|", md)
-    assert "RuntimeError" in md
-    assert "| zz_fake_ok | a \\| pipe | theorem | b | c | **violated** |" in md
-    assert "| zz_fake_ok | an observation | empirical | o | p | **not reproduced** |" in md
-    assert "| zz_fake_ok | undecided | empirical | o | p | inconclusive |" in md
+    # the failing study is in the table and its traceback in its section; no cell needs an escape
+    assert re.search(r"\| zz_fake_fail \| study failed \|.*\| \*\*failed\*\* \|.*boom from the fake study", md)
+    assert "RuntimeError" in md and "\\|" not in md
+    assert "| zz_fake_ok-2 | a / pipe | theorem | **violated** | c |" in md
+    assert "| zz_fake_ok-3 | an observation | empirical | **not reproduced** | p |" in md
+    assert "| zz_fake_ok-4 | undecided | empirical | inconclusive | p |" in md
+    # the long texts are in the study's section, under the claim's id
+    assert "- **zz_fake_ok-2** *a | pipe* (theorem, violated). Theory: b. Measured: c. Detail. Fails if never." in md
     assert "Fails if x is not finite." in md
     assert "theorem claims: 1 hold, 1 violated; empirical claims: 0 reproduced, 1 not reproduced" in md
+    # the summary comes before the table, one line per claim to act on, with the next step
+    top = md[:md.index("## Claims")]
+    assert "**violated** `zz_fake_ok-2`: a / pipe. Measured: c. Next: a bug" in top
+    assert "**not reproduced** `zz_fake_ok-3`: an observation. Measured: p. Next: check it on the full grid: " \
+           "`meanfield zz_fake_ok --seed 3 --out runs/zz_fake_ok-full`" in top
+    assert "**inconclusive** `zz_fake_ok-4`: undecided. Measured: p. Next: run the full grid" in top
+    assert "**study failed** `zz_fake_fail`: RuntimeError: boom from the fake study." in top
+    # the README's copy: the same summary lines and table, read back from the run folder
+    excerpt = readme_excerpt(tmp_path)
+    assert excerpt.endswith(claims_table(summary)) and claims_table(summary) in md
+    assert [line for line in excerpt.splitlines() if line.startswith("- **")] == \
+        [line for line in top.splitlines() if line.startswith("- **")]
 
     # while the third study ran, the first two were already aggregated on disk
     assert set(seen["summary"]["studies"]) == {"zz_fake_ok", "zz_fake_fail"}
     assert seen["summary"]["running"] == "zz_fake_peek" and not seen["summary"]["complete"]
     assert "Not finished yet: zz_fake_peek" in seen["report"]
     assert "Not finished yet" not in md
-
-
-def test_a_study_killed_midway_leaves_the_others_aggregated(tmp_path):
-    @register("zz_a", "first", order=1000)
-    def first(out_dir, ctx):
-        return StudyResult("zz_a", "first", [Claim("ok", "t", "m", True, fails_if="f")])
-
-    @register("zz_b", "hangs", order=1001)
-    def hangs(out_dir, ctx):
-        raise KeyboardInterrupt   # what Ctrl-C (or a job's SIGINT) does in the middle of a study
-
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            reproduce(RunContext(tmp_path), only=["zz_a", "zz_b"])
-    finally:
-        contract.unregister("zz_a")
-        contract.unregister("zz_b")
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert list(summary["studies"]) == ["zz_a"] and summary["pending"] == ["zz_b"] and not summary["ok"]
-    assert "Not finished yet: zz_b" in (tmp_path / "report.md").read_text()
 
 
 def test_claims_say_their_kind_and_how_they_fail():
@@ -135,6 +129,29 @@ def test_claims_say_their_kind_and_how_they_fail():
     with pytest.raises(ValueError, match="agrees"):
         Claim("c", "t", "m", None, kind="theorem", fails_if="f")
     assert Claim("c", "t", "m", np.bool_(True), kind="empirical", fails_if="f").verdict == "reproduced"
+
+
+def test_claims_carry_short_forms_for_the_table():
+    with pytest.raises(ValueError, match="short: at most"):
+        Claim("c", "t", "m", True, fails_if="f", short="x" * (contract.SHORT_MAX + 1))
+    with pytest.raises(ValueError, match="short_measured"):
+        Claim("c", "t", "m", True, fails_if="f", short_measured="a | b")
+    with pytest.raises(TypeError, match="short"):
+        Claim("c", "t", "m", True, fails_if="f", short=3)
+    c = Claim("c", "t", "m", True, fails_if="f", short="s", short_measured="sm")
+    assert (c.to_dict()["short"], c.to_dict()["short_measured"]) == ("s", "sm")
+    # without them: the long texts, asides in parentheses dropped, the first clause of the measurement,
+    # norms as a character that needs no escape, cut at a word with an ellipsis
+    long = Claim("Theorem 3.7: Lip_(RX) -> ||V|| sqrt(max multiplicity) (Castin et al. 2024), random direction",
+                 "t", "3.08959 at R = 46.5 (docs/math.md section 5); more details; and more", True, fails_if="f")
+    assert long.short == "Theorem 3.7: Lip_(RX) -> ‖V‖ sqrt(max multiplicity), random direction"
+    assert long.short_measured == "3.08959 at R = 46.5"
+    math_kept = Claim("Lip <= ||W_O|| (sum_h bound_h^2)^{1/2} (Lemma 3.8, biases absorbed)", "t",
+                      "5 of 6 layers with 95% CI inside (0, 0.5); mean 0.25", True, fails_if="f")
+    assert math_kept.short == "Lip <= ‖W_O‖ (sum_h bound_h^2)^{1/2}"
+    assert math_kept.short_measured == "5 of 6 layers with 95% CI inside (0, 0.5)"
+    cut = contract.shorten("word " * 30)
+    assert cut.endswith("word…") and len(cut) <= contract.SHORT_MAX
 
 
 def test_same_seed_same_tables(tmp_path):

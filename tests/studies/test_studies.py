@@ -15,6 +15,7 @@ from scipy.optimize import linear_sum_assignment
 
 from studies import plotting
 from studies.context import RunContext
+from studies.contract import SHORT_MAX
 from studies.io import read_csv
 from studies.report import reproduce
 from tests.reference import dense_jacobian, dense_lipschitz, kim_l2_upper, naive_attention, naive_l2, prop34_lower
@@ -101,6 +102,10 @@ def test_every_claim_has_a_kind_and_a_failure_condition(run):
     _, summary = run
     claims = [(n, c) for n in MINE for c in summary["studies"][n]["claims"]]
     assert len(claims) == 38 and all(c["fails_if"] for _, c in claims)
+    # each carries its own short forms for the claims table: one line, no '|', never cut short by the fallback
+    for n, c in claims:
+        for key in ("short", "short_measured"):
+            assert 0 < len(c[key]) <= SHORT_MAX and "|" not in c[key] and not c[key].endswith("…"), (n, key, c[key])
     empirical = [(n, c["claim"].split(" ")[0]) for n, c in claims if c["kind"] == "empirical"]
     assert empirical == [("mean_field", "the"), ("mass_splitting", "splitting"), ("discrete_vs_meanfield", "the"),
                          ("discrete_vs_meanfield", "local"), ("discrete_vs_meanfield", "Lipschitz"),
