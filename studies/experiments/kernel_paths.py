@@ -194,8 +194,8 @@ def forward_claim(rows: list[dict], path: str) -> Claim:
                       "is_causal, an explicit boolean mask",
              "stream": "tiles with an online softmax (running max and sum rescaled tile by tile), masks per tile"}[path]
     return Claim(
-        f"the {path} path of the attention kernel computes the dense kernel's map (forward passes at sizes where "
-        f"auto takes it: {where})",
+        f"the {'streamed' if path == 'stream' else path} path of the attention kernel computes the dense kernel's map "
+        f"(forward passes at sizes where auto takes it: {where})",
         f"max |out - out_dense| / max |out_dense| <= {TOL:g}",
         (f"{len(off)} of {len(sel)} cases off; " if sel else "no case; ") + _cases_text(sel)
         + (f"; auto took another path: {', '.join(r['case'] + ' -> ' + r['path'] for r in wrong_path)}"
