@@ -92,23 +92,35 @@ class LayerBound:
     constants and are dropped. ``operator_upper`` does this with d x d matrices and costs seconds per call;
     here the norm is that of a k x (d + 1) matrix, ``scale ||L^T [Q_h, b_Q / t]||`` with K_h K_h^T = L L^T,
     tabulated once on a grid of t (any t > 0 gives a valid bound, so the grid's minimum is one; it lies
-    within 1e-3 of the exact minimum). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only through
+    within 1e-3 of the exact minimum, relative). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only through
     their spectral norms: 1 x 1 matrices carrying those norms feed the framework's own formulas.
     """
 
-    LOG_T = np.linspace(math.log(1e-3), math.log(1e3), 801)
+    LOG_T = np.linspace(math.log(1e-3), math.log(1e3), 241)
 
     def __init__(self, p: mhf.LayerParameters):
         Q, K, bQ = p.Q.double().cpu(), p.K.double().cpu(), p.b_Q.double().cpu()
         L = torch.linalg.cholesky(K @ K.transpose(-1, -2))                  # (H, k, k)
         M = p.scale * L.transpose(-1, -2) @ Q                               # (H, k, d)
-        w = p.scale * (L.transpose(-1, -2) @ bQ[..., None])                 # (H, k, 1)
-        G = M @ M.transpose(-1, -2)
-        ww = w @ w.transpose(-1, -2)
-        t2 = torch.tensor(np.exp(2 * self.LOG_T), dtype=torch.float64)
-        top = torch.linalg.eigvalsh(G[:, None] + ww[:, None] / t2[None, :, None, None])[..., -1]
-        self.norm_t = top.clamp(min=0).sqrt().numpy()                       # (H, T): ||[A_h, c_h / t]||_2
-        self.t2 = t2.numpy()
+        w = p.scale * (L.transpose(-1, -2) @ bQ[..., None])[..., 0]         # (H, k)
+        lam, U = torch.linalg.eigh(M @ M.transpose(-1, -2))                 # M M^T = U diag(lam) U^T
+        lam = lam.clamp(min=0).numpy()[:, None, :]                          # (H, 1, k)
+        z2 = ((U.transpose(-1, -2) @ w[..., None])[..., 0] ** 2).numpy()    # (H, k)
+        self.t2 = np.exp(2 * self.LOG_T)
+        c2 = z2[:, None, :] / self.t2[None, :, None]                        # (H, T, k): (U^T c_h / t)^2
+        # ||[A_h, c_h / t]||_2^2 = lambda_max(M M^T + w w^T / t^2): the root above lam_max of the secular
+        # equation 1 + sum_i c2_i / (lam_i - x) = 0 (a rank-one update, as in bounds.absorb_key_bias), by
+        # bisection for every head and t at once
+        lo = np.broadcast_to(lam.max(axis=-1), c2.shape[:2]).copy()
+        hi = lo + c2.sum(axis=-1)
+        gap = np.empty_like(c2)
+        for _ in range(64):   # the bracket shrinks 2^64-fold: far below float64 rounding of the root
+            mid = 0.5 * (lo + hi)
+            np.subtract(lam, mid[..., None], out=gap)
+            terms = np.divide(c2, gap, out=np.zeros_like(c2), where=c2 > 0)
+            below = 1.0 + terms.sum(axis=-1) < 0
+            lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+        self.norm_t = np.sqrt(hi)                                           # (H, T): ||[A_h, c_h / t]||_2
         self.v = torch.linalg.matrix_norm(p.V.double().cpu(), 2).numpy()    # ||V_h||_2, b_V dropped
         self.w_norm = float(torch.linalg.matrix_norm(p.W_O.double().cpu(), 2))
 
