@@ -77,6 +77,7 @@ STUDY_MODULES = [
     "studies.experiments.masked",
     "studies.experiments.mass_splitting",
     "studies.experiments.discrete_vs_meanfield",
+    "studies.experiments.kernel_paths",
     "studies.experiments.l2_attention",
     "studies.experiments.dynamics",
     "studies.experiments.real_models",

@@ -10,9 +10,11 @@ The layers themselves become operators in :mod:`meanfield.hf` (``HFAttention``, 
   safetensors only (pickles on request), never ``trust_remote_code``, float64 by default, in
   eval mode. :func:`load_tokenizer` gives the checkpoint's own tokenizer and refuses a folder
   without tokenizer files. Pretrained weights shipped as a package: :mod:`studies.pretrained`.
-* text: :func:`default_corpus` (English prose that ships with Python: docstrings of a fixed list
-  of standard-library modules), :func:`read_text`, and :class:`HashTokenizer`, a deterministic
-  word-level tokenizer for randomly initialized models (it downloads nothing); :func:`encode`.
+* text: :func:`default_corpus` (English prose from the docstrings of a fixed list of Python
+  3.11.7's standard-library modules, shipped as package data so that every Python version reads the
+  same text; :func:`build_python_corpus` rebuilt it), :func:`read_text` (a user's own text), and
+  :class:`HashTokenizer`, a deterministic word-level tokenizer for randomly initialized models (it
+  downloads nothing); :func:`encode`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from particles.validation import check_bool
 
 __all__ = ["random_model", "tiny_config", "load_model", "check_checkpoint", "check_safetensors", "load_tokenizer",
            "tokenizer_files", "TOKENIZER_FILES",
-           "HashTokenizer", "default_corpus", "CORPUS_SOURCES", "read_text", "encode", "ModelNotAvailableError",
+           "HashTokenizer", "default_corpus", "build_python_corpus", "CORPUS_SOURCES", "CORPUS_FILE",
+           "CORPUS_NOTICE", "CORPUS_PYTHON", "CORPUS_SHA256", "read_text", "encode", "ModelNotAvailableError",
            "KINDS"]
 
 
@@ -374,6 +377,14 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
 
 
 # ---------------------------------------------------------------------- text
+#: the default corpus, shipped with the package: prose of Python docstrings, pinned so that two Python
+#: versions measure the same tokens (its source and the PSF license: CORPUS_NOTICE)
+CORPUS_FILE = Path(__file__).resolve().parent / "data" / "python_docstrings.txt"
+CORPUS_NOTICE = CORPUS_FILE.with_name("python_docstrings.NOTICE.txt")
+#: the Python release whose docstrings the shipped corpus holds, and the corpus's SHA-256 (UTF-8)
+CORPUS_PYTHON = "3.11.7"
+CORPUS_SHA256 = "e0aaab8d8bd6e6efe0a0db72bf130d10f9bbf4819e6a5da5a5cd20a1d099af83"
+
 # Fixed order; (module, attribute). Docstrings are English prose written by Python's authors.
 CORPUS_SOURCES: tuple[tuple[str, str], ...] = (
     ("heapq", "__about__"), ("copy", "__doc__"), ("sched", "__doc__"), ("tempfile", "__doc__"),
@@ -398,12 +409,12 @@ def _is_prose(paragraph: str) -> bool:
     return len(words) >= 8 and letters >= 0.85 * len(paragraph)
 
 
-def default_corpus() -> str:
-    """English prose that ships with Python: the prose paragraphs of the docstrings of the
-    standard-library modules in :data:`CORPUS_SOURCES`, in that order, joined by blank lines.
+def build_python_corpus() -> str:
+    """The prose paragraphs of the docstrings of the standard-library modules in :data:`CORPUS_SOURCES`,
+    in that order, joined by blank lines, from the running Python.
 
-    Fixed for a given Python version (the docstrings are part of the interpreter), so runs are
-    offline and deterministic; a study records its SHA-256 in its configuration.
+    This is how :data:`CORPUS_FILE` was built (with Python :data:`CORPUS_PYTHON`); the docstrings change
+    with the Python version, so the studies read the shipped file (:func:`default_corpus`), not this.
     """
     paras = []
     for mod, attr in CORPUS_SOURCES:
@@ -413,6 +424,25 @@ def default_corpus() -> str:
             if _is_prose(p):
                 paras.append(" ".join(p.split()))
     return "\n\n".join(paras)
+
+
+def default_corpus() -> str:
+    """The real-model studies' default text: English prose from the docstrings of Python
+    :data:`CORPUS_PYTHON`'s standard library (:func:`build_python_corpus`), shipped with the package
+    as :data:`CORPUS_FILE` (its source and the PSF license in :data:`CORPUS_NOTICE`).
+
+    The same tokens under every Python version, offline; a study records its SHA-256 in its
+    configuration. A file whose hash is not :data:`CORPUS_SHA256` (a damaged installation) is an error.
+    """
+    try:
+        data = CORPUS_FILE.read_bytes()
+    except OSError as exc:
+        raise FileNotFoundError(f"the packaged corpus {CORPUS_FILE} cannot be read ({exc}); reinstall the package "
+                                "or give a text (--text FILE)") from exc
+    if hashlib.sha256(data).hexdigest() != CORPUS_SHA256:
+        raise ValueError(f"the packaged corpus {CORPUS_FILE} is damaged (its SHA-256 is not {CORPUS_SHA256[:12]}...); "
+                         "reinstall the package or give a text (--text FILE)")
+    return data.decode("utf-8")
 
 
 def read_text(text: str | None = None, path: str | os.PathLike | None = None) -> str:

@@ -6,6 +6,7 @@ large_radius           Theorems 3.7 / 4.5: the limit at large radius
 masked                 Definition 2.6 and Theorem 4.4: masked measures and the conditional W2
 mass_splitting         split vs unsplit weighted constants
 discrete_vs_meanfield  Lemma 3.2 and convergence in n
+kernel_paths           the attention kernel's fused and streamed paths against the dense kernel
 l2_attention           dot-product vs L2 attention (Kim et al. 2021)
 dynamics               token dynamics: Transformers as PDEs
 real_models            BERT and GPT-2 attention layers on real text

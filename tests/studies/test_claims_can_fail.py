@@ -192,3 +192,136 @@ def test_meanfield_claim_verdicts():
 def test_witness_tolerance_is_the_order_of_the_neglected_terms():
     assert witness_tolerance(1.0, 3.0) == pytest.approx(2 * math.exp(-18) * 100)
     assert witness_tolerance(1.0, 100.0) == 1e-9
+
+
+# ---------------------------------------------------------------------- the kernel's fused and streamed paths
+def _mutant(monkeypatch, module, name, old, new):
+    """Replace ``module.name`` by the same function with one mistake (``old`` -> ``new`` in its source),
+    compiled in the module's namespace, so that every caller in the module runs the mistake."""
+    import inspect
+    import textwrap
+
+    src = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert src.count(old) == 1, f"{name}: the line to mutate ({old!r}) is not in its source once"
+    scope: dict = {}
+    exec(compile(src.replace(old, new), f"<mutant of {module.__name__}.{name}>", "exec"), module.__dict__, scope)
+    monkeypatch.setattr(module, name, scope[name])
+
+
+def _kernel_claims(cases, lipschitz=False):
+    """The three kernel-path claims on some cases (the certified constants only on request: a wrong JVP makes
+    Lanczos run to its iteration cap, and the products alone already decide)."""
+    from studies.experiments import kernel_paths as kp
+
+    rows = [kp.case_task(c, 0, lipschitz) for c in cases]
+    return {"fused": kp.forward_claim(rows, "fused"), "stream": kp.forward_claim(rows, "stream"),
+            "derivatives": kp.derivative_claim(rows)}
+
+
+_FWD_FUSED = ["weighted measure", "causal sequence", "weighted causal atoms", "masked measure"]
+_FWD_STREAM = ["masked measure, large"]
+
+
+def test_kernel_path_claims_hold_on_the_kernel_as_written():
+    claims = _kernel_claims(_FWD_FUSED + _FWD_STREAM + ["d weighted measure", "d masked measure",
+                                                          "d weighted causal atoms"])
+    assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
+
+
+# (function of meanfield.streaming, line as written, the mistake, cases that must see it, claim that must fail)
+_KERNEL_MISTAKES = {
+    "tile mask includes the diagonal's neighbours": (
+        "_score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa", _FWD_STREAM, "stream"),
+    "tile mask in the streamed derivatives": (
+        "_score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa", ["d masked measure"], "derivatives"),
+    "tiles drop the log-weights": (
+        "_score_tile", "s += lwT[:, :, j0:j1]", "s += 0 * lwT[:, :, j0:j1]", _FWD_STREAM, "stream"),
+    "online softmax does not rescale the accumulated values": (
+        "_forward_tiles", "acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])",
+        "acc = torch.baddbmm(acc, p, v[:, j0:j1])", _FWD_STREAM, "stream"),
+    "online softmax does not rescale the running sum": (
+        "_forward_tiles", "run_sum.mul_(alpha).add_(", "run_sum.add_(", ["d masked measure"], "derivatives"),
+    "JVP without the mean term": (
+        "_jvp_tiles", "d_out.sub_(d_lse.unsqueeze(-1) * out)", "d_out", ["d weighted measure"], "derivatives"),
+    "VJP tiles without the row term": (
+        "_backward_tiles", "torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1])", "torch.bmm(go, vT[:, :, j0:j1])",
+        ["d masked measure"], "derivatives"),
+    "flash path drops the log-weights": (
+        "_flash_layout", "mask = lw[:, None, None, :]", "mask = None", ["d weighted measure"], "derivatives"),
+    "fused path drops the log-weights": (
+        "fused_attend", "mask = lw.unsqueeze(-2)", "mask = None", ["weighted measure"], "fused"),
+    "fused path forgets the causal mask": (
+        "fused_attend", "is_causal=causal", "is_causal=False", ["causal sequence", "weighted causal atoms"], "fused"),
+}
+
+
+@pytest.mark.parametrize("mistake", list(_KERNEL_MISTAKES))
+def test_kernel_path_claims_fail_on_a_wrong_kernel(monkeypatch, mistake):
+    """One mistake in the fused or streamed path (a mask, a log-weight, the online softmax's rescaling, the
+    JVP, the VJP) flips the claim of the path it is on, at the study's own sizes."""
+    from meanfield import streaming
+
+    name, old, new, cases, claim = _KERNEL_MISTAKES[mistake]
+    _mutant(monkeypatch, streaming, name, old, new)
+    assert not _kernel_claims(cases)[claim].agrees
+
+
+def test_kernel_path_claims_fail_when_auto_takes_another_path(monkeypatch):
+    """Thresholds moved so that auto stays dense: the claims would test nothing, and say so by failing."""
+    from meanfield import kernels
+
+    monkeypatch.setattr(kernels, "FUSED_THRESHOLD", 2**20)
+    monkeypatch.setattr(kernels, "STREAM_THRESHOLD", 2**20)
+    claims = _kernel_claims(["weighted measure", "d weighted measure"])
+    assert not claims["fused"].agrees and not claims["derivatives"].agrees
+    assert "auto took another path" in claims["fused"].measured
+
+
+# ------------------------------------------------------------- real layers (studies.experiments.real_models)
+def _head_rows(R, ns, gamma=1.0):
+    """The real_models study's rows of Proposition 3.4's head check, from dense Jacobians of A_MIN's witness."""
+    return [{"n": r["n"], "lip_head": r["lip"], "lip_head_error": 0.0, "head_converged": True, "lower": r["lower"],
+             "witness_factor": r["witness_factor"], "gamma": gamma, "R": R, "gamma_R2": gamma * R * R}
+            for r in _witness_rows(R, ns)]
+
+
+@pytest.mark.parametrize("R", [math.sqrt(math.log(1e4) / 2), 4.0])   # exp(2 gamma R^2) = 1e4, and 2 gamma R^2 = 32
+def test_real_head_witness_claim_fails_for_a_wrong_bound_or_witness(R):
+    from studies.experiments.real_models import head_witness_claim
+
+    rows = _head_rows(R, [2, 4, 8, 16, 32, 64])
+    claim = head_witness_claim(rows)
+    assert claim.agrees, claim.measured
+    for factor in (0.5, 2 ** -0.5):   # a bound too small by 2 or sqrt(2): "Lip >= bound" still holds
+        wrong = [{**r, "lower": factor * r["lower"]} for r in rows]
+        assert all(r["lip_head"] >= r["lower"] for r in wrong)
+        assert not head_witness_claim(wrong).agrees
+    assert not head_witness_claim([{**r, "lip_head": 1.05 * r["lip_head"]} for r in rows]).agrees
+    assert not head_witness_claim([{**r, "lower": 1.01 * r["lip_head"]} for r in rows]).agrees   # bound violated
+    if R == 4.0:   # deep in the regime: the lower bound is sqrt(n - 1) and attained; the claim says why
+        assert "Lip / lower = 1 because 2 gamma R^2 >= 32" in claim.measured
+
+
+def test_lemma38_claim_fails_exactly_beyond_its_reported_slack():
+    """A tiny random BERT layer: the certified constant is the dense Jacobian's top singular value of the layer
+    rewritten from raw weights, the bound the study's. The claim holds, reports the slack bound / Lip, and fails
+    for a bound smaller than the constant, i.e. wrong by more than the slack (and only then)."""
+    from meanfield import hf as mhf
+    from studies import models as hf
+    from studies.experiments.real_models import LayerBound, lemma38_claim
+    from tests.meanfield.test_hf import dense_lipschitz as dense_layer
+    from tests.meanfield.test_hf import reimplementation
+
+    model = hf.random_model("bert", size="tiny", seed=2)
+    ids = hf.encode(hf.HashTokenizer(model.config.vocab_size), hf.default_corpus(), 8)
+    X = mhf.capture_attention_inputs(model, ids, [1])[1]
+    lip = dense_layer(reimplementation(model, 1, False), X)
+    bound = LayerBound(mhf.extract_layer(model, 1))(float(X.norm(dim=1).max()), 8)
+    row = {"model": "M", "mode": "encoder", "layer": 1, "map": "attention", "n": 8, "lip": lip, "lip_error": 0.0,
+           "upper": bound, "upper_t1": 1.5 * bound}
+    tables = {"lipschitz": [row], "adversarial": []}
+    claim = lemma38_claim(tables)
+    slack = bound / lip
+    assert claim.agrees and f"slack (bound / Lip) >= {slack:.3g}" in claim.measured and slack > 1
+    assert lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (0.99 * slack)}]}).agrees
+    assert not lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (1.01 * slack)}]}).agrees

@@ -55,10 +55,7 @@ def test_default_corpus_is_fixed_english_prose():
     assert len(words) > 1500
     common = sum(w in {"the", "of", "and", "to", "a", "is", "in", "that", "it", "be"} for w in words)
     assert common / len(words) > 0.15  # English prose: about a quarter of words are these
-    # first paragraph of the first source, as Python ships it
-    import heapq
-    first = " ".join(heapq.__about__.split("\n\n")[2].split())
-    assert text.startswith(first)
+    assert text.startswith("Heaps are arrays for which a[k] <= a[2*k+1] and a[k] <= a[2*k+2] for all k")
     assert "The strange invariant above is meant to be an efficient memory representation for a tournament." in text
     assert ">>>" not in text
     assert hf.read_text() == text
@@ -67,6 +64,45 @@ def test_default_corpus_is_fixed_english_prose():
         hf.read_text("  ")
     with pytest.raises(ValueError, match="path"):
         hf.read_text(path="/nonexistent/file.txt")
+
+
+def test_default_corpus_is_pinned_package_data_with_its_source_and_license():
+    """The corpus is a file of the package (the same tokens under every Python version), its hash is the
+    recorded one, pyproject's package-data ships it with its notice, and the notice names the source,
+    the Python release and the PSF license."""
+    import fnmatch
+    import re
+    from pathlib import Path
+
+    data = hf.CORPUS_FILE.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == hf.CORPUS_SHA256
+    assert hf.default_corpus() == data.decode("utf-8")
+    root = Path(__file__).resolve().parents[2]
+    table = (root / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1].split("\n[")[0]
+    globs = re.findall(r'"([^"]+)"', re.search(r"^studies\s*=\s*\[(.*?)\]", table, re.M | re.S).group(1))
+    for f in (hf.CORPUS_FILE, hf.CORPUS_NOTICE):
+        rel = f.relative_to(root / "studies").as_posix()
+        assert any(fnmatch.fnmatch(rel, g) for g in globs), f"{rel} is not package data of studies"
+    notice = hf.CORPUS_NOTICE.read_text(encoding="utf-8")
+    for must in (f"Python {hf.CORPUS_PYTHON}", hf.CORPUS_SHA256, "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2",
+                 "Copyright (c) 2001", *(f"{m}.{a}" for m, a in hf.CORPUS_SOURCES)):
+        assert must in " ".join(notice.split()), must
+
+
+@pytest.mark.skipif(sys.version.split()[0] != hf.CORPUS_PYTHON, reason="the docstrings differ in other Python versions")
+def test_shipped_corpus_is_what_its_python_version_builds():
+    assert hf.build_python_corpus() == hf.default_corpus()
+
+
+def test_a_damaged_corpus_is_an_error_not_another_text(tmp_path, monkeypatch):
+    bad = tmp_path / "python_docstrings.txt"
+    bad.write_bytes(hf.CORPUS_FILE.read_bytes()[:-10])
+    monkeypatch.setattr(hf, "CORPUS_FILE", bad)
+    with pytest.raises(ValueError, match="damaged"):
+        hf.default_corpus()
+    monkeypatch.setattr(hf, "CORPUS_FILE", tmp_path / "missing.txt")
+    with pytest.raises(FileNotFoundError, match="--text"):
+        hf.default_corpus()
 
 
 def test_offline_hub_name_fails_fast_and_clearly(monkeypatch, tmp_path):

@@ -96,12 +96,17 @@ def test_lipschitz_rows_against_dense_jacobian_of_reimplementation(run):
 
 
 def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
+    """``upper`` is the best bound the framework knows (meanfield.bounds.operator_upper, whose key-bias lift
+    is optimized on the dense d x d matrices); ``upper_t1`` the t = 1 lift with b_V, on explicitly augmented
+    matrices."""
     from meanfield import bounds
 
     out, _, models = run
     rows = [r for r in read_csv(out / "lipschitz.csv") if r["n"] == 16 and r["rep"] == 0 and r["map"] == "attention"]
+    adv = [r for r in read_csv(out / "adversarial.csv") if r["n"] == 32]
     for r in rows[:4]:
-        p = mhf.extract_layer(_model(models, r), r["layer"])
+        model = _model(models, r)
+        p = mhf.extract_layer(model, r["layer"])
         d = p.Q.shape[-1]
         heads = []
         for h in range(p.num_heads):
@@ -110,7 +115,14 @@ def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
             A[:d, d] = p.scale * p.K[h].T @ p.b_Q[h]
             V = torch.cat([p.V[h], p.b_V[h][:, None]], 1)
             heads.append(bounds.sqrt_n_upper(A, V, math.sqrt(r["r_max"] ** 2 + 1), r["n"]))
-        assert r["upper"] == pytest.approx(bounds.multihead_upper(heads, p.W_O), rel=1e-9)
+        assert r["upper_t1"] == pytest.approx(bounds.multihead_upper(heads, p.W_O), rel=1e-9)
+        best = bounds.operator_upper(mhf.HFAttention.from_model(model, r["layer"]), r["r_max"], r["n"]).value
+        assert best * (1 - 1e-9) <= r["upper"] <= best * (1 + 1e-6)
+        assert r["upper"] <= r["upper_t1"] * (1 + 1e-9)
+    for r in adv[:3]:
+        op = mhf.HFAttention.from_model(_model(models, r), r["layer"])
+        best = bounds.operator_upper(op, r["R"], r["n"]).value
+        assert best * (1 - 1e-9) <= r["layer_upper"] <= best * (1 + 1e-6)
 
 
 def test_gamma_rows_against_full_eigendecomposition(run):
@@ -246,24 +258,79 @@ def test_real_text_claim_verdicts(slopes, verdict):
     assert c.kind == "empirical" and c.verdict == verdict
 
 
+def _map_rows(diff, noise, seed=0):
+    """lipschitz rows of two maps over 5 lengths x 2 sequences: Lip(block) = Lip(attention) n^diff e^(noise z)."""
+    g = np.random.default_rng(seed)
+    rows = []
+    for layer, dl in enumerate(diff):
+        for n in (16, 32, 64, 128, 256):
+            for rep in range(2):
+                a = 3.0 * n ** 0.25 * math.exp(0.1 * g.normal())
+                b = a * n ** dl * math.exp(noise * g.normal())
+                rows += [{"model": "M", "mode": "encoder", "layer": layer, "n": n, "rep": rep, "map": m, "lip": v,
+                          "converged": True} for m, v in (("attention", a), ("block", b))]
+    return rows
+
+
+@pytest.mark.parametrize("diff,noise,verdict", [
+    ([0.0, -0.07], 0.01, "reproduced"),        # one layer's block grows 0.07 slower: told apart
+    ([0.0, 0.0], 0.0, "not reproduced"),       # the block is the attention (a block flag ignored)
+    ([0.0, 0.0], 0.002, "not reproduced"),     # the same growth to within 0.02 at every layer
+    ([0.0, 0.01], 0.2, "inconclusive"),        # too noisy to tell
+])
+def test_maps_claim_verdicts(diff, noise, verdict):
+    """The claim that tells the block from the attention: the paired exponent of their ratio."""
+    rows = _map_rows(diff, noise)
+    c = rm._maps_claim("M", "encoder", rows)
+    assert c.kind == "empirical" and c.verdict == verdict, c.measured
+    fits = rm.map_difference_fits(rows)
+    for f in fits:   # against a numpy fit of log(block / attention) on log n
+        sel = [r for r in rows if r["layer"] == f["layer"]]
+        x = [math.log(r["n"]) for r in sel if r["map"] == "attention"]
+        y = [math.log(b["lip"] / a["lip"]) for a, b in zip(sel[0::2], sel[1::2])]
+        assert f["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], abs=1e-12)
+
+
+def test_maps_claim_fails_when_the_study_measures_one_map_twice(monkeypatch):
+    """A wrong implementation: the block flag ignored, so the study's "block" is the attention alone."""
+    calls = []
+    original = mhf.HFAttention.from_model.__func__
+
+    def attention_only(cls, model, layer, *, block=False, **kw):
+        calls.append(block)
+        return original(cls, model, layer, block=False, **kw)
+
+    monkeypatch.setattr(mhf.HFAttention, "from_model", classmethod(attention_only))
+    model = hf.random_model("bert", size="tiny", seed=0)
+    res = rm.analyze_model("M", model, hf.HashTokenizer(model.config.vocab_size), hf.default_corpus(), layers=[1],
+                           ns=[4, 8, 16], reps=2, adv_ns=[4])
+    assert True in calls
+    assert rm._maps_claim("M", "encoder", res["lipschitz"]).verdict == "not reproduced"
+
+
 @pytest.mark.parametrize("case,verdict", [
     ([(0.49, 0.02), (0.52, 0.01)], "reproduced"),
     ([(0.49, 0.02), (0.30, 0.05)], "not reproduced"),     # one layer's CI ends 0.10 below the prediction
-    ([(0.49, 0.02), (0.43, 0.02)], "reproduced"),         # within the stated band of 0.05
+    ([(0.49, 0.02), (0.43, 0.02)], "inconclusive"),       # [0.41, 0.45] straddles the band's edge 0.45
+    ([(0.49, 0.02), (0.16, 0.52)], "inconclusive"),       # [-0.36, 0.68]: neither agrees nor disagrees
+    ([(0.16, 0.52), (0.30, 0.05)], "not reproduced"),     # one inconclusive, one disagreeing layer
     ([], "inconclusive")])
 def test_witness_claim_verdicts(case, verdict):
     g2 = 0.5 * math.log(rm.REGIME_FACTOR * 512) + 1
     fits = [_fit(s, h, model="M", mode="encoder", layer=i, head=0, head_rank=0, radius="real", range="tail",
-                 gamma_R2=g2, predicted_slope=0.50) for i, (s, h) in enumerate(case)]
+                 gamma_R2=g2, predicted_slope=0.50, points=7) for i, (s, h) in enumerate(case)]
     # a head outside the sqrt(n) regime (theory predicts no sqrt(n) growth there) and another head: not the verdict
     fits += [_fit(0.0, 0.01, model="M", mode="encoder", layer=0, head=1, head_rank=0, radius="real", range="tail",
-                  gamma_R2=1.0, predicted_slope=0.50)]
+                  gamma_R2=1.0, predicted_slope=0.50, points=7)]
     fits += [_fit(0.1, 0.01, model="M", mode="encoder", layer=0, head=2, head_rank=1, radius="real", range="tail",
-                  gamma_R2=g2, predicted_slope=0.50)]
+                  gamma_R2=g2, predicted_slope=0.50, points=7)]
     c = rm._witness_claim("M", "encoder", fits, [], 512)
     assert c.kind == "empirical" and c.verdict == verdict
     if case:
-        assert "all heads in the regime" in c.measured
+        assert "every head in the regime" in c.measured
+        for i, (s, h) in enumerate(case):   # one verdict per layer, named
+            v = rm.witness_verdict(fits[i])
+            assert f"L{i} h0: {s:.2f} [{s - h:.2f}, {s + h:.2f}] vs 0.500 ({v})" in c.measured
 
 
 def test_gamma_claim_verdicts():
@@ -312,7 +379,7 @@ def test_checkpoints_one_failing_one_with_its_own_tokenizer(tmp_path):
     assert "Failed models" in res.notes and "gpt2-no-tokenizer" in res.notes
     assert res.summary["failed_models"] == info["failed"]
     assert {r["model"] for r in read_csv(out / "lipschitz.csv")} == {"GPT-2 (random)", "my-gpt2"}
-    assert [c.claim.split(":")[0] for c in res.claims if c.kind == "empirical"] == ["my-gpt2 decoder"] * 3
+    assert [c.claim.split(":")[0] for c in res.claims if c.kind == "empirical"] == ["my-gpt2 decoder"] * 4
     assert res.claims[0].verdict == "holds"
 
 

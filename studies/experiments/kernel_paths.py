@@ -1,0 +1,282 @@
+"""Study: the attention kernel's fused and streamed paths compute the dense kernel's map and Jacobian.
+
+Every operator computes through :func:`meanfield.kernels.attend`, whose ``method="auto"`` picks a
+dense, fused or streamed path by size, mask and whether derivatives are needed
+(:func:`meanfield.kernels.choose`). The other studies run at sizes where most calls stay dense, so a
+mistake in the fused or streamed path (a mask entry, the log-weights, the online softmax's
+rescaling, the analytic JVP / VJP) would change none of their numbers. This study measures the same
+quantities at sizes where ``auto`` takes each of those paths, once by that path and once by the
+dense path (``kernels.use("dense")``, the plain log-sum-exp softmax and autograd: the ground truth):
+
+* forward passes (the pushforward F(mu) or the sequence map f(X)): the fused path on a weighted
+  measure (log-weights as a mask row), on a causal sequence (``is_causal``), on a weighted causal
+  sequence of atoms (log-weights as an extra key coordinate) and on a masked measure with arbitrary
+  positions (an explicit boolean mask); the streamed path on a masked measure above the fused
+  path's mask range (the online softmax over 9 x 9 tiles, Python tiles);
+* derivatives (an input requires grad, so ``auto`` streams above :data:`~meanfield.kernels.STREAM_THRESHOLD`
+  score entries): the Jacobian product J u (forward-mode AD: the streamed analytic JVP), J^T w
+  (the streamed VJP) and the certified local constant (Lemma C.5, Lanczos with reverse-over-reverse
+  products) on a weighted measure, a weighted causal sequence of atoms and a masked measure with
+  arbitrary positions, each with two key tiles so that the online softmax rescales.
+
+The sizes are set by the kernel's thresholds, not by the level: they are the same at every level.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import plotting as P
+from ..common import random_A, random_V, to_device
+from ..contract import THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
+from ..io import save_figure, write_csv
+
+__all__ = ["kernel_paths", "case_task", "CASES", "grid", "forward_claim", "derivative_claim", "TOL"]
+
+#: relative tolerance of the agreement: two float64 evaluations of one map that sum in another order
+#: differ by about 1e-15 relative; one wrong mask entry, log-weight or rescaling moves them by far more
+TOL = 1e-10
+#: the Lanczos tolerance of the certified constants compared (relative), and its iteration cap: the
+#: dense path converges in about 12 iterations here; a wrong JVP or VJP (J^T not the transpose of J) stops
+#: at the cap, not converged, instead of running Lanczos' default 300
+LIP_TOL, LIP_MAX_ITER = 1e-10, 60
+
+# name -> (what, size, operator masked, positions: None | "sequence" | "random", weighted, derivatives,
+#          the path auto takes on CPU in float64)
+CASES = {
+    "weighted measure": ("F(mu), unmasked, random weights", 300, False, None, True, False, "fused"),
+    "causal sequence": ("f^m(X), causal mask of a sequence", 300, True, "sequence", False, False, "fused"),
+    "weighted causal atoms": ("F^m(mu), atoms at positions i/n, random weights", 300, True, "sequence", True, False,
+                              "fused"),
+    "masked measure": ("F^m(mu), random positions and weights", 300, True, "random", True, False, "fused"),
+    "masked measure, large": ("F^m(mu), random positions and weights (above the fused path's mask range)", 2100,
+                              True, "random", True, False, "stream"),
+    "d weighted measure": ("J, J^T and Lip at mu, unmasked, random weights", 300, False, None, True, True, "stream"),
+    "d weighted causal atoms": ("J, J^T and Lip at mu, atoms at positions i/n, random weights", 300, True,
+                                "sequence", True, True, "stream"),
+    "d masked measure": ("J, J^T and Lip at mu, random positions and weights", 300, True, "random", True, True,
+                         "stream"),
+}
+D = 3
+RADIUS = 1.5
+
+
+def _inputs(case: str, seed: int, device=None):
+    """(operator, X, log-weights or None, positions or None) of a case; float64, drawn on the CPU."""
+    from meanfield import SelfAttention
+
+    _, n, masked, positions, weighted, _, _ = CASES[case]
+    g = torch.Generator().manual_seed(int(seed) * 1009 + n)
+    X = RADIUS * torch.randn(n, D, generator=g, dtype=torch.float64) / math.sqrt(D)
+    lw = None
+    if weighted:
+        w = torch.rand(n, generator=g, dtype=torch.float64) + 0.05
+        lw = (w / w.sum()).log()
+    pos = None
+    if positions == "random":
+        pos = torch.rand(n, generator=g, dtype=torch.float64)
+    elif positions == "sequence":
+        pos = torch.arange(1, n + 1, dtype=torch.float64) / n
+    att = SelfAttention(*to_device(device, 1.5 * random_A(D, seed), random_V(D, seed)), masked=masked)
+    return att, to_device(device, X), None if lw is None else to_device(device, lw), \
+        None if pos is None else to_device(device, pos)
+
+
+def _map(att, lw, pos, sequence: bool):
+    """Y -> the pushforward's points (a measure with the case's weights and positions), or f(Y)."""
+    from particles import Measure
+
+    if sequence:
+        return att.sequence
+    return lambda Y: att(Measure(Y, log_weights=lw, positions=pos)).points
+
+
+def _path(att, X, lw, pos, derivatives: bool, sequence: bool) -> str:
+    """The path ``auto`` takes for the case's kernel call (:func:`meanfield.kernels.choose`)."""
+    from meanfield import kernels
+
+    Xg = X.detach().requires_grad_(derivatives)
+    A, V = att.A.to(X), att.V.to(X)
+    if sequence:
+        pos = torch.arange(1, X.shape[0] + 1, dtype=X.dtype, device=X.device) / X.shape[0]
+    with torch.enable_grad():
+        return kernels.choose(Xg @ A.T, Xg, Xg @ V.T, lw, pos, pos)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> dict:
+    """One case measured by the path ``auto`` takes and by the dense path: relative deviations of the
+    outputs (forward cases), or of J u (by forward-mode AD and by reverse-over-reverse, the product
+    :func:`meanfield.local_lipschitz` uses), J^T w and, with ``lipschitz``, the certified constants
+    (derivative cases)."""
+    from meanfield import kernels, local_lipschitz
+    from particles import Measure
+
+    if case not in CASES:
+        raise ValueError(f"case: expected one of {list(CASES)}, got {case!r}")
+    what, n, masked, positions, weighted, derivatives, expected = CASES[case]
+    att, X, lw, pos = _inputs(case, seed, device)
+    sequence = positions == "sequence" and not weighted
+    fn = _map(att, lw, pos, sequence)
+    row = {"case": case, "what": what, "n": n, "entries": n * n, "path": _path(att, X, lw, pos, derivatives, sequence),
+           "expected_path": expected if X.device.type == "cpu" else "not dense"}
+    if not derivatives:
+        with torch.no_grad():
+            got = fn(X)
+            with kernels.use("dense"):
+                ref = fn(X)
+        return {**row, "deviation": _rel(got, ref)}
+    g = torch.Generator().manual_seed(int(seed) + 17)
+    u = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
+    w = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
+
+    def products():
+        with torch.autograd.forward_ad.dual_level():
+            Ju = torch.autograd.forward_ad.unpack_dual(fn(torch.autograd.forward_ad.make_dual(X, u))).tangent
+        Xr = X.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = fn(Xr)
+            JTw = torch.autograd.grad(out, Xr, w, retain_graph=True)[0]
+            # J u as d<J^T v, u>/dv: the backward of the backward (the streamed JVP inside the VJP's node)
+            v = torch.zeros_like(out, requires_grad=True)
+            g_v = torch.autograd.grad(out, Xr, v, create_graph=True)[0]
+            Ju_rr = torch.autograd.grad(g_v, v, u)[0]
+        est = None
+        if lipschitz:
+            with warnings.catch_warnings():   # a certificate that misses its tolerance is reported in the row
+                warnings.simplefilter("ignore", RuntimeWarning)
+                est = local_lipschitz(att, Measure(X, log_weights=lw, positions=pos), tol=LIP_TOL,
+                                      max_iter=LIP_MAX_ITER, on_failure="warn")
+        return Ju.detach(), Ju_rr, JTw, est
+
+    Ju, Ju_rr, JTw, est = products()
+    with kernels.use("dense"):
+        Ju_d, Ju_rr_d, JTw_d, est_d = products()
+    row.update(deviation_jvp=max(_rel(Ju, Ju_d), _rel(Ju_rr, Ju_d), _rel(Ju_rr_d, Ju_d)),
+               deviation_vjp=_rel(JTw, JTw_d))
+    if est is not None:
+        row.update(lip=est.value, lip_dense=est_d.value, lip_error=est.error + est_d.error,
+                   deviation_lip=abs(est.value - est_d.value) / est_d.value,
+                   lip_allowed=(est.error + est_d.error) / est_d.value + TOL,
+                   converged=est.converged and est_d.converged)
+    return {**row, "deviation": max(row["deviation_jvp"], row["deviation_vjp"], row.get("deviation_lip", 0.0))}
+
+
+def grid(level: str) -> dict:
+    """The cases (the same at every level: their sizes are set by the kernel's thresholds)."""
+    return {"cases": list(CASES), "d": D}
+
+
+def _path_ok(r: dict) -> bool:
+    return r["path"] != "dense" if r["expected_path"] == "not dense" else r["path"] == r["expected_path"]
+
+
+def _cases_text(rows) -> str:
+    return "; ".join(f"{r['case']} (n = {r['n']}, {r['path']}): {r['deviation']:.1e}" for r in rows)
+
+
+def forward_claim(rows: list[dict], path: str) -> Claim:
+    """The forward passes of the cases that ``auto`` runs on ``path`` ("fused" or "stream") equal the dense
+    kernel's to :data:`TOL` (relative), and ``auto`` takes that path at these sizes."""
+    sel = [r for r in rows if r["case"] in _FORWARD[path]]
+    wrong_path = [r for r in sel if not _path_ok(r)]
+    off = [r for r in sel if not r["deviation"] <= TOL]
+    where = {"fused": "torch's scaled_dot_product_attention: log-weights as a mask row or an extra key coordinate, "
+                      "is_causal, an explicit boolean mask",
+             "stream": "tiles with an online softmax (running max and sum rescaled tile by tile), masks per tile"}[path]
+    return Claim(
+        f"the {'streamed' if path == 'stream' else path} path of the attention kernel computes the dense kernel's map "
+        f"(forward passes at sizes where auto takes it: {where})",
+        f"max |out - out_dense| / max |out_dense| <= {TOL:g}",
+        (f"{len(off)} of {len(sel)} cases off; " if sel else "no case; ") + _cases_text(sel)
+        + (f"; auto took another path: {', '.join(r['case'] + ' -> ' + r['path'] for r in wrong_path)}"
+           if wrong_path else ""),
+        bool(sel) and not off and not wrong_path,
+        "float64; the same operator and input evaluated under kernels.use('dense') (materialized scores, plain "
+        "log-sum-exp softmax); the path auto takes is read from meanfield.kernels.choose", kind=THEOREM,
+        fails_if=f"some case's output differs from the dense kernel's by more than {TOL:g} (relative), or auto does "
+                 f"not take the {path} path at the case's size (the claim would not test it)")
+
+
+_FORWARD = {"fused": ("weighted measure", "causal sequence", "weighted causal atoms", "masked measure"),
+            "stream": ("masked measure, large",)}
+
+
+def derivative_claim(rows: list[dict]) -> Claim:
+    """J u, J^T w and the certified constant on the streamed path equal the dense path's."""
+    sel = [r for r in rows if "deviation_jvp" in r]
+    wrong_path = [r for r in sel if not _path_ok(r)]
+    off = [r for r in sel if not (r["deviation_jvp"] <= TOL and r["deviation_vjp"] <= TOL
+                                  and ("lip" not in r or (r["converged"] and r["deviation_lip"] <= r["lip_allowed"])))]
+    return Claim(
+        "the streamed path's derivatives are those of the dense kernel: its analytic JVP, its VJP and the certified "
+        "local constant built on them (Lemma C.5, Lanczos), at sizes where auto streams",
+        f"relative deviation of J u and J^T w <= {TOL:g}; |Lip - Lip_dense| <= both error bars + {TOL:g} Lip",
+        (f"{len(off)} of {len(sel)} cases off; " if sel else "no case; ")
+        + "; ".join(f"{r['case'][2:]} (n = {r['n']}, {r['path']}): J u {r['deviation_jvp']:.1e}, J^T w "
+                    f"{r['deviation_vjp']:.1e}" + (f", Lip {r['lip']:.10g} vs {r['lip_dense']:.10g}" if "lip" in r
+                                                   else "") for r in sel)
+        + (f"; auto took another path: {', '.join(r['case'] + ' -> ' + r['path'] for r in wrong_path)}"
+           if wrong_path else ""),
+        bool(sel) and not off and not wrong_path,
+        "float64; J u by forward-mode AD (the streamed JVP) and by reverse-over-reverse (the streamed JVP inside the "
+        "VJP's node, as local_lipschitz computes it), J^T w by a backward pass (the streamed VJP: torch's "
+        "fused flash backward where the mask allows, Python tiles otherwise), Lip by Lanczos with reverse-over-reverse "
+        f"products (tolerance {LIP_TOL:g}); the dense reference under kernels.use('dense')", kind=THEOREM,
+        fails_if=f"J u or J^T w differs from the dense path's by more than {TOL:g} (relative), the two certified "
+                 "constants differ by more than their error bars (or one misses its tolerance), or auto does not "
+                 "stream at the case's size")
+
+
+@register("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel", order=65,
+          grid=grid)
+def kernel_paths(out_dir: Path, ctx) -> StudyResult:
+    """Forward passes, JVP, VJP and certified constants by the fused / streamed paths against the dense kernel."""
+    out_dir = Path(out_dir)
+    rows = run_grid(case_task, [{"case": c, "seed": ctx.seed} for c in grid(ctx.level)["cases"]], out_dir,
+                    "kernel_paths", ctx, device=ctx.device)
+    write_csv(rows, out_dir / "kernel_paths.csv")
+    claims = [forward_claim(rows, "fused"), forward_claim(rows, "stream"), derivative_claim(rows)]
+
+    fig, ax = P.figure(width=10.0, height=4.4)
+    labels, vals, colors = [], [], []
+    for r in rows:
+        for key, name in (("deviation", "output"), ("deviation_jvp", "J u"), ("deviation_vjp", "J^T w"),
+                          ("deviation_lip", "Lip")):
+            if key in r and (key != "deviation" or "deviation_jvp" not in r):
+                labels.append(f"{r['case'].removeprefix('d ')} (n = {r['n']}): {name}")
+                vals.append(max(r[key], 1e-18))
+                colors.append(P.COLORS[{"fused": 0, "stream": 1}.get(r["path"], 3)])
+    from matplotlib.patches import Patch
+
+    y = np.arange(len(vals))
+    ax.barh(y, vals, color=colors)
+    line = ax.axvline(TOL, color="k", ls="--", lw=1.2)
+    ax.set_yticks(y)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    P.finish(ax, "relative deviation from the dense kernel (0 drawn at 1e-18)", "",
+             f"each quantity by the path auto takes and by the dense kernel (float64, seed {ctx.seed})", logx=True,
+             legend=False)
+    ax.set_xlim(3e-19, 1e-8)
+    ax.legend([Patch(color=P.COLORS[0]), Patch(color=P.COLORS[1]), line],
+              ["auto took the fused path", "auto took the streamed path",
+               f"tolerance {TOL:g} (Lip: the error bars + {TOL:g})"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    save_figure(fig, out_dir / "deviations.png")
+    notes = (f"d = {D}; A = 1.5 x a {D}x{D} Gaussian / sqrt({D}) and V Gaussian / sqrt({D}) (seed {ctx.seed}); "
+             f"points Gaussian with scale {RADIUS} / sqrt({D}); weights uniform on [0.05, 1.05], normalized. "
+             f"auto's thresholds (meanfield.kernels): fused forward passes above 2^14 score entries, streamed "
+             f"derivatives above 2^15, masked forward passes fused with an explicit mask up to 2^22 entries and "
+             f"streamed above; the streamed tiles are 256 x 256, so n = 300 gives two key tiles and n = 2100 nine.")
+    summary = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
+    return StudyResult("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel",
+                       claims, ["deviations.png"], ["kernel_paths.csv"], summary, notes)
