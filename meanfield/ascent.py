@@ -146,6 +146,7 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
     ``"budget"``, ``"max_steps"`` or ``"converged"``."""
     Ys = [problem.project(Y) for _, Y in starts]
     evals = problem.evaluate(Ys)
+    problem.start_products = problem.products   # spent whatever the budget: every start certified once
     members = []
     for (name, _), Y, (v, aux) in zip(starts, Ys, evals):
         # tokens that coincide in a start (the witnesses' copies, clustered starts) first move together:

@@ -207,7 +207,11 @@ class WorstCaseResult:
         One :class:`TracePoint` per iteration.
     products : int
         Jacobian products spent (each J u and each J^T w on one sequence counts one; a gradient pass
-        counts :data:`GRADIENT_PRODUCTS`).
+        counts :data:`GRADIENT_PRODUCTS`), the starts' certified values included.
+    start_products : int
+        Of ``products``, those that certified the starts before the first step. They are spent whatever
+        the budget (a lower bound needs at least one certified value), so ``products`` exceeds a budget
+        smaller than them; the ascent then makes no step (``stopped == "budget"``).
     seconds : float
         Wall time.
     stopped : str
@@ -237,6 +241,7 @@ class WorstCaseResult:
     search_value: float
     split: bool = False
     options: dict = field(default_factory=dict)   # the budget and the SearchOptions fields of the call
+    start_products: int = 0
 
     @property
     def lower(self) -> float:
@@ -523,7 +528,8 @@ def _result(problem, members, trace, stopped, method, upper, t0, options):
     return WorstCaseResult(input=inp, estimate=est, upper=upper, R=problem.R, n=problem.n, start=top.name,
                            starts=starts, trace=trace, products=problem.products,
                            seconds=time.perf_counter() - t0, stopped=stopped, method=method,
-                           search_value=value, split=split, options=options)
+                           search_value=value, split=split, options=options,
+                           start_products=getattr(problem, "start_products", 0))
 
 
 def _named_starts(starts, kind):
@@ -555,6 +561,8 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
     budget : int
         Jacobian products to spend (each J u and J^T w on one sequence counts one, a gradient pass
         two). The search stops when the next iteration, at the cost of the last one, would exceed it.
+        The starts' certified values come first and count in it, whatever it is (the result's
+        ``start_products``): a budget below them buys no ascent step.
     starts : list, optional
         Tensors of shape (n, d), or pairs (a name, such a tensor), to use instead of
         :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first).

@@ -84,7 +84,7 @@ def layer_norms(p: mhf.LayerParameters) -> tuple[np.ndarray, np.ndarray, float]:
 
 class LayerBound:
     """The best upper bound the framework knows on Lip(f on B_R^n) of one multi-head layer with biases, for
-    many (R, n): the bound of :func:`meanfield.bounds.operator_upper`, computed per layer once.
+    many (R, n): the bound of :func:`meanfield.operator_upper`, computed per layer once.
 
     Lemma 3.8 over the heads, each head min(Theorem 3.3 / 4.3, Theorem 3.5 / 4.4) after absorbing its key
     bias c_h = scale K_h^T b_Q by the lift x' = (x, t) of :func:`meanfield.bounds.absorb_key_bias`, with t
@@ -488,7 +488,7 @@ def _maps_claim(label, mode, lip_rows) -> Claim:
         fails_if=f"every layer's CI of the paired difference lies within +-{MAPS_BAND} of 0: the two maps grow alike "
                  "everywhere (as when the block is measured as the attention, or the other way round), so a claim "
                  "about the attention's growth could not tell which map was measured",
-        short=shorten(f"{label} {mode}: the block LayerNorm(X + attention) grows unlike the attention alone"),
+        short=shorten(f"{label} {mode}: the block LN(X + attention) grows unlike attention alone"),
         short_measured=shorten(f"told apart at {len(apart)} of {len(fits)} layers"
                                + "".join([f"; L{f['layer']}: {_ci(f)}" for f in apart][:1])))
 
@@ -587,7 +587,7 @@ def lemma38_claim(tables) -> Claim:
             "below the t = 1 lift with b_V" if gains else "")
     return Claim(
         "Lip_X(f_MH) <= ||W_O|| (sum_h bound_h^2)^{1/2} (Lemma 3.8), bound_h = min(Theorem 3.3 / 4.3, Theorem 3.5) "
-        "of head h with its key bias absorbed by the best lift (meanfield.bounds.operator_upper), on real text and on "
+        "of head h with its key bias absorbed by the best lift (meanfield.operator_upper), on real text and on "
         "Prop 3.4's witnesses, every model, mode and layer",
         "Lip / bound <= 1; the bound grows like ||A_h|| R^2 sqrt(n), so on trained layers it is loose by a factor "
         "(the slack) of order 10^2 or more: the check catches only a bound or a constant wrong by more than the slack",
@@ -638,7 +638,7 @@ def head_witness_claim(adv) -> Claim | None:
         kind=THEOREM, fails_if="the head's certified constant plus its error bar is below the lower bound at some "
                                "witness, or Lip / bound differs from the predicted factor by more than the tolerance "
                                "(a bound or a witness off by a constant factor, e.g. sqrt(2) or 1.05)",
-        short="Prop 3.4 at the witness of every measured real head, attained up to its predicted factor",
+        short="Prop 3.4 holds at every real head's witness, attained as predicted",
         short_measured=f"{len(low)} of {len(heads)} below; {len(off)} of {len(pred)} off the predicted factor")
 
 

@@ -228,7 +228,7 @@ def test_kernel_path_claims_hold_on_the_kernel_as_written():
     assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
 
 
-# (function of meanfield.streaming, line as written, the mistake, cases that must see it, claim that must fail)
+# (function of meanfield.streamed_attention, line as written, the mistake, cases that must see it, claim that must fail)
 _KERNEL_MISTAKES = {
     "tile mask includes the diagonal's neighbours": (
         "_score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa", _FWD_STREAM, "stream"),
@@ -259,7 +259,7 @@ _KERNEL_MISTAKES = {
 def test_kernel_path_claims_fail_on_a_wrong_kernel(monkeypatch, mistake):
     """One mistake in the fused or streamed path (a mask, a log-weight, the online softmax's rescaling, the
     JVP, the VJP) flips the claim of the path it is on, at the study's own sizes."""
-    from meanfield import streaming
+    from meanfield import streamed_attention as streaming
 
     name, old, new, cases, claim = _KERNEL_MISTAKES[mistake]
     _mutant(monkeypatch, streaming, name, old, new)

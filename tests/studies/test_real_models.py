@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from meanfield import hf as mhf
+from meanfield import operator_upper
 from studies import models as hf
 from studies import pretrained as pt
 from studies.context import RunContext
@@ -96,7 +97,7 @@ def test_lipschitz_rows_against_dense_jacobian_of_reimplementation(run):
 
 
 def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
-    """``upper`` is the best bound the framework knows (meanfield.bounds.operator_upper, whose key-bias lift
+    """``upper`` is the best bound the framework knows (meanfield.operator_upper, whose key-bias lift
     is optimized on the dense d x d matrices); ``upper_t1`` the t = 1 lift with b_V, on explicitly augmented
     matrices."""
     from meanfield import bounds
@@ -116,12 +117,12 @@ def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
             V = torch.cat([p.V[h], p.b_V[h][:, None]], 1)
             heads.append(bounds.sqrt_n_upper(A, V, math.sqrt(r["r_max"] ** 2 + 1), r["n"]))
         assert r["upper_t1"] == pytest.approx(bounds.multihead_upper(heads, p.W_O), rel=1e-9)
-        best = bounds.operator_upper(mhf.HFAttention.from_model(model, r["layer"]), r["r_max"], r["n"]).value
+        best = operator_upper(mhf.HFAttention.from_model(model, r["layer"]), r["r_max"], r["n"]).value
         assert best * (1 - 1e-9) <= r["upper"] <= best * (1 + 1e-6)
         assert r["upper"] <= r["upper_t1"] * (1 + 1e-9)
     for r in adv[:3]:
         op = mhf.HFAttention.from_model(_model(models, r), r["layer"])
-        best = bounds.operator_upper(op, r["R"], r["n"]).value
+        best = operator_upper(op, r["R"], r["n"]).value
         assert best * (1 - 1e-9) <= r["layer_upper"] <= best * (1 + 1e-6)
 
 
