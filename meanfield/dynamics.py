@@ -30,6 +30,7 @@ holding only the requested times. Variants:
 
 from __future__ import annotations
 
+import logging
 import numbers
 import time
 import warnings
@@ -46,6 +47,8 @@ from .geometry import GEOMETRIES, Euclidean, Sphere, resolve_geometry
 from .integrators import ADAPTIVE, FIXED, check_finite, integrate_adaptive, integrate_fixed
 from .isotropic import NORMALIZATIONS, IsotropicAttention
 from .operator import AttentionOperator
+
+log = logging.getLogger(__name__)
 
 __all__ = ["simulate", "Trajectory", "FIXED_METHODS", "residual_layers"]
 
@@ -337,6 +340,9 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
             out, nsteps = integrate_adaptive(field, Y, t, method, 1e-7 if rtol is None else rtol,
                                              1e-9 if atol is None else atol, max_steps, options or None)
     points = torch.stack(out)
+    log.debug("simulate: %s, %d tokens in d = %d (%s), %s from t = %g to %g, %s steps, %d evaluations, %d thread(s)",
+              type(op).__name__, points.shape[1], points.shape[2], geo.name, method, float(t[0]), float(t[-1]),
+              nsteps, field.nfev, policy.threads)
     return Trajectory(t, points, mu0, method=method, nfev=field.nfev, steps=nsteps, rescale_V=V,
                       geometry=geo.name)
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import math
 import numbers
 
@@ -65,6 +66,22 @@ FUSED_THRESHOLD = 2**14
 #: auto: forward passes with arbitrary positions are dense up to the first bound, fused (with an
 #: explicit boolean mask of at most 4 MiB) up to the second, streamed above
 MASKED_FUSED_RANGE = (2**16, 2**22)
+log = logging.getLogger(__name__)
+_LOGGED: set = set()
+
+
+def _log_path(method, q, k, log_weights, q_pos) -> None:
+    """The path auto took, once per kind of call (shapes, dtype, device, mask): what -v shows."""
+    key = (method, tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, log_weights is not None, q_pos is not None,
+           torch.is_grad_enabled())
+    if key in _LOGGED or len(_LOGGED) > 10_000:
+        return
+    _LOGGED.add(key)
+    log.debug("attention kernel: auto takes the %s path for %d queries x %d keys, head size %d, %s on %s%s%s",
+              method, q.shape[-2], k.shape[-2], q.shape[-1], str(q.dtype).replace("torch.", ""), q.device.type,
+              ", weighted" if log_weights is not None else "", ", masked" if q_pos is not None else "")
+
+
 METHODS = ("auto", "dense", "stream", "fused")
 
 _DEFAULTS = contextvars.ContextVar("meanfield_kernel_defaults", default=("auto", None, None))
@@ -337,6 +354,8 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     causal = None
     if method == "auto":
         method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold)
+        if log.isEnabledFor(logging.DEBUG):
+            _log_path(method, q, k, log_weights, q_pos)
         if method == "fused" and q.device.type != "cpu":
             from .accelerator_paths import fused_or_stream
 

@@ -40,6 +40,7 @@ ends in a ConvergenceError whose message names the level where the certificate s
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ from particles.validation import memory_limit as memory_limit_bytes
 from .adapters import as_operator
 from .jacobian import Jacobian, make_problems
 from .krylov import SOLVERS
+
+log = logging.getLogger(__name__)
 
 __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "ConvergenceError", "TOL", "MAX_ITER",
            "default_tol", "MIXED_MIN_SIZE"]
@@ -296,6 +299,12 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             applications += jac.applications
             iterations = max(iterations, int(result.iterations))
     est = _assemble(members, method, iterations, applications, batched)
+    if log.isEnabledFor(logging.DEBUG):
+        X0 = problems[0].X
+        log.debug("local_lipschitz: %s, %d input(s) of shape %s %s, %s %d iterations, %d Jacobian products, "
+                  "value %s, error %s, converged %s, %d thread(s)", type(op).__name__, len(problems),
+                  tuple(X0.shape), str(X0.dtype).replace("torch.", ""), method, iterations, applications,
+                  _short(est.value), _short(est.error), _short(est.converged), policy.threads)
     failed = [m for m in members if not m[4]]
     if failed:
         worst = max(failed, key=lambda m: m[2] / max(m[0], 1e-300))
@@ -312,6 +321,15 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             raise ConvergenceError(msg, est)
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return est
+
+
+def _short(x) -> str:
+    """A value, or a batch's range, for a log line."""
+    if isinstance(x, torch.Tensor) and x.numel() > 1:
+        if x.dtype == torch.bool:
+            return f"{int(x.sum())} of {x.numel()}"
+        return f"[{x.min().item():.6g} .. {x.max().item():.6g}]"
+    return f"{float(x):.6g}" if not isinstance(x, bool) else str(x)
 
 
 def _assemble(members, method, iterations, applications, batched) -> LipschitzEstimate:

@@ -24,12 +24,16 @@ Torch's setting is restored when the call ends.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 
 import torch
 
-__all__ = ["ThreadPolicy", "timed_probe", "set_threads", "requested_threads", "free_cores", "SMALL_STEP", "ENV"]
+__all__ = ["ThreadPolicy", "timed_probe", "set_threads", "using_threads", "requested_threads", "free_cores",
+           "SMALL_STEP", "ENV"]
+
+log = logging.getLogger(__name__)
 
 #: the environment variable that overrides the policy: a positive integer, or "auto"
 ENV = "SMOOTH_ATTENTION_THREADS"
@@ -64,6 +68,28 @@ def set_threads(n) -> None:
     back to the policy (None or "auto"). Wins over ``$SMOOTH_ATTENTION_THREADS``."""
     global _override
     _override = _parse(n, "threads")
+
+
+@contextlib.contextmanager
+def using_threads(n, *, environment: bool = False):
+    """:func:`set_threads` for a block: ``with using_threads(1): ...``. With ``environment``, also
+    ``$SMOOTH_ATTENTION_THREADS``, so that processes started in the block (pool or Dask workers)
+    inherit it. Both are restored on exit."""
+    global _override
+    value = _parse(n, "threads")
+    saved, saved_env = _override, os.environ.get(ENV)
+    _override = value
+    if environment:
+        os.environ[ENV] = "auto" if value is None else str(value)
+    try:
+        yield value
+    finally:
+        _override = saved
+        if environment:
+            if saved_env is None:
+                os.environ.pop(ENV, None)
+            else:
+                os.environ[ENV] = saved_env
 
 
 def requested_threads() -> int | None:
@@ -152,6 +178,11 @@ class ThreadPolicy:
         torch.set_num_threads(self._entry)
 
     def _set(self, n: int) -> None:
+        if n != self.threads and log.isEnabledFor(logging.DEBUG):
+            log.debug("threads: %d -> %d (%s)", self.threads, n,
+                      "requested" if requested_threads() is not None else
+                      f"one-thread step {self.step_seconds:.2g} s, {'small' if self._small else 'free cores'}"
+                      if self.step_seconds is not None else "probe")
         self.threads = n
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)

@@ -81,7 +81,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="folder for worst_case_input.npz, worst_case_estimate.npz, bracket.json (default "
                         "runs/bracket-<timestamp>)")
-    p.add_argument("-q", "--quiet", action="store_true", help="print the bracket only")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("-q", "--quiet", action="store_true", help="print the bracket only")
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="also print what a person debugging the search wants: the starts and their values, the "
+                        "attention kernel paths taken, each certified constant's solver, products and threads")
 
 
 def _check(args) -> None:
@@ -156,9 +160,9 @@ def run(args) -> int:
     from meanfield.lipschitz import default_tol
     from particles import Measure
     from particles.io import save_measure
+    from particles.threads import ThreadPolicy
 
     from . import models as hf
-    from .experiments.worst_case import one_thread
     from .io import write_json
     from .report import default_run_dir
 
@@ -193,13 +197,14 @@ def run(args) -> int:
     else:
         R = float(args.radius)
     what = f"{label}, layer {layer} {args.map} ({'causal' if op.masked else 'unmasked'}), n = {args.n}, R = {R:.6g}"
-    say(f"{what} ({why_R}); searching with a budget of {args.budget} Jacobian products")
+    say(f"{what} ({why_R}); searching with a budget of {args.budget} Jacobian products (certifying the starts "
+        "comes first and counts in it)")
     if args.out is not None:
         out = args.out
     else:
         stamp = default_run_dir()
         out = stamp.with_name("bracket-" + stamp.name)
-    with one_thread():
+    with ThreadPolicy(step_seconds=0.0):   # small products: one thread, unless --threads says otherwise
         from meanfield.worst_case import sequence_starts
 
         tol = default_tol(dtype)   # meanfield.lipschitz.TOL: decided once, by the dtype
@@ -210,6 +215,8 @@ def run(args) -> int:
             for _, X in starts:   # the layer at the ball's edge: finite, or the radius is beyond the dtype
                 op.sequence(X)
             if X_text is not None:
+                norms = X_text.double().norm(dim=1)
+                outside = int((norms > R).sum())
                 inside = X_text * torch.clamp(R / X_text.norm(dim=1, keepdim=True), max=1.0)   # projected into B_R
                 starts.append(("text", inside.to(dtype)))
                 text_value = local_lipschitz(op, inside.to(dtype), tol=tol).value
@@ -227,15 +234,25 @@ def run(args) -> int:
              f"best start {res.start})",
              f"  upper  {up}  ({res.upper.source})",
              f"  ratio  {res.ratio:.3g}" if res.ratio is not None else "  ratio  unknown (no upper bound)",
-             f"  cost   {res.products} Jacobian products, {res.seconds:.1f} s, stopped: {res.stopped}"
-             + (" (still ascending: a larger --budget may raise the lower bound)" if res.stopped == "budget" else "")]
+             f"  cost   {res.products} Jacobian products ({res.start_products} certifying {len(res.starts)} starts, "
+             f"{res.products - res.start_products} ascending; budget {args.budget}), {res.seconds:.1f} s, "
+             f"stopped: {res.stopped}"
+             + (f" (the starts alone cost more than the budget, so the ascent made no step: give --budget above "
+                f"{res.start_products})" if res.start_products >= args.budget
+                else " (still ascending: a larger --budget may raise the lower bound)" if res.stopped == "budget"
+                else "")]
     wit = [s for s in res.starts if s.name.startswith("prop3.4-")]
     if wit:
         best = max(wit, key=lambda s: s.initial)
         lines.append(f"  Proposition 3.4's best witness: {best.initial:.6g} ({best.name}); search / witness "
                      f"{res.lower / best.initial:.3g}")
     if text_value is not None:
-        lines.append(f"  the real text's own constant: {text_value:.6g}")
+        if outside:
+            lines.append(f"  the real text's constant, projected into B_R: {text_value:.6g} ({outside} of {args.n} "
+                         f"tokens have norms up to {float(norms.max()):.4g} > R and were scaled onto the sphere of "
+                         "radius R; the text itself lies outside the ball)")
+        else:
+            lines.append(f"  the real text's own constant: {text_value:.6g} (every token inside B_R)")
     if plain is not None:
         lines.append(f"  plain gradient ascent, same budget: {plain.lower:.6g} ({plain.products} products, "
                      f"{plain.seconds:.1f} s); search / plain {res.lower / plain.lower:.3g}")
@@ -245,6 +262,7 @@ def run(args) -> int:
             "ratio": res.ratio, "products": res.products, "seconds": res.seconds, "stopped": res.stopped,
             "start": res.start, "budget": args.budget, "seed": args.seed, "dtype": args.dtype,
             "plain": None if plain is None else plain.lower, "text": text_value,
+            "text_tokens_outside": None if text_value is None else outside, "start_products": res.start_products,
             "command": ["meanfield", *sys.argv[1:]]}
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,9 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from particles.threads import ENV as THREADS_ENV
+from particles.threads import using_threads
+
 from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
 from .contract import import_errors, registry
 from .costs import help_text
@@ -72,6 +75,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+def _add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default=None, metavar="N|auto",
+                   help=f"CPU threads of each computation: a positive integer, or auto (default ${THREADS_ENV}, "
+                        "else auto: one thread for small products, the free cores for large ones; "
+                        "particles/threads.py). Pool and Dask workers started by the run inherit it")
+
+
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small grids (every study in a few minutes on 2 cores)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<timestamp>)")
@@ -94,6 +104,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("-q", "--quiet", action="store_true", help="print errors and the final result only")
     g.add_argument("-v", "--verbose", action="store_true", help="also print debug messages")
+    _add_threads(p)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # test-size grids
     add_sweep_arguments(p)
 
@@ -136,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "runs/bracket\n\nexit codes: 0 done; 64 usage error (one line says what to change); "
                                "74 the results cannot be written")
     _bracket_arguments(bp)
+    _add_threads(bp)
     for name, study in registry().items():
         sp = sub.add_parser(name, help=study.title, description=f"{study.title}. {study.description}",
                             epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,13 +181,28 @@ def context_from_args(args: argparse.Namespace, argv: list[str], environ=None) -
         progress=progress, argv=tuple(argv), **fields)
 
 
+#: the framework's loggers: -v shows their debug messages (grid points, kernel paths, solvers, threads)
+LOGGERS = ("studies", "meanfield", "transport", "particles")
+
+
 def _configure_logging(verbosity: int) -> logging.Handler:
+    """A stderr handler on the framework's loggers: warnings (-q), progress (default), or also debug
+    messages with times (-v). Remove it with :func:`_release_logging`."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s" if verbosity < VERBOSE
                                            else "%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    log.addHandler(handler)
-    log.setLevel({QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[verbosity])
+    level = {QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[verbosity]
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        # the libraries' own loggers speak only with -v (their info would repeat the studies' progress)
+        logger.setLevel(level if name == "studies" or verbosity >= VERBOSE else logging.WARNING)
     return handler
+
+
+def _release_logging(handler: logging.Handler) -> None:
+    for name in LOGGERS:
+        logging.getLogger(name).removeHandler(handler)
 
 
 class Terminated(KeyboardInterrupt):
@@ -242,7 +269,7 @@ def _run(ctx: RunContext, names: list[str] | None) -> int:
 def _bracket(args) -> int:
     from .bracket import UsageError, run
 
-    handler = _configure_logging(QUIET if args.quiet else NORMAL)
+    handler = _configure_logging(QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     try:
         return run(args)
     except UsageError as exc:
@@ -252,7 +279,7 @@ def _bracket(args) -> int:
         _say("interrupted")
         return EXIT_INTERRUPTED
     finally:
-        log.removeHandler(handler)
+        _release_logging(handler)
 
 
 def main(argv=None) -> int:
@@ -261,6 +288,21 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return _main(parser, args, argv)
+    try:   # for this process and, through the environment, for the workers it starts
+        scope = using_threads(threads, environment=True)
+        scope.__enter__()
+    except (TypeError, ValueError) as exc:
+        parser.error(f"--threads: {str(exc).split(': ', 1)[-1]}")
+    try:
+        return _main(parser, args, argv)
+    finally:
+        scope.__exit__(None, None, None)
+
+
+def _main(parser, args, argv) -> int:
     if args.command == "bracket":
         return _bracket(args)
     if args.command == "list":
@@ -287,7 +329,7 @@ def main(argv=None) -> int:
             return EXIT_USAGE
         return _run(ctx, names)
     finally:
-        log.removeHandler(handler)
+        _release_logging(handler)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ A study is a module of :mod:`studies.experiments` that registers one function wi
     def task(n, R, seed, device=None) -> dict:    # one grid point, picklable (run by the sweep runner)
         ...
 
-    @register("sqrt_n", "The sqrt(n) regime", order=10, grid=grid)
+    @register("sqrt_n", "The sqrt(n) regime", grid=grid)
     def sqrt_n(out_dir: Path, ctx: RunContext) -> StudyResult:
         rows = run_grid(task, points, out_dir, "sqrt_n", ctx)  # tables (CSV) through the sweep runner
         ...                                                   # figures (PNG) into out_dir
@@ -69,7 +69,8 @@ def shorten(text: str, limit: int = SHORT_MAX, *, first_clause: bool = False) ->
     return t
 
 
-# Modules that define studies, in report order. Each registers its study on import.
+#: Modules that define studies, in report order: the one place that order is said (a study registered from
+#: elsewhere, a user's, comes after them unless it gives ``order``). Each registers its study on import.
 STUDY_MODULES = [
     "studies.experiments.sqrt_n",
     "studies.experiments.mean_field",
@@ -169,9 +170,13 @@ _REGISTRY: dict[str, Study] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 
-def register(name: str, title: str, order: int = 100, *, grid: Callable[[str], dict] | None = None,
+def register(name: str, title: str, order: int | None = None, *, grid: Callable[[str], dict] | None = None,
              check: Callable | None = None) -> Callable:
     """Decorator registering ``run(out_dir, ctx) -> StudyResult`` as study ``name``.
+
+    Its place in the report: the position of its module in :data:`STUDY_MODULES` for the framework's
+    studies; after them, in the order of registration, for any other (or ``order``: studies sort by it,
+    the framework's taking 10, 20, ...).
 
     ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json). ``check(ctx)``
     checks what the study reads from the run context (files, models, the cache) before any study of the run
@@ -179,10 +184,18 @@ def register(name: str, title: str, order: int = 100, *, grid: Callable[[str], d
     The first line of the function's docstring describes the study on the command line.
     """
 
+    if order is not None and (isinstance(order, bool) or not isinstance(order, int)):
+        raise TypeError(f"order: expected an integer or None, got {type(order).__name__} {order!r}")
+
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].run is not fn:
             raise ValueError(f"name: a study called {name!r} is already registered")
-        _REGISTRY[name] = Study(name, title, fn, order, (fn.__doc__ or "").strip().split("\n")[0], grid, check)
+        place = order
+        if place is None:
+            module = getattr(fn, "__module__", None)
+            place = (10 * (STUDY_MODULES.index(module) + 1) if module in STUDY_MODULES
+                     else 10 * (len(STUDY_MODULES) + 1) + len(_REGISTRY))
+        _REGISTRY[name] = Study(name, title, fn, place, (fn.__doc__ or "").strip().split("\n")[0], grid, check)
         return fn
 
     return deco

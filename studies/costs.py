@@ -56,7 +56,12 @@ def _names(data: dict) -> list[str]:
             if name not in seen:
                 seen.append(name)
     whole = "(whole job)"
-    return [n for n in seen if n != whole] + ([whole] if whole in seen else [])
+    # the report's order (STUDY_MODULES), then any other study measured, then the whole job
+    from .contract import STUDY_MODULES
+
+    order = {m.rsplit(".", 1)[1]: i for i, m in enumerate(STUDY_MODULES)}
+    studies = sorted((n for n in seen if n != whole), key=lambda n: (order.get(n, len(order)), seen.index(n)))
+    return studies + ([whole] if whole in seen else [])
 
 
 def markdown_table(data: dict | None = None) -> str:

@@ -7,6 +7,7 @@ measures (normalized), a routine of :data:`ROUTINES` solves it with the options 
 
 from __future__ import annotations
 
+import logging
 import math
 import warnings
 
@@ -22,6 +23,8 @@ from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
 from .streaming_sinkhorn import solve_streaming
+
+log = logging.getLogger(__name__)
 
 #: Method name -> routine(problem, eps, options, return_plan, memory_limit) -> dict of raw outputs
 #: (value in normalized units, plan, potentials, error, iterations).
@@ -120,6 +123,10 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         value=value, value_squared=value_sq, method=method, plan=raw["plan"], potentials=potentials,
         error=err, converged=tol is None or err <= tol, iterations=raw["iterations"], precision=raw["precision"],
         reg=opts.get("reg"), debias=opts.get("debias"), tol=tol, max_iter=opts.get("max_iter"))
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("transport %s: %d x %d atoms, d = %d, %s, reg %s, %s iterations, error %.3g, converged %s, "
+                  "value %.6g", method, problem.n, problem.m, mu.points.shape[-1], result.precision, result.reg,
+                  result.iterations, err, result.converged, float(value.detach()))
     if not result.converged:
         report_failure(result, on_failure, stacklevel + 1)
     return result

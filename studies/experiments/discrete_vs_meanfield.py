@@ -89,7 +89,7 @@ def grid(level: str) -> dict:
             "reps": 12, "n_ref": 3000}
 
 
-@register("discrete_vs_meanfield", "Discrete vs mean-field: Lemma 3.2 and convergence in n", order=60, grid=grid)
+@register("discrete_vs_meanfield", "Discrete vs mean-field: Lemma 3.2 and convergence in n", grid=grid)
 def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     """Lemma 3.2 (uniform measure = sequence) and convergence of constants and ratios for i.i.d. samples."""
     out_dir = Path(out_dir)

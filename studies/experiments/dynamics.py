@@ -227,7 +227,7 @@ def meanfield_claim(mf_rows: list[dict], cfg: dict) -> Claim:
                        f"{fr['slope']:.2f} [{fr['lo']:.2f}, {fr['hi']:.2f}]")
 
 
-@register("dynamics", "Token dynamics: Transformers as PDEs", order=80, grid=grid)
+@register("dynamics", "Token dynamics: Transformers as PDEs", grid=grid)
 def dynamics(out_dir: Path, ctx) -> StudyResult:
     """Clusters of token dynamics (V = I polytope, leading eigenvalue, sphere, causal) and the mean-field limit."""
     out_dir = Path(out_dir)

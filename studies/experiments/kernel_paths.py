@@ -237,7 +237,7 @@ def derivative_claim(rows: list[dict]) -> Claim:
                  "stream at the case's size")
 
 
-@register("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel", order=65,
+@register("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel",
           grid=grid)
 def kernel_paths(out_dir: Path, ctx) -> StudyResult:
     """Forward passes, JVP, VJP and certified constants by the fused / streamed paths against the dense kernel."""

@@ -140,7 +140,7 @@ def kim_attained_claim(rows: list[dict]) -> Claim:
         short_measured=f"W_Q = 2I: Lip / bound = {ident['lip_l2'] / ident['kim_bound']:.12f}")
 
 
-@register("l2_attention", "Dot-product vs L2 attention (Kim et al. 2021)", order=70, grid=grid)
+@register("l2_attention", "Dot-product vs L2 attention (Kim et al. 2021)", grid=grid)
 def l2_attention(out_dir: Path, ctx) -> StudyResult:
     """Constants vs R (quadratic for dot-product, bounded for L2) and vs n against Kim's bound."""
     out_dir = Path(out_dir)

@@ -88,7 +88,7 @@ def sup_claim(rows: list[dict]) -> Claim:
                  short_measured=f"{len(over)} of {len(rows)} above; hub: limit / (‖V‖ sqrt(n)) - 1 = {hub_dev:.0e}")
 
 
-@register("large_radius", "Large radius: Theorems 3.7 and 4.5", order=30, grid=grid)
+@register("large_radius", "Large radius: Theorems 3.7 and 4.5", grid=grid)
 def large_radius(out_dir: Path, ctx) -> StudyResult:
     """Local constant vs R converging to ||V|| sqrt(max multiplicity), masked and unmasked."""
     out_dir = Path(out_dir)

@@ -145,7 +145,7 @@ def top_direction_claim(rows: list[dict]) -> Claim:
         short_measured=f"largest deviation {worst:.1e} at eps = {e0:g}; {len(bad)} of {n_mu} slower than linear")
 
 
-@register("masked", "Masked mean-field attention: Definition 2.6 and Theorem 4.4", order=40, grid=grid)
+@register("masked", "Masked mean-field attention: Definition 2.6 and Theorem 4.4", grid=grid)
 def masked(out_dir: Path, ctx) -> StudyResult:
     """Conditional-W2 Lipschitz ratios of random masked pairs vs Theorem 4.4; masked vs unmasked constants."""
     out_dir = Path(out_dir)

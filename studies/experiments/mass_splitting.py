@@ -110,7 +110,7 @@ def closed_form_claim(rows: list[dict]) -> Claim:
         short_measured=f"largest relative deviation {max(dev):.1e} over {len(rows)} split measures")
 
 
-@register("mass_splitting", "Mass splitting: split vs unsplit weighted constants", order=50, grid=grid)
+@register("mass_splitting", "Mass splitting: split vs unsplit weighted constants", grid=grid)
 def mass_splitting(out_dir: Path, ctx) -> StudyResult:
     """Ratio of split to unsplit weighted constants over atom positions and split fractions (d = 1, 2)."""
     out_dir = Path(out_dir)

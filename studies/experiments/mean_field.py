@@ -149,7 +149,7 @@ def peak_claim(curve: list[dict], n_star: float, log_upper: float, gamma: float,
                        f"{dev:.0e})")
 
 
-@register("mean_field", "The mean-field regime: Theorem 3.5 and Proposition 3.6", order=20, grid=grid)
+@register("mean_field", "The mean-field regime: Theorem 3.5 and Proposition 3.6", grid=grid)
 def mean_field(out_dir: Path, ctx) -> StudyResult:
     """Two-Dirac constant vs R; constant vs n from sqrt(n) growth to saturation (2-atom measures)."""
     out_dir = Path(out_dir)

@@ -95,7 +95,7 @@ def witness_claim(rows: list[dict], gamma: float, R: float, case: str) -> Claim:
         short_measured=f"largest deviation from the predicted factor {dev:.1e} (tolerance {tol:.0e})")
 
 
-@register("sqrt_n", "The sqrt(n) regime: Theorems 3.3/4.3 and Proposition 3.4", order=10, grid=grid)
+@register("sqrt_n", "The sqrt(n) regime: Theorems 3.3/4.3 and Proposition 3.4", grid=grid)
 def sqrt_n(out_dir: Path, ctx) -> StudyResult:
     """Local Lipschitz constant vs n: random and adversarial inputs, masked and unmasked, with bounds."""
     out_dir = Path(out_dir)

@@ -24,7 +24,6 @@ certified constant of the best input found is a lower bound on Lip(f on B_R^n). 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
@@ -44,6 +43,7 @@ from meanfield import (
     plain_gradient_ascent,
     worst_case_sequence,
 )
+from particles.threads import ThreadPolicy
 
 from .. import plotting as P
 from ..common import random_A
@@ -53,7 +53,7 @@ from ..io import write_csv, write_json, write_with
 
 __all__ = ["worst_case", "grid", "search_task", "case_matrix", "witness_sequence", "naive_attention",
            "dense_constant", "input_key", "bracket_claim", "witness_claim", "dense_claim", "plain_claim",
-           "PLAIN_MARGIN", "one_thread"]
+           "PLAIN_MARGIN"]
 
 log = logging.getLogger(__name__)
 
@@ -83,26 +83,6 @@ def grid(level: str) -> dict:
             "plain_random": 8,
             "layers": {"model": "minilm", "layers": [0, 5], "n": 16, "budget": 6000, "random": 2, "clusters": 2,
                        "plain": True, "heads": "all"}}
-
-
-@contextlib.contextmanager
-def one_thread():
-    """torch (and numpy's BLAS, where threadpoolctl is installed) on one thread: the problems are small, and on
-    a shared machine extra BLAS threads only spin (a 384 x 384 eigen-decomposition measured 100x slower with
-    two threads than with one while another process used the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:
-            limits = contextlib.nullcontext()
-        else:
-            limits = threadpool_limits(1)
-        with limits:
-            yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------- independent pieces
@@ -420,11 +400,13 @@ def check(ctx) -> None:
         preflight.check_packaged_model(ctx.cache)
 
 
-@register("worst_case", "How smooth is this layer? Certified worst-case inputs between the bounds", order=95,
+@register("worst_case", "How smooth is this layer? Certified worst-case inputs between the bounds",
           grid=grid, check=check)
 def worst_case(out_dir: Path, ctx) -> StudyResult:
     """Certified worst-case inputs: the bracket on Lip(f on B_R^n) vs n and R, against the witness and plain ascent."""
-    with one_thread():
+    # small products: one thread unless --threads / $SMOOTH_ATTENTION_THREADS says otherwise (on a shared
+    # machine a second thread only spins: a 384 x 384 eigen-decomposition measured 100x slower on two)
+    with ThreadPolicy(step_seconds=0.0):
         return _run(Path(out_dir), ctx)
 
 

@@ -285,6 +285,8 @@ def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, 
                 store.write(keys[i], payload)
                 if out["status"] == "ok":
                     bar.update(1)
+                    log.debug("%s: %s done in %.2f s (pid %s)", name, tasks[i], out.get("elapsed_s", float("nan")),
+                              out.get("pid"))
                 else:
                     n_failed += 1
                     log.debug("%s: task %s failed after %d attempt(s): %s", name, tasks[i], attempts[i],

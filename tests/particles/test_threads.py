@@ -4,6 +4,8 @@ processes' running threads, so that the decisions are tested whatever the test m
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -103,3 +105,18 @@ def test_local_lipschitz_gives_the_same_value_on_any_thread_count(four_cores):
         values.append(local_lipschitz(op, X, tol=1e-10).value)
         assert torch.get_num_threads() == 4
     assert max(values) - min(values) <= 1e-12 * values[0]
+
+
+def test_using_threads_sets_and_restores_the_override_and_the_environment(monkeypatch):
+    from particles.threads import ENV, requested_threads, using_threads
+
+    monkeypatch.setenv(ENV, "3")
+    with using_threads(1, environment=True) as n:
+        assert n == 1 and requested_threads() == 1 and os.environ[ENV] == "1"
+        with th.ThreadPolicy() as policy:
+            assert policy.threads == 1 and torch.get_num_threads() == 1
+    assert requested_threads() == 3 and os.environ[ENV] == "3"
+    with pytest.raises(ValueError, match="threads"):
+        with using_threads(0):
+            pass
+    assert requested_threads() == 3

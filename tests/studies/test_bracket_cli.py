@@ -181,3 +181,49 @@ def test_bracket_text_cache_and_radius_errors_exit_64(checkpoint, tmp_path, caps
                  str(tmp_path / "big"), "--quiet"]) == 0
     meta = read_header(tmp_path / "big" / "worst_case_input.npz")["metadata"]
     assert meta["lower"] <= meta["upper"]
+
+
+def test_bracket_says_when_the_starts_cost_more_than_the_budget(checkpoint, tmp_path, capsys):
+    """--budget 1: the starts are certified anyway (a lower bound needs a certified value); the output says
+    what they cost and that the ascent made no step, instead of promising a budget it then exceeds."""
+    folder, _ = checkpoint
+    out = tmp_path / "b1"
+    assert main(["bracket", "--checkpoint", str(folder), "--n", "4", "--radius", "1", "--budget", "1",
+                 "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["products"] == meta["start_products"] > 1 and meta["stopped"] == "budget"
+    assert f"{meta['products']} Jacobian products ({meta['start_products']} certifying" in captured.out
+    assert "the ascent made no step" in captured.out and f"above {meta['start_products']}" in captured.out
+    assert "certifying the starts comes first" in captured.err
+
+
+@pytest.mark.skipif(not pretrained.is_installed(pretrained.MINILM), reason="the pretrained extra is not installed")
+def test_bracket_says_the_text_was_projected_into_the_ball(tmp_path, capsys):
+    """MiniLM's layer-0 inputs have norms near 10: at --radius 5 the text lies outside B_R, and the output
+    says that its constant is the projected text's, with the count and the largest norm."""
+    out = tmp_path / "t"
+    assert main(["bracket", "--model", "minilm", "--n", "4", "--radius", "5", "--budget", "50", "--out",
+                 str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["text_tokens_outside"] == 4
+    assert "projected into B_R" in printed and "own constant" not in printed
+
+
+def test_bracket_verbose_shows_the_solvers_and_threads_override(checkpoint, tmp_path, capsys, monkeypatch):
+    """-v prints each certified constant's solver, products and threads; --threads 1 is applied (and the
+    environment restored afterwards); a malformed --threads is a usage error naming the option."""
+    from particles import threads
+
+    folder, _ = checkpoint
+    monkeypatch.delenv(threads.ENV, raising=False)
+    assert main(["bracket", "--checkpoint", str(folder), "--n", "3", "--radius", "1", "--budget", "50",
+                 "--threads", "1", "-v", "--out", str(tmp_path / "v")]) == 0
+    err = capsys.readouterr().err
+    assert "meanfield.lipschitz DEBUG: local_lipschitz:" in err and "1 thread(s)" in err
+    assert threads.ENV not in __import__("os").environ and threads.requested_threads() is None
+    with pytest.raises(SystemExit) as exc:
+        main(["bracket", "--checkpoint", str(folder), "--threads", "0"])
+    assert exc.value.code == EXIT_USAGE
+    assert "--threads" in capsys.readouterr().err

@@ -286,3 +286,26 @@ def test_a_missing_study_module_is_reported_not_skipped(monkeypatch):
     monkeypatch.undo()
     contract.registry()
     assert "studies.experiments.no_such_study" not in contract.import_errors()
+
+
+def test_the_report_order_is_said_once_in_study_modules():
+    """The framework's studies run in the order of STUDY_MODULES (no second number to keep in step), the
+    package docstring lists them in that order, and a study registered from elsewhere comes after them."""
+    import studies.experiments as experiments
+
+    names = [m.rsplit(".", 1)[1] for m in contract.STUDY_MODULES]
+    builtin = [n for n in contract.registry() if n in names]
+    assert builtin == names
+    listed = [line.split()[0] for line in experiments.__doc__.splitlines()[2:] if line.strip()]
+    assert listed == names
+
+    def run(out_dir, ctx):
+        raise AssertionError("not run")
+
+    register("zz_user_study", "a user's study")(run)
+    try:
+        assert list(contract.registry())[-1] == "zz_user_study"
+    finally:
+        contract.unregister("zz_user_study")
+    with pytest.raises(TypeError, match="order"):
+        register("zz_bad", "bad order", order="first")
