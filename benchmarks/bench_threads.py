@@ -68,7 +68,7 @@ def workloads(quick: bool):
     return [
         ("local_lipschitz, SelfAttention n=512 d=3 (small products)", lambda: local_lipschitz(small, X512)),
         (f"local_lipschitz, GPT-2-sized layer float32, n={Xl.shape[0]}", lambda: local_lipschitz(layer32, Xl)),
-        (f"transport.solve streaming, N={N} d=3, reg=1e-2", lambda: solve(mu, nu, method="streaming", reg=1e-2)),
+        (f"transport.solve streaming, N={N} d=3, reg=0.1", lambda: solve(mu, nu, method="streaming", reg=0.1)),
         (f"simulate rk4, N={cloud.n} d=3, 5 steps", lambda: simulate(op3, cloud, [0.0, 0.5], options={"steps": 5})),
     ]
 

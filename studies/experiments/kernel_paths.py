@@ -204,7 +204,11 @@ def forward_claim(rows: list[dict], path: str) -> Claim:
         "float64; the same operator and input evaluated under kernels.use('dense') (materialized scores, plain "
         "log-sum-exp softmax); the path auto takes is read from meanfield.kernels.choose", kind=THEOREM,
         fails_if=f"some case's output differs from the dense kernel's by more than {TOL:g} (relative), or auto does "
-                 f"not take the {path} path at the case's size (the claim would not test it)")
+                 f"not take the {path} path at the case's size (the claim would not test it)",
+        short=f"the {'streamed' if path == 'stream' else path} attention kernel computes the dense kernel's map",
+        short_measured=(f"{len(off)} of {len(sel)} cases off; largest deviation "
+                        f"{max(r['deviation'] for r in sel):.1e}" if sel else "no case")
+                       + ("; auto took another path" if wrong_path else ""))
 
 
 _FORWARD = {"fused": ("weighted measure", "causal sequence", "weighted causal atoms", "masked measure"),
@@ -234,7 +238,11 @@ def derivative_claim(rows: list[dict]) -> Claim:
         f"products (tolerance {LIP_TOL:g}); the dense reference under kernels.use('dense')", kind=THEOREM,
         fails_if=f"J u or J^T w differs from the dense path's by more than {TOL:g} (relative), the two certified "
                  "constants differ by more than their error bars (or one misses its tolerance), or auto does not "
-                 "stream at the case's size")
+                 "stream at the case's size",
+        short="streamed kernel: J u, J^T w and certified Lip equal the dense kernel's",
+        short_measured=(f"{len(off)} of {len(sel)} cases off; J u, J^T w within "
+                        f"{max(max(r['deviation_jvp'], r['deviation_vjp']) for r in sel):.1e}" if sel else "no case")
+                       + ("; auto took another path" if wrong_path else ""))
 
 
 @register("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel",
