@@ -120,3 +120,47 @@ def test_using_threads_sets_and_restores_the_override_and_the_environment(monkey
         with using_threads(0):
             pass
     assert requested_threads() == 3
+
+
+def _fake_proc(root, running_total, procs):
+    """A /proc tree: /proc/stat with procs_running, and per process (pid, nice, thread states)."""
+    (root / "stat").write_text(f"cpu  1 2 3\nprocs_running {running_total}\nprocs_blocked 0\n")
+    for pid, nice, states in procs:
+        fields = [states[0]] + ["0"] * 15 + [str(nice), str(len(states))] + ["0"] * 20
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (job a) b) " + " ".join(fields) + "\n")
+        for k, st in enumerate(states):
+            t = root / str(pid) / "task" / str(pid + k)
+            t.mkdir(parents=True)
+            t.joinpath("stat").write_text(f"{pid + k} (job) " + " ".join([st] + fields[1:]) + "\n")
+    me = root / "self" / "task" / "1"
+    me.mkdir(parents=True, exist_ok=True)
+    me.joinpath("stat").write_text("1 (me) R " + " ".join(["0"] * 40) + "\n")
+
+
+def test_niced_jobs_do_not_count_as_busy_cores(tmp_path, monkeypatch):
+    """procs_running counts every running thread; those of processes at a larger nice value than ours (a
+    background job started with nice) yield the cores and are not subtracted from the free ones, those at
+    our priority are (a command name with ')' and spaces is parsed from its last ')')."""
+    monkeypatch.setattr(th, "PROC", str(tmp_path))
+    monkeypatch.setattr(th, "_yield_cache", [-float("inf"), 0])
+    monkeypatch.setattr(th.os, "getpriority", lambda *a: 0)
+    # this process (1 running thread), a niced job with 2 running threads and one sleeping, a job at our
+    # priority with 1 running thread: procs_running = 1 + 2 + 1
+    _fake_proc(tmp_path, 4, [(100, 19, "RRS"), (200, 0, "R")])
+    assert th._yielding_elsewhere() == 2
+    assert th._running_elsewhere() == 1.0
+    monkeypatch.setattr(th, "_cores", lambda: 4)
+    assert th.free_cores() == 3
+
+
+def test_yielding_count_is_reused_for_a_while(tmp_path, monkeypatch):
+    monkeypatch.setattr(th, "PROC", str(tmp_path))
+    monkeypatch.setattr(th, "_yield_cache", [-float("inf"), 0])
+    monkeypatch.setattr(th.os, "getpriority", lambda *a: 0)
+    _fake_proc(tmp_path, 3, [(100, 10, "RR")])
+    calls = []
+    real = th._yielding_elsewhere
+    monkeypatch.setattr(th, "_yielding_elsewhere", lambda: calls.append(1) or real())
+    assert th._running_elsewhere() == 0.0 and th._running_elsewhere() == 0.0
+    assert len(calls) == 1
