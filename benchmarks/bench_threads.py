@@ -110,29 +110,38 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="spinning processes for the busy part")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--skip-idle", action="store_true")
+    ap.add_argument("--skip-idle", action="store_true", help="leave out the machine-as-it-is part")
+    ap.add_argument("--skip-busy", action="store_true", help="leave out the part with spinning processes")
     ap.add_argument("--write", action="store_true", help="write benchmarks/threads.md")
+    ap.add_argument("--append", action="store_true", help="with --write: add the tables to benchmarks/threads.md")
     args = ap.parse_args(argv)
     work = workloads(args.quick)
     sections = []
     if not args.skip_idle:
         rows = [(name, measure(fn, args.repeats)) for name, fn in work]
-        sections.append(table(rows, "As the machine is (idle when nothing else runs)", 0))
+        one_min = os.getloadavg()[0]
+        sections.append(table(rows, "As the machine is: " + ("idle" if one_min < 0.5 else
+                                                            f"other jobs running (load {one_min:.1f})"), 0))
         print(sections[-1], "\n", flush=True)
-    procs = spinners(args.busy)
-    try:
-        time.sleep(1.0)
-        rows = [(name, measure(fn, args.repeats)) for name, fn in work]
-    finally:
-        for p in procs:
-            p.kill()
-    sections.append(table(rows, f"Busy: {args.busy} other processes spinning", args.busy))
-    print(sections[-1], flush=True)
+    if not args.skip_busy:
+        procs = spinners(args.busy)
+        try:
+            time.sleep(1.0)
+            rows = [(name, measure(fn, args.repeats)) for name, fn in work]
+        finally:
+            for p in procs:
+                p.kill()
+        sections.append(table(rows, f"Busy: {args.busy} other processes spinning", args.busy))
+        print(sections[-1], flush=True)
     if args.write:
         cmd = "python benchmarks/bench_threads.py " + " ".join(argv if argv is not None else sys.argv[1:])
         head = ["# Thread policy", "", f"Command: `{cmd.strip()}`; {torch.__version__}, "
                 f"{os.cpu_count()} cores.", ""]
-        (ROOT / "benchmarks" / "threads.md").write_text("\n".join(head) + "\n\n".join(sections) + "\n")
+        out = ROOT / "benchmarks" / "threads.md"
+        text = "\n".join(head) + "\n\n".join(sections) + "\n"
+        if args.append and out.exists():
+            text = out.read_text() + "\n" + f"Command: `{cmd.strip()}`\n\n" + "\n\n".join(sections) + "\n"
+        out.write_text(text)
 
 
 if __name__ == "__main__":

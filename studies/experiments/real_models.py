@@ -50,6 +50,8 @@ import torch
 
 from meanfield import adversarial, bounds, local_lipschitz
 from meanfield import hf as mhf
+from meanfield.lipschitz import TOL as _TOL
+from meanfield.lipschitz import default_tol
 
 from .. import models as hf
 from .. import pretrained
@@ -64,9 +66,10 @@ __all__ = ["real_models", "analyze_model", "layer_norms", "LayerBound", "grid", 
 
 log = logging.getLogger(__name__)
 
-# relative accuracy of the certified constants: float32 maps certify to about 1e-4 at best (their rounding
-# floor at the witnesses), and 1e-3 is far below what the exponents and the bound checks need
-TOL = {torch.float32: 1e-3, torch.float64: 1e-6}
+# relative accuracy of the certified constants: meanfield.lipschitz's tolerance by dtype, decided once there
+# (float32 maps certify to about 1e-4 at best, their rounding floor at the witnesses; 1e-3 is far below what the
+# exponents and the bound checks need)
+TOL = _TOL
 PAPER_EXPONENT = report.PAPER_EXPONENT   # n^(1/4) on real text (the paper's Section 5.3; the authors' slides)
 REGIME_FACTOR = 1000           # "n << exp(2 gamma R^2)" taken as exp(2 gamma R^2) >= 1000 n
 SQRT_BAND = 0.05               # tolerance on the witness exponent (finite-n slope of the real layer)
@@ -289,7 +292,7 @@ def _mode_of(model) -> str:
 
 
 def _estimate(op, X, tol=None):
-    tol = TOL[X.dtype] if tol is None else tol
+    tol = default_tol(X.dtype) if tol is None else tol
     est = local_lipschitz(op, X, tol=tol, on_failure="warn")
     return est.value, est.error, est.iterations, est.converged
 
@@ -708,7 +711,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
               f"prose of Python {hf.CORPUS_PYTHON}'s standard-library docstrings, shipped as "
               f"studies/data/{hf.CORPUS_FILE.name} (PSF license; source in {hf.CORPUS_NOTICE.name})"}
     write_json({"models": measured, "failed": failed, "why": why, "corpus": corpus, "grid": g,
-                "tol": {"maps": TOL[dtype], "heads (V = I, float64)": TOL[torch.float64]}},
+                "tol": {"maps": default_tol(dtype), "heads (V = I, float64)": default_tol(torch.float64)}},
                out_dir / "models.json")
     figures = report.plot_all(out_dir, tables, fits, adv_fits) if tables["lipschitz"] else []
 
