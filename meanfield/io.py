@@ -59,7 +59,7 @@ def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
     traj : Trajectory
     path : str or os.PathLike
         Written exactly there (no suffix added), atomically.
-    metadata : dict, optional
+    metadata : dict or None
         A JSON object stored in the header (:func:`particles.io.read_header` reads it back).
 
     Returns
@@ -145,7 +145,7 @@ def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None)
     est : LipschitzEstimate
     path : str or os.PathLike
         Written exactly there (no suffix added), atomically.
-    metadata : dict, optional
+    metadata : dict or None
         A JSON object stored in the header, e.g. what the estimate is of.
 
     Returns

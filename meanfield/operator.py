@@ -54,7 +54,7 @@ class AttentionOperator:
     """
 
     masked: bool = False
-    #: True for operators that cannot weigh keys (bare callables): measures must be uniform, unpositioned
+    #: True for operators that cannot weigh keys (bare callables), whose measures must be uniform and unpositioned
     points_only: bool = False
 
     # -------------------------------------------------------------- the protocol

@@ -80,14 +80,14 @@ class Head:
 
     @property
     def A(self) -> torch.Tensor:
-        """(d, d): the bilinear part of the scores, s(x, y) = <A x, y> + (terms in x alone or y alone)."""
+        """The (d, d) bilinear part of the scores, s(x, y) = <A x, y> + (terms in x alone or y alone)."""
         if self.kind == "l2":
             return 2.0 * self.scale * (self.Q.T @ self.Q)
         return self.scale * (self.K.T @ self.Q)
 
     @property
     def value_map(self) -> torch.Tensor:
-        """(k_v, d): the linear map from a key to its value (V, or V scale Q^T Q for L2 heads)."""
+        """The (k_v, d) linear map from a key to its value (V, or V scale Q^T Q for L2 heads)."""
         if self.kind == "l2":
             return self.V @ (self.scale * (self.Q.T @ self.Q))
         return self.V

@@ -35,7 +35,7 @@ __all__ = ["ThreadPolicy", "timed_probe", "set_threads", "using_threads", "reque
 
 log = logging.getLogger(__name__)
 
-#: the environment variable that overrides the policy: a positive integer, or "auto"
+#: The environment variable that overrides the policy, a positive integer or "auto"
 ENV = "SMOOTH_ATTENTION_THREADS"
 #: seconds of one-thread work per step below which a call stays on one thread
 SMALL_STEP = 2e-3
