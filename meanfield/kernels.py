@@ -121,7 +121,7 @@ def use(method="auto", *, block_size=None, threshold=None):
     streaming path (int or (block_q, block_k)); ``threshold`` the size (entries of the score
     matrix) up to which auto stays dense in every regime (None: :data:`FUSED_THRESHOLD` for fused
     forward passes, :data:`STREAM_THRESHOLD` otherwise). An explicit ``method=`` / ``block_size=``
-    given to ``attend`` wins.
+    given to :func:`attend` wins.
     """
     _check_method(method)
     if threshold is not None:

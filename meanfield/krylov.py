@@ -59,8 +59,12 @@ class SolverResult:
 
     Attributes
     ----------
-    value, error, residual : torch.Tensor
-        The certified ``|J u|``, its error bound, the normalized residual rho.
+    value : torch.Tensor
+        The certified ``|J u|``.
+    error : torch.Tensor
+        Its error bound.
+    residual : torch.Tensor
+        The normalized residual rho.
     vector : torch.Tensor
         (b, ...) unit vectors u, shaped like the inputs.
     converged : torch.Tensor

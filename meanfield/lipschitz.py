@@ -1,4 +1,4 @@
-"""Local Lipschitz constants of attention, certified: ``local_lipschitz`` and ``lipschitz_ratio``
+"""Local Lipschitz constants of attention, certified: :func:`local_lipschitz` and :func:`lipschitz_ratio`
 (docs/math.md section 4).
 
 ``local_lipschitz(f, X)`` estimates Lip_X(f) = ||D_X f||_2, the largest singular value of the

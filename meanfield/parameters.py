@@ -40,8 +40,10 @@ class Head:
 
     Attributes
     ----------
-    Q, K : torch.Tensor
-        The (k, d) query and key maps (for ``"l2"``, K is Q: tied).
+    Q : torch.Tensor
+        The (k, d) query map.
+    K : torch.Tensor
+        The (k, d) key map (for ``"l2"``, K is Q: tied).
     V : torch.Tensor
         The (k_v, d) value map.
     key_bias : torch.Tensor or None

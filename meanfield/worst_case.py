@@ -197,8 +197,10 @@ class WorstCaseResult:
         certified lower bound on Lip(f on B_R^n) (measures: on the W2 constant of F on P(B_R)).
     upper : UpperBound
         The best upper bound the framework knows (:func:`meanfield.upper.operator_upper`).
-    R, n : float, int
-        The radius and the number of tokens (atoms for measures).
+    R : float
+        The radius.
+    n : int
+        The number of tokens (atoms for measures).
     start : str
         Name of the start the best input was reached from.
     starts : tuple

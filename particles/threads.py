@@ -5,7 +5,8 @@ other processes keep the cores busy (a shared workstation, a cluster node), a te
 descheduled, and every barrier waits for the scheduler: small and mid-sized operations then run 10
 to 100 times slower than on one thread, with the same results (benchmarks/threads.md). More threads
 only pay when each step has enough work and free cores exist. So every long-running entry point
-of the framework (``local_lipschitz``, the worst-case search, ``simulate``, ``transport.solve``)
+of the framework (:func:`~meanfield.local_lipschitz`, the worst-case search, :func:`~meanfield.simulate`,
+:func:`transport.solve`)
 runs under a :class:`ThreadPolicy`:
 
 1. an override, if any, wins: :func:`set_threads` (or ``meanfield --threads N``), else the

@@ -1,7 +1,8 @@
 """Models and text for the real-model studies: loading BERT / GPT-2 checkpoints, corpus, tokenizers.
 
-The layers themselves become operators in :mod:`meanfield.hf` (``HFAttention``, ``extract_layer``,
-``capture_attention_inputs``); this module only brings models and text in:
+The layers themselves become operators in :mod:`meanfield.hf` (:class:`~meanfield.hf.HFAttention`,
+:func:`~meanfield.hf.extract_layer`, :func:`~meanfield.hf.capture_attention_inputs`); this module only
+brings models and text in:
 
 * models: :func:`load_model` (a local checkpoint directory or a hub name; offline it fails fast
   with a message naming what was missing) and :func:`random_model` (randomly initialized from

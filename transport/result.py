@@ -49,8 +49,11 @@ class TransportResult:
         float64 where float32 cannot resolve the problem (the network simplex of "exact" in d > 1,
         always; an entropic solve where float32's rounding of the exponents, about 6e-8 squared
         diameter / reg, exceeds ``tol``, or whose certificate in float64 missed ``tol``).
-    reg, debias, tol, max_iter
-        The options the solve used (None where they do not apply).
+    reg : float or None
+        The ``reg`` option the solve used (None where it does not apply), and likewise:
+    debias : bool or None
+    tol : float or None
+    max_iter : int or None
     """
 
     value: float | torch.Tensor

@@ -323,15 +323,20 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     ----------
     mu : Measure
         Of dtype float32 or float64.
-    reg : eps > 0, POT's entropic regularization on squared distances (see :func:`transport.solve`).
-    tol, max_iter, scaling, chunk_elements : as for ``method="streaming"`` of :func:`transport.solve`
-        (defaults in :data:`transport.DEFAULTS`).
-    on_failure : "raise" (a ConvergenceError whose ``.estimate`` is the triple below) or "warn".
-    memory_limit : bytes (or "16G") the blocks may take (default ``$SMOOTH_ATTENTION_MEMORY_LIMIT``).
+    reg : float
+        eps > 0, POT's entropic regularization on squared distances (see :func:`transport.solve`).
+    tol, max_iter, scaling, chunk_elements
+        As for ``method="streaming"`` of :func:`transport.solve` (defaults in :data:`transport.DEFAULTS`).
+    on_failure : ``"raise"`` or ``"warn"``
+        "raise": a :class:`~particles.validation.ConvergenceError` whose ``.estimate`` is the triple
+        below.
+    memory_limit : int or str
+        Bytes (or "16G") the blocks may take (default ``$SMOOTH_ATTENTION_MEMORY_LIMIT``).
 
     Returns
     -------
-    (f, error, iterations) : the potential (N,) in squared-distance units (the soft c-transform on
+    tuple
+        (f, error, iterations): the potential (N,) in squared-distance units (the soft c-transform on
         atoms of zero mass), the L1 error of both marginals of the self coupling, the updates made.
         Precision as for :func:`transport.solve`: float32 measures are solved in float32 where it
         resolves the plan (:meth:`transport.problem.Problem.precision`), the error then measured in
