@@ -6,8 +6,7 @@ descheduled, and every barrier waits for the scheduler: small and mid-sized oper
 to 100 times slower than on one thread, with the same results (benchmarks/threads.md). More threads
 only pay when each step has enough work and free cores exist. So every long-running entry point
 of the framework (:func:`~meanfield.local_lipschitz`, the worst-case search, :func:`~meanfield.simulate`,
-:func:`transport.solve`)
-runs under a :class:`ThreadPolicy`:
+:func:`transport.solve`) runs under a :class:`ThreadPolicy`:
 
 1. an override, if any, wins: :func:`set_threads` (or ``meanfield --threads N``), else the
    environment variable ``SMOOTH_ATTENTION_THREADS`` (a positive integer, or ``auto``);
