@@ -2,7 +2,8 @@
 (numpy style, through napoleon), the mathematical notes (docs/math.md, MyST Markdown with $...$ math)
 and the examples.
 
-Build (warnings are errors): ``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+Build (warnings are errors, every cross-reference must resolve):
+``python -m sphinx -n -W --keep-going -q -b html docs docs/_build/html``.
 """
 
 from __future__ import annotations
@@ -64,4 +65,88 @@ myst_heading_anchors = 3  # math.md links to its own sections by their anchors
 html_theme = "furo"
 html_title = f"smooth-attention {release}"
 html_static_path: list[str] = []
-nitpicky = False
+
+# ---------------------------------------------------------------- cross-references
+# Every reference must resolve (the CI build also passes -n). Only names of other projects may be
+# listed here: there is no intersphinx (the build runs offline), so their references stay unlinked.
+nitpicky = True
+nitpick_ignore_regex = [
+    # PyTorch and NumPy types in signatures and docstrings (torch.Tensor, torch.dtype, numpy.ndarray, ...)
+    ("py:.*", r"(torch|numpy|np)\..+"),
+    # the standard library's types in signatures (pathlib.Path, collections.abc.Callable, os.PathLike, ...)
+    ("py:.*", r"(pathlib|collections\.abc|os|argparse)\..+"),
+    # the Hugging Face transformers layers that meanfield.hf accepts, named in its docstrings
+    ("py:class", r"GPT2Attention|BertSelfAttention|BertAttention"),
+]
+
+
+def _public_alias(app, env, node, contnode):
+    """Resolve a reference written with the path a name is imported from.
+
+    ``meanfield.local_lipschitz`` is documented where it is defined, as
+    ``meanfield.lipschitz.local_lipschitz``: a reference written with the public import path, or with
+    a name the current module imports (``Measure`` in :mod:`meanfield.dynamics`), goes to that
+    description. Constants are found by identity (``transport.DEFAULTS`` is the object documented
+    as ``transport.options.DEFAULTS``). A name documented nowhere still fails the build.
+    """
+    if node.get("refdomain") != "py":
+        return None
+    target = node["reftarget"].lstrip("~.")
+    modname = node.get("py:module")
+    domain = env.get_domain("py")
+    for path in [target] + ([f"{modname}.{target}"] if modname else []):
+        canonical = _canonical(path, domain)
+        if canonical is not None and canonical != path:
+            return domain.resolve_xref(env, node["refdoc"], app.builder, node["reftype"], canonical,
+                                       node.deepcopy(), contnode)
+    return None
+
+
+def _canonical(path, domain):
+    """The name under which the object at ``path`` (a dotted import path) is documented, or None."""
+    import importlib
+    import types
+
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        tail = parts[cut:]
+        base, done, found_all = obj.__name__, 0, True  # base: the documented name of tail[:done]'s object
+        for i, attr in enumerate(tail):
+            if not hasattr(obj, attr):  # a dataclass field without a default, say: named after its class
+                found_all = False
+                break
+            obj = getattr(obj, attr)
+            if isinstance(obj, types.ModuleType):
+                base, done = obj.__name__, i + 1
+            elif all(isinstance(getattr(obj, key, None), str) for key in ("__module__", "__qualname__")):
+                base, done = f"{obj.__module__}.{obj.__qualname__}", i + 1
+        rest = tail[done:]
+        name = ".".join([base, *rest])
+        if name in domain.objects:
+            return name
+        if not found_all:
+            return None
+        # a constant: the documented module-level name bound to this very object
+        found = [other for other, entry in domain.objects.items()
+                 if entry.objtype == "data" and other.rsplit(".", 1)[-1] == parts[-1]
+                 and _lookup(other) is obj]
+        return found[0] if len(found) == 1 else None
+    return None
+
+
+def _lookup(name):
+    import importlib
+
+    home, attr = name.rsplit(".", 1)
+    try:
+        return getattr(importlib.import_module(home), attr, None)
+    except ImportError:
+        return None
+
+
+def setup(app):
+    app.connect("missing-reference", _public_alias)

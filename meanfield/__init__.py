@@ -1,30 +1,40 @@
 """Attention operators on sequences and measures, local Lipschitz constants, bounds and dynamics.
 
-Public names are loaded lazily from the submodules that hold them::
+Public names are loaded lazily from the submodules that hold them:
 
-    operator     AttentionOperator (the protocol: evaluate + parameters)
-    adapters     as_operator, CallableOperator, TorchMultiheadAttention (what users pass, as operators)
-    parameters   Parameters, Head: what an operator is made of (op.parameters())
-    attention    SelfAttention, MultiHeadAttention, L2SelfAttention
-    isotropic    IsotropicAttention (A = beta I, V = I: the sphere models of Geshkovski et al.)
-    hf           HFAttention (Hugging Face attention layers as operators), extract_layer, ...
-    lipschitz    local_lipschitz, lipschitz_ratio, LipschitzEstimate, TOL (the default tolerance by dtype)
-    jacobian     the Jacobian products J u, J^T w behind local_lipschitz
-    krylov       its solvers: Lanczos, power iteration, dense
-    bounds       the paper's bounds as functions (``meanfield.bounds``)
-    upper        operator_upper: the best bound known for a whole operator, from its parameters
-    adversarial  witnesses of the lower bounds (``meanfield.adversarial``)
-    dynamics     simulate (token dynamics, Transformers as PDEs), Trajectory
-    integrators  Euler, RK4, torchdiffeq's adaptive methods
-    geometry     Euclidean, Sphere (where tokens live during the dynamics)
-    kernels      attend (the weighted, causal, log-sum-exp attention kernel)
-    worst_case   worst_case_sequence, worst_case_measure, plain_gradient_ascent, WorstCaseResult,
-                 SearchOptions (certified brackets on the Lipschitz constant on a ball)
-    starts       the search's starting inputs (witnesses, hubs, random)
-    ascent       the certified projected ascent it runs (knows nothing of attention)
-    sigma_gradient  the gradient of a local constant in the input (``meanfield.sigma_gradient.sigma_gradient``)
-    splitting    split_lipschitz (mass splitting, closed form), query_jacobians
-    io           save_trajectory, load_trajectory, save_estimate, load_estimate (.npz, never pickle)
+================================  ======================================================================================
+:mod:`~meanfield.operator`        :class:`AttentionOperator` (the protocol: evaluate + parameters)
+:mod:`~meanfield.adapters`        :func:`as_operator`, :class:`CallableOperator`, :class:`TorchMultiheadAttention` (what
+                                  users pass, as operators)
+:mod:`~meanfield.parameters`      :class:`Parameters`, :class:`Head`: what an operator is made of (``op.parameters()``)
+:mod:`~meanfield.attention`       :class:`SelfAttention`, :class:`MultiHeadAttention`, :class:`L2SelfAttention`
+:mod:`~meanfield.isotropic`       :class:`IsotropicAttention` (A = beta I, V = I: the sphere models of
+                                  Geshkovski et al.)
+:mod:`~meanfield.hf`              :class:`HFAttention` (Hugging Face attention layers as operators),
+                                  :func:`~meanfield.hf.extract_layer`, ...
+:mod:`~meanfield.lipschitz`       :func:`local_lipschitz`, :func:`lipschitz_ratio`, :class:`LipschitzEstimate`,
+                                  :data:`~meanfield.lipschitz.TOL` (the default tolerance by dtype)
+:mod:`~meanfield.jacobian`        the Jacobian products J u, J^T w behind :func:`local_lipschitz`
+:mod:`~meanfield.krylov`          its solvers: Lanczos, power iteration, dense
+:mod:`~meanfield.bounds`          the paper's bounds as functions
+:mod:`~meanfield.upper`           :func:`operator_upper`: the best bound known for a whole operator, from its parameters
+:mod:`~meanfield.adversarial`     witnesses of the lower bounds
+:mod:`~meanfield.dynamics`        :func:`simulate` (token dynamics, Transformers as PDEs), :class:`Trajectory`
+:mod:`~meanfield.integrators`     Euler, RK4, torchdiffeq's adaptive methods
+:mod:`~meanfield.geometry`        :class:`Euclidean`, :class:`Sphere` (where tokens live during the dynamics)
+:mod:`~meanfield.kernels`         :func:`attend` (the weighted, causal, log-sum-exp attention kernel)
+:mod:`~meanfield.worst_case`      :func:`worst_case_sequence`, :func:`worst_case_measure`,
+                                  :func:`plain_gradient_ascent`, :class:`WorstCaseResult`, :class:`SearchOptions`
+                                  (certified brackets on the Lipschitz constant on a ball)
+:mod:`~meanfield.starts`          the search's starting inputs (witnesses, hubs, random)
+:mod:`~meanfield.ascent`          the certified projected ascent it runs (knows nothing of attention)
+:mod:`~meanfield.sigma_gradient`  the gradient of a local constant in the input
+                                  (:func:`~meanfield.sigma_gradient.sigma_gradient`)
+:mod:`~meanfield.splitting`       :func:`split_lipschitz` (mass splitting, closed form),
+                                  :func:`~meanfield.splitting.query_jacobians`
+:mod:`~meanfield.io`              :func:`save_trajectory`, :func:`load_trajectory`, :func:`save_estimate`,
+                                  :func:`load_estimate` (.npz, never pickle)
+================================  ======================================================================================
 
 Measures are saved with :func:`particles.save_measure` / :func:`particles.load_measure`.
 """

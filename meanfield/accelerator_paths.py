@@ -40,7 +40,7 @@ __all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRA
            "TRITON_DTYPES", "TRITON_MAX_FEATURES", "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine",
            "tile_shape", "fused_widths", "fused_or_stream"]
 
-#: dense up to this many score entries (all batch entries) on an accelerator: below it the dense path's
+#: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
 #: 0.24-0.83 ms for auto's fused call on an H100; benchmarks/gpu.md re-measures it)
 CUDA_DENSE_THRESHOLD = 2**21

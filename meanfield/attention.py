@@ -75,17 +75,17 @@ class SelfAttention(AttentionOperator):
 
     Parameters
     ----------
-    A : (d, d)
+    A : ``(d, d)``
         Score matrix, s_ij = <A x_i, x_j> = x_j^T A x_i (A = K^T Q / sqrt(k)).
-    V : (d_out, d)
+    V : ``(d_out, d)``
         Value matrix (may be rectangular).
     masked : bool
         Causal attention f^m: query i sees keys j <= i (on measures: positions s_j <= s_i).
-    key_bias : (d,), optional
+    key_bias : ``(d,)`` or None
         c adding <c, x_j> to every score s_ij (what a query bias b_Q becomes: c = K^T b_Q / sqrt(k)).
-    value_bias : (d_out,), optional
+    value_bias : ``(d_out,)`` or None
         b added to every output (P is row-stochastic, so b_V passes through unchanged).
-    dtype : optional
+    dtype : torch.dtype or None
         Convert the parameters (default: float64 for numpy input, a float tensor's own dtype).
     """
 
@@ -150,7 +150,7 @@ class SelfAttention(AttentionOperator):
     # -------------------------------------------------------------- properties
     @property
     def A(self) -> torch.Tensor:
-        """The (d, d) score matrix: s_ij = <A x_i, x_j>."""
+        """The (d, d) score matrix, s_ij = <A x_i, x_j>."""
         return self._Qf if self._Kf is None else self._Kf.T @ self._Qf
 
     @property
@@ -403,21 +403,21 @@ class L2SelfAttention(AttentionOperator):
         F^h(X) = P^h X A_h,   A_h = W_Q^h W_Q^h^T / sqrt(D/H)     (D x D),
         f(X)   = [F^1(X) W_V^1, ..., F^H(X) W_V^H] W_O (+ bias).
 
-    Parameters
-    ----------
-    W_Q : (H, D, k) or (D, k)
-        Tied query/key weights of each head; sqrt(D/H) is taken as sqrt(k), the head size.
-    W_V : (H, D, k_v) or (D, k_v)
-        Value weights (applied after A_h).
-    W_O : (H k_v, D_out), optional
-        Output weights, applied on the right (None: the identity, i.e. plain concatenation).
-    bias : (D_out,), optional
-    masked : bool
-        Causal variant (keys j <= i; positions for measures).
-
     Through the kernel: ``-|q_i - q_j|^2 = -|q_i|^2 + 2 <q_i, q_j> - |q_j|^2`` and the first term
     cancels in the softmax, so queries are 2 q_i / sqrt(k), keys q_j and the additive key score
     is ``-|q_j|^2 / sqrt(k)``.
+
+    Parameters
+    ----------
+    W_Q : ``(H, D, k)`` or ``(D, k)``
+        Tied query/key weights of each head; sqrt(D/H) is taken as sqrt(k), the head size.
+    W_V : ``(H, D, k_v)`` or ``(D, k_v)``
+        Value weights (applied after A_h).
+    W_O : ``(H k_v, D_out)`` or None
+        Output weights, applied on the right (None: the identity, i.e. plain concatenation).
+    bias : ``(D_out,)`` or None
+    masked : bool
+        Causal variant (keys j <= i; positions for measures).
     """
 
     def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):

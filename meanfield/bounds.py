@@ -674,7 +674,8 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
 
     Returns
     -------
-    (A', R', t) ; for c = 0 (or None) the lift is skipped: (A, R, 0.0).
+    tuple
+        (A', R', t); for c = 0 (or None) the lift is skipped: (A, R, 0.0).
     """
     a = _square(A)
     R = check_radius(R, "R")

@@ -81,7 +81,7 @@ class Trajectory:
 
     @property
     def sphere(self) -> bool:
-        """Deprecated: ``geometry == "sphere"``."""
+        """Deprecated, the same as ``geometry == "sphere"``."""
         warnings.warn("Trajectory.sphere: use Trajectory.geometry ('euclidean' or 'sphere')", DeprecationWarning,
                       stacklevel=2)
         return self.geometry == "sphere"
@@ -254,24 +254,24 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         sub-intervals of [times[0], times[-1]] (layer boundaries are step boundaries, so piecewise
         constant parameters keep the order of the scheme); a callable is evaluated at every stage
         time (use it for smooth t-dependence).
-    mu0 : Measure or tensor (N, d)
+    mu0 : :class:`~particles.Measure` or tensor ``(N, d)``
         Initial particles at ``times[0]`` (a tensor is the empirical measure). Weights, and the
         positions of a masked measure, are kept constant.
-    times : increasing sequence (T,) or a number t1
+    times : increasing sequence ``(T,)`` or a number ``t1``
         Requested output times; ``times[0]`` is the initial time (a number means [0, t1]).
     method : str
         "euler", "rk4", or a torchdiffeq adaptive method ("dopri5", "bosh3", "dopri8", ...).
         Euler with 1 step per layer on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x).
-    rtol, atol : float, optional
+    rtol, atol : float or None
         Tolerances of the adaptive methods (default 1e-7 and 1e-9); an error with a fixed-step method.
-    geometry : Euclidean(), Sphere(), "euclidean" or "sphere" (default: Euclidean)
+    geometry : ``Euclidean()``, ``Sphere()``, ``"euclidean"`` or ``"sphere"`` (default: Euclidean)
         Where the tokens live (:mod:`meanfield.geometry`): the field is projected on the tangent
         spaces and the points retracted after each step. The sphere models of Geshkovski et al. are
         ``simulate(IsotropicAttention(beta, "SA"), mu0, times, geometry="sphere")``.
-    rescale : bool or matrix (d, d)
+    rescale : bool or matrix ``(d, d)``
         True: return y = exp(-tV) x with V the value matrix of a single-head operator (read from
         ``op.parameters()``), or the matrix given. See the module docstring.
-    options : dict, optional
+    options : dict or None
         Fixed-step methods: ``step`` (largest step size) or ``steps`` (steps between consecutive
         requested times); by default 100 steps over the whole span. Adaptive methods: ``max_steps``
         (per layer, default 100000; beyond it a RuntimeError says it did not converge) and any
@@ -279,11 +279,13 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
 
     Returns
     -------
-    Trajectory with the measures at the requested times only.
+    Trajectory
+        The measures at the requested times only.
 
     Raises
     ------
-    FloatingPointError when the particles leave the floating-point range (with the time).
+    FloatingPointError
+        When the particles leave the floating-point range (with the time).
 
     Notes
     -----

@@ -331,8 +331,8 @@ def causal_mask(n: int, dtype: torch.dtype = torch.float64, device=None) -> torc
 def attention_function(model, layer: int, *, masked: bool | None = None, block: bool = False
                        ) -> Callable[[torch.Tensor], torch.Tensor]:
     """Layer ``layer``'s attention as a plain function X (..., n, d) -> (..., n, d): the sequence map of
-    ``HFAttention.from_model(model, layer, masked=masked, block=block)``, with attributes ``masked``,
-    ``layer``, ``kind`` and ``operator``."""
+    :meth:`HFAttention.from_model(model, layer, masked=masked, block=block) <HFAttention.from_model>`,
+    with attributes ``masked``, ``layer``, ``kind`` and ``operator``."""
     op = HFAttention.from_model(model, layer, masked=masked, block=block)
 
     def f(X: torch.Tensor) -> torch.Tensor:
@@ -390,7 +390,7 @@ class LayerParameters:
         return self.W_O[:, head * k:(head + 1) * k]
 
     def to_meanfield(self, masked: bool | None = None):
-        """The layer as ``meanfield.MultiHeadAttention`` (heads from ``SelfAttention.from_qkv``)."""
+        """The layer as :class:`meanfield.MultiHeadAttention` (heads from :meth:`meanfield.SelfAttention.from_qkv`)."""
         from .attention import MultiHeadAttention, SelfAttention
 
         masked = self.masked if check_bool(masked, "masked", allow_none=True) is None else masked

@@ -1,6 +1,6 @@
 """Time integrators of the token dynamics: fixed-step Euler and RK4, and torchdiffeq's adaptive solvers.
 
-``FIXED`` maps a method name to one step ``step(f, t, Y, h, layer) -> Y_next``; ``ADAPTIVE`` lists the
+:data:`FIXED` maps a method name to one step ``step(f, t, Y, h, layer) -> Y_next``; :data:`ADAPTIVE` lists the
 adaptive Runge-Kutta methods of ``torchdiffeq.odeint`` (its public entry point). Explicit Euler with
 step 1/L on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x) (docs/math.md section 6).
 
@@ -37,8 +37,9 @@ def rk4_step(f, t, Y, h, layer):
     return Y + (h / 6) * (k1 + 2 * k2 + 2 * k3 + k4)
 
 
+#: The fixed-step methods by name, each one step ``step(f, t, Y, h, layer) -> Y_next``
 FIXED = {"euler": euler_step, "rk4": rk4_step}
-#: adaptive methods of torchdiffeq.odeint (documented names; the solver is reached through odeint only)
+#: Adaptive methods of torchdiffeq.odeint (documented names; the solver is reached through odeint only)
 ADAPTIVE = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 
 

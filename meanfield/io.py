@@ -59,7 +59,7 @@ def save_trajectory(traj: Trajectory, path, *, metadata: dict | None = None):
     traj : Trajectory
     path : str or os.PathLike
         Written exactly there (no suffix added), atomically.
-    metadata : dict, optional
+    metadata : dict or None
         A JSON object stored in the header (:func:`particles.io.read_header` reads it back).
 
     Returns
@@ -145,7 +145,7 @@ def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None)
     est : LipschitzEstimate
     path : str or os.PathLike
         Written exactly there (no suffix added), atomically.
-    metadata : dict, optional
+    metadata : dict or None
         A JSON object stored in the header, e.g. what the estimate is of.
 
     Returns
@@ -169,7 +169,7 @@ def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None)
 def load_estimate(path, *, device=None) -> LipschitzEstimate:
     """Read an estimate written by :func:`save_estimate`; every field is checked against its type and
     its meaning: ``value`` finite and >= 0, ``error`` and ``residual`` >= 0 (infinite only for an
-    estimate that did not converge), counts >= 0, ``method`` one of ``local_lipschitz``'s, ``vector`` a
+    estimate that did not converge), counts >= 0, ``method`` one of :func:`~meanfield.local_lipschitz`'s, ``vector`` a
     finite unit vector.
 
     Raises

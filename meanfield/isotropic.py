@@ -34,7 +34,7 @@ from .parameters import Head, Parameters
 
 __all__ = ["IsotropicAttention", "NORMALIZATIONS", "SphereAttention", "SPHERE_MODELS"]
 
-#: the two normalizations: SA (softmax) and USA (unnormalized, the 1/n of uniform weights)
+#: The two normalizations, SA (softmax) and USA (unnormalized, the 1/n of uniform weights)
 NORMALIZATIONS = ("SA", "USA")
 SPHERE_MODELS = NORMALIZATIONS   # the previous release's name
 

@@ -55,15 +55,15 @@ from .streamed_attention import _transforms_active, sequence_mask
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
-#: auto: passes that need derivatives, or masks the fused kernel cannot take, stream above this many
+#: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
 STREAM_THRESHOLD = 2**15
-#: auto: the same inside torch.func transforms, where the streamed derivatives take their
+#: With ``method="auto"``, the same inside torch.func transforms, where the streamed derivatives take their
 #: differentiable (slower) engine
 TRANSFORM_STREAM_THRESHOLD = 2**16
-#: auto: forward passes the fused kernel applies to go fused above this many score entries
+#: With ``method="auto"``, forward passes the fused kernel applies to go fused above this many score entries
 FUSED_THRESHOLD = 2**14
-#: auto: forward passes with arbitrary positions are dense up to the first bound, fused (with an
+#: With ``method="auto"``, forward passes with arbitrary positions are dense up to the first bound, fused (with an
 #: explicit boolean mask of at most 4 MiB) up to the second, streamed above
 MASKED_FUSED_RANGE = (2**16, 2**22)
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ def use(method="auto", *, block_size=None, threshold=None):
     streaming path (int or (block_q, block_k)); ``threshold`` the size (entries of the score
     matrix) up to which auto stays dense in every regime (None: :data:`FUSED_THRESHOLD` for fused
     forward passes, :data:`STREAM_THRESHOLD` otherwise). An explicit ``method=`` / ``block_size=``
-    given to ``attend`` wins.
+    given to :func:`attend` wins.
     """
     _check_method(method)
     if threshold is not None:

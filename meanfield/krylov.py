@@ -44,7 +44,7 @@ from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, _
 
 __all__ = ["SolverResult", "SOLVERS", "lanczos", "power", "dense", "PATIENCE"]
 
-#: power iteration: iterations without a 1% gain of the best certified error after which it has stalled
+#: Iterations of the power iteration without a 1% gain of the best certified error, after which it has stalled
 PATIENCE = 50
 #: target of the float32 phase of the mixed Lanczos: its own rounding (~1e-7 of |J|) limits what it can certify
 _LOW_TARGET = 2 * torch.finfo(torch.float32).eps
@@ -59,8 +59,12 @@ class SolverResult:
 
     Attributes
     ----------
-    value, error, residual : torch.Tensor
-        The certified ``|J u|``, its error bound, the normalized residual rho.
+    value : torch.Tensor
+        The certified ``|J u|``.
+    error : torch.Tensor
+        Its error bound.
+    residual : torch.Tensor
+        The normalized residual rho.
     vector : torch.Tensor
         (b, ...) unit vectors u, shaped like the inputs.
     converged : torch.Tensor
@@ -345,7 +349,7 @@ class _Certificates:
 def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
     """Lanczos on B = J^T J with full reorthogonalization, one Krylov basis per batch member.
 
-    Stops when the explicit certificate of the Ritz vector (:func:`_rayleigh`) meets ``tol``; the
+    Stops when the explicit certificate of the Ritz vector (from fresh products J u) meets ``tol``; the
     Lanczos residual estimate only decides when to compute it. When the estimate says the target is
     met but the certificate misses ``tol``, the next pass tightens the target and adds at least one
     vector; once a pass no longer halves the certified error, the run stops (``stalled``: the

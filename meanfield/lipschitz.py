@@ -1,4 +1,4 @@
-"""Local Lipschitz constants of attention, certified: ``local_lipschitz`` and ``lipschitz_ratio``
+"""Local Lipschitz constants of attention, certified: :func:`local_lipschitz` and :func:`lipschitz_ratio`
 (docs/math.md section 4).
 
 ``local_lipschitz(f, X)`` estimates Lip_X(f) = ||D_X f||_2, the largest singular value of the
@@ -68,12 +68,12 @@ __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "Convergen
 
 METHODS = tuple(SOLVERS)
 
-#: Default relative tolerance of the certificate (error <= tol * value) by the input's dtype: what the
+#: Default relative tolerance of the certificate (error <= tol * value) by the input's dtype, what the
 #: products of that precision certify on the framework's problems (attention layers up to d = 768,
 #: radii up to 100), with room to spare. Other tolerances are given with ``tol=``.
 TOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
-#: Default iteration budget by method (lanczos: Krylov dimension; power: iterations; dense: one pass)
+#: Default iteration budget by method (the Krylov dimension for lanczos, iterations for power, one pass for dense)
 MAX_ITER = {"lanczos": 300, "power": 5000, "dense": 1}
 
 #: entries per batch member from which float32 products pay for their set-up (mixed=None)
@@ -155,7 +155,7 @@ class LipschitzEstimate:
 
     @property
     def upper(self):
-        """value + error: an upper bound once the Ritz value is the top of the spectrum."""
+        """``value + error``, an upper bound once the Ritz value is the top of the spectrum."""
         return self.value + self.error
 
     def __float__(self) -> float:
@@ -222,9 +222,9 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
 
     Parameters
     ----------
-    f : operator or callable
-        Anything :func:`meanfield.as_operator` accepts: an operator of :mod:`meanfield.attention`,
-        a Hugging Face attention layer, a callable on tensors (n, d) -> (n, d'), ...
+    f : anything :func:`meanfield.as_operator` accepts
+        An operator of :mod:`meanfield.attention`, a Hugging Face attention layer, a callable on
+        tensors (n, d) -> (n, d'), ...
     X : torch.Tensor or particles.Measure
         A sequence (n, d), a batch (b, n, d), or a measure. Tensors use the Euclidean (Frobenius)
         norm; a measure uses the W2 sense of Lemma C.5, ||D^{1/2} J D^{-1/2}||_2 with its weights

@@ -1,7 +1,7 @@
 """The operator protocol: what every attention map of the framework is (docs/math.md section 2).
 
 An attention operator acts on sequences (the discrete map f) and on measures (the pushforward F).
-Every operator implements ONE primitive (and, to be read by the theory, ``parameters()``),
+Every operator implements ONE primitive (and, to be read by the theory, :meth:`~AttentionOperator.parameters`),
 
     op.evaluate(x, keys, log_weights=None, x_positions=None, key_positions=None)
 
@@ -20,7 +20,7 @@ keys with s_j <= t. Everything else is derived from it once, here:
 Properties every operator has: ``masked``, ``d_in``, ``d_out``, ``dtype``, ``device`` and
 ``points_only`` (False for every operator that can weigh keys).
 
-What an operator is made of is its ``parameters()`` record (:mod:`meanfield.parameters`). What
+What an operator is made of is its :meth:`~AttentionOperator.parameters` record (:mod:`meanfield.parameters`). What
 users pass becomes an operator through :func:`meanfield.adapters.as_operator` (Hugging Face layers,
 ``torch.nn.MultiheadAttention``, bare callables); ``meanfield.operator.as_operator`` is the same
 function.
@@ -54,7 +54,7 @@ class AttentionOperator:
     """
 
     masked: bool = False
-    #: True for operators that cannot weigh keys (bare callables): measures must be uniform, unpositioned
+    #: True for operators that cannot weigh keys (bare callables), whose measures must be uniform and unpositioned
     points_only: bool = False
 
     # -------------------------------------------------------------- the protocol

@@ -40,8 +40,10 @@ class Head:
 
     Attributes
     ----------
-    Q, K : torch.Tensor
-        The (k, d) query and key maps (for ``"l2"``, K is Q: tied).
+    Q : torch.Tensor
+        The (k, d) query map.
+    K : torch.Tensor
+        The (k, d) key map (for ``"l2"``, K is Q: tied).
     V : torch.Tensor
         The (k_v, d) value map.
     key_bias : torch.Tensor or None
@@ -80,14 +82,14 @@ class Head:
 
     @property
     def A(self) -> torch.Tensor:
-        """(d, d): the bilinear part of the scores, s(x, y) = <A x, y> + (terms in x alone or y alone)."""
+        """The (d, d) bilinear part of the scores, s(x, y) = <A x, y> + (terms in x alone or y alone)."""
         if self.kind == "l2":
             return 2.0 * self.scale * (self.Q.T @ self.Q)
         return self.scale * (self.K.T @ self.Q)
 
     @property
     def value_map(self) -> torch.Tensor:
-        """(k_v, d): the linear map from a key to its value (V, or V scale Q^T Q for L2 heads)."""
+        """The (k_v, d) linear map from a key to its value (V, or V scale Q^T Q for L2 heads)."""
         if self.kind == "l2":
             return self.V @ (self.scale * (self.Q.T @ self.Q))
         return self.V

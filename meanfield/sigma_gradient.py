@@ -95,9 +95,10 @@ def sigma_gradient(f, X, vector) -> SigmaGradient:
     X : tensor (n, d), batch (b, n, d), or :class:`~particles.Measure`
         The input, as given to :func:`meanfield.local_lipschitz` (sequences: Euclidean norm, positions
         i/n when masked; a measure: the W2 sense of Lemma C.5, positions held fixed).
-    vector : tensor shaped like the points
-        The top right singular vector v (``LipschitzEstimate.vector``; for a batch, the vectors
-        stacked). It is normalized here (per batch member).
+    vector : torch.Tensor
+        The top right singular vector v, shaped like the points (:attr:`LipschitzEstimate.vector
+        <meanfield.lipschitz.LipschitzEstimate.vector>`; for a batch, the vectors stacked). It is
+        normalized here (per batch member).
 
     Returns
     -------

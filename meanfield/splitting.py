@@ -104,9 +104,11 @@ def split_lipschitz(f, mu, *, tol=1e-8, seed=0, estimate: LipschitzEstimate | No
     Parameters
     ----------
     f : anything :func:`meanfield.as_operator` accepts, except bare callables
-    mu : Measure (weights and, for masked operators, positions held fixed)
+    mu : Measure
+        Weights and, for masked operators, positions held fixed.
     tol, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant
-    estimate : the unsplit estimate, when already computed
+    estimate : LipschitzEstimate or None
+        The unsplit estimate, when already computed.
 
     Returns
     -------

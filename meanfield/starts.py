@@ -69,7 +69,7 @@ def _dtype_device(op):
 
 def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d=None
                     ) -> list[tuple[str, torch.Tensor]]:
-    """Starting sequences (name, X (n, d)) in B_R^n for :func:`worst_case_sequence`.
+    """Starting sequences (name, X (n, d)) in B_R^n for :func:`~meanfield.worst_case.worst_case_sequence`.
 
     Structured (``structured=True``), for the score matrix A of every head (docs/math.md section 5):
 
@@ -121,7 +121,7 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d
 
 def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, seed=0, d=None
                    ) -> list[tuple[str, Measure]]:
-    """Starting measures (name, mu) with ``atoms`` atoms in B_R for :func:`worst_case_measure`.
+    """Starting measures (name, mu) with ``atoms`` atoms in B_R for :func:`~meanfield.worst_case.worst_case_measure`.
 
     Structured, for every head's score matrix A (docs/math.md section 5):
 

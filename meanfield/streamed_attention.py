@@ -34,7 +34,7 @@ Engines. Each pass has a fast engine and a differentiable one; the results agree
 * Otherwise the tiles run in Python with in-place updates (one score buffer per tile, hoisted
   transposes, ``baddbmm`` accumulation, one host read for the whole mask layout).
 * A backward recorded for differentiation (``create_graph=True``) is a node of its own
-  (:class:`_StreamBackward`): its forward is the fast VJP, its derivative in the cotangent is the
+  (an autograd function): its forward is the fast VJP, its derivative in the cotangent is the
   fast streamed JVP (the VJP is linear in the cotangent), and its derivative in q, k, v, log a comes
   from the functional tiles, computed only when the backward pass asks for it. Reverse-over-reverse
   Jacobian products (:func:`meanfield.local_lipschitz`) thus record O(N) and never touch the tiles'
@@ -57,7 +57,7 @@ import torch
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
-#: default tile edge: a 256 x 256 tile of float64 is 512 KiB and stays in cache; in the Python tile
+#: Default tile edge. A 256 x 256 tile of float64 is 512 KiB and stays in cache; in the Python tile
 #: loops it beat 128, 512, 1024 and wide (256 x 1024 to 64 x 4096) tiles at d = 3 and 64, masked or
 #: not (forward, JVP, VJP; benchmarks/attention.md)
 DEFAULT_BLOCK = 256
@@ -512,7 +512,8 @@ class StreamAttention(torch.autograd.Function):
     """(out, L) = streamed attention of (q, k, v, log a, t, s); see the module docstring.
 
     Inputs are 3-D (batch, rows, features) and share their batch size (positions and log-weights
-    2-D); :func:`stream_attend` broadcasts and flattens them. ``plan`` is a :class:`_Plan`.
+    2-D); :func:`stream_attend` broadcasts and flattens them, and makes ``plan`` (the tiles and what the
+    positions allow).
     """
 
     generate_vmap_rule = True

@@ -189,7 +189,7 @@ class WorstCaseResult:
 
     Attributes
     ----------
-    input : tensor (n, d) or Measure
+    input : tensor ``(n, d)`` or :class:`~particles.Measure`
         The best input found; every token (atom) lies in B_R up to rounding. For a measure whose
         constant is raised by splitting, the representation with the split atom (section 4.7).
     estimate : LipschitzEstimate
@@ -197,8 +197,10 @@ class WorstCaseResult:
         certified lower bound on Lip(f on B_R^n) (measures: on the W2 constant of F on P(B_R)).
     upper : UpperBound
         The best upper bound the framework knows (:func:`meanfield.upper.operator_upper`).
-    R, n : float, int
-        The radius and the number of tokens (atoms for measures).
+    R : float
+        The radius.
+    n : int
+        The number of tokens (atoms for measures).
     start : str
         Name of the start the best input was reached from.
     starts : tuple
@@ -554,8 +556,8 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
         Single or multi-head attention (masked, with biases), L2 attention, a Hugging Face layer
         (:class:`meanfield.hf.HFAttention`), ``torch.nn.MultiheadAttention``, a bare callable (then
         ``d`` is required and only random starts are built).
-    R : float > 0
-        Radius of the ball B_R that holds every token (closed ball, Euclidean norm).
+    R : float
+        Radius (> 0) of the ball B_R that holds every token (closed ball, Euclidean norm).
     n : int
         Number of tokens.
     budget : int
@@ -563,13 +565,14 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
         two). The search stops when the next iteration, at the cost of the last one, would exceed it.
         The starts' certified values come first and count in it, whatever it is (the result's
         ``start_products``): a budget below them buys no ascent step.
-    starts : list, optional
+    starts : list or None
         Tensors of shape (n, d), or pairs (a name, such a tensor), to use instead of
         :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first).
     options : :class:`SearchOptions` (or a dict of its fields), optional
         The starts built, the ascent's rules, the certificates' tolerance and seed. Tokens that
         coincide in a start move together until that tied ascent stops, then separately.
-    d : token dimension, for operators that do not fix it.
+    d : int or None
+        Token dimension, for operators that do not fix it.
 
     Returns
     -------

@@ -75,7 +75,7 @@ def save_measure(mu: Measure, path, *, metadata: dict | None = None) -> Path:
     path : str or os.PathLike
         Where to write; written exactly there (no suffix is added), atomically (a file that exists is
         replaced only once the new one is complete).
-    metadata : dict, optional
+    metadata : dict or None
         A JSON-serializable object stored in the header (read it back with :func:`read_header`).
 
     Returns
@@ -94,7 +94,7 @@ def load_measure(path, *, device=None) -> Measure:
     Parameters
     ----------
     path : str or os.PathLike
-    device : torch device, optional
+    device : torch.device, str or None
         Where to put the tensors (default: CPU).
 
     Raises
@@ -161,7 +161,14 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
 
 
 class LazyArray:
-    """An array of an archive known by its ``.npy`` header (dtype, shape) until :meth:`load` reads it."""
+    """An array of an archive known by its ``.npy`` header (dtype, shape) until :meth:`load` reads it.
+
+    The archive readers make them; the parameters are the fields of the same names.
+
+    Parameters
+    ----------
+    archive : the ``.npz`` file's index of members (private)
+    """
 
     __slots__ = ("archive", "member", "dtype", "shape", "fortran_order", "offset")
 

@@ -37,14 +37,14 @@ class Measure:
 
     Parameters
     ----------
-    points : tensor or array (N, d)
+    points : tensor or array ``(N, d)``
         Atom locations. Float tensors keep their dtype (and autograd graph); numpy data and
         integers become float64 unless ``dtype`` is given.
-    weights : (N,), optional
+    weights : ``(N,)`` or None
         Non-negative masses summing to one (None: uniform). ``normalize=True`` divides by the sum.
-    positions : (N,), optional
+    positions : ``(N,)`` or None
         Positions s_j in [0, 1] for masked attention (None: an unmasked measure).
-    log_weights : (N,), optional
+    log_weights : ``(N,)`` or None
         Alternative to ``weights`` for masses that underflow (entries may be ``-inf``).
     """
 

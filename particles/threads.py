@@ -5,8 +5,8 @@ other processes keep the cores busy (a shared workstation, a cluster node), a te
 descheduled, and every barrier waits for the scheduler: small and mid-sized operations then run 10
 to 100 times slower than on one thread, with the same results (benchmarks/threads.md). More threads
 only pay when each step has enough work and free cores exist. So every long-running entry point
-of the framework (``local_lipschitz``, the worst-case search, ``simulate``, ``transport.solve``)
-runs under a :class:`ThreadPolicy`:
+of the framework (:func:`~meanfield.local_lipschitz`, the worst-case search, :func:`~meanfield.simulate`,
+:func:`transport.solve`) runs under a :class:`ThreadPolicy`:
 
 1. an override, if any, wins: :func:`set_threads` (or ``meanfield --threads N``), else the
    environment variable ``SMOOTH_ATTENTION_THREADS`` (a positive integer, or ``auto``);
@@ -38,7 +38,7 @@ __all__ = ["ThreadPolicy", "timed_probe", "set_threads", "using_threads", "reque
 
 log = logging.getLogger(__name__)
 
-#: the environment variable that overrides the policy: a positive integer, or "auto"
+#: The environment variable that overrides the policy, a positive integer or "auto"
 ENV = "SMOOTH_ATTENTION_THREADS"
 #: seconds of one-thread work per step below which a call stays on one thread
 SMALL_STEP = 2e-3

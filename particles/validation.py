@@ -184,7 +184,7 @@ def make_generator(seed, device=None) -> torch.Generator | None:
 
 # ---------------------------------------------------------------------- memory guards
 MEMORY_LIMIT_ENV = "SMOOTH_ATTENTION_MEMORY_LIMIT"
-#: default largest single allocation a dense method may make: 8 GiB (half of a 16 GB laptop)
+#: Default largest single allocation a dense method may make, 8 GiB (half of a 16 GB laptop)
 DEFAULT_MEMORY_LIMIT = 8 * 2**30
 _UNITS = {"": 1, "B": 1, "K": 2**10, "KB": 2**10, "KIB": 2**10, "M": 2**20, "MB": 2**20, "MIB": 2**20,
           "G": 2**30, "GB": 2**30, "GIB": 2**30, "T": 2**40, "TB": 2**40, "TIB": 2**40}

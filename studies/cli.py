@@ -40,6 +40,7 @@ EXIT_BUSY = 75           # sysexits.h EX_TEMPFAIL: try again when the other run 
 EXIT_INTERRUPTED = 130   # 128 + SIGINT, the shell's convention
 EXIT_TERMINATED = 143    # 128 + SIGTERM
 
+#: Each exit status of ``meanfield`` and what it means (``meanfield --help`` prints them)
 EXIT_CODES = {
     EXIT_OK: "every study ran and every theorem claim holds (empirical claims may be 'not reproduced': a "
              "finding, not a failure)",
@@ -181,7 +182,7 @@ def context_from_args(args: argparse.Namespace, argv: list[str], environ=None) -
         progress=progress, argv=tuple(argv), **fields)
 
 
-#: the framework's loggers: -v shows their debug messages (grid points, kernel paths, solvers, threads)
+#: The framework's loggers, whose debug messages -v shows (grid points, kernel paths, solvers, threads)
 LOGGERS = ("studies", "meanfield", "transport", "particles")
 
 

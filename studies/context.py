@@ -38,16 +38,16 @@ class RunContext:
 
     Parameters
     ----------
-    out : path
+    out : pathlib.Path
         The run folder (each study writes into ``out/<study>``).
-    level : {"tiny", "quick", "full"}
+    level : ``"tiny"``, ``"quick"`` or ``"full"``
         Grid sizes: test size, ``--quick``, or the paper's.
     seed : int
         Random seed; runs are deterministic for a seed.
-    sweep : mapping
-        Options of ``studies.sweep.run_sweep`` for the studies' grids (``backend``, ``n_workers``,
+    sweep : dict
+        Options of :func:`studies.sweep.run_sweep` for the studies' grids (``backend``, ``n_workers``,
         ``scheduler``, ``resume``, ``retries``); unset keys take :func:`studies.grid.run_grid`'s defaults.
-    device : {"cpu", "cuda"}
+    device : ``"cpu"`` or ``"cuda"``
         Where studies create their tensors and models.
     checkpoints : tuple of str
         Pretrained checkpoints (local folders or hub names) the real-model study measures besides its models.
@@ -55,10 +55,10 @@ class RunContext:
         The real-model study's own models (``studies.experiments.real_models.MODEL_KEYS``: ``minilm``,
         ``minilm-random``, ``gpt2-random``, ``bert-random``); empty: the trained MiniLM when the
         ``pretrained`` extra is installed, else random-init GPT-2 and BERT (the report says which and why).
-    cache : path or None
+    cache : pathlib.Path or None
         Where packaged pretrained weights are extracted (:mod:`studies.pretrained`); None: the default,
         ``$XDG_CACHE_HOME/smooth-attention`` or ``~/.cache/smooth-attention``.
-    text : path or None
+    text : pathlib.Path or None
         A UTF-8 text file replacing the real-model study's default corpus.
     verbosity : int
         -1 quiet (errors only), 0 normal (progress), 1 verbose (debug messages too).

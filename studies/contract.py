@@ -69,7 +69,7 @@ def shorten(text: str, limit: int = SHORT_MAX, *, first_clause: bool = False) ->
     return t
 
 
-#: Modules that define studies, in report order: the one place that order is said (a study registered from
+#: Modules that define studies, in report order, the one place that order is said (a study registered from
 #: elsewhere, a user's, comes after them unless it gives ``order``). Each registers its study on import.
 STUDY_MODULES = [
     "studies.experiments.sqrt_n",

@@ -1,7 +1,8 @@
 """Models and text for the real-model studies: loading BERT / GPT-2 checkpoints, corpus, tokenizers.
 
-The layers themselves become operators in :mod:`meanfield.hf` (``HFAttention``, ``extract_layer``,
-``capture_attention_inputs``); this module only brings models and text in:
+The layers themselves become operators in :mod:`meanfield.hf` (:class:`~meanfield.hf.HFAttention`,
+:func:`~meanfield.hf.extract_layer`, :func:`~meanfield.hf.capture_attention_inputs`); this module only
+brings models and text in:
 
 * models: :func:`load_model` (a local checkpoint directory or a hub name; offline it fails fast
   with a message naming what was missing) and :func:`random_model` (randomly initialized from
@@ -335,7 +336,7 @@ def check_checkpoint(name_or_path, *, tokenizer: bool = False, local_files_only:
     return cfg.model_type
 
 
-# Files from which transformers builds a GPT-2 / BERT tokenizer: any one of these sets is enough.
+#: Files from which transformers builds a GPT-2 / BERT tokenizer, any one of these sets being enough.
 TOKENIZER_FILES = (("tokenizer.json",), ("vocab.txt",), ("vocab.json", "merges.txt"))
 
 
@@ -377,15 +378,18 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
 
 
 # ---------------------------------------------------------------------- text
-#: the default corpus, shipped with the package: prose of Python docstrings, pinned so that two Python
-#: versions measure the same tokens (its source and the PSF license: CORPUS_NOTICE)
+#: The default corpus, shipped with the package (prose of Python docstrings), pinned so that two Python
+#: versions measure the same tokens (its source and the PSF license: :data:`CORPUS_NOTICE`)
 CORPUS_FILE = Path(__file__).resolve().parent / "data" / "python_docstrings.txt"
+#: The notice of the shipped corpus, which says where its text comes from and under which license (PSF)
 CORPUS_NOTICE = CORPUS_FILE.with_name("python_docstrings.NOTICE.txt")
-#: the Python release whose docstrings the shipped corpus holds, and the corpus's SHA-256 (UTF-8)
+#: The Python release whose docstrings the shipped corpus holds
 CORPUS_PYTHON = "3.11.7"
+#: The SHA-256 of the shipped corpus (UTF-8)
 CORPUS_SHA256 = "e0aaab8d8bd6e6efe0a0db72bf130d10f9bbf4819e6a5da5a5cd20a1d099af83"
 
-# Fixed order; (module, attribute). Docstrings are English prose written by Python's authors.
+#: The (module, attribute) pairs whose docstrings make the corpus, in a fixed order (English prose
+#: written by Python's authors)
 CORPUS_SOURCES: tuple[tuple[str, str], ...] = (
     ("heapq", "__about__"), ("copy", "__doc__"), ("sched", "__doc__"), ("tempfile", "__doc__"),
     ("random", "__doc__"), ("collections", "__doc__"), ("timeit", "__doc__"), ("subprocess", "__doc__"),

@@ -5,7 +5,7 @@ joined by thin lines (:func:`measured`), their spread over repetitions as a shad
 (:func:`band`), theory curves as dashed lines (upper bounds) or dotted lines (lower bounds and
 asymptotics) (:func:`theory`), so a reader tells them apart in every figure of the report.
 
-Every figure passes through :func:`finalize` before it is written (``studies.io.save_figure``
+Every figure passes through :func:`finalize` before it is written (:func:`studies.io.save_figure`
 calls it): a log axis spanning too few decades, or with a curve that lies far from every decade
 label, gets labelled ticks at 1-2-5 (or finer) instead, and a legend that covers plotted data
 moves outside the axes. :func:`check_figure` lists what a reader would still stumble on (an axis

@@ -1,4 +1,4 @@
-"""The one-command reproduction report: run the registered studies, write one folder per run.
+"""The one-command reproduction report: run the registered studies, write one folder per run::
 
     runs/<name>/
         config.json     every parameter: the run context, each study's grid, versions, device

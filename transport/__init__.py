@@ -34,7 +34,7 @@ Precision (docs/math.md sections 3.1-3.2): exact W2 is computed in float64 whate
 cost matrix whose close pairs are recomputed from their differences x_i - y_j. An entropic solve of
 float32 measures runs in float32 only where float32 resolves its plan (squared diameter / reg <= tol /
 6e-8), and its marginal error is then measured again in float64 (a float32 solve that misses tol
-there continues in float64); elsewhere it runs in float64. ``TransportResult.precision`` says which
+there continues in float64); elsewhere it runs in float64. :attr:`TransportResult.precision` says which
 dtype ran.
 """
 

@@ -144,7 +144,7 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     ----------
     mu, nu : :class:`particles.Measure`
         Same dimension, dtype (float32 or float64) and device.
-    method : {"exact", "sinkhorn", "streaming", "auto"}
+    method : ``"exact"``, ``"sinkhorn"``, ``"streaming"`` or ``"auto"``
         "exact": POT's network simplex (``ot.emd2``) on the squared-distance matrix; d = 1 uses
         the sorted (quantile) closed form in O(N log N) instead.
         "sinkhorn": POT's log-domain Sinkhorn (``ot.sinkhorn(..., method="sinkhorn_log")``) on the
@@ -161,8 +161,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         same problem for blur^2 = reg / 2, its value being S_eps / 2 (checked numerically against
         GeomLoss 0.3.1: its value tends to half ours as its ``scaling`` -> 1, 4e-9 relative at
         0.9999). Required for "sinkhorn" and "streaming"; "auto" defaults to (AUTO_BLUR * diameter)^2.
-    debias : bool, default True
-        True: the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2
+    debias : bool
+        True (the default): the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2
         (zero for mu = nu, tends to W2^2 as reg -> 0; GeomLoss's ``debias=True``). False:
         <pi_eps, C>, the cost of the entropic plan (>= W2^2; POT's ``sinkhorn2`` value).
     tol : float
@@ -174,15 +174,16 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     max_iter : int
         Sinkhorn updates, eps-scaling levels included (POT's ``numItermax``; default 10000
         "sinkhorn", 5000 "streaming"). Every loop of every solver is bounded by it.
-    scaling : float in [0, 1), default 0.5
-        "streaming": eps-scaling ratio, GeomLoss's ``scaling``: sqrt(eps) is multiplied by it per
-        level, from the squared diameter of the clouds down to reg (an annealing longer than
-        ``max_iter`` levels is refused); 0 solves at reg directly.
-    chunk_elements : int, default 2^18
-        "streaming": elements of the largest block of the cost held at once (memory, not accuracy).
+    scaling : float
+        "streaming": eps-scaling ratio in [0, 1) (default 0.5), GeomLoss's ``scaling``: sqrt(eps) is
+        multiplied by it per level, from the squared diameter of the clouds down to reg (an annealing
+        longer than ``max_iter`` levels is refused); 0 solves at reg directly.
+    chunk_elements : int
+        "streaming": elements of the largest block of the cost held at once (memory, not accuracy;
+        default 2^18).
     return_plan : bool
         Also return the (N, M) coupling ("exact" and "sinkhorn").
-    on_failure : {"raise", "warn"}
+    on_failure : ``"raise"`` or ``"warn"``
         An entropic solve that misses ``tol`` within ``max_iter``: "raise" a
         :class:`~particles.validation.ConvergenceError` carrying this result (``.estimate``), or
         "warn" (RuntimeWarning) and return it with ``converged=False``. As for

@@ -33,11 +33,11 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     ----------
     mu, nu : :class:`particles.Measure`
         Masked measures (every atom with a position), of the same dimension, dtype and device.
-    atol : float >= 0
-        Positions closer than ``atol`` count as one position (the marginal of ``mu`` groups them,
+    atol : float
+        Positions closer than ``atol`` (>= 0) count as one position (the marginal of ``mu`` groups them,
         chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
-    mass_atol : float >= 0
-        ... and the same masses within ``mass_atol``. Otherwise the value is ``math.inf``: no
+    mass_atol : float
+        ... and the same masses within ``mass_atol`` (>= 0). Otherwise the value is ``math.inf``: no
         coupling keeps every position.
     squared : bool
         Return W2c^2.

@@ -12,17 +12,17 @@ import torch
 from particles.validation import check_bool, check_positive_float, check_positive_int
 from particles.validation import memory_limit as resolve_memory_limit
 
-#: Default marginal tolerance (L1 error of the plan's marginals) by dtype: what the precision reaches.
+#: Default marginal tolerance (L1 error of the plan's marginals) by dtype, what the precision reaches.
 TOL = {torch.float64: 1e-7, torch.float32: 1e-5}
 
-#: Unit roundoff by dtype (half the machine epsilon): the relative error of one rounding.
+#: Unit roundoff by dtype (half the machine epsilon), the relative error of one rounding.
 UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24}
 
-#: Elements of the largest (rows x M) block the streaming solver holds at once: 2^18 is 2 MiB in float64,
+#: Elements of the largest (rows x M) block the streaming solver holds at once. 2^18 is 2 MiB in float64,
 #: cache-sized (2.3x faster than 32 MiB blocks at N = 4000 on one CPU thread, benchmarks/transport.md).
 DEFAULT_CHUNK_ELEMENTS = 2 ** 18
 
-#: Marks an option without a default: the caller must give it (``reg`` of the entropic methods).
+#: Marks an option without a default, which the caller must give (``reg`` of the entropic methods).
 REQUIRED = "required"
 #: Marks a tolerance taken from :data:`TOL` by the measures' dtype.
 BY_DTYPE = "by dtype"

@@ -1,4 +1,4 @@
-"""The transport problem between two measures for the cost |x - y|^2, in normalized units.
+r"""The transport problem between two measures for the cost \|x - y\|^2, in normalized units.
 
 Every solver works on centred clouds scaled by a power of two, so that squared distances neither
 overflow nor underflow the dtype: W2 is translation invariant and 1-homogeneous,
@@ -54,11 +54,12 @@ def _abs_max(*tensors: torch.Tensor) -> float:
 
 
 def normalize(x: torch.Tensor, a: torch.Tensor, y: torch.Tensor, b: torch.Tensor) -> tuple:
-    """Centred clouds (x - c) / 2^k, (y - c) / 2^k and k, with c the mean of the two means.
+    r"""Centred clouds (x - c) / 2^k, (y - c) / 2^k and k, with c the mean of the two means.
 
-    Centring removes most of the cancellation of |x|^2 + |y|^2 - 2<x, y> (relative error ~ machine
-    epsilon times the squared diameter instead of times the largest |x|^2). k = 0 unless the centred
-    coordinates leave [2^SMALL, 2^BIG] (see ``_EXPONENT_RANGE``). Keeps the autograd graph of x, y.
+    Centring removes most of the cancellation of \|x\|^2 + \|y\|^2 - 2<x, y> (relative error ~ machine
+    epsilon times the squared diameter instead of times the largest \|x\|^2). k = 0 unless the centred
+    coordinates leave [2^SMALL, 2^BIG], half the dtype's exponent range less a margin of 16 (so that
+    squared distances, d of them summed, stay far from the dtype's limits). Keeps the autograd graph of x, y.
     """
     lo, hi = _EXPONENT_RANGE[x.dtype]
     k = 0
@@ -93,7 +94,7 @@ def needs_grad(*measures: Measure) -> bool:
 
 
 class Problem:
-    """W2 between ``mu`` and ``nu`` (cost |x - y|^2), held in normalized units.
+    r"""W2 between ``mu`` and ``nu`` (cost \|x - y\|^2), held in normalized units.
 
     ``x``, ``y``: the centred points divided by 2^``k`` (with the autograd graph of the measures'
     points); ``a``, ``b`` and ``log_a``, ``log_b``: the weights; a squared distance of the problem is
@@ -210,8 +211,8 @@ class Problem:
             return math.inf
 
 
-#: sq_dists recomputes from the differences every entry below this fraction of |x_i|^2 + |y_j|^2: the
-#: matrix product's rounding (about (d + 2) u (|x_i|^2 + |y_j|^2)) is then at most (d + 2) u / 2^-10 of
+#: :func:`sq_dists` recomputes from the differences every entry below this fraction of \|x_i\|^2 + \|y_j\|^2.
+#: The matrix product's rounding (about (d + 2) u (\|x_i\|^2 + \|y_j\|^2)) is then at most (d + 2) u / 2^-10 of
 #: the entries it keeps, 7e-12 relative in float64 at d = 64.
 CANCELLATION = 2.0 ** -10
 #: Pairs recomputed at once (their differences take d times as many numbers).
@@ -219,12 +220,12 @@ RECOMPUTE_CHUNK = 2 ** 16
 
 
 def sq_dists(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Dense matrix |x_i - y_j|^2 (N, M), differentiable, never negative, accurate for close points.
+    r"""Dense matrix \|x_i - y_j\|^2 (N, M), differentiable, never negative, accurate for close points.
 
-    |x|^2 + |y|^2 - 2<x, y> (one matrix product) loses the distance of close points to cancellation:
+    \|x\|^2 + \|y\|^2 - 2<x, y> (one matrix product) loses the distance of close points to cancellation:
     a relative error of about u (R / delta)^2 for points of norm R at distance delta (u the unit
     roundoff: 1e-4 at delta = 1e-6 R in float64, 1.6% at delta = 1e-3 R in float32). The entries where
-    that cancellation is severe (below :data:`CANCELLATION` times |x_i|^2 + |y_j|^2: pairs much closer
+    that cancellation is severe (below :data:`CANCELLATION` times \|x_i\|^2 + \|y_j\|^2: pairs much closer
     to each other than to the origin, usually a few per row) are recomputed from the differences
     x_i - y_j, so that every entry is within a few roundings of its value, at the cost of the product.
     """

@@ -13,26 +13,26 @@ from particles.validation import ConvergenceError
 
 @dataclass(frozen=True)
 class TransportResult:
-    """What :func:`transport.solve` computed.
+    r"""What :func:`transport.solve` computed.
 
     Attributes
     ----------
-    value : float or 0-d tensor
+    value : float or 0-d :class:`~torch.Tensor`
         The W2 estimate, sqrt of ``value_squared``: W2 ("exact"), sqrt(S_eps) (entropic with
         ``debias=True``) or sqrt(<pi_eps, C>) (``debias=False``). A 0-d tensor carrying the autograd
         graph when the measures' points or weights require grad, else a float.
-    value_squared : float or 0-d tensor
+    value_squared : float or 0-d :class:`~torch.Tensor`
         Its square, in squared-distance units; ``math.inf`` when it exceeds the floating range
         (clouds beyond ~1e154 in float64) although ``value`` does not.
     method : str
         The method that ran: "exact", "sinkhorn" or "streaming" ("auto" says which it chose).
-    plan : tensor (N, M) or None
+    plan : tensor ``(N, M)`` or None
         The optimal (or entropic) coupling, when asked for with ``return_plan=True``.
-    potentials : (f, g) of tensors (N,), (M,), or None
+    potentials : ``(f, g)``, tensors ``(N,)`` and ``(M,)``, or None
         Dual potentials in squared-distance units, in the dtype ``precision``. Exact (d > 1):
-        Kantorovich potentials of the network simplex, f_i + g_j <= |x_i - y_j|^2 with equality on
+        Kantorovich potentials of the network simplex, f_i + g_j <= \|x_i - y_j\|^2 with equality on
         the plan's support. Entropic: the potentials of OT_eps(mu, nu),
-        pi_ij = a_i b_j exp((f_i + g_j - |x_i - y_j|^2) / reg) (on atoms of zero mass, the soft
+        pi_ij = a_i b_j exp((f_i + g_j - \|x_i - y_j\|^2) / reg) (on atoms of zero mass, the soft
         c-transform). None for the d = 1 sorted formula, or when squared distances exceed the dtype's
         range.
     error : float
@@ -49,7 +49,11 @@ class TransportResult:
         float64 where float32 cannot resolve the problem (the network simplex of "exact" in d > 1,
         always; an entropic solve where float32's rounding of the exponents, about 6e-8 squared
         diameter / reg, exceeds ``tol``, or whose certificate in float64 missed ``tol``).
-    reg, debias, tol, max_iter : the options the solve used (None where they do not apply).
+    reg : float or None
+        The ``reg`` option the solve used (None where it does not apply), and likewise:
+    debias : bool or None
+    tol : float or None
+    max_iter : int or None
     """
 
     value: float | torch.Tensor

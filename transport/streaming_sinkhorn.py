@@ -23,9 +23,9 @@ Every loop is bounded: the eps-scaling levels and the Sinkhorn updates together 
 
 Certificate of float32 solves: the iterates measure their marginals with the rounding that made
 them, which cannot see an error below about 6e-8 squared diameter / eps. A float32 solve (run only
-where that is below tol, :meth:`transport.problem.Problem.precision`) is checked by
-:func:`plan_check`, the marginals of the plan its potentials define summed again in float64 on the
-measures' own points; where it misses tol the solve continues in float64 (:func:`_certified_pair`).
+where that is below tol, :meth:`transport.problem.Problem.precision`) is checked by summing again
+in float64, on the measures' own points, the marginals of the plan its potentials define; where it
+misses tol the solve continues in float64.
 """
 
 from __future__ import annotations
@@ -321,16 +321,22 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
 
     Parameters
     ----------
-    mu : Measure (float32 or float64)
-    reg : eps > 0, POT's entropic regularization on squared distances (see :func:`transport.solve`).
-    tol, max_iter, scaling, chunk_elements : as for ``method="streaming"`` of :func:`transport.solve`
-        (defaults in :data:`transport.DEFAULTS`).
-    on_failure : "raise" (a ConvergenceError whose ``.estimate`` is the triple below) or "warn".
-    memory_limit : bytes (or "16G") the blocks may take (default ``$SMOOTH_ATTENTION_MEMORY_LIMIT``).
+    mu : Measure
+        Of dtype float32 or float64.
+    reg : float
+        eps > 0, POT's entropic regularization on squared distances (see :func:`transport.solve`).
+    tol, max_iter, scaling, chunk_elements
+        As for ``method="streaming"`` of :func:`transport.solve` (defaults in :data:`transport.DEFAULTS`).
+    on_failure : ``"raise"`` or ``"warn"``
+        "raise": a :class:`~particles.validation.ConvergenceError` whose ``.estimate`` is the triple
+        below.
+    memory_limit : int or str
+        Bytes (or "16G") the blocks may take (default ``$SMOOTH_ATTENTION_MEMORY_LIMIT``).
 
     Returns
     -------
-    (f, error, iterations) : the potential (N,) in squared-distance units (the soft c-transform on
+    tuple
+        (f, error, iterations): the potential (N,) in squared-distance units (the soft c-transform on
         atoms of zero mass), the L1 error of both marginals of the self coupling, the updates made.
         Precision as for :func:`transport.solve`: float32 measures are solved in float32 where it
         resolves the plan (:meth:`transport.problem.Problem.precision`), the error then measured in

@@ -2,7 +2,7 @@
 
 Resumable after any kill (each finished task is a checksummed record written atomically),
 failures reported with their errors, one runner per folder. This subpackage stands alone: it
-imports nothing from the rest of ``studies``. See docs/sweeps.md.
+imports nothing from the rest of :mod:`studies`. See docs/sweeps.md.
 
 :func:`run_sweep`, :func:`load_sweep`, :func:`expand_grid`   the runner (``runner.py``)
 :class:`SweepStore`, :func:`task_key`                        records on disk (``store.py``)

@@ -43,7 +43,7 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def sweep_options(args: argparse.Namespace, environ=None) -> dict:
-    """The keyword arguments of ``run_sweep`` from arguments parsed with :func:`add_sweep_arguments`.
+    """The keyword arguments of :func:`~studies.sweep.run_sweep` from arguments parsed with :func:`add_sweep_arguments`.
 
     Without ``--scheduler``, the address in ``$DASK_SCHEDULER_ADDRESS`` (``environ``, default
     ``os.environ``) is used, and logged: a job never sends its tasks to a scheduler unnoticed.

@@ -53,7 +53,7 @@ class Progress:
         Steps already done (a resumed sweep).
     enabled : bool
         ``False`` prints nothing.
-    file : text stream, optional
+    file : text stream (``io.TextIOBase``) or None
         Where to write (default ``sys.stderr``, looked up when the object is created).
     interval : float
         Seconds between two plain lines (not on a terminal).

@@ -13,7 +13,7 @@ as a checksummed record, written atomically and keyed by the task's parameters a
 resumes where it stopped: ``resume=True`` (the default) skips what is done, redoes what is missing
 or corrupt, and the table is the same as an uninterrupted run's. A task that raises is retried
 ``retries`` times, then reported with its error (type, message, traceback) in
-``SweepResult.failures`` and on disk, without stopping the others.
+:attr:`SweepResult.failures <studies.sweep.SweepResult.failures>` and on disk, without stopping the others.
 
 Backends: ``"inprocess"`` (default), ``"processes"`` (a local pool of ``n_workers`` processes
 started with forkserver/spawn, one torch thread each) and ``"dask"``: a ``dask.distributed``
@@ -22,7 +22,7 @@ cluster object such as dask-jobqueue's ``SLURMCluster``), or with no scheduler a
 ``LocalCluster(n_workers, threads_per_worker=1, processes=True)`` started for the sweep.
 Giving ``scheduler`` implies ``backend="dask"``. See docs/sweeps.md.
 
-This subpackage stands alone: it imports nothing from the rest of ``studies``.
+This subpackage stands alone: it imports nothing from the rest of :mod:`studies`.
 """
 
 from __future__ import annotations

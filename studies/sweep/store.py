@@ -170,7 +170,7 @@ class SweepStore:
         """A manifest rebuilt from the verified records (None when there is none).
 
         Records carry their sweep name and parameters, not the position of their task in the grid:
-        the rebuilt grid lists the tasks in the order they finished. ``run_sweep`` replaces it by the
+        the rebuilt grid lists the tasks in the order they finished. :func:`~studies.sweep.run_sweep` replaces it by the
         grid it is given. Records of another name than the most common one are left out.
         """
         recs = []
