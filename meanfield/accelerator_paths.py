@@ -22,7 +22,7 @@ The rules, in order:
    zero-padded to a multiple of :data:`FUSED_ALIGN` (:func:`fused_widths`; zero columns change no score
    and no output) so that SDPA's flash / memory-efficient kernels take it instead of its math kernel,
    which would materialize the scores. The call runs with the math kernel excluded: should no fused
-   kernel take the inputs after all, the call is streamed instead (:func:`fused_or_stream`);
+   kernel take the inputs after all, the call is streamed instead (:func:`meanfield.kernels.fused_or_stream`);
 4. **stream** otherwise: arbitrary positions (SDPA would need an (m, n) mask) and float64 (SDPA's CUDA
    float64 backend is the math kernel).
 
@@ -32,13 +32,12 @@ The (m, n) scores are thus never materialized above the budget on an accelerator
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES",
            "TRITON_DTYPES", "TRITON_MAX_FEATURES", "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine",
-           "tile_shape", "fused_widths", "fused_or_stream"]
+           "tile_shape", "fused_widths"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
@@ -138,30 +137,3 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
     if dtype in FUSED_DTYPES and positions in ("none", "causal"):
         return "fused"
     return "stream"
-
-
-def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None):
-    """SDPA on an accelerator with its math kernel excluded; streamed where no fused kernel takes the call.
-
-    ``auto`` chose SDPA because a fused kernel should take these inputs (:func:`choose`); torch decides
-    at run time (architecture, alignment, its own limits), and a math fallback would materialize the
-    scores, so it is excluded here and the call streams instead (O(N) memory) if torch finds no kernel.
-    """
-    from . import streamed_attention as streaming
-
-    try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-    except ImportError:  # torch < 2.3: no way to exclude the math kernel
-        return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)
-    backends = [b for b in (getattr(SDPBackend, name, None) for name in
-                            ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")) if b is not None]
-    try:
-        with warnings.catch_warnings(), sdpa_kernel(backends):
-            # torch warns once per backend that does not apply before raising: the fallback below says it all
-            warnings.simplefilter("ignore", UserWarning)
-            return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
-                                          align=FUSED_ALIGN)
-    except RuntimeError as exc:
-        if "No available kernel" not in str(exc):
-            raise
-    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)

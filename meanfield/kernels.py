@@ -52,7 +52,7 @@ from torch.autograd import forward_ad as _forward_ad
 
 from .streamed_attention import _transforms_active, sequence_mask
 
-__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "STREAM_THRESHOLD",
+__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
@@ -357,8 +357,6 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         if log.isEnabledFor(logging.DEBUG):
             _log_path(method, q, k, log_weights, q_pos)
         if method == "fused" and q.device.type != "cpu":
-            from .accelerator_paths import fused_or_stream
-
             return fused_or_stream(q, k, v, log_weights, q_pos, k_pos, causal=causal)
     elif method not in METHODS:
         _check_method(method)
@@ -394,3 +392,34 @@ def additive_mask(m, n, log_weights, q_pos, k_pos, dtype, device):
         visible = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
         mask = torch.where(visible, mask, torch.full_like(mask, low))
     return mask
+
+
+def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=None):
+    """SDPA on an accelerator with its math kernel excluded; streamed where no fused kernel takes the call.
+
+    ``auto`` chose SDPA because a fused kernel should take these inputs
+    (:func:`meanfield.accelerator_paths.choose`); torch decides
+    at run time (architecture, alignment, its own limits), and a math fallback would materialize the
+    scores, so it is excluded here and the call streams instead (O(N) memory) if torch finds no kernel.
+    """
+    import warnings
+
+    from . import accelerator_paths
+    from . import streamed_attention as streaming
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # torch < 2.3: no way to exclude the math kernel
+        return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)
+    backends = [b for b in (getattr(SDPBackend, name, None) for name in
+                            ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")) if b is not None]
+    try:
+        with warnings.catch_warnings(), sdpa_kernel(backends):
+            # torch warns once per backend that does not apply before raising: the fallback below says it all
+            warnings.simplefilter("ignore", UserWarning)
+            return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
+                                          align=accelerator_paths.FUSED_ALIGN)
+    except RuntimeError as exc:
+        if "No available kernel" not in str(exc):
+            raise
+    return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)

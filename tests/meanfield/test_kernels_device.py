@@ -212,7 +212,7 @@ def test_no_fused_kernel_falls_back_to_the_streamed_kernel(monkeypatch):
     streamed = []
     stream = streaming.stream_attend
     monkeypatch.setattr(streaming, "stream_attend", lambda *a, **kw: streamed.append(1) or stream(*a, **kw))
-    _close(ap.fused_or_stream(*args), attend(*args, method="dense"))
+    _close(kernels.fused_or_stream(*args), attend(*args, method="dense"))
     assert streamed
 
     def broken(*a, **kw):
@@ -220,14 +220,14 @@ def test_no_fused_kernel_falls_back_to_the_streamed_kernel(monkeypatch):
 
     monkeypatch.setattr(streaming, "fused_attend", broken)
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        ap.fused_or_stream(*args)
+        kernels.fused_or_stream(*args)
 
 
 def test_fused_or_stream_runs_sdpa_without_its_math_kernel_on_cpu():
     """On CPU torch's flash kernel takes the padded call: the result equals dense (and the math kernel,
     excluded, is not needed)."""
     args = _inputs(3, e=3, c=3, positions="causal")
-    _close(ap.fused_or_stream(*args), attend(*args, method="dense"))
+    _close(kernels.fused_or_stream(*args), attend(*args, method="dense"))
 
 
 def test_stream_engine_argument_is_checked():
