@@ -144,8 +144,6 @@ def test_acceptance_threshold_is_tol_itself(name):
             _check_certified(est, J, e * factor, sigma)
 
 
-@pytest.mark.xfail(strict=True, reason="power iteration returns the next iterate with the certificate of the previous "
-                                       "one when it stops at max_iter")
 def test_power_unconverged_vector_is_the_certified_one():
     """An estimate that did not converge still certifies its vector: value = |J u| at the returned u."""
     op, X, J = _case("sequence")
