@@ -56,6 +56,33 @@ def certificate(J, u):
     return v, r, min(r / v, math.sqrt(r))
 
 
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])
+def test_certificate_from_a_known_image_is_the_dense_certificate(scale):
+    """The certificate of a unit u computed from its image B u = J^T J u (no product; the Lanczos
+    path that keeps the images) is the dense one: value |J u|, normalized residual r / v, error
+    min(r / v, sqrt r), and some singular value of J lies within the error of the value (the bound
+    the certificate states). Checked where every singular value is below 1, around 1 and above 1,
+    for a random u (large residual) and a near-singular vector (small residual); a u in the null
+    space of J has value, residual and error 0, not NaN."""
+    from meanfield.krylov import _rayleigh_from_image
+
+    J = scale * rand(7, 5, seed=11)
+    sigmas = torch.linalg.svdvals(J)
+    top = torch.linalg.svd(J).Vh[0]
+    for u in (rand(5, seed=12), top + 0.1 * rand(5, seed=13)):
+        u = u / u.norm()
+        v, rho, err, _ = _rayleigh_from_image(u[None], (J.T @ (J @ u))[None])
+        v_d, r_d, err_d = certificate(J, u)
+        assert float(v) == pytest.approx(v_d, rel=ROUND) and float(rho) == pytest.approx(r_d / v_d, rel=1e-10)
+        assert float(err) == pytest.approx(err_d, rel=1e-10)
+        assert float((sigmas - float(v)).abs().min()) <= float(err) * (1 + ROUND)
+    J0 = torch.cat([J[:, :4], torch.zeros(7, 1, dtype=f64)], 1)
+    e = torch.zeros(5, dtype=f64)
+    e[4] = 1.0
+    v, rho, err, z = _rayleigh_from_image(e[None], (J0.T @ (J0 @ e))[None])
+    assert float(v) == float(rho) == float(err) == 0.0 and bool(torch.isfinite(z).all())
+
+
 def _case(name):
     """(operator, input, dense matrix whose top singular value is the constant) of a named case. The
     spectra are not trivially separated (top singular values within 20 to 40 % of each other), so
