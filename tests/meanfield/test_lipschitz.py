@@ -155,6 +155,19 @@ def test_arbitrary_callable_like_a_hugging_face_module():
         assert rel(local_lipschitz(module, X, method=method, **KW).value, truth) <= 1e-8
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_constant_in_the_binade_of_the_first_product(method):
+    """The solvers work on J / c with c the power of two just above |J u0| (u0 the random start).
+    When every singular value lies in one binade, [0.5, 1) here, the constant is below c and the scaled
+    top singular value below 1: each method still returns it. Truth: the map Y -> Y M^T is linear,
+    its Jacobian is I_n (x) M, and its constant is the top singular value of M (0.95)."""
+    Q1, _ = torch.linalg.qr(rand(5, 5, seed=31))
+    Q2, _ = torch.linalg.qr(rand(5, 5, seed=32))
+    M = Q1 @ torch.diag(torch.tensor([0.95, 0.8, 0.7, 0.6, 0.55], dtype=f64)) @ Q2.T
+    est = local_lipschitz(lambda Y: Y @ M.T, rand(4, 5, seed=33), method=method, tol=1e-10, max_iter=2000)
+    assert est.converged and abs(est.value - 0.95) <= 1e-9
+
+
 def test_power_uses_the_tangent_not_the_primal():
     """The pitfall of docs/math.md section 4: jvp(...)[0] is f(X), not J u."""
     op = make_op("single", masked=False)
