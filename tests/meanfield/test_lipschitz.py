@@ -234,6 +234,26 @@ def test_non_convergence_is_reported():
     assert not est.converged and est.error > 1e-12 * est.value
 
 
+@pytest.mark.parametrize("max_iter", [1, 2, 5])
+def test_power_iteration_uses_exactly_its_budget_when_it_does_not_converge(max_iter):
+    """Power iteration stopped by ``max_iter`` ran ``max_iter`` iterations of two products each (J u
+    and J^T w; the first J u also sets the scale), and reports that count (meanfield.krylov)."""
+    est = local_lipschitz(make_op("single", masked=False), rand(6, 4, seed=7, scale=1.5), method="power",
+                          tol=1e-12, max_iter=max_iter, on_failure="warn")
+    assert not est.converged
+    assert est.iterations == max_iter and est.applications == 2 * max_iter
+
+
+@pytest.mark.parametrize("method", ["lanczos", "power"])
+def test_the_seed_fixes_the_random_start(method):
+    """The same seed gives bit for bit the same estimate; another seed starts elsewhere (the certified
+    values agree within tol, their last bits do not)."""
+    op, X = make_op("single", masked=False), rand(6, 4, seed=7, scale=1.5)
+    a, b, c = (local_lipschitz(op, X, method=method, tol=1e-8, seed=s) for s in (0, 0, 1))
+    assert a.value == b.value and a.error == b.error and torch.equal(a.vector, b.vector)
+    assert a.value != c.value and abs(a.value - c.value) <= 2e-8 * a.value
+
+
 def test_bad_inputs_name_the_argument():
     op = make_op("single", masked=True)
     X = rand(5, 4)
