@@ -180,6 +180,28 @@ def test_power_unconverged_vector_is_the_certified_one():
     assert abs(est.value - v) <= ROUND * v and abs(est.error - err) <= 1e-6 * err + ROUND * v
 
 
+def test_power_keeps_its_best_certificate():
+    """Power iteration returns the iterate with the best certificate so far, not the last one: stopped
+    at max_iter = 1, 2, ..., 8 (the same iterates each time, from the same seed), the relative error
+    never grows with the budget, and each returned error is the dense certificate of the returned
+    vector. On this input (two heads) the certified error of the iterates themselves grows at the
+    4th to 6th iteration, so returning the last iterate breaks the first property."""
+    from tests.meanfield.test_lipschitz import make_op
+
+    op = make_op("mha", masked=False)
+    X = rand(6, 4, seed=7) * 1.5
+    J = dense_jacobian(op.sequence, X)
+    previous = math.inf
+    for k in range(1, 9):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            est = local_lipschitz(op, X, method="power", tol=1e-12, max_iter=k, on_failure="warn")
+        v, _, err = certificate(J, est.vector)
+        assert abs(est.value - v) <= ROUND * v and abs(est.error - err) <= 1e-6 * err + ROUND * v
+        assert est.error / est.value <= previous * (1 + ROUND), k
+        previous = est.error / est.value
+
+
 @pytest.mark.parametrize("tol", [1e-2, 1e-3])
 def test_worst_case_lower_is_the_rayleigh_value_at_the_input(tol):
     """``lower`` of the sequence search: at most the dense top singular value at ``input`` (up to
