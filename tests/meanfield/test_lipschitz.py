@@ -254,6 +254,34 @@ def test_the_seed_fixes_the_random_start(method):
     assert a.value != c.value and abs(a.value - c.value) <= 2e-8 * a.value
 
 
+def test_power_iteration_declares_a_plateau_after_patience_iterations():
+    """Two top singular values 1e-7 apart (0.95 and 0.95 (1 - 1e-7)), the rest far below: after the
+    small components die out (a factor (0.3 / 0.95)^2 per iteration), each iteration shrinks the error
+    by (1 - 1e-7)^2, far from the 1% gain the solver asks for in PATIENCE iterations. Power iteration
+    stops there, says it stalled, and returns a value between the two top singular values; it
+    neither runs on to max_iter nor declares the plateau before PATIENCE iterations without gain."""
+    from meanfield.krylov import PATIENCE
+
+    Q1, _ = torch.linalg.qr(rand(5, 5, seed=31))
+    Q2, _ = torch.linalg.qr(rand(5, 5, seed=32))
+    M = Q1 @ torch.diag(torch.tensor([0.95, 0.95 * (1 - 1e-7), 0.3, 0.2, 0.1], dtype=f64)) @ Q2.T
+    with pytest.warns(RuntimeWarning, match="stalled"):
+        est = local_lipschitz(lambda Y: Y @ M.T, rand(4, 5, seed=33), method="power", tol=1e-10, max_iter=1000,
+                              on_failure="warn")
+    assert est.stalled and not est.converged and PATIENCE < est.iterations < 1000
+    assert 0.95 * (1 - 2e-7) <= est.value <= 0.95 * (1 + 1e-12)
+
+
+def test_power_iteration_on_a_batch_whose_size_is_not_the_dimension():
+    """A batch of 3 sequences in dimension 4: each member's constant is its dense Jacobian's."""
+    op = make_op("single", masked=False)
+    X = rand(3, 6, 4, seed=5)
+    batch = local_lipschitz(op, X, method="power", tol=1e-10, max_iter=20000)
+    assert bool(batch.converged.all())
+    for i in range(3):
+        assert rel(batch[i].value, dense_lipschitz(op.sequence, X[i])) <= 1e-8
+
+
 def test_bad_inputs_name_the_argument():
     op = make_op("single", masked=True)
     X = rand(5, 4)
