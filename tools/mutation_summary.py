@@ -3,7 +3,9 @@
 Reads what ``mutmut run`` left in ``mutants/`` (one ``.meta`` file per mutated module) and prints a
 Markdown table: mutants, killed, timeouts, survived, no tests, not yet run, the score and the
 seconds spent. Score = (killed + timeouts) / (mutants run); a mutant no test reaches counts as a
-survivor. Run from the repository root after (or during) a run:
+survivor. mutmut 3.8's forkserver runner (``process_isolation = "forkserver"``) records 0 s for
+every mutant, so the seconds column reads "-" when no duration was recorded: time the run itself.
+Run from the repository root after (or during) a run:
 
     python tools/mutation_summary.py            # every module
     python tools/mutation_summary.py 'studies.common.*' --survivors
@@ -54,7 +56,7 @@ def table(rows: list[dict]) -> str:
     for r in [*rows, dict(module="**total**", **total)]:
         run = r["mutants"] - r["not_run"]
         score = f"{(r['killed'] + r['timeout']) / run:.1%}" if run else "-"
-        per = f"{r['seconds'] / run:.1f}" if run else "-"
+        per = f"{r['seconds'] / run:.1f}" if run and r["seconds"] > 0 else "-"
         lines.append(f"| {r['module']} | {r['mutants']} | {r['killed']} | {r['timeout']} | {r['survived']} | "
                      f"{r['no_tests']} | {r['other']} | {r['not_run']} | {score} | {per} |")
     return "\n".join(lines)

@@ -56,6 +56,33 @@ def certificate(J, u):
     return v, r, min(r / v, math.sqrt(r))
 
 
+@pytest.mark.parametrize("scale", [0.05, 1.0, 4.0])
+def test_certificate_from_a_known_image_is_the_dense_certificate(scale):
+    """The certificate of a unit u computed from its image B u = J^T J u (no product; the Lanczos
+    path that keeps the images) is the dense one: value |J u|, normalized residual r / v, error
+    min(r / v, sqrt r), and some singular value of J lies within the error of the value (the bound
+    the certificate states). Checked where every singular value is below 1, around 1 and above 1,
+    for a random u (large residual) and a near-singular vector (small residual); a u in the null
+    space of J has value, residual and error 0, not NaN."""
+    from meanfield.krylov import _rayleigh_from_image
+
+    J = scale * rand(7, 5, seed=11)
+    sigmas = torch.linalg.svdvals(J)
+    top = torch.linalg.svd(J).Vh[0]
+    for u in (rand(5, seed=12), top + 0.1 * rand(5, seed=13)):
+        u = u / u.norm()
+        v, rho, err, _ = _rayleigh_from_image(u[None], (J.T @ (J @ u))[None])
+        v_d, r_d, err_d = certificate(J, u)
+        assert float(v) == pytest.approx(v_d, rel=ROUND) and float(rho) == pytest.approx(r_d / v_d, rel=1e-10)
+        assert float(err) == pytest.approx(err_d, rel=1e-10)
+        assert float((sigmas - float(v)).abs().min()) <= float(err) * (1 + ROUND)
+    J0 = torch.cat([J[:, :4], torch.zeros(7, 1, dtype=f64)], 1)
+    e = torch.zeros(5, dtype=f64)
+    e[4] = 1.0
+    v, rho, err, z = _rayleigh_from_image(e[None], (J0.T @ (J0 @ e))[None])
+    assert float(v) == float(rho) == float(err) == 0.0 and bool(torch.isfinite(z).all())
+
+
 def _case(name):
     """(operator, input, dense matrix whose top singular value is the constant) of a named case. The
     spectra are not trivially separated (top singular values within 20 to 40 % of each other), so
@@ -151,6 +178,28 @@ def test_power_unconverged_vector_is_the_certified_one():
     assert warned and not est.converged
     v, _, err = certificate(J, est.vector)
     assert abs(est.value - v) <= ROUND * v and abs(est.error - err) <= 1e-6 * err + ROUND * v
+
+
+def test_power_keeps_its_best_certificate():
+    """Power iteration returns the iterate with the best certificate so far, not the last one: stopped
+    at max_iter = 1, 2, ..., 8 (the same iterates each time, from the same seed), the relative error
+    never grows with the budget, and each returned error is the dense certificate of the returned
+    vector. On this input (two heads) the certified error of the iterates themselves grows at the
+    4th to 6th iteration, so returning the last iterate breaks the first property."""
+    from tests.meanfield.test_lipschitz import make_op
+
+    op = make_op("mha", masked=False)
+    X = rand(6, 4, seed=7) * 1.5
+    J = dense_jacobian(op.sequence, X)
+    previous = math.inf
+    for k in range(1, 9):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            est = local_lipschitz(op, X, method="power", tol=1e-12, max_iter=k, on_failure="warn")
+        v, _, err = certificate(J, est.vector)
+        assert abs(est.value - v) <= ROUND * v and abs(est.error - err) <= 1e-6 * err + ROUND * v
+        assert est.error / est.value <= previous * (1 + ROUND), k
+        previous = est.error / est.value
 
 
 @pytest.mark.parametrize("tol", [1e-2, 1e-3])

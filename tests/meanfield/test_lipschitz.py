@@ -155,6 +155,19 @@ def test_arbitrary_callable_like_a_hugging_face_module():
         assert rel(local_lipschitz(module, X, method=method, **KW).value, truth) <= 1e-8
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_constant_in_the_binade_of_the_first_product(method):
+    """The solvers work on J / c with c the power of two just above |J u0| (u0 the random start).
+    When every singular value lies in one binade, [0.5, 1) here, the constant is below c and the scaled
+    top singular value below 1: each method still returns it. Truth: the map Y -> Y M^T is linear,
+    its Jacobian is I_n (x) M, and its constant is the top singular value of M (0.95)."""
+    Q1, _ = torch.linalg.qr(rand(5, 5, seed=31))
+    Q2, _ = torch.linalg.qr(rand(5, 5, seed=32))
+    M = Q1 @ torch.diag(torch.tensor([0.95, 0.8, 0.7, 0.6, 0.55], dtype=f64)) @ Q2.T
+    est = local_lipschitz(lambda Y: Y @ M.T, rand(4, 5, seed=33), method=method, tol=1e-10, max_iter=2000)
+    assert est.converged and abs(est.value - 0.95) <= 1e-9
+
+
 def test_power_uses_the_tangent_not_the_primal():
     """The pitfall of docs/math.md section 4: jvp(...)[0] is f(X), not J u."""
     op = make_op("single", masked=False)
@@ -219,6 +232,54 @@ def test_non_convergence_is_reported():
     with pytest.warns(RuntimeWarning, match="did not reach"):
         est = local_lipschitz(op, X, method="lanczos", tol=1e-12, max_iter=2, on_failure="warn")
     assert not est.converged and est.error > 1e-12 * est.value
+
+
+@pytest.mark.parametrize("max_iter", [1, 2, 5])
+def test_power_iteration_uses_exactly_its_budget_when_it_does_not_converge(max_iter):
+    """Power iteration stopped by ``max_iter`` ran ``max_iter`` iterations of two products each (J u
+    and J^T w; the first J u also sets the scale), and reports that count (meanfield.krylov)."""
+    est = local_lipschitz(make_op("single", masked=False), rand(6, 4, seed=7, scale=1.5), method="power",
+                          tol=1e-12, max_iter=max_iter, on_failure="warn")
+    assert not est.converged
+    assert est.iterations == max_iter and est.applications == 2 * max_iter
+
+
+@pytest.mark.parametrize("method", ["lanczos", "power"])
+def test_the_seed_fixes_the_random_start(method):
+    """The same seed gives bit for bit the same estimate; another seed starts elsewhere (the certified
+    values agree within tol, their last bits do not)."""
+    op, X = make_op("single", masked=False), rand(6, 4, seed=7, scale=1.5)
+    a, b, c = (local_lipschitz(op, X, method=method, tol=1e-8, seed=s) for s in (0, 0, 1))
+    assert a.value == b.value and a.error == b.error and torch.equal(a.vector, b.vector)
+    assert a.value != c.value and abs(a.value - c.value) <= 2e-8 * a.value
+
+
+def test_power_iteration_declares_a_plateau_after_patience_iterations():
+    """Two top singular values 1e-7 apart (0.95 and 0.95 (1 - 1e-7)), the rest far below: after the
+    small components die out (a factor (0.3 / 0.95)^2 per iteration), each iteration shrinks the error
+    by (1 - 1e-7)^2, far from the 1% gain the solver asks for in PATIENCE iterations. Power iteration
+    stops there, says it stalled, and returns a value between the two top singular values; it
+    neither runs on to max_iter nor declares the plateau before PATIENCE iterations without gain."""
+    from meanfield.krylov import PATIENCE
+
+    Q1, _ = torch.linalg.qr(rand(5, 5, seed=31))
+    Q2, _ = torch.linalg.qr(rand(5, 5, seed=32))
+    M = Q1 @ torch.diag(torch.tensor([0.95, 0.95 * (1 - 1e-7), 0.3, 0.2, 0.1], dtype=f64)) @ Q2.T
+    with pytest.warns(RuntimeWarning, match="stalled"):
+        est = local_lipschitz(lambda Y: Y @ M.T, rand(4, 5, seed=33), method="power", tol=1e-10, max_iter=1000,
+                              on_failure="warn")
+    assert est.stalled and not est.converged and PATIENCE < est.iterations < 1000
+    assert 0.95 * (1 - 2e-7) <= est.value <= 0.95 * (1 + 1e-12)
+
+
+def test_power_iteration_on_a_batch_whose_size_is_not_the_dimension():
+    """A batch of 3 sequences in dimension 4: each member's constant is its dense Jacobian's."""
+    op = make_op("single", masked=False)
+    X = rand(3, 6, 4, seed=5)
+    batch = local_lipschitz(op, X, method="power", tol=1e-10, max_iter=20000)
+    assert bool(batch.converged.all())
+    for i in range(3):
+        assert rel(batch[i].value, dense_lipschitz(op.sequence, X[i])) <= 1e-8
 
 
 def test_bad_inputs_name_the_argument():

@@ -80,6 +80,35 @@ def test_mixed_precision_on_batches_and_measures(monkeypatch):
     assert spy.count > 0
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_mixed_precision_at_a_float32_tolerance_leaves_float64_one_certificate(weighted, monkeypatch):
+    """At tol = 1e-4, far above float32's rounding, the float32 phase (its basis, its products, with
+    the measure's weights) finds the top singular vector and float64 only certifies it: one J u in
+    float64 (the certificate's), no float64 Lanczos vector. A float32 twin that drops the weights, or
+    no float32 phase at all, leaves float64 to run its own Lanczos (five or more products here). The
+    value is still the dense float64 Jacobian's top singular value within tol."""
+    counts = {f32: 0, f64: 0}
+    raw = Jacobian._raw_J
+
+    def spy(p, u):
+        counts[u.dtype] += 1
+        return raw(p, u)
+
+    monkeypatch.setattr(Jacobian, "_raw_J", spy)
+    op = make_op("mha", masked=True)
+    X = rand(6, 4, seed=9)
+    if weighted:
+        w = torch.softmax(2 * rand(6, seed=3), 0)
+        mu = Measure(X, w, positions=torch.arange(1, 7, dtype=f64) / 6)
+        est = local_lipschitz(op, mu, tol=1e-4, mixed=True, max_iter=2000)
+        truth = dense_lipschitz(lambda Y: op.points_map(Y, mu.log_weights, mu.positions), X, weights=w)
+    else:
+        est = local_lipschitz(op, X, tol=1e-4, mixed=True, max_iter=2000)
+        truth = dense_lipschitz(op.sequence, X)
+    assert est.converged and est.value <= truth * (1 + 1e-12) and rel(est.value, truth) <= 1e-4
+    assert counts[f32] >= 3 and counts[f64] == 1, counts
+
+
 def test_float32_outside_its_range_hands_over_to_float64(monkeypatch):
     """A constant beyond float32's range (two Diracs at R = 40, Lip ~ 7e88) or weights whose scalings
     leave it (a mass of 1e-75): float32 cannot stand in, float64 computes the certified value."""

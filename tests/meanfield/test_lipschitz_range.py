@@ -112,6 +112,9 @@ def test_zero_jacobian_is_exactly_zero_and_underflow_raises():
     for method in METHODS:
         est = local_lipschitz(zero, X, method=method)
         assert est.value == 0.0 and est.converged
+    # mixed precision: the float32 twin of a zero Jacobian stands aside and float64 says it is zero
+    est = local_lipschitz(zero, X, mixed=True)
+    assert est.value == 0.0 and est.converged
     # a Jacobian below the dtype's range: in float32, V = 1e-45 (the smallest subnormal) makes J u
     # round to 0 although J is not zero, and V = 1e-40 leaves it a few bits of precision
     for v in (1e-45, 1e-40):

@@ -32,3 +32,12 @@ def test_slope_claim_on_an_exact_power_law():
     assert claim.agrees
     off, _, pred_off = slope_claim(ns, lips, [n**0.51 for n in ns], "an exact law")
     assert abs(pred_off["slope"] - 0.51) < 1e-12 and not off.agrees
+
+
+def test_slope_claim_names_its_context_only_when_given():
+    """The prediction's text carries the caller's context after a semicolon, and nothing when there is none."""
+    ns, lips = [4, 16, 64], [2.0, 4.0, 8.0]
+    bare, _, _ = slope_claim(ns, lips, lips, "an exact law")
+    told, _, _ = slope_claim(ns, lips, lips, "an exact law", context="Prop 3.4's curve: 0.5000")
+    assert bare.theory.endswith("0.5 as n -> inf)")
+    assert told.theory == bare.theory[:-1] + "; Prop 3.4's curve: 0.5000)"
