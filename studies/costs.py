@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from particles.files import atomic_write
+
 PATH = Path(__file__).resolve().parent / "data" / "costs.json"
 LEVELS = ("quick", "full")
 
@@ -115,12 +117,10 @@ def record(level: str, rows: list[dict], *, command: str, date: str, load_averag
         studies[r["name"]] = {"wall_s": round(r["wall"], 1), "cpu_s": round(r["cpu"], 1),
                               "peak_gib": round(peak, 2), "status": r["status"], "load": load_average}
     before = data["levels"].get(level, {})
-    commands = [c for c in before.get("commands", []) if c != command] + [command]
+    # a run that re-measures every study recorded before supersedes the commands of earlier runs
+    earlier = [] if set(before.get("studies", {})) <= set(studies) else before.get("commands", [])
+    commands = [c for c in earlier if c != command] + [command]
     data["levels"][level] = {"commands": commands, "date": date,
                              "studies": {**before.get("studies", {}), **studies}}
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(p)
+    atomic_write(Path(path), json.dumps(data, indent=1) + "\n")
     return data

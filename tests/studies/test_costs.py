@@ -36,6 +36,10 @@ def test_record_then_render(tmp_path):
     assert data["levels"]["quick"]["commands"] == ["cmd a", "cmd c"]
     assert "(whole job)" in data["levels"]["quick"]["studies"]
     assert "| sqrt_n | failed: boom |" in costs.markdown_table(data)
+    # re-measuring every study recorded supersedes the earlier commands
+    costs.record("quick", [_row("sqrt_n", 11.0, 2**20), _row("(whole job)", 90.0, 3 * 2**20)], command="cmd d",
+                 date="2026-01-04", load_average="0.1", machine="2 x CPU", path=path)
+    assert json.loads(path.read_text())["levels"]["quick"]["commands"] == ["cmd d"]
     with pytest.raises(ValueError, match="level"):
         costs.record("huge", [], command="", date="", load_average="", machine="", path=path)
 
