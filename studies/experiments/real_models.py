@@ -71,6 +71,15 @@ log = logging.getLogger(__name__)
 # exponents and the bound checks need)
 TOL = _TOL
 PAPER_EXPONENT = report.PAPER_EXPONENT   # n^(1/4) on real text (the paper's Section 5.3; the authors' slides)
+#: relative gap of the witness's two top singular values (bound x factor, and the bound) under which the
+#: certificate may be the lower one (measured: Lanczos at tol 1e-6 certified the lower one at gaps 1.7e-6 and
+#: 3.8e-5 on MiniLM heads at n = 384 and 512)
+PAIR_RESOLUTION = 1e-4
+#: the leading-order form of the witness's constant (meanfield.adversarial.sqrt_n_witness_constant) was checked
+#: against dense Jacobians in dimensions 3 to 7 only; on MiniLM's heads (d = 384) in case "max" at n = 384 to 512
+#: it is off by up to 3.5e-7 (relative) where the estimate of its neglected terms says 1e-8. The check's floor:
+#: far above that, far below the mistakes it must catch (a bound or witness off by 1.05 or sqrt(2))
+FORM_FLOOR = 1e-5
 REGIME_FACTOR = 1000           # "n << exp(2 gamma R^2)" taken as exp(2 gamma R^2) >= 1000 n
 SQRT_BAND = 0.05               # tolerance on the witness exponent (finite-n slope of the real layer)
 MAPS_BAND = 0.02               # paired exponents of the block and the attention closer than this: the same growth
@@ -615,8 +624,19 @@ def head_witness_claim(adv) -> Claim | None:
         return None
     low = [r for r in heads if r["lip_head"] + r["lip_head_error"] < r["lower"] * (1 - 1e-9)]
     pred = [r for r in heads if (r["n"] - 1) * math.exp(-2 * r["gamma_R2"]) <= 1]
-    dev = [(abs(r["lip_head"] / r["lower"] / r["witness_factor"] - 1),
-            r["lip_head_error"] / r["lip_head"] + witness_tolerance(r["gamma"], r["R"])) for r in pred]
+    dev, pairs = [], []
+    for r in pred:
+        ratio, factor = r["lip_head"] / r["lower"], r["witness_factor"]
+        tol = r["lip_head_error"] / r["lip_head"] + witness_tolerance(r["gamma"], r["R"], r["n"], floor=FORM_FLOOR)
+        if factor - 1 <= PAIR_RESOLUTION and abs(ratio - 1) <= tol:
+            # the witness's two top singular values, bound x factor and the bound itself (the copies'
+            # direction), lie within PAIR_RESOLUTION: the certificate bounds the distance to *a* singular
+            # value (meanfield.lipschitz), and Lanczos may certify the lower one. Checked one-sided: the
+            # certified lower bound of the top may not exceed the predicted top
+            pairs.append(r)
+            dev.append((max(0.0, ratio / factor - 1), tol))
+        else:
+            dev.append((abs(ratio / factor - 1), tol))
     off = [d for d, tol in dev if d > tol]
     ratios = [r["lip_head"] / r["lower"] - 1 for r in heads]
     log_leak = max(math.log(r["n"] - 1) - 2 * r["gamma_R2"] for r in heads)
@@ -635,11 +655,14 @@ def head_witness_claim(adv) -> Claim | None:
         "1 + 2 gamma R^2 (1 - b) (case 'min') or sqrt(c^2 + 1 / ((n-1) b^2)) (case 'max'), "
         "b = 1 / (1 + (n-1) e^{-2 gamma R^2}) (docs/math.md section 5.3)",
         f"{len(low)} violations of the bound of {len(heads)}; {len(off)} of {len(pred)} off the predicted factor"
+        + (f" ({len(pairs)} of them at witnesses whose top two singular values lie within {PAIR_RESOLUTION:g}, "
+           "where the certified value is the lower one: checked not to exceed the predicted top)" if pairs else "")
         + (f" (largest relative deviation {worst[0]:.1e}, allowed {worst[1]:.1e})" if worst else "")
         + f"; Lip / lower - 1 in [{min(ratios):.1e}, {max(ratios):.1e}]" + why,
         not low and not off, "Lip + error bar compared with the bound (1e-9 relative); the predicted factor's "
-                             "tolerance is the certificate's relative error bar plus 2 e^(-2 gamma R^2) "
-                             "(1 + gamma R^2)^2, the order of the terms it neglects (studies.common.witness_tolerance)",
+                             "tolerance is the certificate's relative error bar plus 2 (1 + gamma R^2)^2 "
+                             "max(e^(-2 gamma R^2), ((n-1) e^(-2 gamma R^2))^2), the order of the terms it "
+                             "neglects (studies.common.witness_tolerance)",
         kind=THEOREM, fails_if="the head's certified constant plus its error bar is below the lower bound at some "
                                "witness, or Lip / bound differs from the predicted factor by more than the tolerance "
                                "(a bound or a witness off by a constant factor, e.g. sqrt(2) or 1.05)",
