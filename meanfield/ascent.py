@@ -9,6 +9,8 @@ states Y (tensors), certified values and gradients:
 * ``gradient(Ys, auxs)`` -> [G or None];
 * ``products``: the cost spent so far; ``tied``: whether coinciding rows of a state move together.
 
+:func:`ascend` records on the problem ``start_products``, the cost of certifying the starts.
+
 :func:`ascend` runs every start in lock-step: L-BFGS directions built from the projected gradients
 (the gradient itself where no curvature is usable), a step rule that never accepts a decrease of
 the certified value (backtracking: a rejected trial shrinks the step), rows that coincide in a start

@@ -171,26 +171,23 @@ class Jacobian:
             self._record()
 
     def _raw_J(self, u):
-        if self.s_in is not None:
-            u = u * self.s_in
-        w = self._jvp(u)
-        self.applications += 1
-        if self.on_product is not None:
-            self.on_product()
-        w = w if self.s_out is None else w * self.s_out
-        _check_product(w, "J u", self.cheap_checks)
-        return w
+        return self._product(self._jvp, u, self.s_in, self.s_out, "J u")
 
     def _raw_JT(self, w):
-        if self.s_out is not None:
-            w = w * self.s_out
-        u = self._jt(w)
+        return self._product(self._jt, w, self.s_out, self.s_in, "J^T w")
+
+    def _product(self, apply, x, scale_before, scale_after, what):
+        """One counted product: ``apply`` between the range scalings on its two sides (J u: s_in, then
+        s_out; J^T w the other way round), checked for finite output."""
+        if scale_before is not None:
+            x = x * scale_before
+        y = apply(x)
         self.applications += 1
         if self.on_product is not None:
             self.on_product()
-        u = u if self.s_in is None else u * self.s_in
-        _check_product(u, "J^T w", self.cheap_checks)
-        return u
+        y = y if scale_after is None else y * scale_after
+        _check_product(y, what, self.cheap_checks)
+        return y
 
     def _calibrate(self, u, w):
         size = norms(w).flatten()

@@ -317,6 +317,7 @@ class _Problem:
     def __init__(self, op, R, tol, seed, batch_size):
         self.op, self.R, self.tol, self.seed, self.batch_size = op, R, tol, seed, batch_size
         self.products = 0
+        self.start_products = 0   # of products, those that certified the starts (set by the ascent)
         self.policy = None   # the search's ThreadPolicy (set by the entry points)
         self._timed = False
 
@@ -531,7 +532,7 @@ def _result(problem, members, trace, stopped, method, upper, t0, options):
                            starts=starts, trace=trace, products=problem.products,
                            seconds=time.perf_counter() - t0, stopped=stopped, method=method,
                            search_value=value, split=split, options=options,
-                           start_products=getattr(problem, "start_products", 0))
+                           start_products=problem.start_products)
 
 
 def _named_starts(starts, kind):

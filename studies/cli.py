@@ -18,6 +18,7 @@ per study. Exit codes: see :data:`EXIT_CODES` (also printed by ``meanfield --hel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -290,17 +291,13 @@ def main(argv=None) -> int:
         parser.print_help()
         return EXIT_OK
     threads = getattr(args, "threads", None)
-    if threads is None:
+    with contextlib.ExitStack() as scope:
+        if threads is not None:
+            try:   # for this process and, through the environment, for the workers it starts
+                scope.enter_context(using_threads(threads, environment=True))
+            except (TypeError, ValueError) as exc:
+                parser.error(f"--threads: {str(exc).split(': ', 1)[-1]}")
         return _main(parser, args, argv)
-    try:   # for this process and, through the environment, for the workers it starts
-        scope = using_threads(threads, environment=True)
-        scope.__enter__()
-    except (TypeError, ValueError) as exc:
-        parser.error(f"--threads: {str(exc).split(': ', 1)[-1]}")
-    try:
-        return _main(parser, args, argv)
-    finally:
-        scope.__exit__(None, None, None)
 
 
 def _main(parser, args, argv) -> int:

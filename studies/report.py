@@ -58,14 +58,20 @@ _PACKAGES = ["smooth-attention", "torch", "numpy", "scipy", "pot", "matplotlib",
 _VERDICTS = ("holds", "violated", "reproduced", "not reproduced", "inconclusive")
 
 
-def environment() -> dict:
-    """Versions of Python, the packages the studies use, and the compute devices present."""
+def _versions(packages) -> dict:
+    """Installed version of each package (None where it is not installed)."""
     versions = {}
-    for pkg in _PACKAGES:
+    for pkg in packages:
         try:
             versions[pkg] = _md.version(pkg)
         except _md.PackageNotFoundError:
             versions[pkg] = None
+    return versions
+
+
+def environment() -> dict:
+    """Versions of Python, the packages the studies use, and the compute devices present."""
+    versions = _versions(_PACKAGES)
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -103,12 +109,7 @@ def study_fingerprint(name: str, ctx: RunContext) -> str:
             text = hashlib.sha256(Path(ctx.text).read_bytes()).hexdigest()
         except OSError:
             text = str(ctx.text)
-    versions = {}
-    for pkg in _NUMERIC_PACKAGES:
-        try:
-            versions[pkg] = _md.version(pkg)
-        except _md.PackageNotFoundError:
-            versions[pkg] = None
+    versions = _versions(_NUMERIC_PACKAGES)
     key = {"code": code_fingerprint(), "study": name, "level": ctx.level, "seed": ctx.seed, "device": ctx.device,
            "grid": study.grid(ctx.level) if study.grid is not None else None, "models": list(ctx.models),
            "checkpoints": list(ctx.checkpoints), "text": text, "versions": versions}
