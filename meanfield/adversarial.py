@@ -1,8 +1,9 @@
 """Adversarial inputs of *How Smooth Is Attention?*: the witnesses of the lower bounds.
 
 * :func:`sqrt_n_sequence`: Proposition 3.4, Lip >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2});
-* :func:`sqrt_n_witness_constant`, :func:`sqrt_n_witness_factor`: the constant the witness of
-  Proposition 3.4 actually has (leading order), and its ratio to the bound;
+* :func:`sqrt_n_witness_constant`, :func:`sqrt_n_witness_factor`,
+  :func:`sqrt_n_witness_singular_values`: the constant the witness of Proposition 3.4 actually has
+  (in closed form, exact), its ratio to the bound, and the Jacobian's whole spectrum there;
 * :func:`two_dirac`: Proposition 3.6, mean-field Lip ~ (gamma/2) R^2 e^{gamma R^2};
 * :func:`large_radius_configuration`: Theorems 3.7 / 4.5, one token takes the attention of all,
   Lip_{RX} -> ``||V||_2`` sqrt(n);
@@ -28,8 +29,8 @@ from particles.validation import check_bool, check_positive_int, check_radius, r
 from .bounds import GammaInfo, _gamma_value, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
-           "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor", "two_dirac",
-           "zero_plus_spread"]
+           "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor",
+           "sqrt_n_witness_singular_values", "two_dirac", "zero_plus_spread"]
 
 
 @dataclass(frozen=True)
@@ -208,56 +209,127 @@ def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
     return Measure(X2, log_weights=log_w)
 
 
-def sqrt_n_witness_constant(A, R, n) -> float:
-    """The local constant of Proposition 3.4's witness of n tokens (V = I_d) to leading order.
+def sqrt_n_witness_singular_values(A, R, n, *, of: str = "sequence") -> np.ndarray:
+    """The singular values of the Jacobian of self-attention (V = I_d) at Proposition 3.4's witness,
+    in closed form, largest first (each block's values once; multiplicities are not repeated).
 
-    With q = exp(-2 gamma R^2), b = 1 / (1 + (n - 1) q) the attention each repeated token pays to
-    the first one, and c = 1 + 2 gamma R^2 (1 - b):
+    ``of="sequence"``: the witness of n tokens (:func:`sqrt_n_sequence`, integer n >= 1), the
+    Euclidean Jacobian. ``of="measure"``: the two-atom measure (1/n, (n - 1)/n) of
+    :func:`sqrt_n_measure` (any real n >= 1), the Jacobian in the W2 sense (atom moves weighted by
+    their masses). ``A`` is the matrix, or a :class:`meanfield.bounds.GammaInfo` that carries
+    ``transpose_image`` (all those the framework builds do).
 
-    * case "min": ``sqrt(n - 1) b c``;
-    * case "max": ``sqrt((n - 1) b^2 c^2 + 1)``.
+    Derivation (docs/math.md section 5.3). Write the first token a u and the n - 1 copies r u
+    ((a, r) = (R, R/2) in case "max", (-R, R) in case "min"), w = A^T u, b (the attention a copy pays
+    to the first token) and p (the first token's attention to itself) the logistic weights of the
+    score gaps (a - r) r lambda and (a - r) a lambda against log(n - 1). Moving the first token by e,
+    every copy by f and the copies apart by g_c (sum 0), the output moves exactly (first order) by
 
-    Derivation (docs/math.md sections 4.1 and 5.3): move the first token along u by e. Each of
-    the n - 1 others moves by ``b e`` through the value term (Proposition 3.4's bound is these
-    moves alone, ``sqrt(n - 1) b``) and by ``2 gamma R^2 b (1 - b) e`` through the key term, in
-    the same direction (A u = lambda u makes both parallel to u). In case "max" the first token
-    attends to itself and moves by e as well (a separate output row, hence the ``+ 1`` under the
-    root); in case "min" it attends to the others and hardly moves. Other directions couple to
-    this one only at second order in the leaked attention. So Lip / bound = c (case "min") and
-    the witness reaches Proposition 3.4's bound up to this factor.
+    * first token: ``p e + (1 - p) f + p (1 - p) (a - r) u [a lambda u.(e - f) + (a - r) w.e]``;
+    * each copy: ``b e + (1 - b) f + b (1 - b) (a - r) u [r lambda u.(e - f) + (a - r) w.(f + g_c)]``.
 
-    ``A`` is the matrix, or a :class:`meanfield.bounds.GammaInfo` already computed. ``n`` is a real
-    >= 1 (the two-atom family of :func:`sqrt_n_measure` interpolates between integers). The form
-    holds while (n - 1) q is of order one or less (the sqrt(n) regime and the transition, up to
-    the peak); compared with dense Jacobians its relative error stayed below
-    ``2 q (1 + gamma R^2)^2`` (dimensions 3 to 7, n from 2 to exp(2 gamma R^2)). At
-    ``n = exp(2 gamma R^2)`` it gives Proposition 3.6's correction factor
-    (:func:`meanfield.bounds.two_dirac_ratio_from_gamma`).
+    The moves g_c (n >= 3 tokens) form their own block, of singular value b (1 - b) (a - r)^2 |w|;
+    (e, f) with the copies' rows scaled by sqrt(n - 1) leave span(u, w) and its complement invariant:
+    a 4 x 4 (or 2 x 2 when w is parallel to u) matrix and, on the complement, the value-only
+    2 x 2 matrix ``[[p, (1 - p)/sqrt(n - 1)], [sqrt(n - 1) b, 1 - b]]``. Nothing is neglected:
+    against dense Jacobians (dimensions 3 to 7, normal and strongly non-normal A, R up to 3, n from
+    1 to 64, and the measure up to n = 1e9) the two agree to 1e-14 (tests/meanfield/test_predicted_forms.py).
     """
-    case, m, t, b, c = _witness_terms(A, R, n)
-    if case == "min":
-        return math.sqrt(m) * b * c
-    return math.sqrt(m * b * b * c * c + 1.0)
-
-
-def sqrt_n_witness_factor(A, R, n) -> float:
-    """The predicted ratio of the witness's constant to Proposition 3.4's bound: ``c`` in case "min",
-    ``sqrt(c^2 + 1 / ((n - 1) b^2))`` in case "max" (notation of :func:`sqrt_n_witness_constant`;
-    ``math.inf`` at n = 1, where the bound is 0). It is computed from gamma, R and n alone, without
-    Proposition 3.4's formula, so that comparing it with the measured ratio tests that formula too."""
-    case, m, t, b, c = _witness_terms(A, R, n)
-    if case == "min":
-        return c
-    return math.inf if m == 0.0 else math.sqrt(c * c + 1.0 / (m * b * b))
-
-
-def _witness_terms(A, R, n):
-    info = A if isinstance(A, GammaInfo) else gamma_info(A)
-    g = _gamma_value(info.gamma)
-    R = check_radius(R, "R")
-    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1:
+    info, d = _witness_info(A)
+    seq = _witness_of(of)
+    if seq:
+        n = _token_count(n)
+    elif isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1:
         raise ValueError(f"n: expected a finite number >= 1, got {n!r}")
+    R = check_radius(R, "R")
     m = float(n) - 1.0
-    t = g * R * R
-    b = 1.0 / (1.0 + m * math.exp(-2.0 * t))
-    return info.case, m, t, b, 1.0 + 2.0 * t * (1.0 - b)
+    if m == 0.0:
+        return np.ones(1)          # one token: f(x) = x
+    lam = float(info.eigenvalue)
+    u = np.asarray(info.eigenvector, dtype=np.float64)
+    w = np.asarray(info.transpose_image, dtype=np.float64)
+    a, r = (R, R / 2.0) if info.case == "max" else (-R, R)
+    s = math.sqrt(m)
+    # logistic weights from their log-odds: b = 1 / (1 + m e^{-(a - r) r lambda}), 1 - b without cancellation
+    zb, zp = (a - r) * r * lam - math.log(m), (a - r) * a * lam - math.log(m)
+    b, nb = _expit(zb), _expit(-zb)
+    p, np_ = _expit(zp), _expit(-zp)
+    kb, kp = b * nb * (a - r), p * np_ * (a - r)
+    w_perp = w - lam * u
+    basis = [u]
+    if np.linalg.norm(w_perp) > 1e-14 * (abs(lam) + np.linalg.norm(w)):
+        basis.append(w_perp / np.linalg.norm(w_perp))
+    E = np.stack(basis, axis=1)
+    I = np.eye(E.shape[1])
+    uu = np.outer(E.T @ u, E.T @ u)
+    uw = np.outer(E.T @ u, E.T @ w)
+    T = np.block([[p * I + kp * (a * lam * uu + (a - r) * uw), np_ / s * I - kp * a * lam * uu / s],
+                  [s * b * I + kb * r * lam * s * uu, nb * I - kb * r * lam * uu + kb * (a - r) * uw]])
+    values = list(np.linalg.svd(T, compute_uv=False))
+    if d > E.shape[1]:
+        values += list(np.linalg.svd(np.array([[p, np_ / s], [s * b, nb]]), compute_uv=False))
+    if seq and n >= 3:
+        values.append(b * nb * (a - r) ** 2 * float(np.linalg.norm(w)))
+    return np.array(sorted(values, reverse=True))
+
+
+def sqrt_n_witness_constant(A, R, n, *, of: str = "sequence") -> float:
+    """The local Lipschitz constant of Proposition 3.4's witness (V = I_d), exactly: the largest of
+    :func:`sqrt_n_witness_singular_values` (same arguments; ``of="measure"`` for the two-atom
+    measure of :func:`sqrt_n_measure` at any real n >= 1).
+
+    Where (n - 1) e^{-2 gamma R^2} is small and A is normal it reduces to the simple forms
+    ``sqrt(n - 1) b c`` (case "min") and ``sqrt((n - 1) b^2 c^2 + 1)`` (case "max"), with
+    ``b = 1 / (1 + (n - 1) e^{-2 gamma R^2})`` and ``c = 1 + 2 gamma R^2 (1 - b)``: the copies move by
+    b through the value term and by ``2 gamma R^2 b (1 - b)`` through the key term. For a non-normal
+    A (trained heads: A^T u far from lambda u) the copies' queries add the term in w = A^T u, and near
+    the transition the constant can be twice the simple form (MiniLM, docs/math.md section 5.3).
+    At ``n = exp(2 gamma R^2)`` the measure's constant over Proposition 3.6's asymptotic value tends
+    to the correction factor :func:`meanfield.bounds.two_dirac_ratio_from_gamma`.
+    """
+    return float(sqrt_n_witness_singular_values(A, R, n, of=of)[0])
+
+
+def sqrt_n_witness_factor(A, R, n, *, of: str = "sequence") -> float:
+    """The ratio of the witness's constant (:func:`sqrt_n_witness_constant`) to Proposition 3.4's bound,
+    ``math.inf`` at n = 1 (where the bound is 0). The bound's value sqrt(n - 1) b is formed here from
+    the eigenvalue and the witness's geometry (b from the score gap (a - r) r lambda), not from
+    gamma and Proposition 3.4's formula, so that a measured constant over the formula's bound,
+    compared with this factor, tests the formula as well as the witness."""
+    info, _ = _witness_info(A)
+    value = sqrt_n_witness_constant(info, R, n, of=of)
+    m = float(n) - 1.0
+    if m == 0.0:
+        return math.inf
+    R = check_radius(R, "R")
+    a, r = (R, R / 2.0) if info.case == "max" else (-R, R)
+    z = (a - r) * r * float(info.eigenvalue) - math.log(m)
+    return value / (math.sqrt(m) * _expit(z))
+
+
+def _expit(z: float) -> float:
+    return 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+
+
+def _witness_of(of) -> bool:
+    if of not in ("sequence", "measure"):
+        raise ValueError(f"of: expected 'sequence' or 'measure', got {of!r}")
+    return of == "sequence"
+
+
+def _token_count(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1 or n != int(n):
+        raise ValueError(f"n: expected a whole number of tokens >= 1 for of='sequence', got {n!r} (use "
+                         "of='measure' for the two-atom measure at real n)")
+    return int(n)
+
+
+def _witness_info(A) -> tuple[GammaInfo, int]:
+    info = A if isinstance(A, GammaInfo) else gamma_info(A)
+    _gamma_value(info.gamma)
+    if info.eigenvector is None or info.gamma == 0.0:
+        raise ValueError("A: gamma = 0 (every real eigenvalue is 0), so Proposition 3.4 gives no witness")
+    if info.transpose_image is None:
+        raise ValueError("A: this GammaInfo has no transpose_image (A^T u), which the witness's constant needs; "
+                         "pass the matrix, or a record from meanfield.bounds.gamma_info / gamma_info_factored")
+    return info, int(np.asarray(info.eigenvector).shape[0])

@@ -178,7 +178,10 @@ class GammaInfo:
 
     ``case`` is ``"max"`` when lambda_max / 8 >= -lambda_min (witness (Ru, Ru/2, ..., Ru/2)) and
     ``"min"`` otherwise (witness (-Ru, Ru, ..., Ru)); ``eigenvalue`` and the unit ``eigenvector``
-    u (A u = eigenvalue u) are those of the chosen case.
+    u (A u = eigenvalue u) are those of the chosen case. ``transpose_image`` is A^T u: it equals
+    ``eigenvalue * u`` only when u is also an eigenvector of A^T (A normal, e.g. symmetric); the
+    witness's exact constant (:func:`meanfield.adversarial.sqrt_n_witness_constant`) depends on it.
+    None when there is no witness (gamma = 0) or when the record was built without it.
     """
 
     gamma: float
@@ -187,6 +190,7 @@ class GammaInfo:
     eigenvector: np.ndarray
     lambda_max: float
     lambda_min: float
+    transpose_image: np.ndarray | None = None
 
 
 def _case_order(l_max: float, l_min: float) -> list[tuple[str, float]]:
@@ -225,9 +229,12 @@ def eigen_cases(A, *, tol: float = 1e-10) -> list[GammaInfo]:
     i_max, i_min = int(np.argmax(lam)), int(np.argmin(lam))
     l_max, l_min = float(lam[i_max]), float(lam[i_min])
     index = {"max": i_max, "min": i_min}
-    return [GammaInfo(g, case, float(lam[index[case]]), _real_unit_eigenvector(a, float(lam[index[case]]),
-                                                                                vecs[:, index[case]]), l_max, l_min)
-            for case, g in _case_order(l_max, l_min) if g > 0]
+    out = []
+    for case, g in _case_order(l_max, l_min):
+        if g > 0:
+            u = _real_unit_eigenvector(a, float(lam[index[case]]), vecs[:, index[case]])
+            out.append(GammaInfo(g, case, float(lam[index[case]]), u, l_max, l_min, a.T @ u))
+    return out
 
 
 def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
@@ -251,7 +258,7 @@ def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
     # every real eigenvalue is 0: gamma = 0, case "max", the eigenvector of lambda_max = 0
     i_max = int(np.argmax(lam))
     u = _real_unit_eigenvector(a, float(lam[i_max]), vecs[:, i_max])
-    return GammaInfo(0.0, "max", float(lam[i_max]), u, float(lam.max()), float(lam.min()))
+    return GammaInfo(0.0, "max", float(lam[i_max]), u, float(lam.max()), float(lam.min()), a.T @ u)
 
 
 def _real_unit_eigenvector(a: np.ndarray, lam: float, v: np.ndarray) -> np.ndarray:
@@ -561,7 +568,9 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     u = Kt.T.cpu().numpy() @ w
     u = u / np.linalg.norm(u)
     u = u if u[int(np.argmax(np.abs(u)))] > 0 else -u   # a fixed sign: reproducible witnesses
-    return GammaInfo(g, case, lam_c, u, l_max, l_min)
+    # A^T u = scale Q^T (K u), without forming the d x d matrix
+    w_t = scale * (Qt.T.cpu().numpy() @ (Kt.cpu().numpy() @ u))
+    return GammaInfo(g, case, lam_c, u, l_max, l_min, w_t)
 
 
 def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -735,11 +744,12 @@ def two_dirac_ratio_from_gamma(gamma, R) -> float:
     """``1 + 1 / (gamma R^2)``: the ratio of the two-Dirac witness's constant to Proposition 3.6's
     asymptotic value ``(gamma / 2) R^2 exp(gamma R^2)`` (docs/math.md sections 5.4 and 7.5).
 
-    It is the value of :func:`meanfield.adversarial.sqrt_n_witness_constant` at
-    ``n = exp(2 gamma R^2)`` (where the witness family is the two-Dirac measure) divided by the
-    asymptotic value, to leading order: with b = 1/2 there, ``sqrt(n - 1) b (1 + gamma R^2) /
-    ((gamma/2) R^2 e^{gamma R^2}) = 1 + 1/(gamma R^2)``. The neglected terms are of relative order
-    ``exp(-2 gamma R^2)``, so the ratio tends to 1 as Proposition 3.6 states, at the rate
+    It is the constant of the witness's two-atom measure (:func:`meanfield.adversarial.sqrt_n_witness_constant`
+    with ``of="measure"``) at ``n = exp(2 gamma R^2)`` (where the witness family is the two-Dirac
+    measure) divided by the asymptotic value, to leading order: with b = 1/2 there, ``sqrt(n - 1) b
+    (1 + gamma R^2) / ((gamma/2) R^2 e^{gamma R^2}) = 1 + 1/(gamma R^2)``. The neglected terms are of
+    relative order ``exp(-2 gamma R^2)`` (times ``(R^2 |A^T u - lambda u|)^2`` for a non-normal A), so
+    the ratio tends to 1 as Proposition 3.6 states, at the rate
     ``1/(gamma R^2)``. ``math.inf`` when gamma = 0 or R = 0.
     """
     g = _gamma_value(gamma)

@@ -379,10 +379,16 @@ class LayerParameters:
     def head_dim(self) -> int:
         return self.Q.shape[1]
 
-    def A(self, head: int | None = None) -> torch.Tensor:
-        """A_h = scale K_h^T Q_h, (d, d); all heads stacked (H, d, d) when ``head`` is None."""
-        A = self.scale * self.K.transpose(-1, -2) @ self.Q
-        return A if head is None else A[head]
+    def A(self, head: int | None = None, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A_h = scale K_h^T Q_h, (d, d); all heads stacked (H, d, d) when ``head`` is None.
+
+        ``dtype``: form the product in this dtype (float64 for theory checks: the product of float32
+        factors rounded to float32 differs from the exact one by about 1e-7, relative, which moves a
+        witness's constant by as much; :func:`meanfield.bounds.gamma_info_factored` works in float64)."""
+        Q, K = (self.Q, self.K) if head is None else (self.Q[head], self.K[head])
+        if dtype is not None:
+            Q, K = Q.to(dtype), K.to(dtype)
+        return self.scale * K.transpose(-1, -2) @ Q
 
     def W_O_block(self, head: int) -> torch.Tensor:
         """The columns of W_O that act on head ``head``'s output, (d, k)."""

@@ -10,7 +10,17 @@ import torch
 
 from .contract import THEOREM, Claim, shorten
 
-__all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device", "slope_claim", "witness_tolerance"]
+__all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device", "slope_claim", "witness_tolerance",
+           "witness_columns", "witness_deviation", "WITNESS_FLOOR", "PAIR_RESOLUTION"]
+
+#: relative rounding floor of a float64 constant compared with the witness's exact closed form
+#: (meanfield.adversarial.sqrt_n_witness_constant agrees with dense Jacobians to 1e-14; certified
+#: estimates carry their own error bar on top of this)
+WITNESS_FLOOR = 1e-9
+#: relative gap of the witness's two top singular values under which a certified estimate may be the second:
+#: the certificate bounds the distance to *a* singular value (meanfield.lipschitz), and Lanczos at tol 1e-6
+#: certified the second one at gaps 1.7e-6 and 3.8e-5 on MiniLM heads at n = 384 and 512
+PAIR_RESOLUTION = 1e-4
 
 
 def random_A(d: int, seed: int) -> torch.Tensor:
@@ -62,15 +72,46 @@ def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list
 
 
 def witness_tolerance(gamma: float, R: float, n: int = 2, *, floor: float = 1e-9) -> float:
-    """Relative tolerance of the witness's predicted constant at ``n`` tokens: the terms the leading-order
-    form neglects are of relative order (1 + gamma R^2)^2 max(e^{-2 gamma R^2}, leak^2), with
-    leak = (n - 1) e^{-2 gamma R^2} the attention the first token pays to the n - 1 copies (at n = 2 the
-    first term dominates; at larger n the second, measured on real heads: 3.5e-7 at leak = 4e-5,
-    gamma R^2 = 12.1, n = 512); twice that, and never below ``floor`` (float64 rounding by default)."""
+    """Relative tolerance of a *leading-order* form at the witness (Proposition 3.6's correction factor
+    1 + 1/(gamma R^2)): the terms it neglects are of relative order (1 + gamma R^2)^2 max(e^{-2 gamma R^2},
+    leak^2), with leak = (n - 1) e^{-2 gamma R^2}; twice that, and never below ``floor``. The witness's
+    own constant needs no such allowance: it is exact (:func:`witness_deviation`)."""
     t = gamma * R * R
     small = math.exp(-2.0 * t)
     leak = (n - 1) * small
     return max(2.0 * (1.0 + t) ** 2 * max(small, leak * leak), floor)
+
+
+def witness_columns(A, R, n) -> dict:
+    """A study's table columns for Proposition 3.4's witness of n tokens: ``witness_predicted`` (its exact
+    constant, the top singular value), ``witness_factor`` (over the bound) and ``witness_cluster`` (the
+    relative width 1 - sigma_k / sigma_1 of the singular values within :data:`PAIR_RESOLUTION` of the top;
+    0 when the top is isolated), from :func:`meanfield.adversarial.sqrt_n_witness_singular_values`.
+    ``A`` is the matrix or its :class:`meanfield.bounds.GammaInfo`."""
+    from meanfield import adversarial
+
+    sv = adversarial.sqrt_n_witness_singular_values(A, R, n)
+    near = sv[sv >= sv[0] * (1.0 - PAIR_RESOLUTION)]
+    return {"witness_predicted": float(sv[0]), "witness_factor": float(adversarial.sqrt_n_witness_factor(A, R, n)),
+            "witness_cluster": float(1.0 - near[-1] / sv[0])}
+
+
+def witness_deviation(ratio: float, factor: float, cluster: float = 0.0,
+                      rel_error: float = 0.0) -> tuple[float, float, bool]:
+    """How far a measured Lip / bound (``ratio``) lies from the witness's exact factor, with its tolerance.
+
+    ``factor`` is :func:`meanfield.adversarial.sqrt_n_witness_factor` (the top singular value over the
+    bound, formed without Proposition 3.4's formula), ``cluster`` the ``witness_cluster`` column of
+    :func:`witness_columns`, ``rel_error`` the estimate's certified relative error bar. A certificate
+    bounds the distance to *a* singular value (meanfield.lipschitz), which may be any of a cluster
+    closer than :data:`PAIR_RESOLUTION` to the top: the deviation is the relative distance of
+    ratio / factor outside [1 - cluster, 1] (|ratio / factor - 1| when the top is isolated). Returns
+    ``(deviation, tolerance, below)``: the tolerance is ``rel_error + WITNESS_FLOOR``, ``below`` says
+    the estimate matched a singular value of the cluster below the top."""
+    tol = rel_error + WITNESS_FLOOR
+    x = ratio / factor
+    dev = max(x - 1.0, (1.0 - cluster) - x, 0.0) if cluster > 0 else abs(x - 1.0)
+    return dev, tol, cluster > 0 and x < 1.0 - tol
 
 
 def slope_claim(ns, lips, predicted_lips, what: str, *, context: str = "") -> tuple[Claim, dict, dict]:

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from studies.common import slope_claim, witness_tolerance
+from meanfield import bounds
+from studies.common import slope_claim, witness_columns, witness_tolerance
 from studies.experiments.dynamics import meanfield_claim
 from studies.experiments.l2_attention import kim_attained_claim, quadratic_claim
 from studies.experiments.large_radius import sup_claim
@@ -33,17 +34,24 @@ def _witness(R, n):  # Proposition 3.4's witness written out: (-R u, R u, ..., R
     return torch.cat([-R * u[None], (R * u)[None].expand(n - 1, -1)])
 
 
-def _witness_rows(R, ns):
-    """Measured rows of the sqrt_n study for A_MIN: dense constants at the witness, the bound, the
-    predicted constant (its leading-order form, typed in here)."""
-    q, t = math.exp(-2 * R * R), R * R
+def _witness_rows(R, ns, A=A_MIN):
+    """Measured rows of the sqrt_n study: dense constants at the witness and the bound (both written out
+    here), the witness's columns from the library (its closed form, checked against dense Jacobians in
+    tests/meanfield/test_predicted_forms.py)."""
+    from meanfield import adversarial
+
+    info = bounds.gamma_info(A)
+    I = torch.eye(A.shape[0], dtype=f64)
     rows = []
     for n in ns:
-        lip = dense_lipschitz(lambda Y: naive_attention(Y, A_MIN, I2), _witness(R, n))
-        b = 1 / (1 + (n - 1) * q)
-        rows.append({"n": n, "lip": lip, "lower": prop34_lower(1.0, R, n), "witness_factor": 1 + 2 * t * (1 - b),
-                     "witness_predicted": math.sqrt(n - 1) * b * (1 + 2 * t * (1 - b))})
+        lip = dense_lipschitz(lambda Y: naive_attention(Y, A, I), adversarial.sqrt_n_sequence(A, R, n))
+        rows.append({"n": n, "lip": lip, "lower": prop34_lower(info.gamma, R, n), **witness_columns(A, R, n)})
     return rows
+
+
+def _simple_factor(g, R, n):   # the leading-order form of the witness's factor for a normal A, case "min"
+    b = 1 / (1 + (n - 1) * math.exp(-2 * g * R * R))
+    return 1 + 2 * g * R * R * (1 - b)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +81,24 @@ def test_prop34_witness_claim_fails_when_the_bound_is_off_by_a_factor(witness_ro
         wrong = [{**r, "lower": factor * r["lower"]} for r in rows]
         assert all(r["lip"] >= r["lower"] for r in wrong)
         assert not witness_claim(wrong, 1.0, R, "min").agrees
-    # a witness whose constant is off (e.g. its first token at R u / 2) fails too
+    # a witness whose constant is off (e.g. its first token at R u / 2) fails too, by 1.05 or by 1.001
     assert not witness_claim([{**r, "lip": 1.05 * r["lip"]} for r in rows], 1.0, R, "min").agrees
+    assert not witness_claim([{**r, "lower": r["lower"] / 1.001} for r in rows], 1.0, R, "min").agrees
+
+
+def test_prop34_witness_claim_tells_the_exact_factor_from_the_normal_form():
+    """A strongly non-normal A (A^T u far from lambda u, as in trained heads): the simple factor
+    1 + 2 gamma R^2 (1 - b), right for a normal A, is off near the transition and the claim says so;
+    the closed form that counts A^T u is not."""
+    A = torch.tensor([[-1.0, 0.0, 0.0], [12.0, 0.2, 0.0], [0.0, 3.0, 0.1]], dtype=f64)
+    info = bounds.gamma_info(A)
+    assert info.case == "min" and np.linalg.norm(info.transpose_image - info.eigenvalue * info.eigenvector) > 4
+    R = math.sqrt(math.log(200) / (2 * info.gamma))          # exp(2 gamma R^2) = 200: n = 2..64 near the transition
+    rows = _witness_rows(R, [2, 4, 8, 16, 32, 64], A)
+    assert witness_claim(rows, info.gamma, R, "min").agrees
+    simple = [{**r, "witness_factor": _simple_factor(info.gamma, R, r["n"])} for r in rows]
+    assert max(abs(r["lip"] / r["lower"] / r["witness_factor"] - 1) for r in simple) > 0.05
+    assert not witness_claim(simple, info.gamma, R, "min").agrees
 
 
 def test_prop36_ratio_claim_fails_without_the_correction_term():
@@ -281,8 +305,8 @@ def test_kernel_path_claims_fail_when_auto_takes_another_path(monkeypatch):
 def _head_rows(R, ns, gamma=1.0):
     """The real_models study's rows of Proposition 3.4's head check, from dense Jacobians of A_MIN's witness."""
     return [{"n": r["n"], "lip_head": r["lip"], "lip_head_error": 0.0, "head_converged": True, "lower": r["lower"],
-             "witness_factor": r["witness_factor"], "gamma": gamma, "R": R, "gamma_R2": gamma * R * R}
-            for r in _witness_rows(R, ns)]
+             "witness_factor": r["witness_factor"], "witness_cluster": r["witness_cluster"], "gamma": gamma, "R": R,
+             "gamma_R2": gamma * R * R} for r in _witness_rows(R, ns)]
 
 
 @pytest.mark.parametrize("R", [math.sqrt(math.log(1e4) / 2), 4.0])   # exp(2 gamma R^2) = 1e4, and 2 gamma R^2 = 32

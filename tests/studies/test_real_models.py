@@ -168,7 +168,7 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
             continue
         model = _model(models, r)
         p = mhf.extract_layer(model, r["layer"])
-        A = p.A(r["head"])
+        A = p.A(r["head"], dtype=torch.float64)
         info = bounds.gamma_info_factored(p.Q[r["head"]], p.K[r["head"]], p.scale)
         X = adversarial.sqrt_n_sequence_from_info(info, R, n)
         Xref = adversarial.sqrt_n_sequence(A, R, n)  # the library's witness, from a full eigen-decomposition
@@ -177,6 +177,7 @@ def test_adversarial_rows_against_witness_and_dense_jacobian(run):
         I = torch.eye(A.shape[0], dtype=torch.float64)
         truth = dense_lipschitz(lambda Z, A=A, I=I: naive_attention(Z, A, I), Xref)
         assert r["lip_head"] == pytest.approx(truth, rel=1e-6)
+        assert r["witness_predicted"] == pytest.approx(truth, rel=1e-9)   # the witness's closed form, exact
         truth = dense_lipschitz(reimplementation(model, r["layer"], mhf.is_causal(model)), X)
         assert r["lip_layer"] == pytest.approx(truth, rel=1e-6)
         assert r["masked"] == mhf.is_causal(model)
