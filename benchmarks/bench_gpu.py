@@ -574,7 +574,10 @@ def write_markdown(store: dict, out: Path, command: str):
              f"GPU: **{env.get('gpu')}**, driver {env.get('driver', '-')}; torch {env['torch']}, CUDA "
              f"{env['cuda']}, Triton {env['triton']}, Python {env['python']}; host {env['host']}.", "",
              "Each figure: median of the timed calls after a warm-up, all candidates of a row in one process, "
-             "interleaved; float32 unless said. 'peer / ours' > 1 means ours is faster.", ""]
+             "interleaved; float32 unless said. 'peer / ours' > 1 means ours is faster.", "",
+             "The studies at this scale are a separate command: `meanfield reproduce --quick --only "
+             "discrete_vs_meanfield dynamics --device cuda --out runs/gpu-quick` (N up to 10^5; without `--quick` "
+             "up to 10^6), which adds the at-scale claims and figures of studies/experiments/at_scale.py.", ""]
     for name in SECTIONS:
         if name not in store["sections"]:
             continue

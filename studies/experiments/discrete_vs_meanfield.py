@@ -24,6 +24,7 @@ from ..common import fit_loglog, random_A, random_V, to_device
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
+from . import at_scale
 
 __all__ = ["discrete_vs_meanfield", "lemma_3_2_task", "sample_task", "displacement", "grid"]
 
@@ -172,7 +173,23 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     notes = (f"mu = uniform on the disc of radius {RADIUS}; A and V are 2x2 Gaussian matrices / sqrt(2) (seed {seed}); "
              "T(x) = x + 0.1 sin(x reversed + 0.3). The local constant at mu_n is the W2-sense constant among "
              f"n-atom measures (Lemma C.5). Means and standard deviations over {reps} independent samples.")
-    return StudyResult("discrete_vs_meanfield", "Discrete vs mean-field", claims, ["convergence_in_n.png"],
-                       ["lemma_3_2.csv", "samples.csv", "samples_summary.csv"],
-                       {"lemma_3_2_max_rel_diff": worst["rel_diff"], "w2_slope": w2fit,
-                        "final": stats[-1]}, notes)
+    figures, tables = ["convergence_in_n.png"], ["lemma_3_2.csv", "samples.csv", "samples_summary.csv"]
+    summary = {"lemma_3_2_max_rel_diff": worst["rel_diff"], "w2_slope": w2fit, "final": stats[-1]}
+    scale = at_scale.grid(ctx.level, ctx.device)
+    if scale is None:
+        notes += (" With --device cuda the study also measures the local constants of samples of 10^4 to 10^6 "
+                  "points (studies.experiments.at_scale); not on this device.")
+    else:
+        rows_s = run_grid(at_scale.lipschitz_task, [{"n": n, "seed": seed, "rep": r} for n in scale["Ns"]
+                                                    for r in range(scale["reps"])], out_dir, "at_scale", ctx,
+                          device=ctx.device)
+        write_csv(rows_s, out_dir / "at_scale.csv")
+        claims_s, stats_s = at_scale.lipschitz_claims(rows_s)
+        claims += claims_s
+        fig, ax = P.figure(width=7.5)
+        at_scale.lipschitz_figure(ax, stats_s, stats)
+        save_figure(fig, out_dir / "at_scale.png")
+        figures.append("at_scale.png")
+        tables.append("at_scale.csv")
+        summary["at_scale"] = stats_s
+    return StudyResult("discrete_vs_meanfield", "Discrete vs mean-field", claims, figures, tables, summary, notes)

@@ -28,6 +28,7 @@ from .. import plotting as P
 from ..common import fit_loglog
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..io import save_figure, write_csv, write_with
+from . import at_scale
 
 __all__ = ["dynamics", "animate_trajectory", "grid", "meanfield_claim"]
 
@@ -335,8 +336,35 @@ def _run(out_dir: Path, ctx) -> StudyResult:
              "and renormalization after each step. The mean-field check compares n-particle and large-n "
              "trajectories started from independent samples of N(0, I): W2 at T inherits the n^{-1/2}-type "
              "rate of the initial empirical measures (stability of the continuity equation).")
+    tables = ["clusters.csv", "meanfield_w2.csv", *data]
+    scale = at_scale.grid(level, dev)
+    if scale is None:
+        notes += (" With --device cuda the study also follows the clustering of 10^3 to 10^6 tokens on the sphere "
+                  "(studies.experiments.at_scale); not on this device.")
+    else:
+        claims += _at_scale(out_dir, ctx, scale, figures, tables, summary)
     return StudyResult("dynamics", "Token dynamics: Transformers as PDEs", claims=claims, figures=figures,
-                       tables=["clusters.csv", "meanfield_w2.csv", *data], summary=summary, notes=notes)
+                       tables=tables, summary=summary, notes=notes)
+
+
+def _at_scale(out_dir: Path, ctx, scale: dict, figures: list, tables: list, summary: dict) -> list:
+    """The clustering of N tokens on the sphere at the sizes of an accelerator (:mod:`studies.experiments.at_scale`)."""
+    from ..grid import run_grid
+
+    points = [{"n": n, "T": scale["T"], "step": scale["step"], "dt": scale["dt"], "seed": ctx.seed, "rep": r}
+              for n in scale["cluster_Ns"] for r in range(scale["cluster_reps"])]
+    rows = run_grid(at_scale.cluster_task, points, out_dir, "at_scale_clusters", ctx, device=ctx.device)
+    write_csv([{"n": r["n"], "rep": r["rep"], "t": t, "spread": v} for r in rows
+               for t, v in zip(r["times"], r["spreads"])], out_dir / "at_scale_spread.csv")
+    write_csv([{k: r[k] for k in ("n", "rep", "t_escape", "clusters_T", "drift", "seconds")} for r in rows],
+              out_dir / "at_scale_clusters.csv")
+    fig, ax = P.figure(width=7.5)
+    at_scale.cluster_figure(ax, rows)
+    save_figure(fig, out_dir / "at_scale_clusters.png")
+    figures.append("at_scale_clusters.png")
+    tables += ["at_scale_spread.csv", "at_scale_clusters.csv"]
+    summary["at_scale_t_escape"] = {f"{r['n']:g}/{r['rep']}": r["t_escape"] for r in rows}
+    return at_scale.cluster_claims(rows, scale["T"])
 
 
 def _plural(k: int, word: str) -> str:

@@ -1,0 +1,230 @@
+"""The discrete-versus-mean-field and dynamics studies at the sizes a GPU reaches (N = 10^4 to 10^6).
+
+Not a study of its own: :mod:`studies.experiments.discrete_vs_meanfield` and
+:mod:`studies.experiments.dynamics` call it when the run has an accelerator (``--device cuda``); on
+the CPU :func:`grid` is None and their grids are what they always were.
+
+* **Local constants of N-sample measures** (Lemma 3.2's object, sampled): the certified local constant
+  of F at the empirical measure of N i.i.d. points uniform on the disc of the discrete-versus-mean-field
+  study, for N up to 10^6, several independent samples per N. As N grows the constants should
+  concentrate (spread over samples shrinking) and settle (the mean moving less and less), the picture
+  of the CPU grid (N <= 2048) carried three decades further.
+* **Clustering of N tokens on the sphere** (Geshkovski et al., SA model, beta = 1, d = 3) from uniform
+  starts. The uniform measure is an equilibrium of the mean-field flow, so N tokens leave it only through
+  their sampling fluctuations, of size N^(-1/2): the time to collapse to one cluster should grow like
+  log N (a linear instability amplifies a perturbation of size N^(-1/2) to order one in a time
+  proportional to (1/2) log N). Measured: the time the tokens' spread falls below 0.1, for each N, and
+  the clusters left at the final time. On the CPU (N = 100 to 3000, two starts each) this escape time
+  rose by 0.67 per unit of log N (95% CI [0.30, 1.04]); the GPU sizes carry it over three more decades.
+
+Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from .. import plotting as P
+from ..common import fit_loglog, to_device
+from ..contract import EMPIRICAL, Claim
+
+__all__ = ["grid", "lipschitz_task", "cluster_task", "lipschitz_claims", "cluster_claims", "lipschitz_figure",
+           "cluster_figure"]
+
+D = torch.float64
+BETA = 1.0
+
+
+def grid(level: str, device: str) -> dict | None:
+    """Sizes of the at-scale part for a level on a device: None on the CPU (the CPU grids stay as they are).
+
+    ``Ns``: sample sizes of the local constants, ``reps`` samples each; ``cluster_Ns``: token counts of the
+    sphere dynamics (``cluster_reps`` starts each), run to ``T`` with RK4 steps of ``step``, the spread
+    recorded every ``dt``."""
+    if device == "cpu":
+        return None
+    if level == "tiny":
+        return {"Ns": [10_000, 30_000], "reps": 2, "cluster_Ns": [1_000, 3_000, 10_000], "cluster_reps": 2,
+                "T": 30.0, "step": 0.25, "dt": 0.5}
+    if level == "quick":
+        return {"Ns": [10_000, 30_000, 100_000], "reps": 3, "cluster_Ns": [1_000, 10_000, 100_000],
+                "cluster_reps": 2, "T": 30.0, "step": 0.25, "dt": 0.5}
+    return {"Ns": [10_000, 30_000, 100_000, 300_000, 1_000_000], "reps": 3,
+            "cluster_Ns": [1_000, 10_000, 100_000, 1_000_000], "cluster_reps": 2, "T": 30.0, "step": 0.25, "dt": 0.5}
+
+
+# ---------------------------------------------------------------------------- local constants of samples
+def lipschitz_task(n: int, seed: int, rep: int, *, device=None) -> dict:
+    """Certified local constant (W2 sense) of the discrete-versus-mean-field operator at the empirical measure
+    of n i.i.d. points uniform on its disc (float64, Lanczos at tol 1e-6), with its cost. Picklable task."""
+    from meanfield import local_lipschitz
+    from particles import Measure
+
+    from .discrete_vs_meanfield import _operator, _sample
+
+    att = _operator(2, seed, device)
+    X = to_device(device, _sample(int(n), 2, seed * 100003 + 7 * int(n) + rep + 1))
+    t0 = time.perf_counter()
+    est = local_lipschitz(att, Measure(X), method="lanczos", tol=1e-6, on_failure="warn")
+    return {"lip": float(est.value), "lip_error": float(est.error), "converged": bool(est.converged),
+            "products": int(est.applications), "seconds": time.perf_counter() - t0}
+
+
+def _stats(rows: list[dict], ns) -> list[dict]:
+    out = []
+    for n in ns:
+        v = np.array([r["lip"] for r in rows if r["n"] == n])
+        out.append({"n": n, "lip_mean": float(v.mean()), "lip_std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
+                    "samples": int(v.size)})
+    return out
+
+
+def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
+    """Concentration and settling of the local constants of N-sample measures, and that every estimate
+    was certified. Returns the claims and the per-N statistics."""
+    ns = sorted({r["n"] for r in rows})
+    stats = _stats(rows, ns)
+    bad = [r for r in rows if not r["converged"]]
+    std0, std1 = stats[0]["lip_std"], stats[-1]["lip_std"]
+    steps = [abs(b["lip_mean"] - a["lip_mean"]) for a, b in zip(stats, stats[1:])]
+    settling = len(steps) >= 2 and steps[-1] < steps[0]
+    claims = [
+        Claim(f"local constants of N-sample measures concentrate up to N = {ns[-1]:g}",
+              "the spread over samples shrinks as N grows",
+              f"std {std0:.3g} at N = {ns[0]:g} -> {std1:.3g} at N = {ns[-1]:g} ({stats[0]['samples']} samples per N)",
+              bool(std1 < std0 and not bad), "certified estimates (Lanczos, tol 1e-6, float64); a non-converged "
+              "estimate makes the claim fail", kind=EMPIRICAL,
+              fails_if="the standard deviation over samples at the largest N is not below the one at the smallest N, "
+                       "or some estimate did not converge",
+              short=f"local constants concentrate up to N = {ns[-1]:g}",
+              short_measured=f"std {std0:.3g} (N = {ns[0]:g}) -> {std1:.3g} (N = {ns[-1]:g})"),
+        Claim(f"the mean local constant settles as N grows to {ns[-1]:g}",
+              "successive changes of the mean over samples shrink",
+              "changes of the mean between successive N: " + ", ".join(f"{s:.2g}" for s in steps),
+              bool(settling and not bad), "needs at least three sizes", kind=EMPIRICAL,
+              fails_if="the change of the mean between the two largest N is not below the change between the two "
+                       "smallest",
+              short=f"the mean local constant settles as N grows to {ns[-1]:g}",
+              short_measured="changes " + ", ".join(f"{s:.1g}" for s in steps)),
+    ]
+    return claims, stats
+
+
+def lipschitz_figure(ax, stats: list[dict], small: list[dict] | None = None) -> None:
+    """Mean +- std of the local constants over N, the CPU grid's points (``small``: its summary rows) first."""
+    if small:
+        nn = np.array([s["n"] for s in small], float)
+        m = np.array([s["lip_mean"] for s in small])
+        sd = np.array([s["lip_std"] for s in small])
+        P.measured(ax, nn, m, f"N <= {nn.max():g}, the study's grid (mean over samples)", color=P.COLORS[1])
+        P.band(ax, nn, m - sd, m + sd, color=P.COLORS[1])
+    nn = np.array([s["n"] for s in stats], float)
+    m = np.array([s["lip_mean"] for s in stats])
+    sd = np.array([s["lip_std"] for s in stats])
+    P.measured(ax, nn, m, "at scale (mean over samples)", color=P.COLORS[0])
+    P.band(ax, nn, m - sd, m + sd, color=P.COLORS[0], label="± 1 std over samples")
+    P.finish(ax, "sample size N", "local constant at mu_N (W2 sense)", "local constants of N-sample measures",
+             logx=True)
+
+
+# ---------------------------------------------------------------------------- clustering of N tokens
+#: the spread (largest distance of a token to the normalized mean) whose crossing times the escape
+SPREAD_LEVEL = 0.1
+#: single-linkage distance of the final cluster count (absolute, as in the dynamics study)
+CLUSTER_TOL = 1e-3
+
+
+def spread(X: torch.Tensor) -> float:
+    """The largest distance of a token on the unit sphere to the normalized mean direction (2 for
+    uniform tokens, 0 for one cluster); O(N)."""
+    m = X.mean(dim=0)
+    return float((X - m / m.norm()).norm(dim=1).max())
+
+
+def cluster_task(n: int, T: float, step: float, dt: float, seed: int, rep: int = 0, *, device=None) -> dict:
+    """n tokens uniform on the unit sphere of R^3 under the SA model (beta = 1), RK4 steps of ``step`` with
+    retraction, to time T, in segments of ``dt`` (memory O(N): only the current tokens are kept). Records
+    the spread (:func:`spread`) every ``dt``, the time ``t_escape`` at which it first falls below
+    :data:`SPREAD_LEVEL` (log-linear interpolation between records; NaN if never), and the number of
+    clusters at T (single linkage at :data:`CLUSTER_TOL`). Picklable task."""
+    from meanfield import IsotropicAttention, simulate
+    from meanfield.clustering import count_clusters
+    from particles import Measure
+
+    from .dynamics import _unit
+
+    X = to_device(device, _unit(int(n), 3, seed * 7919 + 104729 * rep + int(n)))
+    op = IsotropicAttention(BETA, "SA")
+    times, spreads = [0.0], [spread(X)]
+    t0 = time.perf_counter()
+    k_total = int(round(float(T) / float(dt)))
+    for k in range(k_total):
+        span = torch.tensor([k * dt, (k + 1) * dt], dtype=D)
+        X = simulate(op, Measure(X), span, geometry="sphere", options={"step": float(step)}).final.points
+        times.append((k + 1) * dt)
+        spreads.append(spread(X))
+    seconds = time.perf_counter() - t0
+    return {"t_escape": _crossing(times, spreads, SPREAD_LEVEL), "clusters_T": int(count_clusters(X, CLUSTER_TOL)),
+            "times": times, "spreads": spreads, "drift": float((X.norm(dim=1) - 1).abs().max()), "seconds": seconds}
+
+
+def _crossing(times, values, level) -> float:
+    for k in range(1, len(values)):
+        if values[k] < level <= values[k - 1]:
+            a, b = math.log(values[k - 1]), math.log(values[k])
+            return times[k - 1] + (math.log(level) - a) / (b - a) * (times[k] - times[k - 1])
+    return math.nan
+
+
+def cluster_claims(rows: list[dict], T: float) -> list[Claim]:
+    """Collapse to one cluster at every N, and the escape time growing like log N."""
+    rows = sorted(rows, key=lambda r: (r["n"], r.get("rep", 0)))
+    ns = sorted({r["n"] for r in rows})
+    final = {n: max(r["clusters_T"] for r in rows if r["n"] == n) for n in ns}
+    escaped = all(math.isfinite(r["t_escape"]) for r in rows)
+    claims = [Claim(f"N tokens on the sphere (SA, beta = 1, d = 3) collapse to one cluster, N up to {ns[-1]:g}",
+                    f"one cluster at T = {T:g} for every N and start",
+                    "; ".join(f"N = {n:g}: {final[n]} cluster" + ("s" if final[n] != 1 else "") for n in ns),
+                    bool(all(c == 1 for c in final.values()) and all(r["drift"] < 1e-10 for r in rows)),
+                    f"single linkage at {CLUSTER_TOL:g}; RK4 with retraction; uniform starts", kind=EMPIRICAL,
+                    fails_if="for some N and start more than one cluster remains at T, or a token leaves the sphere "
+                             "by 1e-10 or more",
+                    short=f"N tokens on the sphere collapse to one cluster, N up to {ns[-1]:g}",
+                    short_measured="clusters at T: " + ", ".join(str(final[n]) for n in ns))]
+    if escaped and len(ns) >= 3:
+        x = [math.log(r["n"]) for r in rows]
+        fit = fit_loglog([math.exp(v) for v in x], [math.exp(r["t_escape"]) for r in rows])   # t against log N
+        ok = fit["lo"] > 0
+        measured = (f"t_escape = {fit['slope']:.3g} log N + {fit['intercept']:.3g}, slope's 95% CI "
+                    f"[{fit['lo']:.3g}, {fit['hi']:.3g}] ({len(rows)} runs)")
+        short_measured = f"slope {fit['slope']:.3g} [{fit['lo']:.3g}, {fit['hi']:.3g}] per unit of log N"
+    else:
+        ok, measured = False, "not every run escaped by T (or fewer than 3 sizes): no fit"
+        short_measured = "no fit: a run did not escape by T"
+    claims.append(Claim("the escape from the uniform start takes longer as N grows, like log N (the tokens leave the "
+                        "equilibrium through their N^(-1/2) sampling fluctuations)",
+                        f"t_escape = a log N + c with a > 0 (t_escape: spread below {SPREAD_LEVEL:g})",
+                        measured, ok, "least squares over every run; the spread is the largest distance of a token "
+                                      "to the normalized mean direction", kind=EMPIRICAL,
+                        fails_if="the 95% CI of the slope of t_escape against log N reaches 0 or below, or some run "
+                                 "did not escape by T",
+                        short="the escape from the uniform start grows like log N",
+                        short_measured=short_measured))
+    return claims
+
+
+def cluster_figure(ax, rows: list[dict]) -> None:
+    """The spread over time for each N (log y), one curve per run."""
+    ns = sorted({r["n"] for r in rows})
+    for r in rows:
+        i = ns.index(r["n"])
+        first = r is next(q for q in rows if q["n"] == r["n"])
+        P.measured(ax, r["times"], r["spreads"], f"N = {r['n']:g}" if first else None,
+                   color=P.COLORS[i % len(P.COLORS)], marker="")
+    ax.axhline(SPREAD_LEVEL, color="gray", lw=0.8, ls=":", label=f"escape: spread {SPREAD_LEVEL:g}")
+    P.finish(ax, "time t", "largest distance to the mean direction", "SA on the sphere, beta = 1, d = 3, uniform "
+             "starts", logy=True)

@@ -1,0 +1,119 @@
+"""The at-scale part of the discrete-versus-mean-field and dynamics studies (studies.experiments.at_scale):
+its sizes per device, its tasks against independent computations at CPU sizes, its claims on crafted
+measurements (each can fail), and the two studies running it when the grid says so (here on the CPU,
+with a small grid patched in)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from studies.experiments import at_scale
+
+
+def test_grid_is_none_on_the_cpu_and_reaches_a_million_on_an_accelerator():
+    for level in ("tiny", "quick", "full"):
+        assert at_scale.grid(level, "cpu") is None
+    quick, full = at_scale.grid("quick", "cuda"), at_scale.grid("full", "cuda")
+    assert max(quick["Ns"]) == 100_000 and max(quick["cluster_Ns"]) == 100_000
+    assert max(full["Ns"]) == 1_000_000 and max(full["cluster_Ns"]) == 1_000_000
+    assert len(full["Ns"]) >= 3 and len(full["cluster_Ns"]) >= 3
+
+
+def test_lipschitz_task_is_the_dense_constant_of_the_sample():
+    from meanfield import local_lipschitz
+    from particles import Measure
+    from studies.experiments.discrete_vs_meanfield import _operator, _sample
+
+    row = at_scale.lipschitz_task(150, seed=0, rep=1)
+    X = _sample(150, 2, 0 * 100003 + 7 * 150 + 1 + 1)
+    truth = float(local_lipschitz(_operator(2, 0), Measure(X), method="dense").value)
+    assert row["converged"] and row["lip"] == pytest.approx(truth, rel=1e-6)
+    assert row["lip_error"] <= 1e-6 * row["lip"] and row["products"] > 0
+
+
+def _lip_rows(stds, means, converged=True):
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, sd, m in zip([1e4, 1e5, 1e6], stds, means):
+        z = rng.normal(size=3)
+        z = (z - z.mean()) / z.std(ddof=1)
+        rows += [{"n": n, "rep": r, "lip": m + sd * z[r], "converged": converged} for r in range(3)]
+    return rows
+
+
+def test_lipschitz_claims_fail_when_the_spread_grows_or_the_mean_wanders():
+    claims, stats = at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.2, 2.25]))
+    assert [c.agrees for c in claims] == [True, True]
+    assert [s["lip_std"] for s in stats] == pytest.approx([0.3, 0.1, 0.03])
+    assert not at_scale.lipschitz_claims(_lip_rows([0.1, 0.1, 0.2], [2.0, 2.2, 2.25]))[0][0].agrees
+    assert not at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.1, 2.5]))[0][1].agrees
+    assert not any(c.agrees for c in at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.2, 2.25],
+                                                                         converged=False))[0])
+
+
+def test_spread_and_crossing_against_direct_computations():
+    g = torch.Generator().manual_seed(1)
+    X = torch.randn(500, 3, generator=g, dtype=torch.float64)
+    X = X / X.norm(dim=1, keepdim=True)
+    m = X.numpy().mean(0)
+    m /= np.linalg.norm(m)
+    assert at_scale.spread(X) == pytest.approx(np.linalg.norm(X.numpy() - m, axis=1).max(), rel=1e-14)
+    # log-linear interpolation: from 1 at t = 2 to 0.01 at t = 3, the level 0.1 is crossed at t = 2.5
+    assert at_scale._crossing([0, 1, 2, 3], [2.0, 1.5, 1.0, 0.01], 0.1) == pytest.approx(2.5)
+    assert math.isnan(at_scale._crossing([0, 1], [2.0, 1.0], 0.1))
+
+
+def test_cluster_task_collapses_small_clouds_and_stays_on_the_sphere():
+    row = at_scale.cluster_task(120, T=20.0, step=0.25, dt=0.5, seed=0)
+    assert row["spreads"][0] > 1.5                       # uniform start: tokens on every side
+    assert row["clusters_T"] == 1 and row["spreads"][-1] < 1e-3
+    assert 0 < row["t_escape"] < 20 and row["drift"] < 1e-12
+    assert len(row["times"]) == len(row["spreads"]) == 41
+
+
+def _cluster_rows(t_of_n, clusters=1):
+    rng = np.random.default_rng(2)
+    return [{"n": n, "rep": r, "t_escape": t_of_n(n) + 0.3 * rng.normal(), "clusters_T": clusters, "drift": 0.0,
+             "times": [0.0], "spreads": [2.0]} for n in (1e3, 1e4, 1e5, 1e6) for r in range(2)]
+
+
+def test_cluster_claims_fail_without_log_n_growth_or_collapse():
+    ok = at_scale.cluster_claims(_cluster_rows(lambda n: 4 + 0.9 * math.log(n)), 30.0)
+    assert [c.agrees for c in ok] == [True, True]
+    flat = at_scale.cluster_claims(_cluster_rows(lambda n: 12.0), 30.0)
+    assert flat[0].agrees and not flat[1].agrees
+    assert not at_scale.cluster_claims(_cluster_rows(lambda n: 4 + 0.9 * math.log(n), clusters=2), 30.0)[0].agrees
+    never = _cluster_rows(lambda n: 4 + 0.9 * math.log(n))
+    never[-1]["t_escape"] = math.nan
+    assert not at_scale.cluster_claims(never, 30.0)[1].agrees
+
+
+SMALL = {"Ns": [100, 200, 400], "reps": 3, "cluster_Ns": [60, 120, 240], "cluster_reps": 2, "T": 20.0,
+         "step": 0.25, "dt": 0.5}
+
+
+@pytest.mark.parametrize("study", ["discrete_vs_meanfield", "dynamics"])
+def test_studies_run_the_at_scale_part_when_the_grid_says_so(study, tmp_path, monkeypatch):
+    import importlib
+
+    from studies.context import RunContext
+
+    module = importlib.import_module(f"studies.experiments.{study}")
+    ctx = RunContext(tmp_path, level="tiny", seed=0, progress=False)
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "scale").mkdir()
+    before = module.__dict__[study](tmp_path / "cpu", ctx)
+    assert "not on this device" in before.notes and not any("at_scale" in f for f in before.figures)
+    monkeypatch.setattr(at_scale, "grid", lambda level, device: SMALL)
+    after = module.__dict__[study](tmp_path / "scale", ctx)
+    new = after.claims[len(before.claims):]
+    assert len(new) == 2 and [c.claim for c in after.claims[:len(before.claims)]] == [c.claim for c in
+                                                                                      before.claims]
+    figure = "at_scale.png" if study == "discrete_vs_meanfield" else "at_scale_clusters.png"
+    assert figure in after.figures and (tmp_path / "scale" / figure).stat().st_size > 10_000
+    for table in after.tables:
+        assert (tmp_path / "scale" / table).exists()
