@@ -228,7 +228,7 @@ def sqrt_n_witness_singular_values(A, R, n, *, of: str = "sequence") -> np.ndarr
     * first token: ``p e + (1 - p) f + p (1 - p) (a - r) u [a lambda u.(e - f) + (a - r) w.e]``;
     * each copy: ``b e + (1 - b) f + b (1 - b) (a - r) u [r lambda u.(e - f) + (a - r) w.(f + g_c)]``.
 
-    The moves g_c (n >= 3 tokens) form their own block, of singular value b (1 - b) (a - r)^2 |w|;
+    The moves g_c (n >= 3 tokens) form their own block, of singular value ``b (1 - b) (a - r)^2 |w|``;
     (e, f) with the copies' rows scaled by sqrt(n - 1) leave span(u, w) and its complement invariant:
     a 4 x 4 (or 2 x 2 when w is parallel to u) matrix and, on the complement, the value-only
     2 x 2 matrix ``[[p, (1 - p)/sqrt(n - 1)], [sqrt(n - 1) b, 1 - b]]``. Nothing is neglected:

@@ -636,7 +636,7 @@ def head_witness_claim(adv) -> Claim | None:
         "(docs/math.md section 5.3)",
         f"{len(low)} violations of the bound of {len(heads)}; {len(off)} of {len(heads)} off the computed factor"
         + (f" ({second} matched a singular value below the top, within {PAIR_RESOLUTION:g} of it)" if second else "")
-        + f" (largest deviation relative to its tolerance: {worst[0]:.1e}, allowed {worst[1]:.1e})"
+        + f" (at the witness nearest its tolerance: deviation {worst[0]:.1e}, allowed {worst[1]:.1e})"
         + f"; Lip / lower - 1 in [{min(ratios):.1e}, {max(ratios):.1e}]" + why,
         not low and not off, "Lip + error bar compared with the bound (1e-9 relative); the factor's tolerance is the "
                              f"certificate's relative error bar plus {WITNESS_FLOOR:g} (the closed form is exact); "

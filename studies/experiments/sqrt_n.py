@@ -223,7 +223,7 @@ def _figure(out_dir: Path, rows: list[dict], ns: list[int], d: int, R: float, re
         sel = sorted([r for r in rows if r["kind"] == "adversarial" and r["masked"] == masked], key=lambda r: r["n"])
         P.measured(ax, [r["n"] for r in sel], [r["lip"] / r["lower"] for r in sel],
                    f"witness, {'masked' if masked else 'unmasked'}", color=P.COLORS[i * 3], marker="os"[i])
-    P.theory(ax, n_arr, [r["witness_factor"] for r in adv], "predicted factor (unmasked)",
+    P.theory(ax, n_arr, [r["witness_factor"] for r in adv], "closed-form factor (unmasked)",
              color="k", kind="limit")
     ax.axhline(1.0, color="gray", lw=0.8, ls=":", label="Prop 3.4 bound (ratio 1)")
     P.finish(ax, "sequence length n", "Lip at the witness / Prop 3.4 bound", "Proposition 3.4: nearly attained",
