@@ -10,8 +10,9 @@ import torch
 
 from .contract import THEOREM, Claim, shorten
 
-__all__ = ["random_A", "random_V", "fit_loglog", "fit_groups", "to_device", "slope_claim", "witness_tolerance",
-           "witness_columns", "witness_deviation", "WITNESS_FLOOR", "PAIR_RESOLUTION"]
+__all__ = ["random_A", "random_V", "seeded_attention", "uniform_ball", "uniform_sphere", "fit_loglog", "fit_groups",
+           "to_device", "slope_claim", "witness_tolerance", "witness_columns", "witness_deviation", "WITNESS_FLOOR",
+           "PAIR_RESOLUTION"]
 
 #: relative rounding floor of a float64 constant compared with the witness's exact closed form
 #: (meanfield.adversarial.sqrt_n_witness_constant agrees with dense Jacobians to 1e-14; certified
@@ -33,6 +34,28 @@ def random_V(d: int, seed: int) -> torch.Tensor:
     """The value matrix paired with :func:`random_A`: Gaussian / sqrt(d) from ``seed + 101`` (float64, CPU)."""
     g = torch.Generator().manual_seed(int(seed) + 101)
     return torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+
+
+def seeded_attention(d: int, seed: int, device=None):
+    """``SelfAttention(random_A(d, seed), random_V(d, seed))`` on ``device``: the operator of the studies
+    that draw A and V from a seed."""
+    from meanfield import SelfAttention
+
+    return SelfAttention(*to_device(device, random_A(d, seed), random_V(d, seed)))
+
+
+def uniform_ball(n: int, d: int, radius: float, seed: int) -> torch.Tensor:
+    """n i.i.d. points uniform in the ball of ``radius`` of R^d (float64, CPU), from a seed."""
+    g = torch.Generator().manual_seed(int(seed))
+    Z = torch.randn(n, d, generator=g, dtype=torch.float64)
+    r = radius * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1.0 / d)
+    return r * Z / Z.norm(dim=1, keepdim=True)
+
+
+def uniform_sphere(n: int, d: int, seed: int) -> torch.Tensor:
+    """n i.i.d. points uniform on the unit sphere of R^d (float64, CPU), from a seed."""
+    Z = torch.randn(n, d, generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float64)
+    return Z / Z.norm(dim=1, keepdim=True)
 
 
 def to_device(device, *tensors):

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog, to_device
+from ..common import fit_loglog, seeded_attention, to_device, uniform_ball, uniform_sphere
 from ..contract import EMPIRICAL, Claim
 
 __all__ = ["grid", "lipschitz_task", "cluster_task", "lipschitz_claims", "cluster_claims", "lipschitz_figure",
@@ -58,16 +58,15 @@ def grid(level: str, device: str) -> dict | None:
 
 
 # ---------------------------------------------------------------------------- local constants of samples
-def lipschitz_task(n: int, seed: int, rep: int, *, device=None) -> dict:
+def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None) -> dict:
     """Certified local constant (W2 sense) of the discrete-versus-mean-field operator at the empirical measure
-    of n i.i.d. points uniform on its disc (float64, Lanczos at tol 1e-6), with its cost. Picklable task."""
+    of n i.i.d. points uniform on its disc of ``radius`` (float64, Lanczos at tol 1e-6), with its cost.
+    Picklable task."""
     from meanfield import local_lipschitz
     from particles import Measure
 
-    from .discrete_vs_meanfield import _operator, _sample
-
-    att = _operator(2, seed, device)
-    X = to_device(device, _sample(int(n), 2, seed * 100003 + 7 * int(n) + rep + 1))
+    att = seeded_attention(2, seed, device)
+    X = to_device(device, uniform_ball(int(n), 2, radius, seed * 100003 + 7 * int(n) + rep + 1))
     t0 = time.perf_counter()
     est = local_lipschitz(att, Measure(X), method="lanczos", tol=1e-6, on_failure="warn")
     return {"lip": float(est.value), "lip_error": float(est.error), "converged": bool(est.converged),
@@ -155,9 +154,7 @@ def cluster_task(n: int, T: float, step: float, dt: float, seed: int, rep: int =
     from meanfield.clustering import count_clusters
     from particles import Measure
 
-    from .dynamics import _unit
-
-    X = to_device(device, _unit(int(n), 3, seed * 7919 + 104729 * rep + int(n)))
+    X = to_device(device, uniform_sphere(int(n), 3, seed * 7919 + 104729 * rep + int(n)))
     op = IsotropicAttention(BETA, "SA")
     times, spreads = [0.0], [spread(X)]
     t0 = time.perf_counter()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog, random_A, random_V, to_device
+from ..common import fit_loglog, seeded_attention, to_device, uniform_ball
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
@@ -36,17 +36,11 @@ def displacement(X: torch.Tensor, eps: float = 0.1) -> torch.Tensor:
     return X + eps * torch.sin(X.flip(-1) + 0.3)
 
 
-def _operator(d: int, seed: int, device=None):
-    from meanfield import SelfAttention
-
-    return SelfAttention(*to_device(device, random_A(d, seed), random_V(d, seed)))
-
-
 def lemma_3_2_task(n: int, d: int, R: float, seed: int, rep: int, *, device=None) -> dict:
     from meanfield import local_lipschitz
     from particles import Measure
 
-    att = _operator(d, seed, device)
+    att = seeded_attention(d, seed, device)
     g = torch.Generator().manual_seed(int(seed) * 1000 + 31 * n + rep)
     X = to_device(device, R * torch.randn(n, d, generator=g, dtype=torch.float64) / math.sqrt(d))
     seq = local_lipschitz(att, X, method="lanczos", tol=1e-10)
@@ -56,23 +50,16 @@ def lemma_3_2_task(n: int, d: int, R: float, seed: int, rep: int, *, device=None
             "rel_diff": abs(float(seq.value) - float(mea.value)) / float(seq.value)}
 
 
-def _sample(n: int, d: int, seed: int) -> torch.Tensor:
-    """n i.i.d. points uniform in the ball of radius RADIUS of R^d."""
-    g = torch.Generator().manual_seed(int(seed))
-    Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-    r = RADIUS * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1.0 / d)
-    return r * Z / Z.norm(dim=1, keepdim=True)
-
-
 def sample_task(n: int, d: int, seed: int, rep: int, n_ref: int, *, device=None) -> dict:
     """Local constant, Lipschitz ratio and W2 to a reference sample for one sample of size n."""
     from meanfield import lipschitz_ratio, local_lipschitz
     from particles import Measure
     from transport import w2
 
-    att = _operator(d, seed, device)
-    X = to_device(device, _sample(n, d, seed * 100003 + 7 * n + rep + 1))
-    ref = Measure(to_device(device, _sample(n_ref, d, seed * 100003 + 999_999_937)))  # independent of every sample
+    att = seeded_attention(d, seed, device)
+    X = to_device(device, uniform_ball(n, d, RADIUS, seed * 100003 + 7 * n + rep + 1))
+    # the reference sample, independent of every sample
+    ref = Measure(to_device(device, uniform_ball(n_ref, d, RADIUS, seed * 100003 + 999_999_937)))
     mu = Measure(X)
     return {"lip": float(local_lipschitz(att, mu, method="lanczos", tol=1e-8).value),
             "ratio": float(lipschitz_ratio(att, mu, mu.pushforward(displacement))),
@@ -180,9 +167,8 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
         notes += (" With --device cuda the study also measures the local constants of samples of 10^4 to 10^6 "
                   "points (studies.experiments.at_scale); not on this device.")
     else:
-        rows_s = run_grid(at_scale.lipschitz_task, [{"n": n, "seed": seed, "rep": r} for n in scale["Ns"]
-                                                    for r in range(scale["reps"])], out_dir, "at_scale", ctx,
-                          device=ctx.device)
+        points = [{"n": n, "radius": RADIUS, "seed": seed, "rep": r} for n in scale["Ns"] for r in range(scale["reps"])]
+        rows_s = run_grid(at_scale.lipschitz_task, points, out_dir, "at_scale", ctx, device=ctx.device)
         write_csv(rows_s, out_dir / "at_scale.csv")
         claims_s, stats_s = at_scale.lipschitz_claims(rows_s)
         claims += claims_s

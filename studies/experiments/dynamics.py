@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog
+from ..common import fit_loglog, uniform_sphere
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..io import save_figure, write_csv, write_with
 from . import at_scale
@@ -58,11 +58,6 @@ def _settings(level: str) -> dict:
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(int(seed))
-
-
-def _unit(n: int, d: int, seed: int) -> torch.Tensor:
-    Z = torch.randn(n, d, generator=_gen(seed), dtype=D)
-    return Z / Z.norm(dim=1, keepdim=True)
 
 
 def animate_trajectory(traj, path: Path, *, title: str = "", fps: int = 8, dpi: int = 70, sphere: bool = False):
@@ -150,7 +145,7 @@ def _sphere(cfg, seed, dev, rows):
     from meanfield.clustering import count_clusters, interaction_energy
     from particles import Measure
 
-    X = _unit(cfg["n_sph"], 3, seed + 4).to(dev)
+    X = uniform_sphere(cfg["n_sph"], 3, seed + 4).to(dev)
     times = torch.linspace(0, cfg["T_sph"], cfg["frames"] + 1, dtype=D)
     out = {}
     for model in ("SA", "USA"):
@@ -168,7 +163,7 @@ def _causal(cfg, seed, dev, rows):
     from meanfield import IsotropicAttention, simulate
     from particles import Measure
 
-    X = _unit(cfg["n_causal"], 3, seed + 5).to(dev)
+    X = uniform_sphere(cfg["n_causal"], 3, seed + 5).to(dev)
     times = torch.linspace(0, cfg["T_causal"], cfg["frames"] + 1, dtype=D)
     traj = simulate(IsotropicAttention(1.0, "SA", masked=True), Measure.sequence(X), times, geometry="sphere",
                     options={"step": 0.2})

@@ -26,11 +26,11 @@ def test_grid_is_none_on_the_cpu_and_reaches_a_million_on_an_accelerator():
 def test_lipschitz_task_is_the_dense_constant_of_the_sample():
     from meanfield import local_lipschitz
     from particles import Measure
-    from studies.experiments.discrete_vs_meanfield import _operator, _sample
+    from studies.common import seeded_attention, uniform_ball
 
-    row = at_scale.lipschitz_task(150, seed=0, rep=1)
-    X = _sample(150, 2, 0 * 100003 + 7 * 150 + 1 + 1)
-    truth = float(local_lipschitz(_operator(2, 0), Measure(X), method="dense").value)
+    row = at_scale.lipschitz_task(150, radius=1.5, seed=0, rep=1)
+    X = uniform_ball(150, 2, 1.5, 0 * 100003 + 7 * 150 + 1 + 1)
+    truth = float(local_lipschitz(seeded_attention(2, 0), Measure(X), method="dense").value)
     assert row["converged"] and row["lip"] == pytest.approx(truth, rel=1e-6)
     assert row["lip_error"] <= 1e-6 * row["lip"] and row["products"] > 0
 

@@ -286,7 +286,8 @@ def test_mass_splitting_ratio_against_explicit_split(run):
 
 
 def test_discrete_vs_meanfield_lemma_and_w2(run):
-    from studies.experiments.discrete_vs_meanfield import RADIUS, _sample
+    from studies.common import uniform_ball
+    from studies.experiments.discrete_vs_meanfield import RADIUS
 
     out, _ = run
     for r in read_csv(out / "discrete_vs_meanfield" / "lemma_3_2.csv"):
@@ -300,8 +301,8 @@ def test_discrete_vs_meanfield_lemma_and_w2(run):
     r = rows[0]
     n, n_ref = r["n"], r["n_ref"]
     assert n_ref % n == 0
-    X = _sample(n, r["d"], r["seed"] * 100003 + 7 * n + r["rep"] + 1)
-    ref = _sample(n_ref, r["d"], r["seed"] * 100003 + 999_999_937)
+    X = uniform_ball(n, r["d"], RADIUS, r["seed"] * 100003 + 7 * n + r["rep"] + 1)
+    ref = uniform_ball(n_ref, r["d"], RADIUS, r["seed"] * 100003 + 999_999_937)
     assert float(X.norm(dim=1).max()) <= RADIUS and float(ref.norm(dim=1).max()) <= RADIUS
     # uniform clouds of equal size (each sample atom repeated): W2^2 is an optimal assignment
     Xr = X.repeat_interleave(n_ref // n, 0)
