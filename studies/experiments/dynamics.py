@@ -349,15 +349,15 @@ def _at_scale(out_dir: Path, ctx, scale: dict, figures: list, tables: list, summ
     points = [{"n": n, "T": scale["T"], "step": scale["step"], "dt": scale["dt"], "seed": ctx.seed, "rep": r}
               for n in scale["cluster_Ns"] for r in range(scale["cluster_reps"])]
     rows = run_grid(at_scale.cluster_task, points, out_dir, "at_scale_clusters", ctx, device=ctx.device)
-    write_csv([{"n": r["n"], "rep": r["rep"], "t": t, "spread": v} for r in rows
-               for t, v in zip(r["times"], r["spreads"])], out_dir / "at_scale_spread.csv")
+    write_csv([{"n": r["n"], "rep": r["rep"], "t": t, "order": o, "spread": v} for r in rows
+               for t, o, v in zip(r["times"], r["order"], r["spreads"])], out_dir / "at_scale_order.csv")
     write_csv([{k: r[k] for k in ("n", "rep", "t_escape", "clusters_T", "drift", "seconds")} for r in rows],
               out_dir / "at_scale_clusters.csv")
     fig, ax = P.figure(width=7.5)
     at_scale.cluster_figure(ax, rows)
     save_figure(fig, out_dir / "at_scale_clusters.png")
     figures.append("at_scale_clusters.png")
-    tables += ["at_scale_spread.csv", "at_scale_clusters.csv"]
+    tables += ["at_scale_order.csv", "at_scale_clusters.csv"]
     summary["at_scale_t_escape"] = {f"{r['n']:g}/{r['rep']}": r["t_escape"] for r in rows}
     return at_scale.cluster_claims(rows, scale["T"])
 

@@ -17,6 +17,8 @@ from studies.experiments import at_scale
 def test_grid_is_none_on_the_cpu_and_reaches_a_million_on_an_accelerator():
     for level in ("tiny", "quick", "full"):
         assert at_scale.grid(level, "cpu") is None
+        g = at_scale.grid(level, "cuda")   # every claim can decide: three sizes or more, several samples
+        assert len(g["Ns"]) >= 3 and g["reps"] >= 3 and len(g["cluster_Ns"]) >= 3
     quick, full = at_scale.grid("quick", "cuda"), at_scale.grid("full", "cuda")
     assert max(quick["Ns"]) == 100_000 and max(quick["cluster_Ns"]) == 100_000
     assert max(full["Ns"]) == 1_000_000 and max(full["cluster_Ns"]) == 1_000_000
@@ -47,10 +49,13 @@ def _lip_rows(stds, means, converged=True):
 
 def test_lipschitz_claims_fail_when_the_spread_grows_or_the_mean_wanders():
     claims, stats = at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.2, 2.25]))
-    assert [c.agrees for c in claims] == [True, True]
+    assert [c.verdict for c in claims] == ["reproduced", "reproduced"]
     assert [s["lip_std"] for s in stats] == pytest.approx([0.3, 0.1, 0.03])
-    assert not at_scale.lipschitz_claims(_lip_rows([0.1, 0.1, 0.2], [2.0, 2.2, 2.25]))[0][0].agrees
-    assert not at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.1, 2.5]))[0][1].agrees
+    # a spread that grows tenfold fails; one that barely moves cannot decide with 3 samples
+    assert at_scale.lipschitz_claims(_lip_rows([0.03, 0.1, 0.3], [2.0, 2.2, 2.25]))[0][0].verdict == "not reproduced"
+    assert at_scale.lipschitz_claims(_lip_rows([0.1, 0.1, 0.08], [2.0, 2.2, 2.25]))[0][0].verdict == "inconclusive"
+    # a mean that still drifts (by 0.4, far beyond 3 standard errors and 1%) fails
+    assert at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.1, 2.5]))[0][1].verdict == "not reproduced"
     assert not any(c.agrees for c in at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.2, 2.25],
                                                                          converged=False))[0])
 
@@ -62,17 +67,20 @@ def test_spread_and_crossing_against_direct_computations():
     m = X.numpy().mean(0)
     m /= np.linalg.norm(m)
     assert at_scale.spread(X) == pytest.approx(np.linalg.norm(X.numpy() - m, axis=1).max(), rel=1e-14)
-    # log-linear interpolation: from 1 at t = 2 to 0.01 at t = 3, the level 0.1 is crossed at t = 2.5
+    # log-linear interpolation: from 1 at t = 2 to 0.01 at t = 3, the level 0.1 is crossed at t = 2.5; upward alike
     assert at_scale._crossing([0, 1, 2, 3], [2.0, 1.5, 1.0, 0.01], 0.1) == pytest.approx(2.5)
+    assert at_scale._crossing([0, 1, 2], [0.01, 0.01, 1.0], 0.1) == pytest.approx(1.5)
     assert math.isnan(at_scale._crossing([0, 1], [2.0, 1.0], 0.1))
 
 
 def test_cluster_task_collapses_small_clouds_and_stays_on_the_sphere():
     row = at_scale.cluster_task(120, T=20.0, step=0.25, dt=0.5, seed=0)
-    assert row["spreads"][0] > 1.5                       # uniform start: tokens on every side
-    assert row["clusters_T"] == 1 and row["spreads"][-1] < 1e-3
+    assert row["spreads"][0] > 1.5 and row["order"][0] < 0.3   # uniform start: tokens on every side
+    assert row["clusters_T"] == 1 and row["spreads"][-1] < 1e-3 and row["order"][-1] == pytest.approx(1, abs=1e-6)
     assert 0 < row["t_escape"] < 20 and row["drift"] < 1e-12
-    assert len(row["times"]) == len(row["spreads"]) == 41
+    assert len(row["times"]) == len(row["spreads"]) == len(row["order"]) == 41
+    k = next(i for i, o in enumerate(row["order"]) if o >= at_scale.ORDER_LEVEL)
+    assert row["times"][k - 1] <= row["t_escape"] <= row["times"][k]
 
 
 def _cluster_rows(t_of_n, clusters=1):
