@@ -178,4 +178,6 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
         figures.append("at_scale.png")
         tables.append("at_scale.csv")
         summary["at_scale"] = stats_s
+        # config.json records grid(level); this part's sizes also depend on the device
+        summary["at_scale_grid"] = scale
     return StudyResult("discrete_vs_meanfield", "Discrete vs mean-field", claims, figures, tables, summary, notes)

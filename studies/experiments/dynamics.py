@@ -359,6 +359,8 @@ def _at_scale(out_dir: Path, ctx, scale: dict, figures: list, tables: list, summ
     figures.append("at_scale_clusters.png")
     tables += ["at_scale_order.csv", "at_scale_clusters.csv"]
     summary["at_scale_t_escape"] = {f"{r['n']:g}/{r['rep']}": r["t_escape"] for r in rows}
+    # config.json records grid(level); this part's sizes also depend on the device
+    summary["at_scale_grid"] = scale
     return at_scale.cluster_claims(rows, scale["T"])
 
 

@@ -125,3 +125,4 @@ def test_studies_run_the_at_scale_part_when_the_grid_says_so(study, tmp_path, mo
     assert figure in after.figures and (tmp_path / "scale" / figure).stat().st_size > 10_000
     for table in after.tables:
         assert (tmp_path / "scale" / table).exists()
+    assert after.summary["at_scale_grid"] == SMALL and "at_scale_grid" not in before.summary
