@@ -253,10 +253,10 @@ def sqrt_n_witness_singular_values(A, R, n, *, of: str = "sequence") -> np.ndarr
     lam = float(info.eigenvalue)
     u = np.asarray(info.eigenvector, dtype=np.float64)
     w = np.asarray(info.transpose_image, dtype=np.float64)
-    a, r = (R, R / 2.0) if info.case == "max" else (-R, R)
+    a, r, zb = _copy_attention(info, R, m)
     s = math.sqrt(m)
-    # logistic weights from their log-odds: b = 1 / (1 + m e^{-(a - r) r lambda}), 1 - b without cancellation
-    zb, zp = (a - r) * r * lam - math.log(m), (a - r) * a * lam - math.log(m)
+    # logistic weights from their log-odds (1 - b without cancellation); p: the first token's on itself
+    zp = (a - r) * a * lam - math.log(m)
     b, nb = _expit(zb), _expit(-zb)
     p, np_ = _expit(zp), _expit(-zp)
     kb, kp = b * nb * (a - r), p * np_ * (a - r)
@@ -311,10 +311,15 @@ def sqrt_n_witness_factor(A, R, n, *, of: str = "sequence") -> float:
     m = float(n) - 1.0
     if m == 0.0:
         return math.inf
-    R = check_radius(R, "R")
+    _, _, zb = _copy_attention(info, check_radius(R, "R"), m)
+    return value / (math.sqrt(m) * _expit(zb))
+
+
+def _copy_attention(info: GammaInfo, R: float, m: float) -> tuple[float, float, float]:
+    """The witness's geometry, first token a u and copies r u, and the log-odds of b, the attention a copy
+    pays to the first token: b = 1 / (1 + m e^{-(a - r) r lambda}) with m = n - 1 copies."""
     a, r = (R, R / 2.0) if info.case == "max" else (-R, R)
-    z = (a - r) * r * float(info.eigenvalue) - math.log(m)
-    return value / (math.sqrt(m) * _expit(z))
+    return a, r, (a - r) * r * float(info.eigenvalue) - math.log(m)
 
 
 def _expit(z: float) -> float:

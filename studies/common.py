@@ -11,8 +11,8 @@ import torch
 from .contract import THEOREM, Claim, shorten
 
 __all__ = ["random_A", "random_V", "seeded_attention", "uniform_ball", "uniform_sphere", "fit_loglog", "fit_groups",
-           "to_device", "slope_claim", "witness_tolerance", "witness_columns", "witness_deviation", "WITNESS_FLOOR",
-           "PAIR_RESOLUTION"]
+           "mean_std_by_n", "to_device", "slope_claim", "witness_tolerance", "witness_columns", "witness_deviation",
+           "witness_checks", "WITNESS_FLOOR", "PAIR_RESOLUTION"]
 
 #: relative rounding floor of a float64 constant compared with the witness's exact closed form
 #: (meanfield.adversarial.sqrt_n_witness_constant agrees with dense Jacobians to 1e-14; certified
@@ -81,6 +81,20 @@ def fit_loglog(x, y, level: float = 0.95) -> dict:
             "stderr": float(res.stderr), "level": level, "points": int(lx.size)}
 
 
+def mean_std_by_n(rows, keys) -> list[dict]:
+    """For each ``n`` of the rows (increasing): the mean and the sample standard deviation (ddof 1; 0 for one
+    sample) of each of ``keys`` over the rows of that n, as ``{key}_mean`` / ``{key}_std``, and ``samples``."""
+    out = []
+    for n in sorted({r["n"] for r in rows}):
+        sel = [r for r in rows if r["n"] == n]
+        st = {"n": n}
+        for key in keys:
+            v = np.array([r[key] for r in sel], float)
+            st[f"{key}_mean"], st[f"{key}_std"] = float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
+        out.append({**st, "samples": len(sel)})
+    return out
+
+
 def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list[dict]:
     """:func:`fit_loglog` of ``y`` against ``x`` for each group of rows with equal ``keys``
     (rows with ``x >= min_x``; groups with at least ``min_points`` distinct x), in first-seen order."""
@@ -94,15 +108,13 @@ def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list
     return fits
 
 
-def witness_tolerance(gamma: float, R: float, n: int = 2, *, floor: float = 1e-9) -> float:
+def witness_tolerance(gamma: float, R: float, *, floor: float = 1e-9) -> float:
     """Relative tolerance of a *leading-order* form at the witness (Proposition 3.6's correction factor
-    1 + 1/(gamma R^2)): the terms it neglects are of relative order (1 + gamma R^2)^2 max(e^{-2 gamma R^2},
-    leak^2), with leak = (n - 1) e^{-2 gamma R^2}; twice that, and never below ``floor``. The witness's
-    own constant needs no such allowance: it is exact (:func:`witness_deviation`)."""
+    1 + 1/(gamma R^2)): the terms it neglects are of relative order (1 + gamma R^2)^2 e^{-2 gamma R^2};
+    twice that, and never below ``floor``. The witness's own constant needs no such allowance: it is
+    exact (:func:`witness_deviation`)."""
     t = gamma * R * R
-    small = math.exp(-2.0 * t)
-    leak = (n - 1) * small
-    return max(2.0 * (1.0 + t) ** 2 * max(small, leak * leak), floor)
+    return max(2.0 * (1.0 + t) ** 2 * math.exp(-2.0 * t), floor)
 
 
 def witness_columns(A, R, n) -> dict:
@@ -135,6 +147,13 @@ def witness_deviation(ratio: float, factor: float, cluster: float = 0.0,
     x = ratio / factor
     dev = max(x - 1.0, (1.0 - cluster) - x, 0.0) if cluster > 0 else abs(x - 1.0)
     return dev, tol, cluster > 0 and x < 1.0 - tol
+
+
+def witness_checks(rows, lip: str = "lip", error: str = "lip_error") -> list[tuple[float, float, bool]]:
+    """:func:`witness_deviation` of each row's measured constant (``lip``, with its error bar ``error``; 0 when
+    absent) over its bound ``lower``, against the row's :func:`witness_columns`."""
+    return [witness_deviation(r[lip] / r["lower"], r["witness_factor"], r.get("witness_cluster", 0.0),
+                              r.get(error, 0.0) / r[lip]) for r in rows]
 
 
 def slope_claim(ns, lips, predicted_lips, what: str, *, context: str = "") -> tuple[Claim, dict, dict]:

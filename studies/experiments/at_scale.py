@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog, seeded_attention, to_device, uniform_ball, uniform_sphere
+from ..common import fit_loglog, mean_std_by_n, seeded_attention, to_device, uniform_ball, uniform_sphere
 from ..contract import EMPIRICAL, Claim
 
 __all__ = ["grid", "lipschitz_task", "cluster_task", "lipschitz_claims", "cluster_claims", "lipschitz_figure",
@@ -74,15 +74,6 @@ def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None) -
             "products": int(est.applications), "seconds": time.perf_counter() - t0}
 
 
-def _stats(rows: list[dict], ns) -> list[dict]:
-    out = []
-    for n in ns:
-        v = np.array([r["lip"] for r in rows if r["n"] == n])
-        out.append({"n": n, "lip_mean": float(v.mean()), "lip_std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
-                    "samples": int(v.size)})
-    return out
-
-
 def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
     """Concentration (the spread over samples shrinks, by a one-sided F-test at 95%) and settling (the means
     of the two largest N agree within three standard errors or 1%) of the local constants of N-sample
@@ -90,7 +81,7 @@ def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
     from scipy import stats as st
 
     ns = sorted({r["n"] for r in rows})
-    stats = _stats(rows, ns)
+    stats = mean_std_by_n(rows, ("lip",))
     bad = [r for r in rows if not r["converged"]]
     first, last = stats[0], stats[-1]
     df0, df1 = first["samples"] - 1, last["samples"] - 1
@@ -223,8 +214,7 @@ def cluster_claims(rows: list[dict], T: float) -> list[Claim]:
                     short=f"N tokens on the sphere collapse to one cluster, N up to {ns[-1]:g}",
                     short_measured="clusters at T: " + ", ".join(str(final[n]) for n in ns))]
     if escaped and len(ns) >= 3:
-        x = [math.log(r["n"]) for r in rows]
-        fit = fit_loglog([math.exp(v) for v in x], [math.exp(r["t_escape"]) for r in rows])   # t against log N
+        fit = fit_loglog([r["n"] for r in rows], [math.exp(r["t_escape"]) for r in rows])   # t against log N
         ok = fit["lo"] > 0
         c = fit["intercept"]
         measured = (f"t_escape = {fit['slope']:.3g} log N {'+' if c >= 0 else '-'} {abs(c):.3g}, slope's 95% CI "

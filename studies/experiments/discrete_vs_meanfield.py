@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog, seeded_attention, to_device, uniform_ball
+from ..common import fit_loglog, mean_std_by_n, seeded_attention, to_device, uniform_ball
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
@@ -94,14 +94,7 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     write_csv(rows, out_dir / "samples.csv")
 
     worst = max(rows_l, key=lambda r: r["rel_diff"])
-    stats = []
-    for n in ns:
-        sel = [r for r in rows if r["n"] == n]
-        st = {"n": n}
-        for key in ("lip", "ratio", "w2_to_reference"):
-            v = np.array([r[key] for r in sel])
-            st[f"{key}_mean"], st[f"{key}_std"] = float(v.mean()), float(v.std(ddof=1)) if v.size > 1 else 0.0
-        stats.append(st)
+    stats = mean_std_by_n(rows, ("lip", "ratio", "w2_to_reference"))
     write_csv(stats, out_dir / "samples_summary.csv")
     w2fit = fit_loglog(ns, [s["w2_to_reference_mean"] for s in stats])
     spread = {k: (stats[0][f"{k}_std"], stats[-1][f"{k}_std"]) for k in ("lip", "ratio")}

@@ -27,6 +27,7 @@ import torch
 from .. import plotting as P
 from ..common import fit_loglog, uniform_sphere
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
+from ..grid import run_grid
 from ..io import save_figure, write_csv, write_with
 from . import at_scale
 
@@ -344,8 +345,6 @@ def _run(out_dir: Path, ctx) -> StudyResult:
 
 def _at_scale(out_dir: Path, ctx, scale: dict, figures: list, tables: list, summary: dict) -> list:
     """The clustering of N tokens on the sphere at the sizes of an accelerator (:mod:`studies.experiments.at_scale`)."""
-    from ..grid import run_grid
-
     points = [{"n": n, "T": scale["T"], "step": scale["step"], "dt": scale["dt"], "seed": ctx.seed, "rep": r}
               for n in scale["cluster_Ns"] for r in range(scale["cluster_reps"])]
     rows = run_grid(at_scale.cluster_task, points, out_dir, "at_scale_clusters", ctx, device=ctx.device)

@@ -55,7 +55,7 @@ from meanfield.lipschitz import default_tol
 
 from .. import models as hf
 from .. import pretrained
-from ..common import PAIR_RESOLUTION, WITNESS_FLOOR, fit_groups, witness_columns, witness_deviation
+from ..common import PAIR_RESOLUTION, WITNESS_FLOOR, fit_groups, witness_checks, witness_columns
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register, shorten
 from ..io import is_output_error, write_csv, write_json
 from . import real_models_report as report
@@ -614,8 +614,7 @@ def head_witness_claim(adv) -> Claim | None:
     if not heads:
         return None
     low = [r for r in heads if r["lip_head"] + r["lip_head_error"] < r["lower"] * (1 - 1e-9)]
-    checks = [witness_deviation(r["lip_head"] / r["lower"], r["witness_factor"], r.get("witness_cluster", 0.0),
-                                r["lip_head_error"] / r["lip_head"]) for r in heads]
+    checks = witness_checks(heads, "lip_head", "lip_head_error")
     off = [c for c in checks if c[0] > c[1]]
     second = sum(c[2] for c in checks)
     ratios = [r["lip_head"] / r["lower"] - 1 for r in heads]

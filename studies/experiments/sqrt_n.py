@@ -34,8 +34,8 @@ from ..common import (
     random_A,
     slope_claim,
     to_device,
+    witness_checks,
     witness_columns,
-    witness_deviation,
 )
 from ..contract import THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
@@ -84,8 +84,7 @@ def witness_claim(rows: list[dict], gamma: float, R: float, case: str) -> Claim:
     equals the exact factor (``witness_factor``: the witness's top singular value in closed form over the
     bound, formed without the bound's formula) within the certificate's error bar plus
     :data:`studies.common.WITNESS_FLOOR` (:func:`studies.common.witness_deviation`)."""
-    checks = [witness_deviation(r["lip"] / r["lower"], r["witness_factor"], r.get("witness_cluster", 0.0),
-                                r.get("lip_error", 0.0) / r["lip"]) for r in rows]
+    checks = witness_checks(rows)
     got = [r["lip"] / r["lower"] for r in rows]
     pred = [r["witness_factor"] for r in rows]
     dev, tol, _ = max(checks, key=lambda c: c[0])

@@ -41,3 +41,13 @@ def test_slope_claim_names_its_context_only_when_given():
     told, _, _ = slope_claim(ns, lips, lips, "an exact law", context="Prop 3.4's curve: 0.5000")
     assert bare.theory.endswith("0.5 as n -> inf)")
     assert told.theory == bare.theory[:-1] + "; Prop 3.4's curve: 0.5000)"
+
+
+def test_mean_std_by_n_groups_rows_by_n():
+    from studies.common import mean_std_by_n
+
+    rows = [{"n": 8, "x": 1.0}, {"n": 4, "x": 2.0}, {"n": 8, "x": 3.0}, {"n": 8, "x": 5.0}]
+    out = mean_std_by_n(rows, ("x",))
+    assert [r["n"] for r in out] == [4, 8] and [r["samples"] for r in out] == [1, 3]
+    assert out[0]["x_mean"] == 2.0 and out[0]["x_std"] == 0.0
+    assert out[1]["x_mean"] == 3.0 and out[1]["x_std"] == 2.0   # sample std of (1, 3, 5)
