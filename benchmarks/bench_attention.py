@@ -34,7 +34,7 @@ import time
 import torch
 from torch.autograd import forward_ad as fwAD
 
-from meanfield import streamed_attention as streaming
+from meanfield import flash_cpu
 from meanfield.kernels import attend, choose
 
 DT = torch.float64
@@ -229,12 +229,12 @@ def _hardware_row(n, d, dtype, M1, M2, g, repeats):
 def _without_flash(f):
     """Run f with the streamed kernel's fused-kernel engine disabled (its Python tile loop only)."""
     def run():
-        saved = streaming._FLASH_FWD, streaming._FLASH_BWD
-        streaming._FLASH_FWD = streaming._FLASH_BWD = None
+        saved = flash_cpu.FORWARD, flash_cpu.BACKWARD
+        flash_cpu.FORWARD = flash_cpu.BACKWARD = None
         try:
             return f()
         finally:
-            streaming._FLASH_FWD, streaming._FLASH_BWD = saved
+            flash_cpu.FORWARD, flash_cpu.BACKWARD = saved
     return run
 
 

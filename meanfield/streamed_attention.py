@@ -42,6 +42,11 @@ Engines. Each pass has a fast engine and a differentiable one; the results agree
   derivative takes the functional tiles: ``torch.func.jvp`` / ``vjp`` are exact but slower than
   ``torch.autograd.forward_ad`` / ``torch.autograd.grad``.
 
+Where it lives: this module holds the autograd functions, the choice of engine and the public calls;
+the tiles (mask layout, functional and in-place tile loops) are in :mod:`meanfield.attention_tiles`,
+the CPU flash kernel's calls in :mod:`meanfield.flash_cpu` and the Triton kernels in
+:mod:`meanfield.triton_attention`.
+
 :func:`fused_attend` is the forward path through ``torch.nn.functional.scaled_dot_product_attention``
 in its 4-D layout (fused kernels on CPU and CUDA), chosen by :func:`meanfield.kernels.attend`
 (``method="auto"``) for forward passes.
@@ -51,9 +56,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
+
+from . import attention_tiles as tiles
+from . import flash_cpu as flash
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
@@ -67,9 +74,6 @@ DEFAULT_BLOCK = 256
 #: Jacobian products of local_lipschitz) up to this many bytes; above, they are recomputed (O(N) memory)
 P_CACHE_BYTES = 64 * 2**20
 
-
-def _blocks(size: int, block: int):
-    return [(i, min(i + block, size)) for i in range(0, size, block)]
 
 
 # ---------------------------------------------------------------------- what may run fast
@@ -89,389 +93,9 @@ def _plain(*tensors) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
-def _flash_op(name):
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_FLASH_FWD = _flash_op("_scaled_dot_product_flash_attention_for_cpu")
-_FLASH_BWD = _flash_op("_scaled_dot_product_flash_attention_for_cpu_backward")
-
-
 def _flash_ok(q, plan, qp) -> bool:
-    return (plan.engine == "auto" and _FLASH_FWD is not None and q.device.type == "cpu"
+    return (plan.engine == "auto" and flash.FORWARD is not None and q.device.type == "cpu"
             and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
-
-
-# ---------------------------------------------------------------------- layout of the mask
-@dataclass(frozen=True)
-class _Plan:
-    """Tile sizes and what the positions allow: ``tiles`` lists, per query block, the key blocks with a
-    visible key and whether they need the mask (None: visit and mask all); ``causal`` says that the
-    mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n); ``engine``
-    the fast engine of plain passes: "auto" (CPU: the flash kernel where the mask allows, tiles otherwise),
-    "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`)."""
-
-    bq: int
-    bk: int
-    tiles: tuple | None = None
-    causal: bool = False
-    engine: str = "auto"
-
-
-def _block_extremes(p, block, fill_min, fill_max):
-    """Per block of the last dimension: min and max over the block and all batch entries."""
-    size = p.shape[-1]
-    pad = (-size) % block
-    flat = p.reshape(-1, size)
-    lo = torch.nn.functional.pad(flat, (0, pad), value=fill_min).reshape(flat.shape[0], -1, block)
-    hi = torch.nn.functional.pad(flat, (0, pad), value=fill_max).reshape(flat.shape[0], -1, block)
-    return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
-
-
-def _plan(qp, kp, m, n, bq, bk, engine="auto") -> _Plan:
-    """The mask layout from the positions, read from the device once (one host sync).
-
-    A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
-    it changes no result; a tile whose keys all come before all its queries needs no mask. For a
-    causal sequence this halves the work. Positions hidden behind a torch.func transform cannot be
-    read: then every tile is visited and masked.
-    """
-    if qp is None:
-        return _Plan(bq, bk, engine=engine)
-    try:
-        q_lo, q_hi = _block_extremes(qp, bq, math.inf, -math.inf)
-        k_lo, k_hi = _block_extremes(kp, bk, math.inf, -math.inf)
-        causal = torch.zeros(1, dtype=qp.dtype, device=qp.device)
-        if m == n and qp.shape == kp.shape:
-            seq = (qp == kp).all() & (kp[..., 1:] > kp[..., :-1]).all()
-            causal = seq.to(qp.dtype).reshape(1)
-        vals = torch.cat([q_lo, q_hi, k_lo, k_hi, causal]).tolist()
-    except RuntimeError:
-        return _Plan(bq, bk, engine=engine)
-    nq, nk = len(q_lo), len(k_lo)
-    q_lo, q_hi = vals[:nq], vals[nq:2 * nq]
-    k_lo, k_hi = vals[2 * nq:2 * nq + nk], vals[2 * nq + nk:2 * nq + 2 * nk]
-    tiles = tuple(
-        tuple((b, not k_hi[b] <= q_lo[a]) for b in range(nk) if k_lo[b] <= q_hi[a])
-        for a in range(nq)
-    )
-    return _Plan(bq, bk, tiles, bool(vals[-1]), engine)
-
-
-def _visit(plan, a, count):
-    """The (key block, needs a mask) pairs to visit for query block ``a``."""
-    return [(b, True) for b in range(count)] if plan.tiles is None else plan.tiles[a]
-
-
-# ---------------------------------------------------------------------- functional tiles (differentiable)
-def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
-    """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
-    s = q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
-    if lw is not None:
-        s = s + lw[..., None, j0:j1]
-    if qp is not None and mask:
-        visible = kp[..., None, j0:j1] <= qp[..., i0:i1, None]
-        s = s.masked_fill(~visible, float("-inf"))
-    return s
-
-
-def _probs(s, lse_rows):
-    """P = exp(s - L) with rows of L = -inf (no visible key) giving zeros instead of nan."""
-    safe = torch.where(torch.isfinite(lse_rows), lse_rows, torch.full_like(lse_rows, float("inf")))
-    return torch.exp(s - safe.unsqueeze(-1))
-
-
-def _backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    """Streamed VJP; ``need`` = (dq, dk, dv, dlw) flags. Differentiable in all its tensor inputs."""
-    m, n = q.shape[-2], k.shape[-2]
-    qb, kb = _blocks(m, plan.bq), _blocks(n, plan.bk)
-    dq = [None] * len(qb)
-    dk, dv, dlw = [None] * len(kb), [None] * len(kb), [None] * len(kb)
-
-    def add(acc, x):
-        return x if acc is None else acc + x
-
-    for a, (i0, i1) in enumerate(qb):
-        if plan.tiles is not None and not plan.tiles[a]:
-            continue
-        go = g_out[..., i0:i1, :]
-        delta = (go * out[..., i0:i1, :]).sum(-1, keepdim=True)
-        if g_lse is not None:
-            # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
-            delta = delta - g_lse[..., i0:i1, None]
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = kb[b]
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
-            if need[2]:
-                dv[b] = add(dv[b], p.transpose(-1, -2) @ go)
-            if not (need[0] or need[1] or need[3]):
-                continue
-            ds = p * (go @ v[..., j0:j1, :].transpose(-1, -2) - delta)
-            if need[0]:
-                dq[a] = add(dq[a], ds @ k[..., j0:j1, :])
-            if need[1]:
-                dk[b] = add(dk[b], ds.transpose(-1, -2) @ q[..., i0:i1, :])
-            if need[3]:
-                dlw[b] = add(dlw[b], ds.sum(-2).unsqueeze(-1))
-
-    def gather(parts, blocks, like, dim):
-        # blocks never visited (all their scores masked) have zero derivative
-        parts = [torch.zeros_like(like[..., i0:i1, :]) if p is None else p for p, (i0, i1) in zip(parts, blocks)]
-        return torch.cat(parts, dim=dim)
-
-    return (
-        gather(dq, qb, q, -2) if need[0] else None,
-        gather(dk, kb, k, -2) if need[1] else None,
-        gather(dv, kb, v, -2) if need[2] else None,
-        gather(dlw, kb, lw.unsqueeze(-1), -2).squeeze(-1) if need[3] else None,
-    )
-
-
-def _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
-    """Streamed JVP (docs/math.md section 4.1 at the kernel level): returns (d out, d L). Differentiable."""
-    m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, plan.bk)
-    d_outs, d_lses = [], []
-    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
-        acc = mean_ds = None
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = kb[b]
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
-            ds = None
-            if tq is not None:
-                ds = tq[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
-            if tk is not None:
-                term = q[..., i0:i1, :] @ tk[..., j0:j1, :].transpose(-1, -2)
-                ds = term if ds is None else ds + term
-            if tlw is not None:
-                term = tlw[..., None, j0:j1]
-                ds = term if ds is None else ds + term
-            contrib = None
-            if tv is not None:
-                contrib = p @ tv[..., j0:j1, :]
-            if ds is not None:
-                pds = p * ds
-                term = pds @ v[..., j0:j1, :]
-                contrib = term if contrib is None else contrib + term
-                row = pds.sum(-1, keepdim=True)
-                mean_ds = row if mean_ds is None else mean_ds + row
-            if contrib is not None:
-                acc = contrib if acc is None else acc + contrib
-        o = out[..., i0:i1, :]
-        if acc is None:
-            acc = torch.zeros_like(o)
-        if mean_ds is None:
-            mean_ds = torch.zeros_like(o[..., :1])
-        d_outs.append(acc - mean_ds * o)
-        d_lses.append(mean_ds.squeeze(-1))
-    return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1)
-
-
-# ---------------------------------------------------------------------- fast tiles (in place, 3-D)
-def _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, out=None):
-    """s = q_a k_j^T + log a_j, masked, into a fresh (or the given) buffer; inputs are 3-D (B, rows, e)."""
-    s = torch.bmm(qa, kT[:, :, j0:j1], out=out)
-    if lwT is not None:
-        s += lwT[:, :, j0:j1]
-    if mask and qpa is not None:
-        s.masked_fill_(kp[:, None, j0:j1] > qpa, -math.inf)
-    return s
-
-
-def _forward_tiles(q, k, v, lw, qp, kp, plan):
-    """Online-softmax forward on 3-D inputs (B, m, e): returns (out, L)."""
-    m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, plan.bk)
-    kT = k.transpose(-1, -2)
-    lwT = None if lw is None else lw[:, None, :]
-    low = torch.finfo(q.dtype).min
-    outs, lses = [], []
-    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
-        qa = q[:, i0:i1]
-        qpa = None if qp is None else qp[:, i0:i1, None]
-        run_max = run_sum = acc = None
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = kb[b]
-            s = _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask)
-            tile_max = s.amax(dim=-1, keepdim=True)
-            # a row whose keys are all masked so far has max -inf: shift by a finite number instead
-            shift = (tile_max if run_max is None else torch.maximum(run_max, tile_max)).clamp(min=low)
-            p = s.sub_(shift).exp_()
-            if run_max is None:
-                run_sum, acc = p.sum(-1, keepdim=True), torch.bmm(p, v[:, j0:j1])
-            else:
-                alpha = run_max.sub_(shift).exp_()
-                run_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
-                acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])
-            run_max = shift
-        if run_max is None:  # every key of this query block is masked
-            outs.append(q.new_zeros(q.shape[0], i1 - i0, v.shape[-1]))
-            lses.append(q.new_full((q.shape[0], i1 - i0), -math.inf))
-            continue
-        empty = run_sum == 0
-        outs.append(acc.div_(torch.where(empty, torch.ones_like(run_sum), run_sum)))
-        lse = run_max.add_(run_sum.log())  # log 0 = -inf for an empty row
-        lses.append(torch.where(empty, torch.full_like(lse, -math.inf), lse).squeeze(-1))
-    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
-
-
-def _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, lse_safe):
-    """P tile = exp(s - L) in place; ``lse_safe`` (B, rows, 1) has +inf for rows with no visible key."""
-    return _score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask).sub_(lse_safe).exp_()
-
-
-def _safe_lse(lse):
-    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).unsqueeze(-1)
-
-
-def _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
-    """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L).
-
-    ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
-    """
-    m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, plan.bk)
-    kT = k.transpose(-1, -2)
-    lwT = None if lw is None else lw[:, None, :]
-    tlwT = None if tlw is None else tlw[:, None, :]
-    # ds = <dq_i, k_j> + <q_i, dk_j> as one product of width 2e: [dq, q] [k, dk]^T
-    if tq is not None and tk is not None:
-        left, rightT = torch.cat([tq, q], -1), torch.cat([k, tk], -1).transpose(-1, -2)
-    elif tq is not None:
-        left, rightT = tq, kT
-    elif tk is not None:
-        left, rightT = q, tk.transpose(-1, -2)
-    else:
-        left = rightT = None
-    safe = _safe_lse(lse)
-    d_out, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
-    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
-        qa = q[:, i0:i1]
-        qpa = None if qp is None else qp[:, i0:i1, None]
-        acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = kb[b]
-            p = None if cache is None else cache.get((a, b))
-            if p is None:
-                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
-                if cache is not None:
-                    cache[(a, b)] = p
-            if tv is not None:
-                acc.baddbmm_(p, tv[:, j0:j1])
-            if left is None and tlwT is None:
-                continue
-            if left is not None:
-                pds = torch.bmm(left[:, i0:i1], rightT[:, :, j0:j1])
-                if tlwT is not None:
-                    pds += tlwT[:, :, j0:j1]
-            else:
-                pds = tlwT[:, :, j0:j1].expand_as(p).clone()
-            pds.mul_(p)
-            acc.baddbmm_(pds, v[:, j0:j1])
-            row += pds.sum(-1, keepdim=True)
-    d_out.sub_(d_lse.unsqueeze(-1) * out)
-    return d_out, d_lse
-
-
-def _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    """Streamed VJP on 3-D inputs, in place (results not differentiated)."""
-    m, n = q.shape[-2], k.shape[-2]
-    kb = _blocks(n, plan.bk)
-    kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)
-    lwT = None if lw is None else lw[:, None, :]
-    safe = _safe_lse(lse)
-    delta = (g_out * out).sum(-1, keepdim=True)
-    if g_lse is not None:
-        delta = delta - g_lse.unsqueeze(-1)
-    dq = torch.zeros_like(q) if need[0] else None
-    dk = torch.zeros_like(k) if need[1] else None
-    dv = torch.zeros_like(v) if need[2] else None
-    dlw = torch.zeros_like(lw) if need[3] else None
-    for a, (i0, i1) in enumerate(_blocks(m, plan.bq)):
-        if plan.tiles is not None and not plan.tiles[a]:
-            continue
-        qa, go = q[:, i0:i1], g_out[:, i0:i1]
-        qpa = None if qp is None else qp[:, i0:i1, None]
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = kb[b]
-            p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
-            if dv is not None:
-                dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)
-            if not (need[0] or need[1] or need[3]):
-                continue
-            ds = torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1]).mul_(p)
-            if dq is not None:
-                dq[:, i0:i1].baddbmm_(ds, k[:, j0:j1])
-            if dk is not None:
-                dk[:, j0:j1].baddbmm_(ds.transpose(-1, -2), qa)
-            if dlw is not None:
-                dlw[:, j0:j1] += ds.sum(-2)
-    return dq, dk, dv, dlw
-
-
-# ---------------------------------------------------------------------- fused flash kernel (CPU)
-def _flash_layout(q, k, v, lw, causal, fold):
-    """4-D inputs of the flash kernel: (Q, K, V, additive mask row or None, width of the real values).
-
-    Log-weights become a broadcast additive mask row (unmasked) or, with the causal mask (which the
-    kernel cannot combine with a mask) or when their gradient is needed, one extra coordinate
-    q' = [q, 1], k' = [k, log a] (log 0 replaced by a finite number far below every score, so that
-    no 0 * inf arises; rows left with no visible key are handled by the caller). The kernel needs one
-    width for q, k and v: the narrower side is padded with zero columns, which change no product.
-    """
-    mask = None
-    if lw is not None and (causal or fold):
-        low = torch.finfo(q.dtype).min / 4
-        q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
-        k = torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
-    elif lw is not None:
-        mask = lw[:, None, None, :]
-    c = v.shape[-1]
-    width = max(q.shape[-1], c)
-    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    return pad(q)[:, None], pad(k)[:, None], pad(v)[:, None], mask, c
-
-
-def _empty_rows(lw, causal, m):
-    """(B, m) bool: rows with no visible key of positive weight (their output is 0 and L = -inf)."""
-    dead = lw == -math.inf
-    if causal:
-        return torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
-    return dead.all(-1, keepdim=True).expand(lw.shape[0], m)
-
-
-def _flash_forward(q, k, v, lw, causal):
-    Q, K, V, mask, c = _flash_layout(q, k, v, lw, causal, fold=False)
-    out, lse = _FLASH_FWD(Q, K, V, 0.0, causal, attn_mask=mask, scale=1.0)
-    out, lse = out[:, 0, :, :c], lse[:, 0]
-    if lw is not None:
-        empty = _empty_rows(lw, causal, q.shape[-2])
-        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
-        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
-    return out.contiguous(), lse.contiguous()
-
-
-def _flash_backward(q, k, v, lw, out, lse, g_out, causal, need):
-    fold = need[3]
-    Q, K, V, mask, c = _flash_layout(q, k, v, lw, causal, fold)
-    live = torch.isfinite(lse)
-    # a row with no visible key has output 0 whatever its inputs: zero cotangent, and any finite L
-    # (the kernel recomputes P = exp(s - L) and needs no -inf there)
-    g = torch.where(live.unsqueeze(-1), g_out, torch.zeros_like(g_out))
-    L = torch.where(live, lse, torch.zeros_like(lse))
-    width = Q.shape[-1]
-    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    dQ, dK, dV = _FLASH_BWD(pad(g)[:, None].contiguous(), Q, K, V, pad(out)[:, None].contiguous(),
-                            L[:, None].contiguous(), 0.0, causal, attn_mask=mask, scale=1.0)
-    e = q.shape[-1]
-    dq = dQ[:, 0, :, :e] if need[0] else None
-    dk = dK[:, 0, :, :e] if need[1] else None
-    dv = dV[:, 0, :, :c] if need[2] else None
-    dlw = dK[:, 0, :, e] if fold else None   # d/d(log a_j) = sum_i ds_ij, the extra key coordinate
-    return dq, dk, dv, dlw
 
 
 # ---------------------------------------------------------------------- the autograd Function
@@ -502,10 +126,10 @@ def _forward(q, k, v, lw, qp, kp, plan):
         from particles.device import run_triton
 
         return run_triton(_key("forward", q, v), lambda: _triton().forward(q, k, v, lw, qp, kp, plan.causal),
-                          lambda: _forward_tiles(q, k, v, lw, qp, kp, plan), "attend")
+                          lambda: tiles.forward_tiles(q, k, v, lw, qp, kp, plan), "attend")
     if _flash_ok(q, plan, qp):
-        return _flash_forward(q, k, v, lw, plan.causal)
-    return _forward_tiles(q, k, v, lw, qp, kp, plan)
+        return flash.forward(q, k, v, lw, plan.causal)
+    return tiles.forward_tiles(q, k, v, lw, qp, kp, plan)
 
 
 class StreamAttention(torch.autograd.Function):
@@ -542,7 +166,7 @@ class StreamAttention(torch.autograd.Function):
         if _plain(q, k, v, lw, out, lse, g_out, g_lse):
             dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         elif _transforms_active():
-            dq, dk, dv, dlw = _backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+            dq, dk, dv, dlw = tiles.backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         else:
             # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
             # streamed JVP (what reverse-over-reverse products need) and in the primal inputs the
@@ -556,7 +180,7 @@ class StreamAttention(torch.autograd.Function):
         tlw = tlw if ctx.has_lw else None
         if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
             return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
-        return _jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+        return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
 
 
 def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
@@ -565,10 +189,10 @@ def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
 
         return run_triton(_key("jvp", q, v),
                           lambda: _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw),
-                          lambda: _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan), "attend (JVP)")
+                          lambda: tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan), "attend (JVP)")
     if cache is None:
-        return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
-    return _jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache)
+        return tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+    return tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache)
 
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
@@ -577,11 +201,11 @@ def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
 
         return run_triton(_key("backward", q, v),
                           lambda: _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need),
-                          lambda: _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need),
+                          lambda: tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need),
                           "attend (VJP)")
-    if g_lse is None and _flash_ok(q, plan, qp) and _FLASH_BWD is not None:
-        return _flash_backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
-    return _backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+    if g_lse is None and _flash_ok(q, plan, qp) and flash.BACKWARD is not None:
+        return flash.backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
+    return tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
 
 
 def _engine_node(t):
@@ -646,7 +270,7 @@ class _StreamBackward(torch.autograd.Function):
                     ctx.p_cache = {} if small and plan.engine != "triton" else None
                 d_out, d_lse = _fast_jvp(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
             else:
-                d_out, d_lse = _jvp_functional(q, k, v, lw, qp, kp, out, lse, *tans, plan)
+                d_out, d_lse = tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, *tans, plan)
             grads[8] = d_out if ctx.needs_input_grad[8] else None
             grads[9] = d_lse if ctx.needs_input_grad[9] and ctx.has_glse else None
         cot = [(b, g) for b, g in zip(range(4), (gq, gk, gv, glw)) if need[b] and g is not None]
@@ -665,7 +289,7 @@ class _StreamBackward(torch.autograd.Function):
                     None if t is None else t.detach().requires_grad_(True) for t in inputs[4:]]
                 wanted, slots = [i for i in (4, 5) if run[i]], [0, 1, 2, 3, 6, 7]
             with torch.enable_grad():
-                B = _backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out, g_lse, plan, need)
+                B = tiles.backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out, g_lse, plan, need)
                 parts = torch.autograd.grad([B[b] for b, _ in cot], [inputs[i] for i in wanted],
                                             [g for _, g in cot], allow_unused=True, create_graph=create,
                                             retain_graph=True)
@@ -759,7 +383,7 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
 
         bq, bk = tile_shape(math.prod(batch), m, n, q.element_size(), memory_budget(q.device))
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
-    plan = _plan(flat[4], flat[5], m, n, bq, bk, engine)
+    plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine)
     out, lse = StreamAttention.apply(*flat, plan)
     out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
     return (out, lse) if return_lse else out

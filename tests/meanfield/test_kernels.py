@@ -438,7 +438,7 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
     both equal the dense kernel's forward-mode derivative."""
     from torch.autograd import forward_ad
 
-    from meanfield import streamed_attention as streaming
+    from meanfield import attention_tiles
 
     if masked == "arbitrary":
         q, k, v, lw, qp, kp = _problem(22, m=40, n=40, empty=False)
@@ -447,8 +447,8 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
         qp, kp = (qp, kp) if masked == "sequence" else (None, None)
     tans = [torch.randn_like(t) for t in (q, k, v, lw)]
     calls = []
-    tiles = streaming._jvp_tiles
-    monkeypatch.setattr(streaming, "_jvp_tiles", lambda *a: calls.append(1) or tiles(*a))
+    jvp_tiles = attention_tiles.jvp_tiles
+    monkeypatch.setattr(attention_tiles, "jvp_tiles", lambda *a: calls.append(1) or jvp_tiles(*a))
     f = lambda method: (lambda q, k, v, lw: attend(q, k, v, lw, qp, kp, method=method, block_size=(16, 12)))
     ref = torch.func.jvp(f("dense"), (q, k, v, lw), tuple(tans))[1]
     func = torch.func.jvp(f("stream"), (q, k, v, lw), tuple(tans))[1]
@@ -468,10 +468,10 @@ def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):
     kernel would otherwise take: forward, fast VJP, fast JVP against the dense kernel."""
     from torch.autograd import forward_ad
 
-    from meanfield import streamed_attention as streaming
+    from meanfield import flash_cpu
 
-    monkeypatch.setattr(streaming, "_FLASH_FWD", None)
-    monkeypatch.setattr(streaming, "_FLASH_BWD", None)
+    monkeypatch.setattr(flash_cpu, "FORWARD", None)
+    monkeypatch.setattr(flash_cpu, "BACKWARD", None)
     for case in SEQ_CASES:
         q, k, v, lw, qp, kp = _sequence_problem(23, **case)
         with _Ops() as ops:

@@ -252,30 +252,35 @@ def test_kernel_path_claims_hold_on_the_kernel_as_written():
     assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
 
 
-# (function of meanfield.streamed_attention, line as written, the mistake, cases that must see it, claim that must fail)
+# (module.function of the streamed kernel, line as written, the mistake, cases that must see it, claim that must fail)
 _KERNEL_MISTAKES = {
     "tile mask includes the diagonal's neighbours": (
-        "_score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa", _FWD_STREAM, "stream"),
+        "attention_tiles.score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa",
+        _FWD_STREAM, "stream"),
     "tile mask in the streamed derivatives": (
-        "_score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa", ["d masked measure"], "derivatives"),
+        "attention_tiles.score_tile", "kp[:, None, j0:j1] > qpa", "kp[:, None, j0:j1] >= qpa",
+        ["d masked measure"], "derivatives"),
     "tiles drop the log-weights": (
-        "_score_tile", "s += lwT[:, :, j0:j1]", "s += 0 * lwT[:, :, j0:j1]", _FWD_STREAM, "stream"),
+        "attention_tiles.score_tile", "s += lwT[:, :, j0:j1]", "s += 0 * lwT[:, :, j0:j1]", _FWD_STREAM, "stream"),
     "online softmax does not rescale the accumulated values": (
-        "_forward_tiles", "acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])",
+        "attention_tiles.forward_tiles", "acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])",
         "acc = torch.baddbmm(acc, p, v[:, j0:j1])", _FWD_STREAM, "stream"),
     "online softmax does not rescale the running sum": (
-        "_forward_tiles", "run_sum.mul_(alpha).add_(", "run_sum.add_(", ["d masked measure"], "derivatives"),
-    "JVP without the mean term": (
-        "_jvp_tiles", "d_out.sub_(d_lse.unsqueeze(-1) * out)", "d_out", ["d weighted measure"], "derivatives"),
-    "VJP tiles without the row term": (
-        "_backward_tiles", "torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1])", "torch.bmm(go, vT[:, :, j0:j1])",
+        "attention_tiles.forward_tiles", "run_sum.mul_(alpha).add_(", "run_sum.add_(",
         ["d masked measure"], "derivatives"),
+    "JVP without the mean term": (
+        "attention_tiles.jvp_tiles", "d_out.sub_(d_lse.unsqueeze(-1) * out)", "d_out",
+        ["d weighted measure"], "derivatives"),
+    "VJP tiles without the row term": (
+        "attention_tiles.backward_tiles", "torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1])",
+        "torch.bmm(go, vT[:, :, j0:j1])", ["d masked measure"], "derivatives"),
     "flash path drops the log-weights": (
-        "_flash_layout", "mask = lw[:, None, None, :]", "mask = None", ["d weighted measure"], "derivatives"),
+        "flash_cpu.layout", "mask = lw[:, None, None, :]", "mask = None", ["d weighted measure"], "derivatives"),
     "fused path drops the log-weights": (
-        "fused_attend", "mask = lw.unsqueeze(-2)", "mask = None", ["weighted measure"], "fused"),
+        "streamed_attention.fused_attend", "mask = lw.unsqueeze(-2)", "mask = None", ["weighted measure"], "fused"),
     "fused path forgets the causal mask": (
-        "fused_attend", "is_causal=causal", "is_causal=False", ["causal sequence", "weighted causal atoms"], "fused"),
+        "streamed_attention.fused_attend", "is_causal=causal", "is_causal=False",
+        ["causal sequence", "weighted causal atoms"], "fused"),
 }
 
 
@@ -283,10 +288,11 @@ _KERNEL_MISTAKES = {
 def test_kernel_path_claims_fail_on_a_wrong_kernel(monkeypatch, mistake):
     """One mistake in the fused or streamed path (a mask, a log-weight, the online softmax's rescaling, the
     JVP, the VJP) flips the claim of the path it is on, at the study's own sizes."""
-    from meanfield import streamed_attention as streaming
+    import importlib
 
-    name, old, new, cases, claim = _KERNEL_MISTAKES[mistake]
-    _mutant(monkeypatch, streaming, name, old, new)
+    where, old, new, cases, claim = _KERNEL_MISTAKES[mistake]
+    module, name = where.split(".")
+    _mutant(monkeypatch, importlib.import_module(f"meanfield.{module}"), name, old, new)
     assert not _kernel_claims(cases)[claim].agrees
 
 

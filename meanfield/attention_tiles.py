@@ -1,0 +1,336 @@
+"""The tiles of the streamed attention kernel (:mod:`meanfield.streamed_attention`).
+
+Queries are cut into blocks of ``block_q`` rows and keys into blocks of ``block_k``; a tile is the
+(block_q, block_k) matrix of scores of one query block against one key block, never more. This module
+holds the three parts that work tile by tile (the formulas, online softmax and streamed derivatives,
+are in :mod:`meanfield.streamed_attention`'s docstring):
+
+* the layout of the mask (:class:`Plan`, :func:`tile_plan`): which tiles to visit and which of them
+  need the mask, read from the positions once;
+* the functional tiles (:func:`backward_functional`, :func:`jvp_functional`): out of place, so that
+  autograd and ``torch.func`` transforms differentiate through them;
+* the fast tiles (:func:`forward_tiles`, :func:`jvp_tiles`, :func:`backward_tiles`, with
+  :func:`score_tile`): in place on 3-D inputs (batch, rows, features), for passes that nothing
+  differentiates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Plan", "tile_plan", "blocks", "backward_functional", "jvp_functional", "score_tile", "forward_tiles",
+           "jvp_tiles", "backward_tiles"]
+
+
+def blocks(size: int, block: int):
+    return [(i, min(i + block, size)) for i in range(0, size, block)]
+
+
+# ---------------------------------------------------------------------- layout of the mask
+@dataclass(frozen=True)
+class Plan:
+    """Tile sizes and what the positions allow: ``tiles`` lists, per query block, the key blocks with a
+    visible key and whether they need the mask (None: visit and mask all); ``causal`` says that the
+    mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n); ``engine``
+    the fast engine of plain passes: "auto" (CPU: the flash kernel where the mask allows, tiles otherwise),
+    "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`)."""
+
+    bq: int
+    bk: int
+    tiles: tuple | None = None
+    causal: bool = False
+    engine: str = "auto"
+
+
+def _block_extremes(p, block, fill_min, fill_max):
+    """Per block of the last dimension: min and max over the block and all batch entries."""
+    size = p.shape[-1]
+    pad = (-size) % block
+    flat = p.reshape(-1, size)
+    lo = torch.nn.functional.pad(flat, (0, pad), value=fill_min).reshape(flat.shape[0], -1, block)
+    hi = torch.nn.functional.pad(flat, (0, pad), value=fill_max).reshape(flat.shape[0], -1, block)
+    return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
+
+
+def tile_plan(qp, kp, m, n, bq, bk, engine="auto") -> Plan:
+    """The mask layout from the positions, read from the device once (one host sync).
+
+    A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
+    it changes no result; a tile whose keys all come before all its queries needs no mask. For a
+    causal sequence this halves the work. Positions hidden behind a torch.func transform cannot be
+    read: then every tile is visited and masked.
+    """
+    if qp is None:
+        return Plan(bq, bk, engine=engine)
+    try:
+        q_lo, q_hi = _block_extremes(qp, bq, math.inf, -math.inf)
+        k_lo, k_hi = _block_extremes(kp, bk, math.inf, -math.inf)
+        causal = torch.zeros(1, dtype=qp.dtype, device=qp.device)
+        if m == n and qp.shape == kp.shape:
+            seq = (qp == kp).all() & (kp[..., 1:] > kp[..., :-1]).all()
+            causal = seq.to(qp.dtype).reshape(1)
+        vals = torch.cat([q_lo, q_hi, k_lo, k_hi, causal]).tolist()
+    except RuntimeError:
+        return Plan(bq, bk, engine=engine)
+    nq, nk = len(q_lo), len(k_lo)
+    q_lo, q_hi = vals[:nq], vals[nq:2 * nq]
+    k_lo, k_hi = vals[2 * nq:2 * nq + nk], vals[2 * nq + nk:2 * nq + 2 * nk]
+    tiles = tuple(
+        tuple((b, not k_hi[b] <= q_lo[a]) for b in range(nk) if k_lo[b] <= q_hi[a])
+        for a in range(nq)
+    )
+    return Plan(bq, bk, tiles, bool(vals[-1]), engine)
+
+
+def _visit(plan, a, count):
+    """The (key block, needs a mask) pairs to visit for query block ``a``."""
+    return [(b, True) for b in range(count)] if plan.tiles is None else plan.tiles[a]
+
+
+# ---------------------------------------------------------------------- functional tiles (differentiable)
+def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
+    """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
+    s = q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
+    if lw is not None:
+        s = s + lw[..., None, j0:j1]
+    if qp is not None and mask:
+        visible = kp[..., None, j0:j1] <= qp[..., i0:i1, None]
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def _probs(s, lse_rows):
+    """P = exp(s - L) with rows of L = -inf (no visible key) giving zeros instead of nan."""
+    safe = torch.where(torch.isfinite(lse_rows), lse_rows, torch.full_like(lse_rows, float("inf")))
+    return torch.exp(s - safe.unsqueeze(-1))
+
+
+def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    """Streamed VJP; ``need`` = (dq, dk, dv, dlw) flags. Differentiable in all its tensor inputs."""
+    m, n = q.shape[-2], k.shape[-2]
+    qb, kb = blocks(m, plan.bq), blocks(n, plan.bk)
+    dq = [None] * len(qb)
+    dk, dv, dlw = [None] * len(kb), [None] * len(kb), [None] * len(kb)
+
+    def add(acc, x):
+        return x if acc is None else acc + x
+
+    for a, (i0, i1) in enumerate(qb):
+        if plan.tiles is not None and not plan.tiles[a]:
+            continue
+        go = g_out[..., i0:i1, :]
+        delta = (go * out[..., i0:i1, :]).sum(-1, keepdim=True)
+        if g_lse is not None:
+            # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
+            delta = delta - g_lse[..., i0:i1, None]
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
+            if need[2]:
+                dv[b] = add(dv[b], p.transpose(-1, -2) @ go)
+            if not (need[0] or need[1] or need[3]):
+                continue
+            ds = p * (go @ v[..., j0:j1, :].transpose(-1, -2) - delta)
+            if need[0]:
+                dq[a] = add(dq[a], ds @ k[..., j0:j1, :])
+            if need[1]:
+                dk[b] = add(dk[b], ds.transpose(-1, -2) @ q[..., i0:i1, :])
+            if need[3]:
+                dlw[b] = add(dlw[b], ds.sum(-2).unsqueeze(-1))
+
+    def gather(parts, blocks, like, dim):
+        # blocks never visited (all their scores masked) have zero derivative
+        parts = [torch.zeros_like(like[..., i0:i1, :]) if p is None else p for p, (i0, i1) in zip(parts, blocks)]
+        return torch.cat(parts, dim=dim)
+
+    return (
+        gather(dq, qb, q, -2) if need[0] else None,
+        gather(dk, kb, k, -2) if need[1] else None,
+        gather(dv, kb, v, -2) if need[2] else None,
+        gather(dlw, kb, lw.unsqueeze(-1), -2).squeeze(-1) if need[3] else None,
+    )
+
+
+def jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
+    """Streamed JVP (docs/math.md section 4.1 at the kernel level): returns (d out, d L). Differentiable."""
+    m, n = q.shape[-2], k.shape[-2]
+    kb = blocks(n, plan.bk)
+    d_outs, d_lses = [], []
+    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+        acc = mean_ds = None
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
+            ds = None
+            if tq is not None:
+                ds = tq[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
+            if tk is not None:
+                term = q[..., i0:i1, :] @ tk[..., j0:j1, :].transpose(-1, -2)
+                ds = term if ds is None else ds + term
+            if tlw is not None:
+                term = tlw[..., None, j0:j1]
+                ds = term if ds is None else ds + term
+            contrib = None
+            if tv is not None:
+                contrib = p @ tv[..., j0:j1, :]
+            if ds is not None:
+                pds = p * ds
+                term = pds @ v[..., j0:j1, :]
+                contrib = term if contrib is None else contrib + term
+                row = pds.sum(-1, keepdim=True)
+                mean_ds = row if mean_ds is None else mean_ds + row
+            if contrib is not None:
+                acc = contrib if acc is None else acc + contrib
+        o = out[..., i0:i1, :]
+        if acc is None:
+            acc = torch.zeros_like(o)
+        if mean_ds is None:
+            mean_ds = torch.zeros_like(o[..., :1])
+        d_outs.append(acc - mean_ds * o)
+        d_lses.append(mean_ds.squeeze(-1))
+    return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1)
+
+
+# ---------------------------------------------------------------------- fast tiles (in place, 3-D)
+def score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, out=None):
+    """s = q_a k_j^T + log a_j, masked, into a fresh (or the given) buffer; inputs are 3-D (B, rows, e)."""
+    s = torch.bmm(qa, kT[:, :, j0:j1], out=out)
+    if lwT is not None:
+        s += lwT[:, :, j0:j1]
+    if mask and qpa is not None:
+        s.masked_fill_(kp[:, None, j0:j1] > qpa, -math.inf)
+    return s
+
+
+def forward_tiles(q, k, v, lw, qp, kp, plan):
+    """Online-softmax forward on 3-D inputs (B, m, e): returns (out, L)."""
+    m, n = q.shape[-2], k.shape[-2]
+    kb = blocks(n, plan.bk)
+    kT = k.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    low = torch.finfo(q.dtype).min
+    outs, lses = [], []
+    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+        qa = q[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        run_max = run_sum = acc = None
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            s = score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask)
+            tile_max = s.amax(dim=-1, keepdim=True)
+            # a row whose keys are all masked so far has max -inf: shift by a finite number instead
+            shift = (tile_max if run_max is None else torch.maximum(run_max, tile_max)).clamp(min=low)
+            p = s.sub_(shift).exp_()
+            if run_max is None:
+                run_sum, acc = p.sum(-1, keepdim=True), torch.bmm(p, v[:, j0:j1])
+            else:
+                alpha = run_max.sub_(shift).exp_()
+                run_sum.mul_(alpha).add_(p.sum(-1, keepdim=True))
+                acc = torch.baddbmm(acc.mul_(alpha), p, v[:, j0:j1])
+            run_max = shift
+        if run_max is None:  # every key of this query block is masked
+            outs.append(q.new_zeros(q.shape[0], i1 - i0, v.shape[-1]))
+            lses.append(q.new_full((q.shape[0], i1 - i0), -math.inf))
+            continue
+        empty = run_sum == 0
+        outs.append(acc.div_(torch.where(empty, torch.ones_like(run_sum), run_sum)))
+        lse = run_max.add_(run_sum.log())  # log 0 = -inf for an empty row
+        lses.append(torch.where(empty, torch.full_like(lse, -math.inf), lse).squeeze(-1))
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, lse_safe):
+    """P tile = exp(s - L) in place; ``lse_safe`` (B, rows, 1) has +inf for rows with no visible key."""
+    return score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask).sub_(lse_safe).exp_()
+
+
+def _safe_lse(lse):
+    return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).unsqueeze(-1)
+
+
+def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
+    """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L).
+
+    ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
+    """
+    m, n = q.shape[-2], k.shape[-2]
+    kb = blocks(n, plan.bk)
+    kT = k.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    tlwT = None if tlw is None else tlw[:, None, :]
+    # ds = <dq_i, k_j> + <q_i, dk_j> as one product of width 2e: [dq, q] [k, dk]^T
+    if tq is not None and tk is not None:
+        left, rightT = torch.cat([tq, q], -1), torch.cat([k, tk], -1).transpose(-1, -2)
+    elif tq is not None:
+        left, rightT = tq, kT
+    elif tk is not None:
+        left, rightT = q, tk.transpose(-1, -2)
+    else:
+        left = rightT = None
+    safe = _safe_lse(lse)
+    d_out, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
+    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+        qa = q[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = None if cache is None else cache.get((a, b))
+            if p is None:
+                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+                if cache is not None:
+                    cache[(a, b)] = p
+            if tv is not None:
+                acc.baddbmm_(p, tv[:, j0:j1])
+            if left is None and tlwT is None:
+                continue
+            if left is not None:
+                pds = torch.bmm(left[:, i0:i1], rightT[:, :, j0:j1])
+                if tlwT is not None:
+                    pds += tlwT[:, :, j0:j1]
+            else:
+                pds = tlwT[:, :, j0:j1].expand_as(p).clone()
+            pds.mul_(p)
+            acc.baddbmm_(pds, v[:, j0:j1])
+            row += pds.sum(-1, keepdim=True)
+    d_out.sub_(d_lse.unsqueeze(-1) * out)
+    return d_out, d_lse
+
+
+def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    """Streamed VJP on 3-D inputs, in place (results not differentiated)."""
+    m, n = q.shape[-2], k.shape[-2]
+    kb = blocks(n, plan.bk)
+    kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)
+    lwT = None if lw is None else lw[:, None, :]
+    safe = _safe_lse(lse)
+    delta = (g_out * out).sum(-1, keepdim=True)
+    if g_lse is not None:
+        delta = delta - g_lse.unsqueeze(-1)
+    dq = torch.zeros_like(q) if need[0] else None
+    dk = torch.zeros_like(k) if need[1] else None
+    dv = torch.zeros_like(v) if need[2] else None
+    dlw = torch.zeros_like(lw) if need[3] else None
+    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+        if plan.tiles is not None and not plan.tiles[a]:
+            continue
+        qa, go = q[:, i0:i1], g_out[:, i0:i1]
+        qpa = None if qp is None else qp[:, i0:i1, None]
+        for b, mask in _visit(plan, a, len(kb)):
+            j0, j1 = kb[b]
+            p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+            if dv is not None:
+                dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)
+            if not (need[0] or need[1] or need[3]):
+                continue
+            ds = torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1]).mul_(p)
+            if dq is not None:
+                dq[:, i0:i1].baddbmm_(ds, k[:, j0:j1])
+            if dk is not None:
+                dk[:, j0:j1].baddbmm_(ds.transpose(-1, -2), qa)
+            if dlw is not None:
+                dlw[:, j0:j1] += ds.sum(-2)
+    return dq, dk, dv, dlw

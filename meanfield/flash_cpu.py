@@ -1,0 +1,92 @@
+"""torch's fused flash-attention kernel on CPU, called directly (the C++ kernel behind
+``scaled_dot_product_attention``): the forward pass with the row log-sum-exp L, and the VJP, of the
+streamed kernel (:mod:`meanfield.streamed_attention`) wherever its mask allows (none, or the causal
+mask of a sequence). ``FORWARD`` / ``BACKWARD`` (the operators) are None on a torch without these operators;
+the streamed kernel then takes its tiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["FORWARD", "BACKWARD", "layout", "forward", "backward"]
+
+
+def _op(name):
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+#: the forward operator (out, L, ...), or None
+FORWARD = _op("_scaled_dot_product_flash_attention_for_cpu")
+#: its backward (dq, dk, dv), or None
+BACKWARD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def layout(q, k, v, lw, causal, fold):
+    """4-D inputs of the flash kernel: (Q, K, V, additive mask row or None, width of the real values).
+
+    Log-weights become a broadcast additive mask row (unmasked) or, with the causal mask (which the
+    kernel cannot combine with a mask) or when their gradient is needed, one extra coordinate
+    q' = [q, 1], k' = [k, log a] (log 0 replaced by a finite number far below every score, so that
+    no 0 * inf arises; rows left with no visible key are handled by the caller). The kernel needs one
+    width for q, k and v: the narrower side is padded with zero columns, which change no product.
+    """
+    mask = None
+    if lw is not None and (causal or fold):
+        low = torch.finfo(q.dtype).min / 4
+        q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
+        k = torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
+    elif lw is not None:
+        mask = lw[:, None, None, :]
+    c = v.shape[-1]
+    width = max(q.shape[-1], c)
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    return pad(q)[:, None], pad(k)[:, None], pad(v)[:, None], mask, c
+
+
+def _empty_rows(lw, causal, m):
+    """(B, m) bool: rows with no visible key of positive weight (their output is 0 and L = -inf)."""
+    dead = lw == -math.inf
+    if causal:
+        return torch.cummin(dead.to(torch.int32), dim=-1).values.bool()
+    return dead.all(-1, keepdim=True).expand(lw.shape[0], m)
+
+
+def forward(q, k, v, lw, causal):
+    """(out, L) of 3-D inputs (B, rows, features), log-weights ``lw`` (B, n) or None; ``causal``: the
+    sequence's mask. Rows with no visible key of positive weight give out = 0 and L = -inf."""
+    Q, K, V, mask, c = layout(q, k, v, lw, causal, fold=False)
+    out, lse = FORWARD(Q, K, V, 0.0, causal, attn_mask=mask, scale=1.0)
+    out, lse = out[:, 0, :, :c], lse[:, 0]
+    if lw is not None:
+        empty = _empty_rows(lw, causal, q.shape[-2])
+        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    return out.contiguous(), lse.contiguous()
+
+
+def backward(q, k, v, lw, out, lse, g_out, causal, need):
+    """(dq, dk, dv, dlw) for the cotangent ``g_out`` of ``out`` (none on L); ``need`` flags which (None
+    for the others). d(log a) comes from the extra key coordinate of :func:`layout`."""
+    fold = need[3]
+    Q, K, V, mask, c = layout(q, k, v, lw, causal, fold)
+    live = torch.isfinite(lse)
+    # a row with no visible key has output 0 whatever its inputs: zero cotangent, and any finite L
+    # (the kernel recomputes P = exp(s - L) and needs no -inf there)
+    g = torch.where(live.unsqueeze(-1), g_out, torch.zeros_like(g_out))
+    L = torch.where(live, lse, torch.zeros_like(lse))
+    width = Q.shape[-1]
+    pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    dQ, dK, dV = BACKWARD(pad(g)[:, None].contiguous(), Q, K, V, pad(out)[:, None].contiguous(),
+                            L[:, None].contiguous(), 0.0, causal, attn_mask=mask, scale=1.0)
+    e = q.shape[-1]
+    dq = dQ[:, 0, :, :e] if need[0] else None
+    dk = dK[:, 0, :, :e] if need[1] else None
+    dv = dV[:, 0, :, :c] if need[2] else None
+    dlw = dK[:, 0, :, e] if fold else None   # d/d(log a_j) = sum_i ds_ij, the extra key coordinate
+    return dq, dk, dv, dlw
