@@ -23,10 +23,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from particles import Measure
+from particles import Measure, into_ball
 from particles.validation import check_bool, check_positive_int, check_radius, resolve_dtype
 
-from .bounds import GammaInfo, _gamma_value, _square, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
+from .bounds import (
+    GammaInfo,
+    _exp_or_inf,
+    _gamma_value,
+    _square,
+    argmax_indices,
+    gamma_info,
+    sqrt_n_lower,
+    two_dirac_lower,
+)
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
            "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor",
@@ -66,10 +75,7 @@ def sqrt_n_sequence(A, R, n, *, return_info: bool = False, dtype=None):
     info = gamma_info(A)
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
-    dt = _dtype(dtype)
-    u = torch.as_tensor(info.eigenvector, dtype=dt)
-    first, rest = (R, R / 2.0) if info.case == "max" else (-R, R)
-    X = torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0).contiguous()
+    X = sqrt_n_sequence_from_info(info, R, n, dtype=dtype)
     if not _bool(return_info, "return_info"):
         return X
     return X, _witness(info, sqrt_n_lower(A, R, n))
@@ -96,12 +102,13 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
     if info.gamma == 0.0:
         raise ValueError("A: gamma(A) = 0 (every real eigenvalue is 0), so Proposition 3.6 gives no witness")
     u = torch.as_tensor(info.eigenvector, dtype=dt)
-    x0, x1 = (R * u, R * u / 2.0) if info.case == "max" else (-R * u, R * u)
+    x0, x1 = into_ball(torch.stack((R * u, R * u / 2.0) if info.case == "max" else (-R * u, R * u)), R)
     kw = {"positions": torch.ones(2, dtype=dt)} if _bool(positions, "positions") else {}
     mu = Measure.two_dirac(x0, x1, log_p=-2.0 * info.gamma * R * R, dtype=dt, **kw)
     if not _bool(return_info, "return_info"):
         return mu
-    return mu, _witness(info, two_dirac_lower(A, R))
+    # the info's bound is inf beyond float64 (its logarithm: bounds.two_dirac_lower(A, R, log=True))
+    return mu, _witness(info, _exp_or_inf(two_dirac_lower(A, R, log=True)))
 
 
 def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
@@ -144,7 +151,7 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
     X = X * (R / np.linalg.norm(X, axis=1).max())
     if not (argmax_indices(a, X, masked=masked) == hub).all():  # pragma: no cover - guaranteed by construction
         raise RuntimeError("large_radius_configuration: construction failed to make one hub")
-    return torch.as_tensor(X, dtype=_dtype(dtype))
+    return into_ball(torch.as_tensor(X, dtype=_dtype(dtype)), R)
 
 
 def zero_plus_spread(R, n, d, *, seed=None, dtype=None) -> torch.Tensor:
@@ -170,7 +177,7 @@ def zero_plus_spread(R, n, d, *, seed=None, dtype=None) -> torch.Tensor:
     else:
         theta = 2.0 * math.pi * torch.arange(n - 1, dtype=torch.float64) / (n - 1)
         X[1:, 0], X[1:, 1] = R * torch.cos(theta), R * torch.sin(theta)
-    return X.to(dt)
+    return into_ball(X.to(dt), R)
 
 
 def sqrt_n_sequence_from_info(info: GammaInfo, R, n, *, dtype=None, device=None) -> torch.Tensor:
@@ -190,7 +197,7 @@ def sqrt_n_sequence_from_info(info: GammaInfo, R, n, *, dtype=None, device=None)
     n = check_positive_int(n, "n")
     u = torch.as_tensor(info.eigenvector, dtype=_dtype(dtype), device=device)
     first, rest = (R, R / 2.0) if info.case == "max" else (-R, R)
-    return torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0).contiguous()
+    return into_ball(torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0), R).contiguous()
 
 
 def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:

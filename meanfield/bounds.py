@@ -16,7 +16,8 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
 bound, finite for every finite radius. Their plain value is ``math.inf`` only when the true number
-exceeds the float64 range (about 1.8e308); it is never NaN.
+exceeds the float64 range (about 1.8e308), and then with a :class:`BoundOverflowWarning` that gives the
+logarithm; it is never NaN.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from particles.validation import as_tensor, check_allocation, check_bool, check_positive_int, check_radius
 
 __all__ = [
+    "BoundOverflowWarning",
     "GammaInfo",
     "absorb_key_bias",
     "argmax_indices",
@@ -104,13 +106,23 @@ def _check_log(log) -> bool:
     return check_bool(log, "log")
 
 
-def _exp_or_inf(log_value: float) -> float:
-    """exp(log_value), math.inf only when the number itself exceeds the float64 range."""
+class BoundOverflowWarning(RuntimeWarning):
+    """A bound whose value exceeds float64's range (about exp(709.78)) was returned as ``math.inf``: its
+    logarithm (``log=True`` where the function has it) is the number to use."""
+
+
+def _exp_or_inf(log_value: float, what: str | None = None, log_option: bool = False) -> float:
+    """exp(log_value), math.inf only when the number itself exceeds the float64 range; then, for a public
+    bound (``what`` names it), a :class:`BoundOverflowWarning` that gives the logarithm and how to get it."""
     if log_value == -math.inf:
         return 0.0
     try:
         return math.exp(log_value)
     except OverflowError:
+        if what is not None:
+            warnings.warn(f"{what}: the bound is exp({log_value:.6g}), beyond float64's range; returned inf"
+                          + ("; log=True returns its logarithm" if log_option else ""),
+                          BoundOverflowWarning, stacklevel=3)
         return math.inf
 
 
@@ -133,7 +145,7 @@ def sqrt_n_upper(A, V, R, n) -> float:
         return 0.0
     top = max(log_terms)
     log_root = 0.5 * (top + math.log(sum(math.exp(t - top) for t in log_terms)))
-    return _exp_or_inf(0.5 * math.log(3.0) + math.log(nv) + log_root)
+    return _exp_or_inf(0.5 * math.log(3.0) + math.log(nv) + log_root, "sqrt_n_upper")
 
 
 def mean_field_upper(A, V, R, *, log: bool = False) -> float:
@@ -153,7 +165,7 @@ def mean_field_upper(A, V, R, *, log: bool = False) -> float:
     else:
         t = na * R * R
         value = math.log(nv) + math.log1p(3.0 * t) + 2.0 * t
-    return value if log else _exp_or_inf(value)
+    return value if log else _exp_or_inf(value, "mean_field_upper", log_option=True)
 
 
 def multihead_upper(head_lips, W_O) -> float:
@@ -303,7 +315,7 @@ def two_dirac_lower(A, R, *, log: bool = False) -> float:
     R = check_radius(R, "R")
     _check_log(log)
     value = -math.inf if g == 0.0 or R == 0.0 else math.log(g / 2.0) + 2.0 * math.log(R) + g * R * R
-    return value if log else _exp_or_inf(value)
+    return value if log else _exp_or_inf(value, "two_dirac_lower", log_option=True)
 
 
 # ---------------------------------------------------------------------------- large radius
@@ -489,7 +501,7 @@ def sqrt_n_lower_from_gamma(gamma, R, n) -> float:
     # n beyond the float range (10**400): in logarithms
     log_m = math.log(n - 1)
     t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2}) > 0 here
-    return _exp_or_inf(0.5 * log_m - t - math.log1p(math.exp(-t)))
+    return _exp_or_inf(0.5 * log_m - t - math.log1p(math.exp(-t)), "sqrt_n_lower_from_gamma")
 
 
 def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
@@ -500,7 +512,7 @@ def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
     R = check_radius(R, "R")
     _check_log(log)
     value = -math.inf if g == 0.0 or R == 0.0 else math.log(g / 2.0) + 2.0 * math.log(R) + g * R * R
-    return value if log else _exp_or_inf(value)
+    return value if log else _exp_or_inf(value, "two_dirac_lower_from_gamma", log_option=True)
 
 
 def sqrt_n_regime_radius(gamma, n) -> float:

@@ -7,6 +7,7 @@
 large-radius hub configurations (Theorems 3.7 / 4.5), one token at 0 with the others spread
 (Appendix C.7), and random and clustered random configurations on the sphere of radius R
 (docs/math.md section 5). Operators without parameters (bare callables) get the unstructured ones.
+:func:`longer_start` carries an input found at m tokens to n > m tokens without lowering its constant.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .adapters import as_operator
 from .bounds import eigen_cases
 from .operator import sequence_positions
 
-__all__ = ["sequence_starts", "measure_starts"]
+__all__ = ["sequence_starts", "measure_starts", "longer_start"]
 
 
 def _score_matrices(op, d) -> list[tuple[str, np.ndarray]]:
@@ -185,3 +186,32 @@ def _positions(op, positions, atoms, dtype):
     if pos.shape != (atoms,):
         raise ValueError(f"positions: expected {atoms} entries (one per atom), got shape {tuple(pos.shape)}")
     return pos
+
+
+def longer_start(X, n, *, masked: bool = False) -> torch.Tensor:
+    """n tokens whose local constant is at least that of X (m tokens): X repeated, ``[X; X; ...]``, cut to n.
+
+    A search at n started from an input found at m < n (:func:`~meanfield.worst_case.worst_case_sequence`,
+    ``starts=``) then never ends below it, so that the certified lower bound on Lip(f on B_R^n) does not
+    decrease with n (docs/math.md section 5.9):
+
+    * unmasked (m must divide n): attention sees its tokens through their empirical measure, which k = n / m
+      copies of X leave unchanged (Lemma 3.2), so f([X; ...; X]) = [f(X); ...; f(X)]; a perturbation repeated
+      in every copy is scaled by sqrt(k) on both sides, hence Lip_[X; ...; X](f) >= Lip_X(f);
+    * masked (any m <= n): the first m outputs depend on the first m tokens only, so the Jacobian at the
+      longer input has D f(X) as its top-left block with zeros to its right: again at least Lip_X(f).
+
+    This holds for every operator of this framework and for attention layers without positional terms inside
+    them. Tokens in B_R stay in B_R.
+    """
+    if not isinstance(X, torch.Tensor) or X.dim() != 2:
+        raise TypeError(f"X: expected a tensor of shape (m, d), got {type(X).__name__}"
+                        + (f" of shape {tuple(X.shape)}" if isinstance(X, torch.Tensor) else ""))
+    m = X.shape[0]
+    if m == 0:
+        raise ValueError("X: has no token")
+    n = check_positive_int(n, "n", minimum=m)
+    if not check_bool(masked, "masked") and n % m:
+        raise ValueError(f"n: unmasked attention keeps the constant of X ({m} tokens) only at a multiple of {m}, "
+                         f"got {n} (masked=True takes any n >= {m})")
+    return X.repeat(-(-n // m), 1)[:n].clone()

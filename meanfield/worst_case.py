@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from particles import Measure
+from particles import Measure, into_ball
 from particles.threads import ThreadPolicy
 from particles.validation import (
     MemoryLimitError,
@@ -321,6 +321,11 @@ class _Problem:
         self.policy = None   # the search's ThreadPolicy (set by the entry points)
         self._timed = False
 
+    def points(self, Y):
+        """The tokens of state(s) Y: R times its first columns, in B_R as computed (:func:`particles.into_ball`),
+        so that every input evaluated, and the one returned, passes ``norm <= R`` exactly."""
+        return into_ball(Y[..., : self.dx] * self.R, self.R)
+
     def evaluate(self, Ys):
         """[(value, aux)] per state (:meth:`_evaluate`), under the search's thread policy: the first
         evaluation's time per Jacobian product decides the threads, later ones re-check the load."""
@@ -402,7 +407,7 @@ class _Sequences(_Problem):
         out = []
         size = self.batch_size or len(Ys)
         for i in range(0, len(Ys), size):
-            chunk = torch.stack(Ys[i:i + size]) * self.R
+            chunk = self.points(torch.stack(Ys[i:i + size]))
             try:
                 ests = _lipschitz(self.op, chunk, self.tol, self.seed)
             except _FAILURES:
@@ -424,7 +429,7 @@ class _Sequences(_Problem):
         grads = []
         size = self.batch_size or len(Ys)
         for i in range(0, len(Ys), size):
-            X = torch.stack(Ys[i:i + size]) * self.R
+            X = self.points(torch.stack(Ys[i:i + size]))
             V = torch.stack([a.vector for a in auxs[i:i + size]])
             try:
                 g = sigma_gradient(self.op, X, V).points * self.R
@@ -439,7 +444,7 @@ class _Sequences(_Problem):
         return grads
 
     def certify(self, Y, aux):
-        return Y * self.R, aux, False
+        return self.points(Y), aux, False
 
 
 class _Measures(_Problem):
@@ -450,7 +455,7 @@ class _Measures(_Problem):
         self.n, self.dx, self.positions, self.split = atoms, d, positions, split
 
     def measure(self, Y):
-        return Measure._trusted(Y[:, : self.dx] * self.R, torch.exp(Y[:, -1]), Y[:, -1], self.positions)
+        return Measure._trusted(self.points(Y), torch.exp(Y[:, -1]), Y[:, -1], self.positions)
 
     def _evaluate(self, Ys):
         out = []
@@ -568,7 +573,9 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
         ``start_products``): a budget below them buys no ascent step.
     starts : list or None
         Tensors of shape (n, d), or pairs (a name, such a tensor), to use instead of
-        :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first).
+        :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first). To carry an input
+        found at a shorter length m to n, add ``("longer", longer_start(X_m, n))``
+        (:func:`meanfield.starts.longer_start`): the search then never ends below X_m's constant.
     options : :class:`SearchOptions` (or a dict of its fields), optional
         The starts built, the ascent's rules, the certificates' tolerance and seed. Tokens that
         coincide in a start move together until that tied ascent stops, then separately.

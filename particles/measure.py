@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .ball import into_ball
 from .validation import (
     as_tensor,
     check_allocation,
@@ -229,7 +230,8 @@ class Measure:
         g = make_generator(seed)
         U = _sample_sphere(n, dim, 1.0, g, dtype, device)
         r = torch.rand(n, 1, generator=g, dtype=U.dtype).to(U.device) ** (1.0 / dim)
-        X = check_radius(radius, "radius") * r * U
+        R = check_radius(radius, "radius")
+        X = into_ball(R * r * U, R)
         return cls.sequence(X) if positions else cls(X)
 
     @classmethod
@@ -441,7 +443,7 @@ def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     Z = torch.randn(n, dim, generator=g, dtype=resolve_dtype(dtype) or torch.float64)
     norms = Z.norm(dim=1, keepdim=True)
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return (R * Z / norms).to(device or "cpu")
+    return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises
 
 
 #: bytes per pair of atoms Measure.merge links: the (pairs, 2) int64 array, the COO matrix (data, row, col)

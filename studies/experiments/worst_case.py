@@ -14,7 +14,10 @@ certified constant of the best input found is a lower bound on Lip(f on B_R^n). 
   (evaluated here independently, both eigen-cases where they exist), and plain gradient ascent from
   random starts (``meanfield.plain_gradient_ascent``, the approach the paper reports as giving poor
   results) on the same budget of Jacobian products; the found input re-verified with a dense
-  Jacobian of attention written out here;
+  Jacobian of attention written out here; the lengths run shortest first, and a search at n also
+  starts from the input found at a shorter length m, repeated (``meanfield.starts.longer_start``: its
+  constant is at least the shorter one's), so the bracket's lower end never falls with n
+  (docs/math.md section 5.9);
 * for layers of the trained all-MiniLM-L6-v2 (the ``pretrained`` extra; the attention alone,
   W_O concat_h f_h + bias, float64) at one length n, R the largest token radius of the layer's
   real inputs on the corpus (so the real sequence is in the ball): the bracket, the witness of the
@@ -43,6 +46,7 @@ from meanfield import (
     plain_gradient_ascent,
     worst_case_sequence,
 )
+from meanfield.starts import longer_start, sequence_starts
 from particles.threads import ThreadPolicy
 
 from .. import plotting as P
@@ -53,7 +57,7 @@ from ..io import write_csv, write_json, write_with
 
 __all__ = ["worst_case", "grid", "search_task", "case_matrix", "witness_sequence", "naive_attention",
            "dense_constant", "input_key", "bracket_claim", "witness_claim", "dense_claim", "plain_claim",
-           "PLAIN_MARGIN"]
+           "longer_claim", "shorter_length", "PLAIN_MARGIN"]
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ def grid(level: str) -> dict:
     n, budget, starts, whether plain ascent runs there too, and whose witnesses start the search and are
     compared with it: ``"top"``, the head of largest gamma, or ``"all"`` heads)."""
     if level == "tiny":
-        return {"d": 3, "ns": [3, 4], "Rs": [1.0, 2.0], "budget": 300, "random": 2, "clusters": 1,
+        return {"d": 3, "ns": [2, 4], "Rs": [1.0, 2.0], "budget": 300, "random": 2, "clusters": 1,
                 "plain_random": 2,
                 "layers": {"model": "bert-tiny-random", "layers": [0], "n": 4, "budget": 300, "random": 1,
                            "clusters": 1, "plain": True, "heads": "all"}}
@@ -136,17 +140,32 @@ def input_key(row: dict) -> str:
 
 
 # ---------------------------------------------------------------------- one grid point
+def shorter_length(n: int, done, masked: bool) -> int | None:
+    """The longest length m < n among ``done`` whose found input extends to n without lowering its constant
+    (:func:`meanfield.starts.longer_start`: m divides n unmasked, any m masked), or None."""
+    fits = [m for m in done if m < n and (masked or n % m == 0)]
+    return max(fits) if fits else None
+
+
 def search_task(case: str, masked: bool, n: int, d: int, R: float, seed: int, budget: int, random: int,
-                clusters: int, plain_random: int, *, device=None) -> dict:
+                clusters: int, plain_random: int, shorter: str | None = None, *, device=None) -> dict:
     """The search and plain ascent on one random head at (n, R), both on ``budget`` Jacobian products; the
-    witnesses' certified constants; the found input's dense constant (n d <= DENSE_VERIFY). Picklable."""
+    witnesses' certified constants; the found input's dense constant (n d <= DENSE_VERIFY). ``shorter``: the
+    input found at a shorter length (JSON), extended to n (:func:`meanfield.starts.longer_start`) as one more
+    start of the search. Picklable."""
     A, a_seed = case_matrix(d, seed, case)
     V = torch.eye(d, dtype=torch.float64)
     op = SelfAttention(A, V, masked=masked)
     if device not in (None, "cpu"):
         op = op.to(device)
     t0 = time.perf_counter()
-    res = worst_case_sequence(op, R, n, budget=budget,
+    starts, m = None, 0
+    if shorter is not None:
+        Xm = torch.tensor(json.loads(shorter), dtype=torch.float64, device=device or "cpu")
+        m = Xm.shape[0]
+        starts = sequence_starts(op, R, n, random=random, clusters=clusters, seed=seed) + [
+            (f"longer-n{m}", longer_start(Xm, n, masked=masked))]
+    res = worst_case_sequence(op, R, n, budget=budget, starts=starts,
                               options=SearchOptions(random=random, clusters=clusters, seed=seed, tol=TOL))
     plain = plain_gradient_ascent(op, R, n, budget=budget,
                                   options=SearchOptions(random=plain_random, seed=seed, tol=TOL))
@@ -155,7 +174,8 @@ def search_task(case: str, masked: bool, n: int, d: int, R: float, seed: int, bu
            "lower_error": res.error, "upper": res.upper.value, "upper_source": res.upper.source,
            "ratio": res.ratio, "products": res.products, "stopped": res.stopped, "best_start": res.start,
            "plain": plain.lower, "plain_error": plain.error, "plain_products": plain.products,
-           "plain_upper": plain.upper.value, "seconds": seconds}
+           "plain_upper": plain.upper.value, "seconds": seconds, "longer_from": m,
+           "start_longer": next((s.initial for s in res.starts if s.name == f"longer-n{m}"), math.nan)}
     X = res.input.detach().cpu().to(torch.float64)
     row["radius_max"] = float(X.norm(dim=1).max())
     for c in CASES:
@@ -335,7 +355,7 @@ def witness_claim(rows: list[dict], layer_rows: list[dict]) -> Claim:
 def dense_claim(rows: list[dict]) -> Claim:
     """The found input re-verified: inside the ball, and its dense constant equals the certified value."""
     sel = [r for r in rows if not math.isnan(r["dense"])]
-    outside = [r for r in rows if r["radius_max"] > r["R"] * (1 + 1e-12)]
+    outside = [r for r in rows if r["radius_max"] > r["R"]]
     bad = [r for r in sel if abs(r["dense"] - r["lower"]) > r["lower_error"] + 1e-9 * r["dense"]]
     dev = max((abs(r["dense"] - r["lower"]) / r["dense"] for r in sel), default=math.nan)
     return Claim(
@@ -346,11 +366,41 @@ def dense_claim(rows: list[dict]) -> Claim:
         f"outside the error bar; {len(outside)} inputs with a token outside the ball (largest norm / R "
         f"{max(r['radius_max'] / r['R'] for r in rows):.15g})", bool(sel) and not bad and not outside,
         "dense: torch.autograd.functional.jacobian of softmax(X A^T X^T (+ causal mask)) X and its SVD; tolerance "
-        "the certificate's error bar plus 1e-9 relative; ball: relative 1e-12", kind=THEOREM,
+        "the certificate's error bar plus 1e-9 relative; ball: exact (every token's computed norm <= R, "
+        "particles.into_ball)", kind=THEOREM,
         fails_if="the dense constant at the found input differs from the certified value by more than the error "
                  "bar, or some token of it lies outside the ball",
         short="the found input is in B_R^n; a dense Jacobian confirms its constant",
         short_measured=f"{len(bad)} of {len(sel)} outside the error bar; {len(outside)} outside the ball")
+
+
+def longer_claim(rows: list[dict]) -> Claim:
+    """Lip(f on B_R^n) never falls with n: the certified lower end at n is at least the one at the shorter length
+    m whose input started the search (docs/math.md section 5.9), masked and unmasked."""
+    key = {(r["case"], r["masked"], r["n"], r["R"]): r for r in rows}
+    pairs = [(r, key[(r["case"], r["masked"], r["longer_from"], r["R"])]) for r in rows if r.get("longer_from")]
+    # both are certified: the shorter one within its error bar, the longer one's start within its own
+    bad = [r for r, s in pairs if r["lower"] + r["lower_error"] < s["lower"] * (1 - TOL) - s["lower_error"]]
+    gains = [r["lower"] / s["lower"] for r, s in pairs]
+    lowest = min(pairs, key=lambda p: p[0]["lower"] / p[1]["lower"]) if pairs else None
+    where = ("" if lowest is None else f" (lowest: case {lowest[0]['case']}, "
+             f"{'masked' if lowest[0]['masked'] else 'unmasked'}, n = {lowest[1]['n']} -> {lowest[0]['n']}, "
+             f"R = {lowest[0]['R']:g}: {lowest[1]['lower']:.4g} -> {lowest[0]['lower']:.4g})")
+    span = f"[{min(gains):.3g}, {max(gains):.3g}]" if gains else "none"
+    return Claim(
+        "Longer sequences never have a smaller constant: Lip(f on B_R^n) >= Lip(f on B_R^m) for m dividing n "
+        "(unmasked, Lemma 3.2: repeated tokens, the same measure) and for every m <= n (masked: the first m "
+        "outputs see the first m tokens only), so the bracket's lower end at n is at least the one at m",
+        "lower(n) >= lower(m) for each grid pair (m, n) the search linked",
+        f"{len(bad)} of {len(pairs)} pairs fall; lower(n) / lower(m) in {span}{where}", bool(pairs) and not bad,
+        f"the search at n starts from the input found at m, repeated (meanfield.starts.longer_start, whose "
+        f"constant is at least the shorter one's), and never accepts a decrease; tolerance: both error bars plus "
+        f"{TOL:g} relative", kind=THEOREM,
+        fails_if="the certified lower end at some n is below that at the shorter m linked to it beyond the error "
+                 "bars (the shorter input's constant lost: a wrong extension, a start dropped, or a certificate "
+                 "that disagrees with itself), or no pair was linked",
+        short="Lip on B_R^n never falls with n (repeated shorter input)",
+        short_measured=f"{len(bad)} of {len(pairs)} pairs fall; lower(n) / lower(m) in {span}")
 
 
 def plain_claim(rows: list[dict], budget: int, layer_rows: list[dict] = ()) -> Claim:
@@ -417,7 +467,17 @@ def _run(out_dir: Path, ctx) -> StudyResult:
               for c in CASES for m in (False, True) for n in g["ns"] for R in g["Rs"]]
     log.info("worst_case: random heads (d = %d, both eigen-cases, masked and unmasked), n in %s, R in %s, budget %d "
              "Jacobian products per search", g["d"], g["ns"], g["Rs"], g["budget"])
-    rows = run_grid(search_task, points, out_dir, "worst_case", ctx, device=ctx.device)
+    rows, found = [], {}
+    for n in sorted(g["ns"]):   # shortest first: a search at n also starts from the input found at m < n
+        here = []
+        for p in (p for p in points if p["n"] == n):
+            m = shorter_length(n, [k for k in g["ns"] if k < n], p["masked"])
+            here.append({**p, "shorter": None if m is None else found[(p["case"], p["masked"], m, p["R"])]})
+        for r in run_grid(search_task, here, out_dir, f"worst_case_n{n}", ctx, device=ctx.device):
+            found[(r["case"], r["masked"], r["n"], r["R"])] = r["input"]
+            rows.append({k: v for k, v in r.items() if k != "shorter"})
+    order = {(p["case"], p["masked"], p["n"], p["R"]): i for i, p in enumerate(points)}
+    rows.sort(key=lambda r: order[(r["case"], r["masked"], r["n"], r["R"])])
     traces = [{"case": r["case"], "masked": r["masked"], "n": r["n"], "R": r["R"], "method": method,
                "products": p, "best": b}
               for r in rows for method, key in (("search", "trace"), ("plain", "plain_trace"))
@@ -432,7 +492,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
     write_json({"layers": layer_what, "grid": g}, out_dir / "layers.json")
 
     claims = [bracket_claim(rows, layer_rows), witness_claim(rows, layer_rows), dense_claim(rows),
-              plain_claim(rows, g["budget"], layer_rows)]
+              plain_claim(rows, g["budget"], layer_rows), longer_claim(rows)]
     _figure(out_dir, rows, traces, layer_rows, layer_what, g)
 
     gains = {(r["case"], r["masked"], r["n"], r["R"]): r["lower"] / r["witness"] for r in rows}

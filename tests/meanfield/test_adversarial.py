@@ -178,3 +178,24 @@ def test_zero_plus_spread_grows_like_R_squared(seed):
 def test_bad_inputs_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# ---------------------------------------------------------------------------- every configuration in B_R
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_witnesses_and_configurations_are_in_the_ball_exactly(dtype):
+    """The module's promise, checked as a user checks it: torch's computed norm of every token <= R, over random
+    matrices and radii where R u rounds outside about half the time."""
+    worst = 0.0
+    for seed in range(40):
+        A = rand(3, 3, seed=seed)
+        R = float(0.5 + 3.0 * torch.rand(1, generator=torch.Generator().manual_seed(100 + seed)))
+        sets = [adversarial.sqrt_n_sequence(A, R, 7, dtype=dtype),
+                adversarial.large_radius_configuration(A, 6, R, dtype=dtype),
+                adversarial.zero_plus_spread(R, 6, 3, seed=seed, dtype=dtype),
+                adversarial.zero_plus_spread(R, 6, 3, dtype=dtype),
+                adversarial.two_dirac(A, R, dtype=dtype).points]
+        for X in sets:
+            assert X.dtype == dtype
+            worst = max(worst, float((X.norm(dim=1) / R).max()))
+            assert bool((X.norm(dim=1) <= R).all())
+    assert worst >= 1 - 1e-6   # the witnesses do reach the sphere

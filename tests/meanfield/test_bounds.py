@@ -8,6 +8,7 @@ Truth: the top singular value of the dense Jacobian of an independent naive atte
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -317,13 +318,23 @@ def test_large_radii_finite_in_log_and_never_nan():
     A, V = rand(4, 4, seed=0), rand(4, 4, seed=1)
     for R in (0.0, 1.0, 10.0, 30.0, 100.0):
         for fn in (bounds.mean_field_upper, lambda A_, V_, R_, **k: bounds.two_dirac_lower(A_, R_, **k)):
-            lv, v = fn(A, V, R, log=True), fn(A, V, R)
+            lv = fn(A, V, R, log=True)
+            over = lv > math.log(np.finfo(float).max)
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                v = fn(A, V, R)
             assert not math.isnan(lv) and not math.isnan(v)
             assert lv < math.inf and (R == 0 or lv > -math.inf)
-            assert v == math.inf if lv > math.log(np.finfo(float).max) else v == pytest.approx(math.exp(lv))
+            assert v == math.inf if over else v == pytest.approx(math.exp(lv))
+            # an inf is never silent: the warning gives the logarithm and the way to get it
+            assert [w.category for w in seen] == ([bounds.BoundOverflowWarning] if over else [])
+            if over:
+                assert f"exp({lv:.6g})" in str(seen[0].message) and "log=True" in str(seen[0].message)
+                assert seen[0].filename == __file__   # attributed to the caller's line
         for v in (bounds.sqrt_n_upper(A, V, R, 200), bounds.sqrt_n_lower(A, R, 200)):
             assert math.isfinite(v)
-    assert bounds.sqrt_n_upper(A, V, 1e200, 3) == math.inf  # the true number exceeds the float range
+    with pytest.warns(bounds.BoundOverflowWarning, match="sqrt_n_upper: the bound is exp"):
+        assert bounds.sqrt_n_upper(A, V, 1e200, 3) == math.inf  # the true number exceeds the float range
     assert bounds.mean_field_upper(A, np.zeros((4, 4)), 5.0) == 0.0
 
 

@@ -93,7 +93,8 @@ def test_bounds_with_lengths_beyond_the_float_range():
     assert bounds.sqrt_n_lower(A3, 1.0, 10**6) == pytest.approx(prop34_lower(1 / 8, 1.0, 10**6), rel=1e-12)
     # Theorem 3.3's bound ~ sqrt(3) ||V|| (4 ||A||^2 R^4 + 1)^(1/2) sqrt(n) for huge n (||A|| = 1, R = 2)
     assert bounds.sqrt_n_upper(A3, np.eye(3), 2.0, 10**400) == pytest.approx(math.sqrt(3 * 65) * 1e200, rel=1e-9)
-    assert math.isinf(bounds.sqrt_n_upper(A3, np.eye(3), 2.0, 10**700))   # the number itself exceeds float64
+    with pytest.warns(bounds.BoundOverflowWarning, match="sqrt_n_upper"):
+        assert math.isinf(bounds.sqrt_n_upper(A3, np.eye(3), 2.0, 10**700))   # the number itself exceeds float64
 
 
 # ---------------------------------------------------------------------- the campaign

@@ -375,7 +375,7 @@ def test_measure_search_keeps_positions_weights_and_ball():
     mu = res.input
     assert torch.equal(mu.positions[: 4] if not res.split else mu.merge().positions, pos)
     assert abs(float(mu.weights.sum()) - 1) <= 1e-12 and bool((mu.weights > 0).all())
-    assert float(mu.points.norm(dim=1).max()) <= 1.5 * (1 + 1e-12)
+    assert float(mu.points.norm(dim=1).max()) <= 1.5
     f = lambda Z: naive_attention(Z, op.A, op.V, masked=True, log_weights=mu.log_weights, positions=mu.positions)
     assert rel(res.lower, dense_lipschitz_logweights(f, mu.points, mu.log_weights)) <= 1e-6
     assert res.lower <= res.upper.value
@@ -496,3 +496,53 @@ def test_search_options_are_one_object_and_the_old_keywords_still_work():
         worst_case_sequence(op, 1.0, 3, budgett=10)
     with pytest.raises(TypeError, match="unknown search option"):
         worst_case_sequence(op, 1.0, 3, options={"randomm": 1})
+
+
+# ---------------------------------------------------------------------- longer sequences, the ball exactly
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("seed", range(4))
+def test_longer_start_keeps_the_constant_of_the_shorter_input(masked, seed):
+    """docs/math.md section 5.9, against dense Jacobians of attention written out: the repeated input's constant
+    is at least the shorter one's (equal unmasked, where only copies were added), for m dividing n unmasked and
+    any m <= n masked; with V and biases of a general head."""
+    from meanfield.starts import longer_start
+
+    A, V = rand(3, 3, seed=seed), rand(3, 3, seed=seed + 10)
+    f = lambda Y: naive_attention(Y, A, V, masked=masked)
+    X = rand(4, 3, seed=seed + 20, scale=1.5)
+    base = dense_lipschitz(f, X)
+    for n in ((4, 8, 12) if not masked else (4, 5, 7, 8)):
+        Y = longer_start(X, n, masked=masked)
+        assert Y.shape == (n, 3) and torch.equal(Y[:4], X)
+        assert dense_lipschitz(f, Y) >= base * (1 - 1e-12)
+        if not masked:
+            assert dense_lipschitz(f, Y) == pytest.approx(base, rel=1e-10)
+
+
+def test_longer_start_refuses_what_would_lose_the_constant():
+    from meanfield.starts import longer_start
+
+    X = rand(4, 3)
+    with pytest.raises(ValueError, match="n: unmasked attention keeps the constant of X .4 tokens. only at a multiple"):
+        longer_start(X, 6)
+    with pytest.raises(ValueError, match="n: expected an integer >= 4"):
+        longer_start(X, 3, masked=True)
+    with pytest.raises(TypeError, match="X"):
+        longer_start(X[0], 4)
+    with pytest.raises(ValueError, match="X: has no token"):
+        longer_start(X[:0], 4)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_found_inputs_are_in_the_ball_exactly(masked):
+    """Every token's computed norm <= R (not R (1 + eps)) for the search's input and plain ascent's, at radii where
+    R u rounds outside; the certified value is the dense constant at that very input."""
+    for k, R in enumerate((1.0, 2.0, 3.0)):
+        A = matrix("min", 3, seed=k)
+        op = SelfAttention(A, torch.eye(3, dtype=f64), masked=masked)
+        for res in (worst_case_sequence(op, R, 6, budget=600, options=SearchOptions(random=2)),
+                    plain_gradient_ascent(op, R, 6, budget=300, options=SearchOptions(random=2))):
+            assert bool((res.input.norm(dim=1) <= R).all())
+            f = lambda Y, A=A: naive_attention(Y, A, torch.eye(3, dtype=f64), masked=masked)
+            dense = dense_lipschitz(f, res.input)
+            assert rel(res.lower, dense) <= 1e-6

@@ -63,7 +63,7 @@ def test_study_ran_its_claims_hold_and_its_figure_reads(run):
     out, entry = run
     assert entry["status"] == "ok", entry.get("traceback")
     kinds = [(c["kind"], c["verdict"]) for c in entry["claims"]]
-    assert [k for k, _ in kinds] == ["theorem", "theorem", "theorem", "empirical"]
+    assert [k for k, _ in kinds] == ["theorem", "theorem", "theorem", "empirical", "theorem"]
     assert all(v == "holds" for k, v in kinds if k == "theorem")
     assert all(c["fails_if"] for c in entry["claims"])
     assert (out / "worst_case.png").stat().st_size > 10_000
@@ -83,7 +83,7 @@ def test_rows_against_dense_jacobians_bounds_and_witnesses(run):
         assert case == r["case"] and r["gamma"] == pytest.approx(g, rel=1e-12)
         n, R, masked = r["n"], r["R"], r["masked"]
         X = torch.as_tensor(inputs[wc.input_key(r)])
-        assert X.shape == (n, 3) and float(X.norm(dim=1).max()) <= R * (1 + 1e-12)   # in the ball
+        assert X.shape == (n, 3) and float(X.norm(dim=1).max()) <= R   # in the ball, exactly
         f = lambda Y, A=A, m=masked: naive_attention(Y, A, V, masked=m)
         dense = dense_lipschitz(f, X)
         assert abs(dense - r["lower"]) <= r["lower_error"] + 1e-10 * dense            # re-verified
@@ -123,7 +123,47 @@ def test_layer_row_bracket(run):
     assert row["model"] == "tiny BERT (random init)"
     assert row["witness"] * (1 - 1e-6) - row["witness_error"] <= row["lower"] <= row["upper"]
     assert row["text"] <= row["lower"] * (1 + 1e-6) + row["text_error"]   # the real text is one of its starts
-    assert row["radius_max"] <= row["R"] * (1 + 1e-12)
+    assert row["radius_max"] <= row["R"]
+
+
+def test_longer_lengths_start_from_the_shorter_input_and_never_fall(run):
+    """Each search at n started from the input found at the linked shorter m, repeated: the dense constant of
+    that start is at least the shorter input's (docs/math.md section 5.9), the row's certified start value is
+    it, and the bracket's lower end did not fall."""
+    out, _ = run
+    rows = read_csv(out / "brackets.csv")
+    inputs = np.load(out / "inputs.npz", allow_pickle=False)
+    key = {(r["case"], r["masked"], r["n"], r["R"]): r for r in rows}
+    linked = [r for r in rows if r["longer_from"]]
+    assert {(r["n"], r["longer_from"], r["masked"]) for r in linked} == {(4, 2, False), (4, 2, True)}
+    V = torch.eye(3, dtype=f64)
+    for r in linked:
+        s = key[(r["case"], r["masked"], r["longer_from"], r["R"])]
+        A, _ = wc.case_matrix(r["d"], 0, r["case"])
+        f = lambda Y, A=A, m=r["masked"]: naive_attention(Y, A, V, masked=m)
+        Xm = torch.as_tensor(inputs[wc.input_key(s)])
+        start = torch.cat([Xm, Xm])   # [X; X], written out
+        assert dense_lipschitz(f, start) >= dense_lipschitz(f, Xm) * (1 - 1e-12)
+        assert r["start_longer"] == pytest.approx(dense_lipschitz(f, start), rel=1e-6)
+        assert r["lower"] + r["lower_error"] >= s["lower"] * (1 - 1e-6) - s["lower_error"]
+
+
+def test_longer_claim_fails_when_the_shorter_input_is_lost(monkeypatch):
+    """At the quick grid's point where a search without the shorter input fell (case min, unmasked, R = 2: 11.70
+    at n = 4, below 7 at n = 8 from the usual starts), a wrong extension (the shorter input padded with copies
+    of its last token: a different measure) loses the constant and the claim fails; the right one holds."""
+    g = wc.grid("quick")
+    kw = dict(case="min", masked=False, d=3, R=2.0, seed=0, budget=g["budget"], random=g["random"],
+              clusters=g["clusters"], plain_random=g["plain_random"])
+    r4 = {**kw, "n": 4, **wc.search_task(n=4, **kw)}
+    right = {**kw, "n": 8, **wc.search_task(n=8, shorter=r4["input"], **kw)}
+    assert right["start_longer"] >= r4["lower"] * (1 - 1e-6)
+    assert wc.longer_claim([r4, right]).agrees
+    monkeypatch.setattr(wc, "longer_start", lambda X, n, masked=False: torch.cat([X, X[-1:].expand(n - len(X), -1)]))
+    wrong = {**kw, "n": 8, **wc.search_task(n=8, shorter=r4["input"], **kw)}
+    claim = wc.longer_claim([r4, wrong])
+    assert not claim.agrees and "1 of 1 pairs fall" in claim.measured
+    assert not wc.longer_claim([r4]).agrees   # nothing linked: the claim tested nothing
 
 
 # ---------------------------------------------------------------------- the claims fail on wrong inputs
