@@ -4,7 +4,8 @@
                                       [--model NAME ...] [--cache DIR]
 
 Each study runs alone in a new Python process (``studies.report.run_study`` with the run context
-of ``meanfield reproduce``), which then reports its peak resident memory (``VmHWM`` of
+of ``meanfield reproduce``), which then reports its claims' verdicts (stored with ``--write``: the
+report's next steps at the quick level say what the full grid found), its peak resident memory (``VmHWM`` of
 ``/proc/self/status``; with the largest ``ru_maxrss`` of any child process, in case a study's sweep
 spawns workers), its wall time and its CPU time. ``--whole`` also runs the whole report
 (``meanfield reproduce`` at that level) in one process and reports the same for it. Prints a
@@ -35,18 +36,20 @@ from studies.context import RunContext
 from studies.report import reproduce, run_study
 ctx = RunContext({out!r}, level={level!r}, seed=0, progress=False, cache={cache!r}, models={models!r})
 t0, c0 = time.perf_counter(), time.process_time()
+verdicts = None
 if {name!r} == "(whole job)":
     summary = reproduce(ctx)
     status = "ok" if not summary["failed"] else "failed: " + ", ".join(summary["failed"])
 else:
     entry = run_study({name!r}, ctx)
     status = entry["status"] if entry["status"] == "ok" else "failed: " + entry["error"][:80]
+    verdicts = [c["verdict"] for c in entry.get("claims", [])]
 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
 children = resource.getrusage(resource.RUSAGE_CHILDREN)
 print("RESULT " + json.dumps({{"hwm_kib": hwm, "children_maxrss_kib": children.ru_maxrss, "wall": wall,
                                "cpu": cpu + children.ru_utime + children.ru_stime, "status": status,
-                               "threads": torch.get_num_threads()}}))
+                               "threads": torch.get_num_threads(), "verdicts": verdicts}}))
 """
 
 

@@ -17,13 +17,14 @@ from particles.files import atomic_write
 PATH = Path(__file__).resolve().parent / "data" / "costs.json"
 LEVELS = ("quick", "full")
 
-__all__ = ["PATH", "LEVELS", "load", "markdown_table", "help_text", "record", "minutes"]
+__all__ = ["PATH", "LEVELS", "load", "markdown_table", "help_text", "record", "minutes", "recorded_verdict"]
 
 
 def load(path: Path | str = PATH) -> dict:
     """The measurements: ``{"machine": str, "levels": {level: {"commands", "date", "studies":
-    {name: {"wall_s", "cpu_s", "peak_gib", "status", "load"}}}}}`` (``load``: the 1-minute load average
-    before the measuring run); an empty skeleton when the file is missing."""
+    {name: {"wall_s", "cpu_s", "peak_gib", "status", "load", "verdicts", "date"}}}}}`` (``load``: the
+    1-minute load average before the measuring run; ``verdicts``: each claim's verdict in that run, in the
+    study's order, and the run's ``date``); an empty skeleton when the file is missing."""
     p = Path(path)
     if not p.is_file():
         return {"machine": "", "levels": {}}
@@ -116,6 +117,9 @@ def record(level: str, rows: list[dict], *, command: str, date: str, load_averag
         peak = max(r["hwm_kib"], r.get("children_maxrss_kib", 0)) / 2**20
         studies[r["name"]] = {"wall_s": round(r["wall"], 1), "cpu_s": round(r["cpu"], 1),
                               "peak_gib": round(peak, 2), "status": r["status"], "load": load_average}
+        if r.get("verdicts") is not None:
+            studies[r["name"]]["verdicts"] = list(r["verdicts"])
+            studies[r["name"]]["date"] = date
     before = data["levels"].get(level, {})
     # a run that re-measures every study recorded before supersedes the commands of earlier runs
     earlier = [] if set(before.get("studies", {})) <= set(studies) else before.get("commands", [])
@@ -124,3 +128,13 @@ def record(level: str, rows: list[dict], *, command: str, date: str, load_averag
                              "studies": {**before.get("studies", {}), **studies}}
     atomic_write(Path(path), json.dumps(data, indent=1) + "\n")
     return data
+
+
+def recorded_verdict(name: str, index: int, level: str = "full", path: Path | str = PATH) -> tuple[str, str] | None:
+    """(verdict, date) of claim ``index`` (1-based) of study ``name`` in the measuring run recorded at
+    ``level``, or None when that run recorded no verdicts (or fewer claims)."""
+    entry = load(path).get("levels", {}).get(level, {}).get("studies", {}).get(name) or {}
+    verdicts = entry.get("verdicts") or []
+    if not 1 <= index <= len(verdicts):
+        return None
+    return verdicts[index - 1], entry.get("date", "date not recorded")

@@ -364,20 +364,29 @@ def _measured_cost(name: str, level: str = "full") -> str:
     return f"{costs.minutes(entry['wall_s'])} measured, studies/data/costs.json"
 
 
-def _next_step(name: str, verdict: str, config: dict, code=lambda s: s) -> str:
-    """What a reader does about a claim with ``verdict`` (not reproduced, inconclusive, violated)."""
+def _next_step(name: str, verdict: str, config: dict, code=lambda s: s, index: int | None = None) -> str:
+    """What a reader does about claim ``index`` of study ``name`` with ``verdict`` (not reproduced,
+    inconclusive, violated); at the quick level, what the recorded full-grid run found for it
+    (:func:`studies.costs.recorded_verdict`) decides whether running the full grid can change anything."""
     if verdict == "violated":
-        return (f"a bug in the code or in the paper: read the `{name}` section below and report it with "
-                "config.json and the study's folder")
+        return (f"a bug in the code, in the paper or in a derivation of docs/math.md: read the `{name}` section "
+                "below and report it with config.json and the study's folder")
     full = config.get("grid") == "full"
-    if verdict == "inconclusive":
-        if full:
-            return f"the full grid cannot decide: the `{name}` section below says what evidence is missing"
-        return (f"run the full grid, which has more samples: {code(study_command(config, name))} "
-                f"({_measured_cost(name)})")
     if full:
+        if verdict == "inconclusive":
+            return f"the full grid cannot decide: the `{name}` section below says what evidence is missing"
         return f"a finding on the full grid: the `{name}` section below and docs/studies/{name}.md discuss it"
-    return f"check it on the full grid: {code(study_command(config, name))} ({_measured_cost(name)})"
+    command = f"{code(study_command(config, name))} ({_measured_cost(name)})"
+    known = None if index is None else costs.recorded_verdict(name, index)
+    if known is not None and known[0] == "not reproduced":
+        return (f"a finding: the full grid did not reproduce it either (recorded {known[1]}, studies/data/"
+                f"costs.json); the `{name}` section below and docs/studies/{name}.md discuss it; to re-check: "
+                f"{command}")
+    if known is not None:
+        return f"the full grid found it {known[0]} (recorded {known[1]}); to check: {command}"
+    if verdict == "inconclusive":
+        return f"run the full grid, which has more samples: {command}"
+    return f"check it on the full grid: {command}"
 
 
 def attention_lines(summary: dict, config: dict, *, markdown: bool = True) -> list[str]:
@@ -392,7 +401,7 @@ def attention_lines(summary: dict, config: dict, *, markdown: bool = True) -> li
                     continue
                 head = f"**{verdict}**" if markdown else verdict.upper()
                 lines.append(f"{head} {code(_claim_id(name, k))}: {_short(c)}. Measured: {_short_measured(c)}. "
-                             f"Next: {_next_step(name, verdict, config, code)}.")
+                             f"Next: {_next_step(name, verdict, config, code, k)}.")
     for name in summary["failed"]:
         e = summary["studies"][name]
         head = "**study failed**" if markdown else "STUDY FAILED"

@@ -525,8 +525,9 @@ def _witness_claim(label, mode, adv_fits, gamma_rows, n_max) -> Claim:
     return Claim(
         f"{label} {mode}: Proposition 3.4's witness of a real head, at the layer's real mean radius, makes the REAL "
         "multi-head layer's constant grow like sqrt(n) (Section 5.2)",
-        f"exponent over n >= n_max/8 within {SQRT_BAND} of the slope of Prop 3.4's curve there (about 0.50), "
-        "at every layer",
+        f"exponent over n >= n_max/8 within {SQRT_BAND} of the slope of Prop 3.4's curve there ("
+        + (f"{min(f['predicted_slope'] for f in top):.3f} to {max(f['predicted_slope'] for f in top):.3f} for "
+           f"these heads" if top else "about 0.5") + "), at every layer",
         (f"{count['agree']} agree, {count['disagree']} disagree, {count['inconclusive']} inconclusive of {len(top)} "
          f"layers (head of largest gamma, {points} lengths each): "
          + ", ".join(f"L{f['layer']} h{f['head']}: {_ci(f)} vs {f['predicted_slope']:.3f} ({v})"
@@ -542,7 +543,7 @@ def _witness_claim(label, mode, adv_fits, gamma_rows, n_max) -> Claim:
                  "3.4's slope (the real layer does not grow like sqrt(n) at the witness)",
         short=shorten(f"{label} {mode}: at Prop 3.4's witness the real layer grows like sqrt(n)"),
         short_measured=shorten(f"{count['agree']} of {len(top)} layers agree"
-                               + "".join([f"; L{f['layer']} {v}: {_ci(f)} vs {f['predicted_slope']:.2f}"
+                               + "".join([f"; L{f['layer']} {v}: {_ci(f)} vs {f['predicted_slope']:.3f}"
                                           for f, v in sorted(zip(top, verdicts), key=lambda p: p[1] != "disagree")
                                           if v != "agree"][:1]) if top else "no head in the sqrt(n) regime"))
 

@@ -58,3 +58,15 @@ def test_the_shipped_file_covers_every_registered_study():
     missing = set(registry()) - measured
     assert not missing, f"studies/data/costs.json has no quick-level figures for {sorted(missing)}: run " \
                         "python benchmarks/bench_memory.py --write --whole"
+
+
+def test_verdicts_are_recorded_with_their_date_and_read_back(tmp_path):
+    path = tmp_path / "costs.json"
+    row = {**_row("real_models", 800.0, 2**20), "verdicts": ["holds", "not reproduced", "reproduced"]}
+    costs.record("full", [row, _row("sqrt_n", 8.0, 2**20)], command="cmd", date="2026-11-26", load_average="1.0",
+                 machine="2 x CPU", path=path)
+    assert costs.recorded_verdict("real_models", 2, path=path) == ("not reproduced", "2026-11-26")
+    assert costs.recorded_verdict("real_models", 3, path=path) == ("reproduced", "2026-11-26")
+    assert costs.recorded_verdict("real_models", 4, path=path) is None        # fewer claims recorded
+    assert costs.recorded_verdict("sqrt_n", 1, path=path) is None             # a run without verdicts
+    assert costs.recorded_verdict("real_models", 2, level="quick", path=path) is None

@@ -119,6 +119,24 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
     assert "Not finished yet" not in md
 
 
+def test_next_step_says_what_the_recorded_full_grid_found(monkeypatch):
+    """At the quick level a claim the full grid did not reproduce either is a finding, not a reason to wait 14
+    minutes; one the full grid reproduced says so; without a record the step is to run it."""
+    from studies import report
+
+    config = {"grid": "quick", "seed": 0}
+    found = {("rm", 5): ("not reproduced", "2026-11-26"), ("rm", 4): ("reproduced", "2026-11-26")}
+    monkeypatch.setattr(report.costs, "recorded_verdict", lambda name, k: found.get((name, k)))
+    assert report._next_step("rm", "not reproduced", config, index=5).startswith(
+        "a finding: the full grid did not reproduce it either (recorded 2026-11-26")
+    assert report._next_step("rm", "inconclusive", config, index=4).startswith(
+        "the full grid found it reproduced (recorded 2026-11-26); to check: meanfield rm")
+    assert report._next_step("rm", "inconclusive", config, index=3).startswith("run the full grid")
+    assert report._next_step("rm", "not reproduced", config, index=3).startswith("check it on the full grid")
+    assert report._next_step("rm", "not reproduced", {"grid": "full", "seed": 0}, index=5).startswith(
+        "a finding on the full grid")
+
+
 def test_claims_say_their_kind_and_how_they_fail():
     with pytest.raises(TypeError):
         Claim("c", "t", "m", True, "d", "theorem")    # kind and fails_if are keywords
