@@ -714,7 +714,8 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     write_json({"models": measured, "failed": failed, "why": why, "corpus": corpus, "grid": g,
                 "tol": {"maps": default_tol(dtype), "heads (V = I, float64)": default_tol(torch.float64)}},
                out_dir / "models.json")
-    figures = report.plot_all(out_dir, tables, fits, adv_fits) if tables["lipschitz"] else []
+    map_fits = map_difference_fits(tables["lipschitz"])
+    figures = report.plot_all(out_dir, tables, fits, adv_fits, map_fits) if tables["lipschitz"] else []
 
     claims = _bound_claims(tables) if tables["lipschitz"] else []
     trained = list(dict.fromkeys((m["model"], m["mode"]) for m in measured if m["trained"]))
@@ -733,7 +734,6 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
                             fails_if="a trained model's layer has a 95% CI at or above 0.5, or at or below 0",
                             short="a trained model's real-text exponent is in (0, 0.5)",
                             short_measured="no trained model was measured"))
-    map_fits = map_difference_fits(tables["lipschitz"])
     write_csv(map_fits, out_dir / "map_difference_fits.csv")
     notes = report.notes(measured, failed, why, corpus, g, tables, fits, adv_fits, map_fits)
     summary = {"models": measured, "failed_models": failed, "why": why, "fits": fits, "adversarial_fits": adv_fits,

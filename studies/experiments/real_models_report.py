@@ -115,12 +115,31 @@ def plot_real_text(out_dir: Path, lip, fits, model: str) -> str:
     return name
 
 
-def plot_exponents(out_dir: Path, fits) -> str:
-    """Fitted exponents with 95% CIs per layer: both maps, every mode, each model its panel."""
+def plot_exponents(out_dir: Path, fits, map_fits=()) -> str:
+    """Fitted exponents with 95% CIs per layer: both maps, every mode, each model its panel; below, per model,
+    the paired exponent of Lip(block) / Lip(attention) (the claim that tells the two maps apart: the maps'
+    own CIs may overlap where the paired one, free of the sequences' common variation, excludes 0)."""
     models = _models(fits)
-    fig, axes = P.figure(ncols=len(models), width=4.6 * len(models) + 1.5, height=3.8)
-    axes = list(np.atleast_1d(axes))
-    for ax, model in zip(axes, models):
+    paired = [m for m in models if any(f["model"] == m for f in map_fits)]
+    rows = 2 if paired else 1
+    fig, axes = P.figure(ncols=len(models), nrows=rows, width=4.6 * len(models) + 1.5, height=3.8 * rows)
+    axes = np.array(np.atleast_1d(axes), dtype=object).reshape(rows, len(models))
+    for ax, model in zip(axes[1] if rows == 2 else (), models):
+        sel = [f for f in map_fits if f["model"] == model]
+        modes = list(dict.fromkeys(f["mode"] for f in sel))
+        for k, mode in enumerate(modes):
+            fs = sorted((f for f in sel if f["mode"] == mode), key=lambda f: f["layer"])
+            x = np.array([f["layer"] for f in fs]) + (k - (len(modes) - 1) / 2) * 0.25
+            y = np.array([f["slope"] for f in fs])
+            err = [y - np.array([f["lo"] for f in fs]), np.array([f["hi"] for f in fs]) - y]
+            ax.errorbar(x, y, yerr=err, ls="none", marker="D", ms=5, capsize=3, color="C2",
+                        mfc="white" if mode == "decoder" else "C2", label=f"{mode}: block / attention")
+        ax.axhline(0, color="k", lw=1, ls="--", label="0: the maps grow alike")
+        ax.set_xticks(sorted({f["layer"] for f in sel}))
+        P.finish(ax, "layer", "exponent of Lip(block) / Lip(attention)", f"{model}: paired (95% CI; away from "
+                 "0 = told apart)", legend=False)
+        ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    for ax, model in zip(axes[0], models):
         sel = [f for f in fits if f["model"] == model]
         keys = list(dict.fromkeys((f["mode"], f["map"]) for f in sel))
         layers = sorted({f["layer"] for f in sel})
@@ -139,7 +158,7 @@ def plot_exponents(out_dir: Path, fits) -> str:
         ax.axhline(0, color="gray", lw=0.6)
         ax.set_xticks(layers)
         P.finish(ax, "layer", "exponent of Lip vs n (95% CI)", model, legend=False)
-    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
+    axes[0][-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
     save_figure(fig, out_dir / "exponents.png")
     return "exponents.png"
 
@@ -283,13 +302,13 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
     return "radius.png"
 
 
-def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list) -> list[str]:
+def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list, map_fits=()) -> list[str]:
     """Every figure of the study; returns their file names."""
     out_dir = Path(out_dir)
     lip, adv = tables["lipschitz"], tables["adversarial"]
     figs = [plot_real_text(out_dir, lip, fits, m) for m in _models(lip)]
     if fits:
-        figs.append(plot_exponents(out_dir, fits))
+        figs.append(plot_exponents(out_dir, fits, map_fits))
     figs += [plot_adversarial(out_dir, adv, m) for m in _models(adv)]
     if tables["gamma"]:
         figs.append(plot_gamma(out_dir, tables["gamma"]))
