@@ -102,7 +102,8 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
     if info.gamma == 0.0:
         raise ValueError("A: gamma(A) = 0 (every real eigenvalue is 0), so Proposition 3.6 gives no witness")
     u = torch.as_tensor(info.eigenvector, dtype=dt)
-    x0, x1 = into_ball(torch.stack((R * u, R * u / 2.0) if info.case == "max" else (-R * u, R * u)), R)
+    a, r = _witness_radii(info, R)
+    x0, x1 = into_ball(torch.stack((a * u, r * u)), R)
     kw = {"positions": torch.ones(2, dtype=dt)} if _bool(positions, "positions") else {}
     mu = Measure.two_dirac(x0, x1, log_p=-2.0 * info.gamma * R * R, dtype=dt, **kw)
     if not _bool(return_info, "return_info"):
@@ -196,8 +197,8 @@ def sqrt_n_sequence_from_info(info: GammaInfo, R, n, *, dtype=None, device=None)
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
     u = torch.as_tensor(info.eigenvector, dtype=_dtype(dtype), device=device)
-    first, rest = (R, R / 2.0) if info.case == "max" else (-R, R)
-    return into_ball(torch.cat([first * u[None, :], (rest * u)[None, :].expand(n - 1, -1)], dim=0), R).contiguous()
+    a, r = _witness_radii(info, R)
+    return into_ball(torch.cat([a * u[None, :], (r * u)[None, :].expand(n - 1, -1)], dim=0), R).contiguous()
 
 
 def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
@@ -322,10 +323,16 @@ def sqrt_n_witness_factor(A, R, n, *, of: str = "sequence") -> float:
     return value / (math.sqrt(m) * _expit(zb))
 
 
+def _witness_radii(info: GammaInfo, R: float) -> tuple[float, float]:
+    """(a, r): the witnesses' first token is a u and the other(s) r u: (R, R/2) in case "max", (-R, R) in
+    case "min" (Propositions 3.4 and 3.6)."""
+    return (R, R / 2.0) if info.case == "max" else (-R, R)
+
+
 def _copy_attention(info: GammaInfo, R: float, m: float) -> tuple[float, float, float]:
-    """The witness's geometry, first token a u and copies r u, and the log-odds of b, the attention a copy
-    pays to the first token: b = 1 / (1 + m e^{-(a - r) r lambda}) with m = n - 1 copies."""
-    a, r = (R, R / 2.0) if info.case == "max" else (-R, R)
+    """The witness's geometry (:func:`_witness_radii`) and the log-odds of b, the attention a copy pays to the
+    first token: b = 1 / (1 + m e^{-(a - r) r lambda}) with m = n - 1 copies."""
+    a, r = _witness_radii(info, R)
     return a, r, (a - r) * r * float(info.eigenvalue) - math.log(m)
 
 

@@ -574,7 +574,7 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
     starts : list or None
         Tensors of shape (n, d), or pairs (a name, such a tensor), to use instead of
         :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first). To carry an input
-        found at a shorter length m to n, add ``("longer", longer_start(X_m, n))``
+        found at a shorter length m to n, give ``sequence_starts(f, R, n) + [("longer", longer_start(X_m, n))]``
         (:func:`meanfield.starts.longer_start`): the search then never ends below X_m's constant.
     options : :class:`SearchOptions` (or a dict of its fields), optional
         The starts built, the ascent's rules, the certificates' tolerance and seed. Tokens that

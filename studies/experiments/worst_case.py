@@ -471,7 +471,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
     for n in sorted(g["ns"]):   # shortest first: a search at n also starts from the input found at m < n
         here = []
         for p in (p for p in points if p["n"] == n):
-            m = shorter_length(n, [k for k in g["ns"] if k < n], p["masked"])
+            m = shorter_length(n, g["ns"], p["masked"])
             here.append({**p, "shorter": None if m is None else found[(p["case"], p["masked"], m, p["R"])]})
         for r in run_grid(search_task, here, out_dir, f"worst_case_n{n}", ctx, device=ctx.device):
             found[(r["case"], r["masked"], r["n"], r["R"])] = r["input"]
