@@ -60,8 +60,6 @@ TILE_TEMPORARIES = 3
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: largest feature size (of q, k and of v) the Triton kernels accept at all
 TRITON_MAX_FEATURES = 256
-#: the smallest reduction (K) of a Triton matrix product on NVIDIA GPUs, by element size in bytes
-TRITON_MIN_K = {8: 4, 4: 8, 2: 16}
 #: the widest padded feature size (:func:`triton_width`) the streamed kernel sends to Triton, by dtype:
 #: up to it every kernel compiles for sm_80 and sm_90 without register spills at its tile size
 #: (tests/test_triton_compile.py). float32 and float64 products are IEEE, i.e. CUDA-core FMAs,
@@ -75,8 +73,11 @@ def _dense_fits(entries, element_size, budget):
 
 def triton_width(size: int, dtype) -> int:
     """The tile width of a feature size in the Triton kernels: zero-padded to a power of two, at least the
-    smallest reduction of a matrix product (:data:`TRITON_MIN_K`; d = 3 is 8 columns in float32)."""
-    floor = TRITON_MIN_K[torch.empty((), dtype=dtype).element_size()]
+    smallest reduction of a matrix product that the installed Triton accepts
+    (:func:`particles.device.triton_min_dot_k`; d = 3 in float32 is 8 columns with Triton 3.9, 16 with 3.6)."""
+    from particles.device import triton_min_dot_k
+
+    floor = triton_min_dot_k(8 * torch.empty((), dtype=dtype).element_size())
     return max(floor, 1 << max(0, int(size) - 1).bit_length())
 
 

@@ -16,16 +16,29 @@ import torch
 
 from .validation import memory_limit
 
-__all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton"]
+__all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton", "triton_min_dot_k", "ALWAYS_FREE",
+           "STRICTEST_MIN_DOT_K"]
+
+#: the smallest reduction K of a Triton matrix product (``tl.dot``) by operand width in bits where the
+#: installed Triton does not say: Triton 3.6 asks K >= 16 of every type but the 8-bit ones (32), later
+#: versions 8 of float32 and 4 of float64 (their NVIDIA backend's ``min_dot_size``)
+STRICTEST_MIN_DOT_K = {8: 32, 16: 16, 32: 16, 64: 16}
 
 
-def memory_budget(device, limit=None) -> int:
+#: a computation that needs at most this many bytes is not asked about the device's free memory (the
+#: driver query took about half of an attention call at N = 1e3 on an H200)
+ALWAYS_FREE = 2**26
+
+
+def memory_budget(device, limit=None, *, need=None) -> int:
     """Bytes a computation on ``device`` may allocate: the framework's memory limit
     (:func:`particles.validation.memory_limit`, ``limit`` or ``$SMOOTH_ATTENTION_MEMORY_LIMIT``), capped on
-    CUDA by the device's free memory (``torch.cuda.mem_get_info``; torch's cached blocks count as free)."""
+    CUDA by the device's free memory (``torch.cuda.mem_get_info``; torch's cached blocks count as free).
+    ``need``: the bytes the caller is about to weigh against the budget; at most :data:`ALWAYS_FREE` of them
+    are taken to be free on the device (the framework's limit still applies) without asking the driver."""
     cap = memory_limit(limit)
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or (need is not None and need <= min(cap, ALWAYS_FREE)):
         return cap
     free, _ = torch.cuda.mem_get_info(device)
     try:
@@ -44,6 +57,26 @@ def _triton_importable() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def triton_min_dot_k(bits: int) -> int:
+    """The smallest reduction K that the installed Triton's NVIDIA backend accepts in ``tl.dot`` for operands
+    of ``bits`` bits (its ``min_dot_size`` at sm_90), read once; :data:`STRICTEST_MIN_DOT_K` where Triton is
+    absent or does not say. The kernels zero-pad their feature columns to at least this (d = 3 in float32:
+    8 columns with Triton 3.9, 16 with Triton 3.6, whose ``tl.dot`` refuses K = 8 at compile time)."""
+    if bits not in STRICTEST_MIN_DOT_K:
+        raise ValueError(f"bits: expected one of {sorted(STRICTEST_MIN_DOT_K)}, got {bits!r}")
+    try:
+        import triton.language as tl
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.nvidia.compiler import min_dot_size
+
+        t = {8: tl.float8e4nv, 16: tl.float16, 32: tl.float32, 64: tl.float64}[bits]
+        k = int(min_dot_size(GPUTarget("cuda", 90, 32))(t, t)[2])
+    except Exception:  # no Triton, or a layout of it without this function: the strictest known floor
+        return STRICTEST_MIN_DOT_K[bits]
+    return max(1, k)
 
 
 def triton_interpreted() -> bool:
@@ -76,6 +109,21 @@ def _compile_failure(exc) -> bool:
     return isinstance(exc, TritonError) and not isinstance(exc, InterpreterError)
 
 
+def _compile_reason(exc) -> str:
+    """The reason of a Triton compile error in one line: Triton's message quotes the kernel's source first and
+    chains the cause (``Input shapes should have ... K >= 16``), which is what a reader needs."""
+    causes = []
+    while exc is not None and len(causes) < 8:
+        causes.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for e in reversed(causes):
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        if lines:
+            head = lines[0] if len(causes) == 1 else lines[-1]
+            return f"{type(e).__name__}: {head}"[:300]
+    return type(causes[0]).__name__ if causes else "unknown error"
+
+
 def run_triton(key, kernel, fallback, what: str):
     """``kernel()``, or ``fallback()`` (the torch path computing the same thing) where the Triton kernel of
     ``key`` does not compile on this GPU: the first failure warns (RuntimeWarning naming the error) and
@@ -90,6 +138,6 @@ def run_triton(key, kernel, fallback, what: str):
         if not _compile_failure(exc):
             raise
         _FAILED[key] = repr(exc)
-        warnings.warn(f"{what}: the Triton kernel does not compile here ({str(exc)[:300]}); computing with "
-                      "torch instead from now on in this process", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"{what}: the Triton kernel does not compile here ({_compile_reason(exc)}); computing "
+                      "with torch instead from now on in this process", RuntimeWarning, stacklevel=3)
         return fallback()

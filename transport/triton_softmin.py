@@ -26,8 +26,11 @@ _INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
 def _width(K: int, dtype) -> int:
     """Columns of the factors in the kernel: zero-padded to a power of two, at least the smallest reduction
-    of a Triton matrix product (8 in float32, 4 in float64): d = 3 (K = 5) takes 8."""
-    return max(8 if dtype == torch.float32 else 4, triton.next_power_of_2(K))
+    of a Triton matrix product that the installed Triton accepts (:func:`particles.device.triton_min_dot_k`:
+    8 in float32 and 4 in float64 with Triton 3.9, 16 with 3.6): d = 3 (K = 5) takes 8 or 16."""
+    from particles.device import triton_min_dot_k
+
+    return max(triton_min_dot_k(8 * torch.empty((), dtype=dtype).element_size()), triton.next_power_of_2(K))
 
 
 def _blocks(dtype, width: int):

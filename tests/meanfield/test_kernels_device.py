@@ -114,10 +114,40 @@ def test_tile_shape_fits_the_budget_and_spans_the_keys_when_it_can(batch, m, n, 
         assert math.ceil(m / bq) * math.ceil(n / bk) <= 64
 
 
-def test_triton_width():
-    assert [ap.triton_width(e, torch.float32) for e in (1, 3, 8, 9, 16, 17, 64)] == [8, 8, 8, 16, 16, 32, 64]
-    assert [ap.triton_width(e, torch.float64) for e in (1, 3, 5)] == [4, 4, 8]
+@pytest.mark.parametrize("floors", [{64: 4, 32: 8, 16: 16}, {64: 16, 32: 16, 16: 16}], ids=["triton3.9", "triton3.6"])
+def test_triton_width(floors, monkeypatch):
+    """Powers of two, at least the smallest reduction of tl.dot in the installed Triton (3.6 refuses K = 8 in
+    float32 at compile time; 3.9 takes it)."""
+    monkeypatch.setattr(device, "triton_min_dot_k", lambda bits: floors[bits])
+    f32, f64 = floors[32], floors[64]
+    assert [ap.triton_width(e, torch.float32) for e in (1, 3, 8, 9, 16, 17, 64)] == \
+        [f32, f32, max(8, f32), 16, 16, 32, 64]
+    assert [ap.triton_width(e, torch.float64) for e in (1, 3, 5)] == [f64, f64, max(8, f64)]
     assert [ap.triton_width(e, torch.float16) for e in (3, 64, 65)] == [16, 64, 128]
+    # d = 3 stays on the Triton engine with either floor (16 columns is the widest float32 width it takes)
+    assert ap.stream_engine("cuda", torch.float32, 3, 3, triton=True) == "triton"
+
+
+def test_triton_min_dot_k_reads_the_installed_triton_or_takes_the_strictest(monkeypatch):
+    import builtins
+    import sys
+
+    device.triton_min_dot_k.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="bits"):
+            device.triton_min_dot_k(12)
+        real_import = builtins.__import__
+
+        def no_triton(name, *a, **kw):
+            if name.startswith("triton"):
+                raise ImportError(name)
+            return real_import(name, *a, **kw)
+
+        monkeypatch.setattr(builtins, "__import__", no_triton)
+        monkeypatch.delitem(sys.modules, "triton.backends.nvidia.compiler", raising=False)
+        assert [device.triton_min_dot_k(b) for b in (16, 32, 64)] == [16, 16, 16]
+    finally:
+        device.triton_min_dot_k.cache_clear()
 
 
 def test_choose_rejects_an_unknown_positions_kind():
@@ -150,7 +180,7 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
         return "stream"
 
     monkeypatch.setattr(ap, "choose", fake_choose)
-    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None: 123)
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: 123)
     n = 50
     q, k, v = (torch.randn(2, n, 3, dtype=DT) for _ in range(3))
     pos = torch.arange(n, dtype=DT)
@@ -162,6 +192,28 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
     assert seen["positions"] == "none" and seen["weighted"] and not seen["derivatives"]
     kernels._choose_accelerator(q.requires_grad_(True), k, v, None, None, None, None)
     assert seen["derivatives"]
+
+
+def test_memory_budget_asks_the_driver_only_for_large_needs(monkeypatch):
+    """On CUDA the budget is min(framework limit, free + torch's unused cache); a need of at most
+    ALWAYS_FREE bytes is not weighed against the device's free memory (the driver query costs more than a
+    small call), but still against the framework's limit."""
+    calls = []
+
+    def fake_mem_get_info(dev=None):
+        calls.append(dev)
+        return 5 * 2**30, 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 2**30)
+    limit = 100 * 2**30
+    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE) == limit and calls == []
+    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE + 1) == 7 * 2**30 and len(calls) == 1
+    assert device.memory_budget("cuda", limit) == 7 * 2**30 and len(calls) == 2
+    assert device.memory_budget("cuda", 2**30, need=2**20) == 2**30 and len(calls) == 2
+    # a framework limit below the need: the driver is asked, the limit caps
+    assert device.memory_budget("cuda", 2**20, need=2**21) == 2**20 and len(calls) == 3
 
 
 # ---------------------------------------------------------------- SDPA with a padded head (runs on CPU too)

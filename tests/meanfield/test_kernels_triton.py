@@ -337,3 +337,28 @@ def test_a_kernel_that_does_not_compile_falls_back_to_the_tiles_once_with_a_warn
     monkeypatch.setattr(device, "_FAILED", {})
     with pytest.raises(ZeroDivisionError):
         streaming.stream_attend(q, k, v, lw, qp, kp)
+
+
+def test_the_fallback_warning_names_the_cause_of_a_compile_error(triton_engine, ta, monkeypatch):
+    """Triton's CompilationError quotes the kernel's source and chains the reason: the warning carries the
+    reason (Triton 3.6 refused tl.dot with K = 8 in float32 on an H200, and a 300-character excerpt of the
+    source said nothing of it)."""
+    from triton.errors import TritonError
+
+    from particles import device
+
+    class FakeCompilationError(TritonError):
+        pass
+
+    def no_compile(*a):
+        try:
+            raise ValueError("Input shapes should have M >= 1, N >= 1 and K >= 16")
+        except ValueError as cause:
+            raise FakeCompilationError("at 27:12:\n    s = _scores(q, kT, ...)\n        ^" + " " * 400) from cause
+
+    monkeypatch.setattr(device, "_FAILED", {})
+    monkeypatch.setattr(ta, "forward", no_compile)
+    q, k, v, lw, qp, kp = _problem(14, B=1, positions="other")
+    with pytest.warns(RuntimeWarning, match=r"ValueError: Input shapes should have .* K >= 16"):
+        out = streaming.stream_attend(q, k, v, lw, qp, kp)
+    _close(out, _dense(q, k, v, lw, qp, kp)[0])
