@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -67,7 +68,8 @@ SINKHORN_TOL = 1e-3
 class Bench:
     def __init__(self, device, repeats, cap, smoke):
         self.device, self.repeats, self.cap, self.smoke = device, repeats, cap, smoke
-        self.too_slow = set()   # candidate names that exceeded the cap (skipped at larger N)
+        self.too_slow = set()   # (context, candidate) that exceeded the cap (skipped at larger N)
+        self.history = {}       # (context, candidate) -> (N, median seconds) of its last timed row
 
     def sync(self):
         if self.device.type == "cuda":
@@ -82,10 +84,13 @@ class Bench:
             self.sync()
         except (torch.cuda.OutOfMemoryError, MemoryError):
             out = OOM
-        except RuntimeError as exc:
-            if "out of memory" not in str(exc).lower():
-                raise
-            out = OOM
+        except Exception as exc:  # one failing candidate must not cost the rest of a device lease
+            if "out of memory" in str(exc).lower():
+                out = OOM
+            else:
+                traceback.print_exc()
+                first = (str(exc).strip().splitlines() or [""])[0]
+                return None, f"error: {type(exc).__name__}: {first[:160]}"
         t = time.perf_counter() - t0
         if out is OOM:
             if self.device.type == "cuda":
@@ -103,22 +108,31 @@ class Bench:
         t, _ = self._call(fn)
         return None if t is None else (torch.cuda.max_memory_allocated() - base) / 2**30
 
-    def time(self, fns: dict) -> dict:
-        """name -> median seconds, 'out of memory', 'over cap (X s)' or 'skipped (over cap at smaller N)'."""
+    def time(self, fns: dict, n=None, context="") -> dict:
+        """name -> median seconds, 'out of memory', 'error: ...', 'over cap (X s)', 'skipped (over cap at
+        smaller N)' or 'skipped (about X s predicted ...)': a candidate whose last timed N, scaled as N^2,
+        predicts more than the cap at this N is not run (the device's time is lent, not owned)."""
         res, live = {}, []
         for name, fn in fns.items():
+            key = (context, name)
             if fn is None:
                 res[name] = "n/a"
                 continue
-            if name in self.too_slow:
+            if key in self.too_slow:
                 res[name] = "skipped (over cap at smaller N)"
                 continue
+            if n is not None and key in self.history:
+                n0, t0 = self.history[key]
+                predicted = t0 * (n / n0) ** 2
+                if n > n0 and predicted > self.cap:
+                    res[name] = f"skipped (about {predicted:.0f} s predicted from N = {n0:g})"
+                    continue
             t, out = self._call(fn)  # warm-up (compilation, autotuning, allocator)
             if t is None:
-                res[name] = OOM
+                res[name] = out
             elif t > self.cap:
                 res[name] = f"over cap ({t:.0f} s)"
-                self.too_slow.add(name)
+                self.too_slow.add(key)
             else:
                 live.append(name)
         times = {k: [] for k in live}
@@ -128,12 +142,14 @@ class Bench:
                     continue
                 t, out = self._call(fns[name])
                 if t is None:
-                    res[name] = OOM
+                    res[name] = out
                 else:
                     times[name].append(t)
         for name in live:
             if name not in res:
                 res[name] = statistics.median(times[name])
+                if n is not None:
+                    self.history[(context, name)] = (n, res[name])
         return res
 
 
@@ -244,7 +260,7 @@ def forward_rows(b, n, d, mask, with_stream=False, with_dense=True):
     fns["SDPA padded"] = lambda: sdpa_padded(*args)
     fns["chunked dense"] = lambda: chunked(*args)
     fns["naive dense"] = (lambda: naive(*args)) if with_dense and dense_fits(n, b.device) else None
-    res = b.time(fns)
+    res = b.time(fns, n, f"forward {d} {mask}")
     with torch.no_grad():
         res["info"] = {"auto's path": choose(*args), "auto's peak GiB": b.peak(fns["ours (auto)"])}
     return res
@@ -267,7 +283,8 @@ def vjp_rows(b, n, d, mask, engines=()):
     def graph(f):
         try:
             return f(q, k, v, lw, qp, kp)
-        except (torch.cuda.OutOfMemoryError, MemoryError):
+        except Exception as exc:  # out of memory, or a path that fails: reported as not timed
+            print(f"vjp_rows: {type(exc).__name__}: {exc}", file=sys.stderr)
             return None
 
     fns = {}
@@ -277,7 +294,7 @@ def vjp_rows(b, n, d, mask, engines=()):
         out = graph(f)
         fns[name] = None if out is None else (lambda out=out: torch.autograd.grad(out, (q, k, v), g,
                                                                                    retain_graph=True))
-    res = b.time(fns)
+    res = b.time(fns, n, f"vjp {d} {mask}")
     del fns
     # forward-mode: ours against dense forward-mode AD (torch.func.jvp of the naive kernel)
     tans = [torch.randn_like(t) for t in (q, k, v)]
@@ -294,7 +311,7 @@ def vjp_rows(b, n, d, mask, engines=()):
     fns = {"ours (JVP)": ours_jvp,
            "dense forward-mode AD": dense_jvp if dense_fits(n, b.device, temporaries=6) else None}
     fns.update({f"ours (JVP, {e} engine)": (lambda e=e: ours_jvp(e)) for e in engines})
-    res.update(b.time(fns))
+    res.update(b.time(fns, n, f"jvp {d} {mask}"))
     return res
 
 
@@ -328,7 +345,7 @@ def sinkhorn_rows(b, n, with_peers=True):
             else None
     except ImportError:
         fns["POT sinkhorn_log dense (not debiased)"] = None
-    return b.time(fns)
+    return b.time(fns, n, "sinkhorn")
 
 
 def dynamics_rows(b, n, d=3, steps=10, T=1.0):
@@ -355,7 +372,8 @@ def dynamics_rows(b, n, d=3, steps=10, T=1.0):
 
     ours = lambda: simulate(op, mu, [0.0, T], method="rk4", options={"steps": steps}).final
     return b.time({"ours (simulate rk4)": ours,
-                   "RK4 loop on SDPA": lambda: rk4(False), "RK4 loop on SDPA padded": lambda: rk4(True)})
+                   "RK4 loop on SDPA": lambda: rk4(False), "RK4 loop on SDPA padded": lambda: rk4(True)},
+                  n, f"dynamics {d}")
 
 
 def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
@@ -381,11 +399,13 @@ def gpt2_rows(b, n):
         model = random_model("gpt2", size="tiny" if b.smoke else "full", dtype=torch.float32, device=b.device)
     except ImportError:
         return {"info": {"note": "transformers not installed"}}
+    except Exception as exc:  # a transformers version that builds no GPT-2 here: say so, measure the rest
+        return {"info": {"note": f"GPT-2 not built: {type(exc).__name__}: {exc}"[:200]}}
     f = attention_function(model, 0)
     D = model.config.n_embd
     X = torch.randn(n, D, generator=torch.Generator().manual_seed(n), dtype=torch.float32).to(b.device)
     runs = {}
-    fns = {"ours (lanczos)": lambda: runs.__setitem__("ours", local_lipschitz(f, X, tol=1e-6)),
+    fns = {"ours (lanczos)": lambda: runs.__setitem__("ours", local_lipschitz(f, X, tol=1e-6, on_failure="warn")),
            "power iteration": lambda: runs.__setitem__("power", local_lipschitz(f, X, method="power", tol=1e-6,
                                                                                  max_iter=50 if b.smoke else 5000,
                                                                                  on_failure="warn"))}
@@ -395,86 +415,80 @@ def gpt2_rows(b, n):
         if key in runs:
             info[f"{key} products"] = runs[key].applications
             info[f"{key} value"] = runs[key].value
+            info[f"{key} converged"] = runs[key].converged
     if "ours" in runs and b.device.type == "cuda":
-        info["CPU value"] = local_lipschitz(attention_function(model.cpu(), 0), X.cpu(), tol=1e-6).value
+        # float32 products on the CPU may stall the certificate above tol (it says so): the value is compared
+        cpu = local_lipschitz(attention_function(model.cpu(), 0), X.cpu(), tol=1e-6, on_failure="warn")
+        info["CPU value"], info["CPU converged"] = cpu.value, cpu.converged
         model.to(b.device)
     return res
 
 
 # ---------------------------------------------------------------------- the sections as tables
 def section_table(b, quick):
-    rows = []
     s = (lambda n: min(n, 40)) if b.smoke else (lambda n: n)
     for n in ([10**5] if quick else [10**5, 10**6]):
         r = forward_rows(b, s(n), 3, "none", with_dense=False)
-        rows.append(("attention forward, d = 3, auto", s(n), r, "ours (auto)", ["SDPA padded"]))
+        yield ("attention forward, d = 3, auto", s(n), r, "ours (auto)", ["SDPA padded"])
     r = forward_rows(b, s(10**5), 3, "weighted", with_dense=False)
-    rows.append(("attention forward, d = 3, weighted, auto", s(10**5), r, "ours (auto)", ["SDPA padded"]))
+    yield ("attention forward, d = 3, weighted, auto", s(10**5), r, "ours (auto)", ["SDPA padded"])
     for n in (10**4, 10**5):
         r = forward_rows(b, s(n), 3, "weighted", with_stream=True, with_dense=False)
-        rows.append(("attention forward, d = 3, weighted, method='stream'", s(n), r, "ours (stream)",
-                     ["SDPA padded", "chunked dense"]))
+        yield ("attention forward, d = 3, weighted, method='stream'", s(n), r, "ours (stream)",
+                     ["SDPA padded", "chunked dense"])
     for n in (10**4, 10**5):
         r = forward_rows(b, s(n), 64, "none", with_stream=True, with_dense=False)
-        rows.append(("attention forward, d = 64, method='stream'", s(n), r, "ours (stream)", ["SDPA padded"]))
-        rows.append(("attention forward, d = 64, auto", s(n), r, "ours (auto)", ["SDPA padded"]))
+        yield ("attention forward, d = 64, method='stream'", s(n), r, "ours (stream)", ["SDPA padded"])
+        yield ("attention forward, d = 64, auto", s(n), r, "ours (auto)", ["SDPA padded"])
     for d in (3, 64):
         r = forward_rows(b, s(1000), d, "none")
-        rows.append((f"attention forward, auto, d = {d}", s(1000), r, "ours (auto)", ["naive dense", "SDPA padded"]))
+        yield (f"attention forward, auto, d = {d}", s(1000), r, "ours (auto)", ["naive dense", "SDPA padded"])
     for n in (10**4, 10**5):
         r = vjp_rows(b, s(n), 64, "none")
-        rows.append(("VJP (backward), d = 64", s(n), r, "ours (VJP)", ["SDPA backward"]))
-        rows.append(("JVP (forward + tangent), d = 64", s(n), r, "ours (JVP)",
-                     ["dense forward-mode AD", "SDPA backward"]))
+        yield ("VJP (backward), d = 64", s(n), r, "ours (VJP)", ["SDPA backward"])
+        yield ("JVP (forward + tangent), d = 64", s(n), r, "ours (JVP)",
+                     ["dense forward-mode AD", "SDPA backward"])
     for n in (10**4, 3 * 10**4, 10**5, 2 * 10**5):
         if quick and n > 10**5:
             continue
         r = sinkhorn_rows(b, s(n), with_peers=n <= 3 * 10**4)
-        rows.append((f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", s(n), r, "ours (streaming)",
-                     ["GeomLoss tensorized", "POT sinkhorn_log dense (not debiased)"]))
+        yield (f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", s(n), r, "ours (streaming)",
+                     ["GeomLoss tensorized", "POT sinkhorn_log dense (not debiased)"])
     for n in (10**4, 10**5):
         r = dynamics_rows(b, s(n))
-        rows.append(("simulate, rk4, 10 steps, d = 3", s(n), r, "ours (simulate rk4)",
-                     ["RK4 loop on SDPA", "RK4 loop on SDPA padded"]))
+        yield ("simulate, rk4, 10 steps, d = 3", s(n), r, "ours (simulate rk4)",
+                     ["RK4 loop on SDPA", "RK4 loop on SDPA padded"])
     for n in (64, 256, 1024):
         r = gpt2_rows(b, 8 if b.smoke else n)
-        rows.append(("certified Lipschitz, GPT-2-sized layer (HF, float32)", n, r, "ours (lanczos)",
-                     ["power iteration"]))
-    return rows
+        yield ("certified Lipschitz, GPT-2-sized layer (HF, float32)", n, r, "ours (lanczos)",
+                     ["power iteration"])
 
 
 def section_grid(b, quick):
-    rows = []
     sizes = [10**3, 10**4, 10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
     for d in (3, 64):
         for mask in ("none", "weighted", "causal", "positions"):
-            b.too_slow.clear()
             for n in sizes:
                 r = forward_rows(b, n, d, mask)
-                rows.append((f"forward, d = {d}, {mask}", n, r, "ours (auto)",
-                             ["SDPA padded", "chunked dense", "naive dense"]))
-    return rows
+                yield (f"forward, d = {d}, {mask}", n, r, "ours (auto)",
+                             ["SDPA padded", "chunked dense", "naive dense"])
 
 
 def section_derivatives(b, quick):
-    rows = []
     sizes = [10**4, 10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
     for d in (64, 3):
         for mask in ("none", "weighted", "causal", "positions"):
-            b.too_slow.clear()
             for n in sizes:
                 r = vjp_rows(b, n, d, mask, engines=_engines(b))
-                rows.append((f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"]))
-                rows.append((f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"]))
-    return rows
+                yield (f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"])
+                yield (f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"])
 
 
 def section_lipschitz(b, quick):
-    rows = []
     small = 24 if b.smoke else 10**4
     t_gpu, est_gpu = lipschitz_measure(b, small, b.device)
     t_cpu, est_cpu = lipschitz_measure(b, small, torch.device("cpu"))
@@ -483,40 +497,35 @@ def section_lipschitz(b, quick):
         info = {"GPU value": est_gpu.value, "CPU value": est_cpu.value,
                 "relative difference": abs(est_gpu.value - est_cpu.value) / est_cpu.value,
                 "certified rel. error (GPU)": est_gpu.error / est_gpu.value}
-    rows.append(("certified mean-field Lipschitz, SelfAttention, d = 3, float64 (GPU vs CPU)", small,
+    yield ("certified mean-field Lipschitz, SelfAttention, d = 3, float64 (GPU vs CPU)", small,
                  {"ours (GPU)": t_gpu if t_gpu is not None else OOM, "CPU": t_cpu if t_cpu is not None else OOM,
-                  "info": info}, "ours (GPU)", ["CPU"]))
+                  "info": info}, "ours (GPU)", ["CPU"])
     for n in ([40] if b.smoke else [10**5] + ([] if quick else [10**6])):
         t, est = lipschitz_measure(b, n, b.device)
         r = {"ours (GPU)": t if t is not None else OOM}
         if not isinstance(est, str):
             r["info"] = {"value": est.value, "certified rel. error": est.error / est.value,
                          "converged": est.converged, "products": est.applications}
-        rows.append(("certified mean-field Lipschitz, SelfAttention, d = 3, float64", n, r, "ours (GPU)", []))
-    return rows
+        yield ("certified mean-field Lipschitz, SelfAttention, d = 3, float64", n, r, "ours (GPU)", [])
 
 
 def section_sinkhorn(b, quick):
-    rows = []
     sizes = [10**4, 2 * 10**4, 10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
     for n in sizes:
         r = sinkhorn_rows(b, n, with_peers=n <= 2 * 10**4 or b.smoke)
-        rows.append((f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", n, r, "ours (streaming)",
-                     ["GeomLoss tensorized"]))
-    return rows
+        yield (f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", n, r, "ours (streaming)",
+                     ["GeomLoss tensorized"])
 
 
 def section_dynamics(b, quick):
-    rows = []
     sizes = [10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
     for n in sizes:
-        rows.append(("simulate, rk4, 10 steps, d = 3", n, dynamics_rows(b, n), "ours (simulate rk4)",
-                     ["RK4 loop on SDPA padded"]))
-    return rows
+        yield ("simulate, rk4, 10 steps, d = 3", n, dynamics_rows(b, n), "ours (simulate rk4)",
+                     ["RK4 loop on SDPA padded"])
 
 
 RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
@@ -575,6 +584,8 @@ def write_markdown(store: dict, out: Path, command: str):
              f"{env['cuda']}, Triton {env['triton']}, Python {env['python']}; host {env['host']}.", "",
              "Each figure: median of the timed calls after a warm-up, all candidates of a row in one process, "
              "interleaved; float32 unless said. 'peer / ours' > 1 means ours is faster.", "",
+             "What these figures say against the goals of the GPU work, and what changed because of them: "
+             "[README.md](README.md#gpu-measured-on-one-h200).", "",
              "The studies at this scale are a separate command: `meanfield reproduce --quick --only "
              "discrete_vs_meanfield dynamics --device cuda --out runs/gpu-quick` (N up to 10^5; without `--quick` "
              "up to 10^6), which adds the at-scale claims and figures of studies/experiments/at_scale.py.", ""]
@@ -584,6 +595,8 @@ def write_markdown(store: dict, out: Path, command: str):
         sec = store["sections"][name]
         lines += [f"## {name}", "", f"{sec['date']}, repeats {sec['repeats']}, load before: `{sec['load']}`", ""]
         lines += render_rows([tuple(r) for r in sec["rows"]]) + [""]
+        if sec.get("note"):
+            lines += [sec["note"], ""]
     out.write_text("\n".join(lines))
 
 
@@ -595,6 +608,8 @@ def main(argv=None):
     ap.add_argument("--cap", type=float, default=120.0, help="seconds: a slower call is not repeated nor scaled up")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu.md")
     ap.add_argument("--json", type=Path, default=None, help="results store (default: --out with .json)")
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds: no row is started after this (a lent device's time runs out; what ran is kept)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     a = ap.parse_args(argv)
     if not a.cpu_smoke and not torch.cuda.is_available():
@@ -603,6 +618,8 @@ def main(argv=None):
         return 0
     device = torch.device("cpu" if a.cpu_smoke else "cuda")
     store_path = a.json or a.out.with_suffix(".json")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    store_path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
     store = {"environment": env, "sections": {}}
     if store_path.exists():
@@ -612,13 +629,35 @@ def main(argv=None):
     bench = Bench(device, 1 if a.cpu_smoke else a.repeats, a.cap, a.cpu_smoke)
     command = "python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"# bench_gpu on {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}\n")
+    deadline = None if a.deadline is None else time.monotonic() + a.deadline
     for name in a.sections:
         load = environment(device)["load"]
         print(f"## {name}\n\nload before: `{load}`\n", flush=True)
+        print("\n".join(render_rows([])), flush=True)
+        section = store["sections"][name] = {"rows": [], "date": env["date"], "load": load,
+                                             "repeats": bench.repeats}
         rows = RUNNERS[name](bench, a.quick)
-        print("\n".join(render_rows(rows)) + "\n", flush=True)
-        store["sections"][name] = {"rows": [list(r) for r in rows], "date": env["date"], "load": load,
-                                   "repeats": bench.repeats}
+        while True:
+            if deadline is not None and time.monotonic() > deadline:
+                section["note"] = f"--deadline {a.deadline:g} s reached: the section's later rows were not run"
+                print(f"\n{section['note']}", flush=True)
+                break
+            try:
+                row = next(rows, None)
+            except Exception as exc:  # a row's own code failed: keep what ran, go on with the next section
+                traceback.print_exc()
+                section["note"] = f"stopped by an error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                print(f"\n{section['note']}", flush=True)
+                break
+            if row is None:
+                break
+            print(render_rows([row])[-1], flush=True)  # each row as it is measured, and saved at once
+            section["rows"].append(list(row))
+            store_path.write_text(json.dumps(store, indent=1, default=str))
+            write_markdown(store, a.out, command.strip())
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(flush=True)
         store_path.write_text(json.dumps(store, indent=1, default=str))
         write_markdown(store, a.out, command.strip())
     print(f"written: {a.out} and {store_path}")
