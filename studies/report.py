@@ -62,6 +62,11 @@ def _versions(packages) -> dict:
     """Installed version of each package (None where it is not installed)."""
     versions = {}
     for pkg in packages:
+        if pkg == "smooth-attention":  # this tree's version, also when it runs uninstalled (PYTHONPATH)
+            from particles._version import distribution_version
+
+            versions[pkg] = distribution_version()
+            continue
         try:
             versions[pkg] = _md.version(pkg)
         except _md.PackageNotFoundError:
