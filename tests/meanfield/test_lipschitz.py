@@ -248,11 +248,12 @@ def test_power_iteration_uses_exactly_its_budget_when_it_does_not_converge(max_i
 @pytest.mark.parametrize("method", ["lanczos", "power"])
 def test_the_seed_fixes_the_random_start(method):
     """The same seed gives bit for bit the same estimate; another seed starts elsewhere (the certified
-    values agree within tol, their last bits do not)."""
+    values agree within tol; the singular vectors, converged to about the square root of tol, do not agree
+    bit for bit)."""
     op, X = make_op("single", masked=False), rand(6, 4, seed=7, scale=1.5)
     a, b, c = (local_lipschitz(op, X, method=method, tol=1e-8, seed=s) for s in (0, 0, 1))
     assert a.value == b.value and a.error == b.error and torch.equal(a.vector, b.vector)
-    assert a.value != c.value and abs(a.value - c.value) <= 2e-8 * a.value
+    assert not torch.equal(a.vector, c.vector) and abs(a.value - c.value) <= 2e-8 * a.value
 
 
 def test_power_iteration_declares_a_plateau_after_patience_iterations():
