@@ -491,6 +491,45 @@ def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):
         _close(t, torch.func.jvp(dense, (q,), (tq,))[1])
 
 
+@pytest.mark.parametrize("case", SEQ_CASES)
+def test_causal_tile_loops_with_row_blocks_against_all_keys_stop_at_the_diagonal(case, monkeypatch):
+    """The accelerators' layout (row blocks against all keys: one key block) under a sequence's causal mask:
+    forward, VJP (every input) and JVP equal the dense kernel's, and each row block scores only the keys up
+    to its last row, about half of the n^2 entries (the keys beyond are masked for every one of its rows)."""
+    from meanfield import attention_tiles
+
+    q, k, v, lw, qp, kp = _sequence_problem(29, **case)
+    n, bq = q.shape[-2], 8
+    entries = []
+    real_score_tile = attention_tiles.score_tile
+
+    def counting(qa, kT, lwT, qpa, kp_, j0, j1, mask, out=None):
+        entries.append(qa.shape[-2] * (j1 - j0))
+        return real_score_tile(qa, kT, lwT, qpa, kp_, j0, j1, mask, out)
+
+    monkeypatch.setattr(attention_tiles, "score_tile", counting)
+    run = lambda *a: stream_attend(*a, block_size=(bq, n), engine="tiles")
+    _close(run(q, k, v, lw, qp, kp), attend(q, k, v, lw, qp, kp, method="dense"))
+    # the row block [i0, i1) scores the keys [0, i1): sum over blocks of (i1 - i0) * i1, about n^2 / 2
+    assert sum(entries) == sum((min(i0 + bq, n) - i0) * min(i0 + bq, n) for i0 in range(0, n, bq))
+    assert sum(entries) < 0.65 * n * n
+    prims = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    prims.append(None if lw is None else lw.clone().requires_grad_(True))
+    W = torch.randn(*q.shape[:-1], v.shape[-1], dtype=q.dtype, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad((run(*prims[:3], prims[3], qp, kp) * W).sum(), [p for p in prims if p is not None])
+    ref = torch.autograd.grad((attend(*prims[:3], prims[3], qp, kp, method="dense") * W).sum(),
+                              [p for p in prims if p is not None])
+    for a, b in zip(got, ref):
+        _close(a, b)
+    from torch.autograd import forward_ad
+
+    tq = torch.randn_like(q)
+    with forward_ad.dual_level():
+        t = forward_ad.unpack_dual(run(forward_ad.make_dual(q, tq), k, v, lw, qp, kp)).tangent
+    dense = lambda z: attend(z, k, v, lw, qp, kp, method="dense")
+    _close(t, torch.func.jvp(dense, (q,), (tq,))[1])
+
+
 def test_sequence_mask_recognises_only_the_causal_mask_of_a_sequence():
     from meanfield.streamed_attention import sequence_mask
 
