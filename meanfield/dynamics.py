@@ -209,7 +209,10 @@ class _Field:
             X = Y @ E.T
         # a stage of a step can leave the range before the step ends: the documented error, with the time
         check_finite(X, t)
-        mu = self.template.with_points(X)
+        # X is the integrator's state, of the template's dtype, device and shape, and checked just above:
+        # with_points would check it again (a second host sync per evaluation on an accelerator)
+        tpl = self.template
+        mu = Measure._trusted(X, tpl.weights, tpl.log_weights, tpl.positions)
         op = self.operator(t, layer)
         # positions are query positions for causal operators; unmasked operators ignore the coordinate
         try:
