@@ -68,7 +68,9 @@ TRITON_MAX_WIDTH = {torch.float64: 16, torch.float32: 16, torch.float16: 32, tor
 
 
 def _dense_fits(entries, element_size, budget):
-    return DENSE_TEMPORARIES * entries * element_size <= budget
+    """Whether the dense temporaries fit ``budget``: bytes, or a callable returning them (called here only,
+    so that a call the dense path is not considered for never asks the driver for the free memory)."""
+    return DENSE_TEMPORARIES * entries * element_size <= (budget() if callable(budget) else budget)
 
 
 def triton_width(size: int, dtype) -> int:
@@ -125,7 +127,8 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
            threshold=None) -> str:
     """The path ("dense", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
     on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
-    or "other"; ``budget`` in bytes; ``threshold`` the size given to ``kernels.use(threshold=...)``."""
+    or "other"; ``budget`` in bytes, or a callable returning them (read only where the dense path is
+    considered); ``threshold`` the size given to ``kernels.use(threshold=...)``."""
     if positions not in ("none", "causal", "other"):
         raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
     entries = max(1, batch) * m * n

@@ -338,7 +338,7 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
         q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
         k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
         derivatives=_needs_derivatives(q, k, v, log_weights), transforms=transforms,
-        budget=memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()),
+        budget=lambda: memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()),
         triton=triton_runs(q.device.type), threshold=threshold)
     return path, causal
 

@@ -180,18 +180,35 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
         return "stream"
 
     monkeypatch.setattr(ap, "choose", fake_choose)
-    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: 123)
+    reads = []
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: reads.append(need) or 123)
     n = 50
     q, k, v = (torch.randn(2, n, 3, dtype=DT) for _ in range(3))
     pos = torch.arange(n, dtype=DT)
     assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("stream", True)
-    assert seen["positions"] == "causal" and seen["budget"] == 123 and seen["args"][2:6] == (2, n, n, 3)
+    assert reads == []  # the budget is handed over unread: the choice reads it only where dense is considered
+    assert seen["positions"] == "causal" and seen["budget"]() == 123 and seen["args"][2:6] == (2, n, n, 3)
+    assert reads == [ap.DENSE_TEMPORARIES * 2 * n * n * 8]
     assert kernels._choose_accelerator(q, k, v, None, pos, pos.flip(0), None)[1] is False
     assert seen["positions"] == "other"
     kernels._choose_accelerator(q, k, v, torch.zeros(n, dtype=DT), None, None, None)
     assert seen["positions"] == "none" and seen["weighted"] and not seen["derivatives"]
     kernels._choose_accelerator(q.requires_grad_(True), k, v, None, None, None, None)
     assert seen["derivatives"]
+
+
+def test_the_budget_is_read_only_where_the_dense_path_is_considered():
+    """Reading the budget asks the driver (about 0.4 ms on an H200): a call above the dense threshold (fused
+    or streamed whatever the memory) must not read it; one below reads it once."""
+    reads = []
+
+    def budget():
+        reads.append(1)
+        return 40 * GiB
+
+    assert _choose(10**4, budget=budget) == "fused" and reads == []
+    assert _choose(10**4, budget=budget, derivatives=True) == "stream" and reads == []
+    assert _choose(1000, budget=budget) == "dense" and reads == [1]
 
 
 def test_memory_budget_asks_the_driver_only_for_large_needs(monkeypatch):
