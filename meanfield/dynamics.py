@@ -40,7 +40,7 @@ import torch
 
 from particles import Measure
 from particles.threads import ThreadPolicy
-from particles.validation import as_tensor, check_allocation, check_ndim, check_positive_int
+from particles.validation import as_tensor, check_allocation, check_ndim, check_positive_int, output_checks_deferred
 
 from .adapters import as_operator
 from .geometry import GEOMETRIES, Euclidean, Sphere, resolve_geometry
@@ -216,10 +216,13 @@ class _Field:
         op = self.operator(t, layer)
         # positions are query positions for causal operators; unmasked operators ignore the coordinate
         try:
-            if self.template.positions is not None and op.masked:
-                v = op.velocity(mu, X, positions=self.template.positions)
-            else:
-                v = op.velocity(mu, X)
+            # the outputs' own finiteness checks are left to the next stage's check_finite (one host sync
+            # per evaluation instead of three on an accelerator): a non-finite velocity makes it fail
+            with output_checks_deferred():
+                if self.template.positions is not None and op.masked:
+                    v = op.velocity(mu, X, positions=self.template.positions)
+                else:
+                    v = op.velocity(mu, X)
         except FloatingPointError as exc:
             raise FloatingPointError(f"simulate: the velocity field left the floating-point range at t = {t:g} "
                                      f"(reduce the step or the time span): {exc}") from exc

@@ -50,6 +50,8 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
+from particles.validation import output_checks_are_deferred
+
 from .streamed_attention import _transforms_active, sequence_mask
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "STREAM_THRESHOLD",
@@ -243,7 +245,7 @@ def _check_output(out, q, k, v, log_weights, *, queries: bool = False) -> torch.
     (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the streamed and
     fused paths turn a NaN query's row into zeros), one host sync; the entry-wise check only when that sum is
     not finite. None inside torch.func transforms, whose callers check their own results."""
-    if _transforms_active() or _forward_ad._current_level >= 0:
+    if _transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred():
         return out
     total = out.detach().sum()
     if queries:

@@ -7,6 +7,8 @@ numbers to a torch tensor; integer arrays to the default floating dtype).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
 import os
@@ -15,6 +17,27 @@ import numpy as np
 import torch
 
 DEFAULT_DTYPE = torch.float64
+
+_OUTPUT_CHECKS_DEFERRED = contextvars.ContextVar("smooth_attention_output_checks_deferred", default=False)
+
+
+@contextlib.contextmanager
+def output_checks_deferred():
+    """Inside, the attention kernels and the operators skip their check that an output is finite (a
+    reduction and a host sync each, which on an accelerator stalls the pipeline): for callers that check
+    what they compute from those outputs themselves. :func:`meanfield.simulate` uses it: every stage's
+    particles are checked before the field is evaluated there, and a non-finite velocity makes the next
+    stage's particles non-finite."""
+    token = _OUTPUT_CHECKS_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUT_CHECKS_DEFERRED.reset(token)
+
+
+def output_checks_are_deferred() -> bool:
+    """Whether the caller is inside :func:`output_checks_deferred`."""
+    return _OUTPUT_CHECKS_DEFERRED.get()
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:

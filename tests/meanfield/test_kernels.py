@@ -625,3 +625,32 @@ def test_use_accepts_numpy_integers():
     with pytest.raises(ValueError, match="threshold"):
         with kernels.use(threshold=np.float64(1.0)):
             pass
+
+
+def test_output_checks_deferred_skips_the_finiteness_check_only_inside_and_simulate_still_stops():
+    """Inside particles.validation.output_checks_deferred the kernel returns a non-finite output instead of
+    raising (its caller checks); outside, and after an exception inside, the check is back. simulate defers
+    the checks of its velocity evaluations and still stops with a FloatingPointError at a blow-up."""
+    from meanfield import SelfAttention, simulate
+    from particles import Measure
+    from particles.validation import output_checks_are_deferred, output_checks_deferred
+
+    q = torch.tensor([[1e308, 0.0]], dtype=DT)
+    k = torch.tensor([[1e308, 0.0], [0.0, 1.0]], dtype=DT)
+    v = torch.tensor([[1.0], [2.0]], dtype=DT)
+    with pytest.raises(FloatingPointError):
+        attend(q, k, v, method="dense")
+    with output_checks_deferred():
+        assert output_checks_are_deferred()
+        out = attend(q, k, v, method="dense")
+    assert not bool(torch.isfinite(out).all()) and not output_checks_are_deferred()
+    with pytest.raises(RuntimeError, match="inside"):
+        with output_checks_deferred():
+            raise RuntimeError("inside")
+    assert not output_checks_are_deferred()
+    with pytest.raises(FloatingPointError):
+        attend(q, k, v, method="dense")
+    op = SelfAttention(50 * torch.eye(3, dtype=DT), 50 * torch.eye(3, dtype=DT))
+    X = 10 * torch.randn(6, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(FloatingPointError, match=r"left the floating-point range at t = "):
+        simulate(op, Measure(X), 1000.0, method="rk4", options={"steps": 100})
