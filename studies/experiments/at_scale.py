@@ -135,13 +135,14 @@ def lipschitz_figure(ax, stats: list[dict], small: list[dict] | None = None) -> 
         nn = np.array([s["n"] for s in small], float)
         m = np.array([s["lip_mean"] for s in small])
         sd = np.array([s["lip_std"] for s in small])
-        P.measured(ax, nn, m, f"N <= {nn.max():g}, the study's grid (mean over samples)", color=P.COLORS[1])
+        P.measured(ax, nn, m, f"N <= {nn.max():g}, the study's grid (mean, shaded ± 1 std over samples)",
+                   color=P.COLORS[1])
         P.band(ax, nn, m - sd, m + sd, color=P.COLORS[1])
     nn = np.array([s["n"] for s in stats], float)
     m = np.array([s["lip_mean"] for s in stats])
     sd = np.array([s["lip_std"] for s in stats])
-    P.measured(ax, nn, m, "at scale (mean over samples)", color=P.COLORS[0])
-    P.band(ax, nn, m - sd, m + sd, color=P.COLORS[0], label="± 1 std over samples")
+    P.measured(ax, nn, m, "at scale (mean, shaded ± 1 std over samples)", color=P.COLORS[0])
+    P.band(ax, nn, m - sd, m + sd, color=P.COLORS[0])
     P.finish(ax, "sample size N", "local constant at mu_N (W2 sense)", "local constants of N-sample measures",
              logx=True)
 
