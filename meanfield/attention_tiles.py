@@ -228,6 +228,8 @@ def forward_tiles(q, k, v, lw, qp, kp, plan):
         run_max = run_sum = acc = None
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = _keys(plan, kb[b], i1)
+            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
+                continue
             s = score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask)
             tile_max = s.amax(dim=-1, keepdim=True)
             # a row whose keys are all masked so far has max -inf: shift by a finite number instead
@@ -287,6 +289,8 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
         acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = _keys(plan, kb[b], i1)
+            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
+                continue
             p = None if cache is None else cache.get((a, b))
             if p is None:
                 p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
@@ -330,6 +334,8 @@ def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
         qpa = None if qp is None else qp[:, i0:i1, None]
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = _keys(plan, kb[b], i1)
+            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
+                continue
             p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
             if dv is not None:
                 dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)

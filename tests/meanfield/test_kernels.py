@@ -530,6 +530,33 @@ def test_causal_tile_loops_with_row_blocks_against_all_keys_stop_at_the_diagonal
     _close(t, torch.func.jvp(dense, (q,), (tq,))[1])
 
 
+@pytest.mark.parametrize("block_size", [(8, None), (4, 2), (2, 4), (3, 5)])
+def test_causal_tile_loops_with_a_batch_of_sequences_at_other_offsets(block_size):
+    """A batch of sequences whose positions differ by an offset per entry (each a causal mask): the plan's
+    block extremes are taken over the whole batch, so it can visit key blocks wholly above a row block's
+    diagonal, which the trimmed key range makes empty. Forward, VJP and JVP against the dense kernel."""
+    from torch.autograd import forward_ad
+
+    g = torch.Generator().manual_seed(41)
+    B, n = 3, 19
+    q, k = torch.randn(B, n, 4, generator=g, dtype=DT), torch.randn(B, n, 4, generator=g, dtype=DT)
+    v = torch.randn(B, n, 2, generator=g, dtype=DT)
+    pos = torch.arange(n, dtype=DT) + torch.tensor([[0.0], [7.0], [-3.5]], dtype=DT)
+    bs = (block_size[0], n if block_size[1] is None else block_size[1])
+    run = lambda a, b, c: stream_attend(a, b, c, None, pos, pos, block_size=bs, engine="tiles")
+    dense = lambda a, b, c: attend(a, b, c, None, pos, pos, method="dense")
+    _close(run(q, k, v), dense(q, k, v))
+    prims = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    W = torch.randn(B, n, 2, generator=g, dtype=DT)
+    got = torch.autograd.grad((run(*prims) * W).sum(), prims)
+    for a, b in zip(got, torch.autograd.grad((dense(*prims) * W).sum(), prims)):
+        _close(a, b)
+    tans = [torch.randn_like(t) for t in (q, k, v)]
+    with forward_ad.dual_level():
+        t = forward_ad.unpack_dual(run(*[forward_ad.make_dual(p, d) for p, d in zip((q, k, v), tans)])).tangent
+    _close(t, torch.func.jvp(dense, (q, k, v), tuple(tans))[1])
+
+
 def test_sequence_mask_recognises_only_the_causal_mask_of_a_sequence():
     from meanfield.streamed_attention import sequence_mask
 
