@@ -30,6 +30,7 @@ holding only the requested times. Variants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import numbers
 import time
@@ -143,6 +144,9 @@ class _Field:
         self.geometry = geometry
         self.policy = None   # the call's ThreadPolicy: the first evaluation decides the threads
         self.nfev = 0
+        # fixed-step methods only: an adaptive solver's error estimate turns a NaN velocity into ever smaller
+        # steps (torchdiffeq: "underflow in dt") instead of a next stage whose particles are checked
+        self.defer_output_checks = False
         self.layers = None
         self.factory = None
         self.constant = None
@@ -216,9 +220,9 @@ class _Field:
         op = self.operator(t, layer)
         # positions are query positions for causal operators; unmasked operators ignore the coordinate
         try:
-            # the outputs' own finiteness checks are left to the next stage's check_finite (one host sync
-            # per evaluation instead of three on an accelerator): a non-finite velocity makes it fail
-            with output_checks_deferred():
+            # fixed steps: the outputs' own finiteness checks are left to the next stage's check_finite (one
+            # host sync per evaluation instead of three on an accelerator): a non-finite velocity makes it fail
+            with output_checks_deferred() if self.defer_output_checks else contextlib.nullcontext():
                 if self.template.positions is not None and op.masked:
                     v = op.velocity(mu, X, positions=self.template.positions)
                 else:
@@ -324,6 +328,7 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
                          "with the sphere")
     t0, t1 = float(t[0]), float(t[-1])
     field = _Field(op, mu0, t0, t1, V, geo.prepare(mu0.points))
+    field.defer_output_checks = method in FIXED
     Y = mu0.points
     if V is not None:
         Y = Y @ torch.linalg.matrix_exp(-t0 * V).T

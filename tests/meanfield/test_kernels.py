@@ -681,3 +681,21 @@ def test_output_checks_deferred_skips_the_finiteness_check_only_inside_and_simul
     X = 10 * torch.randn(6, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
     with pytest.raises(FloatingPointError, match=r"left the floating-point range at t = "):
         simulate(op, Measure(X), 1000.0, method="rk4", options={"steps": 100})
+    pytest.importorskip("torchdiffeq")
+    # adaptive solvers keep the checks (a NaN velocity would shrink their steps to an underflow instead)
+    with pytest.raises(FloatingPointError, match=r"left the floating-point range at t = "):
+        simulate(op, Measure(X), 10.0, method="dopri5")
+
+
+@pytest.mark.slow
+def test_an_adaptive_solver_stops_at_a_blow_up_with_a_floating_point_error():
+    """bosh3, whose error estimate, fed a NaN velocity, shrank its steps to an underflow (RuntimeError) when
+    the output checks were deferred for every method (20 s: many small steps before the blow-up)."""
+    pytest.importorskip("torchdiffeq")
+    from meanfield import SelfAttention, simulate
+    from particles import Measure
+
+    op = SelfAttention(50 * torch.eye(3, dtype=DT), 50 * torch.eye(3, dtype=DT))
+    X = 10 * torch.randn(6, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(FloatingPointError, match=r"left the floating-point range at t = "):
+        simulate(op, Measure(X), 10.0, method="bosh3")
