@@ -99,16 +99,21 @@ def attention_probs(q, k, log_weights=None, q_pos=None, k_pos=None) -> torch.Ten
     scores = q @ k.transpose(-1, -2)
     if log_weights is not None:
         scores = scores + log_weights.unsqueeze(-2)
-    if q_pos is not None:
-        scores = scores.masked_fill(~(k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)), float("-inf"))
     # torch's softmax is the log-sum-exp softmax (it subtracts each row's maximum): one kernel, where
-    # spelling it out took ten, most of the cost of a call on a GPU at N = 1e3
+    # spelling it out took about ten, most of the cost of a call on a GPU at N = 1e3
     if q_pos is None and log_weights is None:
         return torch.softmax(scores, dim=-1)
-    # a row whose every key is masked or of zero weight (a query placed before every key) would be 0/0 in
-    # softmax, and so would its derivatives: its scores are replaced by zeros before, its probabilities by
-    # zeros after (a NaN row stays NaN: NaN == -inf is false)
-    dead = scores.amax(dim=-1, keepdim=True) == float("-inf")
+    # keys a row can see: visible (positions) and of positive weight (a NaN log-weight counts, so that it
+    # surfaces as NaN). A row that sees none (a query placed before every key, or only zero weights) would be
+    # 0/0 in softmax, and so would its derivatives: its scores are replaced by zeros before, its
+    # probabilities by zeros after. Decided from the mask and the weights, not from the scores: a row whose
+    # scores all overflow to -inf stays NaN, and attend reports the overflow
+    seen = None if log_weights is None else (log_weights != float("-inf")).unsqueeze(-2)
+    if q_pos is not None:
+        visible = k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        seen = visible if seen is None else visible & seen
+    dead = ~seen.any(dim=-1, keepdim=True)
     return torch.where(dead, 0.0, torch.softmax(torch.where(dead, 0.0, scores), dim=-1))
 
 

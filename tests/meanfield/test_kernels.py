@@ -699,3 +699,28 @@ def test_an_adaptive_solver_stops_at_a_blow_up_with_a_floating_point_error():
     X = 10 * torch.randn(6, 3, dtype=DT, generator=torch.Generator().manual_seed(1))
     with pytest.raises(FloatingPointError, match=r"left the floating-point range at t = "):
         simulate(op, Measure(X), 10.0, method="bosh3")
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_scores_that_all_overflow_to_minus_inf_are_reported_with_or_without_weights(weighted):
+    """A row whose scores all overflow to -inf is an overflow (FloatingPointError from attend), not a row
+    that sees no key: only the mask and the weights decide those (zeros). Both dense paths agree."""
+    from meanfield.kernels import attention_probs
+
+    q = torch.tensor([[1e20, 0.0], [1.0, 0.0]], dtype=torch.float32)
+    k = torch.tensor([[-1e20, 0.0], [-2e20, 0.0]], dtype=torch.float32)
+    v = torch.tensor([[1.0], [2.0]], dtype=torch.float32)
+    lw = torch.log(torch.tensor([0.5, 0.5])) if weighted else None
+    assert torch.isnan(attention_probs(q, k, lw)[0]).all()
+    with pytest.raises(FloatingPointError, match="not finite"):
+        attend(q, k, v, lw, method="dense")
+    # a row that sees only zero-weight keys, or none at all, is zeros (and so are its derivatives)
+    qq = torch.randn(3, 2, dtype=DT, requires_grad=True)
+    kk = torch.randn(4, 2, dtype=DT)
+    lw2 = torch.tensor([-math.inf, -math.inf, 0.0, 0.0], dtype=DT)
+    qp, kp = torch.tensor([-1.0, 1.0, 3.0], dtype=DT), torch.arange(4, dtype=DT)
+    P = attention_probs(qq, kk, lw2, qp, kp)
+    assert torch.equal(P[:2], torch.zeros(2, 4, dtype=DT))
+    assert torch.allclose(P[2].sum(), torch.tensor(1.0, dtype=DT))
+    (g,) = torch.autograd.grad(P.sum() + (P * torch.arange(12.0, dtype=DT).reshape(3, 4)).sum(), qq)
+    assert torch.isfinite(g).all() and torch.equal(g[:2], torch.zeros(2, 2, dtype=DT))
