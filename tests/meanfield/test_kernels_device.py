@@ -129,11 +129,26 @@ def test_triton_width(floors, monkeypatch):
 
 
 def test_triton_min_dot_k_reads_the_installed_triton_or_takes_the_strictest(monkeypatch):
+    """Triton 3.6 asks K >= 16 of tl.dot in every 16- to 64-bit type (seen on an H200: the kernels did not
+    compile with K = 8); its NVIDIA backend from 3.9 on takes 8 in float32 and 4 in float64. Without Triton:
+    the strictest floor."""
     import builtins
     import sys
 
     device.triton_min_dot_k.cache_clear()
     try:
+        triton = sys.modules.get("triton")
+        try:
+            import triton
+        except ImportError:
+            triton = None
+        if triton is not None:
+            version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+            if version >= (3, 9):
+                assert [device.triton_min_dot_k(b) for b in (16, 32, 64)] == [16, 8, 4]
+            elif version <= (3, 6):
+                assert [device.triton_min_dot_k(b) for b in (16, 32, 64)] == [16, 16, 16]
+        device.triton_min_dot_k.cache_clear()
         with pytest.raises(ValueError, match="bits"):
             device.triton_min_dot_k(12)
         real_import = builtins.__import__
