@@ -42,3 +42,18 @@ def test_cpu_smoke_runs_every_row_and_writes_the_page(tmp_path):
         assert row in text
     assert "torch " + torch.__version__ in text
     assert (tmp_path / "gpu.json").exists()
+
+
+def test_a_candidate_is_skipped_only_when_its_extrapolation_exceeds_the_margin_times_the_cap():
+    """The N^2 extrapolation from the last timed N skips a candidate beyond PREDICTION_MARGIN x --cap; a
+    failing candidate is reported as an error and the others are still timed."""
+    bench = _load()
+    b = bench.Bench(torch.device("cpu"), repeats=1, cap=1.0, smoke=True)
+    b.history[("ctx", "slow")] = (1000, 0.1)
+    ran = []
+    fns = {"slow": lambda: ran.append("slow"), "broken": lambda: 1 / 0, "fine": lambda: ran.append("fine")}
+    res = b.time(fns, n=10_000, context="ctx")   # 0.1 s x 100 = 10 s > 4 x 1 s
+    assert str(res["slow"]).startswith("skipped (about 10 s predicted") and "slow" not in ran
+    assert str(res["broken"]).startswith("error: ZeroDivisionError") and isinstance(res["fine"], float)
+    res = b.time(fns, n=3000, context="ctx")     # 0.1 s x 9 = 0.9 s: run
+    assert isinstance(res["slow"], float) and "slow" in ran
