@@ -99,6 +99,16 @@ def _keys(plan, block, i1):
     return (j0, min(j1, i1)) if plan.causal else (j0, j1)
 
 
+def _key_ranges(plan, a, kb, i1):
+    """(key block, j0, j1, needs a mask) of the fast tile loops for query block ``a`` (rows below ``i1``):
+    :func:`_visit`'s blocks with their ranges stopped at the diagonal (:func:`_keys`); a block that this
+    leaves empty is not visited (a batch's loose block extremes can visit one wholly above the diagonal)."""
+    for b, mask in _visit(plan, a, len(kb)):
+        j0, j1 = _keys(plan, kb[b], i1)
+        if j1 > j0:
+            yield b, j0, j1, mask
+
+
 # ---------------------------------------------------------------------- functional tiles (differentiable)
 def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
     """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
@@ -226,10 +236,7 @@ def forward_tiles(q, k, v, lw, qp, kp, plan):
         qa = q[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
         run_max = run_sum = acc = None
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = _keys(plan, kb[b], i1)
-            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
-                continue
+        for _b, j0, j1, mask in _key_ranges(plan, a, kb, i1):
             s = score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask)
             tile_max = s.amax(dim=-1, keepdim=True)
             # a row whose keys are all masked so far has max -inf: shift by a finite number instead
@@ -287,10 +294,7 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
         qa = q[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
         acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = _keys(plan, kb[b], i1)
-            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
-                continue
+        for b, j0, j1, mask in _key_ranges(plan, a, kb, i1):
             p = None if cache is None else cache.get((a, b))
             if p is None:
                 p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
@@ -332,10 +336,7 @@ def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
             continue
         qa, go = q[:, i0:i1], g_out[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
-        for b, mask in _visit(plan, a, len(kb)):
-            j0, j1 = _keys(plan, kb[b], i1)
-            if j1 <= j0:  # a batch's loose block extremes can visit a block wholly above the diagonal
-                continue
+        for _b, j0, j1, mask in _key_ranges(plan, a, kb, i1):
             p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
             if dv is not None:
                 dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)

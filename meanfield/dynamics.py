@@ -138,7 +138,8 @@ def _velocity_operator(o, where: str) -> AttentionOperator:
 class _Field:
     """x -> velocity of every particle at time t, with the variants folded in."""
 
-    def __init__(self, op, template: Measure, t0: float, t1: float, rescale_V, geometry):
+    def __init__(self, op, template: Measure, t0: float, t1: float, rescale_V, geometry, *,
+                 defer_output_checks: bool = False):
         self.template = template
         self.rescale_V = rescale_V
         self.geometry = geometry
@@ -146,7 +147,7 @@ class _Field:
         self.nfev = 0
         # fixed-step methods only: an adaptive solver's error estimate turns a NaN velocity into ever smaller
         # steps (torchdiffeq: "underflow in dt") instead of a next stage whose particles are checked
-        self.defer_output_checks = False
+        self.defer_output_checks = defer_output_checks
         self.layers = None
         self.factory = None
         self.constant = None
@@ -327,8 +328,7 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         raise ValueError("rescale, geometry: the rescaled tokens exp(-tV) x live in R^d; they do not combine "
                          "with the sphere")
     t0, t1 = float(t[0]), float(t[-1])
-    field = _Field(op, mu0, t0, t1, V, geo.prepare(mu0.points))
-    field.defer_output_checks = method in FIXED
+    field = _Field(op, mu0, t0, t1, V, geo.prepare(mu0.points), defer_output_checks=method in FIXED)
     Y = mu0.points
     if V is not None:
         Y = Y @ torch.linalg.matrix_exp(-t0 * V).T
