@@ -4,6 +4,13 @@ lazy Sinkhorn and GeomLoss's tensorized backend, on uniform clouds in [0, 1]^3 (
     python benchmarks/bench_transport.py [--quick]
     python benchmarks/bench_transport.py --versus [--sizes 10000 30000] [--dims 3 64] [--repeats 2]
     python benchmarks/bench_transport.py --precision [--sizes 1000 3000] [--repeats 3]
+    python benchmarks/bench_transport.py --relaxation [--sizes 2000 5000] [--clouds cube gauss] [--repeats 2]
+
+``--relaxation``: the streaming solver at a small blur (reg = 2 x 0.05^2, GeomLoss's blur 0.05, the setting
+of the GPU goal in benchmarks/gpu.md), debiased, tol 1e-3, d = 3, float32 clouds (solved in float64, which
+the blur requires): the previous solver (plain Sinkhorn steps, exponentials of underflowing terms as they
+come) against over-relaxed steps alone, the exponent floor alone and both (the default), in one process,
+interleaved; soft-min passes counted, values and certified errors side by side.
 
 ``--precision``: what the float32 certificate and the float64 exact cost cost, side by side in one process
 (interleaved repeats, fastest CPU time of each): the streaming solver on float32 clouds that float32
@@ -341,6 +348,67 @@ def _print_precision(n, cases, repeats):
               f"{getattr(out, 'iterations', '') or ''} | {getattr(out, 'precision', '') or ''} |", flush=True)
 
 
+def _relaxed(mu, nu, omega, clamp):
+    """The streaming solve at the small blur of --relaxation, with ``omega`` and the exponent floor on or off;
+    returns (result, soft-min passes)."""
+    from unittest import mock
+
+    import transport.streaming_sinkhorn as st
+    import transport.tiles as tiles
+    from transport import solve
+
+    passes = [0]
+    update = st.update
+
+    def counted(*a, **k):
+        passes[0] += 1
+        return update(*a, **k)
+
+    with mock.patch.object(tiles, "CLAMP_UNDERFLOW", clamp), mock.patch.object(st, "update", counted):
+        res = solve(mu, nu, "streaming", reg=2 * 0.05**2, debias=True, tol=1e-3, overrelaxation=omega)
+    return res, passes[0]
+
+
+def relaxation(args):
+    """Over-relaxation and the exponent floor against the previous streaming solver (module docstring)."""
+    import os
+    from functools import partial
+
+    import torch
+
+    from particles import Measure
+
+    torch.set_num_threads(args.threads)
+    print(f"uptime before: {os.getloadavg()} (load average 1/5/15 min, {os.cpu_count()} CPUs); "
+          f"threads = {args.threads}, reg = 2 x 0.05^2 (blur 0.05), debias, tol 1e-3, d = 3, clouds: cube = uniform "
+          f"in [0,1]^3 and its translate by 0.1, gauss = N(0, I) and N(1, I / 4); "
+          f"fastest CPU time of {args.repeats} interleaved repeats\n")
+    print("| N, clouds | case | CPU (s) | vs previous | soft-min passes | value S_eps | error | precision |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n, kind in ((n, kind) for kind in args.clouds for n in args.sizes):
+        if kind == "cube":
+            X, Y = _data(n, 0), _data(n, 1) + 0.1
+        else:   # Gaussian clouds: N(0, I) against N(1, I / 4), a wider spread relative to the blur
+            g = torch.Generator().manual_seed(0)
+            X = torch.randn(n, 3, generator=g, dtype=torch.float64)
+            Y = 0.5 * torch.randn(n, 3, generator=g, dtype=torch.float64) + 1.0
+        mu, nu = Measure(X, dtype=torch.float32), Measure(Y, dtype=torch.float32)
+        cases = {"previous: plain steps, no exponent floor": partial(_relaxed, mu, nu, 1.0, False),
+                 "over-relaxed steps (auto), no floor": partial(_relaxed, mu, nu, "auto", False),
+                 "plain steps, exponent floor": partial(_relaxed, mu, nu, 1.0, True),
+                 "over-relaxed (auto) and floor (default)": partial(_relaxed, mu, nu, "auto", True)}
+        runs = {name: (float("inf"), None) for name in cases}
+        for _ in range(args.repeats):
+            for name, fn in cases.items():
+                t, out = _cpu(fn, 1)
+                runs[name] = (min(runs[name][0], t), out)
+        base = next(iter(runs.values()))[0]
+        for name, (t, (res, passes)) in runs.items():
+            print(f"| {n}, {kind} | {name} | {t:.3g} | {base / t:.2f}x | {passes} | {res.value_squared:.10g} | "
+                  f"{res.error:.2g} | {res.precision} |", flush=True)
+    print(f"\nuptime after: {os.getloadavg()}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -348,6 +416,9 @@ def main():
     ap.add_argument("--versus", action="store_true")
     ap.add_argument("--versus-case", nargs=5)
     ap.add_argument("--precision", action="store_true", help="overhead of the float32 certificate, float64 costs")
+    ap.add_argument("--relaxation", action="store_true", help="over-relaxation and the exponent floor vs previous")
+    ap.add_argument("--clouds", nargs="+", default=["cube", "gauss"], choices=["cube", "gauss"],
+                    help="--relaxation's data")
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
     ap.add_argument("--dims", type=int, nargs="+", default=[3, 64])
     ap.add_argument("--repeats", type=int, default=2)
@@ -372,6 +443,11 @@ def main():
     if args.versus:
         args.timeout = args.timeout or 1800
         versus(args)
+        return
+    if args.relaxation:
+        if args.sizes == [10_000]:
+            args.sizes = [2000, 5000]
+        relaxation(args)
         return
     if args.precision:
         if args.sizes == [10_000]:  # the --versus default

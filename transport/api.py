@@ -133,7 +133,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
 
 
 def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=None, tol=None, max_iter=None,
-          scaling=None, chunk_elements=None, return_plan=False, on_failure: str = "raise",
+          scaling=None, overrelaxation=None, chunk_elements=None, return_plan=False, on_failure: str = "raise",
           memory_limit=None) -> TransportResult:
     r"""Optimal transport between two measures for the cost \|x - y\|^2: W2 and what the solver reached.
 
@@ -178,6 +178,11 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         "streaming": eps-scaling ratio in [0, 1) (default 0.5), GeomLoss's ``scaling``: sqrt(eps) is
         multiplied by it per level, from the squared diameter of the clouds down to reg (an annealing
         longer than ``max_iter`` levels is refused); 0 solves at reg directly.
+    overrelaxation : ``"auto"`` or float
+        "streaming": the factor omega in [1, 2) of the over-relaxed steps at reg
+        (f <- f + omega (T(g) - f); 1: plain Sinkhorn), or "auto" (the default), adapted to the observed
+        convergence rate (:mod:`transport.overrelaxation`; 1.7-8x fewer passes at blur 0.05). The last
+        steps are plain, so ``error`` certifies the plan whatever the factor.
     chunk_elements : int
         "streaming": elements of the largest block of the cost held at once (memory, not accuracy;
         default 2^18).
@@ -231,13 +236,13 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     (5.0, 'exact')
     """
     given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
-                 chunk_elements=chunk_elements)
+                 overrelaxation=overrelaxation, chunk_elements=chunk_elements)
     return _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
 
 
 def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return_plan=False, reg=None,
-       debias=None, tol=None, max_iter=None, scaling=None, chunk_elements=None, on_failure: str = "raise",
-       memory_limit=None):
+       debias=None, tol=None, max_iter=None, scaling=None, overrelaxation=None, chunk_elements=None,
+       on_failure: str = "raise", memory_limit=None):
     """Wasserstein-2 distance between two measures on R^d (docs/math.md section 3): a number.
 
     The value of :func:`transport.solve` (same parameters; see it for the methods, their options
@@ -262,7 +267,7 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
                       "return_plan=True).plan (its TransportResult also has the potentials and the error)",
                       DeprecationWarning, stacklevel=2)
     given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
-                 chunk_elements=chunk_elements)
+                 overrelaxation=overrelaxation, chunk_elements=chunk_elements)
     res = _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
     if squared and not isinstance(res.value_squared, torch.Tensor) and math.isinf(res.value_squared):
         raise OverflowError(f"squared: W2^2 = ({float(res.value):.6g})^2 exceeds the float range; "

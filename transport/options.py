@@ -26,6 +26,8 @@ DEFAULT_CHUNK_ELEMENTS = 2 ** 18
 REQUIRED = "required"
 #: Marks a tolerance taken from :data:`TOL` by the measures' dtype.
 BY_DTYPE = "by dtype"
+#: The adaptive over-relaxation factor of the streaming solver (:mod:`transport.overrelaxation`).
+ADAPTIVE = "auto"
 
 #: Options of each method and their defaults ("auto" takes those of the method it may choose,
 #: "streaming", and its own rule for ``reg``; see :func:`transport.solve`).
@@ -33,9 +35,9 @@ DEFAULTS: dict[str, dict[str, object]] = {
     "exact": {},
     "sinkhorn": {"reg": REQUIRED, "debias": True, "tol": BY_DTYPE, "max_iter": 10_000},
     "streaming": {"reg": REQUIRED, "debias": True, "tol": BY_DTYPE, "max_iter": 5_000, "scaling": 0.5,
-                  "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
+                  "overrelaxation": ADAPTIVE, "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
     "auto": {"reg": "(AUTO_BLUR * diameter)^2", "debias": True, "tol": BY_DTYPE, "max_iter": 5_000,
-             "scaling": 0.5, "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
+             "scaling": 0.5, "overrelaxation": ADAPTIVE, "chunk_elements": DEFAULT_CHUNK_ELEMENTS},
 }
 
 METHODS = tuple(DEFAULTS)
@@ -63,7 +65,12 @@ def resolve(method: str, given: dict, dtype: torch.dtype) -> dict:
     for name, default in table.items():
         value = given.get(name)
         if value is None:
-            value = TOL[dtype] if default == BY_DTYPE else (None if isinstance(default, str) else default)
+            if default == BY_DTYPE:
+                value = TOL[dtype]
+            elif default == ADAPTIVE:
+                value = ADAPTIVE
+            else:
+                value = None if isinstance(default, str) else default
         out[name] = None if value is None else _CHECKS[name](value, name)
     return out
 
@@ -85,11 +92,24 @@ def _check_scaling(value, name: str) -> float:
     return out
 
 
+def _check_overrelaxation(value, name: str):
+    # "auto": adapted to the convergence rate; a factor omega in [1, 2): 1 is plain Sinkhorn, 2 never converges
+    if isinstance(value, str):
+        if value != ADAPTIVE:
+            raise ValueError(f"{name}: expected {ADAPTIVE!r} or a factor in [1, 2), got {value!r}")
+        return value
+    out = check_positive_float(value, name)
+    if not 1.0 <= out < 2.0:
+        raise ValueError(f"{name}: expected {ADAPTIVE!r} or a factor in [1, 2) (1: plain Sinkhorn), got {out}")
+    return out
+
+
 _CHECKS = {
     "reg": check_positive_float,
     "debias": check_bool,
     "tol": check_positive_float,
     "max_iter": check_positive_int,
     "scaling": _check_scaling,
+    "overrelaxation": _check_overrelaxation,
     "chunk_elements": check_positive_int,
 }

@@ -33,11 +33,13 @@ and costs, :func:`softmin` for atoms of zero mass) take tiles sized by the devic
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from particles.device import memory_budget, run_triton, triton_runs
 
-__all__ = ["softmin", "factors", "cofactors", "row_sums", "safe", "update", "plan_tiles", "device_chunk"]
+__all__ = ["softmin", "factors", "cofactors", "exp_floor", "row_sums", "safe", "update", "plan_tiles", "device_chunk"]
 
 #: on CUDA the default chunk (cache-sized for a CPU) becomes tiles of this fraction of the memory budget
 DEVICE_BUDGET_FRACTION = 0.25
@@ -97,21 +99,43 @@ def _tile_shape(n: int, m: int, chunk_elements: int, k: int) -> tuple[int, int]:
     return rows, max(1, min(m, chunk_elements // rows))
 
 
+#: Raise tile exponents to :func:`exp_floor` before ``exp_`` (benchmarks/bench_transport.py --relaxation turns
+#: it off to time the previous tiles beside the current ones)
+CLAMP_UNDERFLOW = True
+
+
+def _clamped_exp_(tile, floor):
+    return (tile.clamp_min_(floor) if CLAMP_UNDERFLOW else tile).exp_()
+
+
+def exp_floor(dtype) -> float:
+    """The exponent every tile is raised to before ``exp_``: log of the smallest normal number, plus 1.
+
+    On CPU, exponentials whose result is subnormal or zero take the vector library's slow path: 5 ns
+    instead of 0.4-0.8 ns per entry (float32 / float64, 2 threads, benchmarks/transport.md), and a
+    Sinkhorn plan at small blur is mostly such entries. Raised to this floor, each lost term becomes
+    e x tiny instead of below tiny: :func:`safe` accounts for it.
+    """
+    return math.log(torch.finfo(dtype).tiny) + 1.0
+
+
 def row_sums(A, B, chunk_elements):
     """S_i = sum_j exp(<A_i, B_j>), tile by tile (tiles of at most ``chunk_elements`` entries), no max-shift.
 
     Exact where the terms neither overflow nor underflow (see :func:`safe`); one buffer for every tile.
+    Exponents below :func:`exp_floor` are raised to it (terms of at most e x tiny).
     """
     n, m = A.shape[0], B.shape[1]
     rows, cols = _tile_shape(n, m, chunk_elements, A.shape[1])
     buf = torch.empty(rows * cols, dtype=A.dtype, device=A.device)
     out = torch.empty(n, dtype=A.dtype, device=A.device)
+    floor = exp_floor(A.dtype)
     if cols == m:
         for s in range(0, n, rows):
             r = min(rows, n - s)
             tile = buf[:r * m].view(r, m)
             torch.mm(A[s:s + r], B, out=tile)
-            tile.exp_()
+            _clamped_exp_(tile, floor)
             torch.sum(tile, 1, out=out[s:s + r])
         return out
     out.zero_()
@@ -124,23 +148,24 @@ def row_sums(A, B, chunk_elements):
 
 def _exp_tiles(A, B, rows, cols, buf):
     """Yield (row start, rows, column start, columns, exp(A_rows B_cols)) over every tile, in ``buf``
-    (overwritten by the next tile)."""
+    (overwritten by the next tile); exponents below :func:`exp_floor` raised to it."""
     n, m = A.shape[0], B.shape[1]
+    floor = exp_floor(A.dtype)
     for s in range(0, n, rows):
         r = min(rows, n - s)
         for c in range(0, m, cols):
             w = min(cols, m - c)
             tile = buf[:r * w].view(r, w)
             torch.mm(A[s:s + r], B[:, c:c + w], out=tile)
-            yield s, r, c, w, tile.exp_()
+            yield s, r, c, w, _clamped_exp_(tile, floor)
 
 
 def safe(S, m: int):
     """Where a sum of ``m`` exponentials is exact to the dtype's precision: every term finite (S <= max)
-    and the terms lost to underflow (each below the smallest normal number) negligible against S
-    (m tiny / S <= machine epsilon). False for NaN."""
+    and the terms lost to underflow (each below e x the smallest normal number once raised to
+    :func:`exp_floor`) negligible against S (m e tiny / S <= machine epsilon). False for NaN."""
     fi = torch.finfo(S.dtype)
-    return (S >= m * fi.tiny / fi.eps) & (S <= fi.max)
+    return (S >= m * math.e * fi.tiny / fi.eps) & (S <= fi.max)
 
 
 def _fused(x) -> bool:

@@ -154,3 +154,30 @@ def test_device_chunk(monkeypatch):
     assert chunk(1000, "cuda") == 1000  # a chunk the caller chose is kept
     monkeypatch.setattr(tiles, "memory_budget", lambda device, limit=None: 2**10)
     assert chunk(DEFAULT_CHUNK_ELEMENTS, "cuda") == DEFAULT_CHUNK_ELEMENTS  # never below the default
+
+
+@pytest.mark.parametrize("near", [True, False])
+def test_the_float64_certificate_through_the_kernel_sums_the_plan(fused, monkeypatch, near):
+    """plan_check's row and column sums as two kernel launches equal the dense float64 marginals of the plan
+    pi_ij = a_i b_j exp((f_i + g_j - C_ij) / eps), near the optimum and far from it (sums of e^+-40)."""
+    import transport.streaming_sinkhorn as st
+
+    n, m, eps = 33, 21, 0.2
+    x, y = _cloud(n, 3, 12), _cloud(m, 3, 13, 0.3)
+    a = torch.rand(n, generator=torch.Generator().manual_seed(14), dtype=F64) + 0.1
+    b = torch.rand(m, generator=torch.Generator().manual_seed(15), dtype=F64) + 0.1
+    la, lb = (a / a.sum()).log(), (b / b.sum()).log()
+    _, _, f, g = entropic_ot(x.numpy(), la.exp().numpy(), y.numpy(), lb.exp().numpy(), eps, tol=1e-6)
+    f, g = torch.from_numpy(f), torch.from_numpy(g)
+    if not near:
+        f = f + eps * torch.linspace(-40.0, 40.0, n, dtype=F64)
+    got, cost = st.plan_check(x.float(), y.float(), la.float(), lb.float(), f.float(), g.float(), eps, 2**18)
+    assert cost is None and len(fused) == 2    # two launches: rows, then columns
+    monkeypatch.setattr(tiles, "_fused", lambda x: False)
+    tiled, _ = st.plan_check(x.float(), y.float(), la.float(), lb.float(), f.float(), g.float(), eps, 2**18)
+    # the float32 inputs, widened, are the data: the dense truth from the same widened values
+    xs, ys, las, lbs, fs, gs = (t.float().double() for t in (x, y, la, lb, f, g))
+    C = ((xs[:, None, :] - ys[None, :, :]) ** 2).sum(-1)
+    P = (las[:, None] + lbs[None, :] + (fs[:, None] + gs[None, :] - C) / eps).exp()
+    truth = float((P.sum(1) - las.exp()).abs().sum() + (P.sum(0) - lbs.exp()).abs().sum())
+    assert got == pytest.approx(truth, rel=1e-9) and tiled == pytest.approx(truth, rel=1e-9)
