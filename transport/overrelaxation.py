@@ -21,7 +21,7 @@ the best seen since the last change (a divergence guard).
 
 What it changes and what it does not: the relaxed potentials are not Sinkhorn iterates, so the error
 measured after a relaxed step is not a certificate (the plan's columns are no longer exact); the
-solver (:func:`transport.streaming_sinkhorn._solve_pair`) ends with plain steps, and reports the
+solver (``transport.streaming_sinkhorn._solve_pair``) ends with plain steps, and reports the
 error of a plan whose columns are exact, as without relaxation. Measured on CPU
 (benchmarks/transport.md, "Small blur"): 1.7-8x fewer soft-min passes at blur 0.05, tol 1e-3.
 """
@@ -32,7 +32,7 @@ import math
 
 __all__ = ["OMEGA_MAX", "WINDOW", "GUARD", "young_omega", "Relaxation"]
 
-#: largest factor the adaptive rule takes (omega -> 2 stalls: its rate omega - 1 tends to 1)
+#: the largest factor the adaptive rule takes; near 2 the relaxed steps stall, their rate omega - 1 tending to 1
 OMEGA_MAX = 1.9
 #: steps between two estimates of the rate (a shorter window follows the end of the transient sooner; 4
 #: took the fewest steps of 4 and 8 in exploratory runs on 1500 points, cube and Gaussian clouds, blur
