@@ -5,6 +5,7 @@ lazy Sinkhorn and GeomLoss's tensorized backend, on uniform clouds in [0, 1]^3 (
     python benchmarks/bench_transport.py --versus [--sizes 10000 30000] [--dims 3 64] [--repeats 2]
     python benchmarks/bench_transport.py --precision [--sizes 1000 3000] [--repeats 3]
     python benchmarks/bench_transport.py --relaxation [--sizes 2000 5000] [--clouds cube gauss] [--repeats 2]
+    python benchmarks/bench_transport.py --truncation --sizes 100000 1000000 [--threads 2]
 
 ``--relaxation``: the streaming solver at a small blur (reg = 2 x 0.05^2, GeomLoss's blur 0.05, the setting
 of the GPU goal in benchmarks/gpu.md), debiased, tol 1e-3, d = 3, float32 clouds (solved in float64, which
@@ -409,6 +410,48 @@ def relaxation(args):
     print(f"\nuptime after: {os.getloadavg()}")
 
 
+def truncation_fraction(args):
+    """The fraction of the N x N entries a truncated pass computes at the last eps of the GPU goal's problem
+    (blur 0.05, uniform cube against its translate by 0.1, tol 1e-3), with the row blocks of the Triton kernel
+    (64 and 128 rows) and tiles of transport.truncation.TILE columns. The potentials at N points are those of a
+    solve at 10^4 points, carried to the N points by one soft c-transform each (entropic potentials are smooth:
+    the N-point ones differ from these by the sampling error): what the bounds would skip, computed on a CPU."""
+    import math
+
+    import torch
+
+    from particles import Measure
+    from transport import solve, truncation
+    from transport.tiles import softmin
+
+    torch.set_num_threads(args.threads)
+    reg, tol, n0 = 2 * 0.05**2, 1e-3, 10_000
+    truncation.ENABLED = False
+    x0, y0 = _data(n0, 0), _data(n0, 1) + 0.1
+    res = solve(Measure(x0), Measure(y0), "streaming", reg=reg, debias=False, tol=tol)
+    f0, g0 = res.potentials
+    lw0 = torch.full((n0,), -math.log(n0), dtype=torch.float64)
+    print(f"potentials from a solve at N = {n0} (error {res.error:.2g}); reg = {reg}, tol = {tol}, tiles of "
+          f"{truncation.TILE} columns\n")
+    print("| N | rows per block | tau | fraction of the entries computed, x side | y side |")
+    print("|---|---|---|---|---|")
+    for n in args.sizes:
+        x, y = _data(n, 2), _data(n, 3) + 0.1
+        x, y = x[truncation.morton_order(x)], y[truncation.morton_order(y)]
+        xx, yy = (x * x).sum(1), (y * y).sum(1)
+        f = softmin(x, xx, y0, (y0 * y0).sum(1), lw0, g0, reg, 2**22)   # the c-transforms of the n0-point potentials
+        g = softmin(y, yy, x0, (x0 * x0).sum(1), lw0, f0, reg, 2**22)
+        lw = torch.full((n,), -math.log(n), dtype=torch.float64)
+        threshold = truncation.tau(n, tol)
+        for rows in (64, 128):
+            fracs = []
+            for (p, q, fp, gq) in ((x, y, f, g), (y, x, g, f)):
+                rb, cb = truncation.Blocks(p, rows), truncation.Blocks(q, truncation.TILE)
+                ptr, kept = truncation.kept_tiles(rb, cb, rb.max(fp), cb.max(gq + reg * lw), reg, threshold)
+                fracs.append(kept.numel() / (rb.count * cb.count))
+            print(f"| {n} | {rows} | {threshold:.1f} | {fracs[0]:.3f} | {fracs[1]:.3f} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -417,6 +460,7 @@ def main():
     ap.add_argument("--versus-case", nargs=5)
     ap.add_argument("--precision", action="store_true", help="overhead of the float32 certificate, float64 costs")
     ap.add_argument("--relaxation", action="store_true", help="over-relaxation and the exponent floor vs previous")
+    ap.add_argument("--truncation", action="store_true", help="fraction a truncated pass computes at --sizes")
     ap.add_argument("--clouds", nargs="+", default=["cube", "gauss"], choices=["cube", "gauss"],
                     help="--relaxation's data")
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
@@ -443,6 +487,9 @@ def main():
     if args.versus:
         args.timeout = args.timeout or 1800
         versus(args)
+        return
+    if args.truncation:
+        truncation_fraction(args)
         return
     if args.relaxation:
         if args.sizes == [10_000]:

@@ -42,7 +42,7 @@ from particles import Measure
 from particles.device import run_triton
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from . import tiles
+from . import tiles, truncation
 from .options import DEFAULT_CHUNK_ELEMENTS, check_memory_limit, resolve
 from .overrelaxation import Relaxation
 from .problem import Problem, ldexp
@@ -102,6 +102,20 @@ def _schedule(x, y, eps, scaling, max_iter):
 
 
 def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto"):
+    """:func:`_iterate_pair`, on the points in Z-order with truncated passes at eps where
+    :func:`transport.truncation.applies`; potentials in the caller's order."""
+    if not truncation.applies(x.shape[0], y.shape[0], x.shape[1]):
+        return _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start, done, omega)
+    px, py = truncation.morton_order(x), truncation.morton_order(y)
+    if start is not None:
+        start = (start[0][px], start[1][py])
+    f, g, err, it = _iterate_pair(x[px], y[py], log_a[px], log_b[py], eps, tol, max_iter, scaling, chunk, start,
+                                  done, omega, truncate=True)
+    return truncation.unsort(f, px), truncation.unsort(g, py), err, it
+
+
+def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto",
+                  truncate=False):
     """Sinkhorn for OT_eps between (x, log_a) and (y, log_b): (f, g, error, updates).
 
     From ``start`` = (f, g) (no annealing; ``done`` updates already spent) or from zero through the
@@ -125,21 +139,33 @@ def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=No
         g = g + update(y, yy, x, xx, log_a, g, f, e, chunk)
     it = len(levels) - 1 if start is None else done
     relax = Relaxation(omega)
+    dense_x = lambda f, g: update(x, xx, y, yy, log_b, f, g, eps, chunk)
+    dense_y = lambda g, f: update(y, yy, x, xx, log_a, g, f, eps, chunk)
+    cut = truncation.Truncation(x, xx, y, yy, log_a, log_b, eps, tol, chunk) if truncate else None
+    step_x, step_y = (cut.rows, cut.cols) if cut is not None else (dense_x, dense_y)
     plain = True   # the last step of g was a plain Sinkhorn step: the columns of the plan (f, g) are exact
     while True:
-        delta = update(x, xx, y, yy, log_b, f, g, eps, chunk)
+        delta = step_x(f, g)
         # row marginal of the plan (f, g) is a_i exp(-delta_i / eps); after a plain step of g its columns
         # are exact, and err is the plan's whole L1 error
         err = float((a * torch.expm1(-delta / eps).abs()).sum())
         it += 1
-        if math.isnan(err) or (plain and (err <= tol or it >= max_iter)):
+        stop = math.isnan(err) or (plain and (err <= tol or it >= max_iter))
+        if stop and cut is not None:
+            # the stopping test again on the whole plan: a truncated pass left out terms
+            delta = dense_x(f, g)
+            err = float((a * torch.expm1(-delta / eps).abs()).sum())
+            stop = math.isnan(err) or err <= tol or it >= max_iter
+            if not stop:
+                cut.tighten()
+        if stop:
             f = f + delta
             break
         w = relax.observe(err)
         if err <= tol or it >= max_iter - 1:
             w = 1.0   # end with a plain step, so that the next error certifies the plan
         f = f + w * delta
-        g = g + w * update(y, yy, x, xx, log_a, g, f, eps, chunk)
+        g = g + w * step_y(g, f)
         plain = w == 1.0
     return f, g, err, it
 
@@ -149,7 +175,18 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
 
     Returns (f, error, updates); ``start``: a potential to continue from (no annealing). The error is
     the L1 error of both marginals (equal by symmetry) of the self coupling (f, f) before the last update.
+    Where :func:`transport.truncation.applies`, on the points in Z-order with truncated passes at eps (the
+    last pass dense), the potential given back in the caller's order.
     """
+    if not truncation.applies(x.shape[0], x.shape[0], x.shape[1]):
+        return _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start)
+    px = truncation.morton_order(x)
+    f, err, it = _iterate_symmetric(x[px], log_a[px], eps, tol, max_iter, scaling, chunk,
+                                    None if start is None else start[px], truncate=True)
+    return truncation.unsort(f, px), err, it
+
+
+def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None, truncate=False):
     xx = (x * x).sum(1)
     a = log_a.exp()
     if start is None:
@@ -160,11 +197,18 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
     for e in levels:
         f = f + 0.5 * update(x, xx, x, xx, log_a, f, f, e, chunk)
     it, err = 0, math.inf
+    cut = truncation.Truncation(x, xx, x, xx, log_a, log_a, eps, tol, chunk) if truncate else None
     while it < max_iter:
-        delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
+        delta = update(x, xx, x, xx, log_a, f, f, eps, chunk) if cut is None else cut.rows(f, f)
         err = 2.0 * float((a * torch.expm1(-delta / eps).abs()).sum())
-        f = f + 0.5 * delta
         it += 1
+        if cut is not None and (err <= tol or math.isnan(err) or it >= max_iter):
+            # the stopping test again on the whole coupling: a truncated pass left out terms
+            delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
+            err = 2.0 * float((a * torch.expm1(-delta / eps).abs()).sum())
+            if not err <= tol:
+                cut.tighten()
+        f = f + 0.5 * delta
         if err <= tol or math.isnan(err):
             break
     return f, err, it

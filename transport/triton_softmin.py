@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["lse_rows"]
+__all__ = ["lse_rows", "lse_rows_blocks", "row_block"]
 
 _INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
@@ -88,4 +88,68 @@ def lse_rows(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
     _lse_kernel[grid](A, B, out, n, m, *A.stride(), *B.stride(), K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn,
                       ACC=tl.float64 if A.dtype == torch.float64 else tl.float32,
                       **({} if _INTERPRETED else dict(num_warps=warps)))
+    return out
+
+
+@triton.jit
+def _lse_blocks_kernel(A, B, OUT, PTR, TILES, n, m, sa_n, sa_k, sb_k, sb_m, TILE: tl.constexpr,
+                       K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ACC: tl.constexpr):
+    # as _lse_kernel, over the column tiles TILES[PTR[pid]:PTR[pid + 1]] (each TILE columns) only
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n
+    fk = tl.arange(0, KP)
+    a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K), other=0.0)
+    run_max = tl.full([BLOCK_M], -float("inf"), ACC)
+    run_sum = tl.zeros([BLOCK_M], ACC)
+    start = tl.load(PTR + pid)
+    end = tl.load(PTR + pid + 1)
+    for t in range(start, end):
+        c0 = tl.load(TILES + t) * TILE
+        for j0 in range(0, TILE, BLOCK_N):
+            cols = c0 + j0 + tl.arange(0, BLOCK_N)
+            cmask = cols < m
+            b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :],
+                        other=0.0)
+            s = tl.dot(a, b, input_precision="ieee").to(ACC)
+            s = tl.where(cmask[None, :], s, -float("inf"))
+            new_max = tl.maximum(run_max, tl.max(s, 1))
+            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+            run_max = new_max
+    out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
+    tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
+
+
+def row_block(dtype, K: int) -> tuple[int, int]:
+    """(rows per program, column granularity) of :func:`lse_rows_blocks` for factors of K columns: the
+    truncation's row blocks must have that many rows, its column tiles a multiple of the granularity."""
+    bm, bn, _ = _blocks(dtype, _width(K, dtype))
+    return bm, bn
+
+
+def lse_rows_blocks(A: torch.Tensor, B: torch.Tensor, ptr: torch.Tensor, tiles: torch.Tensor, tile: int):
+    """L (n,): L_i = log sum over the kept columns j of exp(<A_i, B_j>): row block r (rows r BLOCK_M ..,
+    BLOCK_M from :func:`row_block`) sums the column tiles ``tiles[ptr[r]:ptr[r + 1]]``, tile t being the
+    columns t ``tile`` .. (t + 1) ``tile`` - 1 (``tile`` a multiple of :func:`row_block`'s granularity).
+    Max-shifted online as :func:`lse_rows`; -inf for a row block with no tile."""
+    if A.dtype not in (torch.float32, torch.float64) or B.dtype != A.dtype:
+        raise TypeError(f"A, B: expected one dtype, float32 or float64, got {A.dtype} and {B.dtype}")
+    if A.device.type != "cuda" and not _INTERPRETED:
+        raise RuntimeError(f"A: the Triton soft-min runs on CUDA tensors (got {A.device}); on CPU set "
+                           "TRITON_INTERPRET=1 before triton is first imported")
+    n, K = A.shape
+    m = B.shape[1]
+    out = A.new_empty(n)
+    if n == 0:
+        return out
+    KP = _width(K, A.dtype)
+    bm, bn, warps = _blocks(A.dtype, KP)
+    if tile % bn or ptr.numel() != triton.cdiv(n, bm) + 1:
+        raise ValueError(f"tile, ptr: expected a tile multiple of {bn} and {triton.cdiv(n, bm) + 1} offsets (row "
+                         f"blocks of {bm}), got tile {tile} and {ptr.numel()} offsets")
+    _lse_blocks_kernel[(triton.cdiv(n, bm),)](
+        A, B, out, ptr, tiles, n, m, *A.stride(), *B.stride(), TILE=tile, K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn,
+        ACC=tl.float64 if A.dtype == torch.float64 else tl.float32, **({} if _INTERPRETED else dict(num_warps=warps)))
     return out
