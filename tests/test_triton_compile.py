@@ -32,7 +32,7 @@ def test_every_launched_kernel_compiles_without_spills():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     kinds = {(r["kernel"], r["arch"]) for r in rows}
-    for kernel in ("forward", "jvp", "backward_q", "backward_kv", "sinkhorn_lse"):
+    for kernel in ("forward", "jvp", "backward_q", "backward_kv", "sinkhorn_lse", "sinkhorn_lse_blocks"):
         for arch in (80, 90):
             assert (kernel, arch) in kinds
     for r in rows:

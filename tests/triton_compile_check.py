@@ -4,7 +4,8 @@
 
 For every configuration the framework launches on a GPU (the dtypes and padded widths the streamed
 attention kernel sends to Triton, meanfield.accelerator_paths.TRITON_MAX_WIDTH, at the tile sizes of
-meanfield.triton_attention._blocks; the Sinkhorn soft-min at d = 3 and d = 64), each kernel in its
+meanfield.triton_attention._blocks; the Sinkhorn soft-min at d = 3 and d = 64, its truncated variant at d = 3
+and 6), each kernel in its
 heaviest variant (log-weights and positions, every tangent, every gradient) is compiled to a cubin for
 the given architectures with Triton's own compiler and ptxas (both ship in the triton wheel), and ptxas
 reports registers and spills. Prints one JSON line per kernel. Must run with TRITON_INTERPRET unset
@@ -44,9 +45,10 @@ NAMES = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16", to
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 
 
-def compile_one(fn, dtype, constexprs, arch, warps):
+def compile_one(fn, dtype, constexprs, arch, warps, types=None):
     sig = {n: ("constexpr" if n in constexprs else ("*" + NAMES[dtype] if n[0].isupper() else "i32"))
            for n in fn.arg_names}
+    sig.update(types or {})
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                             target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     target = re.search(r"^\.target\s+(\w+)", kernel.asm["ptx"], re.M).group(1)  # sm_90a on Hopper
@@ -99,6 +101,14 @@ def main(argv=None):
                 c = dict(K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn, ACC=tl.float64 if dtype == torch.float64 else tl.float32)
                 res = compile_one(ts._lse_kernel, dtype, c, arch, warps)
                 print(json.dumps({"kernel": "sinkhorn_lse", "arch": arch, "dtype": NAMES[dtype], "width": KP,
+                                  "block": [bm, bn], "warps": warps, **res}), flush=True)
+            for K in (5, 8):  # the truncated soft-min, d = 3 and d = 6 (transport.truncation.MAX_DIM)
+                KP = ts._width(K, dtype)
+                bm, bn, warps = ts._blocks(dtype, KP)
+                c = dict(TILE=256, K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn,
+                         ACC=tl.float64 if dtype == torch.float64 else tl.float32)
+                res = compile_one(ts._lse_blocks_kernel, dtype, c, arch, warps, types={"PTR": "*i32", "TILES": "*i32"})
+                print(json.dumps({"kernel": "sinkhorn_lse_blocks", "arch": arch, "dtype": NAMES[dtype], "width": KP,
                                   "block": [bm, bn], "warps": warps, **res}), flush=True)
 
 
