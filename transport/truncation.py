@@ -49,7 +49,7 @@ MAX_FRACTION = 0.5
 #: columns per tile (a multiple of every Triton column block)
 TILE = 256
 #: rows per block on CPU; on CUDA the Triton kernel's rows per program
-CPU_ROWS = 256
+CPU_ROWS = 64
 
 
 def applies(n: int, m: int, d: int) -> bool:
