@@ -47,6 +47,20 @@ def _blocks(dtype, width: int):
 
 
 @triton.jit
+def _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K: tl.constexpr, ACC: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of the online max-shifted log-sum-exp: the columns ``cols`` of B (those
+    at or beyond m masked out) against the rows' factors ``a``; returns the updated (max, shifted sum)."""
+    cmask = cols < m
+    b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :], other=0.0)
+    s = tl.dot(a, b, input_precision="ieee").to(ACC)
+    s = tl.where(cmask[None, :], s, -float("inf"))
+    new_max = tl.maximum(run_max, tl.max(s, 1))
+    shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+    run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
+    return new_max, run_sum
+
+
+@triton.jit
 def _lse_kernel(A, B, OUT, n, m, sa_n, sa_k, sb_k, sb_m,
                 K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
@@ -58,32 +72,29 @@ def _lse_kernel(A, B, OUT, n, m, sa_n, sa_k, sb_k, sb_m,
     run_sum = tl.zeros([BLOCK_M], ACC)
     for j0 in range(0, m, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
-        cmask = cols < m
-        b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :], other=0.0)
-        s = tl.dot(a, b, input_precision="ieee").to(ACC)
-        s = tl.where(cmask[None, :], s, -float("inf"))
-        new_max = tl.maximum(run_max, tl.max(s, 1))
-        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
-        run_max = new_max
+        run_max, run_sum = _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K, ACC)
     out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
     tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
 
 
-def lse_rows(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """L (n,): L_i = log sum_j exp(sum_k A_ik B_kj) for A (n, K) and B (K, m) (float32 or float64)."""
+def _launch_shape(A: torch.Tensor, B: torch.Tensor):
+    """(n, m, K, KP, BLOCK_M, BLOCK_N, num_warps) of a soft-min launch, after the checks of its factors."""
     if A.dtype not in (torch.float32, torch.float64) or B.dtype != A.dtype:
         raise TypeError(f"A, B: expected one dtype, float32 or float64, got {A.dtype} and {B.dtype}")
     if A.device.type != "cuda" and not _INTERPRETED:
         raise RuntimeError(f"A: the Triton soft-min runs on CUDA tensors (got {A.device}); on CPU set "
                            "TRITON_INTERPRET=1 before triton is first imported")
     n, K = A.shape
-    m = B.shape[1]
+    KP = _width(K, A.dtype)
+    return (n, B.shape[1], K, KP, *_blocks(A.dtype, KP))
+
+
+def lse_rows(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """L (n,): L_i = log sum_j exp(sum_k A_ik B_kj) for A (n, K) and B (K, m) (float32 or float64)."""
+    n, m, K, KP, bm, bn, warps = _launch_shape(A, B)
     out = A.new_empty(n)
     if n == 0:
         return out
-    KP = _width(K, A.dtype)
-    bm, bn, warps = _blocks(A.dtype, KP)
     grid = (triton.cdiv(n, bm),)
     _lse_kernel[grid](A, B, out, n, m, *A.stride(), *B.stride(), K=K, KP=KP, BLOCK_M=bm, BLOCK_N=bn,
                       ACC=tl.float64 if A.dtype == torch.float64 else tl.float32,
@@ -109,15 +120,7 @@ def _lse_blocks_kernel(A, B, OUT, PTR, TILES, n, m, sa_n, sa_k, sb_k, sb_m, TILE
         c0 = tl.load(TILES + t) * TILE
         for j0 in range(0, TILE, BLOCK_N):
             cols = c0 + j0 + tl.arange(0, BLOCK_N)
-            cmask = cols < m
-            b = tl.load(B + fk[:, None] * sb_k + cols[None, :] * sb_m, mask=(fk[:, None] < K) & cmask[None, :],
-                        other=0.0)
-            s = tl.dot(a, b, input_precision="ieee").to(ACC)
-            s = tl.where(cmask[None, :], s, -float("inf"))
-            new_max = tl.maximum(run_max, tl.max(s, 1))
-            shift = tl.where(new_max == -float("inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(s - shift[:, None]), 1)
-            run_max = new_max
+            run_max, run_sum = _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K, ACC)
     out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
     tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
 
@@ -134,18 +137,10 @@ def lse_rows_blocks(A: torch.Tensor, B: torch.Tensor, ptr: torch.Tensor, tiles: 
     BLOCK_M from :func:`row_block`) sums the column tiles ``tiles[ptr[r]:ptr[r + 1]]``, tile t being the
     columns t ``tile`` .. (t + 1) ``tile`` - 1 (``tile`` a multiple of :func:`row_block`'s granularity).
     Max-shifted online as :func:`lse_rows`; -inf for a row block with no tile."""
-    if A.dtype not in (torch.float32, torch.float64) or B.dtype != A.dtype:
-        raise TypeError(f"A, B: expected one dtype, float32 or float64, got {A.dtype} and {B.dtype}")
-    if A.device.type != "cuda" and not _INTERPRETED:
-        raise RuntimeError(f"A: the Triton soft-min runs on CUDA tensors (got {A.device}); on CPU set "
-                           "TRITON_INTERPRET=1 before triton is first imported")
-    n, K = A.shape
-    m = B.shape[1]
+    n, m, K, KP, bm, bn, warps = _launch_shape(A, B)
     out = A.new_empty(n)
     if n == 0:
         return out
-    KP = _width(K, A.dtype)
-    bm, bn, warps = _blocks(A.dtype, KP)
     if tile % bn or ptr.numel() != triton.cdiv(n, bm) + 1:
         raise ValueError(f"tile, ptr: expected a tile multiple of {bn} and {triton.cdiv(n, bm) + 1} offsets (row "
                          f"blocks of {bm}), got tile {tile} and {ptr.numel()} offsets")

@@ -188,19 +188,16 @@ class Truncation:
 
     def rows(self, f, g):
         """delta of f (the x side), truncated (dense once truncation no longer pays, :data:`MAX_FRACTION`)."""
-        if self.off:
-            return update(self.x, self.xx, self.y, self.yy, self.log_b, f, g, self.eps, self.chunk)
-        out, frac = truncated_update(self.x, self.xx, self.y, self.yy, self.log_b, f, g, self.eps, self.rx,
-                                     self.cy, self.threshold)
-        self._seen(frac)
-        return out
+        return self._step(self.x, self.xx, self.y, self.yy, self.log_b, f, g, self.rx, self.cy)
 
     def cols(self, g, f):
         """delta of g (the y side), truncated (or dense, as :meth:`rows`)."""
+        return self._step(self.y, self.yy, self.x, self.xx, self.log_a, g, f, self.ry, self.cx)
+
+    def _step(self, x, xx, y, yy, log_b, f, g, rows, cols):
         if self.off:
-            return update(self.y, self.yy, self.x, self.xx, self.log_a, g, f, self.eps, self.chunk)
-        out, frac = truncated_update(self.y, self.yy, self.x, self.xx, self.log_a, g, f, self.eps, self.ry,
-                                     self.cx, self.threshold)
+            return update(x, xx, y, yy, log_b, f, g, self.eps, self.chunk)
+        out, frac = truncated_update(x, xx, y, yy, log_b, f, g, self.eps, rows, cols, self.threshold)
         self._seen(frac)
         return out
 

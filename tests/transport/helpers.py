@@ -30,3 +30,13 @@ def fd_check(fn, X, h=1e-5, tol=1e-6):
         E[idx] = h
         fd[idx] = (float(fn((X + E).detach())) - float(fn((X - E).detach()))) / (2 * h)
     assert torch.allclose(g, fd, atol=tol, rtol=tol), (g, fd)
+
+
+def plan_marginal_error(mu, nu, f, g, eps):
+    """L1 error of both marginals of pi_ij = a_i b_j exp((f_i + g_j - |x_i - y_j|^2) / eps), summed densely in
+    numpy float64: what a streaming solve's reported error must bound (its certificate)."""
+    X, Y = mu.points.double().numpy(), nu.points.double().numpy()
+    a, b = mu.weights.double().numpy(), nu.weights.double().numpy()
+    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
+    P = a[:, None] * b[None, :] * np.exp((f.double().numpy()[:, None] + g.double().numpy()[None, :] - C) / eps)
+    return np.abs(P.sum(1) - a).sum() + np.abs(P.sum(0) - b).sum()

@@ -17,6 +17,7 @@ import torch
 from particles import Measure
 from particles.validation import ConvergenceError
 from tests.reference import entropic_ot
+from tests.transport.helpers import plan_marginal_error
 from transport import solve, tiles
 from transport.overrelaxation import GUARD, OMEGA_MAX, WINDOW, Relaxation, young_omega
 
@@ -95,27 +96,18 @@ def _pair(n=120):
 REG = 2 * 0.05 ** 2   # GeomLoss's blur 0.05 on the unit cube: plain Sinkhorn crawls here
 
 
-def _plan_error(mu, nu, f, g, eps):
-    """L1 error of both marginals of pi_ij = a_i b_j exp((f_i + g_j - |x_i - y_j|^2) / eps), dense numpy."""
-    X, Y = mu.points.numpy(), nu.points.numpy()
-    a, b = mu.weights.numpy(), nu.weights.numpy()
-    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
-    P = a[:, None] * b[None, :] * np.exp((f.numpy()[:, None] + g.numpy()[None, :] - C) / eps)
-    return np.abs(P.sum(1) - a).sum() + np.abs(P.sum(0) - b).sum()
-
-
 @pytest.mark.parametrize("omega", ["auto", 1.0, 1.5, 1.9])
 def test_the_reported_error_certifies_the_plan_whatever_the_factor(omega):
     mu, nu = _pair()
     res = solve(mu, nu, "streaming", reg=REG, debias=False, tol=1e-3, overrelaxation=omega)
     assert res.converged and res.error <= 1e-3
-    assert _plan_error(mu, nu, *res.potentials, REG) <= res.error * (1 + 1e-9) + 1e-13
+    assert plan_marginal_error(mu, nu, *res.potentials, REG) <= res.error * (1 + 1e-9) + 1e-13
     # a budget too small to converge: says so, and the error it reports still bounds the plan's
     with pytest.warns(RuntimeWarning, match="did not converge"):
         short = solve(mu, nu, "streaming", reg=REG, debias=False, tol=1e-9, max_iter=25, overrelaxation=omega,
                       on_failure="warn")
     assert not short.converged and short.iterations <= 25
-    assert _plan_error(mu, nu, *short.potentials, REG) <= short.error * (1 + 1e-9) + 1e-13
+    assert plan_marginal_error(mu, nu, *short.potentials, REG) <= short.error * (1 + 1e-9) + 1e-13
 
 
 def test_relaxed_values_match_an_independent_sinkhorn_with_fewer_passes():

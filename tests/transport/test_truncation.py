@@ -16,6 +16,7 @@ import torch
 from scipy.special import logsumexp
 
 from particles import Measure
+from tests.transport.helpers import plan_marginal_error
 from transport import solve, tiles, truncation
 
 F64 = torch.float64
@@ -113,14 +114,6 @@ def truncated(monkeypatch):
     return seen
 
 
-def _plan_error(mu, nu, f, g, eps):
-    X, Y = mu.points.numpy(), nu.points.numpy()
-    a, b = mu.weights.numpy(), nu.weights.numpy()
-    C = ((X[:, None, :] - Y[None, :, :]) ** 2).sum(-1)
-    P = a[:, None] * b[None, :] * np.exp((f.numpy()[:, None] + g.numpy()[None, :] - C) / eps)
-    return np.abs(P.sum(1) - a).sum() + np.abs(P.sum(0) - b).sum()
-
-
 @pytest.mark.parametrize("debias", [False, True])
 def test_a_truncated_solve_matches_the_dense_one_and_certifies_the_whole_plan(truncated, monkeypatch, debias):
     # spread clouds at a small blur: a sixth of the entries matter
@@ -130,7 +123,7 @@ def test_a_truncated_solve_matches_the_dense_one_and_certifies_the_whole_plan(tr
     assert truncated and max(truncated) < truncation.MAX_FRACTION   # truncation ran and stayed on
     assert got.converged and got.error <= 1e-6
     if not debias:
-        assert _plan_error(mu, nu, *got.potentials, reg) <= got.error * (1 + 1e-9) + 1e-14
+        assert plan_marginal_error(mu, nu, *got.potentials, reg) <= got.error * (1 + 1e-9) + 1e-14
     monkeypatch.setattr(truncation, "ENABLED", False)
     dense = solve(mu, nu, "streaming", reg=reg, debias=debias, tol=1e-6)
     assert got.value_squared == pytest.approx(dense.value_squared, rel=1e-6)
