@@ -17,12 +17,14 @@ errors it observes, window by window: a rate lam seen at factor omega < omega* g
 rho = (lam + omega - 1)^2 / (lam omega^2) (the eigenvalue relation of SOR), hence a new omega; the
 factor only grows (a rate at omega >= omega* is omega - 1 whatever rho is, and says nothing more),
 up to :data:`OMEGA_MAX`, and halves its excess over 1 when the error grows :data:`GUARD` times above
-the best seen since the last change (a divergence guard).
+the best seen since the start or the last back-off (a divergence guard; the errors after relaxed steps
+also swing, so it trips on large swings as well).
 
 What it changes and what it does not: the relaxed potentials are not Sinkhorn iterates, so the error
 measured after a relaxed step is not a certificate (the plan's columns are no longer exact); the
-solver (``transport.streaming_sinkhorn._solve_pair``) ends with plain steps, and reports the
-error of a plan whose columns are exact, as without relaxation. Measured on CPU
+solver (``transport.streaming_sinkhorn._solve_pair``) takes a plain step once the relaxed error is within
+:data:`transport.streaming_sinkhorn.PROBE` times tol and stops only after one, reporting the error of a
+plan whose columns are exact, as without relaxation. Measured on CPU
 (benchmarks/transport.md, "Small blur"): 1.7-8x fewer soft-min passes at blur 0.05, tol 1e-3.
 """
 
@@ -38,7 +40,7 @@ OMEGA_MAX = 1.9
 #: took the fewest steps of 4 and 8 in exploratory runs on 1500 points, cube and Gaussian clouds, blur
 #: 0.05-0.16, and did better than fewer plain probing steps followed by a single estimate)
 WINDOW = 4
-#: an error this many times above the best since the last change halves omega - 1
+#: an error this many times above the best since the start or the last back-off halves omega - 1
 GUARD = 10.0
 
 
@@ -77,7 +79,7 @@ class Relaxation:
             self._change(1.0 + (self.omega - 1.0) / 2.0, err)
         elif len(self._window) > WINDOW:
             rate = (self._window[-1] / self._window[0]) ** (1.0 / WINDOW)
-            if rate < 1.0:
+            if 0.0 < rate < 1.0:   # 0: an underflowed ratio says nothing of the rate
                 self._change(min(OMEGA_MAX, max(self.omega, young_omega(rate, self.omega))), None)
             self._window = [err]
         return self.omega

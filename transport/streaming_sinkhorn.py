@@ -126,9 +126,11 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
 
     From ``start`` = (f, g) (no annealing; ``done`` updates already spent) or from zero through the
     eps-scaling levels; at eps, steps over-relaxed by ``omega`` ("auto" or a factor in [1, 2),
-    :mod:`transport.overrelaxation`), the last ones plain. The error is the L1 row error of the plan
-    (f, g) before the last update of f, after a plain step of g (its columns are exact), as the
-    iterates' own dtype computes it.
+    :mod:`transport.overrelaxation`), the last ones plain; with ``truncate`` (points in Z-order) the steps at
+    eps are truncated (:mod:`transport.truncation`) but the last step of g and the stopping test dense.
+    The error is the L1 row error of the plan (f, g) before the last update of f, after a plain, dense
+    step of g (its columns are exact: from ``start`` one such step comes first), as the iterates' own
+    dtype computes it.
     """
     xx, yy = (x * x).sum(1), (y * y).sum(1)
     a = log_a.exp()
@@ -149,7 +151,12 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
     dense_y = lambda g, f: update(y, yy, x, xx, log_a, g, f, eps, chunk)
     cut = truncation.Truncation(x, xx, y, yy, log_a, log_b, eps, tol, chunk) if truncate else None
     step_x, step_y = (cut.rows, cut.cols) if cut is not None else (dense_x, dense_y)
-    plain = True   # the last step of g was a plain Sinkhorn step: the columns of the plan (f, g) are exact
+    if start is not None:
+        # the potentials given (a float32 solve's, continued in float64) end with a step of f: one plain step
+        # of g makes the columns of the plan exact, so that the first error below counts them
+        g = g + dense_y(g, f)
+    # the last step of g was a plain, untruncated Sinkhorn step: the columns of the plan (f, g) are exact
+    plain = True
     probe_at, probe_err = PROBE * tol, None
     while True:
         delta = step_x(f, g)
@@ -159,10 +166,13 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
         it += 1
         stop = math.isnan(err) or (plain and (err <= tol or it >= max_iter))
         if stop and cut is not None:
-            # the stopping test again on the whole plan: a truncated pass left out terms
+            # the stopping test again on the whole plan: the truncated passes left out terms, in the last step
+            # of g too, so it is redone dense (columns exact) before the rows' error is measured densely
+            g = g + dense_y(g, f)
             delta = dense_x(f, g)
             err = float((a * torch.expm1(-delta / eps).abs()).sum())
             stop = math.isnan(err) or err <= tol or it >= max_iter
+            plain = True
             if not stop:
                 cut.tighten()
         if stop:

@@ -172,3 +172,31 @@ def test_exponent_floor_keeps_terms_normal_and_sums_exact(dtype):
     torch.testing.assert_close(S[:2].double(), truth[:2], rtol=4 * fi.eps, atol=0)
     safe = tiles.safe(S, m)
     assert bool(safe[:2].all()) and not bool(safe[2])   # the all-underflow row goes to the fallback
+
+
+def test_a_float32_solve_continued_in_float64_certifies_the_columns_too():
+    """A float32 solve whose float64 check misses tol continues in float64 from its potentials, which end with a
+    step of f: the continuation's first error must count the columns (it once stopped at once on the rows'
+    error alone, reporting 1.1e-4 for a plan at 1.0e-3). Found by an independent review."""
+    import transport.streaming_sinkhorn as st
+
+    gg = torch.Generator().manual_seed(201)
+    x, y = torch.rand(200, 1, generator=gg), torch.rand(9, 1, generator=gg) + 0.2   # float32, n != m, d = 1
+    D2 = float((torch.cat([x, y]).max() - torch.cat([x, y]).min()) ** 2)
+    tol = 1e-3
+    reg = 6e-8 * D2 / (tol * 0.6)   # float32 resolves the plan, barely: its check misses tol
+    calls = []
+    solve_pair = st._solve_pair
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(st, "_solve_pair", lambda *a, **k: calls.append(k.get("start") is not None) or solve_pair(*a, **k))
+        mu, nu = Measure(x), Measure(y)
+        res = solve(mu, nu, "streaming", reg=reg, debias=False, tol=tol, on_failure="warn")
+    assert calls == [False, True] and res.precision == torch.float64   # the continuation ran
+    dense = plan_marginal_error(mu.to(dtype=torch.float64), nu.to(dtype=torch.float64), *res.potentials, reg)
+    assert dense <= res.error * (1 + 1e-6) + 1e-12
+
+
+def test_relaxation_ignores_a_window_whose_ratio_underflows():
+    relax = Relaxation("auto")
+    for err in (1e10, 1e9, 1e8, 1e7, 1e-315):
+        assert 1.0 <= relax.observe(err) < 2.0
