@@ -23,9 +23,9 @@ also swing, so it trips on large swings as well).
 What it changes and what it does not: the relaxed potentials are not Sinkhorn iterates, so the error
 measured after a relaxed step is not a certificate (the plan's columns are no longer exact); the
 solver (``transport.streaming_sinkhorn._solve_pair``) takes a plain step once the relaxed error is within
-:data:`transport.streaming_sinkhorn.PROBE` times tol and stops only after one, reporting the error of a
+``transport.streaming_sinkhorn.PROBE`` times tol and stops only after one, reporting the error of a
 plan whose columns are exact, as without relaxation. Measured on CPU
-(benchmarks/transport.md, "Small blur"): 1.7-8x fewer soft-min passes at blur 0.05, tol 1e-3.
+(benchmarks/transport.md, "Small blur"): 1.8-8x fewer soft-min passes at blur 0.05, tol 1e-3.
 """
 
 from __future__ import annotations

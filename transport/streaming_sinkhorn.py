@@ -15,7 +15,7 @@ eps-scaling (annealing eps from the squared diameter down to ``reg``, one update
 iterating to convergence at ``reg``) cuts the iteration count from O(diam^2 / eps) to a few dozen;
 at ``reg`` the steps of the pair problem are over-relaxed (:mod:`transport.overrelaxation`, a factor
 adapted to the observed convergence rate, plain steps at the end so that the reported error still
-certifies the plan): 1.7-8x fewer passes at blur 0.05 (benchmarks/transport.md).
+certifies the plan): 1.8-8x fewer passes at blur 0.05 (benchmarks/transport.md).
 Conventions are those of :mod:`transport.sinkhorn` (docs/math.md section 3.2).
 
 Gradients with respect to the points use the envelope theorem (the potentials are optimal, so

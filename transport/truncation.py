@@ -15,9 +15,10 @@ truncation of Schmitzer (2019) and of GeomLoss's multiscale backend, with a boun
 centres, and recomputed at every half-step from the current potentials (a few milliseconds against a
 pass over the N M entries).
 
-The truncated passes only drive the iterations: the solver's stopping test is repeated with a dense
-pass (:func:`transport.tiles.update`) before it stops, so a reported error is always that of the
-whole plan (``transport.streaming_sinkhorn._solve_pair``). A truncated pass that computes more than
+The truncated passes only drive the iterations: before the solver's stopping test the last step of g is
+redone dense (the columns exact) and the test itself uses a dense pass of the rows
+(:func:`transport.tiles.update`), so a reported error is always that of the whole plan
+(``transport.streaming_sinkhorn._solve_pair``). A truncated pass that computes more than
 :data:`MAX_FRACTION` of the entries turns truncation off for its problem (the boxes are too wide for the
 blur: small N, or a blur comparable to the cloud). On CUDA a truncated half-step is one
 Triton kernel over each row block's kept tiles (:func:`transport.triton_softmin.lse_rows_blocks`);
