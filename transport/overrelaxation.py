@@ -60,7 +60,6 @@ class Relaxation:
     """The factor of each relaxed step: fixed (``omega`` a float in [1, 2)) or adaptive (``"auto"``).
 
     :meth:`observe` takes the marginal error measured before a step and returns the factor for it.
-    ``history`` lists the factors the adaptive rule chose (what the result's log shows).
     """
 
     def __init__(self, omega="auto"):
@@ -68,7 +67,6 @@ class Relaxation:
         self.omega = 1.0 if self.adaptive else float(omega)
         self._window: list[float] = []
         self._best = math.inf
-        self.history: list[float] = []
 
     def observe(self, err: float) -> float:
         if not self.adaptive or not math.isfinite(err) or err <= 0.0:
@@ -85,8 +83,6 @@ class Relaxation:
         return self.omega
 
     def _change(self, omega: float, restart) -> None:
-        if omega != self.omega:
-            self.history.append(omega)
         self.omega = omega
         if restart is not None:   # after a back-off, rates and the best error start again
             self._window, self._best = [restart], restart

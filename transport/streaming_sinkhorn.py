@@ -107,6 +107,12 @@ def _schedule(x, y, eps, scaling, max_iter):
                      f"takes more than max_iter = {max_iter} levels; use a smaller scaling or a larger max_iter")
 
 
+def _row_error(a, delta, eps) -> float:
+    """L1 error of the rows of the plan (f, g), whose i-th row mass is a_i exp(-delta_i / eps) for the change
+    delta = T(g) - f of a half-step (no subtraction of close numbers); one host sync."""
+    return float((a * torch.expm1(-delta / eps).abs()).sum())
+
+
 def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto"):
     """:func:`_iterate_pair`, on the points in Z-order with truncated passes at eps where
     :func:`transport.truncation.applies`; potentials in the caller's order."""
@@ -162,7 +168,7 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
         delta = step_x(f, g)
         # row marginal of the plan (f, g) is a_i exp(-delta_i / eps); after a plain step of g its columns
         # are exact, and err is the plan's whole L1 error
-        err = float((a * torch.expm1(-delta / eps).abs()).sum())
+        err = _row_error(a, delta, eps)
         it += 1
         stop = math.isnan(err) or (plain and (err <= tol or it >= max_iter))
         if stop and cut is not None:
@@ -170,7 +176,7 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
             # of g too, so it is redone dense (columns exact) before the rows' error is measured densely
             g = g + dense_y(g, f)
             delta = dense_x(f, g)
-            err = float((a * torch.expm1(-delta / eps).abs()).sum())
+            err = _row_error(a, delta, eps)
             stop = math.isnan(err) or err <= tol or it >= max_iter
             plain = True
             if not stop:
@@ -222,12 +228,12 @@ def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None,
     cut = truncation.Truncation(x, xx, x, xx, log_a, log_a, eps, tol, chunk) if truncate else None
     while it < max_iter:
         delta = update(x, xx, x, xx, log_a, f, f, eps, chunk) if cut is None else cut.rows(f, f)
-        err = 2.0 * float((a * torch.expm1(-delta / eps).abs()).sum())
+        err = 2.0 * _row_error(a, delta, eps)
         it += 1
         if cut is not None and (err <= tol or math.isnan(err) or it >= max_iter):
             # the stopping test again on the whole coupling: a truncated pass left out terms
             delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
-            err = 2.0 * float((a * torch.expm1(-delta / eps).abs()).sum())
+            err = 2.0 * _row_error(a, delta, eps)
             if not err <= tol:
                 cut.tighten()
         f = f + 0.5 * delta

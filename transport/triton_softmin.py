@@ -47,6 +47,24 @@ def _blocks(dtype, width: int):
 
 
 @triton.jit
+def _lse_rows_start(A, pid, n, sa_n, sa_k, K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    ACC: tl.constexpr):
+    """A program's rows, their mask, the factor columns, the rows' factors and the empty running (max, sum)."""
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n
+    fk = tl.arange(0, KP)
+    a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K), other=0.0)
+    return rows, rmask, fk, a, tl.full([BLOCK_M], -float("inf"), ACC), tl.zeros([BLOCK_M], ACC)
+
+
+@triton.jit
+def _lse_rows_store(OUT, rows, rmask, run_max, run_sum):
+    """L = max + log(shifted sum) of each row (-inf where no term), stored in OUT's dtype."""
+    out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
+    tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
 def _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K: tl.constexpr, ACC: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of the online max-shifted log-sum-exp: the columns ``cols`` of B (those
     at or beyond m masked out) against the rows' factors ``a``; returns the updated (max, shifted sum)."""
@@ -64,17 +82,11 @@ def _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K: tl.constexpr, 
 def _lse_kernel(A, B, OUT, n, m, sa_n, sa_k, sb_k, sb_m,
                 K: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACC: tl.constexpr):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < n
-    fk = tl.arange(0, KP)
-    a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K), other=0.0)
-    run_max = tl.full([BLOCK_M], -float("inf"), ACC)
-    run_sum = tl.zeros([BLOCK_M], ACC)
+    rows, rmask, fk, a, run_max, run_sum = _lse_rows_start(A, pid, n, sa_n, sa_k, K, KP, BLOCK_M, ACC)
     for j0 in range(0, m, BLOCK_N):
         cols = j0 + tl.arange(0, BLOCK_N)
         run_max, run_sum = _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K, ACC)
-    out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
-    tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
+    _lse_rows_store(OUT, rows, rmask, run_max, run_sum)
 
 
 def _launch_shape(A: torch.Tensor, B: torch.Tensor):
@@ -108,12 +120,7 @@ def _lse_blocks_kernel(A, B, OUT, PTR, TILES, n, m, sa_n, sa_k, sb_k, sb_m, TILE
                        ACC: tl.constexpr):
     # as _lse_kernel, over the column tiles TILES[PTR[pid]:PTR[pid + 1]] (each TILE columns) only
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < n
-    fk = tl.arange(0, KP)
-    a = tl.load(A + rows[:, None] * sa_n + fk[None, :] * sa_k, mask=rmask[:, None] & (fk[None, :] < K), other=0.0)
-    run_max = tl.full([BLOCK_M], -float("inf"), ACC)
-    run_sum = tl.zeros([BLOCK_M], ACC)
+    rows, rmask, fk, a, run_max, run_sum = _lse_rows_start(A, pid, n, sa_n, sa_k, K, KP, BLOCK_M, ACC)
     start = tl.load(PTR + pid)
     end = tl.load(PTR + pid + 1)
     for t in range(start, end):
@@ -121,8 +128,7 @@ def _lse_blocks_kernel(A, B, OUT, PTR, TILES, n, m, sa_n, sa_k, sb_k, sb_m, TILE
         for j0 in range(0, TILE, BLOCK_N):
             cols = c0 + j0 + tl.arange(0, BLOCK_N)
             run_max, run_sum = _lse_step(a, B, cols, m, fk, sb_k, sb_m, run_max, run_sum, K, ACC)
-    out = tl.where(run_sum > 0, run_max + tl.log(tl.where(run_sum > 0, run_sum, 1.0)), -float("inf"))
-    tl.store(OUT + rows, out.to(OUT.dtype.element_ty), mask=rmask)
+    _lse_rows_store(OUT, rows, rmask, run_max, run_sum)
 
 
 def row_block(dtype, K: int) -> tuple[int, int]:

@@ -33,6 +33,7 @@ import torch
 
 from particles.device import run_triton
 
+from . import tiles
 from .tiles import cofactors, exp_floor, factors, safe, update
 
 __all__ = ["ENABLED", "MIN_ENTRIES", "MAX_DIM", "MAX_FRACTION", "TILE", "applies", "morton_order", "tau", "Blocks",
@@ -117,37 +118,32 @@ def truncated_update(x, xx, y, yy, log_b, f, g, eps, rows: Blocks, cols: Blocks,
     the fraction of the N M entries computed. Points of both sides in Z-order, cut as ``rows`` / ``cols``."""
     fmax = rows.max(f)
     hmax = cols.max(g + eps * log_b)
-    ptr, tiles = kept_tiles(rows, cols, fmax, hmax, eps, threshold)
+    ptr, kept = kept_tiles(rows, cols, fmax, hmax, eps, threshold)
     A, B = factors(x, xx, f, eps), cofactors(y, yy, g, log_b, eps)
-    fraction = tiles.numel() * cols.size / max(1, rows.count * cols.count * cols.size)
-    if x.device.type == "cuda" or _interpreted_kernel(x):
+    fraction = kept.numel() * cols.size / max(1, rows.count * cols.count * cols.size)
+    if tiles._fused(x):   # where the dense half-step is the Triton soft-min, the truncated one is its twin
         def kernel():
             from .triton_softmin import lse_rows_blocks
 
-            return lse_rows_blocks(A, B, ptr, tiles, cols.size).mul_(-eps)
+            return lse_rows_blocks(A, B, ptr, kept, cols.size).mul_(-eps)
 
         return run_triton(("sinkhorn truncated soft-min", x.device.type, x.dtype, x.shape[1]), kernel,
-                          lambda: _tiles(A, B, ptr, tiles, rows, cols, eps), "w2 (streaming)"), fraction
-    return _tiles(A, B, ptr, tiles, rows, cols, eps), fraction
+                          lambda: _tiles(A, B, ptr, kept, rows, cols, eps), "w2 (streaming)"), fraction
+    return _tiles(A, B, ptr, kept, rows, cols, eps), fraction
 
 
-def _interpreted_kernel(x) -> bool:
-    """Tests run the CUDA path's kernel on CPU in Triton's interpreter (they patch this)."""
-    return False
-
-
-def _tiles(A, B, ptr, tiles, rows: Blocks, cols: Blocks, eps):
+def _tiles(A, B, ptr, kept, rows: Blocks, cols: Blocks, eps):
     """The truncated half-step in torch: per row block, one product against its kept columns, summed in one
     pass relative to f as :func:`transport.tiles.row_sums` does; rows outside its safe range (:func:`safe`)
     again, max-shifted."""
     n, m = A.shape[0], B.shape[1]
     out = torch.empty(n, dtype=A.dtype, device=A.device)
     floor = exp_floor(A.dtype)
-    ptr, tiles = ptr.tolist(), tiles.to(torch.int64)
+    ptr, kept = ptr.tolist(), kept.to(torch.int64)
     offsets = torch.arange(cols.size, device=A.device)
     for r in range(rows.count):
         r0, r1 = r * rows.size, min(n, (r + 1) * rows.size)
-        idx = (tiles[ptr[r]:ptr[r + 1], None] * cols.size + offsets).reshape(-1)
+        idx = (kept[ptr[r]:ptr[r + 1], None] * cols.size + offsets).reshape(-1)
         idx = idx[idx < m]
         Bk = B[:, idx]
         S = (A[r0:r1] @ Bk).clamp_min_(floor).exp_().sum(1)
@@ -164,15 +160,12 @@ TIGHTEN = 5.0
 
 
 def row_size(x: torch.Tensor) -> int:
-    """Rows per block: the Triton kernel's rows per program on CUDA (and in the tests' interpreter), else
-    :data:`CPU_ROWS`."""
-    if x.device.type == "cuda" or _interpreted_kernel(x):
-        from particles.device import triton_runs
+    """Rows per block: the Triton kernel's rows per program where the half-steps run as Triton kernels
+    (:func:`transport.tiles.update`'s rule: CUDA with Triton), else :data:`CPU_ROWS`."""
+    if tiles._fused(x):
+        from .triton_softmin import row_block
 
-        if x.device.type != "cuda" or triton_runs("cuda"):
-            from .triton_softmin import row_block
-
-            return row_block(x.dtype, x.shape[1] + 2)[0]
+        return row_block(x.dtype, x.shape[1] + 2)[0]
     return CPU_ROWS
 
 
@@ -185,7 +178,6 @@ class Truncation:
         self.rx, self.cy = Blocks(x, row_size(x)), Blocks(y, TILE)
         self.ry, self.cx = (self.rx, self.cy) if y is x else (Blocks(y, row_size(y)), Blocks(x, TILE))
         self.threshold = tau(max(x.shape[0], y.shape[0]), tol)
-        self.fractions: list[float] = []
 
     def rows(self, f, g):
         """delta of f (the x side), truncated (dense once truncation no longer pays, :data:`MAX_FRACTION`)."""
@@ -198,14 +190,10 @@ class Truncation:
     def _step(self, x, xx, y, yy, log_b, f, g, rows, cols):
         if self.off:
             return update(x, xx, y, yy, log_b, f, g, self.eps, self.chunk)
-        out, frac = truncated_update(x, xx, y, yy, log_b, f, g, self.eps, rows, cols, self.threshold)
-        self._seen(frac)
-        return out
-
-    def _seen(self, fraction: float) -> None:
-        self.fractions.append(fraction)
+        out, fraction = truncated_update(x, xx, y, yy, log_b, f, g, self.eps, rows, cols, self.threshold)
         if fraction > MAX_FRACTION:
             self.off = True   # the boxes are too wide for this blur: dense passes from now on
+        return out
 
     def tighten(self) -> None:
         self.threshold += TIGHTEN

@@ -217,7 +217,6 @@ def test_a_truncated_solve_through_the_kernels_matches_the_numpy_sinkhorn(fused,
     monkeypatch.setattr(truncation, "MIN_ENTRIES", 0)
     monkeypatch.setattr(truncation, "TILE", 16)
     monkeypatch.setattr(truncation, "MAX_FRACTION", 1.01)   # on for the whole solve (few tiles at this size)
-    monkeypatch.setattr(truncation, "_interpreted_kernel", lambda x: True)
     seen = []
     update = truncation.truncated_update
     monkeypatch.setattr(truncation, "truncated_update", lambda *a, **k: seen.append(1) or update(*a, **k))
