@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import warnings
 
 import torch
@@ -29,24 +30,68 @@ STRICTEST_MIN_DOT_K = {8: 32, 16: 16, 32: 16, 64: 16}
 #: driver query took about half of an attention call at N = 1e3 on an H200)
 ALWAYS_FREE = 2**26
 
+#: seconds a reading of the driver's free memory is reused, corrected by what torch's own allocator reserved
+#: or released since: the query (cudaMemGetInfo) with torch's Python-side allocator statistics cost about
+#: 0.4 ms on an H200, the whole fixed cost of a small attention call, and every streamed call sizes its tiles
+#: by the budget. Another process's allocations are seen within this delay; a need above the corrected
+#: reading always asks the driver again before it is refused or turned to a smaller path
+DRIVER_TTL = 0.25
+
+#: CUDA device index -> (time.monotonic() of the query, the driver's free bytes, torch's reserved bytes then)
+_READINGS: dict = {}
+
+
+def _allocator_bytes(index: int) -> tuple[int, int]:
+    """(reserved, allocated) bytes of torch's caching allocator on CUDA device ``index``, from one C++ call
+    (``torch.cuda.memory_reserved`` and ``memory_allocated`` each build and sort the whole statistics dict in
+    Python); the public functions where that call is not there (another torch, or CUDA not initialized)."""
+    try:
+        stats = torch._C._cuda_memoryStats(index)
+        return int(stats["reserved_bytes"]["all"]["current"]), int(stats["allocated_bytes"]["all"]["current"])
+    except (AttributeError, KeyError, TypeError, RuntimeError):
+        try:
+            return int(torch.cuda.memory_reserved(index)), int(torch.cuda.memory_allocated(index))
+        except (RuntimeError, AssertionError):
+            return 0, 0
+
+
+def _free_bytes(device: torch.device, need=None) -> int:
+    """Free bytes on a CUDA device for this process: the driver's free memory plus torch's cached but unused
+    blocks. The driver is asked at most once per :data:`DRIVER_TTL` seconds (its reading corrected by torch's
+    reserve since), and again whenever ``need`` exceeds the corrected reading."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    reserved, allocated = _allocator_bytes(index)
+
+    def ask():
+        _READINGS[index] = (time.monotonic(), int(torch.cuda.mem_get_info(index)[0]), reserved)
+        return _READINGS[index]
+
+    def estimate(reading):
+        # torch's allocator took (or gave back) reserved - reading[2] bytes from the driver since the reading
+        return max(0, reading[1] - (reserved - reading[2])) + max(0, reserved - allocated)
+
+    reading = _READINGS.get(index)
+    fresh = reading is None or time.monotonic() - reading[0] > DRIVER_TTL
+    if fresh:
+        reading = ask()
+    free = estimate(reading)
+    if need is not None and need > free and not fresh:
+        free = estimate(ask())
+    return free
+
 
 def memory_budget(device, limit=None, *, need=None) -> int:
     """Bytes a computation on ``device`` may allocate: the framework's memory limit
     (:func:`particles.validation.memory_limit`, ``limit`` or ``$SMOOTH_ATTENTION_MEMORY_LIMIT``), capped on
-    CUDA by the device's free memory (``torch.cuda.mem_get_info``; torch's cached blocks count as free).
+    CUDA by the device's free memory (``torch.cuda.mem_get_info``, asked at most every :data:`DRIVER_TTL`
+    seconds unless ``need`` exceeds the last reading; torch's cached blocks count as free).
     ``need``: the bytes the caller is about to weigh against the budget; at most :data:`ALWAYS_FREE` of them
     are taken to be free on the device (the framework's limit still applies) without asking the driver."""
     cap = memory_limit(limit)
     device = torch.device(device)
     if device.type != "cuda" or (need is not None and need <= min(cap, ALWAYS_FREE)):
         return cap
-    free, _ = torch.cuda.mem_get_info(device)
-    try:
-        # memory torch holds in its cache but does not use is free for this process
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    except (RuntimeError, AssertionError):
-        cached = 0
-    return int(max(0, min(cap, free + cached)))
+    return int(min(cap, _free_bytes(device, need)))
 
 
 @functools.cache

@@ -173,16 +173,73 @@ def test_choose_rejects_an_unknown_positions_kind():
 # ---------------------------------------------------------------- the memory budget
 
 
+class FakeDriver:
+    """torch.cuda's memory queries on a CPU build: the driver's free memory, torch's allocator counters and a
+    clock, each settable; counts the driver queries."""
+
+    def __init__(self, monkeypatch, free, reserved=0, allocated=0):
+        self.free, self.reserved, self.allocated, self.now, self.queries = free, reserved, allocated, 100.0, []
+        monkeypatch.setattr(device, "_READINGS", {})
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "mem_get_info", self.mem_get_info)
+        monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: self.reserved)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: self.allocated)
+        monkeypatch.setattr(device.time, "monotonic", lambda: self.now)
+
+    def mem_get_info(self, dev=None):
+        self.queries.append(dev)
+        return self.free, 80 * GiB
+
+
 def test_memory_budget_is_the_free_memory_capped_by_the_limit(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GiB, 80 * GiB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 2 * GiB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: GiB)
+    FakeDriver(monkeypatch, free=3 * GiB, reserved=2 * GiB, allocated=GiB)
     # free 3 GiB + 1 GiB cached by torch but unused
     assert device.memory_budget("cuda", limit=100 * GiB) == 4 * GiB
     assert device.memory_budget("cuda", limit="2G") == 2 * GiB
     monkeypatch.setenv("SMOOTH_ATTENTION_MEMORY_LIMIT", "1G")
     assert device.memory_budget("cuda:0") == GiB
     assert device.memory_budget("cpu") == GiB
+
+
+def test_the_allocator_counters_come_from_one_call_where_torch_has_it(monkeypatch):
+    """torch.cuda.memory_reserved / memory_allocated build and sort the whole statistics dict in Python; the
+    budget reads the nested dict of torch._C._cuda_memoryStats once instead, and falls back to them."""
+    stats = {"reserved_bytes": {"all": {"current": 5 * GiB}}, "allocated_bytes": {"all": {"current": 2 * GiB}}}
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda index: stats, raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 1 / 0)
+    assert device._allocator_bytes(0) == (5 * GiB, 2 * GiB)
+    monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda index: {}, raising=False)   # CUDA not initialized
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 3)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 1)
+    assert device._allocator_bytes(0) == (3, 1)
+
+
+def test_the_driver_is_asked_once_per_ttl_and_its_reading_follows_torchs_own_allocations(monkeypatch):
+    """The driver's free memory is read at most once per DRIVER_TTL seconds; in between, what torch's allocator
+    reserved from (or released to) the driver is subtracted from (added to) that reading, and a need above the
+    corrected reading asks again (a refusal or a smaller path is never decided on an old reading)."""
+    drv = FakeDriver(monkeypatch, free=10 * GiB, reserved=2 * GiB, allocated=GiB)
+    limit = 100 * GiB
+    assert device.memory_budget("cuda", limit) == 11 * GiB and len(drv.queries) == 1
+    # torch reserves 4 GiB more (all in use): the driver has 6 GiB left, nothing is cached
+    drv.free, drv.reserved, drv.allocated = 6 * GiB, 6 * GiB, 6 * GiB
+    assert device.memory_budget("cuda", limit) == 6 * GiB and len(drv.queries) == 1
+    # torch frees its tensors (kept in its cache): 6 GiB cached, 6 GiB from the driver
+    drv.allocated = 0
+    assert device.memory_budget("cuda", limit) == 12 * GiB and len(drv.queries) == 1
+    # empty_cache gives the reserve back to the driver
+    drv.free, drv.reserved = 12 * GiB, 0
+    assert device.memory_budget("cuda", limit) == 12 * GiB and len(drv.queries) == 1
+    # another process takes 8 GiB: unseen until the reading expires ...
+    drv.free = 4 * GiB
+    assert device.memory_budget("cuda", limit) == 12 * GiB and len(drv.queries) == 1
+    # ... or a need above the reading asks again at once
+    assert device.memory_budget("cuda", limit, need=13 * GiB) == 4 * GiB and len(drv.queries) == 2
+    drv.free = 9 * GiB
+    drv.now += device.DRIVER_TTL + 0.01
+    assert device.memory_budget("cuda", limit) == 9 * GiB and len(drv.queries) == 3
+    # a need the reading covers asks nothing
+    assert device.memory_budget("cuda", limit, need=8 * GiB) == 9 * GiB and len(drv.queries) == 3
 
 
 def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
@@ -230,22 +287,13 @@ def test_memory_budget_asks_the_driver_only_for_large_needs(monkeypatch):
     """On CUDA the budget is min(framework limit, free + torch's unused cache); a need of at most
     ALWAYS_FREE bytes is not weighed against the device's free memory (the driver query costs more than a
     small call), but still against the framework's limit."""
-    calls = []
-
-    def fake_mem_get_info(dev=None):
-        calls.append(dev)
-        return 5 * 2**30, 80 * 2**30
-
-    monkeypatch.setattr(torch.cuda, "mem_get_info", fake_mem_get_info)
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 3 * 2**30)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: 2**30)
+    drv = FakeDriver(monkeypatch, free=5 * 2**30, reserved=3 * 2**30, allocated=2**30)
     limit = 100 * 2**30
-    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE) == limit and calls == []
-    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE + 1) == 7 * 2**30 and len(calls) == 1
-    assert device.memory_budget("cuda", limit) == 7 * 2**30 and len(calls) == 2
-    assert device.memory_budget("cuda", 2**30, need=2**20) == 2**30 and len(calls) == 2
-    # a framework limit below the need: the driver is asked, the limit caps
-    assert device.memory_budget("cuda", 2**20, need=2**21) == 2**20 and len(calls) == 3
+    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE) == limit and drv.queries == []
+    assert device.memory_budget("cuda", limit, need=device.ALWAYS_FREE + 1) == 7 * 2**30 and len(drv.queries) == 1
+    assert device.memory_budget("cuda", 2**30, need=2**20) == 2**30 and len(drv.queries) == 1
+    # a framework limit below the need caps the budget
+    assert device.memory_budget("cuda", 2**20, need=2**21) == 2**20
 
 
 # ---------------------------------------------------------------- SDPA with a padded head (runs on CPU too)
