@@ -245,12 +245,29 @@ def _check_dense_memory(q, k, log_weights, q_pos, k_pos) -> None:
                          "(with kernels.use(threshold=...) no larger than the memory allows)")
 
 
+def _plain_probs(q, k, log_weights, q_pos, k_pos) -> torch.Tensor:
+    """softmax_j(<q_i, k_j> + log a_j, masked where s_j > t_i): :func:`attention_probs` without its guard of rows
+    that see no key of positive weight (NaN here, zeros there); equal to it on every other row."""
+    scores = q @ k.transpose(-1, -2)
+    if log_weights is not None:
+        scores = scores + log_weights.unsqueeze(-2)
+    if q_pos is not None:
+        scores = torch.where(k_pos.unsqueeze(-2) <= q_pos.unsqueeze(-1), scores, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def _checks_skipped() -> bool:
+    """Whether :func:`_check_output` checks nothing here (torch.func transforms, forward-mode AD, or a caller
+    that checks its own results)."""
+    return _transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred()
+
+
 def _check_output(out, q, k, v, log_weights, *, queries: bool = False) -> torch.Tensor:
     """A NaN or infinite output names its cause instead of being returned. One reduction, the sum of the output
     (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the streamed and
     fused paths turn a NaN query's row into zeros), one host sync; the entry-wise check only when that sum is
     not finite. None inside torch.func transforms, whose callers check their own results."""
-    if _transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred():
+    if _checks_skipped():
         return out
     total = out.detach().sum()
     if queries:
@@ -372,6 +389,14 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         _check_method(method)
     if method == "dense":
         _check_dense_memory(q, k, log_weights, q_pos, k_pos)
+        if (log_weights is not None or q_pos is not None) and not _checks_skipped():
+            # the plain softmax first (as naive attention: about half the kernels of attention_probs with a
+            # mask or weights, which is most of a small call's cost on a GPU): it differs from attention_probs
+            # only on rows with no visible key of positive weight, which it leaves NaN, so a finite output
+            # (the sum the output check computes anyway) is the exact result
+            out = _plain_probs(q, k, log_weights, q_pos, k_pos) @ v
+            if math.isfinite(float(out.detach().sum())):
+                return out
         return _check_output(attention_probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights)
     from . import streamed_attention as streaming
 

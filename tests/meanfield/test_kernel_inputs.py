@@ -3,6 +3,8 @@ a non-finite output (NaN inputs, overflowing scores) is an error instead of a si
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -142,3 +144,34 @@ def test_finite_outputs_whose_sum_overflows_are_returned():
     out = kernels.attend(q, k, big, method="dense")
     assert bool(torch.isfinite(out).all()) and not torch.isfinite(out.sum())
     assert torch.allclose(out / 1e308, _reference(q, k, big / 1e308), rtol=1e-12)
+
+
+def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(monkeypatch):
+    """With weights or positions the dense path runs the plain softmax (as naive attention) and takes
+    attention_probs's guarded formula only when the output is not finite, i.e. when a row sees no key of
+    positive weight: the results equal the guarded formula bit for bit either way, the rows without keys are
+    zeros, and their gradients are finite (zeros) rather than NaN."""
+    calls = []
+    guarded = kernels.attention_probs
+    monkeypatch.setattr(kernels, "attention_probs", lambda *a: calls.append(1) or guarded(*a))
+    q, k, v = _qkv()
+    lw = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=torch.float64))
+    kp = torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0], dtype=torch.float64)
+    for q_pos in (None, torch.tensor([0.3, 0.5, 0.7, 1.0], dtype=torch.float64)):
+        pos = (q_pos, None if q_pos is None else kp)
+        out = kernels.attend(q, k, v, lw, *pos, method="dense")
+        assert torch.equal(out, guarded(q, k, lw, *pos) @ v) and calls == []
+    # a query before every key: the guarded formula, once
+    q_pos = torch.tensor([0.0, 0.5, 0.7, 1.0], dtype=torch.float64)
+    qg = q.clone().requires_grad_(True)
+    out = kernels.attend(qg, k, v, lw, q_pos, kp, method="dense")
+    assert len(calls) == 1 and torch.equal(out[0], torch.zeros(2, dtype=torch.float64))
+    assert torch.equal(out.detach(), guarded(q, k, lw, q_pos, kp) @ v)
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all() and torch.equal(qg.grad[0], torch.zeros(3, dtype=torch.float64))
+    # every weight zero: every row is empty
+    out = kernels.attend(q, k, v, torch.full((5,), -math.inf, dtype=torch.float64), method="dense")
+    assert len(calls) == 2 and torch.equal(out, torch.zeros(4, 2, dtype=torch.float64))
+    # a NaN input is still reported by name
+    with pytest.raises(FloatingPointError, match="^k: contains NaN"):
+        kernels.attend(q, k.clone().fill_(math.nan), v, lw, method="dense")
