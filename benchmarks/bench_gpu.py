@@ -24,7 +24,11 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
   mean-field constant of SelfAttention(A, V) on a weighted measure in d = 3;
 * ``sinkhorn`` (goals: within 1.5x of GeomLoss ``tensorized`` where it fits, N = 1e6 under 60 s):
   debiased, blur 0.05 (reg = 2 blur^2 = 0.005 in squared-distance units), tol 1e-3;
-* ``dynamics`` (goal: within 1.3x of a plain RK4 loop on the best kernel): simulate, rk4, 10 steps, d = 3.
+* ``dynamics`` (goal: within 1.3x of a plain RK4 loop on the best kernel): simulate, rk4, 10 steps, d = 3;
+* ``fixed`` (what a call costs besides its arithmetic, goal 2 below 1e5): the forward at N = 1e3 and 1e4,
+  d = 3, each mask, and the VJP at 1e4: one synchronized call and the time per call in a loop of 20 calls
+  synchronized once, ours against naive dense (SDPA's backward), with the CUDA kernel launches, host syncs
+  and other runtime calls of one call of each (torch.profiler).
 
 ``--quick`` leaves out N = 1e6 (and Sinkhorn's 2e5). ``--cpu-smoke`` runs every section at tiny sizes
 on the CPU (to check the script itself; its figures mean nothing) and writes to ``--out`` only.
@@ -57,7 +61,7 @@ from meanfield.kernels import attend, choose  # noqa: E402
 from particles import Measure  # noqa: E402
 from transport import w2  # noqa: E402
 
-SECTIONS = ("table", "grid", "derivatives", "lipschitz", "sinkhorn", "dynamics")
+SECTIONS = ("table", "grid", "derivatives", "lipschitz", "sinkhorn", "dynamics", "fixed")
 OOM = "out of memory"
 CHUNK_ROWS = 2048
 BLUR = 0.05
@@ -270,6 +274,86 @@ def forward_rows(b, n, d, mask, with_stream=False, with_dense=True):
     return res
 
 
+#: calls per loop of the "fixed" section's throughput candidates (synchronized once, after the loop)
+LOOP = 20
+
+#: CUDA runtime calls that block the host until the device is done (one per host sync)
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def runtime_calls(b, fn) -> dict:
+    """The CUDA runtime calls of one call of ``fn`` (torch.profiler): kernel launches, host syncs and the
+    other runtime calls by name (a driver memory query shows as cudaMemGetInfo); {} off CUDA."""
+    if b.device.type != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    b.sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+    launches = syncs = 0
+    other = {}
+    for ev in prof.key_averages():
+        name = ev.key
+        if not name.startswith(("cuda", "cu")) or name.startswith("cudnn"):
+            continue
+        if "LaunchKernel" in name:
+            launches += ev.count
+        elif name in SYNC_CALLS:
+            syncs += ev.count
+        else:
+            other[name] = other.get(name, 0) + ev.count
+    return {"launches": launches, "syncs": syncs,
+            "other runtime calls": ", ".join(f"{k} x{v}" for k, v in sorted(other.items())) or "none"}
+
+
+def fixed_rows(b, n, d, mask):
+    """What a call costs besides its arithmetic (goal 2 below 1e5, goal 6 at 1e4): one synchronized call, and per
+    call in a loop of LOOP calls synchronized once (the regime of simulate's and Lanczos's loops, where a
+    host sync inside a call stops the host from queueing the next one), ours (auto) against naive dense; the
+    kernel launches and host syncs of each."""
+    args = attention_inputs(n, d, mask, b.device)
+    ours, peer = (lambda: attend(*args)), (lambda: naive(*args))
+
+    def loop(fn):
+        def run():
+            for _ in range(LOOP):
+                out = fn()
+            return out
+        return run
+
+    fns = {"ours (auto)": ours, "naive dense": peer if dense_fits(n, b.device) else None,
+           f"ours (auto), per call in a loop of {LOOP}": loop(ours),
+           f"naive dense, per call in a loop of {LOOP}": loop(peer) if dense_fits(n, b.device) else None}
+    res = b.time(fns, n, f"fixed {d} {mask}")
+    for name in list(res):
+        if name.endswith(f"loop of {LOOP}") and isinstance(res[name], float):
+            res[name] /= LOOP
+    with torch.no_grad():
+        info = {"auto's path": choose(*args)}
+        for who, fn in (("ours", ours), ("naive", peer if dense_fits(n, b.device) else None)):
+            if fn is not None:
+                info.update({f"{who} {k}": v for k, v in runtime_calls(b, fn).items()})
+    res["info"] = info
+    return res
+
+
+def vjp_fixed_rows(b, n, d=3):
+    """The same for the VJP of a recorded graph (the streamed kernel: tiles sized by the device's budget)."""
+    q, k, v, lw, qp, kp = attention_inputs(n, d, "none", b.device, grad=True)
+    g = torch.randn(n, v.shape[-1], device=b.device, dtype=q.dtype)
+    ours_out, peer_out = attend(q, k, v), sdpa_padded(q, k, v, None, None, None)
+    ours = lambda: torch.autograd.grad(ours_out, (q, k, v), g, retain_graph=True)
+    peer = lambda: torch.autograd.grad(peer_out, (q, k, v), g, retain_graph=True)
+    res = b.time({"ours (VJP)": ours, "SDPA backward": peer}, n, f"fixed vjp {d}")
+    info = {}
+    for who, fn in (("ours", ours), ("SDPA", peer)):
+        info.update({f"{who} {k}": v for k, v in runtime_calls(b, fn).items()})
+    res["info"] = info
+    return res
+
+
 def _engines(b):
     """The streamed kernel's engines to time side by side (derivatives section): which is faster where
     decides meanfield.accelerator_paths.TRITON_MAX_WIDTH."""
@@ -329,6 +413,17 @@ def _untruncated(fn):
         truncation.ENABLED = True
 
 
+def _fine_annealing(fn):
+    """``fn()`` with every annealing level on the points (the solver before transport/multiscale.py)."""
+    from transport import multiscale
+
+    multiscale.ENABLED = False
+    try:
+        return fn()
+    finally:
+        multiscale.ENABLED = True
+
+
 def sinkhorn_rows(b, n, with_peers=True):
     g = torch.Generator().manual_seed(0)
     X = torch.rand(n, 3, generator=g, dtype=torch.float64).to(b.device, torch.float32)
@@ -343,7 +438,11 @@ def sinkhorn_rows(b, n, with_peers=True):
            # ... and without the kernel truncation of the last eps (dense passes throughout)
            "ours, untruncated": lambda: _untruncated(lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg,
                                                                 squared=True, debias=True, tol=SINKHORN_TOL,
-                                                                max_iter=iters, on_failure="warn"))}
+                                                                max_iter=iters, on_failure="warn")),
+           # ... and with every annealing level on the points (no coarse start on cluster centres)
+           "ours, fine annealing": lambda: _fine_annealing(lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg,
+                                                                      squared=True, debias=True, tol=SINKHORN_TOL,
+                                                                      max_iter=iters, on_failure="warn"))}
     try:
         from geomloss import SamplesLoss
 
@@ -549,8 +648,19 @@ def section_dynamics(b, quick):
                      ["RK4 loop on SDPA padded"])
 
 
+def section_fixed(b, quick):
+    sizes = [24, 40] if b.smoke else [10**3, 10**4]
+    for mask in ("none", "weighted", "causal", "positions"):
+        for n in sizes:
+            yield (f"fixed cost, forward, d = 3, {mask}", n, fixed_rows(b, n, 3, mask), "ours (auto)",
+                   ["naive dense"])
+    n = 40 if b.smoke else 10**4
+    yield ("fixed cost, VJP, d = 3", n, vjp_fixed_rows(b, n), "ours (VJP)", ["SDPA backward"])
+
+
 RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
-           "lipschitz": section_lipschitz, "sinkhorn": section_sinkhorn, "dynamics": section_dynamics}
+           "lipschitz": section_lipschitz, "sinkhorn": section_sinkhorn, "dynamics": section_dynamics,
+           "fixed": section_fixed}
 
 
 # ---------------------------------------------------------------------- output

@@ -6,6 +6,13 @@ lazy Sinkhorn and GeomLoss's tensorized backend, on uniform clouds in [0, 1]^3 (
     python benchmarks/bench_transport.py --precision [--sizes 1000 3000] [--repeats 3]
     python benchmarks/bench_transport.py --relaxation [--sizes 2000 5000] [--clouds cube gauss] [--repeats 2]
     python benchmarks/bench_transport.py --truncation --sizes 100000 1000000 [--threads 2]
+    python benchmarks/bench_transport.py --multiscale [--sizes 10000 20000] [--clouds cube gauss] [--repeats 1]
+
+``--multiscale``: the streaming solver at the GPU goal's problem (blur 0.05, debiased, tol 1e-3, d = 3, float32
+clouds) with its first annealing levels on cluster centres (transport/multiscale.py, the default) against all
+levels on the points, in one process, interleaved: CPU time and the work in passes over the N x N entries
+(dense soft-min passes, the exact soft-min of fallback rows and of the coarse start's extension, truncated
+passes at their kept fraction; the coarse levels' own passes, about 1/64^2 of a dense one each, apart).
 
 ``--relaxation``: the streaming solver at a small blur (reg = 2 x 0.05^2, GeomLoss's blur 0.05, the setting
 of the GPU goal in benchmarks/gpu.md), debiased, tol 1e-3, d = 3, float32 clouds (solved in float64, which
@@ -479,6 +486,84 @@ def truncation_fraction(args):
         print(f"| {name} | {t:.3g} | {base / t:.2f}x | {res.value_squared:.10g} | {res.error:.2g} | {res.iterations} |")
 
 
+def _counted_solve(mu, nu, coarse: bool):
+    """A debiased solve at blur 0.05 with the annealing on cluster centres or not, and its work in passes over
+    the N x M entries by kind (module docstring)."""
+    from unittest import mock
+
+    from transport import multiscale, solve, tiles, truncation
+
+    n, m = mu.n, nu.n
+    work = {}
+
+    def add(kind, entries):
+        work[kind] = work.get(kind, 0.0) + entries / (n * m)
+
+    row_sums, softmin, truncated = tiles.row_sums, tiles.softmin, truncation._tiles
+
+    def big(a, b):
+        return "passes over the points" if min(a, b) >= min(n, m) // 2 else "coarse levels"
+
+    def rs(A, B, c):
+        add(big(A.shape[0], B.shape[1]), A.shape[0] * B.shape[1])
+        return row_sums(A, B, c)
+
+    def sm(x, xx, y, yy, *a):
+        add("exact soft-min (fallback rows, coarse start's extension)" if min(x.shape[0], y.shape[0]) >= 64
+            else "coarse levels", x.shape[0] * y.shape[0])
+        return softmin(x, xx, y, yy, *a)
+
+    def tt(A, B, ptr, kept, rows, cols, eps):
+        add("truncated passes (kept fraction)", kept.numel() * cols.size * rows.size)
+        return truncated(A, B, ptr, kept, rows, cols, eps)
+
+    import transport.streaming_sinkhorn as st
+    with mock.patch.object(tiles, "row_sums", rs), mock.patch.object(tiles, "softmin", sm), \
+            mock.patch.object(st, "softmin", sm), mock.patch.object(multiscale, "softmin", sm), \
+            mock.patch.object(truncation, "_tiles", tt), mock.patch.object(multiscale, "ENABLED", coarse):
+        res = solve(mu, nu, "streaming", reg=2 * 0.05**2, debias=True, tol=1e-3)
+    return res, work
+
+
+def multiscale_annealing(args):
+    """The annealing on cluster centres against all levels on the points (module docstring)."""
+    import os
+
+    import torch
+
+    from particles import Measure
+
+    torch.set_num_threads(args.threads)
+    print(f"uptime before: {os.getloadavg()} (load average 1/5/15 min, {os.cpu_count()} CPUs); threads = "
+          f"{args.threads}, reg = 2 x 0.05^2 (blur 0.05), debias, tol 1e-3, d = 3, float32 clouds: cube = uniform "
+          f"in [0,1]^3 and its translate by 0.1, gauss = N(0, I) and N(1, I / 4); fastest CPU time of "
+          f"{args.repeats} interleaved repeats; work in passes over the N x N entries\n")
+    print("| N, clouds | case | CPU (s) | vs all levels on the points | work (passes) | of which | value S_eps | "
+          "error | pair updates |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n, kind in ((n, kind) for kind in args.clouds for n in args.sizes):
+        if kind == "cube":
+            X, Y = _data(n, 0), _data(n, 1) + 0.1
+        else:
+            g = torch.Generator().manual_seed(0)
+            X = torch.randn(n, 3, generator=g, dtype=torch.float64)
+            Y = 0.5 * torch.randn(n, 3, generator=g, dtype=torch.float64) + 1.0
+        mu, nu = Measure(X, dtype=torch.float32), Measure(Y, dtype=torch.float32)
+        cases = {"all levels on the points (previous)": False, "first levels on cluster centres (default)": True}
+        runs = {name: (float("inf"), None) for name in cases}
+        for _ in range(args.repeats):
+            for name, coarse in cases.items():
+                t, out = _cpu(lambda mu=mu, nu=nu, coarse=coarse: _counted_solve(mu, nu, coarse), 1)
+                runs[name] = (min(runs[name][0], t), out)
+        base = next(iter(runs.values()))[0]
+        for name, (t, (res, work)) in runs.items():
+            total = sum(v for k, v in work.items() if k != "coarse levels")
+            parts = "; ".join(f"{k} {v:.3g}" for k, v in sorted(work.items()))
+            print(f"| {n}, {kind} | {name} | {t:.3g} | {base / t:.2f}x | {total:.1f} | {parts} | "
+                  f"{res.value_squared:.10g} | {res.error:.2g} | {res.iterations} |", flush=True)
+    print(f"\nuptime after: {os.getloadavg()}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -488,8 +573,9 @@ def main():
     ap.add_argument("--precision", action="store_true", help="overhead of the float32 certificate, float64 costs")
     ap.add_argument("--relaxation", action="store_true", help="over-relaxation and the exponent floor vs previous")
     ap.add_argument("--truncation", action="store_true", help="fraction a truncated pass computes at --sizes")
+    ap.add_argument("--multiscale", action="store_true", help="the annealing on cluster centres vs on the points")
     ap.add_argument("--clouds", nargs="+", default=["cube", "gauss"], choices=["cube", "gauss"],
-                    help="--relaxation's data")
+                    help="--relaxation's and --multiscale's data")
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000])
     ap.add_argument("--dims", type=int, nargs="+", default=[3, 64])
     ap.add_argument("--repeats", type=int, default=2)
@@ -517,6 +603,9 @@ def main():
         return
     if args.truncation:
         truncation_fraction(args)
+        return
+    if args.multiscale:
+        multiscale_annealing(args)
         return
     if args.relaxation:
         if args.sizes == [10_000]:

@@ -13,9 +13,11 @@ the same code runs on CPU and CUDA, float32 or float64.
 
 eps-scaling (annealing eps from the squared diameter down to ``reg``, one update per level, then
 iterating to convergence at ``reg``) cuts the iteration count from O(diam^2 / eps) to a few dozen;
-at ``reg`` the steps of the pair problem are over-relaxed (:mod:`transport.overrelaxation`, a factor
-adapted to the observed convergence rate, plain steps at the end so that the reported error still
-certifies the plan): 1.8-8x fewer passes at blur 0.05 (benchmarks/transport.md).
+on large low-dimensional clouds its first levels run on cluster centres (:mod:`transport.multiscale`)
+and the passes at ``reg`` skip negligible tiles (:mod:`transport.truncation`); at ``reg`` the steps of
+the pair problem are over-relaxed (:mod:`transport.overrelaxation`, a factor adapted to the observed
+convergence rate, plain steps at the end so that the reported error still certifies the plan): 1.8-8x
+fewer passes at blur 0.05 (benchmarks/transport.md).
 Conventions are those of :mod:`transport.sinkhorn` (docs/math.md section 3.2).
 
 Gradients with respect to the points use the envelope theorem (the potentials are optimal, so
@@ -42,7 +44,7 @@ from particles import Measure
 from particles.device import run_triton
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
-from . import tiles, truncation
+from . import multiscale, tiles, truncation
 from .options import DEFAULT_CHUNK_ELEMENTS, check_memory_limit, resolve
 from .overrelaxation import Relaxation
 from .problem import Problem, ldexp
@@ -116,24 +118,27 @@ def _row_error(a, delta, eps) -> float:
 def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto"):
     """:func:`_iterate_pair`, on the points in Z-order with truncated passes at eps where
     :func:`transport.truncation.applies`; potentials in the caller's order."""
-    if not truncation.applies(x.shape[0], y.shape[0], x.shape[1]):
+    n, m, d = x.shape[0], y.shape[0], x.shape[1]
+    cut, coarse = truncation.applies(n, m, d), start is None and multiscale.applies(n, m, d)
+    if not (cut or coarse):
         return _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start, done, omega)
     px, py = truncation.morton_order(x), truncation.morton_order(y)
     if start is not None:
         start = (start[0][px], start[1][py])
     f, g, err, it = _iterate_pair(x[px], y[py], log_a[px], log_b[py], eps, tol, max_iter, scaling, chunk, start,
-                                  done, omega, truncate=True)
+                                  done, omega, truncate=cut, coarse=coarse)
     return truncation.unsort(f, px), truncation.unsort(g, py), err, it
 
 
 def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto",
-                  truncate=False):
+                  truncate=False, coarse=False):
     """Sinkhorn for OT_eps between (x, log_a) and (y, log_b): (f, g, error, updates).
 
     From ``start`` = (f, g) (no annealing; ``done`` updates already spent) or from zero through the
     eps-scaling levels; at eps, steps over-relaxed by ``omega`` ("auto" or a factor in [1, 2),
     :mod:`transport.overrelaxation`), the last ones plain; with ``truncate`` (points in Z-order) the steps at
-    eps are truncated (:mod:`transport.truncation`) but the last step of g and the stopping test dense.
+    eps are truncated (:mod:`transport.truncation`) but the last step of g and the stopping test dense; with
+    ``coarse`` (points in Z-order) the first annealing levels run on cluster centres (:mod:`transport.multiscale`).
     The error is the L1 row error of the plan (f, g) before the last update of f, after a plain, dense
     step of g (its columns are exact: from ``start`` one such step comes first), as the iterates' own
     dtype computes it.
@@ -144,14 +149,18 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
         f = torch.zeros_like(xx)
         g = torch.zeros_like(yy)
         levels = _schedule(x, y, eps, scaling, max_iter)
+        it = len(levels) - 1
+        if coarse:
+            fc, gc, count = multiscale.start_pair(x, y, log_a, log_b, levels[:-1], chunk)
+            if count:
+                f, g, levels = fc, gc, levels[count:]
     else:
-        (f, g), levels = start, []
+        (f, g), levels, it = start, [], done
     # every half-step is tiled relative to the current potentials (tiles.update); rows where they are
     # too far off for that (the first levels) fall back to the max-shifted soft-min
     for e in levels:
         f = f + update(x, xx, y, yy, log_b, f, g, e, chunk)
         g = g + update(y, yy, x, xx, log_a, g, f, e, chunk)
-    it = len(levels) - 1 if start is None else done
     relax = Relaxation(omega)
     dense_x = lambda f, g: update(x, xx, y, yy, log_b, f, g, eps, chunk)
     dense_y = lambda g, f: update(y, yy, x, xx, log_a, g, f, eps, chunk)
@@ -206,20 +215,26 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
     Where :func:`transport.truncation.applies`, on the points in Z-order with truncated passes at eps (the
     last pass dense), the potential given back in the caller's order.
     """
-    if not truncation.applies(x.shape[0], x.shape[0], x.shape[1]):
+    n, d = x.shape
+    cut, coarse = truncation.applies(n, n, d), start is None and multiscale.applies(n, n, d)
+    if not (cut or coarse):
         return _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start)
     px = truncation.morton_order(x)
     f, err, it = _iterate_symmetric(x[px], log_a[px], eps, tol, max_iter, scaling, chunk,
-                                    None if start is None else start[px], truncate=True)
+                                    None if start is None else start[px], truncate=cut, coarse=coarse)
     return truncation.unsort(f, px), err, it
 
 
-def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None, truncate=False):
+def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None, truncate=False, coarse=False):
     xx = (x * x).sum(1)
     a = log_a.exp()
     if start is None:
         f = torch.zeros_like(xx)
         levels = _schedule(x, x, eps, scaling, max_iter)[:-1]
+        if coarse:
+            fc, count = multiscale.start_symmetric(x, log_a, levels, chunk)
+            if count:
+                f, levels = fc, levels[count:]
     else:
         f, levels = start, []
     for e in levels:
