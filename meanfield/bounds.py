@@ -4,8 +4,9 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 (docs/math.md section 5). Spectral norms ``||.||_2`` throughout. Conventions: scores
 ``s_ij = <A x_i, x_j>``, values ``V x_j`` with ``V`` of shape (d_out, d), tokens in the ball B_R.
 
-* upper bounds: :func:`sqrt_n_upper` (Thm 3.3 / 4.3), :func:`mean_field_upper` (Thm 3.5 / 4.4),
-  :func:`multihead_upper` (Lemma 3.8), :func:`l2_attention_upper` (Kim et al. Thm 3.2);
+* upper bounds: :func:`sqrt_n_upper` (Thm 3.3 / 4.3), :func:`mean_field_upper` (Thm 3.5; unmasked only:
+  Theorem 4.4's stated masked version fails, see :func:`cesaro_norm`), :func:`multihead_upper`
+  (Lemma 3.8), :func:`l2_attention_upper` (Kim et al. Thm 3.2);
 * lower bounds: :func:`sqrt_n_lower` (Prop 3.4), :func:`two_dirac_lower` (Prop 3.6, asymptotic);
 * large radius: :func:`large_radius_limit` (Thm 3.7 / 4.5), :func:`argmax_indices`;
 * eigen-structure of A: :func:`gamma`, :func:`gamma_info`.
@@ -40,6 +41,7 @@ __all__ = [
     "argmax_indices",
     "augmented_head_norms",
     "biased_multihead_upper",
+    "cesaro_norm",
     "gamma",
     "gamma_info",
     "eigen_cases",
@@ -149,12 +151,16 @@ def sqrt_n_upper(A, V, R, n) -> float:
 
 
 def mean_field_upper(A, V, R, *, log: bool = False) -> float:
-    """Theorem 3.5 (mean-field, Geshkovski et al. 2023) and Theorem 4.4 (masked, conditional W2):
-    the Lipschitz constant of mean-field attention on P(B_R) is at most
-    ``||V||_2 (1 + 3 ||A||_2 R^2) exp(2 ||A||_2 R^2)``.
+    """Theorem 3.5 (mean-field, Geshkovski et al. 2023): the W2 Lipschitz constant of unmasked mean-field
+    attention on P(B_R) is at most ``||V||_2 (1 + 3 ||A||_2 R^2) exp(2 ||A||_2 R^2)``.
 
-    By Lemma 3.2 it also bounds Lip_X(f) for sequences X in B_R^n of every length n.
+    By Lemma 3.2 it also bounds Lip_X(f) for unmasked sequences X in B_R^n of every length n.
     ``log=True`` returns the natural logarithm of the bound (``-inf`` when V = 0).
+
+    Not for masked attention: the paper's Theorem 4.4 states this same bound for the masked map in the
+    conditional W2, and it fails where ||A|| R^2 is small: at A = 0 the masked map is the running mean,
+    whose constant is :func:`cesaro_norm` (n) ||V|| on sequences of length n, above ||V|| for n >= 2 and
+    tending to 2 ||V|| (docs/math.md section 5.2).
     """
     a, v = _A_V(A, V)
     R = check_radius(R, "R")
@@ -166,6 +172,19 @@ def mean_field_upper(A, V, R, *, log: bool = False) -> float:
         t = na * R * R
         value = math.log(nv) + math.log1p(3.0 * t) + 2.0 * t
     return value if log else _exp_or_inf(value, "mean_field_upper", log_option=True)
+
+
+def cesaro_norm(n) -> float:
+    """||C_n||_2 of the running-mean matrix (C_n)_ij = 1/i for j <= i: the Lipschitz constant of masked
+    attention with A = 0 and V = I on sequences of length n (then f^m(X)_i = (1/i) sum_{j<=i} x_j), in the
+    Euclidean sense and, for the sequence's masked measure, in the conditional W2 sense (docs/math.md
+    section 5.2). Increases with n to 2 (Hardy's inequality): the counterexample to Theorem 4.4's stated bound.
+    Computed as the square root of the largest eigenvalue of C_n^T C_n (n up to a few thousand)."""
+    n = check_positive_int(n, "n")
+    if n > 20_000:
+        raise ValueError(f"n: {n} is too large for a dense n x n matrix here (at most 20000); the limit is 2")
+    C = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
+    return float(np.sqrt(np.linalg.eigvalsh(C.T @ C)[-1]))
 
 
 def multihead_upper(head_lips, W_O) -> float:

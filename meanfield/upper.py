@@ -2,7 +2,8 @@
 
 :func:`operator_upper` asks an operator for its record (``op.parameters()``, :mod:`meanfield.parameters`)
 and combines the formulas of :mod:`meanfield.bounds` head by head (docs/math.md section 5):
-Theorems 3.3 / 3.5 (4.3 / 4.4 when masked) per dot-product head, a key bias absorbed by lifting
+Theorems 3.3 / 3.5 per dot-product head (Theorem 4.3 when masked, on sequences only: the stated
+masked mean-field bound, Theorem 4.4, fails; docs/math.md section 5.2), a key bias absorbed by lifting
 the tokens (:func:`~meanfield.bounds.absorb_key_bias`), Lemma 3.8 over the heads, and Kim et al.'s
 Theorem 3.2 for L2 heads. It never looks at the operator's class: a new operator that returns a
 record gets its bound with no change here.
@@ -47,21 +48,32 @@ class UpperBound:
         return self.log_value < math.inf
 
 
-def _head_upper(A, c, V, R, n) -> tuple[float, str]:
-    """log of min(Theorem 3.3, Theorem 3.5) for one head (Theorem 3.5 alone when n is None)."""
+#: why a masked head gets no bound on measures (the paper's Theorem 4.4 states Theorem 3.5's bound for it)
+MASKED_MEASURES = ("none: no bound is known for masked attention on measures (Theorem 4.4's stated bound, that "
+                   "of Theorem 3.5, fails: at A = 0 the masked map is the running mean, of constant up to "
+                   "2 ||V||; docs/math.md section 5.2)")
+
+
+def _head_upper(A, c, V, R, n, masked=False) -> tuple[float, str]:
+    """log of min(Theorem 3.3, Theorem 3.5) for one head (Theorem 3.5 alone when n is None); masked: Theorem
+    4.3 on sequences, none on measures (Theorem 4.4's stated bound fails, docs/math.md section 5.2)."""
     a, Rl, t = absorb_key_bias(A, c, R)
     v = _matrix(V, "V")
     if a.shape[0] != v.shape[1]:
         v = np.pad(v, ((0, 0), (0, a.shape[0] - v.shape[1])))
     lifted = f" (key bias absorbed: tokens lifted to (x, {t:.3g}), radius {Rl:.6g})" if t > 0 else ""
-    mf = mean_field_upper(a, v, Rl, log=True)
+    if masked and n is None:
+        return math.inf, MASKED_MEASURES
+    mf = math.inf if masked else mean_field_upper(a, v, Rl, log=True)
     if n is None:
-        return mf, "Theorem 3.5 / 4.4" + lifted
+        return mf, "Theorem 3.5" + lifted
     sq = sqrt_n_upper(a, v, Rl, n)
     log_sq = math.log(sq) if sq > 0 else -math.inf
+    if masked:
+        return log_sq, "Theorem 4.3" + lifted
     if sq != math.inf and log_sq <= mf:
-        return log_sq, "Theorem 3.3 / 4.3" + lifted
-    return mf, "Theorem 3.5 / 4.4" + lifted
+        return log_sq, "Theorem 3.3" + lifted
+    return mf, "Theorem 3.5" + lifted
 
 
 def _logsumexp(xs) -> float:
@@ -90,12 +102,15 @@ def operator_upper(op, R, n=None, *, d=None) -> UpperBound:
     """The best upper bound the framework knows on the Lipschitz constant of an attention operator.
 
     On sequences (``n`` given): a bound on Lip(f on B_R^n) = sup over X in B_R^n of Lip_X(f). On
-    measures (``n=None``): a bound on the W2 Lipschitz constant of F on measures supported in B_R
-    (conditional W2 when masked), which by Lemma 3.2 also bounds Lip_X(f) for every n. Read from
-    ``op.parameters()`` (:mod:`meanfield.parameters`):
+    measures (``n=None``): a bound on the W2 Lipschitz constant of F on measures supported in B_R,
+    which by Lemma 3.2 also bounds Lip_X(f) for every n. Read from ``op.parameters()``
+    (:mod:`meanfield.parameters`):
 
-    * one dot-product head: min(Theorem 3.3 / 4.3, Theorem 3.5 / 4.4) (docs/math.md sections 5.1,
-      5.2); on measures Theorem 3.5 / 4.4 alone;
+    * one dot-product head: min(Theorem 3.3, Theorem 3.5) (docs/math.md sections 5.1, 5.2); on measures
+      Theorem 3.5 alone;
+    * masked heads: Theorem 4.3 on sequences; on measures no bound (``known=False``): the paper's Theorem
+      4.4 states Theorem 3.5's bound for them, which fails (at A = 0 the masked map is the running mean,
+      whose constant tends to 2 ||V||, :func:`~meanfield.bounds.cesaro_norm`; docs/math.md section 5.2);
     * several heads: Lemma 3.8 over the heads' bounds with ||W_O||_2 (1 for a plain concatenation)
       (docs/math.md section 5.6);
     * biases: a value bias or an output bias adds a constant and changes no Lipschitz constant; a
@@ -114,7 +129,7 @@ def operator_upper(op, R, n=None, *, d=None) -> UpperBound:
     >>> from meanfield import SelfAttention, operator_upper
     >>> b = operator_upper(SelfAttention(np.eye(2), np.eye(2)), R=1.0, n=8)
     >>> round(b.value, 4), b.source
-    (11.0905, 'Theorem 3.3 / 4.3')
+    (11.0905, 'Theorem 3.3')
     """
     from .adapters import as_operator
 
@@ -136,7 +151,9 @@ def operator_upper(op, R, n=None, *, d=None) -> UpperBound:
         return _l2_upper(p, n)
     if p.kind != "dot":
         return UpperBound(math.inf, "none: the heads mix dot-product and L2 attention")
-    per = tuple(_head_upper(_np(h.A), _np(h.key_bias), _np(h.value_map), R, n) for h in p.heads)
+    per = tuple(_head_upper(_np(h.A), _np(h.key_bias), _np(h.value_map), R, n, p.masked) for h in p.heads)
+    if p.masked and n is None:
+        return UpperBound(math.inf, MASKED_MEASURES)
     if p.W_O is None and len(per) == 1:
         return UpperBound(per[0][0], per[0][1])
     nw = 1.0 if p.W_O is None else float(np.linalg.norm(_np(p.W_O), 2))

@@ -701,8 +701,9 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, budget=20000,
     checked on every such result: compare ``search_value`` with ``lower``).
 
     ``lower`` bounds the W2 Lipschitz constant of F on measures supported in B_R (conditional W2
-    when masked) from below; ``upper`` is Theorem 3.5 / 4.4 (Lemma 3.8 over heads), from
-    :func:`meanfield.upper.operator_upper` with n = None. Starts:
+    when masked) from below; ``upper`` is Theorem 3.5 (Lemma 3.8 over heads), from
+    :func:`meanfield.upper.operator_upper` with n = None (unknown, inf, for masked operators: Theorem 4.4's
+    stated bound fails, docs/math.md section 5.2). Starts:
     :func:`~meanfield.starts.measure_starts`, or ``starts`` (measures or (name, measure) pairs with
     ``atoms`` atoms and the same positions). ``budget``, ``options`` and ``d`` as in
     :func:`worst_case_sequence` (``clusters`` and ``batch_size`` do not apply: measures are searched

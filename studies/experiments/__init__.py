@@ -3,7 +3,7 @@
 sqrt_n                 Theorems 3.3 / 4.3 and Proposition 3.4: the sqrt(n) regime
 mean_field             Theorem 3.5 and Proposition 3.6: the mean-field regime and the transition in n
 large_radius           Theorems 3.7 / 4.5: the limit at large radius
-masked                 Definition 2.6 and Theorem 4.4: masked measures and the conditional W2
+masked                 Definition 2.6, Theorem 4.4 as stated (fails): masked measures, conditional W2
 mass_splitting         split vs unsplit weighted constants
 discrete_vs_meanfield  Lemma 3.2 and convergence in n
 kernel_paths           the attention kernel's fused and streamed paths against the dense kernel

@@ -89,14 +89,15 @@ class LayerBound:
     """The best upper bound the framework knows on Lip(f on B_R^n) of one multi-head layer with biases, for
     many (R, n): the bound of :func:`meanfield.operator_upper`, computed per layer once.
 
-    Lemma 3.8 over the heads, each head min(Theorem 3.3 / 4.3, Theorem 3.5 / 4.4) after absorbing its key
-    bias c_h = scale K_h^T b_Q by the lift x' = (x, t) of :func:`meanfield.bounds.absorb_key_bias`, with t
-    chosen per head and radius to minimize ||[A_h, c_h / t]||_2 (R^2 + t^2); b_V and the output bias add
-    constants and are dropped. ``operator_upper`` does this with d x d matrices and costs seconds per call;
-    here the norm is that of a k x (d + 1) matrix, ``scale ||L^T [Q_h, b_Q / t]||`` with K_h K_h^T = L L^T,
-    tabulated once on a grid of t (any t > 0 gives a valid bound, so the grid's minimum is one; it lies
-    within 1e-3 of the exact minimum, relative). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only through
-    their spectral norms: 1 x 1 matrices carrying those norms feed the framework's own formulas.
+    Lemma 3.8 over the heads, each head min(Theorem 3.3, Theorem 3.5) (Theorem 4.3 alone when masked) after
+    absorbing its key bias c_h = scale K_h^T b_Q by the lift x' = (x, t) of
+    :func:`meanfield.bounds.absorb_key_bias`, with t chosen per head and radius to minimize
+    ||[A_h, c_h / t]||_2 (R^2 + t^2); b_V and the output bias add constants and are dropped.
+    ``operator_upper`` does this with d x d matrices and costs seconds per call; here the norm is that of a
+    k x (d + 1) matrix, ``scale ||L^T [Q_h, b_Q / t]||`` with K_h K_h^T = L L^T, tabulated once on a grid of t
+    (any t > 0 gives a valid bound, so the grid's minimum is one; it lies within 1e-3 of the exact minimum,
+    relative). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only through their spectral norms:
+    1 x 1 matrices carrying those norms feed the framework's own formulas.
     """
 
     LOG_T = np.linspace(math.log(1e-3), math.log(1e3), 241)
@@ -131,13 +132,19 @@ class LayerBound:
         """Per head, min over t of ||[A_h, c_h / t]||_2 (R^2 + t^2): ||A'_h|| R'^2 of the best lift."""
         return (self.norm_t * (R * R + self.t2)[None, :]).min(axis=1)
 
-    def __call__(self, R: float, n: int) -> float:
+    def __call__(self, R: float, n: int, masked: bool = False) -> float:
+        """The bound at radius R and length n; ``masked``: Theorem 4.3 alone per head (the stated masked
+        mean-field bound, Theorem 4.4, fails: docs/math.md section 5.2)."""
         one = lambda x: np.array([[float(x)]])
         heads = []
         for a, v in zip(self.lifted(R), self.v):
+            sq = bounds.sqrt_n_upper(one(a), one(v), 1.0, n)
+            if masked:
+                heads.append(sq)
+                continue
             log_mf = bounds.mean_field_upper(one(a), one(v), 1.0, log=True)
             mf = math.exp(log_mf) if log_mf < 700 else math.inf
-            heads.append(min(bounds.sqrt_n_upper(one(a), one(v), 1.0, n), mf))
+            heads.append(min(sq, mf))
         return bounds.multihead_upper(heads, one(self.w_norm))
 
 
@@ -344,7 +351,7 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
                         **base, "layer": i, "map": m, "n": n, "rep": rep, "masked": ops[(i, m)].masked,
                         "lip": lip, "lip_error": err, "iterations": it, "converged": ok,
                         "r_mean": float(radii.mean()), "r_max": float(radii.max()),
-                        "upper": upper[i](float(radii.max()), n) if m == "attention" else None,
+                        "upper": upper[i](float(radii.max()), n, ops[(i, m)].masked) if m == "attention" else None,
                         "upper_t1": (bounds.biased_multihead_upper(*norms[i], float(radii.max()), n)
                                      if m == "attention" else None)})
                 del X
@@ -390,7 +397,7 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
                         "lower": bounds.sqrt_n_lower_from_gamma(gi.gamma, Rw, n),
                         "lip_layer": ll, "lip_layer_error": el, "layer_converged": okl, "iterations": it,
                         **witness_columns(gi, Rw, n),
-                        "layer_upper": upper[i](Rw, n),
+                        "layer_upper": upper[i](Rw, n, layer_op.masked),
                         "layer_upper_t1": bounds.biased_multihead_upper(*norms[i], Rw, n)})
             step(f"{mode}, layer {i}, witness of head {h}")
         del p

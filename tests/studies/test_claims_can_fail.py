@@ -17,7 +17,7 @@ from studies.common import slope_claim, witness_columns, witness_tolerance
 from studies.experiments.dynamics import meanfield_claim
 from studies.experiments.l2_attention import kim_attained_claim, quadratic_claim
 from studies.experiments.large_radius import sup_claim
-from studies.experiments.masked import top_direction_claim
+from studies.experiments.masked import running_mean_claims, top_direction_claim
 from studies.experiments.mass_splitting import closed_form_claim
 from studies.experiments.mean_field import peak_claim, prop36_claim
 from studies.experiments.sqrt_n import witness_claim
@@ -181,6 +181,33 @@ def test_top_direction_claim_fails_for_a_wrong_local_constant():
     assert top_direction_claim(rows).agrees
     assert not top_direction_claim([{**r, "deviation": 0.5 + r["deviation"]} for r in rows]).agrees  # Lip x 2/3
     assert not top_direction_claim([{**r, "deviation": 0.3 * math.sqrt(r["eps"])} for r in rows]).agrees
+
+
+def test_running_mean_claims_fail_for_an_unmasked_kernel_and_would_reproduce_a_true_theorem_4_4():
+    """The closed form ||C_n|| ||V|| at A = 0: measured by the dense Jacobian of the masked kernel written out
+    (tests/reference.py), it holds; an unmasked kernel (constant ||V||) or a mask off by one position fails it.
+    The finding about Theorem 4.4's stated bound (||V|| at A = 0) is 'not reproduced' on the true constants and
+    would be 'reproduced' in a world where the constants stayed below it."""
+    from meanfield import bounds
+
+    V = torch.tensor([[0.7, 0.2], [0.0, 1.1]], dtype=f64)
+    nv = float(torch.linalg.matrix_norm(V, 2))
+    rows, shifted = [], []
+    for n in (2, 5, 12):
+        X = torch.randn(n, 2, generator=torch.Generator().manual_seed(n), dtype=f64)
+        lip = dense_lipschitz(lambda Y: naive_attention(Y, torch.zeros(2, 2, dtype=f64), V, masked=True), X)
+        row = {"n": n, "lip_sequence": lip, "error_sequence": 1e-12, "lip_measure": lip, "error_measure": 1e-12,
+               "closed_form": bounds.cesaro_norm(n) * nv, "v_norm": nv, "stated_bound": nv}
+        rows.append(row)
+        C = np.tril(np.ones((n, n)), -1) / np.maximum(np.arange(n), 1)[:, None]   # keys strictly before
+        C[0, 0] = 1.0
+        shifted.append(np.linalg.norm(C, 2) * nv)
+    exact, stated = running_mean_claims(rows)
+    assert exact.agrees and not stated.agrees
+    unmasked = [{**r, "lip_sequence": r["v_norm"], "lip_measure": r["v_norm"]} for r in rows]
+    assert not running_mean_claims(unmasked)[0].agrees and running_mean_claims(unmasked)[1].agrees
+    off_by_one = [{**r, "lip_sequence": c, "lip_measure": c} for r, c in zip(rows, shifted)]
+    assert not running_mean_claims(off_by_one)[0].agrees
 
 
 def test_peak_claim_fails_at_another_grid_point():
