@@ -38,7 +38,9 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
     mass_atol : float
         ... and the same masses within ``mass_atol`` (>= 0). Otherwise the value is ``math.inf``: no
-        coupling keeps every position.
+        coupling keeps every position. Where the masses at a position differ (within ``mass_atol``),
+        each measure's slice is renormalized by its own mass and the slice counts with the mean of the
+        two masses, so that W2c(mu, nu) = W2c(nu, mu).
     squared : bool
         Return W2c^2.
     return_plan : bool
@@ -83,9 +85,12 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     # each atom's group: the nearest marginal position (atoms of zero mass included)
     gx = _nearest(s_mu, mu.positions)
     gy = _nearest(s_mu, nu.positions)
-    m64 = m_mu.to(torch.float64)
-    lx = log_weights(mu, torch.float64) - torch.log(m64)[gx]
-    ly = log_weights(nu, torch.float64) - torch.log(m64)[gy]
+    # each slice renormalized by its own measure's mass at s (mass_atol lets the two differ), weighted by the
+    # mean of the two masses: a symmetric W2c, equal to Definition 4.1's where the marginals agree
+    mx, my = m_mu.to(torch.float64), m_nu.to(torch.float64)
+    m64 = 0.5 * (mx + my)
+    lx = log_weights(mu, torch.float64) - torch.log(mx)[gx]
+    ly = log_weights(nu, torch.float64) - torch.log(my)[gy]
     plan = torch.zeros(mu.n, nu.n, dtype=mu.dtype, device=mu.device) if return_plan else None
     count_x = torch.bincount(gx, minlength=n_pos)
     count_y = torch.bincount(gy, minlength=n_pos)
@@ -98,7 +103,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         ix, iy = ix[torch.argsort(gx[ix])], iy[torch.argsort(gy[iy])]
         total = total + (m64[gx[ix]] * ((x[ix] - y[iy]) ** 2).sum(1)).sum()
         if plan is not None:
-            plan[ix, iy] = m_mu[gx[ix]].detach()
+            plan[ix, iy] = m64[gx[ix]].to(mu.dtype)
     for s in torch.nonzero(~single)[:, 0].tolist():
         ix = torch.nonzero(gx == s)[:, 0]
         iy = torch.nonzero(gy == s)[:, 0]
@@ -108,7 +113,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         value, p, _ = emd_squared(x[ix] - c, a, y[iy] - c, b, return_plan=return_plan, memory_limit=limit)
         total = total + m64[s] * value
         if plan is not None:
-            plan[ix[:, None], iy[None, :]] = m_mu[s].detach() * p.detach()
+            plan[ix[:, None], iy[None, :]] = (m64[s] * p.detach()).to(mu.dtype)
     value, value_sq = to_units(total.to(mu.dtype) if grad else total, k, grad)
     if squared and not isinstance(value_sq, torch.Tensor) and math.isinf(value_sq):
         raise OverflowError(f"squared: W2c^2 = ({float(value):.6g})^2 exceeds the float range; "

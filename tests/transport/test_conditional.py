@@ -79,6 +79,26 @@ def test_conditional_w2_is_infinite_when_marginals_differ():
     assert conditional_w2(mu, Measure(X, positions=[0.25, 0.5, 0.75, 0.9]), atol=0.12) < math.inf
 
 
+def test_marginals_accepted_by_mass_atol_give_a_symmetric_value_from_each_slice_renormalized():
+    """Within mass_atol the two masses at a position may differ: each slice is renormalized by its own
+    measure's mass (the slices are probability measures, so POT accepts them; it once raised its own
+    AssertionError) and counts with the mean of the two masses, so W2c is symmetric (it once weighted by
+    mu's marginal only: 2.2361 one way, 2.3238 the other). Truth: the slices' assignment costs by hand."""
+    mu = Measure([[0.0], [0.0]], [0.5, 0.5], [0.2, 0.8])
+    nu = Measure([[1.0], [3.0]], [0.45, 0.55], [0.2, 0.8])
+    want = math.sqrt(0.475 * 1.0 + 0.525 * 9.0)
+    assert conditional_w2(mu, nu, mass_atol=0.1) == pytest.approx(want, rel=1e-14)
+    assert conditional_w2(nu, mu, mass_atol=0.1) == pytest.approx(want, rel=1e-14)
+    mu = Measure([[0.], [1.], [5.], [6.]], [0.25, 0.25, 0.25, 0.25], [0.2, 0.2, 0.8, 0.8])
+    nu = Measure([[0.], [3.], [5.], [9.]], [0.2, 0.2, 0.3, 0.3], [0.2, 0.2, 0.8, 0.8])
+    # slices of two equal atoms: W2^2 = (0 + 4) / 2 at 0.2 and (0 + 9) / 2 at 0.8;
+    # slice masses (0.5 + 0.4) / 2 and (0.5 + 0.6) / 2
+    want = math.sqrt(0.45 * 2.0 + 0.55 * 4.5)
+    for a, b in ((mu, nu), (nu, mu)):
+        assert conditional_w2(a, b, mass_atol=0.2) == pytest.approx(want, rel=1e-14)
+    assert conditional_w2(mu, nu, mass_atol=0.05) == math.inf
+
+
 def test_conditional_w2_split_invariance_and_zero_mass():
     mu, nu = _grouped(2), _grouped(3)
     ref = conditional_w2(mu, nu)
