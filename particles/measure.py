@@ -322,7 +322,8 @@ class Measure:
     def merge(self, atol: float = 0.0) -> Measure:
         """Merge atoms that coincide (points within ``atol`` in max-norm, same position).
 
-        Each group becomes one atom of summed weight at the weight-averaged location: duplicated
+        Each group becomes one atom of summed weight at the weight-averaged location, at its atoms'
+        common position (atoms at different positions never merge, whatever ``atol``): duplicated
         atoms and one atom of the summed weight are the same measure (docs/math.md section 2).
         Groups are the connected components of the "within atol" relation; order follows the
         first atom of each group.
@@ -332,8 +333,18 @@ class Measure:
             raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
         X = self._points.detach().cpu().numpy()
         if self._positions is not None:
-            X = np.concatenate([X, self._positions.detach().cpu().numpy()[:, None]], axis=1)
-        labels = _group_labels(X, atol)
+            # atoms at different positions never merge: the position's rank as one more coordinate, ranks
+            # spaced by more than atol in the max-norm (a merged atom keeps its atoms' common position)
+            _, rank = np.unique(self._positions.detach().cpu().numpy(), return_inverse=True)
+            rank = rank.reshape(-1).astype(np.float64)
+            spacing = 2.0 * atol + 1.0
+            if math.isfinite(spacing * max(1.0, float(rank.max()))):
+                labels = _group_labels(np.concatenate([X.astype(np.float64), rank[:, None] * spacing], axis=1), atol)
+            else:   # atol too large to space the ranks: group by position, then within each position
+                labels = _group_labels(np.concatenate([rank[:, None], _group_labels(X, atol)[:, None]], axis=1),
+                                       0.0)
+        else:
+            labels = _group_labels(X, atol)
         k = int(labels.max()) + 1
         if k == self.n:
             return self
@@ -355,8 +366,7 @@ class Measure:
             0, lab, rel[:, None] * self._points)
         pos = None
         if self._positions is not None:
-            pos = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, lab, rel * self._positions)
-            pos = pos.clamp(0.0, 1.0)
+            pos = torch.zeros(k, dtype=self.dtype, device=self.device).scatter(0, lab, self._positions)
         return Measure._trusted(pts, torch.exp(new_lw), new_lw, pos)
 
     # ------------------------------------------------------------------ statistics

@@ -14,6 +14,7 @@ import torch
 
 from particles import Measure
 from tests.reference import w2_lp
+from transport import conditional_w2
 
 F64 = torch.float64
 
@@ -194,6 +195,25 @@ def test_merge_with_tolerance_and_positions():
     assert mp.n == 3 and torch.allclose(mp.positions, torch.tensor([0.2, 0.5, 0.9], dtype=F64))
     with pytest.raises(ValueError, match="atol"):
         Measure(X, w).merge(atol=-1.0)
+
+
+@pytest.mark.parametrize("atol", [0.0, 0.1, 1.0, 1e305, math.inf])
+def test_merge_never_joins_atoms_at_different_positions(atol):
+    """Positions closer than atol are still different positions: merging them once averaged the positions (0.2
+    and 0.25 became 0.225, a position neither atom had, and the conditional W2 to the original was inf). Same
+    point, positions 0.2 and 0.25: kept apart; two atoms within atol at one position: merged, at that position."""
+    X = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.05, 1.0], [3.0, 3.0]], dtype=F64)
+    w = torch.tensor([0.25, 0.25, 0.2, 0.2, 0.1], dtype=F64)
+    mu = Measure(X, w, positions=[0.2, 0.25, 1.0, 1.0, 0.2])
+    m = mu.merge(atol)
+    joined = atol >= 0.05
+    assert m.n == (4 if joined else 5) - (atol >= 3.0)
+    expected = [0.2, 0.25, 1.0] + ([] if joined else [1.0]) + ([] if atol >= 3.0 else [0.2])
+    assert m.positions.tolist() == expected
+    for s in (0.2, 0.25, 1.0):   # each position keeps its mass
+        assert float(m.weights[m.positions == s].sum()) == pytest.approx(float(w[mu.positions == s].sum()), rel=1e-14)
+    if joined and atol < 3.0:
+        assert conditional_w2(mu, m) == pytest.approx(math.sqrt(0.4 * 0.025**2), rel=1e-9)
 
 
 def test_split_bad_arguments():
