@@ -14,7 +14,10 @@ the previous release carry ``sphere`` instead, False, True, "SA" or "USA", and s
 
 A :class:`~meanfield.lipschitz.LipschitzEstimate` (``kind = "lipschitz_estimate"``) stores its
 tensor fields as arrays (``vector``) and its other fields (``value``, ``error``, ``iterations``,
-``method``, ``converged``, ``applications``, ``residual``) in the header's ``"fields"`` object.
+``method``, ``converged``, ``applications``, ``residual``, ``stalled``, ``batched``) in the header's
+``"fields"`` object; a batch of estimates (``batched``: ``local_lipschitz`` on a (b, n, d) batch) stores
+``vector`` as (b, ...) and its per-member ``value``, ``error``, ``residual``, ``converged`` and ``stalled``
+as lists of b entries, each member checked on loading as one estimate is.
 Non-finite floats are written as the ``NaN`` / ``Infinity`` tokens that Python's ``json`` reads.
 """
 
@@ -154,15 +157,16 @@ def save_estimate(est: LipschitzEstimate, path, *, metadata: dict | None = None)
     """
     if not isinstance(est, LipschitzEstimate):
         raise TypeError(f"est: expected a meanfield LipschitzEstimate, got {type(est).__name__}")
-    arrays, fields, dtype = {}, {}, torch.float64
+    arrays, fields = {"vector": to_numpy(est.vector)}, {}
     for f in dataclasses.fields(est):
         value = getattr(est, f.name)
-        if isinstance(value, torch.Tensor):
-            arrays[f.name] = to_numpy(value)
-            dtype = value.dtype
+        if f.name == "vector":
+            continue
+        if isinstance(value, torch.Tensor):   # a batch's per-member fields (values, errors, flags): JSON lists
+            fields[f.name] = value.tolist()
         else:
             fields[f.name] = value.item() if hasattr(value, "item") else value
-    return write_archive(path, "lipschitz_estimate", arrays, dtype=dtype, metadata=metadata,
+    return write_archive(path, "lipschitz_estimate", arrays, dtype=est.vector.dtype, metadata=metadata,
                          fields={"fields": fields})
 
 
@@ -191,12 +195,44 @@ def load_estimate(path, *, device=None) -> LipschitzEstimate:
     unknown = sorted(set(stored) - set(hints))
     if missing or unknown:
         raise FileFormatError(f"{name}: estimate fields missing: {missing or 'none'}; unknown: {unknown or 'none'}")
+    if stored.get("batched") is True:
+        return _load_batch(stored, arrays, header, hints, tensors, name, device)
     values = {key: _field(stored, key, kind, name) for key, kind in hints.items() if key not in tensors}
     _check_estimate(values, name)
     for key in tensors:
         values[key] = tensor_of(arrays, key, header, name, ndim=arrays[key].ndim, device=device)
     _check_vector(values["vector"], name)
     return LipschitzEstimate(**values)
+
+
+#: the fields a batch of estimates holds per member (the others are the whole batch's)
+_PER_MEMBER = ("value", "error", "residual", "converged", "stalled")
+
+
+def _load_batch(stored, arrays, header, hints, tensors, name, device) -> LipschitzEstimate:
+    """A batch written by :func:`save_estimate`: per-member fields as lists, each member checked as one
+    estimate is."""
+    vector = tensor_of(arrays, "vector", header, name, ndim=arrays["vector"].ndim, device=device)
+    b = vector.shape[0] if vector.dim() >= 1 else 0
+    lists = {}
+    for key in _PER_MEMBER:
+        v = stored.get(key)
+        if not isinstance(v, list) or len(v) != b or b == 0:
+            raise FileFormatError(f"{name}: header field {key!r} of a batch of {b} estimates is {v!r}; expected a "
+                                  f"list of {b} entries")
+        lists[key] = v
+    shared = {key: _field(stored, key, kind, name) for key, kind in hints.items()
+              if key not in tensors and key not in _PER_MEMBER}
+    for i in range(b):
+        member = {**shared, **{key: _field({key: lists[key][i]}, key, hints[key], name) for key in _PER_MEMBER}}
+        _check_estimate(member, f"{name} (batch member {i})")
+        _check_vector(vector[i], f"{name} (batch member {i})")
+    col = lambda key, dtype: torch.tensor([float(x) if dtype != torch.bool else bool(x) for x in lists[key]],
+                                          dtype=dtype)
+    return LipschitzEstimate(value=col("value", torch.float64), vector=vector, error=col("error", torch.float64),
+                             residual=col("residual", torch.float64), converged=col("converged", torch.bool),
+                             stalled=col("stalled", torch.bool), **{k: v for k, v in shared.items() if k != "batched"},
+                             batched=True)
 
 
 def _check_estimate(v: dict, name: str) -> None:

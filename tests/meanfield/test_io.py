@@ -132,6 +132,31 @@ def test_estimate_round_trip(tmp_path):
     assert float(back) == est.value
 
 
+def test_a_batch_of_estimates_round_trips_and_each_member_is_checked(tmp_path):
+    """local_lipschitz on a (b, n, d) batch returns one estimate holding b (tensors of values, errors, flags);
+    it saves and loads as that batch (it once failed: 'cannot store torch.bool'), and a member whose fields
+    mean nothing a run gives is refused by its index."""
+    X = torch.randn(3, 4, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    est = local_lipschitz(_att(), X)
+    assert est.batched
+    back = load_estimate(save_estimate(est, tmp_path / "b.npz"))
+    assert back.batched and len(back) == 3
+    for f in dataclasses.fields(LipschitzEstimate):
+        a, b = getattr(est, f.name), getattr(back, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        else:
+            assert type(a) is type(b) and a == b, f.name
+    assert [m.value for m in back] == [m.value for m in est]
+    path = save_estimate(est, tmp_path / "bad.npz")
+    _rewrite_fields(path, {"error": [0.0, -1.0, 0.0]})
+    with pytest.raises(FileFormatError, match=r"batch member 1\): field 'error' is -1.0"):
+        load_estimate(path)
+    _rewrite_fields(path, {"error": [0.0, 0.0]})
+    with pytest.raises(FileFormatError, match="'error' of a batch of 3 estimates"):
+        load_estimate(path)
+
+
 def test_estimate_file_is_the_documented_npz(tmp_path):
     est = local_lipschitz(_att(), torch.randn(4, 2, dtype=torch.float64), method="dense")
     with np.load(save_estimate(est, tmp_path / "e.npz"), allow_pickle=False) as z:
