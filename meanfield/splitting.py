@@ -98,7 +98,7 @@ class SplitConstant:
     helps: bool
 
 
-def split_lipschitz(f, mu, *, tol=1e-8, seed=0, estimate: LipschitzEstimate | None = None) -> SplitConstant:
+def split_lipschitz(f, mu, *, tol=None, seed=0, estimate: LipschitzEstimate | None = None) -> SplitConstant:
     """The local W2 constant of F at mu with atoms allowed to split (docs/math.md section 4.7).
 
     Parameters
@@ -106,7 +106,8 @@ def split_lipschitz(f, mu, *, tol=1e-8, seed=0, estimate: LipschitzEstimate | No
     f : anything :func:`meanfield.as_operator` accepts, except bare callables
     mu : Measure
         Weights and, for masked operators, positions held fixed.
-    tol, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant
+    tol, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant (``tol=None``: its default
+        for the measure's dtype, 1e-6 in float64 and 1e-3 in float32)
     estimate : LipschitzEstimate or None
         The unsplit estimate, when already computed.
 
