@@ -230,8 +230,9 @@ _UNDERFLOW = _Underflow()
 def _refuse_underflow(mask, dtype):
     if bool(mask.any()):
         raise OverflowError(
-            f"X: the Jacobian at this input is below the {dtype} range (|J u| underflows to 0 or to subnormal "
-            f"numbers for batch member(s) {mask.nonzero().flatten().tolist()}); rescale f"
+            f"X: the Jacobian at this input is too small for {dtype} to certify (|J u| below "
+            f"{_UNDERFLOW[dtype]:.3g}, where a product loses its relative precision to subnormal numbers, for batch "
+            f"member(s) {mask.nonzero().flatten().tolist()}); rescale f"
             + (" or use float64" if dtype != torch.float64 else ""))
 
 

@@ -120,7 +120,7 @@ def test_zero_jacobian_is_exactly_zero_and_underflow_raises():
     for v in (1e-45, 1e-40):
         tiny = SelfAttention(torch.eye(3, dtype=f32), v * torch.eye(3, dtype=f32))
         for method in METHODS:
-            with pytest.raises(OverflowError, match="below the"):
+            with pytest.raises(OverflowError, match="too small for torch.float32 to certify"):
                 local_lipschitz(tiny, X.to(f32), method=method)
     # the same operator in float64 is well inside the range: its constant is V's scale times that of V = I
     unit = local_lipschitz(SelfAttention(np.eye(3), np.eye(3)), X, tol=1e-10).value
