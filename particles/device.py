@@ -18,7 +18,7 @@ import torch
 from .validation import memory_limit
 
 __all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton", "triton_min_dot_k", "ALWAYS_FREE",
-           "STRICTEST_MIN_DOT_K"]
+           "DRIVER_TTL", "STRICTEST_MIN_DOT_K"]
 
 #: the smallest reduction K of a Triton matrix product (``tl.dot``) by operand width in bits where the
 #: installed Triton does not say: Triton 3.6 asks K >= 16 of every type but the 8-bit ones (32), later

@@ -8,9 +8,9 @@ those levels run on clouds of cluster centres instead of the points: the points 
 block replaced by its weighted mean carrying the block's mass. A level runs coarse while its blur sqrt(e)
 is at least :data:`SCALE` times the clusters' radius (the root mean square distance of a point to its
 block's centre, weighted, the larger of both sides); at the first finer level the coarse potentials are
-extended to every point by one soft c-transform against the other side's centres,
+extended to every point by one soft c-transform against the other side's centres::
 
-    f_i = -e log sum_J b_J exp((g_J - |x_i - y_J|^2) / e),
+    f_i = -e log sum_J b_J exp((g_J - |x_i - y_J|^2) / e)
 
 (N x M / CLUSTER entries), and the remaining levels run on the points. This is the multiscale scheme of
 GeomLoss's ``multiscale`` backend and of Schmitzer (2019) [Sch19] (docs/math.md section 3.2), with Morton
@@ -54,7 +54,7 @@ def applies(n: int, m: int, d: int) -> bool:
 def clusters(x: torch.Tensor, log_a: torch.Tensor, size: int = CLUSTER):
     """(centres (K, d), log masses (K,), radius) of the blocks of ``size`` consecutive rows of ``x`` (points
     in Z-order, log-weights ``log_a``, all finite): each centre is its block's weighted mean, each mass the
-    block's total, and the radius sqrt(sum_i a_i |x_i - c(i)|^2 / sum_i a_i) over all points."""
+    block's total, and the radius ``sqrt(sum_i a_i |x_i - c(i)|^2 / sum_i a_i)`` over all points."""
     n, d = x.shape
     count = -(-n // size)
     pad = count * size - n
