@@ -23,6 +23,10 @@ The rules, in order:
    and no output) so that SDPA's flash / memory-efficient kernels take it instead of its math kernel,
    which would materialize the scores. The call runs with the math kernel excluded: should no fused
    kernel take the inputs after all, the call is streamed instead (:func:`meanfield.kernels.fused_or_stream`);
+   Below :data:`CUDA_ROWS_THRESHOLD` score entries a float32 forward pass without a sequence's causal mask
+   runs as **rows** instead: dense blocks of rows against all keys (:data:`ROW_ENTRIES` entries each, torch's
+   softmax), the row-chunked recipe that beat SDPA (and the streamed kernel, with positions) at N = 1e4 on an
+   H200 (benchmarks/gpu.md);
 4. **stream** otherwise: arbitrary positions (SDPA would need an (m, n) mask) and float64 (SDPA's CUDA
    float64 backend is the math kernel).
 
@@ -35,9 +39,9 @@ import math
 
 import torch
 
-__all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES",
-           "TRITON_DTYPES", "TRITON_MAX_FEATURES", "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine",
-           "tile_shape", "fused_widths"]
+__all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
+           "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
+           "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine", "tile_shape", "fused_widths", "row_block"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
@@ -45,6 +49,18 @@ __all__ = ["CUDA_DENSE_THRESHOLD", "DENSE_TEMPORARIES", "FUSED_ALIGN", "TILE_FRA
 CUDA_DENSE_THRESHOLD = 2**21
 #: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities)
 DENSE_TEMPORARIES = 4
+#: On an accelerator, float32 forward passes without a sequence's causal mask run as dense row blocks ("rows")
+#: up to this many score entries (all batch entries). Measured on an H200 at N = 1e4 (benchmarks/gpu.md, grid):
+#: rows of 2048 against all keys took 1.12 / 1.39 / 1.76 ms at d = 3 (unweighted / weighted / arbitrary
+#: positions) against SDPA with a padded head 1.42 / 1.69 / 2.15 ms and the streamed kernel's 2.83 ms, and at
+#: d = 64 1.48 / 1.78 / 2.17 ms against 1.45 / 1.66 / 2.30 ms and 3.73 ms; with a causal mask SDPA was faster
+#: (1.29 against 1.72 ms), and at N = 1e5 SDPA (the streamed kernel with positions) in every case. The
+#: crossover between 1e4 and 1e5 is not measured: 2^27 entries (N = 11,585) keeps to the measured side
+CUDA_ROWS_THRESHOLD = 2**27
+#: score entries of one row block of the "rows" path (2048 rows against 1e4 keys, as measured)
+ROW_ENTRIES = 2**24
+#: block-sized temporaries of the "rows" path (scores, probabilities, a masked copy)
+ROWS_TEMPORARIES = 3
 #: SDPA's fused CUDA kernels take heads whose size is a multiple of this
 FUSED_ALIGN = 8
 #: dtypes SDPA has fused CUDA kernels for (float64 runs its math kernel, which materializes the scores)
@@ -67,10 +83,10 @@ TRITON_MAX_FEATURES = 256
 TRITON_MAX_WIDTH = {torch.float64: 16, torch.float32: 16, torch.float16: 32, torch.bfloat16: 32}
 
 
-def _dense_fits(entries, element_size, budget):
-    """Whether the dense temporaries fit ``budget``: bytes, or a callable returning them (called here only,
-    so that a call the dense path is not considered for never asks the driver for the free memory)."""
-    return DENSE_TEMPORARIES * entries * element_size <= (budget() if callable(budget) else budget)
+def _dense_fits(entries, element_size, budget, temporaries=DENSE_TEMPORARIES):
+    """Whether ``temporaries`` buffers of ``entries`` fit ``budget``: bytes, or a callable returning them (called
+    here only, so that a call the dense paths are not considered for never asks the driver for the free memory)."""
+    return temporaries * entries * element_size <= (budget() if callable(budget) else budget)
 
 
 def triton_width(size: int, dtype) -> int:
@@ -125,7 +141,7 @@ def fused_widths(e: int, c: int, weighted: bool, causal: bool) -> tuple[int, boo
 def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, *, weighted: bool,
            positions: str, derivatives: bool, transforms: bool, budget: int, triton: bool,
            threshold=None) -> str:
-    """The path ("dense", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
+    """The path ("dense", "rows", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
     on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
     or "other"; ``budget`` in bytes, or a callable returning them (read only where the dense path is
     considered); ``threshold`` the size given to ``kernels.use(threshold=...)``."""
@@ -138,6 +154,16 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
         return "dense"
     if derivatives:
         return "stream"
+    if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
+            and _dense_fits(min(entries, max(ROW_ENTRIES, max(1, batch) * n)) * ROWS_TEMPORARIES, element_size,
+                            budget, temporaries=1)):
+        return "rows"
     if dtype in FUSED_DTYPES and positions in ("none", "causal"):
         return "fused"
     return "stream"
+
+
+def row_block(batch: int, n: int) -> int:
+    """Query rows per block of the "rows" path: :data:`ROW_ENTRIES` score entries (all batch entries), at least
+    one row."""
+    return max(1, ROW_ENTRIES // (max(1, batch) * max(1, n)))

@@ -34,7 +34,8 @@ Force a path per call (``attend(..., method="stream", block_size=256)``) or for 
 ``use(threshold=t)`` replaces both thresholds by t (dense up to t entries in every regime).
 
 On other devices (CUDA) ``auto`` follows :mod:`meanfield.accelerator_paths` instead: dense while the
-scores are small and fit the device's memory budget, the fused kernel with the head zero-padded to a
+scores are small and fit the device's memory budget, dense row blocks (:func:`rows_attend`) for float32
+forward passes without a causal mask up to N of about 1e4, the fused kernel with the head zero-padded to a
 multiple of 8 (never SDPA's math kernel, which would materialize the scores), and the streamed kernel
 (Triton kernels, or tiles sized by the memory budget) for derivatives, arbitrary positions and float64.
 """
@@ -54,7 +55,8 @@ from particles.validation import output_checks_are_deferred
 
 from .streamed_attention import _transforms_active, sequence_mask
 
-__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "STREAM_THRESHOLD",
+__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "rows_attend",
+           "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
@@ -308,7 +310,8 @@ _FUSED_DTYPES = {
 
 
 def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None) -> str:
-    """The path "auto" takes for these inputs: "dense", "fused" or "stream" (module docstring).
+    """The path "auto" takes for these inputs: "dense", "fused" or "stream" (module docstring); on an
+    accelerator also "rows" (:func:`rows_attend`).
 
     Reads the positions once to recognise a sequence's causal mask (a host sync on an accelerator).
     """
@@ -358,13 +361,44 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
         causal = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
         positions = "causal" if causal else "other"
     transforms = _transforms_active()
+    read = []
+
+    def budget():   # read once, and only where a dense path is considered
+        if not read:
+            read.append(memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()))
+        return read[0]
+
     path = accelerator_paths.choose(
         q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
         k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
-        derivatives=_needs_derivatives(q, k, v, log_weights), transforms=transforms,
-        budget=lambda: memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()),
+        derivatives=_needs_derivatives(q, k, v, log_weights), transforms=transforms, budget=budget,
         triton=triton_runs(q.device.type), threshold=threshold)
     return path, causal
+
+
+def rows_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, rows=None) -> torch.Tensor:
+    """The "rows" path of ``auto`` on an accelerator: the dense kernel on blocks of ``rows`` queries against all
+    keys (:func:`meanfield.accelerator_paths.row_block` by default), torch's softmax on each block; memory
+    O(block x n). The plain softmax first, :func:`attention_probs`'s guard of rows without a visible key of
+    positive weight only where the output is not finite (as the dense path). Results equal the dense path's."""
+    from .accelerator_paths import row_block
+
+    m = q.shape[-2]
+    batch = _score_entries(q, k, log_weights, q_pos, k_pos) // max(1, m * k.shape[-2])
+    step = row_block(batch, k.shape[-2]) if rows is None else max(1, int(rows))
+
+    def blocks(probs):
+        out = []
+        for i in range(0, m, step):
+            qp = None if q_pos is None else q_pos[..., i:i + step]
+            out.append(probs(q[..., i:i + step, :], k, log_weights, qp, k_pos) @ v)
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
+
+    if not _checks_skipped():
+        out = blocks(_plain_probs)
+        if math.isfinite(float(out.detach().sum())):
+            return out
+    return _check_output(blocks(attention_probs), q, k, v, log_weights)
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
@@ -385,6 +419,8 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
             _log_path(method, q, k, log_weights, q_pos)
         if method == "fused" and q.device.type != "cpu":
             return fused_or_stream(q, k, v, log_weights, q_pos, k_pos, causal=causal)
+        if method == "rows":
+            return rows_attend(q, k, v, log_weights, q_pos, k_pos)
     elif method not in METHODS:
         _check_method(method)
     if method == "dense":

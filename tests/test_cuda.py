@@ -94,7 +94,7 @@ def _close(got, ref, dtype, what):
 
 
 def _methods(d, dtype):
-    out = [("auto", {}), ("dense", {}), ("stream", {})]
+    out = [("auto", {}), ("dense", {}), ("stream", {}), ("rows", {"rows": 257})]
     if dtype != torch.float64:
         out.append(("fused", {}))
     if _triton_runs() and d <= 16:
@@ -107,6 +107,10 @@ def _call(name, kw, args):
     q, k, v, lw, qp, kp = args
     if name in ("triton", "tiles"):
         return streaming.stream_attend(q, k, v, lw, qp, kp, **kw)
+    if name == "rows":
+        from meanfield.kernels import rows_attend
+
+        return rows_attend(q, k, v, lw, qp, kp, **kw)
     return attend(q, k, v, lw, qp, kp, method=name)
 
 
@@ -138,7 +142,7 @@ def test_derivatives_of_the_streamed_kernel(d, mask, dtype):
     ref_vjp = vjp_fn(cot)
     ref_jvp = torch.func.jvp(dense, (q, k, v), tans)[1]
     scale = max(1.0, max(r.abs().max().item() for r in ref_vjp))
-    for name, kw in [m for m in _methods(d, dtype) if m[0] not in ("dense", "fused")]:
+    for name, kw in [m for m in _methods(d, dtype) if m[0] not in ("dense", "fused", "rows")]:
         dq, dk, dv, dlw, dqp, dkp = _to(args, dtype)
         prim = [t.requires_grad_(True) for t in (dq, dk, dv)]
         out = _call(name, kw, (*prim, dlw, dqp, dkp))

@@ -54,14 +54,34 @@ def test_the_issue_regimes_on_an_h100_sized_budget():
     assert _choose(1000) == "dense" and _choose(1000, dtype=torch.float64, derivatives=True) == "dense"
 
 
+def test_rows_where_row_chunked_dense_was_measured_fastest():
+    """N = 1e4 on an H200 (benchmarks/gpu.md): float32 forward passes without a causal mask ran fastest as dense
+    row blocks against all keys; with a causal mask SDPA, with derivatives the streamed kernel, at 1e5 SDPA or
+    the streamed kernel; float64 (unmeasured) keeps the streamed kernel."""
+    for positions in ("none", "other"):
+        for e in (3, 64):
+            assert _choose(10**4, e=e, positions=positions) == "rows"
+            assert _choose(10**4, e=e, positions=positions, weighted=True) == "rows"
+            assert _choose(10**5, e=e, positions=positions) in ("fused", "stream")
+    assert _choose(11_585) == "rows" and _choose(11_586) == "fused"     # 2^27 entries
+    assert _choose(10**4, positions="causal") == "fused"
+    assert _choose(10**4, derivatives=True) == "stream"
+    assert _choose(10**4, dtype=torch.float64) == "stream" and _choose(10**4, dtype=torch.float16) == "fused"
+    # a block of 2^24 entries with 3 temporaries (201 MB in float32) must fit the budget
+    assert _choose(10**4, budget=202 * 10**6) == "rows" and _choose(10**4, budget=200 * 10**6) == "fused"
+    assert ap.row_block(1, 10**4) == 1677 and ap.row_block(12, 10**4) == 139 and ap.row_block(1, 10**9) == 1
+
+
 def test_dense_needs_both_a_small_size_and_room():
     assert _choose(1000, budget=GiB) == "dense"
-    # 1e6 entries of float32 with 4 temporaries: 16 MB
-    assert _choose(1000, budget=15 * 10**6) == "fused"
+    # 1e6 entries of float32 with 4 temporaries: 16 MB; in one row block with 3: 12 MB
+    assert _choose(1000, budget=15 * 10**6) == "rows"
+    assert _choose(1000, budget=11 * 10**6) == "fused"
     assert _choose(1000, budget=15 * 10**6, derivatives=True) == "stream"
     # use(threshold=...) widens the dense regime, never beyond the budget
     assert _choose(10**4, threshold=10**8) == "dense"
-    assert _choose(10**4, threshold=10**8, budget=GiB) == "fused"
+    assert _choose(10**4, threshold=10**8, budget=GiB) == "rows"
+    assert _choose(10**4, threshold=10**8, budget=100 * 10**6) == "fused"
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
@@ -76,6 +96,10 @@ def test_never_a_kernel_that_materializes_the_scores_above_the_budget(dtype):
                        batch=batch)
         if path == "dense":
             assert ap.DENSE_TEMPORARIES * batch * n * n * size <= budget
+        elif path == "rows":
+            block = min(batch * n * n, max(ap.ROW_ENTRIES, batch * n))
+            assert ap.ROWS_TEMPORARIES * block * size <= budget and positions != "causal" and not derivatives
+            assert batch * n * n <= ap.CUDA_ROWS_THRESHOLD
         elif path == "fused":
             assert dtype != torch.float64 and positions != "other" and not derivatives
         else:
@@ -270,17 +294,19 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
 
 
 def test_the_budget_is_read_only_where_the_dense_path_is_considered():
-    """Reading the budget asks the driver (about 0.4 ms on an H200): a call above the dense threshold (fused
-    or streamed whatever the memory) must not read it; one below reads it once."""
+    """Reading the budget asks the driver (about 0.4 ms on an H200): a call no dense path is considered for
+    (fused or streamed whatever the memory) must not read it; one that is considered reads it once."""
     reads = []
 
     def budget():
         reads.append(1)
         return 40 * GiB
 
-    assert _choose(10**4, budget=budget) == "fused" and reads == []
+    assert _choose(10**5, budget=budget) == "fused" and reads == []
     assert _choose(10**4, budget=budget, derivatives=True) == "stream" and reads == []
+    assert _choose(10**4, budget=budget, positions="causal") == "fused" and reads == []
     assert _choose(1000, budget=budget) == "dense" and reads == [1]
+    assert _choose(10**4, budget=budget) == "rows" and reads == [1, 1]   # the rows path is a dense path
 
 
 def test_memory_budget_asks_the_driver_only_for_large_needs(monkeypatch):
@@ -367,3 +393,46 @@ def test_stream_engine_argument_is_checked():
     with pytest.raises(ValueError, match="engine"):
         streaming.stream_attend(q, q, q, engine="cuda")
     _close(streaming.stream_attend(q, q, q, engine="tiles"), attend(q, q, q, method="dense"))
+
+
+def _numpy_attention(q, k, v, lw, qp, kp):
+    """Weighted masked attention written out row by row in numpy (float64): rows with no visible key of
+    positive weight are zeros."""
+    import numpy as np
+
+    q, k, v = q.numpy(), k.numpy(), v.numpy()
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    for b in np.ndindex(q.shape[:-2]):
+        for i in range(q.shape[-2]):
+            s = k[b] @ q[b][i]
+            keep = np.ones(k.shape[-2], bool)
+            if lw is not None:
+                keep &= np.isfinite(lw.numpy())
+                s = s + np.where(keep, lw.numpy(), 0.0)
+            if qp is not None:
+                keep &= kp.numpy() <= qp.numpy()[i]
+            if keep.any():
+                w = np.exp(s[keep] - s[keep].max())
+                out[b][i] = (w / w.sum()) @ v[b][keep]
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("positions", [None, "other"])
+@pytest.mark.parametrize("rows", [1, 7, 40, None])
+def test_rows_path_equals_the_attention_written_out(weighted, positions, rows, monkeypatch):
+    """The "rows" path (dense blocks of rows against all keys), a block size not dividing n included, against
+    numpy; through attend(method="auto") when the accelerator choice takes it; rows without a visible key of
+    positive weight (the first query is placed before every key) are zeros, with finite gradients."""
+    q, k, v, lw, qp, kp = _inputs(2, weighted=weighted, positions=positions)
+    ref = _numpy_attention(q, k, v, lw, qp, kp)
+    _close(kernels.rows_attend(q, k, v, lw, qp, kp, rows=rows), ref, tol=1e-12)
+    monkeypatch.setattr(kernels, "_choose", lambda *a: ("rows", None))
+    monkeypatch.setattr(ap, "ROW_ENTRIES", 2 * 40 * 7)   # 7 rows per block
+    qg = q.clone().requires_grad_(True)
+    out = attend(qg, k, v, lw, qp, kp)
+    _close(out.detach(), ref, tol=1e-12)
+    out.sum().backward()
+    assert torch.isfinite(qg.grad).all()
+    if positions == "other":
+        assert torch.equal(out[:, 0].detach(), torch.zeros(2, 3, dtype=DT))
