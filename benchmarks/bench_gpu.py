@@ -403,25 +403,17 @@ def vjp_rows(b, n, d, mask, engines=()):
     return res
 
 
-def _untruncated(fn):
-    from transport import truncation
+def _without(module_name, fn):
+    """``fn()`` with ``transport.<module_name>.ENABLED`` off: the solver before that module's change (kernel
+    truncation, the coarse annealing)."""
+    import importlib
 
-    truncation.ENABLED = False
+    module = importlib.import_module(f"transport.{module_name}")
+    module.ENABLED = False
     try:
         return fn()
     finally:
-        truncation.ENABLED = True
-
-
-def _fine_annealing(fn):
-    """``fn()`` with every annealing level on the points (the solver before transport/multiscale.py)."""
-    from transport import multiscale
-
-    multiscale.ENABLED = False
-    try:
-        return fn()
-    finally:
-        multiscale.ENABLED = True
+        module.ENABLED = True
 
 
 def sinkhorn_rows(b, n, with_peers=True):
@@ -430,19 +422,15 @@ def sinkhorn_rows(b, n, with_peers=True):
     Y = (torch.rand(n, 3, generator=g, dtype=torch.float64) + 0.1).to(b.device, torch.float32)
     reg = 2 * BLUR**2  # GeomLoss's p = 2 cost is |x - y|^2 / 2 with eps = blur^2
     iters = 30 if b.smoke else None  # the smoke run checks the code path, not the convergence
-    fns = {"ours (streaming)": lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg, squared=True,
-                                          debias=True, tol=SINKHORN_TOL, max_iter=iters, on_failure="warn"),
+    solve = lambda **kw: w2(Measure(X), Measure(Y), "streaming", reg=reg, squared=True, debias=True,
+                            tol=SINKHORN_TOL, max_iter=iters, on_failure="warn", **kw)
+    fns = {"ours (streaming)": solve,
            # the same solver with plain Sinkhorn steps (before over-relaxation): what the change gained here
-           "ours, plain steps": lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg, squared=True, debias=True,
-                                           tol=SINKHORN_TOL, max_iter=iters, on_failure="warn", overrelaxation=1.0),
-           # ... and without the kernel truncation of the last eps (dense passes throughout)
-           "ours, untruncated": lambda: _untruncated(lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg,
-                                                                squared=True, debias=True, tol=SINKHORN_TOL,
-                                                                max_iter=iters, on_failure="warn")),
+           "ours, plain steps": lambda: solve(overrelaxation=1.0),
+           # ... without the kernel truncation of the last eps (dense passes throughout)
+           "ours, untruncated": lambda: _without("truncation", solve),
            # ... and with every annealing level on the points (no coarse start on cluster centres)
-           "ours, fine annealing": lambda: _fine_annealing(lambda: w2(Measure(X), Measure(Y), "streaming", reg=reg,
-                                                                      squared=True, debias=True, tol=SINKHORN_TOL,
-                                                                      max_iter=iters, on_failure="warn"))}
+           "ours, fine annealing": lambda: _without("multiscale", solve)}
     try:
         from geomloss import SamplesLoss
 
