@@ -389,7 +389,17 @@ class Measure:
 
         Positions closer than ``atol`` count as one (their first value is reported).
         """
-        pos = self._require_positions("position_marginal")
+        positions, mass, _ = self.position_groups(atol, "position_marginal")
+        return positions, mass
+
+    def position_groups(self, atol: float = 0.0, what: str = "position_groups"):
+        """(positions, masses, labels): :meth:`position_marginal` and, for every atom, the index of its group.
+
+        Positions are sorted and grouped by chaining gaps of at most ``atol`` (a chain can span more than
+        ``atol``: positions 0, 0.1, 0.2 are one group at atol 0.11); each group is reported by its first
+        position. ``labels[j]`` is atom j's group, whatever the distance of its position to that first one.
+        """
+        pos = self._require_positions(what)
         atol = float(atol)
         if not atol >= 0:
             raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
@@ -400,7 +410,9 @@ class Measure:
         k = int(group[-1]) + 1
         mass = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, group, w)
         first = torch.cat([torch.ones(1, dtype=torch.bool, device=p.device), gap])
-        return p[first], mass
+        labels = torch.empty_like(group)
+        labels[order] = group
+        return p[first], mass, labels
 
     def at_position(self, s: float, atol: float = 1e-12) -> Measure:
         """The normalized slice mu_s: atoms with ``|s_j - s| <= atol``, renormalized (Definition 4.1)."""

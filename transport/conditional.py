@@ -67,11 +67,12 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         check_allocation(mu.n * nu.n * mu.points.element_size(), f"the plan of conditional_w2 between {mu.n} "
                          f"and {nu.n} atoms", "ask for the value only (return_plan=False)", limit)
     grad = needs_grad(mu, nu)
-    s_mu, m_mu = mu.position_marginal(atol)
-    s_nu, m_nu = nu.position_marginal(atol)
+    s_mu, m_mu, g_mu = mu.position_groups(atol, "conditional_w2")
+    s_nu, m_nu, g_nu = nu.position_groups(atol, "conditional_w2")
     # marginals are compared on atoms of positive mass only: zero-mass atoms carry no position law
-    s_mu, m_mu = s_mu[m_mu > 0], m_mu[m_mu > 0]
-    s_nu, m_nu = s_nu[m_nu > 0], m_nu[m_nu > 0]
+    keep_mu, keep_nu = m_mu > 0, m_nu > 0
+    s_mu, m_mu = s_mu[keep_mu], m_mu[keep_mu]
+    s_nu, m_nu = s_nu[keep_nu], m_nu[keep_nu]
     if (s_mu.shape != s_nu.shape or bool(((s_mu - s_nu).abs() > atol).any())
             or bool(((m_mu - m_nu).detach().abs() > mass_atol).any())):
         return (math.inf, None) if return_plan else math.inf
@@ -82,9 +83,10 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     if k == 0:  # no rescaling needed: difference the points as given (see Problem.plain_points)
         x, y = mu.points.to(torch.float64), nu.points.to(torch.float64)
     n_pos = s_mu.shape[0]
-    # each atom's group: the nearest marginal position (atoms of zero mass included)
-    gx = _nearest(s_mu, mu.positions)
-    gy = _nearest(s_mu, nu.positions)
+    # each atom's group: its own measure's group (the i-th groups of both measures are the same position
+    # within atol); an atom of a group of zero mass, the nearest kept group (it carries no mass)
+    gx = _groups(g_mu, keep_mu, s_mu, mu.positions)
+    gy = _groups(g_nu, keep_nu, s_mu, nu.positions)
     # each slice renormalized by its own measure's mass at s (mass_atol lets the two differ), weighted by the
     # mean of the two masses: a symmetric W2c, equal to Definition 4.1's where the marginals agree
     mx, my = m_mu.to(torch.float64), m_nu.to(torch.float64)
@@ -120,6 +122,17 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
                             "ask for W2c (squared=False)")
     out = value_sq if squared else value
     return (out, plan) if return_plan else out
+
+
+def _groups(labels: torch.Tensor, keep: torch.Tensor, kept_positions: torch.Tensor, positions: torch.Tensor):
+    """Each atom's index among the kept (positive-mass) groups: its group's, or for an atom of a dropped group
+    the nearest kept position's."""
+    index = torch.cumsum(keep.long(), 0) - 1
+    out = index[labels]
+    dropped = ~keep[labels]
+    if bool(dropped.any()):
+        out = torch.where(dropped, _nearest(kept_positions, positions), out)
+    return out
 
 
 def _nearest(grid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,26 @@ def test_marginals_accepted_by_mass_atol_give_a_symmetric_value_from_each_slice_
     assert conditional_w2(mu, nu, mass_atol=0.05) == math.inf
 
 
+def test_a_chain_of_positions_within_atol_is_one_slice_for_every_atom_of_it():
+    """atol chains positions (0, 0.1, 0.2 are one position at atol 0.11, reported as 0): every atom of the chain
+    belongs to that slice. Atoms were once put at the nearest reported position, the one at 0.2 in the next
+    slice (0.35): two atoms swapped inside one slice gave 0.7071 instead of 0 (found by an independent review).
+    Truth: the slices' assignment costs by hand."""
+    X = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [2.0, 2.0]], dtype=F64)
+    pos = torch.tensor([0.0, 0.1, 0.2, 0.35], dtype=F64)
+    mu = Measure(X, None, pos)
+    positions, mass, labels = mu.position_groups(0.11)
+    assert positions.tolist() == [0.0, 0.35] and mass.tolist() == [0.75, 0.25] and labels.tolist() == [0, 0, 0, 1]
+    swapped = X.clone()
+    swapped[[0, 2]] = X[[2, 0]]
+    assert conditional_w2(mu, Measure(swapped, None, pos), atol=0.11) == 0.0
+    # moving the chain's last atom by (0, 3): one slice of three uniform atoms, one of them displaced by 3
+    moved = X.clone()
+    moved[2, 1] += 3.0
+    assert conditional_w2(mu, Measure(moved, None, pos), atol=0.11) == pytest.approx(math.sqrt(0.75 * 9.0 / 3),
+                                                                                       rel=1e-12)
+
+
 def test_conditional_w2_split_invariance_and_zero_mass():
     mu, nu = _grouped(2), _grouped(3)
     ref = conditional_w2(mu, nu)
