@@ -209,6 +209,10 @@ class FakeDriver:
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: self.reserved)
         monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev=None: self.allocated)
         monkeypatch.setattr(device.time, "monotonic", lambda: self.now)
+        # on a CUDA build the budget would read the real allocator's counters from this one call: faked too
+        monkeypatch.setattr(torch._C, "_cuda_memoryStats", lambda index: {
+            "reserved_bytes": {"all": {"current": self.reserved}},
+            "allocated_bytes": {"all": {"current": self.allocated}}}, raising=False)
 
     def mem_get_info(self, dev=None):
         self.queries.append(dev)
