@@ -173,7 +173,8 @@ def thm33_upper(A, V, R, n):
 
 
 def thm35_upper_log(A, V, R):
-    """log of Theorems 3.5 / 4.4: ||V|| (1 + 3 ||A|| R^2) exp(2 ||A|| R^2)."""
+    """log of Theorem 3.5 (unmasked; Theorem 4.4 states it for masked measures, falsely): ||V|| (1 + 3 ||A|| R^2)
+    exp(2 ||A|| R^2)."""
     a = _norm2(A)
     return math.log(_norm2(V)) + math.log(1 + 3 * a * R * R) + 2 * a * R * R
 
