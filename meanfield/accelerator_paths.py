@@ -155,8 +155,8 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
     if derivatives:
         return "stream"
     if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
-            and _dense_fits(min(entries, max(ROW_ENTRIES, max(1, batch) * n)) * ROWS_TEMPORARIES, element_size,
-                            budget, temporaries=1)):
+            and _dense_fits(min(entries, max(ROW_ENTRIES, max(1, batch) * n)), element_size, budget,
+                            temporaries=ROWS_TEMPORARIES)):
         return "rows"
     if dtype in FUSED_DTYPES and positions in ("none", "causal"):
         return "fused"

@@ -389,16 +389,26 @@ def rows_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, rows=None)
 
     def blocks(probs):
         out = []
-        for i in range(0, m, step):
+        for i in range(0, m, step) or (0,):   # one (empty) block when there are no queries
             qp = None if q_pos is None else q_pos[..., i:i + step]
             out.append(probs(q[..., i:i + step, :], k, log_weights, qp, k_pos) @ v)
         return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
-    if not _checks_skipped():
-        out = blocks(_plain_probs)
+    return _plain_first(blocks, q, k, v, log_weights, q_pos)
+
+
+def _plain_first(compute, q, k, v, log_weights, q_pos) -> torch.Tensor:
+    """``compute(probs)``, the output of the dense kernel with the probabilities ``probs`` gives, checked.
+
+    With weights or positions the plain softmax first (as naive attention: about half the kernels of
+    :func:`attention_probs`, which is most of a small call's cost on a GPU): it differs from attention_probs
+    only on rows with no visible key of positive weight, which it leaves NaN, so a finite output (the sum the
+    output check computes anyway) is the exact result; attention_probs's guarded formula otherwise."""
+    if (log_weights is not None or q_pos is not None) and not _checks_skipped():
+        out = compute(_plain_probs)
         if math.isfinite(float(out.detach().sum())):
             return out
-    return _check_output(blocks(attention_probs), q, k, v, log_weights)
+    return _check_output(compute(attention_probs), q, k, v, log_weights)
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
@@ -425,15 +435,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         _check_method(method)
     if method == "dense":
         _check_dense_memory(q, k, log_weights, q_pos, k_pos)
-        if (log_weights is not None or q_pos is not None) and not _checks_skipped():
-            # the plain softmax first (as naive attention: about half the kernels of attention_probs with a
-            # mask or weights, which is most of a small call's cost on a GPU): it differs from attention_probs
-            # only on rows with no visible key of positive weight, which it leaves NaN, so a finite output
-            # (the sum the output check computes anyway) is the exact result
-            out = _plain_probs(q, k, log_weights, q_pos, k_pos) @ v
-            if math.isfinite(float(out.detach().sum())):
-                return out
-        return _check_output(attention_probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights)
+        return _plain_first(lambda probs: probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights, q_pos)
     from . import streamed_attention as streaming
 
     if method == "fused":

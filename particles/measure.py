@@ -340,7 +340,8 @@ class Measure:
             spacing = 2.0 * atol + 1.0
             if math.isfinite(spacing * max(1.0, float(rank.max()))):
                 labels = _group_labels(np.concatenate([X.astype(np.float64), rank[:, None] * spacing], axis=1), atol)
-            else:   # atol too large to space the ranks: group by position, then within each position
+            else:   # atol too large to space the ranks (every finite pair of points is within it): atoms of one
+                # position and one component of all the points merge
                 labels = _group_labels(np.concatenate([rank[:, None], _group_labels(X, atol)[:, None]], axis=1),
                                        0.0)
         else:

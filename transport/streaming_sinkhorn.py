@@ -117,7 +117,8 @@ def _row_error(a, delta, eps) -> float:
 
 def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=None, done=0, omega="auto"):
     """:func:`_iterate_pair`, on the points in Z-order with truncated passes at eps where
-    :func:`transport.truncation.applies`; potentials in the caller's order."""
+    :func:`transport.truncation.applies` and the first annealing levels on cluster centres where
+    :func:`transport.multiscale.applies`; potentials in the caller's order."""
     n, m, d = x.shape[0], y.shape[0], x.shape[1]
     cut, coarse = truncation.applies(n, m, d), start is None and multiscale.applies(n, m, d)
     if not (cut or coarse):
@@ -213,7 +214,8 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
     Returns (f, error, updates); ``start``: a potential to continue from (no annealing). The error is
     the L1 error of both marginals (equal by symmetry) of the self coupling (f, f) before the last update.
     Where :func:`transport.truncation.applies`, on the points in Z-order with truncated passes at eps (the
-    last pass dense), the potential given back in the caller's order.
+    last pass dense), and, where :func:`transport.multiscale.applies`, with the first annealing levels on
+    cluster centres; the potential given back in the caller's order.
     """
     n, d = x.shape
     cut, coarse = truncation.applies(n, n, d), start is None and multiscale.applies(n, n, d)

@@ -431,6 +431,8 @@ def test_rows_path_equals_the_attention_written_out(weighted, positions, rows, m
     q, k, v, lw, qp, kp = _inputs(2, weighted=weighted, positions=positions)
     ref = _numpy_attention(q, k, v, lw, qp, kp)
     _close(kernels.rows_attend(q, k, v, lw, qp, kp, rows=rows), ref, tol=1e-12)
+    no_queries = kernels.rows_attend(q[:, :0], k, v, lw, None if qp is None else qp[:0], kp, rows=rows)
+    assert no_queries.shape == (2, 0, 3)
     monkeypatch.setattr(kernels, "_choose", lambda *a: ("rows", None))
     monkeypatch.setattr(ap, "ROW_ENTRIES", 2 * 40 * 7)   # 7 rows per block
     qg = q.clone().requires_grad_(True)
