@@ -1,6 +1,8 @@
 """The dense attention path's probabilities: ``meanfield.kernels.attention_probs`` (torch's softmax, one
 kernel, with rows that see no key set to zeros) against the formula it replaced on 2026-11-26 (the max-shifted
-exponentials spelled out, about ten kernels), side by side in one run. The cost of a small call is what a GPU
+exponentials spelled out, about ten kernels), side by side in one run; and the whole dense call,
+``attend(method="dense")``, which since then runs the plain softmax first and attention_probs's guard only
+when the output is not finite (its output check included). The cost of a small call is what a GPU
 call at N = 1e3 pays in launches; on CPU it is the per-op overhead.
 
     python benchmarks/bench_dense_probs.py [--sizes 8 64 1000] [--repeats 7] [--threads 1]
@@ -22,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from meanfield.kernels import attention_probs  # noqa: E402
+from meanfield.kernels import attend, attention_probs  # noqa: E402
 
 
 def spelled_out(q, k, log_weights=None, q_pos=None, k_pos=None):
@@ -56,8 +58,10 @@ def main(argv=None):
         for mask, args in (("plain", (None, None, None)), ("weighted, causal", (lw, pos, pos))):
             qkv = (q, k, v)
             fns = {"attention_probs": lambda f=attention_probs, t=qkv, a=args: f(t[0], t[1], *a) @ t[2],
-                   "spelled out (baseline)": lambda f=spelled_out, t=qkv, a=args: f(t[0], t[1], *a) @ t[2]}
+                   "spelled out (baseline)": lambda f=spelled_out, t=qkv, a=args: f(t[0], t[1], *a) @ t[2],
+                   "attend, dense": lambda t=qkv, a=args: attend(*t, *a, method="dense")}
             diff = float((fns["attention_probs"]() - fns["spelled out (baseline)"]()).abs().max())
+            same = bool(torch.equal(fns["attend, dense"](), fns["attention_probs"]()))
             calls = max(1, 20_000 // n)
             times = {name: [] for name in fns}
             for r in range(a.repeats):
@@ -66,15 +70,19 @@ def main(argv=None):
                     for _ in range(calls):
                         fns[name]()
                     times[name].append((time.perf_counter() - t0) / calls)
-            new, old = (statistics.median(times[name]) for name in fns)
-            rows.append(f"| {n} | {mask} | {new * 1e6:.1f} us | {old * 1e6:.1f} us | {old / new:.2f}x | {diff:.1e} |")
+            new, old, call = (statistics.median(times[name]) for name in fns)
+            rows.append(f"| {n} | {mask} | {new * 1e6:.1f} us | {old * 1e6:.1f} us | {old / new:.2f}x | {diff:.1e} | "
+                        f"{call * 1e6:.1f} us | {same} |")
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     text = "\n".join([
         "# Dense attention probabilities: torch's softmax vs the spelled-out formula", "",
         f"`python benchmarks/bench_dense_probs.py --sizes {' '.join(map(str, a.sizes))} --repeats {a.repeats} "
         f"--threads {a.threads}`; float64, d = 3, P @ v per call, {a.threads} thread(s) on CPU; load before: "
         f"`{load}`.", "",
-        "| N | mask | attention_probs | spelled out | speed-up | max difference |", "|---|---|---|---|---|---|",
+        "P @ v by attention_probs and by the spelled-out formula, and a whole `attend(method=\"dense\")` call "
+        "(checks and output check included; 'equal': bit for bit equal to attention_probs @ v).", "",
+        "| N | mask | attention_probs | spelled out | speed-up | max difference | attend, dense | equal |",
+        "|---|---|---|---|---|---|---|---|",
         *rows, ""])
     print(text)
     a.out.write_text(text)
