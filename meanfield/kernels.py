@@ -394,10 +394,10 @@ def rows_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, rows=None)
             out.append(probs(q[..., i:i + step, :], k, log_weights, qp, k_pos) @ v)
         return out[0] if len(out) == 1 else torch.cat(out, dim=-2)
 
-    return _plain_first(blocks, q, k, v, log_weights, q_pos)
+    return _plain_first(blocks, q, k, v, log_weights, q_pos, k_pos)
 
 
-def _plain_first(compute, q, k, v, log_weights, q_pos) -> torch.Tensor:
+def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     """``compute(probs)``, the output of the dense kernel with the probabilities ``probs`` gives, checked.
 
     With weights or positions the plain softmax first (as naive attention: about half the kernels of
@@ -408,7 +408,24 @@ def _plain_first(compute, q, k, v, log_weights, q_pos) -> torch.Tensor:
         out = compute(_plain_probs)
         if math.isfinite(float(out.detach().sum())):
             return out
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_weights))):
+            # the rows that see no key of positive weight (a query before every key: half of all random
+            # positions) are attention_probs's zero rows; set them, instead of computing every row again
+            out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), 0.0, out)
+            if math.isfinite(float(out.detach().sum())):
+                return out
     return _check_output(compute(attention_probs), q, k, v, log_weights)
+
+
+def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
+    """Rows that see no key of positive weight, (..., m) or (..., 1), as :func:`attention_probs` decides
+    them, from O(m + n) reductions: q_pos_i below the first position of a key of positive weight. A NaN
+    position or weight makes no row dead here (the guarded formula then decides)."""
+    seen = None if log_weights is None else log_weights != float("-inf")
+    if q_pos is None:
+        return ~seen.any(dim=-1, keepdim=True)
+    first = k_pos if seen is None else torch.where(seen, k_pos, math.inf)
+    return q_pos < first.amin(dim=-1, keepdim=True)
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
@@ -435,7 +452,8 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         _check_method(method)
     if method == "dense":
         _check_dense_memory(q, k, log_weights, q_pos, k_pos)
-        return _plain_first(lambda probs: probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights, q_pos)
+        return _plain_first(lambda probs: probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights, q_pos,
+                           k_pos)
     from . import streamed_attention as streaming
 
     if method == "fused":

@@ -146,6 +146,47 @@ def test_finite_outputs_whose_sum_overflows_are_returned():
     assert torch.allclose(out / 1e308, _reference(q, k, big / 1e308), rtol=1e-12)
 
 
+@pytest.mark.parametrize("path", ["dense", "rows"])
+def test_rows_without_keys_are_zeros_without_computing_every_row_again(monkeypatch, path):
+    """Random positions leave a query before every key of positive weight about half of the time. Those rows
+    (and only those) are zeros, decided from the positions and weights: batches, zero weights, keys after
+    every query, a NaN position (then the guarded formula decides), through the dense and the rows paths."""
+    calls = []
+    guarded = kernels.attention_probs
+    monkeypatch.setattr(kernels, "attention_probs", lambda *a: calls.append(1) or guarded(*a))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, n, 3, generator=g, dtype=torch.float64) for n in (30, 40, 40))
+    qp, kp = torch.rand(2, 30, generator=g, dtype=torch.float64), torch.rand(2, 40, generator=g, dtype=torch.float64)
+    w = torch.rand(2, 40, generator=g, dtype=torch.float64)
+    w[0, kp[0].argmin()] = 0.0   # the first key of batch 0 has no weight: it makes no row alive
+    lw = torch.log(w)
+    qp[:, :3] = kp.amin(-1, keepdim=True) - 0.01     # three queries before every key
+    qp[1, 3] = kp[1].amin()                            # ... and one that sees exactly the first key
+    run = (lambda *a: kernels.attend(*a, method="dense")) if path == "dense" else \
+        (lambda *a: kernels.rows_attend(*a, rows=7))
+    # the truth, written out: softmax over the visible keys of positive weight, zeros where there are none
+    s = (q @ k.transpose(-1, -2) + lw.unsqueeze(-2)).masked_fill(kp.unsqueeze(-2) > qp.unsqueeze(-1), -math.inf)
+    seen = torch.isfinite(s)
+    expected = torch.where(seen, torch.exp(s - s.amax(-1, keepdim=True)), 0.0)
+    expected = (expected / expected.sum(-1, keepdim=True)).nan_to_num(0.0) @ v
+    dead = ~seen.any(-1)
+    assert dead[:, :3].all() and not dead[1, 3] and dead.sum() == 6   # the 0-weight first key counts for nothing
+    step = 30 if path == "dense" else 7   # the rows path: the guarded formula on the same blocks of queries
+
+    def by_guarded(q, k, v, lw, qp, kp):
+        return torch.cat([guarded(q[:, i:i + step], k, lw, qp[:, i:i + step], kp) @ v for i in range(0, 30, step)], 1)
+
+    for args in ((q, k, v, lw, qp, kp), (q, k, v, None, qp, kp)):
+        out = run(*args)
+        assert calls == [] and torch.equal(out, by_guarded(*args))
+    out = run(q, k, v, lw, qp, kp)
+    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-15) and torch.equal(out[dead], torch.zeros(6, 3).double())
+    qp_nan = qp.clone()
+    qp_nan[0, 5] = math.nan                              # invisible to every key: a zero row, by the guarded formula
+    out = run(q, k, v, lw, qp_nan, kp)
+    assert len(calls) == -(-30 // step) and torch.equal(out, by_guarded(q, k, v, lw, qp_nan, kp))
+
+
 def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(monkeypatch):
     """With weights or positions the dense path runs the plain softmax (as naive attention) and takes
     attention_probs's guarded formula only when the output is not finite, i.e. when a row sees no key of
@@ -169,9 +210,12 @@ def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(mo
     assert torch.equal(out.detach(), guarded(q, k, lw, q_pos, kp) @ v)
     out.sum().backward()
     assert torch.isfinite(qg.grad).all() and torch.equal(qg.grad[0], torch.zeros(3, dtype=torch.float64))
+    # without gradients the rows without keys are set to zero, found from the positions and weights alone
+    out = kernels.attend(q, k, v, lw, q_pos, kp, method="dense")
+    assert len(calls) == 1 and torch.equal(out, guarded(q, k, lw, q_pos, kp) @ v)
     # every weight zero: every row is empty
     out = kernels.attend(q, k, v, torch.full((5,), -math.inf, dtype=torch.float64), method="dense")
-    assert len(calls) == 2 and torch.equal(out, torch.zeros(4, 2, dtype=torch.float64))
+    assert len(calls) == 1 and torch.equal(out, torch.zeros(4, 2, dtype=torch.float64))
     # a NaN input is still reported by name
     with pytest.raises(FloatingPointError, match="^k: contains NaN"):
         kernels.attend(q, k.clone().fill_(math.nan), v, lw, method="dense")
