@@ -33,7 +33,8 @@ import torch
 from . import truncation
 from .tiles import softmin, update
 
-__all__ = ["ENABLED", "CLUSTER", "SCALE", "applies", "clusters", "coarse_levels", "start_pair", "start_symmetric"]
+__all__ = ["ENABLED", "CLUSTER", "SCALE", "CUDA_FACTOR", "applies", "clusters", "coarse_levels", "start_pair",
+           "start_symmetric"]
 
 #: Run the first annealing levels on cluster centres at all (benchmarks turn it off to time the previous
 #: behaviour beside it)
@@ -44,12 +45,18 @@ CLUSTER = 64
 SCALE = 1.0
 
 
-def applies(n: int, m: int, d: int) -> bool:
-    """Whether the annealing of an n x m problem in dimension d starts on cluster centres: where the points
-    are sorted in Z-order for truncation anyway (:func:`transport.truncation.applies`' sizes and dimensions)
-    and each side has at least two clusters."""
-    return (ENABLED and d <= truncation.MAX_DIM and n * m >= truncation.MIN_ENTRIES
-            and min(n, m) >= 2 * CLUSTER)
+#: on CUDA the gate is this many times truncation.MIN_ENTRIES (H200, benchmarks/gpu.md: at N = M = 2e4 the
+#: fine annealing took 117 ms against 142, at 1e4 76.4 against 75.9, at 1e5 1.14 s against 0.88)
+CUDA_FACTOR = 8
+
+
+def applies(n: int, m: int, d: int, device=None) -> bool:
+    """Whether the annealing of an n x m problem in dimension d on ``device`` starts on cluster centres: where
+    the points are sorted in Z-order for truncation anyway (:func:`transport.truncation.applies`' sizes and
+    dimensions; on CUDA from :data:`CUDA_FACTOR` times its smallest size) and each side has at least two
+    clusters."""
+    least = truncation.MIN_ENTRIES * (CUDA_FACTOR if torch.device(device or "cpu").type == "cuda" else 1)
+    return ENABLED and d <= truncation.MAX_DIM and n * m >= least and min(n, m) >= 2 * CLUSTER
 
 
 def clusters(x: torch.Tensor, log_a: torch.Tensor, size: int = CLUSTER):

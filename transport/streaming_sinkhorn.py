@@ -120,7 +120,7 @@ def _solve_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=No
     :func:`transport.truncation.applies` and the first annealing levels on cluster centres where
     :func:`transport.multiscale.applies`; potentials in the caller's order."""
     n, m, d = x.shape[0], y.shape[0], x.shape[1]
-    cut, coarse = truncation.applies(n, m, d), start is None and multiscale.applies(n, m, d)
+    cut, coarse = truncation.applies(n, m, d, x.device), start is None and multiscale.applies(n, m, d, x.device)
     if not (cut or coarse):
         return _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start, done, omega)
     px, py = truncation.morton_order(x), truncation.morton_order(y)
@@ -218,7 +218,7 @@ def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
     cluster centres; the potential given back in the caller's order.
     """
     n, d = x.shape
-    cut, coarse = truncation.applies(n, n, d), start is None and multiscale.applies(n, n, d)
+    cut, coarse = truncation.applies(n, n, d, x.device), start is None and multiscale.applies(n, n, d, x.device)
     if not (cut or coarse):
         return _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start)
     px = truncation.morton_order(x)

@@ -36,8 +36,8 @@ from particles.device import run_triton
 from . import tiles
 from .tiles import cofactors, exp_floor, factors, safe, update
 
-__all__ = ["ENABLED", "MIN_ENTRIES", "MAX_DIM", "MAX_FRACTION", "TILE", "applies", "morton_order", "tau", "Blocks",
-           "kept_tiles", "truncated_update"]
+__all__ = ["ENABLED", "MIN_ENTRIES", "CUDA_FACTOR", "MAX_DIM", "MAX_FRACTION", "TILE", "applies", "morton_order", "tau",
+           "Blocks", "kept_tiles", "truncated_update"]
 
 #: Truncate at all (benchmarks turn it off to time the dense passes beside the truncated ones)
 ENABLED = True
@@ -54,9 +54,16 @@ TILE = 256
 CPU_ROWS = 64
 
 
-def applies(n: int, m: int, d: int) -> bool:
-    """Whether the last eps level runs truncated passes."""
-    return ENABLED and d <= MAX_DIM and n * m >= MIN_ENTRIES
+#: on CUDA a dense pass is one fast kernel launch and the bounds cost host syncs: the gate is this many times
+#: MIN_ENTRIES there (H200, benchmarks/gpu.md: at N = M = 1e4 an untruncated solve took 60.7 ms against 75.9,
+#: at 2e4 139 against 142, at 1e5 1.16 s against 0.88)
+CUDA_FACTOR = 4
+
+
+def applies(n: int, m: int, d: int, device=None) -> bool:
+    """Whether the last eps level runs truncated passes (for an n x m problem in dimension d on ``device``)."""
+    least = MIN_ENTRIES * (CUDA_FACTOR if torch.device(device or "cpu").type == "cuda" else 1)
+    return ENABLED and d <= MAX_DIM and n * m >= least
 
 
 def tau(m: int, tol: float) -> float:

@@ -55,6 +55,11 @@ def test_levels_run_coarse_while_their_blur_is_at_least_scale_radii(monkeypatch)
     assert multiscale.coarse_levels(levels, 0.0) == 5
     assert multiscale.applies(10**5, 10**5, 3) and not multiscale.applies(10**5, 10**5, truncation.MAX_DIM + 1)
     assert not multiscale.applies(1000, 1000, 3)
+    # on CUDA from 8x truncation's smallest size (an H200 solved N = 2e4 faster with the fine annealing)
+    assert multiscale.applies(2 * 10**4, 2 * 10**4, 3) and not multiscale.applies(2 * 10**4, 2 * 10**4, 3, "cuda")
+    big = truncation.MIN_ENTRIES * multiscale.CUDA_FACTOR
+    assert multiscale.applies(big // 256, 256, 3, "cuda") and not multiscale.applies(big // 256 - 1, 256, 3, "cuda")
+    assert multiscale.applies(10**5, 10**5, 3, torch.device("cuda"))
     monkeypatch.setattr(multiscale, "ENABLED", False)
     assert not multiscale.applies(10**5, 10**5, 3)
 

@@ -142,6 +142,12 @@ def test_truncation_applies_to_large_low_dimensional_problems_only(monkeypatch):
     assert truncation.applies(10**5, 10**5, 3)
     assert not truncation.applies(10**5, 10**5, truncation.MAX_DIM + 1)
     assert not truncation.applies(1000, 1000, 3)
+    # on CUDA from 4x the entries (an H200 solved N = 1e4 faster untruncated, 2e4 level, 1e5 slower)
+    assert truncation.applies(10**4, 10**4, 3) and truncation.applies(10**4, 10**4, 3, torch.device("cpu"))
+    assert not truncation.applies(10**4, 10**4, 3, "cuda") and not truncation.applies(10**4, 10**4, 3, "cuda:1")
+    assert truncation.applies(2 * 10**4, 2 * 10**4, 3, torch.device("cuda", 0))
+    big = truncation.MIN_ENTRIES * truncation.CUDA_FACTOR
+    assert truncation.applies(big, 1, 3, "cuda") and not truncation.applies(big - 1, 1, 3, "cuda")
     monkeypatch.setattr(truncation, "ENABLED", False)
     assert not truncation.applies(10**5, 10**5, 3)
 
