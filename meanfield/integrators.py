@@ -6,7 +6,8 @@ step 1/L on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x) (docs/ma
 
 Both integrate piece by piece between the requested output times and the layer boundaries of
 piecewise-constant parameters, so that no step straddles a change of parameters and a scheme keeps
-its order.
+its order. A requested time within a few ulps of its dtype of a boundary is taken to be on it
+(:func:`snap_to_edges`), so that rounding makes no sliver piece.
 """
 
 from __future__ import annotations
@@ -43,22 +44,63 @@ FIXED = {"euler": euler_step, "rk4": rk4_step}
 ADAPTIVE = ("dopri5", "dopri8", "bosh3", "fehlberg2", "adaptive_heun")
 
 
+#: the beginnings of torchdiffeq's assertion messages that mean its adaptive solver did not converge (too many
+#: steps, a step smaller than the time's resolution, a state that left the floating-point range)
+NONCONVERGENCE = ("max_num_steps exceeded", "underflow in dt", "non-finite values in state")
+
+
 def check_finite(Y, t):
     if not bool(torch.isfinite(Y.detach()).all()):
         raise FloatingPointError(f"simulate: the particles left the floating-point range at t = {t:g} "
                                  "(reduce the step or the time span)")
 
 
+#: a requested time within this many ulps (of the times' dtype, at the magnitude of the span's ends) of a layer
+#: boundary is taken to be on it
+SNAP_ULPS = 4
+
+
+def snap_to_edges(times, edges, dtype):
+    """The requested times with each interior one that lies within ``SNAP_ULPS`` ulps of a layer edge moved onto it.
+
+    The edges t0 + (t1 - t0) l / L are float64 and the requested times are rounded to their dtype (float32 1/3 is
+    0.33333334, float64 linspace's 0.3 is 0.30000000000000004): merged as they are, they make sliver pieces
+    [1/3, 0.33333334] that cost steps, and that collapse to one time when cast back to the dtype. Only the time
+    nearest an edge moves, and never one already on an edge, so the times stay strictly increasing; the ends
+    (the span that defines the edges) never move.
+    """
+    out = list(times)
+    if len(out) < 3 or not edges:
+        return out
+    tol = SNAP_ULPS * torch.finfo(dtype).eps * max(abs(out[0]), abs(out[-1]))
+    on_edge = set()
+    for e in edges:
+        k = bisect.bisect_left(out, e)
+        j = min((i for i in (k - 1, k) if 0 < i < len(out) - 1), key=lambda i: abs(out[i] - e), default=None)
+        if j is not None and j not in on_edge and abs(out[j] - e) <= tol:
+            out[j] = e
+            on_edge.add(j)
+    return out
+
+
 def _segments(field, times):
-    """Consecutive pieces [a, b] between requested times and layer boundaries; k = output index."""
+    """Consecutive pieces [a, b] between requested times and layer boundaries; k = output index.
+
+    ``times`` are already snapped onto the boundaries they round to (:func:`snap_to_edges`).
+    """
     cuts = sorted(set(times) | {e for e in field.breakpoints() if times[0] < e < times[-1]})
     idx = {s: k for k, s in enumerate(times)}
     return [(a, b, idx.get(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def integrate_fixed(field, Y, times, method, step, steps):
-    """Fixed-step integration; returns (points at each requested time, number of steps)."""
+    """Fixed-step integration; returns (points at each requested time, number of steps).
+
+    The requested times are snapped onto the layer boundaries they round to (:func:`snap_to_edges`; the times have
+    the particles' dtype), so that no sliver piece costs a step.
+    """
     stepper = FIXED[method]
+    times = snap_to_edges(times, field.breakpoints(), Y.dtype)
     if step is not None and steps is not None:
         raise ValueError("step, steps: give at most one of them")
     if step is not None:
@@ -100,7 +142,9 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
         raise TypeError(f"options: expected a dict of torchdiffeq options, got {type(options).__name__}")
     opts = {"max_num_steps": check_positive_int(max_steps, "max_steps")}
     opts.update(options or {})
-    times = [float(s) for s in t]
+    # the requested times on a layer boundary (to a few ulps of their dtype) are put on it: a float64 boundary
+    # next to a float32 time would make a sliver that collapses in the solver's float32 grid
+    times = snap_to_edges([float(s) for s in t], field.breakpoints(), t.dtype)
     edges = [times[0]] + [e for e in field.breakpoints() if times[0] < e < times[-1]] + [times[-1]]
     out = [field.retract(Y)]
     Y = out[0]
@@ -108,11 +152,15 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
         layer = field.layer_of(a, b)
         inner = [s for s in times if a < s <= b]
         grid = [a] + inner + ([b] if not inner or inner[-1] < b else [])
+        grid_t = torch.tensor(grid, dtype=Y.dtype, device=Y.device)
         try:
-            grid_t = torch.tensor(grid, dtype=Y.dtype, device=Y.device)
             sol = odeint(lambda tt, yy, _l=layer: field(tt, yy, _l), Y, grid_t, method=method, rtol=float(rtol),
                          atol=float(atol), options=opts)
         except AssertionError as exc:
+            # torchdiffeq asserts both its failures to converge and its checks of the input: only the former
+            # are relabelled, any other assertion propagates as it is
+            if not str(exc).startswith(NONCONVERGENCE):
+                raise
             raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] "
                                f"({exc}); raise max_steps or loosen rtol/atol") from exc
         check_finite(sol, b)
