@@ -334,7 +334,8 @@ def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length
     arr = arrays[key]
     dtype = _FLOATS[header["dtype"]]
     stored = torch.float32 if dtype == torch.bfloat16 else dtype
-    if arr.dtype.kind != "f" or torch.from_numpy(np.zeros(0, arr.dtype)).dtype != stored:
+    # compared in native byte order: a big-endian '>f8' is float64 (torch.from_numpy refuses non-native data)
+    if arr.dtype.kind != "f" or torch.from_numpy(np.zeros(0, arr.dtype.newbyteorder("="))).dtype != stored:
         raise FileFormatError(f"{os.fspath(name)}: array {key!r} has dtype {arr.dtype}, but the header says "
                               f"{header['dtype']}")
     if arr.ndim != ndim:
@@ -346,10 +347,13 @@ def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length
 
 
 def tensor_of(arrays: dict, key: str, header: dict, name, *, ndim: int, device=None) -> torch.Tensor:
-    """Array ``key`` as a tensor of the header's dtype, after :func:`check_array`."""
+    """Array ``key`` as a tensor of the header's dtype, after :func:`check_array`; data stored in the other byte
+    order (a big-endian ``'>f8'`` written on another machine) is converted to the native one, values unchanged."""
     check_array(arrays, key, header, name, ndim=ndim)
     arr = arrays[key]
     data = arr.load() if isinstance(arr, LazyArray) else np.ascontiguousarray(arr)
+    if not data.dtype.isnative:
+        data = data.astype(data.dtype.newbyteorder("="))
     return torch.from_numpy(np.ascontiguousarray(data)).to(dtype=_FLOATS[header["dtype"]], device=device)
 
 
