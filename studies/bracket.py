@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from .preflight import UsageError  # one exception for every usage error of the command line
+from .preflight import UsageError, seed_argument  # one exception for every usage error of the command line
 
 __all__ = ["add_arguments", "run", "UsageError", "MODELS"]
 
@@ -72,7 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float64", "float32"), default="float64",
                    help="the layer's dtype (default float64)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_argument, default=0, metavar="S",
+                   help="random seed, an integer 0 <= S < 2**32")
     p.add_argument("--text", type=Path, default=None, metavar="FILE",
                    help="a UTF-8 text for the real sequence and the default radius (default: the built-in corpus)")
     p.add_argument("--cache", type=Path, default=None, metavar="DIR",

@@ -21,6 +21,7 @@ creates nothing. ``meanfield bracket`` shares the file checks (:func:`check_text
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 from collections.abc import Mapping
@@ -45,6 +46,24 @@ def _one_line(text: str) -> str:
 def _strip(message: str, prefix: str) -> str:
     message = _one_line(message)
     return message[len(prefix):] if message.startswith(prefix) else message
+
+
+#: the seeds --seed accepts, [0, 2**32): numpy's legacy seeding (np.random.seed) takes 0 <= seed < 2**32, its
+#: Generator (studies' default_rng([seed, k])) no negative seed, and torch.manual_seed [-2**63, 2**64); the studies
+#: derive their seeds as a few times 10**6 * seed + small offsets, which stays below 2**64 for every seed in range
+SEED_RANGE = (0, 2**32)
+
+
+def seed_argument(text: str) -> int:
+    """The --seed value: an integer 0 <= seed < 2**32 (argparse reports anything else as a usage error)."""
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    lo, hi = SEED_RANGE
+    if not lo <= seed < hi:
+        raise argparse.ArgumentTypeError(f"expected an integer with {lo} <= seed < 2**32 = {hi}, got {seed}")
+    return seed
 
 
 def check_device(device, option: str = "--device") -> None:

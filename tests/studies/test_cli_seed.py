@@ -1,0 +1,54 @@
+"""--seed is checked where the command line is read: 0 <= seed < 2**32 (what numpy's seeding takes), anything else
+a usage error (exit 64) naming --seed, before any study starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from studies.cli import build_parser, main
+
+REPO = Path(__file__).resolve().parents[2]
+EX_USAGE = 64   # sysexits.h, the CLI's documented usage-error status
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**64), "1.5", "abc"])
+def test_seed_out_of_range_is_a_usage_error_naming_it(tmp_path, capsys, seed):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exc:
+        main(["mass_splitting", "--tiny", "--seed", seed, "--out", str(out)])
+    assert exc.value.code == EX_USAGE
+    err = capsys.readouterr().err
+    assert "argument --seed: expected an integer" in err
+    assert not out.exists()   # refused before the run folder is made
+
+
+def test_seed_errors_from_a_fresh_process(tmp_path):
+    for seed in ("-1", str(2**64)):
+        res = subprocess.run([sys.executable, "-m", "studies.cli", "reproduce", "--tiny", "--seed", seed, "--out",
+                              str(tmp_path / "run")], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert res.returncode == EX_USAGE, res.stderr
+        assert "--seed" in res.stderr and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**32 - 1])
+def test_valid_seeds_still_parse(seed):
+    args = build_parser().parse_args(["reproduce", "--seed", str(seed)])
+    assert args.seed == seed and type(args.seed) is int
+    assert build_parser().parse_args(["mass_splitting"]).seed == 0
+
+
+def test_help_states_the_seed_range():
+    help_text = build_parser()._subparsers._group_actions[0].choices["reproduce"].format_help()
+    assert "0 <= S < 2**32" in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**64)])
+def test_the_bracket_command_checks_its_seed_the_same_way(capsys, seed):
+    with pytest.raises(SystemExit) as exc:
+        main(["bracket", "--seed", seed])
+    assert exc.value.code == EX_USAGE
+    assert "argument --seed: expected an integer" in capsys.readouterr().err
