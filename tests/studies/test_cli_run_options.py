@@ -1,5 +1,5 @@
-"""--seed is checked where the command line is read: 0 <= seed < 2**32 (what numpy's seeding takes), anything else
-a usage error (exit 64) naming --seed, before any study starts."""
+"""--seed and --out are checked where the command line is read: a seed 0 <= S < 2**32 (what numpy's seeding takes)
+and a non-empty folder, anything else a usage error (exit 64) naming the option, before any study starts."""
 
 from __future__ import annotations
 
@@ -52,3 +52,14 @@ def test_the_bracket_command_checks_its_seed_the_same_way(capsys, seed):
         main(["bracket", "--seed", seed])
     assert exc.value.code == EX_USAGE
     assert "argument --seed: expected an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["mass_splitting", "--tiny"], ["bracket"]])
+def test_an_empty_out_folder_is_a_usage_error(tmp_path, capsys, monkeypatch, command):
+    """--out "" would be the current folder: refused, and nothing is written there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--out", ""])
+    assert exc.value.code == EX_USAGE
+    assert "argument --out: expected a folder path" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
