@@ -303,6 +303,10 @@ def main(argv=None) -> int:
         return _main(parser, args, argv)
 
 
+#: the studies that read ``--checkpoint`` (a run without them says that it ignores the option)
+CHECKPOINT_READERS = ("real_models",)
+
+
 def _main(parser, args, argv) -> int:
     if args.command == "bracket":
         return _bracket(args)
@@ -319,6 +323,10 @@ def _main(parser, args, argv) -> int:
         names = args.only
     else:
         names = [args.command]
+    if args.checkpoint and names is not None and not set(CHECKPOINT_READERS) & set(names):
+        # not an error: the same command line with real_models added reads them
+        _say(f"note: --checkpoint is read only by {' and '.join(CHECKPOINT_READERS)}, which this run does not "
+             f"include ({', '.join(names)}): the checkpoints are not used")
     if args.workers < 1 or args.retries < 0:
         parser.error("--workers must be >= 1 and --retries >= 0")
     handler = _configure_logging(QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)

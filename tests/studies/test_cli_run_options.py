@@ -63,3 +63,17 @@ def test_an_empty_out_folder_is_a_usage_error(tmp_path, capsys, monkeypatch, com
     assert exc.value.code == EX_USAGE
     assert "argument --out: expected a folder path" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+
+def test_a_checkpoint_for_a_run_that_reads_none_is_said_to_be_unused(tmp_path, capsys, monkeypatch):
+    """Only real_models reads --checkpoint: a run without it says so on stderr instead of ignoring it silently."""
+    from studies import cli
+
+    monkeypatch.setattr(cli, "_run", lambda ctx, names: 0)   # the parsing, not the study
+    assert main(["mass_splitting", "--tiny", "--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert "--checkpoint is read only by real_models" in err and "(mass_splitting)" in err
+    assert main(["reproduce", "--only", "real_models", "--checkpoint", str(tmp_path / "c")]) == 0
+    assert main(["mass_splitting", "--tiny", "--out", str(tmp_path / "r")]) == 0
+    assert "--checkpoint" not in capsys.readouterr().err
