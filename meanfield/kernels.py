@@ -412,7 +412,8 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
             # the rows that see no key of positive weight (a query before every key: half of all random
             # positions) are attention_probs's zero rows; set them, instead of computing every row again
             out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), 0.0, out)
-            if math.isfinite(float(out.detach().sum())):
+            # those rows are 0 @ v in the guarded formula: NaN where v holds a NaN or an infinity, reported below
+            if bool(torch.isfinite(out.detach().sum()) & torch.isfinite(v.detach()).all()):
                 return out
     return _check_output(compute(attention_probs), q, k, v, log_weights)
 
@@ -424,8 +425,14 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     seen = None if log_weights is None else log_weights != float("-inf")
     if q_pos is None:
         return ~seen.any(dim=-1, keepdim=True)
-    first = k_pos if seen is None else torch.where(seen, k_pos, math.inf)
-    return q_pos < first.amin(dim=-1, keepdim=True)
+    # compared in the dtype torch compares q_pos and k_pos in (integer key positions against float queries:
+    # float64 keeps integers above 2^24 that the default float32 would round)
+    common = torch.promote_types(q_pos.dtype, k_pos.dtype)
+    first = k_pos.to(common)
+    if seen is not None:
+        last = math.inf if common.is_floating_point else torch.iinfo(common).max
+        first = torch.where(seen, first, torch.full((), last, dtype=common, device=first.device))
+    return q_pos.to(common) < first.amin(dim=-1, keepdim=True)
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:

@@ -106,9 +106,16 @@ def _add(total, carry, term):
     float32 over the 1e3 blocks of N = 1e5 keys, plain ``+=`` (or a product accumulated into its
     operand) lost 1.9e-4 of the output on an H200 where cuBLAS's float32 product lost 2.7e-6; each
     block's product is now summed apart and added here, so the error stays that of one block."""
-    y = term - carry
+    # a carry that overflowed (inf, or NaN after it) is dropped: an overflowed sum then stays infinite
+    y = term - tl.where(tl.abs(carry) < float("inf"), carry, 0.0)
     t = total + y
     return t, (t - total) - y
+
+
+@triton.jit
+def _sum(total, carry):
+    """The running sum of :func:`_add`; an overflowed one stays infinite (its carry is then inf or NaN)."""
+    return tl.where(tl.abs(carry) < float("inf"), total - carry, total)
 
 
 # ---------------------------------------------------------------------- forward
@@ -153,8 +160,8 @@ def _forward_kernel(Q, K, V, LW, QP, KP, OUT, LSE,
         acc, acc_carry = _add(acc * alpha[:, None], acc_carry * alpha[:, None], pv)
         run_sum, sum_carry = _add(run_sum * alpha, sum_carry * alpha, tl.sum(p, 1))
         run_max = new_max
-    acc = acc - acc_carry
-    run_sum = run_sum - sum_carry
+    acc = _sum(acc, acc_carry)
+    run_sum = _sum(run_sum, sum_carry)
     live = run_sum > 0
     out = acc / tl.where(live, run_sum, 1.0)[:, None]
     lse = tl.where(live, run_max + tl.log(tl.where(live, run_sum, 1.0)), -float("inf"))
@@ -219,8 +226,8 @@ def _jvp_kernel(Q, K, V, LW, QP, KP, OUT, LSE, TQ, TK, TV, TLW, DOUT, DLSE,
             vb = _load_rows(V + b * svb, cols, cmask, fc, c, svn, svc)
             acc, acc_carry = _add(acc, acc_carry, tl.dot(pds.to(vb.dtype), vb, input_precision=PREC).to(ACC))
             row, row_carry = _add(row, row_carry, tl.sum(pds, 1))
-    acc = acc - acc_carry
-    row = row - row_carry
+    acc = _sum(acc, acc_carry)
+    row = _sum(row, row_carry)
     out = _load_rows(OUT + b * sob, rows, rmask, fc, c, som, soc).to(ACC)
     d_out = acc - row[:, None] * out
     # the outputs are contiguous (B, m, c) and (B, m)
@@ -268,7 +275,7 @@ def _backward_q_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DQ,
         dp = tl.dot(go, vT, input_precision=PREC).to(ACC)
         ds = p * (dp - delta[:, None])
         dq, dq_carry = _add(dq, dq_carry, tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PREC).to(ACC))
-    dq = dq - dq_carry
+    dq = _sum(dq, dq_carry)
     tl.store(DQ + b * m * e + rows[:, None] * e + fe[None, :], dq.to(DQ.dtype.element_ty),
              mask=rmask[:, None] & (fe[None, :] < e))
 
@@ -322,7 +329,7 @@ def _backward_kv_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DK, DV, DLW,
                 dk, dk_carry = _add(dk, dk_carry, tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PREC).to(ACC))
             if NEED_DLW:
                 dlw, dlw_carry = _add(dlw, dlw_carry, tl.sum(ds, 0))
-    dk, dv, dlw = dk - dk_carry, dv - dv_carry, dlw - dlw_carry
+    dk, dv, dlw = _sum(dk, dk_carry), _sum(dv, dv_carry), _sum(dlw, dlw_carry)
     if NEED_DK:
         tl.store(DK + b * n * e + cols[:, None] * e + fe[None, :], dk.to(DK.dtype.element_ty),
                  mask=cmask[:, None] & (fe[None, :] < e))

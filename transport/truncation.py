@@ -60,9 +60,19 @@ CPU_ROWS = 64
 CUDA_FACTOR = 4
 
 
+def on_cuda(device) -> bool:
+    """Whether ``device`` (a torch.device, a string, an index, which torch reads as a GPU's, or None: the CPU)
+    is a CUDA device."""
+    if device is None:
+        return False
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    return torch.device(device).type == "cuda"
+
+
 def applies(n: int, m: int, d: int, device=None) -> bool:
     """Whether the last eps level runs truncated passes (for an n x m problem in dimension d on ``device``)."""
-    least = MIN_ENTRIES * (CUDA_FACTOR if torch.device(device or "cpu").type == "cuda" else 1)
+    least = MIN_ENTRIES * (CUDA_FACTOR if on_cuda(device) else 1)
     return ENABLED and d <= MAX_DIM and n * m >= least
 
 

@@ -187,6 +187,37 @@ def test_rows_without_keys_are_zeros_without_computing_every_row_again(monkeypat
     assert len(calls) == -(-30 // step) and torch.equal(out, by_guarded(q, k, v, lw, qp_nan, kp))
 
 
+def test_rows_without_keys_found_in_the_dtype_the_positions_compare_in():
+    """Integer key positions above 2^24 against float64 query positions (timestamps, say): the first key of
+    positive weight is found in float64, as the mask compares them, not rounded to float32; the query on that key
+    sees it. Expected output written out: the query at the first key sees it alone."""
+    kp = torch.tensor([2**24 + 3, 2**30])
+    qp = torch.tensor([2.0**24 + 3, 0.0, 2.0**24 + 3], dtype=torch.float64)
+    q, k = torch.zeros(3, 1, dtype=torch.float64), torch.zeros(2, 1, dtype=torch.float64)
+    v = torch.tensor([[1.0, 2.0], [3.0, 4.0]], dtype=torch.float64)
+    lw = torch.zeros(2, dtype=torch.float64)
+    expected = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0]], dtype=torch.float64)
+    for run in (lambda *a: kernels.attend(*a, method="dense"), lambda *a: kernels.attend(*a),
+                lambda *a: kernels.rows_attend(*a, rows=2)):
+        assert torch.equal(run(q, k, v, lw, qp, kp), expected)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_bad_value_is_reported_even_when_no_row_sees_a_key(bad):
+    """Rows that see no key are 0 @ v in the guarded formula: a NaN or infinite value makes them NaN there, so
+    it is reported by name, not hidden by the rows set to zero."""
+    q, k, v = _qkv()
+    v = v.clone()
+    v[1, 0] = bad
+    lw = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15], dtype=torch.float64))
+    kp = torch.tensor([0.2, 0.4, 0.6, 0.8, 1.0], dtype=torch.float64)
+    q_pos = torch.tensor([0.0, 0.1, 0.1, 0.15], dtype=torch.float64)   # every query before every key
+    for args in ((q, k, v, lw, q_pos, kp), (q, k, v, torch.full_like(lw, -math.inf), None, None)):
+        for run in (lambda *a: kernels.attend(*a, method="dense"), lambda *a: kernels.rows_attend(*a, rows=3)):
+            with pytest.raises(FloatingPointError, match="^v: contains NaN or infinite"):
+                run(*args)
+
+
 def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(monkeypatch):
     """With weights or positions the dense path runs the plain softmax (as naive attention) and takes
     attention_probs's guarded formula only when the output is not finite, i.e. when a row sees no key of

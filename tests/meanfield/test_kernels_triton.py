@@ -195,6 +195,15 @@ def test_float32_sums_over_many_blocks_keep_one_blocks_error(ta):
     assert _rel(dk, ref_dk) <= LONG_TOL_DS and _rel(dv, ref_dv) <= tol
 
 
+def test_a_float32_sum_that_overflows_stays_infinite(ta):
+    """Compensation must not turn an overflow into NaN: a carry that overflowed is dropped, so sums past the
+    float32 range stay +inf (the output check then reports them), as plain sums did."""
+    q, k = torch.zeros(1, 16, 3), torch.zeros(1, 64, 3)
+    v = torch.full((1, 64, 2), 3e38)
+    out, _ = ta.forward(q, k, v, None, None, None, False)
+    assert torch.equal(out, torch.full_like(out, math.inf))
+
+
 # bfloat16 is left out: Triton's interpreter computes on numpy arrays, which have no bfloat16 (it returns
 # garbage for a plain bfloat16 load and store); on a GPU it takes the float16 code path
 @pytest.mark.parametrize("dtype", [torch.float16])

@@ -146,6 +146,7 @@ def test_truncation_applies_to_large_low_dimensional_problems_only(monkeypatch):
     assert truncation.applies(10**4, 10**4, 3) and truncation.applies(10**4, 10**4, 3, torch.device("cpu"))
     assert not truncation.applies(10**4, 10**4, 3, "cuda") and not truncation.applies(10**4, 10**4, 3, "cuda:1")
     assert truncation.applies(2 * 10**4, 2 * 10**4, 3, torch.device("cuda", 0))
+    assert not truncation.applies(10**4, 10**4, 3, 0) and truncation.applies(10**4, 10**4, 3, None)   # 0: cuda:0
     big = truncation.MIN_ENTRIES * truncation.CUDA_FACTOR
     assert truncation.applies(big, 1, 3, "cuda") and not truncation.applies(big - 1, 1, 3, "cuda")
     monkeypatch.setattr(truncation, "ENABLED", False)
