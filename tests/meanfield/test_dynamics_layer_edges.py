@@ -12,13 +12,7 @@ from meanfield import SelfAttention, simulate
 from particles import Measure
 from tests.reference import naive_attention
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")   # a few particles: BLAS threads would only spin
 
 
 def _layers(L, dtype, seed=0):
