@@ -45,8 +45,8 @@ CLUSTER = 64
 SCALE = 1.0
 
 
-#: on CUDA the gate is this many times truncation.MIN_ENTRIES (H200, benchmarks/gpu.md: at N = M = 2e4 the
-#: fine annealing took 117 ms against 142, at 1e4 76.4 against 75.9, at 1e5 1.14 s against 0.88)
+#: the gate on CUDA is this many times truncation.MIN_ENTRIES (measured on an H200, benchmarks/gpu.md, the
+#: fine annealing took 117 ms against 142 at N = M = 2e4, 76.4 against 75.9 at 1e4, 1.14 s against 0.88 at 1e5)
 CUDA_FACTOR = 8
 
 

@@ -54,9 +54,9 @@ TILE = 256
 CPU_ROWS = 64
 
 
-#: on CUDA a dense pass is one fast kernel launch and the bounds cost host syncs: the gate is this many times
-#: MIN_ENTRIES there (H200, benchmarks/gpu.md: at N = M = 1e4 an untruncated solve took 60.7 ms against 75.9,
-#: at 2e4 139 against 142, at 1e5 1.16 s against 0.88)
+#: the gate on CUDA is this many times MIN_ENTRIES, since a dense pass there is one fast kernel launch and the
+#: bounds cost host syncs (measured on an H200, benchmarks/gpu.md, an untruncated solve took 60.7 ms against
+#: 75.9 at N = M = 1e4, 139 against 142 at 2e4, 1.16 s against 0.88 at 1e5)
 CUDA_FACTOR = 4
 
 
