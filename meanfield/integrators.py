@@ -61,25 +61,34 @@ SNAP_ULPS = 4
 
 
 def snap_to_edges(times, edges, dtype):
-    """The requested times with each interior one that lies within ``SNAP_ULPS`` ulps of a layer edge moved onto it.
+    """The requested times with each interior one that lies within ``SNAP_ULPS`` ulps of its nearest layer edge
+    moved onto it.
 
     The edges t0 + (t1 - t0) l / L are float64 and the requested times are rounded to their dtype (float32 1/3 is
     0.33333334, float64 linspace's 0.3 is 0.30000000000000004): merged as they are, they make sliver pieces
-    [1/3, 0.33333334] that cost steps, and that collapse to one time when cast back to the dtype. Only the time
-    nearest an edge moves, and never one already on an edge, so the times stay strictly increasing; the ends
-    (the span that defines the edges) never move.
+    [1/3, 0.33333334] that cost steps, and that collapse to one time when cast back to the dtype. Each time goes to
+    its nearest edge only, within ``SNAP_ULPS`` ulps of the dtype at that edge and never a quarter of the layer
+    spacing (coarse dtypes, or a span far from 0, leave a time where it is rather than on another layer's edge);
+    a time already on an edge stays; at most one time goes to an edge (the nearest), so the times stay strictly
+    increasing; the ends (the span that defines the edges) never move.
     """
     out = list(times)
-    if len(out) < 3 or not edges:
+    inner = sorted(e for e in edges if out[0] < e < out[-1]) if len(out) >= 3 else []
+    if not inner:
         return out
-    tol = SNAP_ULPS * torch.finfo(dtype).eps * max(abs(out[0]), abs(out[-1]))
-    on_edge = set()
-    for e in edges:
-        k = bisect.bisect_left(out, e)
-        j = min((i for i in (k - 1, k) if 0 < i < len(out) - 1), key=lambda i: abs(out[i] - e), default=None)
-        if j is not None and j not in on_edge and abs(out[j] - e) <= tol:
-            out[j] = e
-            on_edge.add(j)
+    points = [out[0], *inner, out[-1]]
+    spacing = min(b - a for a, b in zip(points[:-1], points[1:]))
+    eps = torch.finfo(dtype).eps
+    best = {}   # edge index -> (distance, time index): the nearest time of each edge
+    for i in range(1, len(out) - 1):
+        k = bisect.bisect_left(inner, out[i])
+        e = min((j for j in (k - 1, k) if 0 <= j < len(inner)), key=lambda j: abs(inner[j] - out[i]))
+        dist = abs(inner[e] - out[i])
+        if 0 < dist <= min(SNAP_ULPS * eps * abs(inner[e]), spacing / 4) and (e not in best or dist < best[e][0]):
+            best[e] = (dist, i)
+    for e, (_, i) in best.items():
+        if inner[e] not in out:
+            out[i] = inner[e]
     return out
 
 
@@ -153,6 +162,11 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
         inner = [s for s in times if a < s <= b]
         grid = [a] + inner + ([b] if not inner or inner[-1] < b else [])
         grid_t = torch.tensor(grid, dtype=Y.dtype, device=Y.device)
+        if not bool((grid_t[1:] > grid_t[:-1]).all()):
+            res = torch.finfo(Y.dtype).eps * max(abs(a), abs(b))
+            raise ValueError(f"simulate: the times {grid} of the layer [{a:.10g}, {b:.10g}] are not distinct in "
+                             f"{Y.dtype} (its resolution there is about {res:.3g}); simulate in float64, or with "
+                             "fewer layers or output times")
         try:
             sol = odeint(lambda tt, yy, _l=layer: field(tt, yy, _l), Y, grid_t, method=method, rtol=float(rtol),
                          atol=float(atol), options=opts)

@@ -323,7 +323,7 @@ def _main(parser, args, argv) -> int:
         names = args.only
     else:
         names = [args.command]
-    if args.checkpoint and names is not None and not set(CHECKPOINT_READERS) & set(names):
+    if args.checkpoint and not args.quiet and names is not None and not set(CHECKPOINT_READERS) & set(names):
         # not an error: the same command line with real_models added reads them
         _say(f"note: --checkpoint is read only by {' and '.join(CHECKPOINT_READERS)}, which this run does not "
              f"include ({', '.join(names)}): the checkpoints are not used")

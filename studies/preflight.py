@@ -70,8 +70,8 @@ def out_argument(text: str) -> Path:
     """The --out value: a folder path; an empty one is a usage error (Path("") is the current folder, where a run
     would scatter its files)."""
     if not text.strip():
-        raise argparse.ArgumentTypeError("expected a folder path, got an empty string (the current folder would "
-                                         "receive the run's files; give a folder such as runs/mine)")
+        raise argparse.ArgumentTypeError(f"expected a folder path, got {text!r} (the current folder would receive "
+                                         "the run's files; give a folder such as runs/mine)")
     return Path(text)
 
 

@@ -89,3 +89,41 @@ def test_an_input_assertion_of_torchdiffeq_is_not_called_non_convergence(monkeyp
     monkeypatch.setattr(torchdiffeq, "odeint", gives_up)
     with pytest.raises(RuntimeError, match="did not converge"):
         simulate(op, mu, [0.0, 1.0], method="dopri5")
+
+
+def test_a_time_goes_only_to_its_own_nearest_edge():
+    """Snapping is bounded by the layer spacing and picks the nearest edge: a span far from 0 in float32, or a
+    coarse dtype with many layers, leaves a time on an edge (or between edges) where it is."""
+    from meanfield.integrators import snap_to_edges
+
+    edges = [1e6 + k / 10 for k in range(1, 10)]
+    assert snap_to_edges([1e6, 1e6 + 0.5, 1e6 + 1], edges, torch.float32) == [1e6, 1e6 + 0.5, 1e6 + 1]
+    for dtype, L in ((torch.bfloat16, 40), (torch.float16, 400)):
+        edges = [k / L for k in range(1, L)]
+        assert snap_to_edges([0.0, 0.5, 1.0], edges, dtype) == [0.0, 0.5, 1.0]
+    # float32 1/3 goes onto the float64 edge 1/3, and the nearest of two candidates wins
+    third, two = (float(torch.tensor(x, dtype=torch.float32)) for x in (1 / 3, 2 / 3))
+    assert third != 1 / 3 and two != 2 / 3
+    assert snap_to_edges([0.0, third, two, 1.0], [1 / 3, 2 / 3], torch.float32) == [0.0, 1 / 3, 2 / 3, 1.0]
+    assert snap_to_edges([0.0, 0.5 - 2e-8, 0.5 + 1e-8, 1.0], [0.5], torch.float32) == [0.0, 0.5 - 2e-8, 0.5, 1.0]
+
+
+def test_the_half_point_of_a_span_far_from_zero_is_the_closed_form():
+    """float32 on [1e6, 1e6 + 1] with 10 layers (A = 0): the point reported at 1e6 + 0.5 is the state there."""
+    Vs = [V.double() for _, V in _layers(10, torch.float64, seed=6)]
+    X = torch.randn(5, 2, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    truth = _closed_form_uniform_layers(X, Vs, 1.0)
+    ops = [SelfAttention(torch.zeros(2, 2), V.float()) for V in Vs]
+    times = torch.tensor([1e6, 1e6 + 0.5, 1e6 + 1], dtype=torch.float32)
+    tr = simulate(ops, Measure(X.float()), times, method="rk4", options={"steps": 20})
+    assert torch.allclose(tr.points[1].double(), truth[5], atol=1e-4, rtol=0)
+    assert torch.allclose(tr.points[2].double(), truth[10], atol=1e-4, rtol=0)
+
+
+def test_boundaries_that_the_dtype_cannot_tell_apart_are_a_clear_error():
+    """float32 on [1e6, 1e6 + 1] with 20 layers: the layers are 0.05 long, finer than float32's 0.06 there; the
+    adaptive solver would get a repeated time (torchdiffeq's bare assertion): a ValueError names the dtype."""
+    ops = [SelfAttention(torch.zeros(2, 2), torch.eye(2)) for _ in range(20)]
+    X = torch.randn(4, 2, generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError, match="not distinct in torch.float32"):
+        simulate(ops, Measure(X), torch.tensor([1e6, 1e6 + 1], dtype=torch.float32), method="dopri5")
