@@ -20,7 +20,8 @@ import torch
 
 from particles.validation import check_positive_int
 
-__all__ = ["FIXED", "ADAPTIVE", "euler_step", "rk4_step", "integrate_fixed", "integrate_adaptive"]
+__all__ = ["FIXED", "ADAPTIVE", "NONCONVERGENCE", "SNAP_ULPS", "euler_step", "rk4_step", "snap_to_edges",
+           "integrate_fixed", "integrate_adaptive"]
 
 #: the fixed-step default: 100 steps over the whole time span
 DEFAULT_STEPS = 100
