@@ -424,11 +424,17 @@ def _without(module_name, fn):
         module.ENABLED = True
 
 
-def sinkhorn_rows(b, n, with_peers=True):
+def sinkhorn_problem(n, device):
+    """(X, Y, reg) of the Sinkhorn rows: uniform clouds in the unit cube and its translate by 0.1, d = 3, float32;
+    reg = 2 blur^2 (GeomLoss's p = 2 cost is |x - y|^2 / 2 with eps = blur^2)."""
     g = torch.Generator().manual_seed(0)
-    X = torch.rand(n, 3, generator=g, dtype=torch.float64).to(b.device, torch.float32)
-    Y = (torch.rand(n, 3, generator=g, dtype=torch.float64) + 0.1).to(b.device, torch.float32)
-    reg = 2 * BLUR**2  # GeomLoss's p = 2 cost is |x - y|^2 / 2 with eps = blur^2
+    X = torch.rand(n, 3, generator=g, dtype=torch.float64).to(device, torch.float32)
+    Y = (torch.rand(n, 3, generator=g, dtype=torch.float64) + 0.1).to(device, torch.float32)
+    return X, Y, 2 * BLUR**2
+
+
+def sinkhorn_rows(b, n, with_peers=True):
+    X, Y, reg = sinkhorn_problem(n, b.device)
     iters = 30 if b.smoke else None  # the smoke run checks the code path, not the convergence
     solve = lambda **kw: w2(Measure(X), Measure(Y), "streaming", reg=reg, squared=True, debias=True,
                             tol=SINKHORN_TOL, max_iter=iters, on_failure="warn", **kw)

@@ -3,8 +3,9 @@
     python benchmarks/bench_sinkhorn_once.py            # N = 1e6 (about a minute on an H200)
     python benchmarks/bench_sinkhorn_once.py 100000 1000000
 
-The problem of ``bench_gpu.py --sections sinkhorn`` (uniform clouds in the unit cube and shifted by 0.1, d = 3,
-float32, blur 0.05, i.e. reg = 2 blur^2 in squared-distance units, tol 1e-3, debiased), where timing every
+The problem of ``bench_gpu.py --sections sinkhorn`` (``bench_gpu.sinkhorn_problem``: uniform clouds in the
+unit cube and shifted by 0.1, d = 3, float32, blur 0.05, i.e. reg = 2 blur^2 in squared-distance units, tol
+1e-3, debiased), where timing every
 candidate three times at 1e6 would take a lent GPU's whole quarter hour: one synchronized call of the default
 solver, with what it reports (converged, the marginal error measured in float64, iterations) and torch's
 peak allocation (O(N)). The figures go to benchmarks/gpu.md's Sinkhorn section by hand, said so there.
@@ -20,10 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_gpu import SINKHORN_TOL, sinkhorn_problem  # noqa: E402
+
 from particles import Measure  # noqa: E402
 from transport import multiscale, solve, truncation  # noqa: E402
-
-BLUR, TOL = 0.05, 1e-3
 
 
 def main(argv=None):
@@ -32,13 +33,11 @@ def main(argv=None):
         print("bench_sinkhorn_once: no CUDA device here: nothing measured")
         return 0
     for n in sizes:
-        g = torch.Generator().manual_seed(0)
-        X = torch.rand(n, 3, generator=g, dtype=torch.float64).to("cuda", torch.float32)
-        Y = (torch.rand(n, 3, generator=g, dtype=torch.float64) + 0.1).to("cuda", torch.float32)
+        X, Y, reg = sinkhorn_problem(n, "cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
-        r = solve(Measure(X), Measure(Y), "streaming", reg=2 * BLUR**2, debias=True, tol=TOL, on_failure="warn")
+        r = solve(Measure(X), Measure(Y), "streaming", reg=reg, debias=True, tol=SINKHORN_TOL, on_failure="warn")
         value = float(r.value_squared)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t

@@ -55,8 +55,7 @@ def applies(n: int, m: int, d: int, device=None) -> bool:
     the points are sorted in Z-order for truncation anyway (:func:`transport.truncation.applies`' sizes and
     dimensions; on CUDA from :data:`CUDA_FACTOR` times its smallest size) and each side has at least two
     clusters."""
-    least = truncation.MIN_ENTRIES * (CUDA_FACTOR if truncation.on_cuda(device) else 1)
-    return ENABLED and d <= truncation.MAX_DIM and n * m >= least and min(n, m) >= 2 * CLUSTER
+    return ENABLED and truncation.large_enough(n, m, d, device, CUDA_FACTOR) and min(n, m) >= 2 * CLUSTER
 
 
 def clusters(x: torch.Tensor, log_a: torch.Tensor, size: int = CLUSTER):

@@ -36,8 +36,8 @@ from particles.device import run_triton
 from . import tiles
 from .tiles import cofactors, exp_floor, factors, safe, update
 
-__all__ = ["ENABLED", "MIN_ENTRIES", "CUDA_FACTOR", "MAX_DIM", "MAX_FRACTION", "TILE", "applies", "morton_order", "tau",
-           "Blocks", "kept_tiles", "truncated_update"]
+__all__ = ["ENABLED", "MIN_ENTRIES", "CUDA_FACTOR", "MAX_DIM", "MAX_FRACTION", "TILE", "large_enough", "applies",
+           "morton_order", "tau", "Blocks", "kept_tiles", "truncated_update"]
 
 #: Truncate at all (benchmarks turn it off to time the dense passes beside the truncated ones)
 ENABLED = True
@@ -70,10 +70,15 @@ def on_cuda(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def large_enough(n: int, m: int, d: int, device=None, cuda_factor: int = CUDA_FACTOR) -> bool:
+    """Whether an n x m problem in dimension d on ``device`` is one for blocks of Z-ordered points: d at most
+    MAX_DIM and n m at least MIN_ENTRIES (on CUDA ``cuda_factor`` times that)."""
+    return d <= MAX_DIM and n * m >= MIN_ENTRIES * (cuda_factor if on_cuda(device) else 1)
+
+
 def applies(n: int, m: int, d: int, device=None) -> bool:
     """Whether the last eps level runs truncated passes (for an n x m problem in dimension d on ``device``)."""
-    least = MIN_ENTRIES * (CUDA_FACTOR if on_cuda(device) else 1)
-    return ENABLED and d <= MAX_DIM and n * m >= least
+    return ENABLED and large_enough(n, m, d, device)
 
 
 def tau(m: int, tol: float) -> float:
