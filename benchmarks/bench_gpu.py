@@ -62,7 +62,7 @@ from particles import Measure  # noqa: E402
 from particles.validation import output_checks_deferred  # noqa: E402
 from transport import w2  # noqa: E402
 
-SECTIONS = ("table", "grid", "derivatives", "lipschitz", "sinkhorn", "dynamics", "fixed")
+SECTIONS = ("table", "grid", "derivatives", "wide", "lipschitz", "sinkhorn", "dynamics", "fixed")
 OOM = "out of memory"
 CHUNK_ROWS = 2048
 BLUR = 0.05
@@ -586,11 +586,15 @@ def section_table(b, quick):
                      ["power iteration"])
 
 
+#: head sizes of the grid and derivatives sections (--dims)
+DIMS = [3, 64]
+
+
 def section_grid(b, quick):
     sizes = [10**3, 10**4, 10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
-    for d in (3, 64):
+    for d in [x for x in (3, 64) if x in DIMS]:
         for mask in ("none", "weighted", "causal", "positions"):
             for n in sizes:
                 r = forward_rows(b, n, d, mask)
@@ -602,7 +606,7 @@ def section_derivatives(b, quick):
     sizes = [10**4, 10**5] + ([] if quick else [10**6])
     if b.smoke:
         sizes = [24, 40]
-    for d in (64, 3):
+    for d in [x for x in (64, 3) if x in DIMS]:
         for mask in ("none", "weighted", "causal", "positions"):
             for n in sizes:
                 r = vjp_rows(b, n, d, mask, engines=_engines(b))
@@ -660,9 +664,80 @@ def section_fixed(b, quick):
     yield ("fixed cost, VJP, d = 3", n, vjp_fixed_rows(b, n), "ours (VJP)", ["SDPA backward"])
 
 
+def _rel(got, ref):
+    """Max |got - ref| over max |ref| (both moved to float64 on the CPU), or the error text."""
+    if isinstance(got, str) or isinstance(ref, str):
+        return got if isinstance(got, str) else ref
+    got, ref = (torch.as_tensor(t).double().cpu() for t in (got, ref))
+    return (got - ref).abs().max().item() / max(1e-300, ref.abs().max().item())
+
+
+def wide_rows(b, n, mask, d=64, engines=("tiles", "triton")):
+    """A wide head in float32: the streamed kernel's engines forced side by side (tiles: cuBLAS products per
+    row block; triton: one launch per pass, float32 products in three TF32 passes) with SDPA, for the forward
+    pass, the VJP (on a recorded graph) and the JVP (forward + tangent); at N <= 1e4 each engine's relative
+    error against the same call in float64 (tile loops). Which is faster decides
+    meanfield.accelerator_paths.TRITON_MAX_WIDTH."""
+    args = attention_inputs(n, d, mask, b.device)
+    q, k, v, lw, qp, kp = args
+    g = torch.randn(n, v.shape[-1], device=b.device, dtype=q.dtype, generator=torch.Generator(b.device).manual_seed(2))
+    tans = [torch.randn(t.shape, device=b.device, dtype=t.dtype, generator=torch.Generator(b.device).manual_seed(3 + i))
+            for i, t in enumerate((q, k, v))]
+    run = lambda e, *a: streaming.stream_attend(*a, engine=e)
+
+    def jvp(e, args=args, tans=tans):
+        with forward_ad.dual_level():
+            duals = [forward_ad.make_dual(p, t) for p, t in zip(args[:3], tans)]
+            return forward_ad.unpack_dual(run(e, *duals, *args[3:])).tangent
+
+    def graph(e, args=args):
+        prim = [t.detach().clone().requires_grad_(True) for t in args[:3]]
+        return prim, run(e, *prim, *args[3:])
+
+    res_f = b.time({**{f"{e} engine": (lambda e=e: run(e, *args)) for e in engines},
+                    "SDPA padded": lambda: sdpa_padded(*args)}, n, f"wide forward {d} {mask}")
+    graphs = {e: graph(e) for e in engines}
+    prim_s = [t.detach().clone().requires_grad_(True) for t in args[:3]]
+    out_s = sdpa_padded(*prim_s, *args[3:])
+    vjp = lambda prim, out: torch.autograd.grad(out, prim, g, retain_graph=True)
+    res_v = b.time({**{f"{e} engine": (lambda e=e: vjp(*graphs[e])) for e in engines},
+                    "SDPA backward": lambda: vjp(prim_s, out_s)}, n, f"wide vjp {d} {mask}")
+    res_j = b.time({f"{e} engine": (lambda e=e: jvp(e)) for e in engines}, n, f"wide jvp {d} {mask}")
+    res_j["SDPA backward"] = res_v["SDPA backward"]
+    if n <= 10**4:
+        a64 = tuple(None if t is None else t.double() for t in args)
+        t64 = [t.double() for t in tans]
+        ref_f = run("tiles", *a64)
+        ref_j = jvp("tiles", a64, t64)
+        p64, o64 = graph("tiles", a64)
+        ref_v = torch.autograd.grad(o64, p64, g.double())
+        for e in engines:
+            for res, got, ref in ((res_f, lambda e=e: run(e, *args), ref_f), (res_j, lambda e=e: jvp(e), ref_j),
+                                  (res_v, lambda e=e: vjp(*graphs[e]), ref_v)):
+                try:
+                    out = got()
+                    err = max(_rel(a, r) for a, r in zip(out, ref)) if isinstance(out, tuple) else _rel(out, ref)
+                except Exception as exc:  # noqa: BLE001 - a failing engine is a result
+                    err = f"error: {type(exc).__name__}"
+                res.setdefault("info", {})[f"{e} rel. error"] = err
+    return res_f, res_v, res_j
+
+
+def section_wide(b, quick):
+    sizes = [24, 40] if b.smoke else [10**4, 10**5]
+    engines = ["tiles"] + (["triton"] if "triton" in _engines(b) else [])
+    for mask in ("none", "positions", "causal", "weighted"):
+        for n in sizes:
+            f, v, j = wide_rows(b, n, mask, engines=engines)
+            for what, r, peer in (("forward", f, "SDPA padded"), ("VJP", v, "SDPA backward"),
+                                  ("JVP", j, "SDPA backward")):
+                yield (f"{what}, d = 64, {mask}, by engine", n, r, f"{engines[-1]} engine",
+                       [peer, "tiles engine"] if engines[-1] != "tiles" else [peer])
+
+
 RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
            "lipschitz": section_lipschitz, "sinkhorn": section_sinkhorn, "dynamics": section_dynamics,
-           "fixed": section_fixed}
+           "fixed": section_fixed, "wide": section_wide}
 
 
 # ---------------------------------------------------------------------- output
@@ -737,6 +812,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
     ap.add_argument("--quick", action="store_true", help="leave out N = 1e6 (and Sinkhorn's 2e5)")
+    ap.add_argument("--dims", type=int, nargs="+", choices=(3, 64), default=[3, 64],
+                    help="head sizes of the grid and derivatives sections")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cap", type=float, default=120.0, help="seconds: a slower call is not repeated nor scaled up")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu.md")
@@ -745,6 +822,7 @@ def main(argv=None):
                     help="seconds: no row is started after this (a lent device's time runs out; what ran is kept)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     a = ap.parse_args(argv)
+    DIMS[:] = a.dims
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing measured. "
               "Run it on a machine with an NVIDIA GPU and torch's CUDA build.")

@@ -36,13 +36,16 @@ class Plan:
     visible key and whether they need the mask (None: visit and mask all); ``causal`` says that the
     mask is the sequence's lower-triangular one (q_pos == k_pos, strictly increasing, m == n); ``engine``
     the fast engine of plain passes: "auto" (CPU: the flash kernel where the mask allows, tiles otherwise),
-    "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`)."""
+    "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`); ``fused``: on CUDA,
+    forward passes and VJPs that the mask allows go to torch's memory-efficient kernel
+    (:mod:`meanfield.efficient_cuda`; the engine was chosen by device, not forced)."""
 
     bq: int
     bk: int
     tiles: tuple | None = None
     causal: bool = False
     engine: str = "auto"
+    fused: bool = False
 
 
 def _block_extremes(p, block, fill_min, fill_max):
@@ -55,7 +58,7 @@ def _block_extremes(p, block, fill_min, fill_max):
     return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
 
 
-def tile_plan(qp, kp, m, n, bq, bk, engine="auto") -> Plan:
+def tile_plan(qp, kp, m, n, bq, bk, engine="auto", fused=False) -> Plan:
     """The mask layout from the positions, read from the device once (one host sync).
 
     A tile whose keys all come after all its queries contributes exactly 0 (exp(-inf)), so skipping
@@ -64,7 +67,7 @@ def tile_plan(qp, kp, m, n, bq, bk, engine="auto") -> Plan:
     read: then every tile is visited and masked.
     """
     if qp is None:
-        return Plan(bq, bk, engine=engine)
+        return Plan(bq, bk, engine=engine, fused=fused)
     try:
         q_lo, q_hi = _block_extremes(qp, bq, math.inf, -math.inf)
         k_lo, k_hi = _block_extremes(kp, bk, math.inf, -math.inf)
@@ -74,7 +77,7 @@ def tile_plan(qp, kp, m, n, bq, bk, engine="auto") -> Plan:
             causal = seq.to(qp.dtype).reshape(1)
         vals = torch.cat([q_lo, q_hi, k_lo, k_hi, causal]).tolist()
     except RuntimeError:
-        return Plan(bq, bk, engine=engine)
+        return Plan(bq, bk, engine=engine, fused=fused)
     nq, nk = len(q_lo), len(k_lo)
     q_lo, q_hi = vals[:nq], vals[nq:2 * nq]
     k_lo, k_hi = vals[2 * nq:2 * nq + nk], vals[2 * nq + nk:2 * nq + 2 * nk]
@@ -82,7 +85,7 @@ def tile_plan(qp, kp, m, n, bq, bk, engine="auto") -> Plan:
         tuple((b, not k_hi[b] <= q_lo[a]) for b in range(nk) if k_lo[b] <= q_hi[a])
         for a in range(nq)
     )
-    return Plan(bq, bk, tiles, bool(vals[-1]), engine)
+    return Plan(bq, bk, tiles, bool(vals[-1]), engine, fused)
 
 
 def _visit(plan, a, count):
@@ -269,35 +272,82 @@ def _safe_lse(lse):
     return torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf)).unsqueeze(-1)
 
 
-def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
+def _folded(q, k, lw, lse):
+    """(q', k'^T) whose product is s - L in one GEMM: q' = [q, 1, -L], k' = [k, log a, 1] (without log a:
+    [q, -L], [k, 1]). -inf (log 0, and -L of a row with no visible key) becomes a finite number far below
+    every score, so that no 0 * inf arises and exp gives 0 there. One product instead of a product and two
+    passes over the tile (+ log a, - L): on an accelerator, where a tile is a block of rows against all keys
+    and every pass over it reads and writes memory, that is what the tile loops' time goes to."""
+    low = torch.finfo(q.dtype).min / 4
+    neg_l = torch.where(torch.isfinite(lse), -lse, torch.full_like(lse, low)).clamp(min=low).unsqueeze(-1)
+    one_q, one_k = q.new_ones(*q.shape[:-1], 1), k.new_ones(*k.shape[:-1], 1)
+    if lw is None:
+        return torch.cat([q, neg_l], -1), torch.cat([k, one_k], -1).transpose(-1, -2)
+    return (torch.cat([q, one_q, neg_l], -1),
+            torch.cat([k, lw.clamp(min=low).unsqueeze(-1), one_k], -1).transpose(-1, -2))
+
+
+def _probs_folded(qx, kxT, qpa, kp, j0, j1, mask):
+    """P tile = exp(q' k'^T) (:func:`_folded`), the positions' mask applied before the exponential."""
+    s = torch.bmm(qx, kxT[:, :, j0:j1])
+    if mask and qpa is not None:
+        s.masked_fill_(kp[:, None, j0:j1] > qpa, -math.inf)
+    return s.exp_()
+
+
+def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, fold=False):
     """Streamed JVP on 3-D inputs, in place (results not differentiated): returns (d out, d L).
 
     ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
+    ``fold`` (used on accelerators): fewer passes over each tile, the same products regrouped
+    (:func:`_folded`; ds with d(log a) as one product [dq, q, 1] [k, dk, d log a]^T; the row sums
+    sum_j P_ij ds_ij as the extra column of P ds [v, 1]).
     """
     m, n = q.shape[-2], k.shape[-2]
+    c = v.shape[-1]
     kb = blocks(n, plan.bk)
     kT = k.transpose(-1, -2)
     lwT = None if lw is None else lw[:, None, :]
     tlwT = None if tlw is None else tlw[:, None, :]
-    # ds = <dq_i, k_j> + <q_i, dk_j> as one product of width 2e: [dq, q] [k, dk]^T
-    if tq is not None and tk is not None:
-        left, rightT = torch.cat([tq, q], -1), torch.cat([k, tk], -1).transpose(-1, -2)
-    elif tq is not None:
-        left, rightT = tq, kT
-    elif tk is not None:
-        left, rightT = q, tk.transpose(-1, -2)
+    # ds = <dq_i, k_j> + <q_i, dk_j> (+ d log a_j) as one product: [dq, q (, 1)] [k, dk (, d log a)]^T
+    lefts, rights = [], []
+    if tq is not None:
+        lefts.append(tq)
+        rights.append(k)
+    if tk is not None:
+        lefts.append(q)
+        rights.append(tk)
+    if fold and tlw is not None:
+        lefts.append(q.new_ones(*q.shape[:-1], 1))
+        rights.append(tlw.unsqueeze(-1))
+        tlwT = None
+    if lefts:
+        left = lefts[0] if len(lefts) == 1 else torch.cat(lefts, -1)
+        rightT = (rights[0] if len(rights) == 1 else torch.cat(rights, -1)).transpose(-1, -2)
     else:
         left = rightT = None
     safe = _safe_lse(lse)
-    d_out, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
+    if fold:
+        qx, kxT = _folded(q, k, lw, lse)
+        # the row sums ride as an extra column: P ds [v, 1], P [dv, 0]
+        v = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1)
+        if tv is not None:
+            tv = torch.cat([tv, tv.new_zeros(*tv.shape[:-1], 1)], -1)
+        d_ext = out.new_zeros(*out.shape[:-1], c + 1)
+        d_lse = d_ext[..., c]
+    else:
+        d_ext, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
     for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
         qa = q[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
-        acc, row = d_out[:, i0:i1], d_lse[:, i0:i1, None]
+        acc, row = d_ext[:, i0:i1], d_lse[:, i0:i1, None]
         for b, j0, j1, mask in _key_ranges(plan, a, kb, i1):
             p = None if cache is None else cache.get((a, b))
             if p is None:
-                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+                if fold:
+                    p = _probs_folded(qx[:, i0:i1], kxT, qpa, kp, j0, j1, mask)
+                else:
+                    p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
                 if cache is not None:
                     cache[(a, b)] = p
             if tv is not None:
@@ -312,13 +362,19 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
                 pds = tlwT[:, :, j0:j1].expand_as(p).clone()
             pds.mul_(p)
             acc.baddbmm_(pds, v[:, j0:j1])
-            row += pds.sum(-1, keepdim=True)
-    d_out.sub_(d_lse.unsqueeze(-1) * out)
-    return d_out, d_lse
+            if not fold:
+                row += pds.sum(-1, keepdim=True)
+    if fold:
+        d_lse = d_lse.contiguous()
+        return d_ext[..., :c] - d_lse.unsqueeze(-1) * out, d_lse
+    d_ext.sub_(d_lse.unsqueeze(-1) * out)
+    return d_ext, d_lse
 
 
-def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    """Streamed VJP on 3-D inputs, in place (results not differentiated)."""
+def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need, fold=False):
+    """Streamed VJP on 3-D inputs, in place (results not differentiated). ``fold`` (used on accelerators):
+    fewer passes over each tile, the same products regrouped (:func:`_folded`; dP - D as one product
+    [dO, -D] [v, 1]^T)."""
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)
     kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)
@@ -327,6 +383,10 @@ def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
     delta = (g_out * out).sum(-1, keepdim=True)
     if g_lse is not None:
         delta = delta - g_lse.unsqueeze(-1)
+    if fold:
+        qx, kxT = _folded(q, k, lw, lse)
+        g_ext = torch.cat([g_out, -delta], -1)
+        vT = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], -1).transpose(-1, -2)
     dq = torch.zeros_like(q) if need[0] else None
     dk = torch.zeros_like(k) if need[1] else None
     dv = torch.zeros_like(v) if need[2] else None
@@ -337,12 +397,18 @@ def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
         qa, go = q[:, i0:i1], g_out[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
         for _b, j0, j1, mask in _key_ranges(plan, a, kb, i1):
-            p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
+            if fold:
+                p = _probs_folded(qx[:, i0:i1], kxT, qpa, kp, j0, j1, mask)
+            else:
+                p = _probs_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, safe[:, i0:i1])
             if dv is not None:
                 dv[:, j0:j1].baddbmm_(p.transpose(-1, -2), go)
             if not (need[0] or need[1] or need[3]):
                 continue
-            ds = torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1]).mul_(p)
+            if fold:
+                ds = torch.bmm(g_ext[:, i0:i1], vT[:, :, j0:j1]).mul_(p)
+            else:
+                ds = torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1]).mul_(p)
             if dq is not None:
                 dq[:, i0:i1].baddbmm_(ds, k[:, j0:j1])
             if dk is not None:

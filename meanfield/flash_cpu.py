@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "layout", "forward", "backward"]
+__all__ = ["FORWARD", "BACKWARD", "layout", "empty_rows", "forward", "backward"]
 
 
 def _op(name):
@@ -27,14 +27,17 @@ FORWARD = _op("_scaled_dot_product_flash_attention_for_cpu")
 BACKWARD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
-def layout(q, k, v, lw, causal, fold):
+def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):
     """4-D inputs of the flash kernel: (Q, K, V, additive mask row or None, width of the real values).
 
     Log-weights become a broadcast additive mask row (unmasked) or, with the causal mask (which the
     kernel cannot combine with a mask) or when their gradient is needed, one extra coordinate
     q' = [q, 1], k' = [k, log a] (log 0 replaced by a finite number far below every score, so that
     no 0 * inf arises; rows left with no visible key are handled by the caller). The kernel needs one
-    width for q, k and v: the narrower side is padded with zero columns, which change no product.
+    width for q, k and v: the narrower side is padded with zero columns, which change no product, and
+    the width is rounded up to a multiple of ``align``. ``heads``: the axis of the (single) head in the
+    4-D layout, 1 for (B, H, rows, features), 2 for (B, rows, H, features) (CUDA's memory-efficient
+    kernel, :mod:`meanfield.efficient_cuda`).
     """
     mask = None
     if lw is not None and (causal or fold):
@@ -44,12 +47,12 @@ def layout(q, k, v, lw, causal, fold):
     elif lw is not None:
         mask = lw[:, None, None, :]
     c = v.shape[-1]
-    width = max(q.shape[-1], c)
+    width = align * -(-max(q.shape[-1], c) // align)
     pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    return pad(q)[:, None], pad(k)[:, None], pad(v)[:, None], mask, c
+    return pad(q).unsqueeze(heads), pad(k).unsqueeze(heads), pad(v).unsqueeze(heads), mask, c
 
 
-def _empty_rows(lw, causal, m):
+def empty_rows(lw, causal, m):
     """(B, m) bool: rows with no visible key of positive weight (their output is 0 and L = -inf)."""
     dead = lw == -math.inf
     if causal:
@@ -64,7 +67,7 @@ def forward(q, k, v, lw, causal):
     out, lse = FORWARD(Q, K, V, 0.0, causal, attn_mask=mask, scale=1.0)
     out, lse = out[:, 0, :, :c], lse[:, 0]
     if lw is not None:
-        empty = _empty_rows(lw, causal, q.shape[-2])
+        empty = empty_rows(lw, causal, q.shape[-2])
         out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
         lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
     return out.contiguous(), lse.contiguous()

@@ -60,6 +60,7 @@ import numbers
 import torch
 
 from . import attention_tiles as tiles
+from . import efficient_cuda as efficient
 from . import flash_cpu as flash
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
@@ -98,6 +99,11 @@ def _flash_ok(q, plan, qp) -> bool:
             and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
 
 
+def _efficient_ok(q, plan, qp) -> bool:
+    return (plan.fused and efficient.runs(q.device.type, q.dtype) and (qp is None or plan.causal)
+            and not _transforms_active())
+
+
 # ---------------------------------------------------------------------- the autograd Function
 def _flat3(t, rows_dims=2):
     """(..., rows, f) -> (B, rows, f) (or (..., rows) -> (B, rows) for rows_dims=1); None stays None."""
@@ -122,6 +128,10 @@ def _key(name, q, v):
 
 def _forward(q, k, v, lw, qp, kp, plan):
     """(out, L) for 3-D inputs."""
+    if _efficient_ok(q, plan, qp):
+        return efficient.guarded(_key("forward", q, v) + (plan.causal,),
+                                 lambda: efficient.forward(q, k, v, lw, plan.causal),
+                                 lambda: _forward(q, k, v, lw, qp, kp, _unfused(plan)), "attend")
     if _triton_ok(plan):
         from particles.device import run_triton
 
@@ -183,29 +193,47 @@ class StreamAttention(torch.autograd.Function):
         return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
 
 
+def _fold(q) -> bool:
+    """Whether the tile loops regroup their products to pass over each tile fewer times
+    (:func:`meanfield.attention_tiles.jvp_tiles`): on accelerators, where a tile is a block of rows against
+    all keys in device memory; on CPU the cache-sized tiles keep their measured form."""
+    return q.device.type != "cpu"
+
+
 def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
     if _triton_ok(plan):
         from particles.device import run_triton
 
         return run_triton(_key("jvp", q, v),
                           lambda: _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw),
-                          lambda: tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan), "attend (JVP)")
-    if cache is None:
-        return tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
-    return tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache)
+                          lambda: tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan,
+                                                  fold=_fold(q)), "attend (JVP)")
+    return tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=cache, fold=_fold(q))
+
+
+def _unfused(plan):
+    import dataclasses
+
+    return dataclasses.replace(plan, fused=False)
 
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
+    if g_lse is None and _efficient_ok(q, plan, qp):
+        return efficient.guarded(_key("backward", q, v) + (plan.causal,),
+                                 lambda: efficient.backward(q, k, v, lw, out, lse, g_out, plan.causal, need),
+                                 lambda: _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse,
+                                                        _unfused(plan), need), "attend (VJP)")
     if _triton_ok(plan):
         from particles.device import run_triton
 
         return run_triton(_key("backward", q, v),
                           lambda: _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need),
-                          lambda: tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need),
+                          lambda: tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need,
+                                                       fold=_fold(q)),
                           "attend (VJP)")
     if g_lse is None and _flash_ok(q, plan, qp) and flash.BACKWARD is not None:
         return flash.backward(q, k, v, lw, out, lse, g_out, plan.causal, need)
-    return tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+    return tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need, fold=_fold(q))
 
 
 def _engine_node(t):
@@ -371,6 +399,7 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
     pair = _check_block(block_size)
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    fused = engine is None and q.device.type != "cpu"
     engine = _resolve_engine(engine, q, v)
     if pair is not None:
         bq, bk = pair
@@ -383,7 +412,7 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
 
         bq, bk = tile_shape(math.prod(batch), m, n, q.element_size(), memory_budget(q.device))
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
-    plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine)
+    plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine, fused)
     out, lse = StreamAttention.apply(*flat, plan)
     out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
     return (out, lse) if return_lse else out

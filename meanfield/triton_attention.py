@@ -59,11 +59,27 @@ def _blocks(dtype, width: int, kernel: str = "forward"):
         return 32, 32, 4
     if width <= 8:
         return 64, 64, 8
-    return (64, 32, 4) if width <= 16 else (32, 16, 4)
+    if width <= IEEE_MAX_WIDTH:
+        return 64, 32, 4
+    if width <= 64:
+        # three-pass TF32 products (:func:`_precision`); no spills for sm_90 at width 64 with these
+        return WIDE_BLOCKS[kernel]
+    return 32, 16, 4
 
 
-def _precision(dtype):
-    # float32 products in IEEE (TF32 would lose 3 decimal digits); ignored for the half types
+#: float32 products are IEEE (CUDA-core FMAs) up to this padded width, and three-pass TF32 above it
+IEEE_MAX_WIDTH = 16
+#: tiles of the float32 kernels at widths 32 and 64 (three-pass TF32 products)
+WIDE_BLOCKS = {"forward": (128, 32, 8), "jvp": (64, 16, 4), "backward_q": (128, 32, 8), "backward_kv": (32, 32, 8)}
+
+
+def _precision(dtype, width: int = 0):
+    """Products in IEEE float32 / float64 (TF32 alone would lose 3 decimal digits); for float32 heads wider
+    than :data:`IEEE_MAX_WIDTH` "tf32x3": each operand split into a TF32 part and a TF32 remainder, three
+    tensor-core products (all but the remainders' product), about float32's accuracy, as torch's
+    memory-efficient attention kernel computes in float32. Ignored for the half types."""
+    if dtype == torch.float32 and width > IEEE_MAX_WIDTH:
+        return "tf32x3"
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
@@ -354,7 +370,8 @@ def _common(q, k, v, lw, qp, kp, causal):
     strides = (*q.stride(), *k.stride(), *v.stride(), *s_lw, *s_qp, *s_kp)
     flags = dict(HAS_LW=lw is not None, HAS_POS=has_pos, CAUSAL=bool(causal))
     E, C = padded(e, q.dtype), padded(c, q.dtype)
-    meta = dict(E=E, C=C, PREC=_precision(q.dtype), ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
+    meta = dict(E=E, C=C, PREC=_precision(q.dtype, max(E, C)),
+                ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
     return B, m, n, e, c, ptrs, strides, flags, meta
 
 

@@ -88,7 +88,7 @@ def main(argv=None):
                 for name, fn in kernels.items():
                     bm, bn, warps = ta._blocks(dtype, width, name)
                     c = dict(HAS_LW=True, **mask, E=width, C=width, BLOCK_M=bm, BLOCK_N=bn,
-                             PREC=ta._precision(dtype), ACC=tl.float64 if dtype == torch.float64 else tl.float32,
+                             PREC=ta._precision(dtype, width), ACC=tl.float64 if dtype == torch.float64 else tl.float32,
                              **extra[name])
                     res = compile_one(fn, dtype, c, arch, warps)
                     print(json.dumps({"kernel": name, "arch": arch, "dtype": NAMES[dtype], "width": width,

@@ -448,7 +448,7 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
     tans = [torch.randn_like(t) for t in (q, k, v, lw)]
     calls = []
     jvp_tiles = attention_tiles.jvp_tiles
-    monkeypatch.setattr(attention_tiles, "jvp_tiles", lambda *a: calls.append(1) or jvp_tiles(*a))
+    monkeypatch.setattr(attention_tiles, "jvp_tiles", lambda *a, **kw: calls.append(1) or jvp_tiles(*a, **kw))
     f = lambda method: (lambda q, k, v, lw: attend(q, k, v, lw, qp, kp, method=method, block_size=(16, 12)))
     ref = torch.func.jvp(f("dense"), (q, k, v, lw), tuple(tans))[1]
     func = torch.func.jvp(f("stream"), (q, k, v, lw), tuple(tans))[1]
@@ -461,6 +461,59 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
     _close(fwd, ref)
 
 
+
+
+FOLD_CASES = [("arbitrary", c) for c in CASES] + [("sequence", c) for c in SEQ_CASES]
+
+
+@pytest.mark.parametrize("kind,case", FOLD_CASES)
+@pytest.mark.parametrize("block", [(5, 7), (8, None)])
+def test_folded_tile_loops_match_dense(kind, case, block):
+    """The accelerators' regrouped tile loops (``fold``: s - L, ds with d(log a) and the row sums each as one
+    product) against the dense kernel's forward-mode and reverse-mode derivatives in every argument, with
+    cotangents on out and L, rows that see no key, zero weights and a causal sequence."""
+    from meanfield import attention_tiles as tiles
+
+    if kind == "arbitrary":
+        q, k, v, lw, qp, kp = _problem(41, **case)
+    else:
+        q, k, v, lw, qp, kp = _sequence_problem(41, **case)
+    batch = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2])
+    q3, k3, v3 = (t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:]).clone() for t in (q, k, v))
+    B, m, n = q3.shape[0], q3.shape[1], k3.shape[1]
+    flat = lambda t: None if t is None else t.expand(*batch, t.shape[-1]).reshape(B, -1).clone()
+    lw3, qp3, kp3 = flat(lw), flat(qp), flat(kp)
+    plan = tiles.tile_plan(qp3, kp3, m, n, block[0], block[1] or n, engine="tiles")
+    out, lse = tiles.forward_tiles(q3, k3, v3, lw3, qp3, kp3, plan)
+    g = torch.Generator().manual_seed(5)
+    tans = [torch.randn(t.shape, generator=g, dtype=DT) for t in (q3, k3, v3)]
+    tlw = None if lw3 is None else torch.randn(lw3.shape, generator=g, dtype=DT)
+
+    def dense(a, b, c, w):
+        s = a @ b.transpose(-1, -2) + (0 if w is None else w[:, None, :])
+        if qp3 is not None:
+            s = s.masked_fill(kp3[:, None, :] > qp3[:, :, None], -math.inf)
+        L = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isfinite(L), L, 0)[..., None])
+        return torch.where(torch.isfinite(L)[..., None], p @ c, 0), torch.where(torch.isfinite(L), L, 0)
+
+    prim = (q3, k3, v3) + (() if lw3 is None else (lw3,))
+    ref_out, ref_L = torch.func.jvp(lambda *a: dense(*a, *([None] if lw3 is None else [])), prim,
+                                    tuple(tans) + (() if tlw is None else (tlw,)))[1]
+    for fold in (True, False):
+        d_out, d_L = tiles.jvp_tiles(q3, k3, v3, lw3, qp3, kp3, out, lse, *tans, tlw, plan, fold=fold)
+        live = torch.isfinite(lse)
+        _close(d_out, torch.nan_to_num(ref_out))
+        _close(torch.where(live, d_L, 0), torch.where(live, torch.nan_to_num(ref_L), 0))
+    g_out, g_L = torch.randn(out.shape, generator=g, dtype=DT), torch.randn(lse.shape, generator=g, dtype=DT)
+    g_L = torch.where(torch.isfinite(lse), g_L, 0)
+    _, vjp = torch.func.vjp(lambda *a: dense(*a, *([None] if lw3 is None else [])), *prim)
+    ref = vjp((g_out, g_L))
+    need = (True, True, True, lw3 is not None)
+    for fold in (True, False):
+        got = tiles.backward_tiles(q3, k3, v3, lw3, qp3, kp3, out, lse, g_out, g_L, plan, need, fold=fold)
+        for a, b in zip(got, ref):
+            _close(a, torch.nan_to_num(torch.where(torch.isfinite(b), b, 0)))
 
 
 def test_tile_loops_without_the_fused_kernel_match_dense(monkeypatch):

@@ -1,0 +1,144 @@
+"""torch's memory-efficient attention kernel on CUDA, called directly (the CUTLASS kernel behind
+``scaled_dot_product_attention`` for float32 and the half types): the forward pass with the row
+log-sum-exp L, and the VJP, of the streamed kernel (:mod:`meanfield.streamed_attention`) wherever its
+mask allows (none, or the causal mask of a sequence). It is to CUDA what :mod:`meanfield.flash_cpu` is to
+the CPU: the VJP of a graph recorded through ``attend`` is then the very kernel behind SDPA's backward,
+reading the out and L of our forward pass, in O(N) memory.
+
+The layout is :func:`meanfield.flash_cpu.layout` with the head as the third axis (B, rows, 1, width), the
+width zero-padded to a multiple of :data:`meanfield.accelerator_paths.FUSED_ALIGN`. Log-weights ride as the
+extra coordinate q' = [q, 1], k' = [k, log a] (their gradient is then the extra column of dk') with the
+causal mask, when their gradient is needed, or where the coordinate costs no width (d = 3: 4 -> 8);
+otherwise as an additive bias row broadcast over the queries (stride 0: O(N) memory), since one more
+column would send a head of 64 to the kernel built for 128 (1.7x slower on an H200). The kernel's L has
+its rows padded to a multiple of 32 (:data:`LSE_ALIGN`); the backward receives L in that layout again.
+
+``FORWARD`` / ``BACKWARD`` are None on a torch without these operators. Where the kernel refuses a call
+(a GPU or an input layout it was not built for), the first refusal warns (RuntimeWarning) and the
+streamed kernel's own engines (Triton or tile loops) compute that kind of call from then on, as
+:func:`particles.device.run_triton` does for the Triton kernels. Errors of the computation itself (out
+of memory, a CUDA error) propagate.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from .flash_cpu import empty_rows, layout
+
+__all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "runs", "forward", "backward", "guarded"]
+
+
+def _op(name):
+    try:
+        return getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return None
+
+
+#: the forward operator (out, L padded, seed, offset, max rows, max keys), or None
+FORWARD = _op("_efficient_attention_forward")
+#: its backward (dq, dk, dv, d bias), or None
+BACKWARD = _op("_efficient_attention_backward")
+#: the kernel stores L with its rows padded to a multiple of this
+LSE_ALIGN = 32
+#: the dtypes it takes (float64 has no fused CUDA kernel)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: its mask codes: none, causal from the top-left corner (key j visible to query i iff j <= i)
+_NO_MASK, _CAUSAL = 0, 1
+#: (pass, dtype, causal) of calls the kernel refused in this process
+_REFUSED: dict = {}
+
+
+def runs(device_type: str, dtype) -> bool:
+    """Whether the kernel may take a call on this device type and dtype (CUDA, :data:`DTYPES`)."""
+    return device_type == "cuda" and dtype in DTYPES and FORWARD is not None and BACKWARD is not None
+
+
+def _inputs(q, k, v, lw, causal, grad_lw=False):
+    """(Q, K, V, bias or None, width of the values) in the kernel's layout (module docstring)."""
+    from .accelerator_paths import FUSED_ALIGN, fused_widths
+
+    fold = lw is not None and (causal or grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, False)[1])
+    Q, K, V, _, c = layout(q, k, v, lw, causal=causal, fold=fold, align=FUSED_ALIGN, heads=2)
+    bias = None
+    if lw is not None and not fold:
+        # a finite stand-in for log 0 (rows left with no visible key are set by the caller)
+        low = torch.finfo(q.dtype).min / 4
+        bias = lw.clamp(min=low).contiguous()[:, None, None, :].expand(q.shape[0], 1, q.shape[-2], lw.shape[-1])
+    return Q.contiguous(), K.contiguous(), V.contiguous(), bias, c
+
+
+def _own(t):
+    """``t``, or a copy where it is a view of a kernel output (an autograd function must return tensors of
+    its own: forward-mode AD fails on a view)."""
+    return t.clone() if t._base is not None else t
+
+
+def forward(q, k, v, lw, causal):
+    """(out (B, m, c), L (B, m) in float32 for the half types) of 3-D inputs, log-weights ``lw`` (B, n) or
+    None; ``causal``: the sequence's mask (m == n). Rows with no visible key of positive weight give
+    out = 0 and L = -inf."""
+    m = q.shape[-2]
+    Q, K, V, bias, c = _inputs(q, k, v, lw, causal)
+    out, lse = FORWARD(Q, K, V, bias, None, None, None, None, 0.0, _CAUSAL if causal else _NO_MASK, True,
+                       scale=1.0)[:2]
+    out, lse = out[:, :, 0, :c], lse[:, 0, :m]
+    if lw is not None:
+        empty = empty_rows(lw, causal, m)
+        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
+        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    return _own(out.contiguous()), _own(lse.contiguous())
+
+
+def backward(q, k, v, lw, out, lse, g_out, causal, need):
+    """(dq, dk, dv, dlw) for the cotangent ``g_out`` of ``out`` (none on L); ``need`` flags which (None for
+    the others). d(log a) is the extra column of dk' (module docstring)."""
+    B, m, e = q.shape
+    n = k.shape[-2]
+    Q, K, V, bias, c = _inputs(q, k, v, lw, causal, grad_lw=bool(need[3]))
+    width = Q.shape[-1]
+    live = torch.isfinite(lse)
+    # a row with no visible key has output 0 whatever its inputs: zero cotangent, and any finite L (the
+    # kernel recomputes P = exp(s - L) and must see no -inf there)
+    g = torch.where(live.unsqueeze(-1), g_out, torch.zeros_like(g_out))
+    L = lse.new_zeros(B, 1, LSE_ALIGN * -(-m // LSE_ALIGN))  # float32 (the kernel's L) for its dtypes
+    L[:, 0, :m] = torch.where(live, lse, torch.zeros_like(lse))
+    pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])).unsqueeze(2).contiguous()
+    seed = torch.empty((), dtype=torch.long)
+    offset = torch.empty((), dtype=torch.long)
+    dQ, dK, dV = BACKWARD(pad(g), Q, K, V, bias, pad(out), None, None, m, n, L, 0.0, seed, offset,
+                          _CAUSAL if causal else _NO_MASK, False, scale=1.0)[:3]
+    dq = dQ[:, :, 0, :e] if need[0] else None
+    dk = dK[:, :, 0, :e] if need[1] else None
+    dv = dV[:, :, 0, :c] if need[2] else None
+    dlw = dK[:, :, 0, e] if need[3] and lw is not None else None
+    return dq, dk, dv, dlw
+
+
+def _refusal(exc) -> bool:
+    """Whether ``exc`` says that the kernel does not take this call (and not that the call failed)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    text = str(exc)
+    return isinstance(exc, (RuntimeError, NotImplementedError)) and "CUDA error" not in text
+
+
+def guarded(key, kernel, fallback, what: str):
+    """``kernel()``, or ``fallback()`` where the kernel refused a call of this ``key`` before (or refuses
+    this one: the first refusal warns, RuntimeWarning naming the error)."""
+    if key in _REFUSED:
+        return fallback()
+    try:
+        return kernel()
+    except Exception as exc:
+        if not _refusal(exc):
+            raise
+        _REFUSED[key] = repr(exc)
+        warnings.warn(f"{what}: torch's memory-efficient CUDA kernel refused the call ({str(exc)[:200]}); "
+                      "computing with the streamed kernel's own engine from now on in this process",
+                      RuntimeWarning, stacklevel=3)
+        return fallback()

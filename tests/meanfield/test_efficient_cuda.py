@@ -1,0 +1,266 @@
+"""The streamed kernel's CUDA fused engine (meanfield.efficient_cuda) tested on CPU: torch's memory-efficient
+kernel is replaced by a dense stand-in that implements its operators' contract (layout (B, rows, heads,
+width), width a multiple of 8, L with rows padded to 32 and read back in that layout, mask code 1 = causal
+from the top-left) and checks that contract on every call. Against the dense kernel in float64: forward,
+L, VJP (q, k, v, log-weights), forward-mode JVP and double backward through an autograd graph, unmasked,
+weighted, causal and causal weighted, with rows that see no key of positive weight; a refusal of the kernel
+falls back to the streamed engines with one warning. The real kernel runs in tests/test_cuda.py."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+
+from meanfield import attention_tiles as tiles
+from meanfield import efficient_cuda as efficient
+from meanfield import streamed_attention as streaming
+
+DT = torch.float64
+CALLS = []
+
+
+def _check_layout(*tensors):
+    for t in tensors:
+        assert t.dim() == 4 and t.shape[2] == 1 and t.stride(-1) == 1 and t.is_contiguous()
+        assert t.shape[-1] % 8 == 0
+
+
+def _check_bias(bias, Q, K, mask_type):
+    if bias is None:
+        return 0
+    # (B, heads, rows, keys), the last dimension contiguous, rows broadcast (stride 0: O(N) memory), finite
+    assert bias.shape == (Q.shape[0], 1, Q.shape[1], K.shape[1]) and bias.stride(-1) == 1 and bias.stride(-2) == 0
+    assert torch.isfinite(bias).all() and mask_type == 0
+    CALLS.append("bias")
+    return bias[:, 0]
+
+
+def fake_forward(Q, K, V, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, compute_lse, *, scale):
+    _check_layout(Q, K, V)
+    assert cu_q is None and dropout_p == 0.0 and compute_lse and scale == 1.0
+    assert mask_type in (0, 1)
+    CALLS.append("forward")
+    s = Q[:, :, 0] @ K[:, :, 0].transpose(-1, -2) + _check_bias(bias, Q, K, mask_type)
+    if mask_type == 1:
+        m, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    out = torch.softmax(s, -1) @ V[:, :, 0]
+    m = s.shape[-2]
+    # the kernel's L is float32; float64 here keeps the comparison at 1e-12
+    lse_dtype = torch.float64 if Q.dtype == DT else torch.float32
+    lse_pad = torch.full((s.shape[0], 1, 32 * -(-m // 32)), 123.0, dtype=lse_dtype)
+    lse_pad[:, 0, :m] = lse
+    seed = offset = torch.empty((), dtype=torch.long)
+    return out.unsqueeze(2), lse_pad, seed, offset, m, s.shape[-1]
+
+
+def fake_backward(G, Q, K, V, bias, O, cu_q, cu_k, max_q, max_k, L, dropout_p, seed, offset, mask_type, bias_grad,
+                  *, scale):
+    _check_layout(G, Q, K, V, O)
+    assert not bias_grad and dropout_p == 0.0 and scale == 1.0
+    assert L.dtype == (DT if Q.dtype == DT else torch.float32) and L.dim() == 3
+    assert L.shape[-1] % 32 == 0 and L.stride(0) % 8 == 0
+    assert (max_q, max_k) == (Q.shape[1], K.shape[1])
+    CALLS.append("backward")
+    q, k, v, g, o = (t[:, :, 0] for t in (Q, K, V, G, O))
+    s = q @ k.transpose(-1, -2) + _check_bias(bias, Q, K, mask_type)
+    if mask_type == 1:
+        m, n = s.shape[-2:]
+        s = s.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), -math.inf)
+    p = torch.exp(s - L[:, 0, :q.shape[1], None].to(s.dtype))
+    ds = p * (g @ v.transpose(-1, -2) - (g * o).sum(-1, keepdim=True))
+    dq, dk, dv = ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g
+    return dq.unsqueeze(2), dk.unsqueeze(2), dv.unsqueeze(2), None
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    monkeypatch.setattr(efficient, "FORWARD", fake_forward)
+    monkeypatch.setattr(efficient, "BACKWARD", fake_backward)
+    monkeypatch.setattr(efficient, "runs", lambda device_type, dtype: True)
+    monkeypatch.setattr(efficient, "_REFUSED", {})
+    CALLS.clear()
+    return CALLS
+
+
+def _problem(seed, B=2, m=37, e=3, c=5, weighted=True, dead=False):
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, m, e, generator=g, dtype=DT), torch.randn(B, m, e, generator=g, dtype=DT)
+    v = torch.randn(B, m, c, generator=g, dtype=DT)
+    lw = torch.randn(B, m, generator=g, dtype=DT) if weighted else None
+    if dead:
+        lw[0, :4] = -math.inf       # the first rows of batch 0 see no key of positive weight (causal)
+        lw[1, :] = -math.inf        # batch 1 has no key of positive weight at all
+    return q, k, v, lw
+
+
+def _dense(q, k, v, lw, causal):
+    s = q @ k.transpose(-1, -2)
+    if lw is not None:
+        s = s + lw[:, None, :]
+    if causal:
+        m = s.shape[-1]
+        s = s.masked_fill(torch.ones(m, m, dtype=torch.bool).triu(1), -math.inf)
+    L = torch.logsumexp(s, -1)
+    live = torch.isfinite(L)
+    p = torch.where(live[..., None], torch.exp(s - torch.where(live, L, 0)[..., None]), 0)
+    return p @ v, L
+
+
+def _plan(m, causal, B=2):
+    seq = torch.arange(m, dtype=DT).expand(B, m)
+    qp, kp = (seq, seq) if causal else (None, None)
+    return tiles.tile_plan(qp, kp, m, m, 16, 16, engine="tiles", fused=True), qp, kp
+
+
+CASES = [(w, c, d) for w in (False, True) for c in (False, True) for d in (False, True) if w or not d]
+
+
+@pytest.mark.parametrize("weighted,causal,dead", CASES)
+def test_forward_vjp_and_jvp_match_dense(fake_kernel, weighted, causal, dead):
+    q, k, v, lw = _problem(3, weighted=weighted, dead=dead)
+    m = q.shape[1]
+    plan, qp, kp = _plan(m, causal)
+    prim = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([lw.clone().requires_grad_(True)] if weighted
+                                                                   else [None])
+    out, L = streaming.StreamAttention.apply(*prim, qp, kp, plan)
+    ref_out, ref_L = _dense(*prim, causal)
+    assert "forward" in fake_kernel
+    assert torch.allclose(out, ref_out, atol=1e-12) and torch.equal(torch.isinf(L), torch.isinf(ref_L))
+    assert torch.allclose(L[torch.isfinite(L)], ref_L[torch.isfinite(ref_L)], atol=1e-12)
+    if dead:
+        assert (out[1] == 0).all() and torch.isinf(L[1]).all()
+        assert causal == bool((out[0, :4] == 0).all()) == bool(torch.isinf(L[0, :4]).all())
+    g = torch.randn_like(out)
+    wrt = [t for t in prim if t is not None]
+    got = torch.autograd.grad(out, wrt, g)
+    assert "backward" in fake_kernel
+    want = torch.autograd.grad(ref_out, wrt, g)
+    for name, a, b in zip("qkvw", got, want):
+        b = torch.where(torch.isfinite(b), b, torch.zeros_like(b))
+        assert torch.allclose(a, b, atol=1e-11), name
+    # forward mode and double backward use the kernel's out and L with the streamed engines
+    tans = [torch.randn_like(t) for t in (q, k, v)]
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip((q, k, v), tans)]
+        t_out = forward_ad.unpack_dual(streaming.StreamAttention.apply(*duals, lw, qp, kp, plan)[0]).tangent
+    ref = torch.func.jvp(lambda a, b, c: _dense(a, b, c, lw, causal)[0], (q, k, v), tuple(tans))[1]
+    assert torch.allclose(t_out, torch.nan_to_num(ref, nan=0.0), atol=1e-11)
+    x = q.clone().requires_grad_(True)
+    o = streaming.StreamAttention.apply(x, k, v, lw, qp, kp, plan)[0]
+    (gx,) = torch.autograd.grad((o * g).sum(), x, create_graph=True)
+    (hx,) = torch.autograd.grad((gx * tans[0]).sum(), x)
+    x2 = q.clone().requires_grad_(True)
+    (gr,) = torch.autograd.grad((_dense(x2, k, v, lw, causal)[0] * g).sum(), x2, create_graph=True)
+    (hr,) = torch.autograd.grad((gr * tans[0]).sum(), x2)
+    # the dense reference gives nan where a row sees no key (0 * inf); the kernels give its value, 0
+    assert torch.allclose(hx, torch.nan_to_num(hr, nan=0.0), atol=1e-10)
+
+
+def test_outputs_that_need_no_copy_are_still_new_tensors(fake_kernel):
+    """One batch entry and a width the kernel needs no padding for: the kernel's out and L slice to
+    contiguous views of its outputs, which an autograd function must not return (forward-mode AD failed
+    with an internal assert on an H200)."""
+    q, k, v, _ = _problem(4, B=1, e=8, c=8, weighted=False)
+    plan, qp, kp = _plan(q.shape[1], True, B=1)
+    tans = [torch.randn_like(t) for t in (q, k, v)]
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip((q, k, v), tans)]
+        out, L = streaming.StreamAttention.apply(*duals, None, qp, kp, plan)
+        t_out = forward_ad.unpack_dual(out).tangent
+    assert out._base is None and L._base is None
+    ref = torch.func.jvp(lambda a, b, c: _dense(a, b, c, None, True)[0], (q, k, v), tuple(tans))[1]
+    assert torch.allclose(t_out, ref, atol=1e-11)
+
+
+@pytest.mark.parametrize("grad_lw", [False, True])
+def test_wide_heads_take_log_weights_as_a_bias_row_unless_their_gradient_is_needed(fake_kernel, grad_lw):
+    """e = 8: the extra coordinate would make the width 16, so log-weights enter as a broadcast bias row (a
+    head of 64 would otherwise go to the kernel built for 128); their gradient, when needed, still comes
+    from the extra coordinate. Rows of a batch entry with no key of positive weight give 0."""
+    q, k, v, lw = _problem(12, e=8, c=8, dead=True)
+    plan, qp, kp = _plan(q.shape[1], False)
+    prim = [t.clone().requires_grad_(True) for t in (q, k, v)] + [lw.clone().requires_grad_(grad_lw)]
+    out, _ = streaming.StreamAttention.apply(*prim, qp, kp, plan)
+    assert fake_kernel == ["forward", "bias"]
+    ref, _ = _dense(*prim, False)
+    assert torch.allclose(out, ref, atol=1e-12)
+    wrt = [t for t in prim if t.requires_grad]
+    g = torch.randn_like(out)
+    got, want = torch.autograd.grad(out, wrt, g), torch.autograd.grad(ref, wrt, g)
+    assert fake_kernel[2:] == ["backward"] + ([] if grad_lw else ["bias"])
+    for a, b in zip(got, want):
+        assert torch.allclose(a, torch.nan_to_num(b, nan=0.0), atol=1e-11)
+
+
+def test_a_cotangent_on_L_takes_the_streamed_engine(fake_kernel):
+    q, k, v, lw = _problem(5)
+    plan, qp, kp = _plan(q.shape[1], False)
+    x = q.clone().requires_grad_(True)
+    out, L = streaming.StreamAttention.apply(x, k, v, lw, qp, kp, plan)
+    fake_kernel.clear()
+    (got,) = torch.autograd.grad(L.sum() + out.sum(), x)
+    assert "backward" not in fake_kernel
+    x2 = q.clone().requires_grad_(True)
+    ro, rL = _dense(x2, k, v, lw, False)
+    (want,) = torch.autograd.grad(rL.sum() + ro.sum(), x2)
+    assert torch.allclose(got, want, atol=1e-11)
+
+
+def test_arbitrary_positions_and_forced_engines_never_reach_the_kernel(fake_kernel):
+    q, k, v, lw = _problem(6)
+    m = q.shape[1]
+    pos = torch.rand(2, m, dtype=DT, generator=torch.Generator().manual_seed(1))
+    plan = tiles.tile_plan(pos, pos.flip(-1), m, m, 16, 16, engine="tiles", fused=True)
+    streaming.StreamAttention.apply(q, k, v, lw, pos, pos.flip(-1), plan)
+    forced = tiles.tile_plan(None, None, m, m, 16, 16, engine="tiles", fused=False)
+    streaming.StreamAttention.apply(q, k, v, lw, None, None, forced)
+    assert fake_kernel == []
+
+
+def test_only_cuda_and_its_fused_dtypes_run_the_kernel():
+    assert not efficient.runs("cpu", torch.float32)
+    assert not efficient.runs("cuda", torch.float64)
+    assert efficient.runs("cuda", torch.float32) == (efficient.FORWARD is not None and efficient.BACKWARD is not None)
+
+
+def test_stream_attend_marks_only_device_chosen_engines_as_fused(monkeypatch):
+    seen = []
+    real = tiles.tile_plan
+    monkeypatch.setattr(tiles, "tile_plan", lambda *a, **kw: seen.append(a) or real(*a, **kw))
+    q = torch.randn(1, 9, 3, dtype=DT)
+    streaming.stream_attend(q, q, q)
+    assert seen[-1][-1] is False   # CPU: its own flash kernel, never this one
+
+
+def test_a_refusal_warns_once_and_falls_back(fake_kernel, monkeypatch):
+    def refuse(*a, **kw):
+        fake_kernel.append("refused")
+        raise RuntimeError("attn_bias is not correctly aligned")
+
+    monkeypatch.setattr(efficient, "FORWARD", refuse)
+    q, k, v, lw = _problem(8)
+    plan, qp, kp = _plan(q.shape[1], True)
+    with pytest.warns(RuntimeWarning, match="refused the call"):
+        out, _ = streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    assert torch.allclose(out, _dense(q, k, v, lw, True)[0], atol=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    assert fake_kernel.count("refused") == 1
+
+
+def test_out_of_memory_is_not_a_refusal(fake_kernel, monkeypatch):
+    def oom(*a, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(efficient, "FORWARD", oom)
+    q, k, v, lw = _problem(9)
+    plan, qp, kp = _plan(q.shape[1], False)
+    with pytest.raises(torch.OutOfMemoryError):
+        streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
