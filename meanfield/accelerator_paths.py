@@ -15,8 +15,11 @@ The rules, in order:
    :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
    heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streamed_attention` with tiles sized
    by the budget (:func:`tile_shape`: row blocks against all keys, a few large cuBLAS products per block
-   instead of thousands of cache-sized ones) for wide heads, where Triton does not run, and inside
-   ``torch.func`` transforms;
+   instead of thousands of cache-sized ones) for wide heads (on Hopper GPUs only their VJP: float32 heads up
+   to 64 take Triton's forward pass and JVP there, :data:`TRITON_WIDE_MAX_WIDTH`), where Triton does not run,
+   and inside ``torch.func`` transforms. Where the mask allows (none, weights, a sequence's causal mask) and the
+   dtype is float32 or a half type, the forward pass and the VJP run in torch's memory-efficient kernel
+   (:mod:`meanfield.efficient_cuda`) whatever the engine;
 3. **fused** (torch's ``scaled_dot_product_attention``) for forward passes with no positions or a
    sequence's causal mask, in a dtype CUDA's fused kernels take (float32, float16, bfloat16), the head
    zero-padded to a multiple of :data:`FUSED_ALIGN` (:func:`fused_widths`; zero columns change no score
@@ -41,7 +44,8 @@ import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
            "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
-           "TRITON_MAX_WIDTH", "triton_width", "choose", "stream_engine", "tile_shape", "fused_widths", "row_block"]
+           "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "triton_width", "choose",
+           "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
@@ -81,6 +85,16 @@ TRITON_MAX_FEATURES = 256
 #: (tests/test_triton_compile.py). float32 and float64 products are IEEE, i.e. CUDA-core FMAs,
 #: whose registers grow with the width; wider heads take the tile loops, whose products are cuBLAS GEMMs
 TRITON_MAX_WIDTH = {torch.float64: 16, torch.float32: 16, torch.float16: 32, torch.bfloat16: 32}
+#: on GPUs of compute capability :data:`TRITON_WIDE_CAPABILITY` and above, the forward pass and the JVP also take
+#: wider float32 heads, with three-pass TF32 products (meanfield.triton_attention._precision). Measured on an
+#: H200 at d = 64 (benchmarks/gpu.md, "wide"): at N = 1e5 the forward pass took 39-67 ms against SDPA's 41-140 ms
+#: and the tile loops' 97-181 ms, the JVP 153-277 ms against the tile loops' 257-494 ms (SDPA's backward:
+#: 94-201 ms), errors 2-8e-7 against float64; the VJP took 425-450 ms against the tile loops' 230-271 ms, so the
+#: VJP keeps :data:`TRITON_MAX_WIDTH`. For sm_80 the JVP kernel spills 540 bytes at width 64 (8 on sm_90):
+#: unmeasured there, those GPUs keep the tile loops
+TRITON_WIDE_MAX_WIDTH = {torch.float32: 64}
+#: the compute capability from which :data:`TRITON_WIDE_MAX_WIDTH` applies (Hopper)
+TRITON_WIDE_CAPABILITY = (9, 0)
 
 
 def _dense_fits(entries, element_size, budget, temporaries=DENSE_TEMPORARIES):
@@ -99,17 +113,31 @@ def triton_width(size: int, dtype) -> int:
     return max(floor, 1 << max(0, int(size) - 1).bit_length())
 
 
-def stream_engine(device_type: str, dtype, e: int, c: int, *, triton: bool, transforms: bool = False) -> str:
+def stream_engine(device_type: str, dtype, e: int, c: int, *, triton: bool, transforms: bool = False,
+                  capability=None) -> str:
     """The engine of the streamed kernel: "auto" on CPU (its fused flash kernel where the mask allows, tile
     loops otherwise: the measured CPU map); on an accelerator "triton" where Triton runs, outside
     ``torch.func`` transforms (which wrap tensors), for the dtypes and widths of :data:`TRITON_MAX_WIDTH`
-    (d <= 16 in float32 / float64: the particle regime); "tiles" (budget-sized, cuBLAS products) otherwise."""
+    (d <= 16 in float32 / float64: the particle regime) and, on a GPU of compute ``capability`` (major, minor)
+    at least :data:`TRITON_WIDE_CAPABILITY`, of :data:`TRITON_WIDE_MAX_WIDTH` (float32 heads up to 64, whose
+    VJP stays in the tile loops: :func:`triton_vjp`); "tiles" (budget-sized, cuBLAS products) otherwise."""
     if device_type == "cpu":
         return "auto"
     if triton and not transforms and dtype in TRITON_MAX_WIDTH:
-        if max(triton_width(e, dtype), triton_width(c, dtype)) <= TRITON_MAX_WIDTH[dtype]:
+        width = max(triton_width(e, dtype), triton_width(c, dtype))
+        if width <= TRITON_MAX_WIDTH[dtype]:
+            return "triton"
+        if (capability is not None and tuple(capability) >= TRITON_WIDE_CAPABILITY
+                and width <= TRITON_WIDE_MAX_WIDTH.get(dtype, 0)):
             return "triton"
     return "tiles"
+
+
+def triton_vjp(dtype, e: int, c: int) -> bool:
+    """Whether the Triton engine, chosen by :func:`stream_engine`, also computes the VJP (the widths of
+    :data:`TRITON_MAX_WIDTH`); a wider head's VJP runs in the tile loops (where the mask allows, in torch's
+    memory-efficient kernel before either: :mod:`meanfield.efficient_cuda`)."""
+    return dtype in TRITON_MAX_WIDTH and max(triton_width(e, dtype), triton_width(c, dtype)) <= TRITON_MAX_WIDTH[dtype]
 
 
 def tile_shape(batch: int, m: int, n: int, element_size: int, budget: int) -> tuple[int, int]:

@@ -300,7 +300,7 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, 
 
     ``cache`` (a dict, or None) keeps the probability tiles between calls at the same primal point.
     ``fold`` (used on accelerators): fewer passes over each tile, the same products regrouped
-    (:func:`_folded`; ds with d(log a) as one product [dq, q, 1] [k, dk, d log a]^T; the row sums
+    (``_folded``: s - L as one product; ds with d(log a) as one product [dq, q, 1] [k, dk, d log a]^T; the row sums
     sum_j P_ij ds_ij as the extra column of P ds [v, 1]).
     """
     m, n = q.shape[-2], k.shape[-2]
@@ -373,7 +373,7 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, 
 
 def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need, fold=False):
     """Streamed VJP on 3-D inputs, in place (results not differentiated). ``fold`` (used on accelerators):
-    fewer passes over each tile, the same products regrouped (:func:`_folded`; dP - D as one product
+    fewer passes over each tile, the same products regrouped (``_folded``: s - L as one product; dP - D as one product
     [dO, -D] [v, 1]^T)."""
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)

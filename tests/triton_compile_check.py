@@ -3,7 +3,8 @@
     python tests/triton_compile_check.py [--arch 80 90]
 
 For every configuration the framework launches on a GPU (the dtypes and padded widths the streamed
-attention kernel sends to Triton, meanfield.accelerator_paths.TRITON_MAX_WIDTH, at the tile sizes of
+attention kernel sends to Triton, meanfield.accelerator_paths.TRITON_MAX_WIDTH, and for sm_90 the forward
+pass and JVP at TRITON_WIDE_MAX_WIDTH, at the tile sizes of
 meanfield.triton_attention._blocks; the Sinkhorn soft-min at d = 3 and d = 64, its truncated variant at d = 3
 and 6), each kernel in its
 heaviest variant (log-weights and positions, every tangent, every gradient) is compiled to a cubin for
@@ -65,11 +66,18 @@ def compile_one(fn, dtype, constexprs, arch, warps, types=None):
             "shared": kernel.metadata.shared, "shared_limit": SHARED_LIMIT.get(arch), "ptxas_ok": out.returncode == 0}
 
 
-def attention_cases():
+def attention_cases(arch):
+    """(dtype, width, kernels launched there): every kernel at the widths of TRITON_MAX_WIDTH; from
+    TRITON_WIDE_CAPABILITY on, the forward pass and the JVP at the wide float32 widths too."""
+    every = ("forward", "jvp", "backward_q", "backward_kv")
     for dtype, widest in ap.TRITON_MAX_WIDTH.items():
         smallest = ap.triton_width(1, dtype)
         for width in sorted({smallest, widest}):
-            yield dtype, width
+            yield dtype, width, every
+    if (arch // 10, arch % 10) >= ap.TRITON_WIDE_CAPABILITY:
+        for dtype, widest in ap.TRITON_WIDE_MAX_WIDTH.items():
+            for width in (2 * ap.TRITON_MAX_WIDTH[dtype], widest):
+                yield dtype, width, ("forward", "jvp")
 
 
 def main(argv=None):
@@ -83,9 +91,9 @@ def main(argv=None):
     kernels = {"forward": ta._forward_kernel, "jvp": ta._jvp_kernel, "backward_q": ta._backward_q_kernel,
                "backward_kv": ta._backward_kv_kernel}
     for arch in a.arch:
-        for dtype, width in attention_cases():
+        for dtype, width, launched in attention_cases(arch):
             for mask in (dict(HAS_POS=True, CAUSAL=False), dict(HAS_POS=False, CAUSAL=True)):
-                for name, fn in kernels.items():
+                for name, fn in ((n, kernels[n]) for n in launched):
                     bm, bn, warps = ta._blocks(dtype, width, name)
                     c = dict(HAS_LW=True, **mask, E=width, C=width, BLOCK_M=bm, BLOCK_N=bn,
                              PREC=ta._precision(dtype, width), ACC=tl.float64 if dtype == torch.float64 else tl.float32,

@@ -118,8 +118,47 @@ def test_never_a_kernel_that_materializes_the_scores_above_the_budget(dtype):
 ])
 def test_stream_engine(transforms, triton, dtype, e, expected):
     assert ap.stream_engine("cuda", dtype, e, e, triton=triton, transforms=transforms) == expected
+    assert ap.stream_engine("cuda", dtype, e, e, triton=triton, transforms=transforms, capability=(8, 0)) == expected
     # the CPU keeps its measured map whatever is installed
     assert ap.stream_engine("cpu", dtype, e, e, triton=triton, transforms=transforms) == "auto"
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (12, 1)])
+def test_wide_float32_heads_take_triton_forward_and_jvp_on_hopper_and_later(capability):
+    """Measured on an H200 (benchmarks/gpu.md, "wide"): at d = 64 Triton's three-pass TF32 forward pass and JVP
+    beat the tile loops (and SDPA's forward), its VJP did not; on sm_80 the JVP kernel spills, unmeasured."""
+    f32 = torch.float32
+    for e, expected in ((17, "triton"), (32, "triton"), (64, "triton"), (65, "tiles"), (128, "tiles")):
+        assert ap.stream_engine("cuda", f32, e, e, triton=True, capability=capability) == expected, e
+        assert ap.stream_engine("cuda", f32, e, e, triton=True, capability=(8, 9)) == "tiles"
+    assert ap.stream_engine("cuda", f32, 64, 3, triton=True, capability=capability) == "triton"
+    assert ap.stream_engine("cuda", torch.float64, 64, 64, triton=True, capability=capability) == "tiles"
+    assert ap.stream_engine("cuda", f32, 64, 64, triton=True, transforms=True, capability=capability) == "tiles"
+    assert ap.stream_engine("cuda", f32, 64, 64, triton=False, capability=capability) == "tiles"
+    # the VJP: Triton only at the widths of TRITON_MAX_WIDTH
+    assert ap.triton_vjp(f32, 3, 3) and ap.triton_vjp(f32, 16, 9) and ap.triton_vjp(torch.float64, 16, 16)
+    assert not ap.triton_vjp(f32, 17, 17) and not ap.triton_vjp(f32, 64, 64) and not ap.triton_vjp(f32, 3, 64)
+
+
+def test_a_wide_head_chosen_by_device_takes_the_tile_loops_for_its_vjp(monkeypatch):
+    """The engine chosen by device at d = 64 is Triton for the forward pass and JVP; the VJP goes to the tile
+    loops unless Triton was forced."""
+    from meanfield import attention_tiles as tiles
+
+    calls = []
+    monkeypatch.setattr(streaming, "_triton", lambda: (_ for _ in ()).throw(AssertionError("Triton VJP")))
+    real = tiles.backward_tiles
+    monkeypatch.setattr(tiles, "backward_tiles", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 64, generator=g, dtype=torch.float32) for _ in range(3))
+    out, lse = tiles.forward_tiles(q, k, v, None, None, None, tiles.Plan(8, 20))
+    chosen = tiles.Plan(8, 20, engine="triton", fused=True)
+    streaming._fast_backward(q, k, v, None, None, None, out, lse, torch.ones_like(out), None, chosen,
+                             (True, True, True, False))
+    assert calls == [1]
+    with pytest.raises(AssertionError, match="Triton VJP"):
+        streaming._fast_backward(q, k, v, None, None, None, out, lse, torch.ones_like(out), None,
+                                 tiles.Plan(8, 20, engine="triton", fused=False), (True, True, True, False))
 
 
 @pytest.mark.parametrize("batch, m, n, size, budget", [
