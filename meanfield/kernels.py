@@ -349,18 +349,15 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
 
 def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
     """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
-    device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask."""
+    device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask, where
+    the path depends on it (not for the dense path, nor for derivatives: then causal is None)."""
     from particles.device import memory_budget, triton_runs
 
     from . import accelerator_paths
 
     entries = _score_entries(q, k, log_weights, q_pos, k_pos)
-    causal = None
-    positions = "none"
-    if q_pos is not None:
-        causal = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
-        positions = "causal" if causal else "other"
     transforms = _transforms_active()
+    derivatives = _needs_derivatives(q, k, v, log_weights)
     read = []
 
     def budget():   # read once, and only where a dense path is considered
@@ -368,12 +365,21 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
             read.append(memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()))
         return read[0]
 
-    path = accelerator_paths.choose(
-        q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
-        k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
-        derivatives=_needs_derivatives(q, k, v, log_weights), transforms=transforms, budget=budget,
-        triton=triton_runs(q.device.type), threshold=threshold)
-    return path, causal
+    def choose(positions):
+        return accelerator_paths.choose(
+            q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
+            k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
+            derivatives=derivatives, transforms=transforms, budget=budget,
+            triton=triton_runs(q.device.type), threshold=threshold)
+
+    if q_pos is None:
+        return choose("none"), None
+    path = choose("other")
+    if path == "dense" or derivatives:
+        # neither depends on the kind of mask: the positions are not read (one host sync less on a small call)
+        return path, None
+    causal = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
+    return (choose("causal") if causal else path), causal
 
 
 def rows_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, rows=None) -> torch.Tensor:

@@ -336,6 +336,33 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
     assert seen["derivatives"]
 
 
+def test_the_positions_are_read_only_where_the_path_depends_on_them(monkeypatch):
+    """Recognising a sequence's causal mask reads the positions (a host sync on a GPU): not for the dense path
+    or for derivatives (chosen whatever the mask), but for every other path, and the causal choice wins."""
+    n = 50
+    q, k, v = (torch.randn(1, n, 3, dtype=DT) for _ in range(3))
+    pos = torch.arange(n, dtype=DT)
+    reads = []
+    real = kernels.sequence_mask
+    monkeypatch.setattr(kernels, "sequence_mask", lambda a, b: reads.append(1) or real(a, b))
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: 40 * GiB)
+    assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("dense", None) and reads == []
+    big = 10**5
+    qb = torch.empty(1, big, 3, dtype=torch.float32)
+    pb = torch.arange(big, dtype=torch.float32)
+    assert kernels._choose_accelerator(qb, qb, qb, None, pb, pb, None) == ("fused", True) and reads == [1]
+    assert kernels._choose_accelerator(qb, qb, qb, None, pb, pb.flip(0), None) == ("stream", False)
+    qg = qb.clone().requires_grad_(True)
+    assert kernels._choose_accelerator(qg, qb, qb, None, pb, pb, None) == ("stream", None)
+    assert len(reads) == 2
+    # the paths agree with the choice made with the mask read
+    for qp, kp in ((pb, pb), (pb, pb.flip(0))):
+        kind = "causal" if kernels.sequence_mask(qp, kp) else "other"
+        assert ap.choose("cuda", torch.float32, 1, big, big, 3, 3, weighted=False, positions=kind, derivatives=False,
+                         transforms=False, budget=40 * GiB, triton=True) == \
+            kernels._choose_accelerator(qb, qb, qb, None, qp, kp, None)[0]
+
+
 def test_the_budget_is_read_only_where_the_dense_path_is_considered():
     """Reading the budget asks the driver (about 0.4 ms on an H200): a call no dense path is considered for
     (fused or streamed whatever the memory) must not read it; one that is considered reads it once."""
