@@ -23,26 +23,18 @@ of memory, a CUDA error) propagate.
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 
-from .flash_cpu import empty_rows, layout
+from .flash_cpu import aten_op, empty_rows, layout
 
 __all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "runs", "forward", "backward", "guarded"]
 
 
-def _op(name):
-    try:
-        return getattr(torch.ops.aten, name)
-    except (AttributeError, RuntimeError):
-        return None
-
-
 #: the forward operator (out, L padded, seed, offset, max rows, max keys), or None
-FORWARD = _op("_efficient_attention_forward")
+FORWARD = aten_op("_efficient_attention_forward")
 #: its backward (dq, dk, dv, d bias), or None
-BACKWARD = _op("_efficient_attention_backward")
+BACKWARD = aten_op("_efficient_attention_backward")
 #: the kernel stores L with its rows padded to a multiple of this
 LSE_ALIGN = 32
 #: the dtypes it takes (float64 has no fused CUDA kernel)
@@ -130,15 +122,9 @@ def _refusal(exc) -> bool:
 def guarded(key, kernel, fallback, what: str):
     """``kernel()``, or ``fallback()`` where the kernel refused a call of this ``key`` before (or refuses
     this one: the first refusal warns, RuntimeWarning naming the error)."""
-    if key in _REFUSED:
-        return fallback()
-    try:
-        return kernel()
-    except Exception as exc:
-        if not _refusal(exc):
-            raise
-        _REFUSED[key] = repr(exc)
-        warnings.warn(f"{what}: torch's memory-efficient CUDA kernel refused the call ({str(exc)[:200]}); "
-                      "computing with the streamed kernel's own engine from now on in this process",
-                      RuntimeWarning, stacklevel=3)
-        return fallback()
+    from particles.device import run_or_fall_back
+
+    return run_or_fall_back(_REFUSED, key, kernel, fallback, _refusal,
+                            lambda exc: f"{what}: torch's memory-efficient CUDA kernel refused the call "
+                                        f"({str(exc)[:200]}); computing with the streamed kernel's own engine from "
+                                        "now on in this process")

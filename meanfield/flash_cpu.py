@@ -11,10 +11,11 @@ import math
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "layout", "empty_rows", "forward", "backward"]
+__all__ = ["FORWARD", "BACKWARD", "aten_op", "layout", "empty_rows", "forward", "backward"]
 
 
-def _op(name):
+def aten_op(name):
+    """``torch.ops.aten.<name>``, or None on a torch without it."""
     try:
         return getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
@@ -22,9 +23,9 @@ def _op(name):
 
 
 #: the forward operator (out, L, ...), or None
-FORWARD = _op("_scaled_dot_product_flash_attention_for_cpu")
+FORWARD = aten_op("_scaled_dot_product_flash_attention_for_cpu")
 #: its backward (dq, dk, dv), or None
-BACKWARD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
+BACKWARD = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):

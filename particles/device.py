@@ -17,8 +17,8 @@ import torch
 
 from .validation import memory_limit
 
-__all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton", "triton_min_dot_k", "ALWAYS_FREE",
-           "DRIVER_TTL", "STRICTEST_MIN_DOT_K"]
+__all__ = ["memory_budget", "triton_runs", "triton_interpreted", "run_triton", "run_or_fall_back", "triton_min_dot_k",
+           "ALWAYS_FREE", "DRIVER_TTL", "STRICTEST_MIN_DOT_K"]
 
 #: the smallest reduction K of a Triton matrix product (``tl.dot``) by operand width in bits where the
 #: installed Triton does not say: Triton 3.6 asks K >= 16 of every type but the 8-bit ones (32), later
@@ -169,14 +169,32 @@ def _compile_reason(exc) -> str:
     return type(causes[0]).__name__ if causes else "unknown error"
 
 
+def run_or_fall_back(failed: dict, key, kernel, fallback, refused, message):
+    """``kernel()``, or ``fallback()`` (a slower path computing the same thing) once the kernel refused a call
+    of ``key``: an exception for which ``refused(exc)`` is true is recorded in ``failed`` (key -> repr), warned
+    about once (RuntimeWarning, ``message(exc)``) and answered by the fallback, as is every later call with that
+    key at once; any other exception (an error of the computation itself) propagates."""
+    if key in failed:
+        return fallback()
+    try:
+        return kernel()
+    except Exception as exc:
+        if not refused(exc):
+            raise
+        failed[key] = repr(exc)
+        warnings.warn(message(exc), RuntimeWarning, stacklevel=4)
+        return fallback()
+
+
 def run_triton(key, kernel, fallback, what: str):
     """``kernel()``, or ``fallback()`` (the torch path computing the same thing) where the Triton kernel of
     ``key`` does not compile on this GPU: the first failure warns (RuntimeWarning naming the error) and
     every later call with that key takes the fallback at once. Errors of the computation itself (a CUDA
     error, a wrong input) propagate. The kernels are compiled without spills for sm_80 and sm_90 by the
     tests; this covers other GPUs and Triton versions."""
-    if key in _FAILED:
-        return fallback()
+    return run_or_fall_back(_FAILED, key, kernel, fallback, _compile_failure,
+                            lambda exc: f"{what}: the Triton kernel does not compile here ({_compile_reason(exc)}); "
+                                        "computing with torch instead from now on in this process")
     try:
         return kernel()
     except Exception as exc:
