@@ -195,12 +195,3 @@ def run_triton(key, kernel, fallback, what: str):
     return run_or_fall_back(_FAILED, key, kernel, fallback, _compile_failure,
                             lambda exc: f"{what}: the Triton kernel does not compile here ({_compile_reason(exc)}); "
                                         "computing with torch instead from now on in this process")
-    try:
-        return kernel()
-    except Exception as exc:
-        if not _compile_failure(exc):
-            raise
-        _FAILED[key] = repr(exc)
-        warnings.warn(f"{what}: the Triton kernel does not compile here ({_compile_reason(exc)}); computing "
-                      "with torch instead from now on in this process", RuntimeWarning, stacklevel=3)
-        return fallback()
