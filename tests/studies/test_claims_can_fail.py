@@ -296,7 +296,7 @@ _KERNEL_MISTAKES = {
         "attention_tiles.forward_tiles", "run_sum.mul_(alpha).add_(", "run_sum.add_(",
         ["d masked measure"], "derivatives"),
     "JVP without the mean term": (
-        "attention_tiles.jvp_tiles", "d_out.sub_(d_lse.unsqueeze(-1) * out)", "d_out",
+        "attention_tiles.jvp_tiles", "d_ext.sub_(d_lse.unsqueeze(-1) * out)", "d_ext",
         ["d weighted measure"], "derivatives"),
     "VJP tiles without the row term": (
         "attention_tiles.backward_tiles", "torch.bmm(go, vT[:, :, j0:j1]).sub_(delta[:, i0:i1])",
