@@ -38,7 +38,8 @@ class Plan:
     the fast engine of plain passes: "auto" (CPU: the flash kernel where the mask allows, tiles otherwise),
     "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`); ``fused``: on CUDA,
     forward passes and VJPs that the mask allows go to torch's memory-efficient kernel
-    (:mod:`meanfield.efficient_cuda`; the engine was chosen by device, not forced)."""
+    (:mod:`meanfield.efficient_cuda`; the engine was chosen by device, not forced); ``efficient`` False: not
+    that kernel (it refused such a call), the engine still as chosen by device."""
 
     bq: int
     bk: int
@@ -46,6 +47,7 @@ class Plan:
     causal: bool = False
     engine: str = "auto"
     fused: bool = False
+    efficient: bool = True
 
 
 def _block_extremes(p, block, fill_min, fill_max):

@@ -13,11 +13,11 @@ otherwise as an additive bias row broadcast over the queries (stride 0: O(N) mem
 column would send a head of 64 to the kernel built for 128 (1.7x slower on an H200). The kernel's L has
 its rows padded to a multiple of 32 (:data:`LSE_ALIGN`); the backward receives L in that layout again.
 
-``FORWARD`` / ``BACKWARD`` are None on a torch without these operators. Where the kernel refuses a call
-(a GPU or an input layout it was not built for), the first refusal warns (RuntimeWarning) and the
-streamed kernel's own engines (Triton or tile loops) compute that kind of call from then on, as
-:func:`particles.device.run_triton` does for the Triton kernels. Errors of the computation itself (out
-of memory, a CUDA error) propagate.
+``FORWARD`` / ``BACKWARD`` are None on a torch without these operators. Where the kernel's operator refuses a
+call (a GPU or an input layout it was not built for: :class:`Refused`), the first refusal warns
+(RuntimeWarning) and the streamed kernel's own engines (Triton or tile loops) compute that kind of call from
+then on, as :func:`particles.device.run_triton` does for the Triton kernels. Errors of the computation itself
+(out of memory, a CUDA error) and of this module's own code propagate.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 
 from .flash_cpu import aten_op, empty_rows, layout
 
-__all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "runs", "forward", "backward", "guarded"]
+__all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "MAX_BATCH", "BIAS_ALIGN", "Refused", "runs", "takes",
+           "forward", "backward", "guarded"]
 
 
 #: the forward operator (out, L padded, seed, offset, max rows, max keys), or None
@@ -41,13 +42,40 @@ LSE_ALIGN = 32
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: its mask codes: none, causal from the top-left corner (key j visible to query i iff j <= i)
 _NO_MASK, _CAUSAL = 0, 1
-#: (pass, dtype, causal) of calls the kernel refused in this process
+#: the largest batch (its third grid dimension on the GPU) one call takes
+MAX_BATCH = 65535
+#: the bias row's batch stride is padded to a multiple of this many elements (the kernel asks 16 bytes)
+BIAS_ALIGN = 16
+#: keys of the calls the kernel refused in this process (:func:`guarded`)
 _REFUSED: dict = {}
 
 
+class Refused(RuntimeError):
+    """The kernel does not take this call (an error raised by its operator that is neither out of memory nor a
+    CUDA error): the caller computes it another way."""
+
+
 def runs(device_type: str, dtype) -> bool:
-    """Whether the kernel may take a call on this device type and dtype (CUDA, :data:`DTYPES`)."""
-    return device_type == "cuda" and dtype in DTYPES and FORWARD is not None and BACKWARD is not None
+    """Whether the kernel may take a call on this device type and dtype (CUDA built for NVIDIA GPUs,
+    :data:`DTYPES`; ROCm builds have other kernels behind these operators)."""
+    return (device_type == "cuda" and dtype in DTYPES and FORWARD is not None and BACKWARD is not None
+            and torch.version.hip is None)
+
+
+def takes(batch: int, m: int, n: int) -> bool:
+    """Whether the shapes suit one call: a batch of at most :data:`MAX_BATCH`, at least one query and one key."""
+    return 0 < batch <= MAX_BATCH and m > 0 and n > 0
+
+
+def _call(op, *args, **kwargs):
+    """``op(*args, **kwargs)``; an error the operator raises that is neither out of memory nor a CUDA error
+    becomes :class:`Refused` (errors of this module's own code are not caught)."""
+    try:
+        return op(*args, **kwargs)
+    except (RuntimeError, NotImplementedError) as exc:
+        if isinstance(exc, torch.OutOfMemoryError) or "CUDA error" in str(exc):
+            raise
+        raise Refused(str(exc)) from exc
 
 
 def _inputs(q, k, v, lw, causal, grad_lw=False):
@@ -58,9 +86,13 @@ def _inputs(q, k, v, lw, causal, grad_lw=False):
     Q, K, V, _, c = layout(q, k, v, lw, causal=causal, fold=fold, align=FUSED_ALIGN, heads=2)
     bias = None
     if lw is not None and not fold:
-        # a finite stand-in for log 0 (rows left with no visible key are set by the caller)
+        # a finite stand-in for log 0 (rows left with no visible key are set by the caller), in q's dtype (the
+        # kernel's), its batch stride a multiple of BIAS_ALIGN elements (the kernel's alignment)
+        B, m, n = q.shape[0], q.shape[-2], lw.shape[-1]
         low = torch.finfo(q.dtype).min / 4
-        bias = lw.clamp(min=low).contiguous()[:, None, None, :].expand(q.shape[0], 1, q.shape[-2], lw.shape[-1])
+        row = q.new_full((B, BIAS_ALIGN * -(-n // BIAS_ALIGN)), low)
+        row[:, :n] = lw.clamp(min=low)
+        bias = row[:, None, None, :n].expand(B, 1, m, n)
     return Q.contiguous(), K.contiguous(), V.contiguous(), bias, c
 
 
@@ -76,8 +108,8 @@ def forward(q, k, v, lw, causal):
     out = 0 and L = -inf."""
     m = q.shape[-2]
     Q, K, V, bias, c = _inputs(q, k, v, lw, causal)
-    out, lse = FORWARD(Q, K, V, bias, None, None, None, None, 0.0, _CAUSAL if causal else _NO_MASK, True,
-                       scale=1.0)[:2]
+    out, lse = _call(FORWARD, Q, K, V, bias, None, None, None, None, 0.0, _CAUSAL if causal else _NO_MASK,
+                     True, scale=1.0)[:2]
     out, lse = out[:, :, 0, :c], lse[:, 0, :m]
     if lw is not None:
         empty = empty_rows(lw, causal, m)
@@ -102,8 +134,8 @@ def backward(q, k, v, lw, out, lse, g_out, causal, need):
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])).unsqueeze(2).contiguous()
     seed = torch.empty((), dtype=torch.long)
     offset = torch.empty((), dtype=torch.long)
-    dQ, dK, dV = BACKWARD(pad(g), Q, K, V, bias, pad(out), None, None, m, n, L, 0.0, seed, offset,
-                          _CAUSAL if causal else _NO_MASK, False, scale=1.0)[:3]
+    dQ, dK, dV = _call(BACKWARD, pad(g), Q, K, V, bias, pad(out), None, None, m, n, L, 0.0, seed, offset,
+                       _CAUSAL if causal else _NO_MASK, False, scale=1.0)[:3]
     dq = dQ[:, :, 0, :e] if need[0] else None
     dk = dK[:, :, 0, :e] if need[1] else None
     dv = dV[:, :, 0, :c] if need[2] else None
@@ -111,20 +143,12 @@ def backward(q, k, v, lw, out, lse, g_out, causal, need):
     return dq, dk, dv, dlw
 
 
-def _refusal(exc) -> bool:
-    """Whether ``exc`` says that the kernel does not take this call (and not that the call failed)."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return False
-    text = str(exc)
-    return isinstance(exc, (RuntimeError, NotImplementedError)) and "CUDA error" not in text
-
-
 def guarded(key, kernel, fallback, what: str):
     """``kernel()``, or ``fallback()`` where the kernel refused a call of this ``key`` before (or refuses
     this one: the first refusal warns, RuntimeWarning naming the error)."""
     from particles.device import run_or_fall_back
 
-    return run_or_fall_back(_REFUSED, key, kernel, fallback, _refusal,
+    return run_or_fall_back(_REFUSED, key, kernel, fallback, lambda exc: isinstance(exc, Refused),
                             lambda exc: f"{what}: torch's memory-efficient CUDA kernel refused the call "
                                         f"({str(exc)[:200]}); computing with the streamed kernel's own engine from "
                                         "now on in this process")

@@ -107,9 +107,15 @@ def _flash_ok(q, plan, qp) -> bool:
             and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
 
 
-def _efficient_ok(q, plan, qp) -> bool:
-    return (plan.fused and efficient.runs(q.device.type, q.dtype) and (qp is None or plan.causal)
-            and not _transforms_active())
+def _efficient_ok(q, k, plan, qp) -> bool:
+    return (plan.fused and plan.efficient and efficient.runs(q.device.type, q.dtype) and (qp is None or plan.causal)
+            and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2]) and not _transforms_active())
+
+
+def _efficient_key(name, q, v, lw, plan):
+    """What a refusal of the memory-efficient kernel is remembered by: the pass, device, dtype, widths, the mask,
+    whether log-weights ride and whether the call is batched (their layouts differ)."""
+    return _key(name, q, v) + (plan.causal, lw is not None, q.shape[0] > 1)
 
 
 # ---------------------------------------------------------------------- the autograd Function
@@ -144,8 +150,8 @@ def _key(name, q, v):
 
 def _forward(q, k, v, lw, qp, kp, plan):
     """(out, L) for 3-D inputs."""
-    if _efficient_ok(q, plan, qp):
-        return efficient.guarded(_key("forward", q, v) + (plan.causal,),
+    if _efficient_ok(q, k, plan, qp):
+        return efficient.guarded(_efficient_key("forward", q, v, lw, plan),
                                  lambda: efficient.forward(q, k, v, lw, plan.causal),
                                  lambda: _forward(q, k, v, lw, qp, kp, _unfused(plan)), "attend")
     if _triton_ok(plan):
@@ -212,8 +218,14 @@ class StreamAttention(torch.autograd.Function):
 def _fold(q) -> bool:
     """Whether the tile loops regroup their products to pass over each tile fewer times
     (:func:`meanfield.attention_tiles.jvp_tiles`): on accelerators, where a tile is a block of rows against
-    all keys in device memory; on CPU the cache-sized tiles keep their measured form."""
-    return q.device.type != "cpu"
+    all keys in device memory, in float32 and float64; on CPU the cache-sized tiles keep their measured form,
+    and the half types theirs (their L is float32: folded into a half product it would lose its digits)."""
+    return fold_for(q.device.type, q.dtype)
+
+
+def fold_for(device_type: str, dtype) -> bool:
+    """:func:`_fold` as a function of the device type and dtype."""
+    return device_type != "cpu" and dtype in (torch.float32, torch.float64)
 
 
 def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
@@ -228,14 +240,16 @@ def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
 
 
 def _unfused(plan):
+    """The plan without the memory-efficient kernel (after it refused a call); the engine stays chosen by
+    device (``plan.fused``), so that the VJP of a wide head still avoids Triton."""
     import dataclasses
 
-    return dataclasses.replace(plan, fused=False)
+    return dataclasses.replace(plan, efficient=False)
 
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    if g_lse is None and _efficient_ok(q, plan, qp):
-        return efficient.guarded(_key("backward", q, v) + (plan.causal,),
+    if g_lse is None and _efficient_ok(q, k, plan, qp):
+        return efficient.guarded(_efficient_key("backward", q, v, lw, plan),
                                  lambda: efficient.backward(q, k, v, lw, out, lse, g_out, plan.causal, need),
                                  lambda: _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse,
                                                         _unfused(plan), need), "attend (VJP)")
@@ -389,7 +403,9 @@ def _resolve_engine(engine, q, v):
 
     dev = q.device.type
     if engine is None:
-        capability = torch.cuda.get_device_capability(q.device) if dev == "cuda" else None
+        # compute capabilities of NVIDIA GPUs (a ROCm build reports its own numbers there)
+        capability = (torch.cuda.get_device_capability(q.device) if dev == "cuda" and torch.version.hip is None
+                      else None)
         return stream_engine(dev, q.dtype, q.shape[-1], v.shape[-1], triton=dev != "cpu" and triton_runs(dev),
                              transforms=_transforms_active(), capability=capability)
     if engine not in ENGINES:

@@ -35,6 +35,11 @@ def _check_bias(bias, Q, K, mask_type):
     # (B, heads, rows, keys), the last dimension contiguous, rows broadcast (stride 0: O(N) memory), finite
     assert bias.shape == (Q.shape[0], 1, Q.shape[1], K.shape[1]) and bias.stride(-1) == 1 and bias.stride(-2) == 0
     assert torch.isfinite(bias).all() and mask_type == 0
+    # the kernel's own checks (torch's check_supported): the query's dtype, a batch stride of 16 bytes
+    if bias.dtype != Q.dtype:
+        raise RuntimeError("invalid dtype for bias - should match query's dtype")
+    if Q.shape[0] > 1 and bias.stride(0) % (16 // Q.element_size()) != 0:
+        raise RuntimeError(f"attn_bias is not correctly aligned (strideB). attn_bias.stride(0) = {bias.stride(0)}")
     CALLS.append("bias")
     return bias[:, 0]
 
@@ -48,8 +53,8 @@ def fake_forward(Q, K, V, bias, cu_q, cu_k, max_q, max_k, dropout_p, mask_type, 
     if mask_type == 1:
         m, n = s.shape[-2:]
         s = s.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), -math.inf)
-    lse = torch.logsumexp(s, -1)
-    out = torch.softmax(s, -1) @ V[:, :, 0]
+    lse = torch.logsumexp(s.double(), -1)
+    out = (torch.softmax(s.double(), -1) @ V[:, :, 0].double()).to(Q.dtype)
     m = s.shape[-2]
     # the kernel's L is float32; float64 here keeps the comparison at 1e-12
     lse_dtype = torch.float64 if Q.dtype == DT else torch.float32
@@ -67,14 +72,14 @@ def fake_backward(G, Q, K, V, bias, O, cu_q, cu_k, max_q, max_k, L, dropout_p, s
     assert L.shape[-1] % 32 == 0 and L.stride(0) % 8 == 0
     assert (max_q, max_k) == (Q.shape[1], K.shape[1])
     CALLS.append("backward")
-    q, k, v, g, o = (t[:, :, 0] for t in (Q, K, V, G, O))
+    q, k, v, g, o = (t[:, :, 0].double() for t in (Q, K, V, G, O))
     s = q @ k.transpose(-1, -2) + _check_bias(bias, Q, K, mask_type)
     if mask_type == 1:
         m, n = s.shape[-2:]
         s = s.masked_fill(torch.ones(m, n, dtype=torch.bool).triu(1), -math.inf)
     p = torch.exp(s - L[:, 0, :q.shape[1], None].to(s.dtype))
     ds = p * (g @ v.transpose(-1, -2) - (g * o).sum(-1, keepdim=True))
-    dq, dk, dv = ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g
+    dq, dk, dv = (t.to(Q.dtype) for t in (ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g))
     return dq.unsqueeze(2), dk.unsqueeze(2), dv.unsqueeze(2), None
 
 
@@ -264,3 +269,106 @@ def test_out_of_memory_is_not_a_refusal(fake_kernel, monkeypatch):
     plan, qp, kp = _plan(q.shape[1], False)
     with pytest.raises(torch.OutOfMemoryError):
         streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("e", [3, 64])
+def test_batched_weighted_calls_in_the_kernels_dtypes_are_taken(fake_kernel, dtype, e):
+    """B = 2 entries of n = 37 keys (a batch stride the kernel would refuse for a bias row of n entries) with
+    log-weights, in float32 and the half types (L float32): the kernel takes every call (no refusal), and the
+    forward pass and VJP agree with the dense kernel to the dtype's precision."""
+    q, k, v, lw = _problem(13, e=e, c=e)
+    q, k, v, lw = (t.to(dtype) for t in (q, k, v, lw))
+    plan, qp, kp = _plan(q.shape[1], False)
+    prim = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, L = streaming.StreamAttention.apply(*prim, lw, qp, kp, plan)
+        grads = torch.autograd.grad(out, prim, torch.ones_like(out))
+    assert efficient._REFUSED == {} and "backward" in fake_kernel
+    assert ("bias" in fake_kernel) == (e == 64)
+    assert out.dtype == dtype and L.dtype == torch.float32
+    p64 = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref, ref_L = _dense(*p64, lw.double(), False)
+    ref_g = torch.autograd.grad(ref, p64, torch.ones_like(ref))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    assert (out.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max())
+    assert (L.double() - ref_L).abs().max() <= tol * max(1.0, ref_L.abs().max())
+    for a, b in zip(grads, ref_g):
+        assert (a.double() - b).abs().max() <= 4 * tol * max(1.0, b.abs().max())
+
+
+def test_a_refusal_is_remembered_by_the_kind_of_call(fake_kernel, monkeypatch):
+    """A refused weighted batched call sends later calls of that kind to the streamed engines, and only them:
+    an unweighted call of the same widths still takes the kernel."""
+    real = efficient.FORWARD
+
+    def picky(Q, K, V, bias, *a, **kw):
+        if bias is not None or Q.shape[-1] == 72:   # pretend that this GPU refuses every weighted call
+            raise RuntimeError("no kernel for these inputs")
+        return real(Q, K, V, bias, *a, **kw)
+
+    monkeypatch.setattr(efficient, "FORWARD", picky)
+    q, k, v, lw = _problem(14, e=64, c=64)
+    plan, qp, kp = _plan(q.shape[1], False)
+    with pytest.warns(RuntimeWarning, match="refused"):
+        out, _ = streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    assert torch.allclose(out, _dense(q, k, v, lw, False)[0], atol=1e-12)
+    fake_kernel.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streaming.StreamAttention.apply(q, k, v, None, qp, kp, plan)
+        streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    assert fake_kernel == ["forward"]    # the unweighted call only
+
+
+def test_a_vjp_refused_by_the_kernel_keeps_the_engine_chosen_by_device(fake_kernel, monkeypatch):
+    """After a refusal the VJP of a wide head chosen by device goes to the tile loops, as it would without the
+    kernel (Triton's VJP is slower there: meanfield.accelerator_paths.triton_vjp), not to Triton."""
+    def refuse(*a, **kw):
+        raise RuntimeError("not supported on this GPU")
+
+    monkeypatch.setattr(efficient, "BACKWARD", refuse)
+    monkeypatch.setattr(streaming, "_triton", lambda: (_ for _ in ()).throw(AssertionError("Triton VJP")))
+    real = tiles.backward_tiles
+    calls = []
+    monkeypatch.setattr(tiles, "backward_tiles", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, _ = _problem(15, e=64, c=64, weighted=False)
+    plan = tiles.Plan(16, 16, engine="triton", fused=True)
+    out, lse = efficient.forward(q, k, v, None, False)
+    with pytest.warns(RuntimeWarning, match="refused"):
+        streaming._fast_backward(q, k, v, None, None, None, out, lse, torch.ones_like(out), None, plan,
+                                 (True, True, True, False))
+    assert calls == [1]
+
+
+def test_errors_of_the_computation_are_not_refusals(fake_kernel, monkeypatch):
+    """Out of memory and CUDA errors raised by the operator propagate; so do errors of the module's own code
+    (here a cotangent of the wrong shape), which are not the kernel refusing."""
+    q, k, v, lw = _problem(16)
+    plan, qp, kp = _plan(q.shape[1], False)
+    for exc in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("CUDA error: an illegal memory access")):
+        def fail(*a, exc=exc, **kw):
+            raise exc
+
+        monkeypatch.setattr(efficient, "FORWARD", fail)
+        with pytest.raises(type(exc)):
+            streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    monkeypatch.setattr(efficient, "FORWARD", fake_forward)
+    out, lse = efficient.forward(q, k, v, lw, False)
+    with pytest.raises(RuntimeError) as info:
+        efficient.backward(q, k, v, lw, out, lse, torch.ones(2, 3, 5, dtype=DT), False, (True, True, True, True))
+    assert not isinstance(info.value, efficient.Refused)
+    assert efficient._REFUSED == {}
+
+
+def test_the_kernel_takes_batches_its_grid_allows_and_nonempty_problems():
+    assert efficient.takes(1, 1, 1) and efficient.takes(efficient.MAX_BATCH, 10, 10)
+    assert not efficient.takes(efficient.MAX_BATCH + 1, 10, 10)
+    assert not efficient.takes(2, 0, 10) and not efficient.takes(2, 10, 0) and not efficient.takes(0, 10, 10)
+
+
+def test_the_tile_loops_fold_on_accelerators_in_float32_and_float64_only():
+    assert streaming.fold_for("cuda", torch.float32) and streaming.fold_for("cuda", torch.float64)
+    assert not streaming.fold_for("cuda", torch.bfloat16) and not streaming.fold_for("cuda", torch.float16)
+    assert not streaming.fold_for("cpu", torch.float32)
