@@ -289,6 +289,34 @@ def test_the_fused_engine_gives_the_row_log_sum_exp(d, mask):
     assert err <= TOL[torch.float32], err
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("d", [3, 64])
+def test_the_fused_engine_with_a_batch_of_weighted_measures(d, dtype):
+    """Two measures of n = 501 atoms (a batch whose log-weight rows the kernel needs aligned) in float32 and the
+    half types, through stream_attend with gradients: out, L and the VJP against float64 on the CPU, to the
+    dtype's precision, with no refusal of the memory-efficient kernel (the autouse fixture)."""
+    g = torch.Generator().manual_seed(41)
+    n = 501
+    X = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    lw = torch.log_softmax(torch.randn(2, n, generator=g, dtype=torch.float64), -1)
+    lw[:, :5] = -math.inf
+    cot = torch.randn(2, n, d, generator=g, dtype=torch.float64)
+    prim = [t.to(CUDA, dtype).requires_grad_(True) for t in (X / 2, X, X)]
+    out, L = streaming.stream_attend(*prim, lw.to(CUDA, dtype), return_lse=True)
+    grads = torch.autograd.grad(out, prim, cot.to(CUDA, dtype))
+    ref_p = [t.detach().double().cpu().requires_grad_(True) for t in prim]
+    s = ref_p[0] @ ref_p[1].transpose(-1, -2) + lw.to(dtype).double()[:, None, :]
+    ref = torch.softmax(s, -1) @ ref_p[2]
+    ref_g = torch.autograd.grad(ref, ref_p, cot.to(dtype).double())
+    tol = {torch.float32: TOL[torch.float32], torch.bfloat16: 3e-2, torch.float16: 4e-3}[dtype]
+    scale = lambda t: max(1.0, t.abs().max().item())
+    assert (out.double().cpu() - ref).abs().max().item() <= tol * scale(ref)
+    ref_L = torch.logsumexp(s, -1)
+    assert (L.double().cpu() - ref_L).abs().max().item() <= tol * scale(ref_L)
+    for a, b in zip(grads, ref_g):
+        assert (a.double().cpu() - b).abs().max().item() <= 4 * tol * scale(b)
+
+
 @pytest.fixture(autouse=True)
 def _no_triton_kernel_fell_back():
     """After each test: no Triton kernel fell back to torch because it did not compile on this GPU, and
