@@ -29,7 +29,8 @@ The rules, in order:
    Below :data:`CUDA_ROWS_THRESHOLD` score entries a float32 forward pass without a sequence's causal mask
    runs as **rows** instead: dense blocks of rows against all keys (:data:`ROW_ENTRIES` entries each, torch's
    softmax), the row-chunked recipe that beat SDPA (and the streamed kernel, with positions) at N = 1e4 on an
-   H200 (benchmarks/gpu.md);
+   H200 (benchmarks/gpu.md); for heads wider than :data:`ROWS_MAX_WIDTH` as **dense** (the whole matrix, where
+   it fits the budget), which beat the row blocks there;
 4. **stream** otherwise: arbitrary positions (SDPA would need an (m, n) mask) and float64 (SDPA's CUDA
    float64 backend is the math kernel).
 
@@ -43,7 +44,7 @@ import math
 import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
-           "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
+           "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
            "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "triton_width", "choose",
            "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
@@ -61,6 +62,13 @@ DENSE_TEMPORARIES = 4
 #: (1.29 against 1.72 ms), and at N = 1e5 SDPA (the streamed kernel with positions) in every case. The
 #: crossover between 1e4 and 1e5 is not measured: 2^27 entries (N = 11,585) keeps to the measured side
 CUDA_ROWS_THRESHOLD = 2**27
+#: Heads wider than this (q's or v's features) take the whole score matrix at once ("dense", where its
+#: temporaries fit the budget) instead of row blocks up to :data:`CUDA_ROWS_THRESHOLD` entries: at N = 1e4 in
+#: d = 64, in both H200 runs of 2026-11-27 (benchmarks/gpu.md, grid), naive dense took 1.03-1.08 / 1.30-1.37 /
+#: 1.69 ms (unweighted / weighted / arbitrary positions) against the row blocks' 1.47-1.52 / 1.73-1.78 /
+#: 2.17 ms, where in d = 3 the row blocks won (1.00-1.03 / 1.32-1.34 / 1.75-1.81 against 1.38-1.40 / 1.67-1.71 /
+#: 2.06-2.09 ms). Between 16 and 64 unmeasured
+ROWS_MAX_WIDTH = 16
 #: score entries of one row block of the "rows" path (2048 rows against 1e4 keys, as measured)
 ROW_ENTRIES = 2**24
 #: block-sized temporaries of the "rows" path (scores, probabilities, a masked copy)
@@ -182,6 +190,9 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
         return "dense"
     if derivatives:
         return "stream"
+    if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
+            and max(e, c) > ROWS_MAX_WIDTH and _dense_fits(entries, element_size, budget)):
+        return "dense"
     if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
             and _dense_fits(min(entries, max(ROW_ENTRIES, max(1, batch) * n)), element_size, budget,
                             temporaries=ROWS_TEMPORARIES)):

@@ -60,9 +60,15 @@ def test_rows_where_row_chunked_dense_was_measured_fastest():
     the streamed kernel; float64 (unmeasured) keeps the streamed kernel."""
     for positions in ("none", "other"):
         for e in (3, 64):
-            assert _choose(10**4, e=e, positions=positions) == "rows"
-            assert _choose(10**4, e=e, positions=positions, weighted=True) == "rows"
+            # wide heads: the whole matrix, which beat the row blocks at d = 64 (ROWS_MAX_WIDTH)
+            expected = "rows" if e <= ap.ROWS_MAX_WIDTH else "dense"
+            assert _choose(10**4, e=e, positions=positions) == expected
+            assert _choose(10**4, e=e, positions=positions, weighted=True) == expected
             assert _choose(10**5, e=e, positions=positions) in ("fused", "stream")
+    assert _choose(10**4, e=16) == "rows" and _choose(10**4, e=17) == "dense"
+    # the whole matrix only where its temporaries fit; row blocks, then SDPA, otherwise
+    assert _choose(10**4, e=64, budget=1.6e9) == "dense" and _choose(10**4, e=64, budget=1.5e9) == "rows"
+    assert _choose(10**4, e=64, positions="causal") == "fused" and _choose(11_586, e=64) == "fused"
     assert _choose(11_585) == "rows" and _choose(11_586) == "fused"     # 2^27 entries
     assert _choose(10**4, positions="causal") == "fused"
     assert _choose(10**4, derivatives=True) == "stream"
