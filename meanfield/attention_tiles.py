@@ -127,9 +127,10 @@ def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
 
 
 def _probs(s, lse_rows):
-    """P = exp(s - L) with rows of L = -inf (no visible key) giving zeros instead of nan."""
+    """P = exp(s - L) with rows of L = -inf (no visible key) giving zeros instead of nan, in the scores' dtype
+    (the half types' L is float32 when a fused kernel or Triton computed it)."""
     safe = torch.where(torch.isfinite(lse_rows), lse_rows, torch.full_like(lse_rows, float("inf")))
-    return torch.exp(s - safe.unsqueeze(-1))
+    return torch.exp(s - safe.unsqueeze(-1)).to(s.dtype)
 
 
 def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):

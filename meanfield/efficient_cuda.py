@@ -7,10 +7,11 @@ reading the out and L of our forward pass, in O(N) memory.
 
 The layout is :func:`meanfield.flash_cpu.layout` with the head as the third axis (B, rows, 1, width), the
 width zero-padded to a multiple of :data:`meanfield.accelerator_paths.FUSED_ALIGN`. Log-weights ride as the
-extra coordinate q' = [q, 1], k' = [k, log a] (their gradient is then the extra column of dk') with the
-causal mask, when their gradient is needed, or where the coordinate costs no width (d = 3: 4 -> 8);
-otherwise as an additive bias row broadcast over the queries (stride 0: O(N) memory), since one more
-column would send a head of 64 to the kernel built for 128 (1.7x slower on an H200). The kernel's L has
+extra coordinate q' = [q, 1], k' = [k, log a] (log 0 as a finite number far below every score; their
+gradient is then the extra column of dk') with the causal mask, when their gradient is needed, or where the
+coordinate costs no width (d = 3: 4 -> 8); otherwise as an additive bias row broadcast over the queries
+(stride 0: O(N) memory; log 0 stays -inf), since one more column would send a head of 64 to the kernel built
+for 128 (1.7x slower on an H200). float16 takes only the bias row (:func:`takes_weights`). The kernel's L has
 its rows padded to a multiple of 32 (:data:`LSE_ALIGN`); the backward receives L in that layout again.
 
 ``FORWARD`` / ``BACKWARD`` are None on a torch without these operators. Where the kernel's operator refuses a
@@ -29,7 +30,7 @@ import torch
 from .flash_cpu import aten_op, empty_rows, layout
 
 __all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "MAX_BATCH", "BIAS_ALIGN", "Refused", "runs", "takes",
-           "forward", "backward", "guarded"]
+           "takes_weights", "forward", "backward", "guarded"]
 
 
 #: the forward operator (out, L padded, seed, offset, max rows, max keys), or None
@@ -78,20 +79,39 @@ def _call(op, *args, **kwargs):
         raise Refused(str(exc)) from exc
 
 
+def _fold(q, v, lw, causal, grad_lw) -> bool:
+    """Whether the log-weights ride as the extra coordinate (module docstring) rather than as a bias row."""
+    from .accelerator_paths import fused_widths
+
+    if lw is None:
+        return False
+    if q.dtype == torch.float16:
+        return causal or grad_lw   # float16 only where the bias row cannot serve (:func:`takes_weights`)
+    return causal or grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, False)[1]
+
+
+def takes_weights(dtype, weighted: bool, causal: bool, grad_lw: bool) -> bool:
+    """Whether the kernel can take log-weights this way. The extra coordinate needs a finite stand-in for
+    log 0 far below every score; float16's range (finfo.min / 4 = -16376) is within reach of scores at radius
+    100 (a key of weight 0 would then win), so float16 log-weights ride only as a bias row, which keeps -inf:
+    not with the causal mask nor when their gradient is needed (the streamed engines compute those)."""
+    return not (weighted and dtype == torch.float16 and (causal or grad_lw))
+
+
 def _inputs(q, k, v, lw, causal, grad_lw=False):
     """(Q, K, V, bias or None, width of the values) in the kernel's layout (module docstring)."""
-    from .accelerator_paths import FUSED_ALIGN, fused_widths
+    from .accelerator_paths import FUSED_ALIGN
 
-    fold = lw is not None and (causal or grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, False)[1])
+    fold = _fold(q, v, lw, causal, grad_lw)
     Q, K, V, _, c = layout(q, k, v, lw, causal=causal, fold=fold, align=FUSED_ALIGN, heads=2)
     bias = None
     if lw is not None and not fold:
-        # a finite stand-in for log 0 (rows left with no visible key are set by the caller), in q's dtype (the
-        # kernel's), its batch stride a multiple of BIAS_ALIGN elements (the kernel's alignment)
+        # log a as it is (-inf for a weight 0: the kernel takes infinite biases; rows left with no visible key
+        # are set by the caller), in q's dtype (the kernel's), its batch stride a multiple of BIAS_ALIGN
+        # elements (the kernel's alignment)
         B, m, n = q.shape[0], q.shape[-2], lw.shape[-1]
-        low = torch.finfo(q.dtype).min / 4
-        row = q.new_full((B, BIAS_ALIGN * -(-n // BIAS_ALIGN)), low)
-        row[:, :n] = lw.clamp(min=low)
+        row = q.new_full((B, BIAS_ALIGN * -(-n // BIAS_ALIGN)), -math.inf)
+        row[:, :n] = lw
         bias = row[:, None, None, :n].expand(B, 1, m, n)
     return Q.contiguous(), K.contiguous(), V.contiguous(), bias, c
 
@@ -129,7 +149,10 @@ def backward(q, k, v, lw, out, lse, g_out, causal, need):
     # a row with no visible key has output 0 whatever its inputs: zero cotangent, and any finite L (the
     # kernel recomputes P = exp(s - L) and must see no -inf there)
     g = torch.where(live.unsqueeze(-1), g_out, torch.zeros_like(g_out))
-    L = lse.new_zeros(B, 1, LSE_ALIGN * -(-m // LSE_ALIGN))  # float32 (the kernel's L) for its dtypes
+    # the kernel reads L as float32 whatever L came from (a streamed engine's forward pass gives the half
+    # types' L in their dtype); float64 never reaches the kernel (it serves the tests' stand-in)
+    L = torch.zeros(B, 1, LSE_ALIGN * -(-m // LSE_ALIGN), device=lse.device,
+                    dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
     L[:, 0, :m] = torch.where(live, lse, torch.zeros_like(lse))
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])).unsqueeze(2).contiguous()
     seed = torch.empty((), dtype=torch.long)

@@ -375,10 +375,11 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
     if q_pos is None:
         return choose("none"), None
     path = choose("other")
-    if path == "dense" or derivatives:
-        # neither depends on the kind of mask: the positions are not read (one host sync less on a small call)
+    if q.shape[-2] != k.shape[-2] or path == choose("causal"):
+        # the path does not depend on the kind of mask (the dense path, derivatives): the positions are not
+        # read (one host sync less on a small call)
         return path, None
-    causal = q.shape[-2] == k.shape[-2] and sequence_mask(q_pos, k_pos)
+    causal = sequence_mask(q_pos, k_pos)
     return (choose("causal") if causal else path), causal
 
 

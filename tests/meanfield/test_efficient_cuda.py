@@ -33,8 +33,9 @@ def _check_bias(bias, Q, K, mask_type):
     if bias is None:
         return 0
     # (B, heads, rows, keys), the last dimension contiguous, rows broadcast (stride 0: O(N) memory), finite
-    assert bias.shape == (Q.shape[0], 1, Q.shape[1], K.shape[1]) and bias.stride(-1) == 1 and bias.stride(-2) == 0
-    assert torch.isfinite(bias).all() and mask_type == 0
+    assert bias.shape == (Q.shape[0], 1, Q.shape[1], K.shape[1]) and bias.stride(-1) == 1
+    assert bias.stride(-2) == 0 or bias.shape[-2] == 1
+    assert not (torch.isnan(bias) | (bias == math.inf)).any() and mask_type == 0   # -inf: a weight 0
     # the kernel's own checks (torch's check_supported): the query's dtype, a batch stride of 16 bytes
     if bias.dtype != Q.dtype:
         raise RuntimeError("invalid dtype for bias - should match query's dtype")
@@ -286,7 +287,7 @@ def test_batched_weighted_calls_in_the_kernels_dtypes_are_taken(fake_kernel, dty
         out, L = streaming.StreamAttention.apply(*prim, lw, qp, kp, plan)
         grads = torch.autograd.grad(out, prim, torch.ones_like(out))
     assert efficient._REFUSED == {} and "backward" in fake_kernel
-    assert ("bias" in fake_kernel) == (e == 64)
+    assert ("bias" in fake_kernel) == (e == 64 or dtype == torch.float16)   # float16: never the coordinate
     assert out.dtype == dtype and L.dtype == torch.float32
     p64 = [t.double().requires_grad_(True) for t in (q, k, v)]
     ref, ref_L = _dense(*p64, lw.double(), False)
@@ -372,3 +373,79 @@ def test_the_tile_loops_fold_on_accelerators_in_float32_and_float64_only():
     assert streaming.fold_for("cuda", torch.float32) and streaming.fold_for("cuda", torch.float64)
     assert not streaming.fold_for("cuda", torch.bfloat16) and not streaming.fold_for("cuda", torch.float16)
     assert not streaming.fold_for("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("e", [3, 8, 64])
+def test_float16_keys_of_weight_zero_stay_unseen_at_radius_100(fake_kernel, e):
+    """float16's most negative number / 4 is -16376, within reach of scores at radius 100: a key of weight 0 with
+    a score 2e4 above a live key's must still get no weight. The bias row keeps -inf; the causal mask and
+    gradients of the weights (which would need the extra coordinate) go to the streamed engines."""
+    q = torch.zeros(1, 2, e, dtype=torch.float16)
+    k = torch.zeros(1, 2, e, dtype=torch.float16)
+    v = torch.zeros(1, 2, e, dtype=torch.float16)
+    q[..., 0], k[0, 0, 0], k[0, 1, 0] = 100.0, 100.0, -100.0
+    v[0, 1, 0] = 1.0     # the answer: v of key 1, the only key of positive weight
+    lw = torch.tensor([[-math.inf, 0.0]], dtype=torch.float16)
+    plan, qp, kp = _plan(2, False, B=1)
+    out, L = streaming.StreamAttention.apply(q, k, v, lw, qp, kp, plan)
+    assert "bias" in fake_kernel
+    assert out[0, :, 0].tolist() == [1.0, 1.0] and L[0].tolist() == [-10000.0, -10000.0]
+    # a batch entry whose keys all have weight 0, scores of 4e4: zero output and finite zero gradients
+    q2 = torch.full((1, 3, e), 0.0, dtype=torch.float16)
+    q2[..., 0] = 200.0
+    prim = [q2.clone().requires_grad_(True), q2.clone().requires_grad_(True),
+            torch.randn(1, 3, e).half().requires_grad_(True)]
+    dead = torch.full((1, 3), -math.inf, dtype=torch.float16)
+    out2, L2 = streaming.StreamAttention.apply(*prim, dead, None, None, _plan(3, False, B=1)[0])
+    assert (out2 == 0).all() and torch.isinf(L2).all()
+    grads = torch.autograd.grad(out2, prim, torch.ones_like(out2))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    # the causal mask and the weights' gradient in float16: the streamed engines, the same answer
+    fake_kernel.clear()
+    seq = torch.arange(2, dtype=torch.float16)[None]
+    causal = tiles.tile_plan(seq, seq, 2, 2, 16, 16, engine="tiles", fused=True)
+    assert efficient.takes_weights(torch.float16, True, False, False)
+    assert not efficient.takes_weights(torch.float16, True, True, False)
+    assert not efficient.takes_weights(torch.float16, True, False, True)
+    assert efficient.takes_weights(torch.bfloat16, True, True, True)
+    assert efficient.takes_weights(torch.float16, False, True, True)
+    out3, _ = streaming.StreamAttention.apply(q, k, v, lw, seq, seq, causal)
+    assert fake_kernel == [] and out3[0, 1, 0].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_double_backward_of_half_heads_after_the_kernels_forward_pass(fake_kernel, dtype):
+    """The kernel's L is float32 for the half types: the differentiable tiles (double backward) and the JVP
+    compute P in the scores' dtype and agree with the dense kernel to the dtype's precision."""
+    q, k, v, lw = (t.to(dtype) for t in _problem(17, e=8, c=8))
+    plan, qp, kp = _plan(q.shape[1], False)
+    x = q.clone().requires_grad_(True)
+    out = streaming.StreamAttention.apply(x, k, v, lw, qp, kp, plan)[0]
+    assert "forward" in fake_kernel
+    g, t = torch.randn_like(out), torch.randn_like(q)
+    (gx,) = torch.autograd.grad((out * g).sum(), x, create_graph=True)
+    (hx,) = torch.autograd.grad((gx * t).sum(), x)
+    x64 = q.double().requires_grad_(True)
+    ref = _dense(x64, k.double(), v.double(), lw.double(), False)[0]
+    (gr,) = torch.autograd.grad((ref * g.double()).sum(), x64, create_graph=True)
+    (hr,) = torch.autograd.grad((gr * t.double()).sum(), x64)
+    tol = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    assert hx.dtype == dtype and (hx.double() - hr).abs().max() <= tol * max(1.0, hr.abs().max())
+
+
+def test_the_kernels_backward_reads_a_float32_L_after_its_forward_pass_was_refused(fake_kernel, monkeypatch):
+    """A refused forward pass leaves L in the half type (the tile loops); the kernel's backward, taken since,
+    must still read float32 (it reads L as float32 whatever its dtype): the stand-in checks it."""
+    def refuse(*a, **kw):
+        raise RuntimeError("no kernel")
+
+    real = efficient.FORWARD
+    monkeypatch.setattr(efficient, "FORWARD", refuse)
+    q, k, v, _ = (t.to(torch.float16) if t is not None else None for t in _problem(18, e=40, c=40, weighted=False))
+    plan, qp, kp = _plan(q.shape[1], False)
+    x = q.clone().requires_grad_(True)
+    with pytest.warns(RuntimeWarning, match="refused"):
+        out, L = streaming.StreamAttention.apply(x, k, v, None, qp, kp, plan)
+    monkeypatch.setattr(efficient, "FORWARD", real)
+    torch.autograd.grad(out, x, torch.ones_like(out))
+    assert "backward" in fake_kernel

@@ -54,6 +54,29 @@ def test_the_issue_regimes_on_an_h100_sized_budget():
     assert _choose(1000) == "dense" and _choose(1000, dtype=torch.float64, derivatives=True) == "dense"
 
 
+def test_float16_weights_under_a_causal_mask_are_not_sent_to_sdpa():
+    """SDPA takes log-weights under its causal mask only as a coordinate, log 0 as a finite number, which float16
+    scores at radius 100 reach: auto streams those calls; bfloat16 (range of float32) and unmasked float16 (a
+    mask row keeps -inf) stay fused."""
+    assert _choose(10**5, dtype=torch.float16, weighted=True, positions="causal") == "stream"
+    assert _choose(10**5, dtype=torch.bfloat16, weighted=True, positions="causal") == "fused"
+    assert _choose(10**5, dtype=torch.float16, weighted=True) == "fused"
+    assert _choose(10**5, dtype=torch.float16, positions="causal") == "fused"
+
+
+@pytest.mark.parametrize("e", [3, 8])
+def test_fused_attend_in_float16_keeps_a_key_of_weight_zero_unseen(e):
+    """fused_attend with CUDA's alignment in float16: the weights as a mask row (-inf), not a coordinate with a
+    finite stand-in (-16376 in float16) that a score 2e4 above a live key's would beat."""
+    q = torch.zeros(2, e, dtype=torch.float16)
+    k = torch.zeros(2, e, dtype=torch.float16)
+    v = torch.zeros(2, e, dtype=torch.float16)
+    q[:, 0], k[0, 0], k[1, 0], v[1, 0] = 100.0, 100.0, -100.0, 1.0
+    lw = torch.tensor([-math.inf, 0.0], dtype=torch.float16)
+    out = streaming.fused_attend(q, k, v, lw, align=8)
+    assert out[:, 0].tolist() == [1.0, 1.0]
+
+
 def test_rows_where_row_chunked_dense_was_measured_fastest():
     """N = 1e4 on an H200 (benchmarks/gpu.md): float32 forward passes without a causal mask ran fastest as dense
     row blocks against all keys; with a causal mask SDPA, with derivatives the streamed kernel, at 1e5 SDPA or
@@ -322,7 +345,7 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
 
     def fake_choose(*args, **kw):
         seen.update(kw, args=args)
-        return "stream"
+        return "fused" if kw["positions"] == "causal" else "stream"
 
     monkeypatch.setattr(ap, "choose", fake_choose)
     reads = []
@@ -330,12 +353,11 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
     n = 50
     q, k, v = (torch.randn(2, n, 3, dtype=DT) for _ in range(3))
     pos = torch.arange(n, dtype=DT)
-    assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("stream", True)
+    assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("fused", True)
     assert reads == []  # the budget is handed over unread: the choice reads it only where dense is considered
     assert seen["positions"] == "causal" and seen["budget"]() == 123 and seen["args"][2:6] == (2, n, n, 3)
     assert reads == [ap.DENSE_TEMPORARIES * 2 * n * n * 8]
-    assert kernels._choose_accelerator(q, k, v, None, pos, pos.flip(0), None)[1] is False
-    assert seen["positions"] == "other"
+    assert kernels._choose_accelerator(q, k, v, None, pos, pos.flip(0), None) == ("stream", False)
     kernels._choose_accelerator(q, k, v, torch.zeros(n, dtype=DT), None, None, None)
     assert seen["positions"] == "none" and seen["weighted"] and not seen["derivatives"]
     kernels._choose_accelerator(q.requires_grad_(True), k, v, None, None, None, None)
@@ -358,9 +380,16 @@ def test_the_positions_are_read_only_where_the_path_depends_on_them(monkeypatch)
     pb = torch.arange(big, dtype=torch.float32)
     assert kernels._choose_accelerator(qb, qb, qb, None, pb, pb, None) == ("fused", True) and reads == [1]
     assert kernels._choose_accelerator(qb, qb, qb, None, pb, pb.flip(0), None) == ("stream", False)
+    # a wide causal sequence: dense only without the causal mask, so the positions are read (fused)
+    qw = torch.empty(1, 4096, 64, dtype=torch.float32)
+    pw = torch.arange(4096, dtype=torch.float32)
+    reads.clear()
+    assert kernels._choose_accelerator(qw, qw, qw, None, pw, pw, None) == ("fused", True) and len(reads) == 1
+    assert kernels._choose_accelerator(qw, qw, qw, None, pw, pw.flip(0), None) == ("dense", False)
+    reads.clear()
     qg = qb.clone().requires_grad_(True)
     assert kernels._choose_accelerator(qg, qb, qb, None, pb, pb, None) == ("stream", None)
-    assert len(reads) == 2
+    assert reads == []
     # the paths agree with the choice made with the mask read
     for qp, kp in ((pb, pb), (pb, pb.flip(0))):
         kind = "causal" if kernels.sequence_mask(qp, kp) else "other"
