@@ -197,10 +197,7 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
             and _dense_fits(min(entries, max(ROW_ENTRIES, max(1, batch) * n)), element_size, budget,
                             temporaries=ROWS_TEMPORARIES)):
         return "rows"
-    if dtype in FUSED_DTYPES and positions in ("none", "causal") and not (
-            dtype == torch.float16 and weighted and positions == "causal"):
-        # (float16 log-weights under a causal mask would ride SDPA as a coordinate, log 0 as a finite number
-        # within reach of float16 scores: streamed instead)
+    if dtype in FUSED_DTYPES and positions in ("none", "causal"):
         return "fused"
     return "stream"
 

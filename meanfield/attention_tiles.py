@@ -150,7 +150,7 @@ def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         delta = (go * out[..., i0:i1, :]).sum(-1, keepdim=True)
         if g_lse is not None:
             # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
-            delta = delta - g_lse[..., i0:i1, None]
+            delta = delta - g_lse[..., i0:i1, None].to(delta.dtype)   # (the half types' L may be float32)
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
             p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
@@ -216,7 +216,7 @@ def jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
             mean_ds = torch.zeros_like(o[..., :1])
         d_outs.append(acc - mean_ds * o)
         d_lses.append(mean_ds.squeeze(-1))
-    return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1)
+    return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1).to(lse.dtype)
 
 
 # ---------------------------------------------------------------------- fast tiles (in place, 3-D)

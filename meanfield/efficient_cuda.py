@@ -7,11 +7,12 @@ reading the out and L of our forward pass, in O(N) memory.
 
 The layout is :func:`meanfield.flash_cpu.layout` with the head as the third axis (B, rows, 1, width), the
 width zero-padded to a multiple of :data:`meanfield.accelerator_paths.FUSED_ALIGN`. Log-weights ride as the
-extra coordinate q' = [q, 1], k' = [k, log a] (log 0 as a finite number far below every score; their
-gradient is then the extra column of dk') with the causal mask, when their gradient is needed, or where the
-coordinate costs no width (d = 3: 4 -> 8); otherwise as an additive bias row broadcast over the queries
+extra coordinate q' = [q, 1], k' = [k, log a] (log 0 as a finite number far below every score,
+:func:`meanfield.flash_cpu.weight_coordinates`; their gradient is then the extra column of dk') with the
+causal mask, when their gradient is needed, or where the coordinate costs no width (d = 3: 4 -> 8; never in
+float16, whose coordinates take two columns); otherwise as an additive bias row broadcast over the queries
 (stride 0: O(N) memory; log 0 stays -inf), since one more column would send a head of 64 to the kernel built
-for 128 (1.7x slower on an H200). float16 takes only the bias row (:func:`takes_weights`). The kernel's L has
+for 128 (1.7x slower on an H200). The kernel's L has
 its rows padded to a multiple of 32 (:data:`LSE_ALIGN`); the backward receives L in that layout again.
 
 ``FORWARD`` / ``BACKWARD`` are None on a torch without these operators. Where the kernel's operator refuses a
@@ -30,7 +31,7 @@ import torch
 from .flash_cpu import aten_op, empty_rows, layout
 
 __all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "MAX_BATCH", "BIAS_ALIGN", "Refused", "runs", "takes",
-           "takes_weights", "forward", "backward", "guarded"]
+           "forward", "backward", "guarded"]
 
 
 #: the forward operator (out, L padded, seed, offset, max rows, max keys), or None
@@ -86,16 +87,8 @@ def _fold(q, v, lw, causal, grad_lw) -> bool:
     if lw is None:
         return False
     if q.dtype == torch.float16:
-        return causal or grad_lw   # float16 only where the bias row cannot serve (:func:`takes_weights`)
+        return causal or grad_lw   # float16's coordinates take two columns: the (exact) bias row where it serves
     return causal or grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, False)[1]
-
-
-def takes_weights(dtype, weighted: bool, causal: bool, grad_lw: bool) -> bool:
-    """Whether the kernel can take log-weights this way. The extra coordinate needs a finite stand-in for
-    log 0 far below every score; float16's range (finfo.min / 4 = -16376) is within reach of scores at radius
-    100 (a key of weight 0 would then win), so float16 log-weights ride only as a bias row, which keeps -inf:
-    not with the causal mask nor when their gradient is needed (the streamed engines compute those)."""
-    return not (weighted and dtype == torch.float16 and (causal or grad_lw))
 
 
 def _inputs(q, k, v, lw, causal, grad_lw=False):

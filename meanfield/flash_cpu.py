@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "aten_op", "layout", "empty_rows", "forward", "backward"]
+__all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "empty_rows", "forward", "backward"]
 
 
 def aten_op(name):
@@ -28,13 +28,37 @@ FORWARD = aten_op("_scaled_dot_product_flash_attention_for_cpu")
 BACKWARD = aten_op("_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
+#: float16's log 0 as coordinates (:func:`weight_coordinates`): a key of weight 0 scores DEAD_SCALE * DEAD_SHIFT
+#: (about -1.7e7, exact in the float32 accumulators of the fused kernels), far below any float16 score
+DEAD_SCALE, DEAD_SHIFT = 1024.0, -16376.0
+
+
+def weight_coordinates(q, k, lw):
+    """(q', k') with <q'_i, k'_j> = <q_i, k_j> + log a_j, the log-weights as coordinates (..., rows, features).
+
+    log 0 cannot ride as -inf (0 * inf in the padding and the derivatives): q' = [q, 1], k' = [k, log a] with
+    log 0 replaced by the dtype's most negative number / 4, far below every score, except in float16, whose
+    -16376 scores at radius 100 reach (a key of weight 0 would win): there q' = [q, 1, DEAD_SCALE] and
+    k' = [k, log a or 0, 0 or DEAD_SHIFT], a key of weight 0 scoring about -1.7e7 in the float32 accumulators.
+    The gradient in log a is the first extra column of dk' in both layouts.
+    """
+    one = torch.ones_like(q[..., :1])
+    if q.dtype != torch.float16:
+        low = torch.finfo(q.dtype).min / 4
+        return torch.cat([q, one], -1), torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
+    dead = (lw == -math.inf).unsqueeze(-1)
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    return (torch.cat([q, one, one * DEAD_SCALE], -1),
+            torch.cat([k, torch.where(dead, zero, lw.unsqueeze(-1).to(k.dtype)),
+                       torch.where(dead, torch.full((), DEAD_SHIFT, dtype=k.dtype, device=k.device), zero)], -1))
+
+
 def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):
     """4-D inputs of the flash kernel: (Q, K, V, additive mask row or None, width of the real values).
 
     Log-weights become a broadcast additive mask row (unmasked) or, with the causal mask (which the
-    kernel cannot combine with a mask) or when their gradient is needed, one extra coordinate
-    q' = [q, 1], k' = [k, log a] (log 0 replaced by a finite number far below every score, so that
-    no 0 * inf arises; rows left with no visible key are handled by the caller). The kernel needs one
+    kernel cannot combine with a mask) or when their gradient is needed, extra coordinates
+    (:func:`weight_coordinates`; rows left with no visible key are handled by the caller). The kernel needs one
     width for q, k and v: the narrower side is padded with zero columns, which change no product, and
     the width is rounded up to a multiple of ``align``. ``heads``: the axis of the (single) head in the
     4-D layout, 1 for (B, H, rows, features), 2 for (B, rows, H, features) (CUDA's memory-efficient
@@ -42,9 +66,7 @@ def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):
     """
     mask = None
     if lw is not None and (causal or fold):
-        low = torch.finfo(q.dtype).min / 4
-        q = torch.cat([q, torch.ones_like(q[..., :1])], -1)
-        k = torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
+        q, k = weight_coordinates(q, k, lw)
     elif lw is not None:
         mask = lw[:, None, None, :]
     c = v.shape[-1]

@@ -107,10 +107,9 @@ def _flash_ok(q, plan, qp) -> bool:
             and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
 
 
-def _efficient_ok(q, k, lw, plan, qp, grad_lw=False) -> bool:
+def _efficient_ok(q, k, plan, qp) -> bool:
     return (plan.fused and plan.efficient and efficient.runs(q.device.type, q.dtype) and (qp is None or plan.causal)
-            and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2])
-            and efficient.takes_weights(q.dtype, lw is not None, plan.causal, grad_lw) and not _transforms_active())
+            and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2]) and not _transforms_active())
 
 
 def _efficient_key(name, q, v, lw, plan):
@@ -151,7 +150,7 @@ def _key(name, q, v):
 
 def _forward(q, k, v, lw, qp, kp, plan):
     """(out, L) for 3-D inputs."""
-    if _efficient_ok(q, k, lw, plan, qp):
+    if _efficient_ok(q, k, plan, qp):
         return efficient.guarded(_efficient_key("forward", q, v, lw, plan),
                                  lambda: efficient.forward(q, k, v, lw, plan.causal),
                                  lambda: _forward(q, k, v, lw, qp, kp, _unfused(plan)), "attend")
@@ -249,7 +248,7 @@ def _unfused(plan):
 
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    if g_lse is None and _efficient_ok(q, k, lw, plan, qp, grad_lw=bool(need[3])):
+    if g_lse is None and _efficient_ok(q, k, plan, qp):
         return efficient.guarded(_efficient_key("backward", q, v, lw, plan),
                                  lambda: efficient.backward(q, k, v, lw, out, lse, g_out, plan.causal, need),
                                  lambda: _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse,
@@ -496,14 +495,12 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
     lw = None if log_weights is None else log_weights.reshape(*lead, n)
     fold = causal
     if align > 1 and q.dtype != torch.float16:
-        # (float16: log 0 as a coordinate would be a finite number within reach of its scores; a mask row keeps -inf)
+        # (float16: its coordinates take two columns, flash_cpu.weight_coordinates; a mask row is exact)
         from .accelerator_paths import fused_widths
 
         fold = fused_widths(q.shape[-1], c, lw is not None, causal)[1]
     if lw is not None and fold:
-        low = torch.finfo(q.dtype).min / 4
-        Q = torch.cat([Q, torch.ones_like(Q[..., :1])], -1)
-        K = torch.cat([K, lw.clamp(min=low).unsqueeze(-1)], -1)
+        Q, K = flash.weight_coordinates(Q, K, lw)
     elif lw is not None:
         mask = lw.unsqueeze(-2)
     if q_pos is not None and not causal:

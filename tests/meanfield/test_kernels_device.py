@@ -54,27 +54,32 @@ def test_the_issue_regimes_on_an_h100_sized_budget():
     assert _choose(1000) == "dense" and _choose(1000, dtype=torch.float64, derivatives=True) == "dense"
 
 
-def test_float16_weights_under_a_causal_mask_are_not_sent_to_sdpa():
-    """SDPA takes log-weights under its causal mask only as a coordinate, log 0 as a finite number, which float16
-    scores at radius 100 reach: auto streams those calls; bfloat16 (range of float32) and unmasked float16 (a
-    mask row keeps -inf) stay fused."""
-    assert _choose(10**5, dtype=torch.float16, weighted=True, positions="causal") == "stream"
-    assert _choose(10**5, dtype=torch.bfloat16, weighted=True, positions="causal") == "fused"
-    assert _choose(10**5, dtype=torch.float16, weighted=True) == "fused"
-    assert _choose(10**5, dtype=torch.float16, positions="causal") == "fused"
-
-
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("e", [3, 8])
-def test_fused_attend_in_float16_keeps_a_key_of_weight_zero_unseen(e):
-    """fused_attend with CUDA's alignment in float16: the weights as a mask row (-inf), not a coordinate with a
-    finite stand-in (-16376 in float16) that a score 2e4 above a live key's would beat."""
-    q = torch.zeros(2, e, dtype=torch.float16)
-    k = torch.zeros(2, e, dtype=torch.float16)
-    v = torch.zeros(2, e, dtype=torch.float16)
-    q[:, 0], k[0, 0], k[1, 0], v[1, 0] = 100.0, 100.0, -100.0, 1.0
-    lw = torch.tensor([-math.inf, 0.0], dtype=torch.float16)
-    out = streaming.fused_attend(q, k, v, lw, align=8)
-    assert out[:, 0].tolist() == [1.0, 1.0]
+def test_fused_attend_in_float16_keeps_a_key_of_weight_zero_unseen(e, align):
+    """fused_attend in float16, with and without a causal mask: a key of weight 0 whose score is 2e4 above a live
+    key's gets no weight (float16's finfo.min / 4 = -16376 as log 0 would lose to it); and CPU auto, which takes
+    fused_attend for a float16 weighted causal sequence above 2^14 scores, agrees with the dense kernel."""
+    q = torch.zeros(3, e, dtype=torch.float16)
+    k = torch.zeros(3, e, dtype=torch.float16)
+    v = torch.zeros(3, e, dtype=torch.float16)
+    q[:, 0], k[0, 0], k[1:, 0], v[1:, 0] = 100.0, 100.0, -100.0, 1.0
+    lw = torch.tensor([-math.inf, 0.0, 0.0], dtype=torch.float16)
+    assert streaming.fused_attend(q, k, v, lw, align=align)[:, 0].tolist() == [1.0, 1.0, 1.0]
+    pos = torch.arange(3, dtype=torch.float16)
+    out = streaming.fused_attend(q, k, v, lw, pos, pos, align=align)   # row 0 sees only the dead key: 0
+    assert out[:, 0].tolist() == [0.0, 1.0, 1.0]
+    n = 200
+    g = torch.Generator().manual_seed(4)
+    qb, kb = (torch.randn(n, e, generator=g) * 40).half(), (torch.randn(n, e, generator=g) * 40).half()
+    vb = torch.randn(n, e, generator=g).half()
+    w = torch.log(torch.rand(n, generator=g)).half()
+    w[::3] = -math.inf
+    posb = torch.arange(n, dtype=torch.float16)
+    assert kernels.choose(qb, kb, vb, w, posb, posb) == "fused"
+    got = attend(qb, kb, vb, w, posb, posb)
+    ref = attend(qb.double(), kb.double(), vb.double(), w.double(), posb.double(), posb.double(), method="dense")
+    assert (got.double() - ref).abs().max() <= 2e-2 * max(1.0, ref.abs().max().item())
 
 
 def test_rows_where_row_chunked_dense_was_measured_fastest():
