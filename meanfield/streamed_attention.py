@@ -112,10 +112,11 @@ def _efficient_ok(q, k, plan, qp) -> bool:
             and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2]) and not _transforms_active())
 
 
-def _efficient_key(name, q, v, lw, plan):
+def _efficient_key(name, q, v, lw, plan, grad_lw=False):
     """What a refusal of the memory-efficient kernel is remembered by: the pass, device, dtype, widths, the mask,
-    whether log-weights ride and whether the call is batched (their layouts differ)."""
-    return _key(name, q, v) + (plan.causal, lw is not None, q.shape[0] > 1)
+    whether log-weights ride and how (their gradient needs the coordinate layout), and whether the call is
+    batched (their layouts differ)."""
+    return _key(name, q, v) + (plan.causal, lw is not None, bool(grad_lw), q.shape[0] > 1)
 
 
 # ---------------------------------------------------------------------- the autograd Function
@@ -249,7 +250,7 @@ def _unfused(plan):
 
 def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
     if g_lse is None and _efficient_ok(q, k, plan, qp):
-        return efficient.guarded(_efficient_key("backward", q, v, lw, plan),
+        return efficient.guarded(_efficient_key("backward", q, v, lw, plan, need[3]),
                                  lambda: efficient.backward(q, k, v, lw, out, lse, g_out, plan.causal, need),
                                  lambda: _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse,
                                                         _unfused(plan), need), "attend (VJP)")

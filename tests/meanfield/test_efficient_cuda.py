@@ -478,3 +478,33 @@ def test_the_kernels_backward_reads_a_float32_L_after_its_forward_pass_was_refus
     monkeypatch.setattr(efficient, "FORWARD", real)
     torch.autograd.grad(out, x, torch.ones_like(out))
     assert "backward" in fake_kernel
+
+
+def test_a_refused_bias_row_backward_leaves_the_coordinate_backward_on(fake_kernel, monkeypatch):
+    """The VJP with the log-weights' gradient takes the coordinate layout, without it the bias row (wide heads):
+    a refusal of one is remembered apart from the other."""
+    real = efficient.BACKWARD
+
+    def no_bias(G, Q, K, V, bias, *a, **kw):
+        if bias is not None:
+            raise RuntimeError("no kernel with a bias here")
+        return real(G, Q, K, V, bias, *a, **kw)
+
+    monkeypatch.setattr(efficient, "BACKWARD", no_bias)
+    q, k, v, lw = _problem(19, e=64, c=64)
+    plan, qp, kp = _plan(q.shape[1], False)
+    x = q.clone().requires_grad_(True)
+    out = streaming.StreamAttention.apply(x, k, v, lw, qp, kp, plan)[0]
+    with pytest.warns(RuntimeWarning, match="refused"):
+        torch.autograd.grad(out, x, torch.ones_like(out))
+    fake_kernel.clear()
+    w = lw.clone().requires_grad_(True)
+    out = streaming.StreamAttention.apply(x, k, v, w, qp, kp, plan)[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gx, gw = torch.autograd.grad(out, (x, w), torch.ones_like(out))
+    assert fake_kernel[-1] == "backward"   # the kernel, in the coordinate layout
+    x64, w64 = q.double().requires_grad_(True), lw.double().requires_grad_(True)
+    ref = _dense(x64, k, v, w64, False)[0]
+    rx, rw = torch.autograd.grad(ref, (x64, w64), torch.ones_like(ref))
+    assert torch.allclose(gx, rx, atol=1e-11) and torch.allclose(gw, torch.nan_to_num(rw, nan=0.0), atol=1e-11)
