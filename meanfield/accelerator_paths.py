@@ -132,11 +132,10 @@ def stream_engine(device_type: str, dtype, e: int, c: int, *, triton: bool, tran
     if device_type == "cpu":
         return "auto"
     if triton and not transforms and dtype in TRITON_MAX_WIDTH:
-        width = max(triton_width(e, dtype), triton_width(c, dtype))
-        if width <= TRITON_MAX_WIDTH[dtype]:
+        if triton_vjp(dtype, e, c):   # the widths every Triton kernel takes
             return "triton"
         if (capability is not None and tuple(capability) >= TRITON_WIDE_CAPABILITY
-                and width <= TRITON_WIDE_MAX_WIDTH.get(dtype, 0)):
+                and max(triton_width(e, dtype), triton_width(c, dtype)) <= TRITON_WIDE_MAX_WIDTH.get(dtype, 0)):
             return "triton"
     return "tiles"
 
@@ -161,15 +160,20 @@ def tile_shape(batch: int, m: int, n: int, element_size: int, budget: int) -> tu
     return rows, max(1, min(n, entries // (max(1, batch) * rows)))
 
 
-def fused_widths(e: int, c: int, weighted: bool, causal: bool) -> tuple[int, bool]:
-    """(padded width of q, k and v, whether the log-weights ride as an extra coordinate) for SDPA on CUDA.
+def fused_widths(e: int, c: int, weighted: bool, causal: bool, dtype=None) -> tuple[int, bool]:
+    """(padded width of q, k and v, whether the log-weights ride as coordinates) for SDPA on CUDA.
 
     The log-weights become one more coordinate (q' = [q, 1], k' = [k, log a]) with the causal mask (which
     SDPA cannot combine with a mask) and wherever that coordinate costs no width after padding (d = 3:
-    4 -> 8); otherwise a broadcast additive mask row (memory-efficient kernel).
+    4 -> 8); otherwise a broadcast additive mask row (memory-efficient kernel). In float16 they take two
+    coordinates (:func:`meanfield.flash_cpu.weight_coordinates`), only with the causal mask: the mask row,
+    which keeps log 0 = -inf, is exact.
     """
     align = lambda w: FUSED_ALIGN * math.ceil(max(1, w) / FUSED_ALIGN)
     plain = align(max(e, c))
+    if dtype == torch.float16:
+        fold = weighted and causal
+        return (align(max(e + 2, c)) if fold else plain), fold
     fold = weighted and (causal or align(max(e + 1, c)) == plain)
     return (align(max(e + 1, c)) if fold else plain), fold
 

@@ -281,13 +281,13 @@ def _folded(q, k, lw, lse):
     every score, so that no 0 * inf arises and exp gives 0 there. One product instead of a product and two
     passes over the tile (+ log a, - L): on an accelerator, where a tile is a block of rows against all keys
     and every pass over it reads and writes memory, that is what the tile loops' time goes to."""
+    from .flash_cpu import weight_coordinates
+
     low = torch.finfo(q.dtype).min / 4
     neg_l = torch.where(torch.isfinite(lse), -lse, torch.full_like(lse, low)).clamp(min=low).unsqueeze(-1)
-    one_q, one_k = q.new_ones(*q.shape[:-1], 1), k.new_ones(*k.shape[:-1], 1)
-    if lw is None:
-        return torch.cat([q, neg_l], -1), torch.cat([k, one_k], -1).transpose(-1, -2)
-    return (torch.cat([q, one_q, neg_l], -1),
-            torch.cat([k, lw.clamp(min=low).unsqueeze(-1), one_k], -1).transpose(-1, -2))
+    if lw is not None:
+        q, k = weight_coordinates(q, k, lw)
+    return torch.cat([q, neg_l], -1), torch.cat([k, k.new_ones(*k.shape[:-1], 1)], -1).transpose(-1, -2)
 
 
 def _probs_folded(qx, kxT, qpa, kp, j0, j1, mask):

@@ -28,7 +28,7 @@ import math
 
 import torch
 
-from .flash_cpu import aten_op, empty_rows, layout
+from .flash_cpu import aten_op, clear_empty_rows, layout
 
 __all__ = ["FORWARD", "BACKWARD", "LSE_ALIGN", "DTYPES", "MAX_BATCH", "BIAS_ALIGN", "Refused", "runs", "takes",
            "forward", "backward", "guarded"]
@@ -84,11 +84,7 @@ def _fold(q, v, lw, causal, grad_lw) -> bool:
     """Whether the log-weights ride as the extra coordinate (module docstring) rather than as a bias row."""
     from .accelerator_paths import fused_widths
 
-    if lw is None:
-        return False
-    if q.dtype == torch.float16:
-        return causal or grad_lw   # float16's coordinates take two columns: the (exact) bias row where it serves
-    return causal or grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, False)[1]
+    return lw is not None and (grad_lw or fused_widths(q.shape[-1], v.shape[-1], True, causal, q.dtype)[1])
 
 
 def _inputs(q, k, v, lw, causal, grad_lw=False):
@@ -123,11 +119,7 @@ def forward(q, k, v, lw, causal):
     Q, K, V, bias, c = _inputs(q, k, v, lw, causal)
     out, lse = _call(FORWARD, Q, K, V, bias, None, None, None, None, 0.0, _CAUSAL if causal else _NO_MASK,
                      True, scale=1.0)[:2]
-    out, lse = out[:, :, 0, :c], lse[:, 0, :m]
-    if lw is not None:
-        empty = empty_rows(lw, causal, m)
-        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
-        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    out, lse = clear_empty_rows(out[:, :, 0, :c], lse[:, 0, :m], lw, causal)
     return _own(out.contiguous()), _own(lse.contiguous())
 
 

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "empty_rows", "forward", "backward"]
+__all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "empty_rows",
+           "clear_empty_rows", "forward", "backward"]
 
 
 def aten_op(name):
@@ -83,16 +84,22 @@ def empty_rows(lw, causal, m):
     return dead.all(-1, keepdim=True).expand(lw.shape[0], m)
 
 
+def clear_empty_rows(out, lse, lw, causal):
+    """(out, L) of a fused kernel with the rows that see no key of positive weight (:func:`empty_rows`) set to
+    out = 0 and L = -inf, whatever the kernel left there (NaN, or an average under a finite stand-in for log 0)."""
+    if lw is None:
+        return out, lse
+    empty = empty_rows(lw, causal, out.shape[-2])
+    return (torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out),
+            torch.where(empty, torch.full_like(lse, -math.inf), lse))
+
+
 def forward(q, k, v, lw, causal):
     """(out, L) of 3-D inputs (B, rows, features), log-weights ``lw`` (B, n) or None; ``causal``: the
     sequence's mask. Rows with no visible key of positive weight give out = 0 and L = -inf."""
     Q, K, V, mask, c = layout(q, k, v, lw, causal, fold=False)
     out, lse = FORWARD(Q, K, V, 0.0, causal, attn_mask=mask, scale=1.0)
-    out, lse = out[:, 0, :, :c], lse[:, 0]
-    if lw is not None:
-        empty = empty_rows(lw, causal, q.shape[-2])
-        out = torch.where(empty.unsqueeze(-1), torch.zeros_like(out), out)
-        lse = torch.where(empty, torch.full_like(lse, -math.inf), lse)
+    out, lse = clear_empty_rows(out[:, 0, :, :c], lse[:, 0], lw, causal)
     return out.contiguous(), lse.contiguous()
 
 

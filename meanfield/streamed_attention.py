@@ -495,11 +495,10 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
     mask = None
     lw = None if log_weights is None else log_weights.reshape(*lead, n)
     fold = causal
-    if align > 1 and q.dtype != torch.float16:
-        # (float16: its coordinates take two columns, flash_cpu.weight_coordinates; a mask row is exact)
+    if align > 1:
         from .accelerator_paths import fused_widths
 
-        fold = fused_widths(q.shape[-1], c, lw is not None, causal)[1]
+        fold = fused_widths(q.shape[-1], c, lw is not None, causal, q.dtype)[1]
     if lw is not None and fold:
         Q, K = flash.weight_coordinates(Q, K, lw)
     elif lw is not None:

@@ -47,6 +47,9 @@ def test_the_issue_regimes_on_an_h100_sized_budget():
     assert ap.fused_widths(3, 3, weighted=True, causal=False) == (8, True)   # log a rides in column 4
     assert ap.fused_widths(64, 64, weighted=True, causal=False) == (64, False)  # a mask row, no 72
     assert ap.fused_widths(64, 64, weighted=True, causal=True) == (72, True)  # SDPA: no mask with is_causal
+    # float16: two coordinates (log 0 has no safe single stand-in), only under the causal mask
+    assert ap.fused_widths(3, 3, weighted=True, causal=False, dtype=torch.float16) == (8, False)
+    assert ap.fused_widths(7, 7, weighted=True, causal=True, dtype=torch.float16) == (16, True)
     assert _choose(10**5, weighted=True, positions="causal") == "fused"
     assert _choose(10**5, dtype=torch.float64) == "stream"
     assert _choose(10**5, positions="other") == "stream"
