@@ -30,13 +30,18 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
   synchronized once, ours against naive dense (SDPA's backward), with the CUDA kernel launches, host syncs
   and other runtime calls of one call of each (torch.profiler).
 
-``--quick`` leaves out N = 1e6 (and Sinkhorn's 2e5). ``--cpu-smoke`` runs every section at tiny sizes
-on the CPU (to check the script itself; its figures mean nothing) and writes to ``--out`` only.
+``--quick`` leaves out N = 1e6 (and Sinkhorn's 2e5); ``--sizes 1e6`` runs only the rows at those N and keeps the
+section's other rows in the store. A row at N >= 1e6 first runs untimed at N = 1e4 (kernels compile there),
+then takes one timed call per repeat without a warm-up call (each takes seconds; ``--repeats 1`` for a lent
+device), and the derivatives rows there time ours against SDPA's backward only. ``--steps`` sets the RK4
+steps of the dynamics rows. ``--cpu-smoke`` runs every section at tiny sizes on the CPU (to check the script
+itself; its figures mean nothing) and writes to ``--out`` only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -69,6 +74,11 @@ BLUR = 0.05
 SINKHORN_TOL = 1e-3
 #: a candidate is skipped at a larger N when its N^2 extrapolation exceeds this many times --cap
 PREDICTION_MARGIN = 4.0
+#: from this N on, a row primed at a small N (Bench.prime) skips its warm-up call, and the derivatives section
+#: times ours against SDPA's backward only (no engine forced, no dense reference)
+BIG_N = 10**6
+#: N of the row that primes a row at N >= BIG_N
+PRIME_N = 10**4
 
 
 # ---------------------------------------------------------------------- timing
@@ -77,6 +87,26 @@ class Bench:
         self.device, self.repeats, self.cap, self.smoke = device, repeats, cap, smoke
         self.too_slow = set()   # (context, candidate) that exceeded the cap (skipped at larger N)
         self.history = {}       # (context, candidate) -> (N, median seconds) of its last timed row
+        self.peaks = {}         # candidate -> peak GiB above the inputs in its first call (CUDA) of the last row
+        self.primed = set()     # (context, candidate) whose warm-up ran at a small N (prime)
+        self.priming = False
+        self.deadline = None    # time.monotonic() after which no row starts (--deadline)
+
+    def left(self):
+        """Seconds until --deadline (None without one)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def prime(self, row, *args, **kwargs):
+        """Run ``row(*args, **kwargs)`` (a row at a small N) for its warm-up calls only, nothing timed nor kept:
+        kernels compile and the allocator warms there, so that the same row at N >= :data:`BIG_N` may skip its
+        warm-up call (each call there takes seconds; compilation is done)."""
+        saved = self.repeats, dict(self.history), set(self.too_slow), dict(self.peaks)
+        self.repeats, self.priming = 0, True
+        try:
+            row(*args, **kwargs)
+        finally:
+            self.repeats, self.history, self.too_slow, self.peaks = saved
+            self.priming = False
 
     def sync(self):
         if self.device.type == "cuda":
@@ -105,15 +135,17 @@ class Bench:
             return None, OOM
         return t, out
 
-    def peak(self, fn):
-        """Peak memory (GiB) allocated during one call, above what was allocated before it (CUDA only)."""
-        if self.device.type != "cuda":
-            return None
-        self.sync()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        t, _ = self._call(fn)
-        return None if t is None else (torch.cuda.max_memory_allocated() - base) / 2**30
+    def _first_call(self, fn, name):
+        """One synchronized call; on CUDA its peak memory above what was allocated before it goes to
+        ``self.peaks[name]`` (GiB)."""
+        if self.device.type == "cuda":
+            self.sync()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        t, out = self._call(fn)
+        if self.device.type == "cuda" and t is not None:
+            self.peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**30
+        return t, out
 
     def time(self, fns: dict, n=None, context="") -> dict:
         """name -> median seconds, 'out of memory', 'error: ...', 'over cap (X s)', 'skipped (over cap at
@@ -121,7 +153,8 @@ class Bench:
         predicts more than PREDICTION_MARGIN times the cap at this N is not run (the device's time is lent,
         not owned; the margin because fixed costs at the smaller N inflate the extrapolation: simulate at
         N = 1e5 on an H200 took 2.6 s where 13 s were predicted from N = 1e4)."""
-        res, live = {}, []
+        res, live, timed_first = {}, [], {}
+        self.peaks = {}
         for name, fn in fns.items():
             key = (context, name)
             if fn is None:
@@ -136,7 +169,18 @@ class Bench:
                 if n > n0 and predicted > PREDICTION_MARGIN * self.cap:
                     res[name] = f"skipped (about {predicted:.0f} s predicted from N = {n0:g})"
                     continue
-            t, out = self._call(fn)  # warm-up (compilation, autotuning, allocator)
+            if self.priming:
+                self.primed.add(key)
+            elif key in self.primed and n is not None and n >= BIG_N and self.repeats > 0:
+                # warmed up at a small N (prime): this call (seconds long) is the first timed one
+                t, out = self._first_call(fn, name)
+                if t is None:
+                    res[name] = out
+                else:
+                    timed_first[name] = t
+                    live.append(name)
+                continue
+            t, out = self._first_call(fn, name)  # warm-up (compilation, autotuning, allocator)
             if t is None:
                 res[name] = out
             elif t > self.cap:
@@ -144,10 +188,12 @@ class Bench:
                 self.too_slow.add(key)
             else:
                 live.append(name)
-        times = {k: [] for k in live}
+        if self.priming:
+            return res
+        times = {k: [timed_first[k]] if k in timed_first else [] for k in live}
         for r in range(self.repeats):
             for name in live[r % max(1, len(live)):] + live[:r % max(1, len(live))]:
-                if name in res:
+                if name in res or len(times[name]) >= self.repeats:
                     continue
                 t, out = self._call(fns[name])
                 if t is None:
@@ -271,7 +317,7 @@ def forward_rows(b, n, d, mask, with_stream=False, with_dense=True):
     fns["naive dense"] = (lambda: naive(*args)) if with_dense and dense_fits(n, b.device) else None
     res = b.time(fns, n, f"forward {d} {mask}")
     with torch.no_grad():
-        res["info"] = {"auto's path": choose(*args), "auto's peak GiB": b.peak(fns["ours (auto)"])}
+        res["info"] = {"auto's path": choose(*args), "auto's peak GiB": b.peaks.get("ours (auto)")}
     return res
 
 
@@ -498,6 +544,42 @@ def dynamics_rows(b, n, d=3, steps=10, T=1.0):
                   n, f"dynamics {d}")
 
 
+@contextlib.contextmanager
+def product_clock(device):
+    """Count and time (synchronized) the Jacobian products of :mod:`meanfield.jacobian` by dtype, and its graph
+    recordings: {"float32 products": [count, seconds], ...}. What the lipschitz rows break their time into (the
+    float32 phase of the mixed Lanczos against the float64 certificate)."""
+    from meanfield import jacobian
+
+    clock = {}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    def timed(what, fn):
+        def run(self, *a, **kw):
+            sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **kw)
+            finally:
+                sync()
+                entry = clock.setdefault(f"{str(self.X.dtype).replace('torch.', '')} {what}", [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+        return run
+
+    saved = jacobian.Jacobian._product, jacobian.Jacobian._record
+    jacobian.Jacobian._product = timed("products", saved[0])
+    jacobian.Jacobian._record = timed("graph recordings", saved[1])
+    try:
+        yield clock
+    finally:
+        jacobian.Jacobian._product, jacobian.Jacobian._record = saved
+
+
+def clock_info(clock) -> dict:
+    return {k: f"{c} in {fmt(t)}" for k, (c, t) in sorted(clock.items())}
+
+
 def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
     g = torch.Generator().manual_seed(n)
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -507,8 +589,9 @@ def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
     mu = Measure(X.to(device, dtype), (w / w.sum()).to(device, dtype))
     op = SelfAttention(A.to(device, dtype), V.to(device, dtype))
     b_ = Bench(device, 1, b.cap, b.smoke)
-    t, est = b_._call(lambda: local_lipschitz(op, mu, tol=1e-6, on_failure="warn"))
-    return t, est
+    with product_clock(device) as clock:
+        t, est = b_._call(lambda: local_lipschitz(op, mu, tol=1e-6, on_failure="warn"))
+    return t, est, clock
 
 
 def gpt2_rows(b, n):
@@ -588,57 +671,79 @@ def section_table(b, quick):
 
 #: head sizes of the grid and derivatives sections (--dims)
 DIMS = [3, 64]
+#: sizes to run (--sizes; empty: every size of a section, those above 1e5 only without --quick)
+SIZES = []
+#: RK4 steps of the dynamics section (--steps)
+STEPS = [10]
+
+
+def pick(sizes, quick, quick_max=10**5):
+    """The sizes of a section to run: those of --sizes among ``sizes`` when given, else ``sizes`` (without those
+    above ``quick_max`` under --quick)."""
+    if SIZES:
+        return [n for n in sizes if n in SIZES]
+    return [n for n in sizes if not (quick and n > quick_max)]
 
 
 def section_grid(b, quick):
-    sizes = [10**3, 10**4, 10**5] + ([] if quick else [10**6])
-    if b.smoke:
-        sizes = [24, 40]
+    sizes = [24, 40] if b.smoke else pick([10**3, 10**4, 10**5, 10**6], quick)
     for d in [x for x in (3, 64) if x in DIMS]:
         for mask in ("none", "weighted", "causal", "positions"):
             for n in sizes:
+                if n >= BIG_N:
+                    b.prime(forward_rows, b, PRIME_N, d, mask)
                 r = forward_rows(b, n, d, mask)
                 yield (f"forward, d = {d}, {mask}", n, r, "ours (auto)",
                              ["SDPA padded", "chunked dense", "naive dense"])
 
 
 def section_derivatives(b, quick):
-    sizes = [10**4, 10**5] + ([] if quick else [10**6])
-    if b.smoke:
-        sizes = [24, 40]
+    sizes = [24, 40] if b.smoke else pick([10**4, 10**5, 10**6], quick)
     for d in [x for x in (64, 3) if x in DIMS]:
         for mask in ("none", "weighted", "causal", "positions"):
             for n in sizes:
-                r = vjp_rows(b, n, d, mask, engines=_engines(b))
+                if n >= BIG_N:
+                    # ours against SDPA's backward only: each call takes seconds here
+                    b.prime(vjp_rows, b, PRIME_N, d, mask)
+                r = vjp_rows(b, n, d, mask, engines=_engines(b) if n < BIG_N else ())
                 yield (f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"])
                 yield (f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"])
 
 
 def section_lipschitz(b, quick):
     small = 24 if b.smoke else 10**4
-    t_gpu, est_gpu = lipschitz_measure(b, small, b.device)
-    t_cpu, est_cpu = lipschitz_measure(b, small, torch.device("cpu"))
-    info = {}
-    if not isinstance(est_gpu, str) and not isinstance(est_cpu, str):
-        info = {"GPU value": est_gpu.value, "CPU value": est_cpu.value,
-                "relative difference": abs(est_gpu.value - est_cpu.value) / est_cpu.value,
-                "certified rel. error (GPU)": est_gpu.error / est_gpu.value}
-    yield ("certified mean-field Lipschitz, SelfAttention, d = 3, float64 (GPU vs CPU)", small,
-                 {"ours (GPU)": t_gpu if t_gpu is not None else OOM, "CPU": t_cpu if t_cpu is not None else OOM,
-                  "info": info}, "ours (GPU)", ["CPU"])
-    for n in ([40] if b.smoke else [10**5] + ([] if quick else [10**6])):
-        t, est = lipschitz_measure(b, n, b.device)
+    if small in pick([small], quick):
+        t_gpu, est_gpu, _ = lipschitz_measure(b, small, b.device)
+        t_cpu, est_cpu, _ = lipschitz_measure(b, small, torch.device("cpu"))
+        info = {}
+        if not isinstance(est_gpu, str) and not isinstance(est_cpu, str):
+            info = {"GPU value": est_gpu.value, "CPU value": est_cpu.value,
+                    "relative difference": abs(est_gpu.value - est_cpu.value) / est_cpu.value,
+                    "certified rel. error (GPU)": est_gpu.error / est_gpu.value}
+        yield ("certified mean-field Lipschitz, SelfAttention, d = 3, float64 (GPU vs CPU)", small,
+               {"ours (GPU)": t_gpu if t_gpu is not None else OOM, "CPU": t_cpu if t_cpu is not None else OOM,
+                "info": info}, "ours (GPU)", ["CPU"])
+    last = None
+    what = "certified mean-field Lipschitz, SelfAttention, d = 3, float64"
+    for n in ([40] if b.smoke else pick([10**5, 3 * 10**5, 10**6], quick)):
+        if last is not None and b.left() is not None:
+            # one call of minutes: started only if the N^2 extrapolation from the last size fits the time left
+            predicted = last[1] * (n / last[0]) ** 2
+            if predicted > b.left() - 10:
+                yield (what, n, {"ours (GPU)": f"skipped (about {predicted:.0f} s predicted from N = {last[0]:g}; "
+                                               f"{b.left():.0f} s left)"}, "ours (GPU)", [])
+                continue
+        t, est, clock = lipschitz_measure(b, n, b.device)
         r = {"ours (GPU)": t if t is not None else OOM}
         if not isinstance(est, str):
             r["info"] = {"value": est.value, "certified rel. error": est.error / est.value,
-                         "converged": est.converged, "products": est.applications}
-        yield ("certified mean-field Lipschitz, SelfAttention, d = 3, float64", n, r, "ours (GPU)", [])
+                         "converged": est.converged, "products": est.applications, **clock_info(clock)}
+            last = (n, t)
+        yield (what, n, r, "ours (GPU)", [])
 
 
 def section_sinkhorn(b, quick):
-    sizes = [10**4, 2 * 10**4, 10**5] + ([] if quick else [10**6])
-    if b.smoke:
-        sizes = [24, 40]
+    sizes = [24, 40] if b.smoke else pick([10**4, 2 * 10**4, 10**5, 10**6], quick)
     for n in sizes:
         r = sinkhorn_rows(b, n, with_peers=n <= 2 * 10**4 or b.smoke)
         yield (f"Sinkhorn, d = 3, blur {BLUR}, debiased, tol {SINKHORN_TOL:g}", n, r, "ours (streaming)",
@@ -646,22 +751,23 @@ def section_sinkhorn(b, quick):
 
 
 def section_dynamics(b, quick):
-    sizes = [10**5] + ([] if quick else [10**6])
-    if b.smoke:
-        sizes = [24, 40]
+    sizes = [24, 40] if b.smoke else pick([10**5, 10**6], quick)
+    steps = STEPS[0]
     for n in sizes:
-        yield ("simulate, rk4, 10 steps, d = 3", n, dynamics_rows(b, n), "ours (simulate rk4)",
-                     ["RK4 loop on SDPA padded"])
+        if n >= BIG_N:
+            b.prime(dynamics_rows, b, PRIME_N, steps=1)
+        yield (f"simulate, rk4, {steps} steps, d = 3", n, dynamics_rows(b, n, steps=steps), "ours (simulate rk4)",
+               ["RK4 loop on SDPA padded"])
 
 
 def section_fixed(b, quick):
-    sizes = [24, 40] if b.smoke else [10**3, 10**4]
+    sizes = [24, 40] if b.smoke else pick([10**3, 10**4], quick)
     for mask in ("none", "weighted", "causal", "positions"):
         for n in sizes:
             yield (f"fixed cost, forward, d = 3, {mask}", n, fixed_rows(b, n, 3, mask), "ours (auto)",
                    ["naive dense"])
-    n = 40 if b.smoke else 10**4
-    yield ("fixed cost, VJP, d = 3", n, vjp_fixed_rows(b, n), "ours (VJP)", ["SDPA backward"])
+    for n in [40] if b.smoke else pick([10**4], quick):
+        yield ("fixed cost, VJP, d = 3", n, vjp_fixed_rows(b, n), "ours (VJP)", ["SDPA backward"])
 
 
 def _rel(got, ref):
@@ -724,7 +830,7 @@ def wide_rows(b, n, mask, d=64, engines=("tiles", "triton")):
 
 
 def section_wide(b, quick):
-    sizes = [24, 40] if b.smoke else [10**4, 10**5]
+    sizes = [24, 40] if b.smoke else pick([10**4, 10**5], quick)
     engines = ["tiles"] + (["triton"] if "triton" in _engines(b) else [])
     for mask in ("none", "positions", "causal", "weighted"):
         for n in sizes:
@@ -814,6 +920,10 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="leave out N = 1e6 (and Sinkhorn's 2e5)")
     ap.add_argument("--dims", type=int, nargs="+", choices=(3, 64), default=[3, 64],
                     help="head sizes of the grid and derivatives sections")
+    ap.add_argument("--sizes", type=float, nargs="+", default=[],
+                    help="run only these N of each section (e.g. --sizes 1e6: the rows at N = 1e6, merged with the "
+                         "section's earlier rows at other N)")
+    ap.add_argument("--steps", type=int, default=10, help="RK4 steps of the dynamics section")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cap", type=float, default=120.0, help="seconds: a slower call is not repeated nor scaled up")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gpu.md")
@@ -823,6 +933,8 @@ def main(argv=None):
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     a = ap.parse_args(argv)
     DIMS[:] = a.dims
+    SIZES[:] = [int(n) for n in a.sizes]
+    STEPS[:] = [a.steps]
     if not a.cpu_smoke and not torch.cuda.is_available():
         print("bench_gpu: no CUDA device here (torch.cuda.is_available() is False): nothing measured. "
               "Run it on a machine with an NVIDIA GPU and torch's CUDA build.")
@@ -841,12 +953,23 @@ def main(argv=None):
     command = "python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(f"# bench_gpu on {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}\n")
     deadline = None if a.deadline is None else time.monotonic() + a.deadline
+    bench.deadline = deadline
     for name in a.sections:
         load = environment(device)["load"]
         print(f"## {name}\n\nload before: `{load}`\n", flush=True)
         print("\n".join(render_rows([])), flush=True)
-        section = store["sections"][name] = {"rows": [], "date": env["date"], "load": load,
+        kept = []
+        if SIZES and name in store["sections"]:
+            # --sizes: the section's earlier rows at the other sizes stay, these sizes' rows are replaced
+            old = store["sections"][name]
+            kept = [r for r in old["rows"] if int(r[1]) not in SIZES]
+            previous = f" Rows at other N: {old['date']}, repeats {old['repeats']}." if kept else ""
+        section = store["sections"][name] = {"rows": kept, "date": env["date"], "load": load,
                                              "repeats": bench.repeats}
+        if kept:
+            section["date"] = f"{env['date']} (N = {', '.join(f'{n:g}' for n in SIZES)}).{previous}"
+            if old.get("note"):
+                section["note"] = old["note"]
         rows = RUNNERS[name](bench, a.quick)
         while True:
             if deadline is not None and time.monotonic() > deadline:

@@ -1,11 +1,26 @@
 #!/usr/bin/env bash
-# One lent GPU's quarter hour, in order of need: the CUDA tests, then the benchmarks the open goals wait for
-# (derivatives, the forward grid and fixed costs, Sinkhorn),
-# each bounded by the time left (BUDGET seconds, default 480), every result written under OUT (default
-# runs/gpu-session) as it comes. gpu.json there starts as a copy of benchmarks/gpu.json, so that the rows
-# measured merge with the earlier sections; copy it back (and regenerate gpu.md) once they are checked.
+# One lent GPU's quarter hour: the steps named on the command line, in that order, each bounded by the time
+# left (BUDGET seconds, default 480), every result written under OUT (default runs/gpu-session) as it comes.
+# gpu.json there starts as a copy of benchmarks/gpu.json, so that the rows measured merge with the earlier
+# sections; copy it back (and regenerate gpu.md) once they are checked.
 #
-#     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh
+#     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh                  # the default steps below
+#     BUDGET=560 bash benchmarks/gpu_session.sh tests grid-1e6 dynamics-1e6          # goals 1, 2 and 6 at N = 1e6
+#     BUDGET=560 bash benchmarks/gpu_session.sh derivatives-1e6                      # goal 3 at N = 1e6
+#     BUDGET=590 bash benchmarks/gpu_session.sh lipschitz-1e6                        # goal 4 (one call of minutes)
+#
+# Steps (the seconds each took or is expected to take on an H200):
+#   tests            tests/test_cuda.py (about 80 s cold)
+#   derivatives      VJP / JVP at 1e4 and 1e5, d = 3 and 64, every engine (up to 220 s)
+#   fixed            fixed costs at 1e3 and 1e4 (about 60 s)
+#   grid             attention forward at 1e3 .. 1e5 (up to 150 s)
+#   sinkhorn         Sinkhorn at 1e4 .. 1e5 (up to 100 s)
+#   grid-1e6         attention forward at 1e6, d = 3, each mask, one timed call per candidate (about 110 s)
+#   derivatives-1e6  VJP and JVP at 1e6, d = 3, ours against SDPA's backward (about 250 s)
+#   dynamics-1e6     simulate, rk4, 2 steps at 1e6 against the RK4 loop on SDPA (about 110 s)
+#   lipschitz-1e6    certified Lipschitz at 1e5 and 3e5, then 1e6 if the N^2 extrapolation fits the time left
+#                    (1e5 took 6.7 s on 2026-11-26: 1e6 is expected to take 8-11 minutes)
+# Rows at 1e6 are first run at 1e4 untimed (compilation), then timed once (--repeats 1, no warm-up call).
 #
 # It needs torch with CUDA (and Triton); POT and GeomLoss are optional peers (their rows say n/a without them).
 set -u
@@ -14,22 +29,36 @@ OUT=${OUT:-runs/gpu-session}
 mkdir -p "$OUT"
 left() { echo $((END - SECONDS)); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/smi.txt"
-cp benchmarks/gpu.json "$OUT/gpu.json"
+[ -f "$OUT/gpu.json" ] || cp benchmarks/gpu.json "$OUT/gpu.json"
 B="python3 benchmarks/bench_gpu.py --out $OUT/gpu.md --json $OUT/gpu.json"
-echo "== tests ($(left) s left)"
-timeout 140 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA > "$OUT/test_cuda.txt" 2>&1
-echo "rc=$?" >> "$OUT/test_cuda.txt"; grep -E "passed|failed|relative error|rc=" "$OUT/test_cuda.txt" | tail -12
-echo "== derivatives ($(left) s left)"
-T=$(( $(left) - 150 )); [ $T -gt 220 ] && T=220
-[ $T -gt 20 ] && timeout $T $B --sections derivatives --quick --cap 10 --deadline $((T - 15)) > "$OUT/derivatives.txt" 2>&1
-tail -34 "$OUT/derivatives.txt" 2>/dev/null
-echo "== fixed and grid at N <= 1e5 ($(left) s left)"
-timeout 75 $B --sections fixed --deadline 60 > "$OUT/fixed.txt" 2>&1; tail -10 "$OUT/fixed.txt"
-T=$(( $(left) - 110 )); [ $T -gt 150 ] && T=150
-[ $T -gt 20 ] && timeout $T $B --sections grid --quick --cap 10 --deadline $((T - 15)) > "$OUT/grid.txt" 2>&1
-tail -26 "$OUT/grid.txt" 2>/dev/null
-echo "== sinkhorn ($(left) s left)"
-T=$(( $(left) - 5 )); [ $T -gt 100 ] && T=100
-[ $T -gt 20 ] && timeout $T $B --sections sinkhorn --quick --cap 20 --deadline $((T - 20)) > "$OUT/sinkhorn.txt" 2>&1
-tail -5 "$OUT/sinkhorn.txt" 2>/dev/null
+# run STEP SECONDS_AT_MOST RESERVE ARGS...: the bench with a timeout of min(SECONDS_AT_MOST, time left - RESERVE)
+run() {
+  local step=$1 most=$2 reserve=$3; shift 3
+  local T=$(( $(left) - reserve )); [ $T -gt $most ] && T=$most
+  echo "== $step ($(left) s left, $T s for it)"
+  if [ $T -gt 20 ]; then
+    timeout $T $B "$@" --deadline $((T - 15)) > "$OUT/$step.txt" 2>&1
+    tail -${TAIL:-30} "$OUT/$step.txt"
+  else
+    echo "not run: too little time left"
+  fi
+}
+[ $# -eq 0 ] && set -- tests derivatives fixed grid sinkhorn
+for step in "$@"; do
+  case $step in
+    tests)
+      echo "== tests ($(left) s left)"
+      timeout 140 python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA > "$OUT/test_cuda.txt" 2>&1
+      echo "rc=$?" >> "$OUT/test_cuda.txt"; grep -E "passed|failed|relative error|rc=" "$OUT/test_cuda.txt" | tail -12 ;;
+    derivatives) run derivatives 220 150 --sections derivatives --quick --cap 10 ;;
+    fixed) run fixed 75 0 --sections fixed ;;
+    grid) run grid 150 110 --sections grid --quick --cap 10 ;;
+    sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
+    grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
+    derivatives-1e6) run derivatives-1e6 400 0 --sections derivatives --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
+    dynamics-1e6) run dynamics-1e6 200 0 --sections dynamics --sizes 1e6 --steps 2 --repeats 1 --cap 120 ;;
+    lipschitz-1e6) run lipschitz-1e6 590 0 --sections lipschitz --sizes 1e5 3e5 1e6 --repeats 1 ;;
+    *) echo "unknown step: $step" ;;
+  esac
+done
 echo "== done ($(left) s left); results in $OUT"

@@ -57,3 +57,83 @@ def test_a_candidate_is_skipped_only_when_its_extrapolation_exceeds_the_margin_t
     assert str(res["broken"]).startswith("error: ZeroDivisionError") and isinstance(res["fine"], float)
     res = b.time(fns, n=3000, context="ctx")     # 0.1 s x 9 = 0.9 s: run
     assert isinstance(res["slow"], float) and "slow" in ran
+
+
+def test_a_primed_candidate_skips_its_warm_up_only_at_big_n_and_only_after_priming():
+    """Bench.prime runs a row's warm-up calls only (nothing timed, no history kept); at N >= BIG_N the primed
+    candidate's first call is then a timed one (one call per repeat instead of one more), elsewhere and
+    unprimed the warm-up runs."""
+    bench = _load()
+    b = bench.Bench(torch.device("cpu"), repeats=2, cap=100.0, smoke=True)
+    calls = []
+    fns = {"ours": lambda: calls.append("ours"), "peer": lambda: calls.append("peer")}
+
+    def row(n):
+        return b.time(fns, n, "ctx")
+
+    assert b.prime(row, 10) is None and calls == ["ours", "peer"] and not b.history
+    calls.clear()
+    res = row(bench.BIG_N)
+    assert sorted(calls) == ["ours", "ours", "peer", "peer"] and all(isinstance(res[k], float) for k in fns)
+    calls.clear()
+    row(bench.BIG_N - 1)          # below BIG_N: warm-up again
+    assert len(calls) == 6
+    calls.clear()
+    b.time(fns, bench.BIG_N, "other")   # never primed in this context: warm-up
+    assert len(calls) == 6
+
+
+def test_sizes_runs_only_those_rows_and_keeps_the_sections_other_rows(tmp_path, monkeypatch):
+    """--sizes replaces a section's rows at those N and keeps its rows at other N (with their date)."""
+    bench = _load()
+    out = tmp_path / "gpu.md"
+    store = tmp_path / "gpu.json"
+    seen = []
+
+    def section(b, quick):
+        for n in bench.pick([10, 20, 30], quick):
+            seen.append(n)
+            yield ("row", n, {"ours": float(n)}, "ours", [])
+
+    monkeypatch.setitem(bench.RUNNERS, "fixed", section)
+    assert bench.main(["--cpu-smoke", "--sections", "fixed", "--out", str(out)]) == 0
+    assert seen == [10, 20, 30]
+    seen.clear()
+
+    def section2(b, quick):
+        for n in bench.pick([10, 20, 30], quick):
+            seen.append(n)
+            yield ("row", n, {"ours": 2.0 * n}, "ours", [])
+
+    monkeypatch.setitem(bench.RUNNERS, "fixed", section2)
+    assert bench.main(["--cpu-smoke", "--sections", "fixed", "--sizes", "20", "--out", str(out)]) == 0
+    assert seen == [20]
+    import json
+
+    rows = json.loads(store.read_text())["sections"]["fixed"]["rows"]
+    assert sorted((int(r[1]), r[2]["ours"]) for r in rows) == [(10, 10.0), (20, 40.0), (30, 30.0)]
+
+
+def test_the_lipschitz_row_at_a_larger_n_is_skipped_when_its_extrapolation_exceeds_the_time_left(monkeypatch):
+    """A certified Lipschitz call of minutes starts only if the N^2 extrapolation from the last size fits
+    --deadline; the rows say what they cost, split by precision."""
+    bench = _load()
+    b = bench.Bench(torch.device("cpu"), repeats=1, cap=100.0, smoke=False)
+    ran = []
+
+    class Est:
+        value, error, converged, applications = 1.0, 1e-7, True, 10
+
+    def measure(b_, n, device, **kw):
+        ran.append(n)
+        return 2.0, Est(), {"float64 products": [4, 1.5]}
+
+    monkeypatch.setattr(bench, "lipschitz_measure", measure)
+    monkeypatch.setattr(bench, "SIZES", [10**5, 3 * 10**5, 10**6])
+    b.deadline = bench.time.monotonic() + 100   # 1e5 -> 3e5: 18 s predicted, fits; 3e5 -> 1e6: 22 s, fits
+    rows = list(bench.section_lipschitz(b, quick=False))
+    assert ran == [10**5, 3 * 10**5, 10**6] and rows[0][2]["info"]["float64 products"] == "4 in 1.50 s"
+    ran.clear()
+    b.deadline = bench.time.monotonic() + 25    # 18 s predicted for 3e5 > 25 - 10 s left
+    rows = list(bench.section_lipschitz(b, quick=False))
+    assert ran == [10**5] and [str(r[2]["ours (GPU)"])[:7] for r in rows[1:]] == ["skipped", "skipped"]
