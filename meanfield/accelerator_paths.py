@@ -117,7 +117,7 @@ def triton_width(size: int, dtype) -> int:
     (:func:`particles.device.triton_min_dot_k`; d = 3 in float32 is 8 columns with Triton 3.9, 16 with 3.6)."""
     from particles.device import triton_min_dot_k
 
-    floor = triton_min_dot_k(8 * torch.empty((), dtype=dtype).element_size())
+    floor = triton_min_dot_k(8 * dtype.itemsize)
     return max(floor, 1 << max(0, int(size) - 1).bit_length())
 
 
@@ -188,7 +188,7 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
     if positions not in ("none", "causal", "other"):
         raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
     entries = max(1, batch) * m * n
-    element_size = torch.empty((), dtype=dtype).element_size()
+    element_size = dtype.itemsize
     dense_at = CUDA_DENSE_THRESHOLD if threshold is None else threshold
     if entries <= dense_at and _dense_fits(entries, element_size, budget):
         return "dense"

@@ -51,8 +51,10 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from particles.validation import output_checks_are_deferred
+from particles import device as _device
+from particles.validation import check_allocation, memory_limit, output_checks_are_deferred
 
+from . import accelerator_paths as _paths
 from .streamed_attention import _transforms_active, sequence_mask
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "rows_attend",
@@ -236,11 +238,9 @@ DENSE_ALWAYS_ALLOWED = 2**20
 def _check_dense_memory(q, k, log_weights, q_pos, k_pos) -> None:
     """The memory guard of the dense path: its (..., m, n) matrices, before they are allocated."""
     entries = _score_entries(q, k, log_weights, q_pos, k_pos)
-    nbytes = DENSE_BYTES_FACTOR * entries * q.element_size()
+    nbytes = DENSE_BYTES_FACTOR * entries * q.dtype.itemsize
     if nbytes <= DENSE_ALWAYS_ALLOWED:
         return
-    from particles.validation import check_allocation, memory_limit
-
     if nbytes > memory_limit():   # the message is built only when it is needed
         check_allocation(nbytes, f"attend(method='dense'): {entries} score entries (m = {q.shape[-2]} queries, "
                          f"n = {k.shape[-2]} keys)", "use method='stream' (tiles, O(m + n) memory) or 'auto' "
@@ -351,26 +351,22 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
     """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
     device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask, where
     the path depends on it (not for the dense path, nor for derivatives: then causal is None)."""
-    from particles.device import memory_budget, triton_runs
-
-    from . import accelerator_paths
-
     entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     transforms = _transforms_active()
     derivatives = _needs_derivatives(q, k, v, log_weights)
+    device_type, m, n = q.device.type, q.shape[-2], k.shape[-2]
+    triton = _device.triton_runs(device_type)
     read = []
 
     def budget():   # read once, and only where a dense path is considered
         if not read:
-            read.append(memory_budget(q.device, need=accelerator_paths.DENSE_TEMPORARIES * entries * q.element_size()))
+            read.append(_device.memory_budget(q.device, need=_paths.DENSE_TEMPORARIES * entries * q.dtype.itemsize))
         return read[0]
 
     def choose(positions):
-        return accelerator_paths.choose(
-            q.device.type, q.dtype, entries // max(1, q.shape[-2] * k.shape[-2]), q.shape[-2],
-            k.shape[-2], q.shape[-1], v.shape[-1], weighted=log_weights is not None, positions=positions,
-            derivatives=derivatives, transforms=transforms, budget=budget,
-            triton=triton_runs(q.device.type), threshold=threshold)
+        return _paths.choose(device_type, q.dtype, entries // max(1, m * n), m, n, q.shape[-1], v.shape[-1],
+                             weighted=log_weights is not None, positions=positions, derivatives=derivatives,
+                             transforms=transforms, budget=budget, triton=triton, threshold=threshold)
 
     if q_pos is None:
         return choose("none"), None
