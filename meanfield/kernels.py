@@ -438,6 +438,11 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     return q_pos.to(common) < first.amin(dim=-1, keepdim=True)
 
 
+def _unbatched(t, rank) -> bool:
+    """Whether ``t`` (a tensor of ``rank`` trailing dimensions, or None) has no batch dimension of a size above 1."""
+    return t is None or all(size == 1 for size in t.shape[:-rank])
+
+
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
@@ -447,6 +452,16 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)
+    if (q_pos is None and q.dim() > 2 and math.prod(q.shape[:-2]) > 1 and _unbatched(k, 2) and _unbatched(v, 2)
+            and _unbatched(log_weights, 1)):
+        # keys, values and weights shared by the whole batch, no positions: one set of b x m queries (the same
+        # scores and outputs; the paths then never expand the keys over the batch, which copied them b times)
+        m = q.shape[-2]
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                      () if log_weights is None else log_weights.shape[:-1])
+        out = attend(q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
+                     None if log_weights is None else log_weights.reshape(-1), method=method, block_size=block_size)
+        return out.reshape(*lead, m, out.shape[-1])
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
     causal = None

@@ -79,6 +79,11 @@ __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", 
 DEFAULT_BLOCK = 256
 
 
+#: :func:`fused_attend` runs batches of more entries in chunks of this many (CUDA's fused kernels put the batch and
+#: the heads on grid axes of at most 65535 programs)
+FUSED_BATCH_MAX = 65535
+
+
 #: a backward node recorded with create_graph keeps its probability tiles for repeated JVPs (the
 #: Jacobian products of local_lipschitz) up to this many bytes; above, they are recomputed (O(N) memory)
 P_CACHE_BYTES = 64 * 2**20
@@ -488,6 +493,13 @@ def fused_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal=No
     if q_pos is not None and causal is None:
         causal = m == n and sequence_mask(q_pos, k_pos)
     causal = bool(causal) and q_pos is not None
+    if math.prod(batch) > FUSED_BATCH_MAX:
+        # CUDA's fused kernels put the batch and the heads on grid axes of at most 65535 programs: chunks
+        flat = lambda t: None if t is None else t.reshape(-1, *t.shape[len(batch):])
+        parts = [flat(t) for t in (q, k, v, log_weights, q_pos, k_pos)]
+        out = [fused_attend(*(None if t is None else t[b0:b0 + FUSED_BATCH_MAX] for t in parts), causal=causal,
+                            align=align) for b0 in range(0, parts[0].shape[0], FUSED_BATCH_MAX)]
+        return torch.cat(out).reshape(*batch, m, c)
     # the 4-D layout (B, H, rows, features): the last batch dimension as heads, the others merged
     lead = (1, 1) if not batch else ((1,) + tuple(batch) if len(batch) == 1 else (-1, batch[-1]))
     to4 = lambda t: t.reshape(*lead, *t.shape[-2:])

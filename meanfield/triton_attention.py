@@ -393,12 +393,34 @@ def _check(q, k, v):
                            "TRITON_INTERPRET=1 before triton is first imported")
 
 
+#: the largest grid size CUDA takes on its second axis (the batch of every kernel here)
+GRID_Y_MAX = 65535
+
+
+def _batch_chunks(kernel_call):
+    """``kernel_call`` over batches above :data:`GRID_Y_MAX` entries: run on chunks of at most that many (every
+    tensor argument is batched along its first dimension, expanded ones included: slicing keeps their stride 0),
+    the results concatenated."""
+    def run(q, *args):
+        B = q.shape[0]
+        if B <= GRID_Y_MAX:
+            return kernel_call(q, *args)
+        parts = []
+        for b0 in range(0, B, GRID_Y_MAX):
+            cut = lambda t, b0=b0: t[b0:b0 + GRID_Y_MAX] if isinstance(t, torch.Tensor) else t
+            parts.append(kernel_call(cut(q), *map(cut, args)))
+        return tuple(None if r[0] is None else torch.cat(r) for r in zip(*parts))
+    run.__doc__, run.__name__, run.__wrapped__ = kernel_call.__doc__, kernel_call.__name__, kernel_call
+    return run
+
+
 def _lse_dtype(dtype):
     # L of the half types in float32: the backward recomputes P = exp(s - L), whose relative error is
     # the absolute error of L (bfloat16 would give percents)
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+@_batch_chunks
 def forward(q, k, v, lw, qp, kp, causal):
     """(out (B, m, c), L (B, m)) of 3-D inputs; ``causal``: the positions are a sequence's causal mask.
     L is float32 for the half types."""
@@ -415,6 +437,7 @@ def forward(q, k, v, lw, qp, kp, causal):
     return out, lse
 
 
+@_batch_chunks
 def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     """(d out, d L): the JVP of :func:`forward` at (q, k, v, lw) along (tq, tk, tv, tlw) (None: zero)."""
     _check(q, k, v)
@@ -435,6 +458,7 @@ def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     return d_out, d_lse
 
 
+@_batch_chunks
 def backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, need):
     """(dq, dk, dv, dlw): the VJP of (out, L) with cotangents (g_out, g_lse or None); ``need`` = 4 flags."""
     _check(q, k, v)

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meanfield import kernels
+from meanfield import streamed_attention as streaming
 from meanfield.kernels import attend, use
 from meanfield.streamed_attention import fused_attend, stream_attend
 from tests.reference import dense_jacobian, dense_lipschitz, naive_attention
@@ -301,6 +302,62 @@ def test_fused_sdpa_path_matches_dense(case):
     args = _problem(16, **case)
     _close(fused_attend(*args), attend(*args, method="dense"))
     _close(attend(*args, method="fused"), attend(*args, method="dense"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_sdpa_runs_batches_above_the_grid_limit_in_chunks(monkeypatch, causal):
+    """CUDA's fused kernels take at most 65535 batch entries or heads (grid axes): larger batches go to SDPA in
+    chunks of FUSED_BATCH_MAX entries (lowered to 2 here, over batches of 3 x 2), every chunk within it, with
+    keys and log-weights shared across the batch; equal to the dense kernel."""
+    q, k, v, lw, qp, kp = _problem(40, m=9, n=9, batch=(3, 2), masked=not causal)
+    if causal:
+        qp = kp = torch.arange(9, dtype=DT)
+    monkeypatch.setattr(streaming, "FUSED_BATCH_MAX", 2)
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda Q, *a, **kw: seen.append(Q.shape[0] * Q.shape[1]) or real(Q, *a, **kw))
+    _close(fused_attend(q, k, v, lw, qp, kp), attend(q, k, v, lw, qp, kp, method="dense"))
+    assert seen == [2, 2, 2]
+
+
+@pytest.mark.parametrize("method", ["dense", "stream", "fused", "auto"])
+def test_keys_shared_by_a_batch_of_queries_are_one_query_set_never_expanded(monkeypatch, method):
+    """A batch of queries against one set of keys, values and weights (no positions) is computed as one set of
+    b x m queries: the streamed and fused paths never see the keys expanded over the batch (which their kernels
+    copied b times); values, gradients in q, k, v, log a and the JVP equal the dense kernel's per batch entry,
+    the output shaped by broadcasting (keys with leading 1s)."""
+    g = torch.Generator().manual_seed(41)
+    q = torch.randn(3, 2, 5, 4, generator=g, dtype=DT, requires_grad=True)
+    k = torch.randn(1, 1, 1, 7, 4, generator=g, dtype=DT, requires_grad=True)
+    v = torch.randn(7, 3, generator=g, dtype=DT, requires_grad=True)
+    lw = torch.log_softmax(torch.randn(7, generator=g, dtype=DT), 0)
+    lw[2] = -math.inf
+    lw.requires_grad_(True)
+    seen = []
+    for name in ("stream_attend", "fused_attend"):
+        real = getattr(streaming, name)
+        monkeypatch.setattr(streaming, name, lambda *a, real=real, **kw: seen.append(a[1].shape) or real(*a, **kw))
+    out = attend(q, k, v, lw, method=method)
+    assert out.shape == (1, 3, 2, 5, 3)
+    assert all(shape == (7, 4) for shape in seen) and (method in ("dense", "auto") or seen)
+    ref = torch.stack([torch.stack([kernels.attention_probs(q[i, j], k[0, 0, 0], lw) @ v for j in range(2)])
+                       for i in range(3)])
+    _close(out[0], ref)
+    w = torch.randn(out.shape, generator=g, dtype=DT)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, lw))
+    want = torch.autograd.grad((ref * w[0]).sum(), (q, k, v, lw))
+    for a, b in zip(got, want):
+        _close(a[torch.isfinite(b)], b[torch.isfinite(b)])
+    if method == "fused":
+        return   # SDPA's CPU kernel has no forward-mode derivative
+    tangents = [torch.randn(t.shape, generator=g, dtype=DT) for t in (q, k, v)]
+    _, t_out = torch.func.jvp(lambda a, b, c: attend(a, b, c, lw.detach(), method=method),
+                              (q.detach(), k.detach(), v.detach()), tuple(tangents))
+    _, t_ref = torch.func.jvp(lambda a, b, c: attend(a, b.expand(3, 2, 7, 4), c, lw.detach(), method="dense"),
+                              (q.detach(), k.detach()[0, 0, 0], v.detach()),
+                              (tangents[0], tangents[1][0, 0, 0], tangents[2]))
+    _close(t_out[0], t_ref)
 
 
 # ---------------------------------------------------------------- bad input

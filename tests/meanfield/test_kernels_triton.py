@@ -295,6 +295,43 @@ def test_vjp_computes_only_what_is_needed(ta):
         assert torch.equal(part[i], full[i])
 
 
+@pytest.mark.parametrize("positions", ["other", "causal"])
+def test_batches_above_the_grid_limit_run_in_chunks(ta, monkeypatch, positions):
+    """CUDA takes at most 65535 programs on a grid's second axis (the batch here): larger batches run in chunks
+    of at most GRID_Y_MAX entries (here lowered to 2, over 5 entries, with keys shared across the batch),
+    forward, JVP and VJP equal to the dense truth, and every launch within the limit."""
+    q, k, v, lw, qp, kp = _problem(11, B=5, m=9, n=11, shared_k=True, positions=positions)
+    causal = positions == "causal"
+    launches = []
+    real = ta._forward_kernel
+    monkeypatch.setattr(ta, "GRID_Y_MAX", 2)
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid[1])
+            return real[grid]
+
+    monkeypatch.setattr(ta, "_forward_kernel", Spy())
+    out, lse = ta.forward(q, k, v, lw, qp, kp, causal)
+    assert launches == [2, 2, 1]
+    ref_out, ref_lse = _dense(q, k, v, lw, qp, kp)
+    _close(out, ref_out)
+    live = torch.isfinite(ref_lse)
+    _close(lse[live], ref_lse[live])
+    g = torch.Generator().manual_seed(12)
+    tq, tk, tv = (torch.randn(t.shape, generator=g, dtype=DT) for t in (q, k, v))
+    d_out, _ = ta.jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, None)
+    _, t_ref = torch.func.jvp(lambda a, b, c: _dense(a, b, c, lw, qp, kp)[0], (q, k.contiguous(), v), (tq, tk, tv))
+    _close(d_out, t_ref)
+    g_out = torch.randn(out.shape, generator=g, dtype=DT)
+    prim = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad((_dense(*prim, lw, qp, kp)[0] * g_out).sum(), prim)
+    got = ta.backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, None, (True, True, True, False))
+    for a, b in zip(got[:3], ref):
+        _close(a, b)
+    assert got[3] is None
+
+
 # ---------------------------------------------------------------- through the streamed kernel
 
 
