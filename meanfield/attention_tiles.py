@@ -51,13 +51,20 @@ class Plan:
 
 
 def _block_extremes(p, block, fill_min, fill_max):
-    """Per block of the last dimension: min and max over the block and all batch entries."""
+    """Per block of the last dimension: min and max over the block and all batch entries (the padding of the last
+    block: ``fill_min`` and ``fill_max``, for integer positions the dtype's largest and smallest values)."""
+    if not p.dtype.is_floating_point:
+        info = torch.iinfo(p.dtype)
+        fill_min, fill_max = info.max, info.min
     size = p.shape[-1]
-    pad = (-size) % block
     flat = p.reshape(-1, size)
-    lo = torch.nn.functional.pad(flat, (0, pad), value=fill_min).reshape(flat.shape[0], -1, block)
-    hi = torch.nn.functional.pad(flat, (0, pad), value=fill_max).reshape(flat.shape[0], -1, block)
-    return lo.amin(dim=(0, 2)), hi.amax(dim=(0, 2))
+
+    def padded(fill):   # torch.full keeps an int64 fill exact (pad's fill is a float)
+        out = torch.full((flat.shape[0], size + (-size) % block), fill, dtype=p.dtype, device=p.device)
+        out[:, :size] = flat
+        return out.reshape(flat.shape[0], -1, block)
+
+    return padded(fill_min).amin(dim=(0, 2)), padded(fill_max).amax(dim=(0, 2))
 
 
 def tile_plan(qp, kp, m, n, bq, bk, engine="auto", fused=False) -> Plan:

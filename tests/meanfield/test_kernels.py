@@ -523,6 +523,24 @@ def test_forward_ad_takes_the_in_place_jvp_and_matches_dense(masked, monkeypatch
 FOLD_CASES = [("arbitrary", c) for c in CASES] + [("sequence", c) for c in SEQ_CASES]
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16])
+def test_integer_positions_give_the_tile_plan_of_float_positions(dtype):
+    """The streamed kernel's mask layout from integer positions (a sequence's causal mask: skipped tiles and the
+    causal flag that sends it to the fused kernels; arbitrary positions: the tiles to visit) equals the one from
+    the same positions as floats; before, padding the last block with +-inf failed on integers and every tile
+    was visited and masked."""
+    from meanfield import attention_tiles as tiles
+
+    seq = torch.arange(3, 40).expand(2, -1)
+    g = torch.Generator().manual_seed(3)
+    qp, kp = torch.randint(0, 50, (2, 37), generator=g), torch.randint(0, 50, (2, 37), generator=g)
+    for a, b in ((seq, seq), (qp, kp)):
+        got = tiles.tile_plan(a.to(dtype), b.to(dtype), 37, 37, 8, 6, engine="tiles")
+        want = tiles.tile_plan(a.double(), b.double(), 37, 37, 8, 6, engine="tiles")
+        assert got == want and got.tiles is not None
+    assert tiles.tile_plan(seq.to(dtype), seq.to(dtype), 37, 37, 8, 6).causal
+
+
 @pytest.mark.parametrize("kind,case", FOLD_CASES)
 @pytest.mark.parametrize("block", [(5, 7), (8, None)])
 def test_folded_tile_loops_match_dense(kind, case, block):
