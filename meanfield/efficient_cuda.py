@@ -102,7 +102,9 @@ def _inputs(q, k, v, lw, causal, grad_lw=False):
         row = q.new_full((B, BIAS_ALIGN * -(-n // BIAS_ALIGN)), -math.inf)
         row[:, :n] = lw
         bias = row[:, None, None, :n].expand(B, 1, m, n)
-    return Q.contiguous(), K.contiguous(), V.contiguous(), bias, c
+    # the kernel refuses operands whose first element is not aligned to 16 bytes (a view into a larger buffer)
+    own = lambda t: t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format)
+    return own(Q), own(K), own(V), bias, c
 
 
 def _own(t):

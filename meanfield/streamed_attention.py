@@ -150,8 +150,12 @@ def _triton():
     return triton_attention
 
 
-def _key(name, q, v):
-    return ("attention " + name, q.device.type, q.dtype, q.shape[-1], v.shape[-1])
+def _key(name, q, v, lw=None, qp=None, plan=None):
+    """What a compile failure (Triton) or refusal of a kernel is remembered by: the pass, the device (its index:
+    GPUs of a process may differ), dtype and widths, and, for the Triton kernels, the mask they were specialized
+    for (whether log-weights ride; none, a sequence's causal mask or arbitrary positions)."""
+    mask = () if plan is None else (lw is not None, "causal" if plan.causal else "none" if qp is None else "positions")
+    return ("attention " + name, str(q.device), q.dtype, q.shape[-1], v.shape[-1]) + mask
 
 
 def _forward(q, k, v, lw, qp, kp, plan):
@@ -163,7 +167,8 @@ def _forward(q, k, v, lw, qp, kp, plan):
     if _triton_ok(plan):
         from particles.device import run_triton
 
-        return run_triton(_key("forward", q, v), lambda: _triton().forward(q, k, v, lw, qp, kp, plan.causal),
+        return run_triton(_key("forward", q, v, lw, qp, plan),
+                          lambda: _triton().forward(q, k, v, lw, qp, kp, plan.causal),
                           lambda: tiles.forward_tiles(q, k, v, lw, qp, kp, plan), "attend")
     if _flash_ok(q, plan, qp):
         return flash.forward(q, k, v, lw, plan.causal)
@@ -238,7 +243,7 @@ def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
     if _triton_ok(plan):
         from particles.device import run_triton
 
-        return run_triton(_key("jvp", q, v),
+        return run_triton(_key("jvp", q, v, lw, qp, plan),
                           lambda: _triton().jvp(q, k, v, lw, qp, kp, plan.causal, out, lse, tq, tk, tv, tlw),
                           lambda: tiles.jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan,
                                                   fold=_fold(q)), "attend (JVP)")
@@ -262,7 +267,7 @@ def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
     if _triton_vjp_ok(plan, q, v):
         from particles.device import run_triton
 
-        return run_triton(_key("backward", q, v),
+        return run_triton(_key("backward", q, v, lw, qp, plan),
                           lambda: _triton().backward(q, k, v, lw, qp, kp, plan.causal, out, lse, g_out, g_lse, need),
                           lambda: tiles.backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need,
                                                        fold=_fold(q)),

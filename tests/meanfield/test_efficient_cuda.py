@@ -27,6 +27,8 @@ def _check_layout(*tensors):
     for t in tensors:
         assert t.dim() == 4 and t.shape[2] == 1 and t.stride(-1) == 1 and t.is_contiguous()
         assert t.shape[-1] % 8 == 0
+        if t.data_ptr() % 16:   # the kernel's own check (torch's CHECK_ALIGNED_PTR): a refusal
+            raise RuntimeError("Expected tensor pointer to be aligned to 16 bytes")
 
 
 def _check_bias(bias, Q, K, mask_type):
@@ -508,3 +510,21 @@ def test_a_refused_bias_row_backward_leaves_the_coordinate_backward_on(fake_kern
     ref = _dense(x64, k, v, w64, False)[0]
     rx, rw = torch.autograd.grad(ref, (x64, w64), torch.ones_like(ref))
     assert torch.allclose(gx, rx, atol=1e-11) and torch.allclose(gw, torch.nan_to_num(rw, nan=0.0), atol=1e-11)
+
+
+def test_operands_not_aligned_to_16_bytes_are_copied_not_refused(fake_kernel):
+    """A query that is a view 4 bytes into a larger buffer (width 8: no padding copy) would be refused by the
+    kernel, and the refusal would turn it off for every later call of that kind: it is copied to an aligned
+    buffer instead. The result equals the dense kernel's, nothing is remembered as refused."""
+    g = torch.Generator().manual_seed(21)
+    buf = torch.randn(1 + 2 * 16 * 8, generator=g, dtype=torch.float32)
+    q = buf[1:].view(2, 16, 8)
+    assert q.data_ptr() % 16 != 0 and q.is_contiguous()
+    k, v = torch.randn(2, 16, 8, generator=g), torch.randn(2, 16, 8, generator=g)
+    plan, _, _ = _plan(16, False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = streaming._forward(q, k, v, None, None, None, plan)[0]
+    assert "forward" in fake_kernel and not efficient._REFUSED
+    ref = _dense(q.double(), k.double(), v.double(), None, False)[0]
+    assert (out.double() - ref).abs().max() < 1e-5

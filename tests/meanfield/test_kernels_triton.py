@@ -439,6 +439,32 @@ def test_a_kernel_that_does_not_compile_falls_back_to_the_tiles_once_with_a_warn
         streaming.stream_attend(q, k, v, lw, qp, kp)
 
 
+def test_a_compile_failure_turns_off_only_the_kernel_specialized_for_that_mask(triton_engine, ta, monkeypatch):
+    """The kernels are compiled per mask (log-weights; none, causal, arbitrary positions): one that does not
+    compile for arbitrary positions leaves the unmasked and unweighted kernel of the same widths on."""
+    from triton.runtime.errors import OutOfResources
+
+    from particles import device
+
+    monkeypatch.setattr(device, "_FAILED", {})
+    real = ta.forward.__wrapped__ if hasattr(ta.forward, "__wrapped__") else ta.forward
+    ran = []
+
+    def picky(q, k, v, lw, qp, kp, causal):
+        if qp is not None:
+            raise OutOfResources(300_000, 232_448, "shared memory")
+        ran.append(1)
+        return real(q, k, v, lw, qp, kp, causal)
+
+    monkeypatch.setattr(ta, "forward", picky)
+    q, k, v, lw, qp, kp = _problem(14, B=1, positions="other")
+    with pytest.warns(RuntimeWarning, match="does not compile"):
+        streaming.stream_attend(q, k, v, lw, qp, kp)
+    out = streaming.stream_attend(q, k, v)
+    assert ran == [1]
+    _close(out, _dense(q, k, v, None, None, None)[0])
+
+
 def test_the_fallback_warning_names_the_cause_of_a_compile_error(triton_engine, ta, monkeypatch):
     """Triton's CompilationError quotes the kernel's source and chains the reason: the warning carries the
     reason (Triton 3.6 refused tl.dot with K = 8 in float32 on an H200, and a 300-character excerpt of the
