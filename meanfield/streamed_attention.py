@@ -313,7 +313,10 @@ class _StreamBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-        return _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        # tensors of its own: the engines return views of their buffers (dk and d log a share one), which
+        # autograd would forbid to update in place
+        return tuple(None if t is None else efficient._own(t)
+                     for t in _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -358,7 +361,11 @@ class _StreamBackward(torch.autograd.Function):
                     None if t is None else t.detach().requires_grad_(True) for t in inputs[4:]]
                 wanted, slots = [i for i in (4, 5) if run[i]], [0, 1, 2, 3, 6, 7]
             with torch.enable_grad():
-                B = tiles.backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out, g_lse, plan, need)
+                # the cotangents detached: their own paths (a cotangent built from out, as in a gradient of a
+                # function of out) are the JVP of slots 8 and 9 above, which the engine follows; through the
+                # functional tiles they would be counted twice
+                B = tiles.backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out.detach(),
+                                              None if g_lse is None else g_lse.detach(), plan, need)
                 parts = torch.autograd.grad([B[b] for b, _ in cot], [inputs[i] for i in wanted],
                                             [g for _, g in cot], allow_unused=True, create_graph=create,
                                             retain_graph=True)

@@ -528,3 +528,29 @@ def test_operands_not_aligned_to_16_bytes_are_copied_not_refused(fake_kernel):
     assert "forward" in fake_kernel and not efficient._REFUSED
     ref = _dense(q.double(), k.double(), v.double(), None, False)[0]
     assert (out.double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["kernel", "cpu"])
+def test_gradients_recorded_with_create_graph_can_be_updated_in_place(fake_kernel, monkeypatch, engine):
+    """Gradients from grad(..., create_graph=True) through the streamed kernel are tensors of their own (the
+    engines' dk and d log a are views of one buffer): clipping them in place and differentiating again works,
+    with the values of the dense kernel."""
+    if engine == "cpu":
+        monkeypatch.setattr(efficient, "runs", lambda device_type, dtype: False)
+    q, k, v, lw = _problem(22)
+    grads = {}
+    for method in ("stream", "dense"):
+        x, w = q.clone().requires_grad_(True), lw.clone().requires_grad_(True)
+        plan, _, _ = _plan(q.shape[1], False)
+        if method == "stream":
+            out = streaming.StreamAttention.apply(x, k, v, w, None, None, plan)[0]
+        else:
+            out = _dense(x, k, v, w, False)[0]
+        gx, gw = torch.autograd.grad((out ** 2).sum(), (x, w), create_graph=True)
+        gx.mul_(0.5)
+        gw.clamp_(-1, 1)
+        grads[method] = (gx.detach().clone(), gw.detach().clone()) + torch.autograd.grad((gx ** 2).sum() + gw.sum(),
+                                                                                         (x, w))
+    assert "backward" in fake_kernel or engine == "cpu"
+    for a, b in zip(grads["stream"], grads["dense"]):
+        assert (a - b).abs().max() <= 1e-9 * max(1.0, b.abs().max())

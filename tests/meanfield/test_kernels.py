@@ -360,6 +360,39 @@ def test_keys_shared_by_a_batch_of_queries_are_one_query_set_never_expanded(monk
     _close(t_out[0], t_ref)
 
 
+@pytest.mark.parametrize("kind", ["none", "weighted", "positions", "sequence"])
+def test_double_backward_of_a_function_of_the_output_matches_dense(kind):
+    """The second derivative of a function of the output (a gradient penalty: |d/dq |out|^2|^2), whose first
+    backward gets a cotangent computed from the output itself: through the streamed kernel as through the dense
+    one, in q, k, v and log a, and against central finite differences. The streamed backward node followed the
+    cotangent's dependence on the output twice (its JVP and the functional tiles) and doubled that part."""
+    if kind == "sequence":
+        q, k, v, lw, qp, kp = _sequence_problem(42, n=11, batch=(2,))
+    else:
+        q, k, v, lw, qp, kp = _problem(42, m=9, n=11, batch=(2,), weighted=kind != "none",
+                                       masked=kind == "positions")
+
+    def penalty(method, q_, k_, v_, lw_, create=True):
+        out = attend(q_, k_, v_, lw_, qp, kp, method=method)
+        (gq,) = torch.autograd.grad((out ** 2).sum(), (q_,), create_graph=create)
+        return (gq ** 2).sum()
+
+    grads = {}
+    for method in ("stream", "dense"):
+        prim = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        w = None if lw is None else lw.detach().clone().requires_grad_(True)
+        wrt = prim + ([] if w is None else [w])
+        grads[method] = torch.autograd.grad(penalty(method, *prim, w), wrt)
+    for a, b in zip(grads["stream"], grads["dense"]):
+        finite = torch.isfinite(b)
+        _close(a[finite], b[finite])
+    eps, E = 1e-6, torch.zeros_like(q)
+    E[1, 3, 2] = 1.0
+    f = lambda x: float(penalty("dense", x.requires_grad_(True), k, v, lw, create=False))
+    fd = (f(q + eps * E) - f(q - eps * E)) / (2 * eps)
+    assert abs(float(grads["stream"][0][1, 3, 2]) - fd) <= 1e-6 * max(1.0, abs(fd))
+
+
 # ---------------------------------------------------------------- bad input
 
 
