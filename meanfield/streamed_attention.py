@@ -129,7 +129,7 @@ def _flat3(t, rows_dims=2):
     """(..., rows, f) -> (B, rows, f) (or (..., rows) -> (B, rows) for rows_dims=1); None stays None."""
     if t is None:
         return None
-    return t.reshape(-1, *t.shape[t.dim() - rows_dims:])
+    return t.reshape(math.prod(t.shape[:t.dim() - rows_dims]), *t.shape[t.dim() - rows_dims:])
 
 
 def _triton_ok(plan) -> bool:
@@ -450,6 +450,12 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
     pair = _check_block(block_size)
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    if m == 0 or n == 0:
+        # nothing to stream (and torch's CPU flash kernel would divide by zero): the empty dense product,
+        # differentiable (zero gradients)
+        s = q @ k.transpose(-1, -2)
+        out, lse = torch.softmax(s, -1) @ v, s.sum(-1) - math.inf
+        return (out, lse) if return_lse else out
     fused = engine is None and q.device.type != "cpu"
     engine = _resolve_engine(engine, q, v)
     if pair is not None:

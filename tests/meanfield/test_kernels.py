@@ -885,3 +885,16 @@ def test_scores_that_all_overflow_to_minus_inf_are_reported_with_or_without_weig
     assert torch.allclose(P[2].sum(), torch.tensor(1.0, dtype=DT))
     (g,) = torch.autograd.grad(P.sum() + (P * torch.arange(12.0, dtype=DT).reshape(3, 4)).sum(), qq)
     assert torch.isfinite(g).all() and torch.equal(g[:2], torch.zeros(2, 2, dtype=DT))
+
+
+@pytest.mark.parametrize("method", ["dense", "stream", "fused", "auto"])
+def test_a_batch_without_queries_gives_an_empty_output_on_every_path(method):
+    """No queries (m = 0) in a batch of two: an empty (2, 0, c) output and zero gradients, as the dense path."""
+    q = torch.randn(2, 0, 3, dtype=DT, requires_grad=True)
+    k = torch.randn(2, 5, 3, dtype=DT, requires_grad=True)
+    v = torch.randn(2, 5, 4, dtype=DT)
+    out = attend(q, k, v, method=method)
+    assert out.shape == (2, 0, 4)
+    gq, gk = torch.autograd.grad(out.sum(), (q, k), allow_unused=True)
+    assert gk is None or torch.equal(gk, torch.zeros_like(k))
+    assert gq is None or gq.shape == q.shape
