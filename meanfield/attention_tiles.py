@@ -122,13 +122,25 @@ def _key_ranges(plan, a, kb, i1):
 
 
 # ---------------------------------------------------------------------- functional tiles (differentiable)
+# Blocks are cut with narrow: t[..., i0:i1, :] over a whole dimension is an alias, which torch's legacy batched
+# tensors (torch.autograd.functional's vectorize=True, grad(..., is_grads_batched=True)) have no rule for
+def _rows(t, i0, i1):
+    """Rows i0:i1 of (..., rows, features)."""
+    return t.narrow(-2, i0, i1 - i0)
+
+
+def _cols(t, j0, j1):
+    """Entries j0:j1 of the last dimension."""
+    return t.narrow(-1, j0, j1 - j0)
+
+
 def _scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask=True):
     """Tile of scores s_ij for query rows i0:i1 and keys j0:j1 (masked entries -inf)."""
-    s = q[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
+    s = _rows(q, i0, i1) @ _rows(k, j0, j1).transpose(-1, -2)
     if lw is not None:
-        s = s + lw[..., None, j0:j1]
+        s = s + _cols(lw, j0, j1).unsqueeze(-2)
     if qp is not None and mask:
-        visible = kp[..., None, j0:j1] <= qp[..., i0:i1, None]
+        visible = _cols(kp, j0, j1).unsqueeze(-2) <= _cols(qp, i0, i1).unsqueeze(-1)
         s = s.masked_fill(~visible, float("-inf"))
     return s
 
@@ -153,29 +165,29 @@ def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
     for a, (i0, i1) in enumerate(qb):
         if plan.tiles is not None and not plan.tiles[a]:
             continue
-        go = g_out[..., i0:i1, :]
-        delta = (go * out[..., i0:i1, :]).sum(-1, keepdim=True)
+        go = _rows(g_out, i0, i1)
+        delta = (go * _rows(out, i0, i1)).sum(-1, keepdim=True)
         if g_lse is not None:
             # a cotangent on L_i adds P_ij g_i to ds_ij, i.e. shifts (dP - D) by + g_i
-            delta = delta - g_lse[..., i0:i1, None].to(delta.dtype)   # (the half types' L may be float32)
+            delta = delta - _cols(g_lse, i0, i1).unsqueeze(-1).to(delta.dtype)   # (the half types' L may be float32)
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), _cols(lse, i0, i1))
             if need[2]:
                 dv[b] = add(dv[b], p.transpose(-1, -2) @ go)
             if not (need[0] or need[1] or need[3]):
                 continue
-            ds = p * (go @ v[..., j0:j1, :].transpose(-1, -2) - delta)
+            ds = p * (go @ _rows(v, j0, j1).transpose(-1, -2) - delta)
             if need[0]:
-                dq[a] = add(dq[a], ds @ k[..., j0:j1, :])
+                dq[a] = add(dq[a], ds @ _rows(k, j0, j1))
             if need[1]:
-                dk[b] = add(dk[b], ds.transpose(-1, -2) @ q[..., i0:i1, :])
+                dk[b] = add(dk[b], ds.transpose(-1, -2) @ _rows(q, i0, i1))
             if need[3]:
                 dlw[b] = add(dlw[b], ds.sum(-2).unsqueeze(-1))
 
     def gather(parts, blocks, like, dim):
         # blocks never visited (all their scores masked) have zero derivative
-        parts = [torch.zeros_like(like[..., i0:i1, :]) if p is None else p for p, (i0, i1) in zip(parts, blocks)]
+        parts = [torch.zeros_like(_rows(like, i0, i1)) if p is None else p for p, (i0, i1) in zip(parts, blocks)]
         return torch.cat(parts, dim=dim)
 
     return (
@@ -195,32 +207,32 @@ def jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
         acc = mean_ds = None
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
-            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), lse[..., i0:i1])
+            p = _probs(_scores(q, k, lw, qp, kp, i0, i1, j0, j1, mask), _cols(lse, i0, i1))
             ds = None
             if tq is not None:
-                ds = tq[..., i0:i1, :] @ k[..., j0:j1, :].transpose(-1, -2)
+                ds = _rows(tq, i0, i1) @ _rows(k, j0, j1).transpose(-1, -2)
             if tk is not None:
-                term = q[..., i0:i1, :] @ tk[..., j0:j1, :].transpose(-1, -2)
+                term = _rows(q, i0, i1) @ _rows(tk, j0, j1).transpose(-1, -2)
                 ds = term if ds is None else ds + term
             if tlw is not None:
-                term = tlw[..., None, j0:j1]
+                term = _cols(tlw, j0, j1).unsqueeze(-2)
                 ds = term if ds is None else ds + term
             contrib = None
             if tv is not None:
-                contrib = p @ tv[..., j0:j1, :]
+                contrib = p @ _rows(tv, j0, j1)
             if ds is not None:
                 pds = p * ds
-                term = pds @ v[..., j0:j1, :]
+                term = pds @ _rows(v, j0, j1)
                 contrib = term if contrib is None else contrib + term
                 row = pds.sum(-1, keepdim=True)
                 mean_ds = row if mean_ds is None else mean_ds + row
             if contrib is not None:
                 acc = contrib if acc is None else acc + contrib
-        o = out[..., i0:i1, :]
+        o = _rows(out, i0, i1)
         if acc is None:
             acc = torch.zeros_like(o)
         if mean_ds is None:
-            mean_ds = torch.zeros_like(o[..., :1])
+            mean_ds = torch.zeros_like(o.narrow(-1, 0, 1))
         d_outs.append(acc - mean_ds * o)
         d_lses.append(mean_ds.squeeze(-1))
     return torch.cat(d_outs, dim=-2), torch.cat(d_lses, dim=-1).to(lse.dtype)

@@ -447,7 +447,9 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
     ``method``: "dense" (materialize P), "stream" (tiles of ``block_size``, O(N) memory), "fused"
-    (torch's scaled_dot_product_attention), or "auto" (:func:`choose`: the fastest path for the size,
+    (torch's scaled_dot_product_attention, for forward passes: its derivatives are SDPA's, whose fused CPU
+    kernels have neither forward mode nor a double backward; "auto" never takes it where derivatives are
+    needed), or "auto" (:func:`choose`: the fastest path for the size,
     mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)

@@ -66,6 +66,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import attention_tiles as tiles
 from . import efficient_cuda as efficient
@@ -99,10 +100,24 @@ def _transforms_active() -> bool:
         return True
 
 
+def _functional_only(*tensors) -> bool:
+    """Whether only the functional tiles may compute now: inside a torch.func transform, or on tensors that
+    carry what the fused, Triton and in-place engines would drop: a forward-mode tangent (forward-over-reverse:
+    ``torch.autograd.forward_ad`` around a backward pass) or a legacy batch dimension
+    (``torch.autograd.functional``'s ``vectorize=True``, ``grad(..., is_grads_batched=True)``)."""
+    if _transforms_active():
+        return True
+    present = [t for t in tensors if t is not None]
+    legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+    if legacy is not None and any(legacy(t) for t in present):
+        return True   # (first: unpacking a legacy batched tensor's tangent has no batching rule)
+    return _forward_ad._current_level >= 0 and any(_forward_ad.unpack_dual(t).tangent is not None for t in present)
+
+
 def _plain(*tensors) -> bool:
     """True when nothing will differentiate what is computed now: in-place and non-differentiable
     fused kernels are then allowed."""
-    if _transforms_active():
+    if _functional_only(*tensors):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
@@ -208,7 +223,7 @@ class StreamAttention(torch.autograd.Function):
         plan = ctx.plan
         if _plain(q, k, v, lw, out, lse, g_out, g_lse):
             dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
-        elif _transforms_active():
+        elif _functional_only(q, k, v, lw, out, lse, g_out, g_lse):
             dq, dk, dv, dlw = tiles.backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         else:
             # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
@@ -346,27 +361,22 @@ class _StreamBackward(torch.autograd.Function):
             grads[8] = d_out if ctx.needs_input_grad[8] else None
             grads[9] = d_lse if ctx.needs_input_grad[9] and ctx.has_glse else None
         cot = [(b, g) for b, g in zip(range(4), (gq, gk, gv, glw)) if need[b] and g is not None]
-        run = [ctx.needs_input_grad[i] and _will_run(node) for i, node in zip((0, 1, 2, 3, 6, 7), ctx.nodes)]
+        slots = (0, 1, 2, 3, 6, 7)
+        run = [ctx.needs_input_grad[i] and _will_run(node) for i, node in zip(slots, ctx.nodes)]
         if cot and any(run):
-            create = torch.is_grad_enabled()
-            inputs = [q, k, v, lw, out, lse]
-            if any(run[:4]):
-                # total derivatives in q, k, v, log a: the functional VJP of the saved tensors, whose out
-                # and L still hang on this call's forward graph, so the paths through them are included
-                # (and nothing is returned for out and L, which would count them twice)
-                wanted, slots = [i for i in range(4) if run[i]], [0, 1, 2, 3]
-            else:
-                # only out or L themselves: partial derivatives at fixed q, k, v, log a
-                inputs = [None if t is None else t.detach() for t in inputs[:4]] + [
-                    None if t is None else t.detach().requires_grad_(True) for t in inputs[4:]]
-                wanted, slots = [i for i in (4, 5) if run[i]], [0, 1, 2, 3, 6, 7]
+            create = torch.is_grad_enabled()   # (create_graph of the running backward pass)
             with torch.enable_grad():
-                # the cotangents detached: their own paths (a cotangent built from out, as in a gradient of a
-                # function of out) are the JVP of slots 8 and 9 above, which the engine follows; through the
-                # functional tiles they would be counted twice
-                B = tiles.backward_functional(*inputs[:4], qp, kp, *inputs[4:], g_out.detach(),
-                                              None if g_lse is None else g_lse.detach(), plan, need)
-                parts = torch.autograd.grad([B[b] for b, _ in cot], [inputs[i] for i in wanted],
+                # partial derivatives in q, k, v, log a, out and L at fixed cotangents: the functional VJP of
+                # aliases of them (views: the inner derivative stops at each, and the engine carries it on along
+                # that tensor's own path: out and L through this call's forward node, the cotangents through
+                # slots 8 and 9 above). The cotangents stay attached, and so do the inputs not asked for:
+                # the partials are functions of them too, which higher orders differentiate
+                alias = [None if t is None else t.view_as(t) if t.requires_grad
+                         else t.detach().requires_grad_(True) if run[i] else t
+                         for i, t in enumerate((q, k, v, lw, out, lse))]
+                wanted = [i for i in range(6) if run[i] and alias[i] is not None]
+                B = tiles.backward_functional(*alias[:4], qp, kp, *alias[4:], g_out, g_lse, plan, need)
+                parts = torch.autograd.grad([B[b] for b, _ in cot], [alias[i] for i in wanted],
                                             [g for _, g in cot], allow_unused=True, create_graph=create,
                                             retain_graph=True)
             for i, part in zip(wanted, parts):

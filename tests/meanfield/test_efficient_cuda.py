@@ -554,3 +554,25 @@ def test_gradients_recorded_with_create_graph_can_be_updated_in_place(fake_kerne
     assert "backward" in fake_kernel or engine == "cpu"
     for a, b in zip(grads["stream"], grads["dense"]):
         assert (a - b).abs().max() <= 1e-9 * max(1.0, b.abs().max())
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_forward_mode_over_a_backward_pass_takes_the_functional_tiles_not_the_kernel(fake_kernel, create_graph):
+    """Forward-over-reverse through the kernel's graph: its backward has no forward-mode derivative (torch's op
+    raises NotImplementedError, which counted as a refusal and turned the kernel off for the process), so such
+    a backward takes the functional tiles: equal to dense, nothing refused."""
+    q, k, v, lw = _problem(23)
+    plan, qp, kp = _plan(q.shape[1], True)
+    g = torch.Generator().manual_seed(24)
+    tans = [torch.randn(t.shape, generator=g, dtype=DT) for t in (q, k, v)]
+    got = {}
+    for name in ("stream", "dense"):
+        with forward_ad.dual_level():
+            x = [forward_ad.make_dual(t.clone(), d).requires_grad_(True) for t, d in zip((q, k, v), tans)]
+            out = (streaming.StreamAttention.apply(*x, lw, qp, kp, plan)[0] if name == "stream"
+                   else _dense(*x, lw, True)[0])
+            grads = torch.autograd.grad(out.sin().sum(), x, create_graph=create_graph)
+            got[name] = [forward_ad.unpack_dual(t).tangent for t in grads]
+    assert "forward" in fake_kernel and "backward" not in fake_kernel and not efficient._REFUSED
+    for a, b in zip(got["stream"], got["dense"]):
+        assert (a - b).abs().max() <= 1e-9 * max(1.0, b.abs().max())

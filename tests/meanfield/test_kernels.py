@@ -383,6 +383,7 @@ def test_double_backward_of_a_function_of_the_output_matches_dense(kind):
         w = None if lw is None else lw.detach().clone().requires_grad_(True)
         wrt = prim + ([] if w is None else [w])
         grads[method] = torch.autograd.grad(penalty(method, *prim, w), wrt)
+    assert not any(t.requires_grad for t in grads["stream"])   # no graph kept without create_graph
     for a, b in zip(grads["stream"], grads["dense"]):
         finite = torch.isfinite(b)
         _close(a[finite], b[finite])
@@ -391,6 +392,100 @@ def test_double_backward_of_a_function_of_the_output_matches_dense(kind):
     f = lambda x: float(penalty("dense", x.requires_grad_(True), k, v, lw, create=False))
     fd = (f(q + eps * E) - f(q - eps * E)) / (2 * eps)
     assert abs(float(grads["stream"][0][1, 3, 2]) - fd) <= 1e-6 * max(1.0, abs(fd))
+
+
+def _derivative_problem(kind):
+    if kind == "sequence":
+        return _sequence_problem(43, n=9, batch=(2,))
+    return _problem(43, m=7, n=9, batch=(2,), weighted=kind != "none", masked=kind == "positions")
+
+
+@pytest.mark.parametrize("engine", [None, "tiles"])
+@pytest.mark.parametrize("kind", ["none", "weighted", "positions", "sequence"])
+def test_third_derivative_through_gradients_of_functions_of_the_output_matches_dense(kind, engine):
+    """Third order: h = d/dq sum sin(out), then d<h, U>/d(q, k, v, log a) with create_graph, then its inner
+    product with W differentiated once more; the streamed kernel (CPU default and tile engines) as the dense one.
+    Each order's cotangent depends on the output, which the backward node must keep attached."""
+    q, k, v, lw, qp, kp = _derivative_problem(kind)
+    g = torch.Generator().manual_seed(44)
+    U, T = torch.randn(q.shape, generator=g, dtype=DT), torch.randn(q.shape, generator=g, dtype=DT)
+    run = {"stream": lambda *a: stream_attend(*a, engine=engine), "dense": lambda *a: attend(*a, method="dense")}
+    got = {}
+    for name, f in run.items():
+        x = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        w = None if lw is None else lw.detach().clone().requires_grad_(True)
+        wrt = x + ([] if w is None else [w])
+        (h,) = torch.autograd.grad(f(*x, w, qp, kp).sin().sum(), (x[0],), create_graph=True)
+        second = torch.autograd.grad((h * U).sum(), wrt, create_graph=True)
+        got[name] = torch.autograd.grad((second[0] * T).sum(), wrt, allow_unused=True)
+    for a, b in zip(got["stream"], got["dense"]):
+        assert (a is None) == (b is None)
+        if b is not None:
+            finite = torch.isfinite(b)
+            _close(a[finite], b[finite])
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("engine", [None, "tiles"])
+@pytest.mark.parametrize("kind", ["none", "weighted", "positions", "sequence"])
+def test_forward_mode_over_a_backward_pass_matches_dense(kind, engine, create_graph):
+    """Forward-over-reverse (torch.autograd.forward_ad around torch.autograd.grad): the tangent of the gradient
+    equals the dense kernel's. The fused CPU kernels have no forward-mode derivative and would drop or refuse the
+    tangent; such a backward takes the functional tiles."""
+    from torch.autograd import forward_ad
+
+    q, k, v, lw, qp, kp = _derivative_problem(kind)
+    g = torch.Generator().manual_seed(45)
+    G = torch.randn(*q.shape[:-1], v.shape[-1], generator=g, dtype=DT)
+    tans = [torch.randn(t.shape, generator=g, dtype=DT) for t in (q, k, v)]
+    run = {"stream": lambda *a: stream_attend(*a, engine=engine), "dense": lambda *a: attend(*a, method="dense")}
+    got = {}
+    for name, f in run.items():
+        with forward_ad.dual_level():
+            x = [forward_ad.make_dual(t.detach().clone(), d).requires_grad_(True) for t, d in zip((q, k, v), tans)]
+            out = f(*x, lw, qp, kp)
+            grads = torch.autograd.grad((out * G).sum() + (out ** 2).sum(), x, create_graph=create_graph)
+            got[name] = [forward_ad.unpack_dual(t).tangent for t in grads]
+    for a, b in zip(got["stream"], got["dense"]):
+        assert a is not None
+        _close(a, b)
+
+
+def test_vectorized_jacobians_and_batched_cotangents_match_dense():
+    """torch.autograd.functional's vectorize=True (reverse and forward mode) and grad(..., is_grads_batched=True)
+    hand the backward legacy batched tensors, which the in-place tile loops cannot take: the functional tiles."""
+    from torch.autograd.functional import hessian, jacobian
+
+    q, k, v, lw, qp, kp = _derivative_problem("positions")
+    f = {m: (lambda x, m=m: attend(x, k, v, lw, qp, kp, method=m).sin().sum()) for m in ("stream", "dense")}
+    J = {m: (lambda x, m=m: attend(x, k, v, lw, qp, kp, method=m)) for m in ("stream", "dense")}
+    x = q[0].clone()
+    _close(jacobian(J["stream"], x, vectorize=True), jacobian(J["dense"], x))
+    _close(jacobian(J["stream"], x, vectorize=True, strategy="forward-mode"), jacobian(J["dense"], x))
+    _close(hessian(f["stream"], x, vectorize=True), hessian(f["dense"], x))
+    xs = q.detach().clone().requires_grad_(True)
+    outs = {m: attend(xs, k, v, lw, qp, kp, method=m) for m in ("stream", "dense")}
+    cot = torch.randn(3, *outs["dense"].shape, generator=torch.Generator().manual_seed(46), dtype=DT)
+    got, want = (torch.autograd.grad(outs[m], xs, cot, is_grads_batched=True, retain_graph=True)[0]
+                 for m in ("stream", "dense"))
+    _close(got, want)
+
+
+def test_the_same_tensor_as_queries_keys_and_values_has_the_dense_double_backward():
+    """StreamAttention.apply(x, x, x): each argument's partial derivative goes to its own slot (before, the total
+    derivative was returned for each, so counted three times)."""
+    from meanfield import attention_tiles as tiles
+
+    x0 = torch.randn(1, 6, 3, generator=torch.Generator().manual_seed(47), dtype=DT)
+    plan = tiles.tile_plan(None, None, 6, 6, 4, 4)
+    got = {}
+    for name in ("stream", "dense"):
+        x = x0.clone().requires_grad_(True)
+        out = streaming.StreamAttention.apply(x, x, x, None, None, None, plan)[0] if name == "stream" else \
+            attend(x, x, x, method="dense")
+        (gx,) = torch.autograd.grad((out ** 2).sum(), (x,), create_graph=True)
+        got[name] = torch.autograd.grad((gx ** 2).sum(), (x,))[0]
+    _close(got["stream"], got["dense"])
 
 
 # ---------------------------------------------------------------- bad input

@@ -411,6 +411,36 @@ def test_local_lipschitz_certificate_through_the_triton_engine(triton_engine):
     assert got.converged and ref.converged
 
 
+@pytest.mark.parametrize("create_graph", [False, True])
+@pytest.mark.parametrize("positions", [None, "sequence", "other"])
+def test_forward_mode_over_a_backward_pass_through_the_triton_engine(triton_engine, positions, create_graph):
+    """Forward-over-reverse (forward_ad around a gradient, as a Hessian-vector product): the Triton kernels work
+    on raw pointers and carry no tangent (the gradient's tangent came back None, or wrong beside other terms),
+    so such a backward takes the functional tiles; equal to the dense kernel."""
+    from torch.autograd import forward_ad
+
+    g = torch.Generator().manual_seed(15)
+    n = 13
+    q, k, v = (torch.randn(2, n, 3, generator=g, dtype=DT) for _ in range(3))
+    lw = torch.log_softmax(torch.randn(n, generator=g, dtype=DT), 0)
+    lw[3] = -math.inf
+    qp = kp = torch.arange(n, dtype=DT) if positions == "sequence" else None
+    if positions == "other":
+        qp, kp = torch.rand(n, generator=g, dtype=DT), torch.rand(n, generator=g, dtype=DT)
+    tans = [torch.randn(t.shape, generator=g, dtype=DT) for t in (q, k, v)]
+    got = {}
+    for method in ("stream", "dense"):
+        with forward_ad.dual_level():
+            x = [forward_ad.make_dual(t.clone(), d).requires_grad_(True) for t, d in zip((q, k, v), tans)]
+            out = attend(*x, lw, qp, kp, method=method)
+            grads = torch.autograd.grad(out.sin().sum() + (x[0] ** 2).sum(), x, create_graph=create_graph)
+            got[method] = [forward_ad.unpack_dual(t).tangent for t in grads]
+    assert triton_engine["forward"] >= 1
+    for a, b in zip(got["stream"], got["dense"]):
+        assert a is not None
+        _close(a, b)
+
+
 def test_a_kernel_that_does_not_compile_falls_back_to_the_tiles_once_with_a_warning(triton_engine, ta, monkeypatch):
     """On a GPU where a kernel does not compile (Triton's compile-time or resource errors), the call is
     computed by the tile loops (same result), the first time with a RuntimeWarning, then silently;
