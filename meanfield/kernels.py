@@ -55,7 +55,7 @@ from particles import device as _device
 from particles.validation import check_allocation, memory_limit, output_checks_are_deferred
 
 from . import accelerator_paths as _paths
-from .streamed_attention import _transforms_active, sequence_mask
+from .streamed_attention import _transforms_active, sequence_mask, shared_keys
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "rows_attend",
            "STREAM_THRESHOLD",
@@ -438,11 +438,6 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     return q_pos.to(common) < first.amin(dim=-1, keepdim=True)
 
 
-def _unbatched(t, rank) -> bool:
-    """Whether ``t`` (a tensor of ``rank`` trailing dimensions, or None) has no batch dimension of a size above 1."""
-    return t is None or all(size == 1 for size in t.shape[:-rank])
-
-
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
@@ -454,8 +449,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)
-    if (q_pos is None and q.dim() > 2 and math.prod(q.shape[:-2]) > 1 and _unbatched(k, 2) and _unbatched(v, 2)
-            and _unbatched(log_weights, 1)):
+    if shared_keys(q, k, v, log_weights, q_pos):
         # keys, values and weights shared by the whole batch, no positions: one set of b x m queries (the same
         # scores and outputs; the paths then never expand the keys over the batch, which copied them b times)
         m = q.shape[-2]

@@ -444,6 +444,17 @@ def _resolve_engine(engine, q, v):
     return engine
 
 
+def shared_keys(q, k, v, log_weights, q_pos) -> bool:
+    """Whether a batch of queries (more than one batch entry) meets keys, values and log-weights that no batch
+    dimension of a size above 1 distinguishes, without positions: then the batch is one set of b x m queries
+    (the same scores and outputs), and no path expands the keys over the batch (decided on shapes only: an
+    expanded tensor may carry a forward-mode tangent that differs across the batch)."""
+    if q_pos is not None or not isinstance(q, torch.Tensor) or q.dim() <= 2 or math.prod(q.shape[:-2]) <= 1:
+        return False
+    return all(t is None or (isinstance(t, torch.Tensor) and t.dim() >= rank and all(s == 1 for s in t.shape[:-rank]))
+               for t, rank in ((k, 2), (v, 2), (log_weights, 1)))
+
+
 def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_size=None, return_lse=False,
                   engine=None):
     """Weighted (causal) softmax attention in tiles of ``block_size`` (int or (block_q, block_k)).
@@ -458,6 +469,15 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
     ``return_lse`` also returns the row log-sum-exp L.
     """
     pair = _check_block(block_size)
+    if shared_keys(q, k, v, log_weights, q_pos):
+        # one set of b x m queries (no copy of the keys per batch entry in any engine)
+        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                      () if log_weights is None else log_weights.shape[:-1])
+        out, lse = stream_attend(q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
+                                 None if log_weights is None else log_weights.reshape(-1), block_size=block_size,
+                                 return_lse=True, engine=engine)
+        out, lse = out.reshape(*lead, q.shape[-2], out.shape[-1]), lse.reshape(*lead, q.shape[-2])
+        return (out, lse) if return_lse else out
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
     if m == 0 or n == 0:
