@@ -30,7 +30,7 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
   synchronized once, ours against naive dense (SDPA's backward), with the CUDA kernel launches, host syncs
   and other runtime calls of one call of each (torch.profiler).
 
-``--quick`` leaves out N = 1e6 (and Sinkhorn's 2e5); ``--sizes 1e6`` runs only the rows at those N and keeps the
+``--quick`` leaves out N = 1e6 (and Lipschitz's 3e5); ``--sizes 1e6`` runs only the rows at those N and keeps the
 section's other rows in the store. A row at N >= 1e6 first runs untimed at N = 1e4 (kernels compile there),
 then takes one timed call per repeat without a warm-up call (each takes seconds; ``--repeats 1`` for a lent
 device), and the derivatives rows there time ours against SDPA's backward only. ``--steps`` sets the RK4
@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -77,8 +78,9 @@ PREDICTION_MARGIN = 4.0
 #: from this N on, a row primed at a small N (Bench.prime) skips its warm-up call, and the derivatives section
 #: times ours against SDPA's backward only (no engine forced, no dense reference)
 BIG_N = 10**6
-#: N of the row that primes a row at N >= BIG_N
-PRIME_N = 10**4
+#: N of the row that primes a row at N >= BIG_N: auto's path there is the one at 1e6 (at 1e4 the forward pass takes
+#: dense row blocks instead of SDPA or the Triton kernel), so no compilation is left for the timed call
+PRIME_N = 10**5
 
 
 # ---------------------------------------------------------------------- timing
@@ -88,7 +90,7 @@ class Bench:
         self.too_slow = set()   # (context, candidate) that exceeded the cap (skipped at larger N)
         self.history = {}       # (context, candidate) -> (N, median seconds) of its last timed row
         self.peaks = {}         # candidate -> peak GiB above the inputs in its first call (CUDA) of the last row
-        self.primed = set()     # (context, candidate) whose warm-up ran at a small N (prime)
+        self.primed = {}        # (context, candidate) -> (N, seconds) of its warm-up call at a small N (prime)
         self.priming = False
         self.deadline = None    # time.monotonic() after which no row starts (--deadline)
 
@@ -100,12 +102,12 @@ class Bench:
         """Run ``row(*args, **kwargs)`` (a row at a small N) for its warm-up calls only, nothing timed nor kept:
         kernels compile and the allocator warms there, so that the same row at N >= :data:`BIG_N` may skip its
         warm-up call (each call there takes seconds; compilation is done)."""
-        saved = self.repeats, dict(self.history), set(self.too_slow), dict(self.peaks)
+        saved = self.repeats, dict(self.history), dict(self.peaks)
         self.repeats, self.priming = 0, True
         try:
             row(*args, **kwargs)
-        finally:
-            self.repeats, self.history, self.too_slow, self.peaks = saved
+        finally:   # (what went over --cap there stays skipped at larger N)
+            self.repeats, self.history, self.peaks = saved
             self.priming = False
 
     def sync(self):
@@ -169,10 +171,14 @@ class Bench:
                 if n > n0 and predicted > PREDICTION_MARGIN * self.cap:
                     res[name] = f"skipped (about {predicted:.0f} s predicted from N = {n0:g})"
                     continue
-            if self.priming:
-                self.primed.add(key)
-            elif key in self.primed and n is not None and n >= BIG_N and self.repeats > 0:
-                # warmed up at a small N (prime): this call (seconds long) is the first timed one
+            if not self.priming and key in self.primed and n is not None and n >= BIG_N and self.repeats > 0:
+                # warmed up at a small N (prime): this call (seconds long) is the first timed one, started only
+                # if its N^2 extrapolation from the warm-up fits the time left (a killed call loses the row)
+                n0, t0 = self.primed[key]
+                predicted = t0 * (n / n0) ** 2
+                if self.left() is not None and predicted > self.left():
+                    res[name] = f"skipped (about {predicted:.0f} s predicted from N = {n0:g}; {self.left():.0f} s left)"
+                    continue
                 t, out = self._first_call(fn, name)
                 if t is None:
                     res[name] = out
@@ -181,6 +187,8 @@ class Bench:
                     live.append(name)
                 continue
             t, out = self._first_call(fn, name)  # warm-up (compilation, autotuning, allocator)
+            if self.priming and t is not None:
+                self.primed[key] = (n, t)
             if t is None:
                 res[name] = out
             elif t > self.cap:
@@ -643,16 +651,15 @@ def section_table(b, quick):
                      ["SDPA padded", "chunked dense"])
     for n in (10**4, 10**5):
         r = forward_rows(b, s(n), 64, "none", with_stream=True, with_dense=False)
-        yield ("attention forward, d = 64, method='stream'", s(n), r, "ours (stream)", ["SDPA padded"])
-        yield ("attention forward, d = 64, auto", s(n), r, "ours (auto)", ["SDPA padded"])
+        yield [("attention forward, d = 64, method='stream'", s(n), r, "ours (stream)", ["SDPA padded"]),
+               ("attention forward, d = 64, auto", s(n), r, "ours (auto)", ["SDPA padded"])]
     for d in (3, 64):
         r = forward_rows(b, s(1000), d, "none")
         yield (f"attention forward, auto, d = {d}", s(1000), r, "ours (auto)", ["naive dense", "SDPA padded"])
     for n in (10**4, 10**5):
         r = vjp_rows(b, s(n), 64, "none")
-        yield ("VJP (backward), d = 64", s(n), r, "ours (VJP)", ["SDPA backward"])
-        yield ("JVP (forward + tangent), d = 64", s(n), r, "ours (JVP)",
-                     ["dense forward-mode AD", "SDPA backward"])
+        yield [("VJP (backward), d = 64", s(n), r, "ours (VJP)", ["SDPA backward"]),
+               ("JVP (forward + tangent), d = 64", s(n), r, "ours (JVP)", ["dense forward-mode AD", "SDPA backward"])]
     for n in (10**4, 3 * 10**4, 10**5, 2 * 10**5):
         if quick and n > 10**5:
             continue
@@ -706,8 +713,8 @@ def section_derivatives(b, quick):
                     # ours against SDPA's backward only: each call takes seconds here
                     b.prime(vjp_rows, b, PRIME_N, d, mask)
                 r = vjp_rows(b, n, d, mask, engines=_engines(b) if n < BIG_N else ())
-                yield (f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"])
-                yield (f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"])
+                yield [(f"VJP, d = {d}, {mask}", n, r, "ours (VJP)", ["SDPA backward"]),
+                       (f"JVP, d = {d}, {mask}", n, r, "ours (JVP)", ["SDPA backward"])]
 
 
 def section_lipschitz(b, quick):
@@ -725,7 +732,10 @@ def section_lipschitz(b, quick):
                 "info": info}, "ours (GPU)", ["CPU"])
     last = None
     what = "certified mean-field Lipschitz, SelfAttention, d = 3, float64"
-    for n in ([40] if b.smoke else pick([10**5, 3 * 10**5, 10**6], quick)):
+    sizes = [40] if b.smoke else pick([10**5, 3 * 10**5, 10**6], quick)
+    if sizes:
+        lipschitz_measure(b, 24 if b.smoke else 10**4, b.device)   # untimed: CUDA's start, compilation
+    for n in sizes:
         if last is not None and b.left() is not None:
             # one call of minutes: started only if the N^2 extrapolation from the last size fits the time left
             predicted = last[1] * (n / last[0]) ** 2
@@ -734,7 +744,7 @@ def section_lipschitz(b, quick):
                                                f"{b.left():.0f} s left)"}, "ours (GPU)", [])
                 continue
         t, est, clock = lipschitz_measure(b, n, b.device)
-        r = {"ours (GPU)": t if t is not None else OOM}
+        r = {"ours (GPU)": t if t is not None else est}   # (est: the error's text when the call failed)
         if not isinstance(est, str):
             r["info"] = {"value": est.value, "certified rel. error": est.error / est.value,
                          "converged": est.converged, "products": est.applications, **clock_info(clock)}
@@ -835,10 +845,10 @@ def section_wide(b, quick):
     for mask in ("none", "positions", "causal", "weighted"):
         for n in sizes:
             f, v, j = wide_rows(b, n, mask, engines=engines)
-            for what, r, peer in (("forward", f, "SDPA padded"), ("VJP", v, "SDPA backward"),
-                                  ("JVP", j, "SDPA backward")):
-                yield (f"{what}, d = 64, {mask}, by engine", n, r, f"{engines[-1]} engine",
-                       [peer, "tiles engine"] if engines[-1] != "tiles" else [peer])
+            yield [(f"{what}, d = 64, {mask}, by engine", n, r, f"{engines[-1]} engine",
+                    [peer, "tiles engine"] if engines[-1] != "tiles" else [peer])
+                   for what, r, peer in (("forward", f, "SDPA padded"), ("VJP", v, "SDPA backward"),
+                                         ("JVP", j, "SDPA backward"))]
 
 
 RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
@@ -890,14 +900,17 @@ def render_rows(rows) -> list[str]:
     return lines
 
 
-def write_markdown(store: dict, out: Path, command: str):
+def write_markdown(store: dict, out: Path):
     env = store["environment"]
+    commands = "; ".join(f"`{c}`" for c in store.get("commands", [])) or "`python benchmarks/bench_gpu.py`"
     lines = ["# The framework on a GPU, side by side with the fastest peers", "",
-             f"Produced by `{command}` (benchmarks/bench_gpu.py; sections merged from its runs on this GPU).", "",
+             f"Produced by {commands} (benchmarks/bench_gpu.py; sections merged from its runs on this GPU: a row is "
+             "replaced only by a new measurement of the same row, and says when it was measured).", "",
              f"GPU: **{env.get('gpu')}**, driver {env.get('driver', '-')}; torch {env['torch']}, CUDA "
              f"{env['cuda']}, Triton {env['triton']}, Python {env['python']}; host {env['host']}.", "",
              "Each figure: median of the timed calls after a warm-up, all candidates of a row in one process, "
-             "interleaved; float32 unless said. 'peer / ours' > 1 means ours is faster.", "",
+             "interleaved; float32 unless said (rows at N >= 1e6: one untimed run at N = 1e5 first, then the timed "
+             "calls without a warm-up call, as their 'measured' says). 'peer / ours' > 1 means ours is faster.", "",
              "What these figures say against the goals of the GPU work, and what changed because of them: "
              "[README.md](README.md#gpu-measured-on-one-h200).", "",
              "The studies at this scale are a separate command: `meanfield reproduce --quick --only "
@@ -909,15 +922,16 @@ def write_markdown(store: dict, out: Path, command: str):
         sec = store["sections"][name]
         lines += [f"## {name}", "", f"{sec['date']}, repeats {sec['repeats']}, load before: `{sec['load']}`", ""]
         lines += render_rows([tuple(r) for r in sec["rows"]]) + [""]
-        if sec.get("note"):
-            lines += [sec["note"], ""]
+        for key in ("note", "last run"):
+            if sec.get(key):
+                lines += [sec[key] if key == "note" else f"Last run: {sec[key]}", ""]
     out.write_text("\n".join(lines))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
-    ap.add_argument("--quick", action="store_true", help="leave out N = 1e6 (and Sinkhorn's 2e5)")
+    ap.add_argument("--quick", action="store_true", help="leave out N = 1e6 (and Lipschitz's 3e5)")
     ap.add_argument("--dims", type=int, nargs="+", choices=(3, 64), default=[3, 64],
                     help="head sizes of the grid and derivatives sections")
     ap.add_argument("--sizes", type=float, nargs="+", default=[],
@@ -930,6 +944,8 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, default=None, help="results store (default: --out with .json)")
     ap.add_argument("--deadline", type=float, default=None,
                     help="seconds: no row is started after this (a lent device's time runs out; what ran is kept)")
+    ap.add_argument("--until", type=float, default=None,
+                    help="the same as an absolute time (seconds since the epoch, `date +%%s`): counts the start-up too")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     a = ap.parse_args(argv)
     DIMS[:] = a.dims
@@ -944,56 +960,78 @@ def main(argv=None):
     a.out.parent.mkdir(parents=True, exist_ok=True)
     store_path.parent.mkdir(parents=True, exist_ok=True)
     env = environment(device)
-    store = {"environment": env, "sections": {}}
+    store = {"environment": env, "sections": {}, "commands": []}
     if store_path.exists():
         old = json.loads(store_path.read_text())
         if old.get("environment", {}).get("gpu") == env["gpu"] and old["environment"].get("torch") == env["torch"]:
-            store["sections"] = old.get("sections", {})
+            store["sections"], store["commands"] = old.get("sections", {}), old.get("commands", [])
+        else:
+            was = old.get("environment", {})
+            print(f"WARNING: {store_path} holds results of another GPU or torch ({was.get('gpu')}, torch "
+                  f"{was.get('torch')}): they are not merged with this run's, which starts the store afresh",
+                  flush=True)
     bench = Bench(device, 1 if a.cpu_smoke else a.repeats, a.cap, a.cpu_smoke)
-    command = "python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = ("python benchmarks/bench_gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
+    if command not in store["commands"]:
+        store["commands"].append(command)
     print(f"# bench_gpu on {env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}\n")
-    deadline = None if a.deadline is None else time.monotonic() + a.deadline
+    ends = [time.monotonic() + a.deadline] if a.deadline is not None else []
+    if a.until is not None:
+        ends.append(time.monotonic() + (a.until - time.time()))
+    deadline = min(ends) if ends else None
     bench.deadline = deadline
+
+    def save():
+        # atomically: a run killed while writing leaves the previous store whole
+        tmp = store_path.with_name(store_path.name + ".tmp")
+        tmp.write_text(json.dumps(store, indent=1, default=str))
+        os.replace(tmp, store_path)
+        write_markdown(store, a.out)
+
     for name in a.sections:
         load = environment(device)["load"]
         print(f"## {name}\n\nload before: `{load}`\n", flush=True)
         print("\n".join(render_rows([])), flush=True)
-        kept = []
-        if SIZES and name in store["sections"]:
-            # --sizes: the section's earlier rows at the other sizes stay, these sizes' rows are replaced
-            old = store["sections"][name]
-            kept = [r for r in old["rows"] if int(r[1]) not in SIZES]
-            previous = f" Rows at other N: {old['date']}, repeats {old['repeats']}." if kept else ""
-        section = store["sections"][name] = {"rows": kept, "date": env["date"], "load": load,
-                                             "repeats": bench.repeats}
-        if kept:
-            section["date"] = f"{env['date']} (N = {', '.join(f'{n:g}' for n in SIZES)}).{previous}"
-            if old.get("note"):
-                section["note"] = old["note"]
+        # every earlier row stays until a row of the same (what, N) replaces it in place (a deadline, --quick,
+        # --sizes or --dims that leaves rows out never deletes them); each row says when and how it was measured
+        old = store["sections"].get(name, {"rows": [], "date": "", "repeats": "?"})
+        for r in old["rows"]:
+            r[2].setdefault("info", {}).setdefault("measured", f"{old['date'][:16]}, repeats {old['repeats']}")
+        section = store["sections"][name] = {"rows": list(old["rows"]), "date": env["date"], "load": load,
+                                             "repeats": bench.repeats, "note": old.get("note", "")}
         rows = RUNNERS[name](bench, a.quick)
         while True:
             if deadline is not None and time.monotonic() > deadline:
-                section["note"] = f"--deadline {a.deadline:g} s reached: the section's later rows were not run"
-                print(f"\n{section['note']}", flush=True)
+                section["last run"] = f"{env['date']}: the deadline was reached; the section's later rows were not run"
+                print(f"\n{section['last run']}", flush=True)
                 break
             try:
-                row = next(rows, None)
+                item = next(rows, None)
             except Exception as exc:  # a row's own code failed: keep what ran, go on with the next section
                 traceback.print_exc()
-                section["note"] = f"stopped by an error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                print(f"\n{section['note']}", flush=True)
+                section["last run"] = (f"{env['date']}: stopped by an error: {type(exc).__name__}: "
+                                       f"{str(exc).splitlines()[0][:200]}")
+                print(f"\n{section['last run']}", flush=True)
                 break
-            if row is None:
+            if item is None:
                 break
-            print(render_rows([row])[-1], flush=True)  # each row as it is measured, and saved at once
-            section["rows"].append(list(row))
-            store_path.write_text(json.dumps(store, indent=1, default=str))
-            write_markdown(store, a.out, command.strip())
+            for row in item if isinstance(item, list) else [item]:   # (a list: rows measured together)
+                print(render_rows([row])[-1], flush=True)  # each row as it is measured, and saved at once
+                row = list(row)
+                how = f"repeats {bench.repeats}"
+                if row[1] >= BIG_N and not bench.smoke:
+                    how = f"{bench.repeats} timed call(s), primed at N = {PRIME_N:g}, no warm-up call"
+                row[2].setdefault("info", {})["measured"] = f"{env['date']}, {how}"
+                same = [i for i, r in enumerate(section["rows"]) if (r[0], float(r[1])) == (row[0], float(row[1]))]
+                if same:
+                    section["rows"][same[0]] = row
+                else:
+                    section["rows"].append(row)
+            save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(flush=True)
-        store_path.write_text(json.dumps(store, indent=1, default=str))
-        write_markdown(store, a.out, command.strip())
+        save()
     print(f"written: {a.out} and {store_path}")
     return 0
 

@@ -111,7 +111,34 @@ def test_sizes_runs_only_those_rows_and_keeps_the_sections_other_rows(tmp_path, 
     import json
 
     rows = json.loads(store.read_text())["sections"]["fixed"]["rows"]
-    assert sorted((int(r[1]), r[2]["ours"]) for r in rows) == [(10, 10.0), (20, 40.0), (30, 30.0)]
+    assert [(int(r[1]), r[2]["ours"]) for r in rows] == [(10, 10.0), (20, 40.0), (30, 30.0)]   # in place
+    assert all("measured" in r[2]["info"] for r in rows)
+
+    def section3(b, quick):   # a later run with fewer rows (a deadline, --quick, --dims) deletes none
+        yield ("row", 30, {"ours": 3.0}, "ours", [])
+
+    monkeypatch.setitem(bench.RUNNERS, "fixed", section3)
+    assert bench.main(["--cpu-smoke", "--sections", "fixed", "--out", str(out)]) == 0
+    rows = json.loads(store.read_text())["sections"]["fixed"]["rows"]
+    assert [(int(r[1]), r[2]["ours"]) for r in rows] == [(10, 10.0), (20, 40.0), (30, 3.0)]
+    text = out.read_text()
+    assert "--sizes 20" in text and text.count("| row |") == 3
+
+
+def test_rows_measured_together_are_all_kept_when_the_deadline_passes(tmp_path, monkeypatch):
+    """The VJP and JVP rows come out of one measurement: a deadline reached after it keeps both."""
+    bench = _load()
+    out = tmp_path / "gpu.md"
+
+    def section(b, quick):
+        bench.time.sleep(0.3)
+        yield [("VJP", 10, {"ours": 1.0}, "ours", []), ("JVP", 10, {"ours": 2.0}, "ours", [])]
+        yield ("never", 10, {"ours": 3.0}, "ours", [])
+
+    monkeypatch.setitem(bench.RUNNERS, "fixed", section)
+    assert bench.main(["--cpu-smoke", "--sections", "fixed", "--deadline", "0.1", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "| VJP |" in text and "| JVP |" in text and "| never |" not in text and "deadline was reached" in text
 
 
 def test_the_lipschitz_row_at_a_larger_n_is_skipped_when_its_extrapolation_exceeds_the_time_left(monkeypatch):
@@ -132,8 +159,38 @@ def test_the_lipschitz_row_at_a_larger_n_is_skipped_when_its_extrapolation_excee
     monkeypatch.setattr(bench, "SIZES", [10**5, 3 * 10**5, 10**6])
     b.deadline = bench.time.monotonic() + 100   # 1e5 -> 3e5: 18 s predicted, fits; 3e5 -> 1e6: 22 s, fits
     rows = list(bench.section_lipschitz(b, quick=False))
-    assert ran == [10**5, 3 * 10**5, 10**6] and rows[0][2]["info"]["float64 products"] == "4 in 1.50 s"
+    # an untimed call at 1e4 first (CUDA's start and compilation), then the timed sizes
+    assert ran == [10**4, 10**5, 3 * 10**5, 10**6] and rows[0][2]["info"]["float64 products"] == "4 in 1.50 s"
     ran.clear()
     b.deadline = bench.time.monotonic() + 25    # 18 s predicted for 3e5 > 25 - 10 s left
     rows = list(bench.section_lipschitz(b, quick=False))
-    assert ran == [10**5] and [str(r[2]["ours (GPU)"])[:7] for r in rows[1:]] == ["skipped", "skipped"]
+    assert ran == [10**4, 10**5] and [str(r[2]["ours (GPU)"])[:7] for r in rows[1:]] == ["skipped", "skipped"]
+
+    def failing(b_, n, device, **kw):   # a failed call reports its error, not "out of memory"
+        return None, "error: RuntimeError: boom", {}
+
+    monkeypatch.setattr(bench, "lipschitz_measure", failing)
+    monkeypatch.setattr(bench, "SIZES", [10**5])
+    b.deadline = None
+    rows = list(bench.section_lipschitz(b, quick=False))
+    assert rows[0][2]["ours (GPU)"] == "error: RuntimeError: boom"
+
+
+def test_a_primed_candidate_at_big_n_starts_only_if_its_extrapolation_fits_the_time_left():
+    """At N >= BIG_N a primed candidate runs without a warm-up call, and only if its warm-up time at the priming
+    N, scaled as N^2, fits the time left before --deadline (a call killed by the session's timeout loses the
+    row); a candidate over --cap at the priming N stays skipped."""
+    bench = _load()
+    b = bench.Bench(torch.device("cpu"), repeats=1, cap=100.0, smoke=True)
+    ran = []
+    fns = {"quick": lambda: ran.append("quick"), "slow": lambda: ran.append("slow")}
+    small = bench.BIG_N // 10
+    b.prime(lambda: b.time(fns, small, "ctx"))
+    b.primed[("ctx", "slow")] = (small, 1.0)      # 1 s a tenth of the way: 100 s predicted at BIG_N
+    b.too_slow.add(("ctx", "capped"))
+    b.deadline = bench.time.monotonic() + 50
+    ran.clear()
+    res = b.time({**fns, "capped": lambda: ran.append("capped")}, bench.BIG_N, "ctx")
+    assert ran == ["quick"] and isinstance(res["quick"], float)
+    assert str(res["slow"]).startswith("skipped (about") and "s left" in res["slow"]
+    assert res["capped"] == "skipped (over cap at smaller N)"
