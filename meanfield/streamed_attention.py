@@ -44,11 +44,14 @@ Engines. Each pass has a fast engine and a differentiable one; the results agree
 * A backward recorded for differentiation (``create_graph=True``) is a node of its own
   (an autograd function): its forward is the fast VJP, its derivative in the cotangent is the
   fast streamed JVP (the VJP is linear in the cotangent), and its derivative in q, k, v, log a comes
-  from the functional tiles, computed only when the backward pass asks for it. Reverse-over-reverse
-  Jacobian products (:func:`meanfield.local_lipschitz`) thus record O(N) and never touch the tiles'
-  graph. Under ``torch.func`` transforms (which wrap tensors and forbid in-place updates) every
-  derivative takes the functional tiles: ``torch.func.jvp`` / ``vjp`` are exact but slower than
-  ``torch.autograd.forward_ad`` / ``torch.autograd.grad``.
+  from the functional tiles (partial derivatives of the VJP in q, k, v, log a, out and L, the cotangents
+  attached: higher orders follow them), computed only when the backward pass asks for it.
+  Reverse-over-reverse Jacobian products (:func:`meanfield.local_lipschitz`) thus record O(N) and never touch the tiles'
+  graph. A backward whose tensors carry forward-mode tangents (forward-over-reverse) or legacy batch
+  dimensions (``torch.autograd.functional``'s ``vectorize=True``) runs in the functional tiles. Under
+  ``torch.func`` transforms (which wrap tensors and forbid in-place updates) every derivative takes the
+  functional tiles: ``torch.func.jvp`` / ``vjp`` are exact but slower than ``torch.autograd.forward_ad`` /
+  ``torch.autograd.grad``.
 
 Where it lives: this module holds the autograd functions, the choice of engine and the public calls;
 the tiles (mask layout, functional and in-place tile loops) are in :mod:`meanfield.attention_tiles`,
