@@ -31,9 +31,10 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
   and other runtime calls of one call of each (torch.profiler).
 
 ``--quick`` leaves out N = 1e6 (and Lipschitz's 3e5); ``--sizes 1e6`` runs only the rows at those N and keeps the
-section's other rows in the store. A row at N >= 1e6 first runs untimed at N = 1e4 (kernels compile there),
-then takes one timed call per repeat without a warm-up call (each takes seconds; ``--repeats 1`` for a lent
-device), and the derivatives rows there time ours against SDPA's backward only. ``--steps`` sets the RK4
+section's other rows in the store. A row at N >= 1e6 first runs at N = 1e5 (auto's path at 1e6; kernels
+compile there; a warm-up and one timed call, not kept), then takes one timed call per repeat without a warm-up
+call (each takes seconds; ``--repeats 1`` for a lent device), each started only if the 1e5 time, scaled as N^2,
+fits the time left before the deadline; the derivatives rows there time ours against SDPA's backward only. ``--steps`` sets the RK4
 steps of the dynamics rows. ``--cpu-smoke`` runs every section at tiny sizes on the CPU (to check the script
 itself; its figures mean nothing) and writes to ``--out`` only.
 """
@@ -99,11 +100,12 @@ class Bench:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     def prime(self, row, *args, **kwargs):
-        """Run ``row(*args, **kwargs)`` (a row at a small N) for its warm-up calls only, nothing timed nor kept:
-        kernels compile and the allocator warms there, so that the same row at N >= :data:`BIG_N` may skip its
-        warm-up call (each call there takes seconds; compilation is done)."""
+        """Run ``row(*args, **kwargs)`` (a row at a small N), its result not kept: kernels compile and the
+        allocator warms there, so that the same row at N >= :data:`BIG_N` may skip its warm-up call (each call
+        there takes seconds; compilation is done); one call after the warm-up is timed, the time that row's
+        candidates are extrapolated from (a warm-up's time holds compilation)."""
         saved = self.repeats, dict(self.history), dict(self.peaks)
-        self.repeats, self.priming = 0, True
+        self.repeats, self.priming = 1, True
         try:
             row(*args, **kwargs)
         finally:   # (what went over --cap there stays skipped at larger N)
@@ -196,8 +198,6 @@ class Bench:
                 self.too_slow.add(key)
             else:
                 live.append(name)
-        if self.priming:
-            return res
         times = {k: [timed_first[k]] if k in timed_first else [] for k in live}
         for r in range(self.repeats):
             for name in live[r % max(1, len(live)):] + live[:r % max(1, len(live))]:
@@ -213,6 +213,8 @@ class Bench:
                 res[name] = statistics.median(times[name])
                 if n is not None:
                     self.history[(context, name)] = (n, res[name])
+                    if self.priming:
+                        self.primed[(context, name)] = (n, res[name])
         return res
 
 
@@ -909,7 +911,7 @@ def write_markdown(store: dict, out: Path):
              f"GPU: **{env.get('gpu')}**, driver {env.get('driver', '-')}; torch {env['torch']}, CUDA "
              f"{env['cuda']}, Triton {env['triton']}, Python {env['python']}; host {env['host']}.", "",
              "Each figure: median of the timed calls after a warm-up, all candidates of a row in one process, "
-             "interleaved; float32 unless said (rows at N >= 1e6: one untimed run at N = 1e5 first, then the timed "
+             "interleaved; float32 unless said (rows at N >= 1e6: a run at N = 1e5 first, not kept, then the timed "
              "calls without a warm-up call, as their 'measured' says). 'peer / ours' > 1 means ours is faster.", "",
              "What these figures say against the goals of the GPU work, and what changed because of them: "
              "[README.md](README.md#gpu-measured-on-one-h200).", "",

@@ -20,8 +20,8 @@
 #   lipschitz-1e6    certified Lipschitz at 1e5, then at 1e6 if the N^2 extrapolation fits the time left
 #                    (1e5 took 6.7 s on 2026-11-26, i.e. 1e6 about 11 minutes: it runs if 1e5 now takes under 5.5 s)
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
-# 1e6 run once untimed at 1e5 first (compilation), then are timed once (--repeats 1, no warm-up call), each
-# started only if its extrapolation fits the step's time.
+# 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
+# no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
 # It needs torch with CUDA (and Triton); POT and GeomLoss are optional peers (their rows say n/a without them).
 set -u
 END=$((SECONDS + ${BUDGET:-480}))

@@ -71,7 +71,9 @@ def test_a_primed_candidate_skips_its_warm_up_only_at_big_n_and_only_after_primi
     def row(n):
         return b.time(fns, n, "ctx")
 
-    assert b.prime(row, 10) is None and calls == ["ours", "peer"] and not b.history
+    # priming: a warm-up and one timed call each, the time kept for extrapolation only (no history)
+    assert b.prime(row, 10) is None and sorted(calls) == ["ours", "ours", "peer", "peer"] and not b.history
+    assert set(b.primed) == {("ctx", "ours"), ("ctx", "peer")}
     calls.clear()
     res = row(bench.BIG_N)
     assert sorted(calls) == ["ours", "ours", "peer", "peer"] and all(isinstance(res[k], float) for k in fns)
