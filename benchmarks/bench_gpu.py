@@ -34,9 +34,9 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
 section's other rows in the store. A row at N >= 1e6 first runs at N = 1e5 (auto's path at 1e6; kernels
 compile there; a warm-up and one timed call, not kept), then takes one timed call per repeat without a warm-up
 call (each takes seconds; ``--repeats 1`` for a lent device), each started only if the 1e5 time, scaled as N^2,
-fits the time left before the deadline; the derivatives rows there time ours against SDPA's backward only. ``--steps`` sets the RK4
-steps of the dynamics rows. ``--cpu-smoke`` runs every section at tiny sizes on the CPU (to check the script
-itself; its figures mean nothing) and writes to ``--out`` only.
+fits the time left before the deadline; the derivatives rows there time ours against SDPA's backward only.
+``--steps`` sets the RK4 steps of the dynamics rows. ``--cpu-smoke`` runs every section at tiny sizes on the CPU
+(to check the script itself; its figures mean nothing) and writes to ``--out`` only.
 """
 
 from __future__ import annotations
