@@ -13,6 +13,8 @@ its order. A requested time within a few ulps of its dtype of a boundary is take
 from __future__ import annotations
 
 import bisect
+import functools
+import inspect
 import math
 import numbers
 
@@ -141,6 +143,24 @@ def integrate_fixed(field, Y, times, method, step, steps):
     return out, nsteps
 
 
+@functools.cache
+def _solver_options(method) -> frozenset:
+    """The options torchdiffeq's solver ``method`` takes (the keywords of its class's constructors), or an empty
+    set where torchdiffeq does not say (then nothing is checked here)."""
+    try:
+        from torchdiffeq._impl.odeint import SOLVERS
+
+        names = set()
+        for klass in SOLVERS[method].__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is not None:
+                names |= {q.name for q in inspect.signature(init).parameters.values()
+                          if q.kind in (q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY)}
+    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+        return frozenset()
+    return frozenset(names - {"self", "func", "y0", "rtol", "atol"})
+
+
 def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     """torchdiffeq.odeint layer by layer; returns (points at each requested time, None)."""
     from torchdiffeq import odeint
@@ -150,6 +170,10 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
             raise ValueError(f"{name}: expected a positive finite tolerance, got {val!r}")
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"options: expected a dict of torchdiffeq options, got {type(options).__name__}")
+    unknown = sorted(set(options or {}) - _solver_options(method))
+    if unknown and _solver_options(method):
+        raise ValueError(f"options: {unknown} are not options of torchdiffeq's {method!r} solver (it takes "
+                         f"{sorted(_solver_options(method) - {'max_num_steps'})}; its step budget is max_steps=)")
     opts = {"max_num_steps": check_positive_int(max_steps, "max_steps")}
     opts.update(options or {})
     # the requested times on a layer boundary (to a few ulps of their dtype) are put on it: a float64 boundary

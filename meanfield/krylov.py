@@ -48,6 +48,9 @@ __all__ = ["SolverResult", "SOLVERS", "lanczos", "power", "dense", "PATIENCE"]
 PATIENCE = 50
 #: target of the float32 phase of the mixed Lanczos: its own rounding (~1e-7 of |J|) limits what it can certify
 _LOW_TARGET = 2 * torch.finfo(torch.float32).eps
+#: a Krylov residual below this fraction of the largest diagonal entry (or 1e3 machine epsilons, if smaller) is a
+#: breakdown: the space is exhausted, and the next vector is a fresh direction
+_BREAKDOWN_MAX = 1e-3
 #: a certification pass whose error is not below this fraction of the previous one made no progress
 _PROGRESS = 0.5
 
@@ -228,7 +231,8 @@ class _Krylov:
             # a fresh direction orthogonal to the basis
             w, beta = self.w, self.beta[j - 1]
             scale = torch.stack(self.alpha, 1).abs().amax(1).clamp(min=tiny)
-            broke = beta <= 1e3 * tiny * scale
+            # (1e3 eps: 1 in float16, 8 in bfloat16, where every step would count as a breakdown: at most 1e-3)
+            broke = beta <= min(1e3 * tiny, _BREAKDOWN_MAX) * scale
             self.q_prev = q
             if bool(broke.any()):
                 Qj = self.basis.view()
@@ -307,7 +311,8 @@ def _low_problem(build, u0):
         low = Jacobian(fn32, X32, s_in32, s_out32)
         w = low.J(u0.to(torch.float32))
         low.cheap_checks = True
-    except (ValueError, OverflowError, RuntimeError, NotImplementedError):
+    except (ValueError, ArithmeticError, RuntimeError, NotImplementedError):
+        # (ArithmeticError: OverflowError, and the FloatingPointError of an output beyond float32's range)
         return None
     if bool(low.zero.any()) or not bool(torch.isfinite(low.scale).all()):
         return None

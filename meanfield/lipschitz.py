@@ -59,7 +59,7 @@ from particles.validation import memory_limit as memory_limit_bytes
 
 from .adapters import as_operator
 from .jacobian import Jacobian, make_problems
-from .krylov import SOLVERS
+from .krylov import PATIENCE, SOLVERS
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,11 @@ TOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 3e-2, torch.bflo
 
 #: Default iteration budget by method (the Krylov dimension for lanczos, iterations for power, one pass for dense)
 MAX_ITER = {"lanczos": 300, "power": 5000, "dense": 1}
+
+#: a stalled certificate above sqrt(this many machine epsilons) (relative error) is not at a rounding floor:
+#: products round at 10 to 1e4 epsilons, and the certificate's error bound is the square root of such a residual
+#: where it is smaller than the residual itself. Power iteration stalls above it on close singular values
+ROUNDING_FLOOR = 1e4
 
 #: entries per batch member from which float32 products pay for their set-up (mixed=None)
 MIXED_MIN_SIZE = 4096
@@ -309,10 +314,21 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     if failed:
         worst = max(failed, key=lambda m: m[2] / max(m[0], 1e-300))
         rel = worst[2] / max(worst[0], 1e-300)
-        if worst[5]:
+        dtype = problems[0].X.dtype
+        if worst[5] and method == "power" and rel > math.sqrt(ROUNDING_FLOOR * torch.finfo(dtype).eps):
+            # far above any rounding floor: close top singular values, between which power iteration moves
+            # slowly (by their ratio squared per iteration)
+            why = (f"the certificate stopped improving at relative error {rel:.3g} after {iterations} iterations "
+                   f"(no 1% gain in {PATIENCE} iterations), far above the rounding of {dtype} products: the top "
+                   "singular values are close, which power iteration separates slowly; use method='lanczos' (or "
+                   "a larger tol)")
+        elif worst[5] and 2 * rel >= 0.5:
+            why = (f"the certificate stalled at relative error {rel:.3g} after {iterations} iterations: {dtype} "
+                   "products cannot certify this constant; use float32 or float64 inputs")
+        elif worst[5]:
             why = (f"the certificate stalled at relative error {rel:.3g} after {iterations} iterations: the rounding "
-                   f"of {problems[0].X.dtype} products at this input is above tol={tol:g}; use tol >= {2 * rel:.2g}"
-                   + (" or float64" if problems[0].X.dtype != torch.float64 else ""))
+                   f"of {dtype} products at this input is above tol={tol:g}; use tol >= {2 * rel:.2g}"
+                   + (" or float64" if dtype != torch.float64 else ""))
         else:
             why = (f"did not reach tol={tol:g} in {iterations} iterations (relative error bound {rel:.3g}, value "
                    f"{worst[0]:.6g}); raise max_iter or loosen tol")

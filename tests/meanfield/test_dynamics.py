@@ -371,3 +371,14 @@ def test_the_previous_keywords_of_simulate_still_work_with_a_warning():
 
         old_op = SphereAttention(1.5, "USA")
     assert isinstance(old_op, IsotropicAttention)
+
+
+def test_an_adaptive_solvers_unknown_option_is_refused_by_name():
+    """A misspelt option of an adaptive solver (torchdiffeq only warns, then ignores it: the intended step cap
+    was lost) is a ValueError naming it and listing the solver's options; a known one is passed on."""
+    X = torch.randn(5, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    op = SelfAttention(np.eye(3) / 3, np.eye(3))
+    with pytest.raises(ValueError, match=r"max_stpes.*dopri5.*first_step"):
+        simulate(op, Measure(X), [0.0, 1.0], method="dopri5", options={"max_stpes": 10})
+    traj = simulate(op, Measure(X), [0.0, 1.0], method="dopri5", options={"first_step": 0.1})
+    assert torch.isfinite(traj.final.points).all()

@@ -250,3 +250,45 @@ def test_a_function_that_is_not_finite_at_x_is_a_floating_point_error():
     f = lambda Y: Y / (Y.sum() - Y.sum())   # inf everywhere
     with pytest.raises(FloatingPointError, match="f: produced NaN or infinite outputs at X"):
         local_lipschitz(f, torch.ones(3, 2, dtype=f64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lanczos_in_half_precision_converges_to_the_dense_constant(dtype):
+    """float16 / bfloat16 products: Lanczos at the dtype's default tolerance converges to the dense Jacobian's top
+    singular value (of the same rounded inputs) within its error. A residual of 1e3 epsilons counted as a Krylov
+    breakdown, which in half precision is every step: each restarted from a random direction and the run stalled
+    with the value 60% low."""
+    g = torch.Generator().manual_seed(6)
+    A, V = (torch.randn(3, 3, generator=g) / 3**0.5 for _ in range(2))
+    A, V, X = A.to(dtype), V.to(dtype), torch.randn(6, 3, generator=g).to(dtype)
+    est = local_lipschitz(SelfAttention(A, V), X)
+    truth = dense_lipschitz(SelfAttention(A.double(), V.double()).sequence, X.double())
+    assert est.converged and abs(est.value - truth) <= est.error + 4 * torch.finfo(dtype).eps * truth
+
+
+def test_a_float32_phase_beyond_float32s_range_hands_over_to_float64():
+    """mixed precision: a float64 input whose products overflow float32 (V = 1e39 V0) is computed in float64, as
+    with mixed=False, instead of failing on the float32 twin's overflow."""
+    g = torch.Generator().manual_seed(7)
+    X = torch.randn(512, 8, generator=g, dtype=f64)
+    A, V = torch.randn(8, 8, generator=g, dtype=f64) / 8, 1e39 * torch.randn(8, 8, generator=g, dtype=f64) / 8**0.5
+    op = SelfAttention(A, V)
+    plain = local_lipschitz(op, X, mixed=False)
+    mixed = local_lipschitz(op, X)
+    assert plain.converged and mixed.converged
+    assert abs(mixed.value - plain.value) <= mixed.error + plain.error
+
+
+def test_power_iteration_stopped_by_close_singular_values_says_so():
+    """Power iteration stops when its certified error gains nothing for PATIENCE iterations. Far above any
+    rounding floor that means close top singular values (slow, not limited by rounding): the error says so and
+    points to lanczos, which certifies the same input."""
+    V = torch.diag(torch.tensor([1.0, 1.0 - 1e-4, 0.5], dtype=f64))
+    X = torch.randn(6, 3, generator=torch.Generator().manual_seed(8), dtype=f64)
+    op = SelfAttention(torch.zeros(3, 3, dtype=f64), V)
+    with pytest.raises(ConvergenceError, match="close") as info:
+        local_lipschitz(op, X, method="power", max_iter=400)
+    assert "rounding" not in str(info.value).split("far above")[0]
+    truth = dense_lipschitz(op.sequence, X)
+    est = local_lipschitz(op, X)
+    assert est.converged and abs(est.value - truth) <= est.error + 1e-12
