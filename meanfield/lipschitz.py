@@ -160,7 +160,10 @@ class LipschitzEstimate:
 
     @property
     def upper(self):
-        """``value + error``, an upper bound once the Ritz value is the top of the spectrum."""
+        """``value + error``, an upper bound once the Ritz value is the top of the spectrum. ``error`` bounds the
+        distance to *some* singular value: where the top two are closer than ``tol * value``, the Ritz vector may
+        mix them and the bound point at the second, so ``upper`` can fall short of the top by up to their gap
+        (below ``tol * value``; docs/math.md section 4.4). ``value`` stays a lower bound (to the dtype's rounding)."""
         return self.value + self.error
 
     def __float__(self) -> float:
