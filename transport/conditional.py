@@ -38,9 +38,10 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
     mass_atol : float
         ... and the same masses within ``mass_atol`` (>= 0). Otherwise the value is ``math.inf``: no
-        coupling keeps every position. Where the masses at a position differ (within ``mass_atol``),
-        each measure's slice is renormalized by its own mass and the slice counts with the mean of the
-        two masses, so that W2c(mu, nu) = W2c(nu, mu).
+        coupling keeps every position. ``mass_atol`` compares the masses of positions both measures occupy: a
+        position that holds mass (however little) in one measure and none in the other gives ``math.inf``.
+        Where the masses at a position differ (within ``mass_atol``), each measure's slice is renormalized by
+        its own mass and the slice counts with the mean of the two masses, so that W2c(mu, nu) = W2c(nu, mu).
     squared : bool
         Return W2c^2.
     return_plan : bool
