@@ -55,7 +55,7 @@ from particles import device as _device
 from particles.validation import check_allocation, memory_limit, output_checks_are_deferred
 
 from . import accelerator_paths as _paths
-from .streamed_attention import _transforms_active, sequence_mask, shared_keys
+from .streamed_attention import _transforms_active, one_query_set, sequence_mask, shared_keys
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "rows_attend",
            "STREAM_THRESHOLD",
@@ -452,12 +452,9 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     if shared_keys(q, k, v, log_weights, q_pos):
         # keys, values and weights shared by the whole batch, no positions: one set of b x m queries (the same
         # scores and outputs; the paths then never expand the keys over the batch, which copied them b times)
-        m = q.shape[-2]
-        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                                      () if log_weights is None else log_weights.shape[:-1])
-        out = attend(q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
-                     None if log_weights is None else log_weights.reshape(-1), method=method, block_size=block_size)
-        return out.reshape(*lead, m, out.shape[-1])
+        args, lead = one_query_set(q, k, v, log_weights)
+        out = attend(*args, method=method, block_size=block_size)
+        return out.reshape(*lead, q.shape[-2], out.shape[-1])
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
     causal = None

@@ -458,6 +458,15 @@ def shared_keys(q, k, v, log_weights, q_pos) -> bool:
                for t, rank in ((k, 2), (v, 2), (log_weights, 1)))
 
 
+def one_query_set(q, k, v, log_weights):
+    """In the case of :func:`shared_keys`: ((q, k, v, log_weights) as one set of b x m queries against the keys
+    without their size-1 batch dimensions, the leading (batch) shape of the output)."""
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                  () if log_weights is None else log_weights.shape[:-1])
+    return (q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
+            None if log_weights is None else log_weights.reshape(-1)), lead
+
+
 def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_size=None, return_lse=False,
                   engine=None):
     """Weighted (causal) softmax attention in tiles of ``block_size`` (int or (block_q, block_k)).
@@ -474,11 +483,8 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
     pair = _check_block(block_size)
     if shared_keys(q, k, v, log_weights, q_pos):
         # one set of b x m queries (no copy of the keys per batch entry in any engine)
-        lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                                      () if log_weights is None else log_weights.shape[:-1])
-        out, lse = stream_attend(q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
-                                 None if log_weights is None else log_weights.reshape(-1), block_size=block_size,
-                                 return_lse=True, engine=engine)
+        args, lead = one_query_set(q, k, v, log_weights)
+        out, lse = stream_attend(*args, block_size=block_size, return_lse=True, engine=engine)
         out, lse = out.reshape(*lead, q.shape[-2], out.shape[-1]), lse.reshape(*lead, q.shape[-2])
         return (out, lse) if return_lse else out
     batch, q, k, v, log_weights, q_pos, k_pos = _broadcast(q, k, v, log_weights, q_pos, k_pos)

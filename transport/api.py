@@ -63,7 +63,7 @@ def _auto(problem: Problem) -> str:
 def _auto_eps(problem: Problem) -> float:
     """(AUTO_BLUR * diameter)^2 in normalized units, the diameter of the atoms of positive mass (a zero-weight atom
     changes neither measure); never 0: one point repeated still gets a positive eps."""
-    both = torch.cat([problem.x.detach()[problem.log_a > -math.inf], problem.y.detach()[problem.log_b > -math.inf]])
+    both = problem.support_points()
     spread = float(both.max()) - float(both.min())
     return max((AUTO_BLUR * spread * problem.dim ** 0.5) ** 2, 1e-12)
 

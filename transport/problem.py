@@ -170,9 +170,13 @@ class Problem:
     input_dtype = property(lambda self: self.mu.dtype)
     device = property(lambda self: self.mu.device)
 
+    def support_points(self) -> torch.Tensor:
+        """The atoms of positive mass of both measures (a zero-weight atom changes neither), normalized units."""
+        return torch.cat([self.x.detach()[self.log_a > -math.inf], self.y.detach()[self.log_b > -math.inf]])
+
     def squared_diameter(self) -> float:
         """Squared diagonal of the box holding both supports (atoms of positive mass), normalized units."""
-        both = torch.cat([self.x.detach()[self.log_a > -math.inf], self.y.detach()[self.log_b > -math.inf]])
+        both = self.support_points()
         return float(((both.max(0).values - both.min(0).values) ** 2).sum())
 
     def eps(self, reg: float) -> float:
