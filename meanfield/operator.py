@@ -34,14 +34,16 @@ import warnings
 import torch
 
 from particles import Measure
+from particles.measure import position_dtype
 from particles.validation import as_tensor, output_checks_are_deferred
 
 __all__ = ["AttentionOperator", "sequence_positions"]
 
 
 def sequence_positions(n: int, like: torch.Tensor) -> torch.Tensor:
-    """Positions s_i = i/n, i = 1..n: the masked measure of a sequence (docs/math.md section 2)."""
-    return torch.arange(1, n + 1, dtype=like.dtype, device=like.device) / n
+    """Positions s_i = i/n, i = 1..n: the masked measure of a sequence (docs/math.md section 2), in
+    :func:`particles.measure.position_dtype` of ``like``'s dtype (float32 for half precisions, whose i/n collide)."""
+    return torch.arange(1, n + 1, dtype=position_dtype(like.dtype), device=like.device) / n
 
 
 class AttentionOperator:
@@ -137,7 +139,7 @@ class AttentionOperator:
         if self.masked:
             if positions is None:
                 raise ValueError("positions: a masked operator needs the query positions s of the points x")
-            p = as_tensor(positions, "positions", dtype=x.dtype, device=x.device)
+            p = as_tensor(positions, "positions", dtype=position_dtype(x.dtype), device=x.device)
             if p.shape != lead:
                 raise ValueError(f"positions: expected shape {tuple(lead)} (one per point), got {tuple(p.shape)}")
             q_pos, k_pos = p.reshape(-1), mu.positions

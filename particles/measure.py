@@ -22,6 +22,7 @@ from .validation import (
     as_tensor,
     check_allocation,
     check_bool,
+    check_device,
     check_ndim,
     check_positive_int,
     check_radius,
@@ -30,7 +31,27 @@ from .validation import (
     weight_tolerance,
 )
 
-__all__ = ["Measure"]
+__all__ = ["Measure", "position_dtype"]
+
+#: point dtypes too coarse for positions: float16 rounds i/n and (i+1)/n to one value from n = 2049 on, bfloat16
+#: from n = 257, so a token would see its successor through the causal mask
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def position_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype positions are kept in for points of ``dtype``: float32 for half precisions (where i/n of a
+    sequence of a few hundred tokens collide), the points' own otherwise. Positions are only ever compared."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _held(lw: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Log-weights ``lw`` in ``dtype``; a ValueError naming ``name`` where a positive mass would become zero."""
+    out = lw.to(dtype)
+    lost = int(((out == -math.inf) & (lw > -math.inf)).sum())
+    if lost:
+        raise ValueError(f"{name}: {lost} atom(s) of positive mass have log-weights below what {dtype} holds "
+                         f"(smallest {float(lw[lw > -math.inf].min()):.4g}); use a wider dtype or drop those atoms")
+    return out
 
 
 class Measure:
@@ -68,12 +89,14 @@ class Measure:
         if weights is not None and log_weights is not None:
             raise ValueError("weights, log_weights: give at most one of them")
         if log_weights is not None:
-            lw = as_tensor(log_weights, "log_weights", dtype=pts.dtype, device=pts.device, finite=False)
+            # in the precision given (a log-weight of -7e4 is a positive mass that float16 cannot hold)
+            lw = as_tensor(log_weights, "log_weights", device=pts.device, finite=False)
             check_ndim(lw, "log_weights", 1, "a vector")
             if lw.shape[0] != n:
                 raise ValueError(f"log_weights: expected {n} entries (one per atom), got {lw.shape[0]}")
             if torch.isnan(lw).any() or (lw == math.inf).any():
                 raise ValueError("log_weights: contains NaN or +inf")
+            lw = lw.to(torch.promote_types(lw.dtype, pts.dtype))
             total = torch.logsumexp(lw.detach(), 0)
             if not torch.isfinite(total):
                 raise ValueError("log_weights: every weight is zero")
@@ -82,32 +105,42 @@ class Measure:
             elif abs(float(total)) > tol:
                 raise ValueError(f"log_weights: weights sum to exp({float(total):.3g}), not 1 "
                                  "(pass normalize=True to rescale)")
+            lw = _held(lw, pts.dtype, "log_weights")
             w = torch.exp(lw)
         else:
             if weights is None:
                 w = torch.full((n,), 1.0 / n, dtype=pts.dtype, device=pts.device)
+                lw = torch.log(w)
             else:
-                w = as_tensor(weights, "weights", dtype=pts.dtype, device=pts.device)
+                # in the precision given, or the points' where higher: a mass of 1e-8 is zero in float16, its
+                # log (-18.4) is not
+                w = as_tensor(weights, "weights", device=pts.device)
                 check_ndim(w, "weights", 1, "a vector")
                 if w.shape[0] != n:
                     raise ValueError(f"weights: expected {n} entries (one per atom), got {w.shape[0]}")
                 if (w.detach() < 0).any():
                     raise ValueError(f"weights: must be non-negative (min is {float(w.min()):.3g})")
+                lower = torch.finfo(w.dtype).eps > torch.finfo(pts.dtype).eps
+                w = w.to(torch.promote_types(w.dtype, pts.dtype))
                 total = float(w.detach().sum())
                 if total <= 0:
                     raise ValueError("weights: every weight is zero")
                 if normalize:
+                    if not math.isfinite(total):
+                        # by the largest first: the sum of large raw counts overflows (6e4 + 6e4 in float16)
+                        w = w / w.detach().max()
                     w = w / w.sum()
                 elif abs(total - 1.0) > tol:
                     raise ValueError(f"weights: must sum to 1, got {total!r} (pass normalize=True to rescale)")
-                elif tol > weight_tolerance(pts.dtype):
+                elif lower:
                     # weights of a lower precision than the points, accepted in their own precision:
                     # the measure's own weights sum to one in the points' precision
                     w = w / w.sum()
-            lw = torch.log(w)
+                lw = _held(torch.log(w), pts.dtype, "weights")
+                w = w.to(pts.dtype)
         pos = None
         if positions is not None:
-            pos = as_tensor(positions, "positions", dtype=pts.dtype, device=pts.device)
+            pos = as_tensor(positions, "positions", dtype=position_dtype(pts.dtype), device=pts.device)
             check_ndim(pos, "positions", 1, "a vector")
             if pos.shape[0] != n:
                 raise ValueError(f"positions: expected {n} entries (one per atom), got {pos.shape[0]}")
@@ -176,7 +209,7 @@ class Measure:
         pts = as_tensor(X, "X", dtype=kw.pop("dtype", None), device=kw.pop("device", None))
         check_ndim(pts, "X", 2, "an (n, d) sequence")
         n = pts.shape[0]
-        pos = torch.arange(1, n + 1, dtype=pts.dtype, device=pts.device) / max(n, 1)
+        pos = torch.arange(1, n + 1, dtype=position_dtype(pts.dtype), device=pts.device) / max(n, 1)
         return cls(pts, positions=pos, **kw)
 
     @classmethod
@@ -260,14 +293,25 @@ class Measure:
 
     # ------------------------------------------------------------------ operations
     def to(self, device=None, dtype=None) -> Measure:
-        """The same measure on another device and/or dtype."""
+        """The same measure on another device and/or dtype (positions in :func:`position_dtype` of it). A
+        dtype that cannot hold the measure is refused: points that overflow it, or positive masses whose
+        log-weights underflow it."""
         dtype = resolve_dtype(dtype)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
+        device = check_device(device)
         kw = dict(device=device, dtype=dtype)
-        pos = None if self._positions is None else self._positions.to(**kw)
-        return Measure._trusted(self._points.to(**kw), self._weights.to(**kw),
-                                self._log_weights.to(**kw), pos)
+        pts = self._points.to(**kw)
+        if dtype is not None and dtype != self.dtype and not bool(torch.isfinite(pts.detach()).all()):
+            big = float(self._points.detach().abs().max())
+            raise ValueError(f"dtype: {dtype} cannot hold this measure's points (largest |entry| {big:.4g} "
+                             "overflows it)")
+        lw = self._log_weights.to(device=device)
+        lw = lw if dtype is None else _held(lw, dtype, "dtype")
+        pos = None
+        if self._positions is not None:
+            pos = self._positions.to(device=device, dtype=None if dtype is None else position_dtype(dtype))
+        return Measure._trusted(pts, self._weights.to(**kw), lw, pos)
 
     def detach(self) -> Measure:
         pos = None if self._positions is None else self._positions.detach()
@@ -367,7 +411,7 @@ class Measure:
             0, lab, rel[:, None] * self._points)
         pos = None
         if self._positions is not None:
-            pos = torch.zeros(k, dtype=self.dtype, device=self.device).scatter(0, lab, self._positions)
+            pos = self._positions.new_zeros(k).scatter(0, lab, self._positions)
         return Measure._trusted(pts, torch.exp(new_lw), new_lw, pos)
 
     # ------------------------------------------------------------------ statistics

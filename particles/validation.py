@@ -92,6 +92,8 @@ def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True)
         dtype = DEFAULT_DTYPE
     if dtype is None and not isinstance(value, torch.Tensor):
         dtype = DEFAULT_DTYPE
+    if device is not None:
+        device = check_device(device)
     if dtype is not None or device is not None:
         t = t.to(dtype=dtype or t.dtype, device=device or t.device)
     if finite and t.numel() and not bool(torch.isfinite(t.detach()).all()):
@@ -119,7 +121,7 @@ def weight_tolerance(dtype: torch.dtype, given=None) -> float:
     if isinstance(own, np.dtype) and own.kind == "f":
         own = torch.from_numpy(np.zeros(0, dtype=own)).dtype
     if isinstance(own, torch.dtype) and own.is_floating_point and own != torch.float64:
-        tol = max(tol, 1e-5)
+        tol = max(tol, 1e-5, 4 * torch.finfo(own).eps)
     return tol
 
 

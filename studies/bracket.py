@@ -268,8 +268,8 @@ def run(args) -> int:
             "command": ["meanfield", *sys.argv[1:]]}
     try:
         out.mkdir(parents=True, exist_ok=True)
-        positions = (torch.arange(1, args.n + 1, dtype=X.dtype) / args.n) if op.masked else None
-        save_measure(Measure(X.cpu(), positions=positions), out / "worst_case_input.npz", metadata=meta)
+        save_measure(Measure.sequence(X.cpu()) if op.masked else Measure(X.cpu()), out / "worst_case_input.npz",
+                     metadata=meta)
         save_estimate(res.estimate, out / "worst_case_estimate.npz", metadata=meta)
         write_json({**meta, "starts": [s.__dict__ for s in res.starts]}, out / "bracket.json")
     except OSError as exc:

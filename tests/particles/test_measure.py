@@ -349,3 +349,85 @@ def test_float32_weights_with_float64_points_are_judged_in_their_own_precision()
     # an honest error in float32 is still an error
     with pytest.raises(ValueError, match="weights: must sum to 1"):
         Measure(X, w * 1.001)
+
+
+# ---------------------------------------------------------------- half precisions (review)
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 300), (torch.float16, 3000)])
+def test_half_precision_sequences_keep_their_positions_apart(dtype, n):
+    """i/n and (i+1)/n round to one value in bfloat16 from n = 257 (float16: 2049): a token would see its
+    successor. Positions of half-precision points are kept in float32, where they stay distinct and exact
+    to float32 rounding of i/n."""
+    from meanfield.operator import sequence_positions
+
+    X = torch.zeros(n, 2, dtype=dtype)
+    truth = torch.arange(1, n + 1, dtype=F64) / n
+    for pos in (Measure.sequence(X).positions, sequence_positions(n, X),
+                Measure(X, positions=truth).positions, Measure.sequence(X.double()).to(dtype=dtype).positions):
+        assert pos.dtype == torch.float32
+        assert bool((pos[1:] > pos[:-1]).all())
+        assert torch.allclose(pos.double(), truth, rtol=1e-7, atol=0)
+
+
+def test_causal_mask_in_half_precision_hides_exactly_the_future():
+    from meanfield.hf import causal_mask
+
+    for dtype, n in [(torch.bfloat16, 257), (torch.bfloat16, 1024), (torch.float16, 3000)]:
+        visible = causal_mask(n, dtype)[0, 0] == 0
+        assert torch.equal(visible, torch.ones(n, n, dtype=torch.bool).tril()), (dtype, n)
+
+
+def test_masked_attention_in_bfloat16_never_reads_a_later_token():
+    """Editing the last token changes no earlier output (the causal mask's defining property), bit for bit."""
+    from meanfield import SelfAttention
+
+    n, d = 300, 4
+    g = torch.Generator().manual_seed(5)
+    A, V = torch.randn(d, d, generator=g, dtype=F64), torch.randn(d, d, generator=g, dtype=F64)
+    op = SelfAttention(A, V, masked=True).to(dtype=torch.bfloat16)
+    X = torch.randn(n, d, generator=g, dtype=F64).to(torch.bfloat16)
+    Y = X.clone()
+    Y[-1] = 10.0
+    for method in ("dense", "stream"):
+        from meanfield import kernels
+
+        with kernels.use(method):
+            a, b = op.sequence(X), op.sequence(Y)
+        assert torch.equal(a[:-1], b[:-1]), method
+
+
+def test_to_refuses_a_dtype_that_cannot_hold_the_measure():
+    X = torch.tensor([[1e5, 0.5], [0.0, 0.5]], dtype=F64)
+    with pytest.raises(ValueError, match="dtype: torch.float16 cannot hold this measure's points"):
+        Measure(X).to(dtype=torch.float16)
+    small = Measure(torch.zeros(2, 1, dtype=F64), log_weights=torch.tensor([-7e4, 0.0], dtype=F64), normalize=True)
+    with pytest.raises(ValueError, match="dtype: 1 atom"):
+        small.to(dtype=torch.float16)
+    ok = Measure(torch.zeros(2, 1, dtype=F64), log_weights=torch.tensor([-7e3, 0.0], dtype=F64), normalize=True)
+    assert float(ok.to(dtype=torch.float16).log_weights[0]) == pytest.approx(-7e3, rel=1e-3)
+
+
+def test_masses_are_judged_before_the_points_precision_rounds_them():
+    # a mass of 1e-8 is zero in float16, its log (-18.42) is not: the atom stays in the support
+    X = torch.tensor([[50.0], [0.0]], dtype=torch.float16)
+    mu = Measure(X, [1e-8, 1 - 1e-8])
+    assert float(mu.log_weights[0]) == pytest.approx(math.log(1e-8), abs=0.02)
+    assert mu.radius() == 50.0
+    # log-weights below float16's range are refused, not turned into zero masses
+    with pytest.raises(ValueError, match="log_weights: 1 atom"):
+        Measure(X, log_weights=[-7e4, 0.0])
+    # raw counts whose sum overflows the dtype: normalized by the largest first
+    for dtype, w in [(torch.float16, [6e4, 6e4]), (F64, [1e308, 1e308])]:
+        mu = Measure(torch.zeros(2, 1, dtype=dtype), torch.tensor(w, dtype=dtype), normalize=True)
+        assert mu.weights.tolist() == [0.5, 0.5]
+    # float16 weights for float64 points are judged in float16's precision (1/3 each sums to 0.99976 there)
+    w16 = torch.full((3,), 1 / 3, dtype=torch.float16)
+    mu = Measure(torch.zeros(3, 1, dtype=F64), w16)
+    assert abs(float(mu.weights.sum()) - 1) <= 1e-12
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where CUDA is missing")
+def test_cuda_without_cuda_is_a_named_error():
+    with pytest.raises(ValueError, match="device: 'cuda' was asked for"):
+        Measure(torch.zeros(2, 1), device="cuda")
+    with pytest.raises(ValueError, match="device: 'cuda' was asked for"):
+        Measure(torch.zeros(2, 1)).to("cuda")
