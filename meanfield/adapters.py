@@ -19,7 +19,7 @@ import torch
 from particles import Measure
 from particles.validation import as_tensor, check_bool
 
-from .kernels import additive_mask
+from .kernels import additive_mask, blind_rows
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 
@@ -130,15 +130,11 @@ class TorchMultiheadAttention(AttentionOperator):
                              "(build it with kdim = vdim = embed_dim, the default)")
         check_bool(masked, "masked")
         self.module, self.masked = module, masked
-        p = next(module.parameters())
-        self._dtype, self._device = p.dtype, p.device
-        # the operator is a fixed map of its inputs: no graph over the module's weights
-        self._frozen = {n: t.detach() for n, t in (*module.named_parameters(), *module.named_buffers())}
 
     d_in = property(lambda self: self.module.embed_dim)
     d_out = property(lambda self: self.module.embed_dim)
-    dtype = property(lambda self: self._dtype)
-    device = property(lambda self: self._device)
+    dtype = property(lambda self: next(self.module.parameters()).dtype)
+    device = property(lambda self: next(self.module.parameters()).device)
 
     def __repr__(self) -> str:
         return f"TorchMultiheadAttention(embed_dim={self.d_in}, heads={self.module.num_heads}, masked={self.masked})"
@@ -177,10 +173,20 @@ class TorchMultiheadAttention(AttentionOperator):
             mask = mask.expand(xb.shape[0], m, n).repeat_interleave(self.module.num_heads, dim=0)
         bf = self.module.batch_first
         q, k = (xb, kb) if bf else (xb.transpose(0, 1), kb.transpose(0, 1))
-        out = torch.func.functional_call(self.module, self._frozen, (q, k, k),
+        # the operator is a fixed map of its inputs: no graph over the module's weights, read at every call
+        # (a weight replaced after the operator was built is seen)
+        frozen = {n: t.detach() for n, t in (*self.module.named_parameters(), *self.module.named_buffers())}
+        out = torch.func.functional_call(self.module, frozen, (q, k, k),
                                          {"attn_mask": mask, "need_weights": False})[0]
-        out = out if bf else out.transpose(0, 1)
-        return out.reshape(*lead, m, self.d_out)
+        out = (out if bf else out.transpose(0, 1)).reshape(*lead, m, self.d_out)
+        blind = blind_rows(log_weights, x_positions, key_positions)
+        if blind is not None:
+            # a query that sees no key of positive weight: zero heads, the output projection's bias (the
+            # framework's rule; the finite mask averaged every key, later ones included)
+            b = self.module.out_proj.bias
+            silent = out.new_zeros(self.d_out) if b is None else b.detach().to(out.dtype)
+            out = torch.where(blind.unsqueeze(-1), silent, out)
+        return out
 
 
 def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
@@ -190,8 +196,9 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
       a Hugging Face layer already wrapped, ...) is returned as is (``masked`` must agree);
     * a Hugging Face attention module (GPT-2 ``GPT2Attention``, BERT ``BertAttention`` or
       ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` (weights as additive
-      log-weights, positions as the causal mask); ``masked`` defaults to False for a module given
-      alone (use ``HFAttention.from_model(model, layer)`` for the model's own mask);
+      log-weights, positions as the causal mask); ``masked`` defaults to the module's own mask
+      (:func:`meanfield.hf.own_mask`: causal for GPT-2's attention, for BERT's in a decoder), False being
+      the ablation with the same weights;
     * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention` (self-attention:
       ``kdim = vdim = embed_dim``);
     * a Hugging Face module that holds attention but is not a layer (a whole model, a GPT-2 block, a BERT
@@ -209,7 +216,7 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
         from . import hf
 
         if hf.is_hf_attention(f):
-            return hf.HFAttention(f, masked=bool(masked))
+            return hf.HFAttention(f, masked=masked)
         advice = hf.container_advice(f)
         if advice is not None:
             raise TypeError(f"f: {advice}")

@@ -31,7 +31,7 @@ import torch
 
 from particles.validation import check_bool
 
-from .kernels import additive_mask
+from .kernels import additive_mask, blind_rows
 from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 
@@ -104,6 +104,19 @@ def _kind_of_module(module) -> str | None:
     return None
 
 
+def own_mask(module) -> bool:
+    """Whether a GPT-2 or BERT attention module is causal in its model: GPT-2's attention always (its
+    ``is_causal``), BERT's when the model is a decoder."""
+    kind = _kind_of_module(module)
+    if kind is None:
+        raise TypeError(f"module: expected a GPT2Attention, BertAttention or BertSelfAttention module, "
+                        f"got {type(module).__name__}")
+    core = module.self if kind == "bert" else module
+    if kind == "gpt2":
+        return bool(getattr(core, "is_causal", True))
+    return bool(getattr(core, "is_causal", getattr(core, "is_decoder", False)))
+
+
 def is_hf_attention(module) -> bool:
     """Whether ``module`` is a GPT-2 or BERT self-attention module this adapter wraps."""
     return isinstance(module, torch.nn.Module) and _kind_of_module(module) is not None
@@ -149,22 +162,29 @@ class HFAttention(AttentionOperator):
     module : GPT2Attention, BertAttention or BertSelfAttention
         In eval mode (dropout would make the map random). ``BertSelfAttention`` alone is the
         concatenation of the heads, without W_O.
-    masked : bool
-        Causal attention: sequences use positions i/n, measures their own positions.
+    masked : bool or None
+        Causal attention: sequences use positions i/n, measures their own positions. None (the default):
+        the module's own mask (:func:`own_mask`: GPT-2's attention is causal, BERT's in a decoder).
+        A query that sees no key of positive weight gives zero heads (the output projection's bias), as in
+        :class:`meanfield.MultiHeadAttention`, not the module's average over every key.
     block : bool
         The whole attention block instead of the attention alone (module docstring); needs
         ``BertAttention`` or, for GPT-2, the ``ln_1`` of the block (``from_model`` gives it).
     ln : the GPT-2 block's ``ln_1`` (used when ``block=True``).
     """
 
-    def __init__(self, module, *, masked: bool = False, block: bool = False, ln=None, name: str | None = None):
+    def __init__(self, module, *, masked: bool | None = None, block: bool = False, ln=None, name: str | None = None):
         kind = _kind_of_module(module) if isinstance(module, torch.nn.Module) else None
         if kind is None:
             raise TypeError(f"module: expected a GPT2Attention, BertAttention or BertSelfAttention module, "
                             f"got {type(module).__name__}")
-        masked, block = check_bool(masked, "masked"), check_bool(block, "block")
-        if kind == "gpt2" and getattr(module, "is_cross_attention", False):
-            raise ValueError("module: cross-attention is not self-attention")
+        masked, block = check_bool(masked, "masked", allow_none=True), check_bool(block, "block")
+        core = module.self if kind == "bert" else module
+        if getattr(module, "is_cross_attention", False) or "Cross" in type(core).__name__:
+            raise ValueError(f"module: {type(core).__name__} is cross-attention (queries from one sequence, keys "
+                             "from an encoder's), not self-attention")
+        if masked is None:
+            masked = own_mask(module)
         if block and kind == "bert_self":
             raise ValueError("block: the block needs BertAttention (self + output with its LayerNorm), "
                              "not BertSelfAttention")
@@ -172,22 +192,19 @@ class HFAttention(AttentionOperator):
             raise ValueError("ln: block=True on GPT-2 needs the block's ln_1 (use HFAttention.from_model)")
         self.module, self.kind, self.masked, self.block, self.ln = module, kind, masked, block, ln
         self.name = name or type(module).__name__
-        p = next(module.parameters())
-        self._dtype, self._device = p.dtype, p.device
         self._core = module.self if kind == "bert" else module
         self._d = (module.embed_dim if kind == "gpt2" else
                    self._core.query.in_features)
         self._d_out = self._d if kind != "bert_self" else self._core.all_head_size
-        self._frozen = {}
 
     def _call(self, mod, *args, **kwargs):
         """mod(*args, **kwargs) with its parameters detached: the operator is a fixed map of its inputs,
-        so Jacobians and trajectories never build graphs over the model's weights. Detached tensors
-        share storage with the parameters, so in-place weight updates are seen."""
-        key = id(mod)
-        if key not in self._frozen:
-            self._frozen[key] = {n: t.detach() for n, t in (*mod.named_parameters(), *mod.named_buffers())}
-        return torch.func.functional_call(mod, self._frozen[key], args, kwargs)
+        so Jacobians and trajectories never build graphs over the model's weights. The parameters are read
+        at every call: in-place updates, replaced weights and a moved module are all seen."""
+        # read at every call (a few microseconds): a weight replaced after the operator was built (an
+        # ablation), or the module moved with model.to(...), is what the operator computes with
+        frozen = {n: t.detach() for n, t in (*mod.named_parameters(), *mod.named_buffers())}
+        return torch.func.functional_call(mod, frozen, args, kwargs)
 
     @classmethod
     def from_model(cls, model, layer: int, *, masked: bool | None = None, block: bool = False) -> HFAttention:
@@ -204,8 +221,8 @@ class HFAttention(AttentionOperator):
 
     d_in = property(lambda self: self._d)
     d_out = property(lambda self: self._d_out)
-    dtype = property(lambda self: self._dtype)
-    device = property(lambda self: self._device)
+    dtype = property(lambda self: next(self.module.parameters()).dtype)
+    device = property(lambda self: next(self.module.parameters()).device)
 
     def __repr__(self) -> str:
         return f"HFAttention({self.name}, masked={self.masked}, block={self.block})"
@@ -233,6 +250,13 @@ class HFAttention(AttentionOperator):
         """The attention alone on ``hidden`` (b, N, d) with the additive ``mask`` (b or 1, 1, N, N)."""
         y = self._call(self._core, hidden, attention_mask=mask)[0]
         return self._call(self.module.output.dense, y) if self.kind == "bert" else y
+
+    def _silent_heads(self, like):
+        """The attention's output where every head gives zero: the output projection's bias (GPT-2's
+        ``c_proj``, BERT's ``output.dense``), zero for ``BertSelfAttention`` alone."""
+        proj = {"gpt2": lambda: self.module.c_proj, "bert": lambda: self.module.output.dense}.get(self.kind)
+        bias = None if proj is None else getattr(proj(), "bias", None)
+        return like.new_zeros(like.shape[-1]) if bias is None else bias.detach().to(like.dtype)
 
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         self._check_eval()
@@ -266,6 +290,12 @@ class HFAttention(AttentionOperator):
         out = self._heads(hidden, mask)
         if not same:
             out = out[..., n:, :]
+        blind = blind_rows(log_weights, x_positions, key_positions)
+        if blind is not None:
+            # a query that sees no key of positive weight: its heads give zero (the framework's rule, as in
+            # MultiHeadAttention), where the module's finite mask averaged every key, later ones included
+            out = out.reshape(*lead, m, -1)
+            out = torch.where(blind.unsqueeze(-1), self._silent_heads(out), out).reshape(-1, m, out.shape[-1])
         if self.block:
             if self.kind == "bert":
                 out = self._call(self.module.output.LayerNorm, out + xb)

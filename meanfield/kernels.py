@@ -421,6 +421,16 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     return _check_output(compute(attention_probs), q, k, v, log_weights)
 
 
+def blind_rows(log_weights, q_pos, k_pos) -> torch.Tensor | None:
+    """Queries that see no key of positive weight, whose attention output is zero (docs/math.md section 2):
+    a bool tensor (..., m) or (..., 1), or None where no query can be blind (no weights and no positions).
+    For adapters whose module has no such rule (an additive mask of finite values makes such a row the
+    average of every key, later ones included)."""
+    if log_weights is None and q_pos is None:
+        return None
+    return _dead_rows(log_weights, q_pos, k_pos)
+
+
 def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     """Rows that see no key of positive weight, (..., m) or (..., 1), as :func:`attention_probs` decides
     them, from O(m + n) reductions: q_pos_i below the first position of a key of positive weight. A NaN

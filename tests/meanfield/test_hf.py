@@ -259,3 +259,96 @@ def test_capture_checks_the_token_ids(models):
     X = mhf.capture_attention_inputs(model, ids, [0])[0]
     emb = model.wte(ids[0]) + model.wpe(torch.arange(3))
     assert torch.allclose(X, model.h[0].ln_1(emb), atol=1e-12)
+
+
+# ---------------------------------------------------------------- review: blind queries, live weights, own mask
+@pytest.mark.parametrize("kind,dec", CASES)
+def test_a_query_that_sees_no_key_gives_zero_heads(models, kind, dec):
+    """A query before every key, or whose only visible key has weight 0, sees nothing: its heads give zero
+    (docs/math.md section 2), so the layer returns its output bias, read from the raw weights; the finite mask
+    of the module alone made it the average of every key, later ones included."""
+    from particles import Measure
+
+    model = models[(kind, dec)]
+    _, _, b_O, _ = _raw_heads(model, 0)
+    op = mhf.HFAttention.from_model(model, 0, masked=True)
+    g = torch.Generator().manual_seed(4)
+    Y = torch.randn(3, 32, generator=g, dtype=torch.float64)
+    x = torch.randn(2, 32, generator=g, dtype=torch.float64)
+    mu = Measure(Y, [0.0, 0.5, 0.5], positions=[0.2, 0.5, 1.0])
+    far = Measure(torch.cat([Y[:2], 10 * Y[2:]]), [0.0, 0.5, 0.5], positions=[0.2, 0.5, 1.0])
+    s = torch.tensor([0.1, 0.3], dtype=torch.float64)
+    for m in (mu, far):   # the key at position 1.0 changes nothing
+        out = op.velocity(m, x, positions=s)
+        torch.testing.assert_close(out, b_O.expand(2, -1), rtol=0, atol=1e-15)
+    # a query that sees a key still attends to it: one visible key of weight 1/2, so its value, through W_O
+    heads, W_O, b_O, _ = _raw_heads(model, 0)
+    one = op.velocity(mu, x[:1], positions=torch.tensor([0.6], dtype=torch.float64))
+    values = torch.cat([V @ Y[1] + bv for _Q, _K, V, _bq, _bk, bv in heads])
+    torch.testing.assert_close(one[0], W_O @ values + b_O, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_multihead_attention_blind_query_gives_its_output_bias():
+    from meanfield import as_operator
+    from particles import Measure
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    torch.nn.init.normal_(mha.out_proj.bias)
+    op = as_operator(mha, masked=True)
+    mu = Measure(torch.randn(3, 8, dtype=torch.float64), positions=[0.5, 0.6, 1.0])
+    out = op.velocity(mu, torch.randn(1, 8, dtype=torch.float64), positions=torch.tensor([0.1], dtype=torch.float64))
+    torch.testing.assert_close(out[0], mha.out_proj.bias.detach(), rtol=0, atol=0)
+
+
+def test_weights_replaced_after_wrapping_are_used(models):
+    """An ablation replaces a parameter after the operator was built: the operator computes with it (the
+    module's own causal forward pass is the truth)."""
+    import copy
+
+    model = copy.deepcopy(models[("gpt2", False)])
+    op = mhf.HFAttention.from_model(model, 0)
+    X = torch.randn(6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    before = op.sequence(X)
+    attn = model.h[0].attn
+    attn.c_proj.weight = torch.nn.Parameter(torch.zeros_like(attn.c_proj.weight))
+    truth = attn(X[None], attention_mask=mhf.causal_mask(6))[0][0]
+    assert torch.equal(truth, attn.c_proj.bias.detach().expand(6, -1))
+    torch.testing.assert_close(op.sequence(X), truth, rtol=0, atol=1e-15)
+    assert (before - truth).abs().max() > 1e-3
+    tm = torch.nn.MultiheadAttention(8, 2, batch_first=True).double().eval()
+    from meanfield import as_operator
+
+    top = as_operator(tm)
+    tm.out_proj.weight = torch.nn.Parameter(torch.zeros_like(tm.out_proj.weight))
+    Z = torch.randn(4, 8, dtype=torch.float64)
+    torch.testing.assert_close(top.sequence(Z), tm(Z[None], Z[None], Z[None])[0][0], rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("kind,dec", CASES)
+def test_a_module_given_alone_keeps_its_models_mask(models, kind, dec):
+    """GPT-2's attention is causal, BERT's too in a decoder: wrapped alone, it computes what the layer does in
+    its model (the model's own attention function), without being told."""
+    from meanfield import as_operator
+
+    model = models[(kind, dec)]
+    module = mhf.attention_module(model, 0)
+    op = as_operator(module)
+    assert op.masked == (kind == "gpt2" or dec)
+    X = mhf.capture_attention_inputs(model, _ids(model), [0])[0]
+    torch.testing.assert_close(op.sequence(X), mhf.attention_function(model, 0)(X), rtol=0, atol=0)
+    assert as_operator(module, masked=False).masked is False
+
+
+def test_bert_cross_attention_is_refused():
+    from transformers import BertConfig, BertModel
+
+    from meanfield import as_operator
+
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                     is_decoder=True, add_cross_attention=True)
+    model = BertModel(cfg).double().eval()
+    cross = model.encoder.layer[0].crossattention
+    for module in (cross, cross.self):
+        with pytest.raises(ValueError, match="module: BertCrossAttention is cross-attention"):
+            as_operator(module)
