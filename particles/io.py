@@ -15,7 +15,8 @@ A measure (``kind = "measure"``) adds the arrays
 ``points`` (N, d), ``weights`` (N,), ``log_weights`` (N,) (``-inf`` for atoms of mass zero,
 kept exactly, also where ``weights`` underflows to 0) and, for a masked measure, ``positions`` (N,),
 
-all of the measure's dtype (``bfloat16``, which NumPy lacks, is stored as float32 and restored).
+all of the measure's dtype (``bfloat16``, which NumPy lacks, is stored as float32 and restored), except
+positions of float16 / bfloat16 measures, kept in float32 (:func:`particles.measure.position_dtype`).
 Tensors are detached and copied to the CPU; :func:`load_measure` takes a ``device``.
 
 Loading checks everything a crafted or damaged file could get wrong: the header, the version (a
@@ -44,7 +45,7 @@ import torch
 
 from ._version import DISTRIBUTION, __version__
 from .files import atomic_write_with
-from .measure import Measure
+from .measure import Measure, position_dtype
 from .validation import check_allocation, check_device, weight_tolerance
 
 __all__ = ["FORMAT_VERSION", "FileFormatError", "save_measure", "load_measure", "read_header", "LazyArray"]
@@ -333,9 +334,11 @@ def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length
     the header's, its number of dimensions ``ndim`` and, when given, its first dimension ``length``."""
     arr = arrays[key]
     dtype = _FLOATS[header["dtype"]]
-    stored = torch.float32 if dtype == torch.bfloat16 else dtype
+    allowed = {torch.float32 if dtype == torch.bfloat16 else dtype}
+    if key == "positions":   # kept in float32 for half-precision points (files before that: the points' dtype)
+        allowed.add(position_dtype(dtype))
     # compared in native byte order: a big-endian '>f8' is float64 (torch.from_numpy refuses non-native data)
-    if arr.dtype.kind != "f" or torch.from_numpy(np.zeros(0, arr.dtype.newbyteorder("="))).dtype != stored:
+    if arr.dtype.kind != "f" or torch.from_numpy(np.zeros(0, arr.dtype.newbyteorder("="))).dtype not in allowed:
         raise FileFormatError(f"{os.fspath(name)}: array {key!r} has dtype {arr.dtype}, but the header says "
                               f"{header['dtype']}")
     if arr.ndim != ndim:
@@ -347,14 +350,17 @@ def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length
 
 
 def tensor_of(arrays: dict, key: str, header: dict, name, *, ndim: int, device=None) -> torch.Tensor:
-    """Array ``key`` as a tensor of the header's dtype, after :func:`check_array`; data stored in the other byte
-    order (a big-endian ``'>f8'`` written on another machine) is converted to the native one, values unchanged."""
+    """Array ``key`` as a tensor of the header's dtype (positions: :func:`particles.measure.position_dtype` of
+    it), after :func:`check_array`; data stored in the other byte order (a big-endian ``'>f8'`` written on
+    another machine) is converted to the native one, values unchanged."""
     check_array(arrays, key, header, name, ndim=ndim)
     arr = arrays[key]
     data = arr.load() if isinstance(arr, LazyArray) else np.ascontiguousarray(arr)
     if not data.dtype.isnative:
         data = data.astype(data.dtype.newbyteorder("="))
-    return torch.from_numpy(np.ascontiguousarray(data)).to(dtype=_FLOATS[header["dtype"]], device=device)
+    dtype = _FLOATS[header["dtype"]]
+    dtype = position_dtype(dtype) if key == "positions" else dtype
+    return torch.from_numpy(np.ascontiguousarray(data)).to(dtype=dtype, device=device)
 
 
 def measure_from_arrays(arrays: dict, header: dict, name, *, device=None,
@@ -378,8 +384,13 @@ def measure_from_arrays(arrays: dict, header: dict, name, *, device=None,
     if not bool(torch.allclose(w.double(), checked.weights.double(), rtol=math.sqrt(tol), atol=tol)):
         raise FileFormatError(f"{name}: arrays 'weights' and 'log_weights' disagree "
                               "(weights != exp(log_weights))")
-    # the stored tensors themselves, so that a round trip is exact
-    return Measure._trusted(points, w, vectors["log_weights"], vectors.get("positions"))
+    # the weights returned are the stored ones: they must be masses themselves, not only close to exp(log_weights)
+    if bool((w < 0).any()) or abs(float(w.double().sum()) - 1.0) > tol:
+        raise FileFormatError(f"{name}: array 'weights' holds negative masses or does not sum to one (sum "
+                              f"{float(w.double().sum())!r}, min {float(w.min()):.3g})")
+    # the stored tensors themselves, so that a round trip is exact (positions in the measure's position dtype:
+    # a file of half-precision positions widens to float32 exactly)
+    return Measure._trusted(points, w, vectors["log_weights"], checked.positions)
 
 
 # ---------------------------------------------------------------------- internals

@@ -239,7 +239,8 @@ class Measure:
         log_p = float(log_p)
         if math.isnan(log_p) or log_p > 0:
             raise ValueError(f"log_p: expected a log-mass <= 0, got {log_p}")
-        log_q = math.log1p(-math.exp(log_p)) if log_p < 0 else -math.inf
+        # log(1 - p) = log(-expm1(log p)): exact near p = 1 (log1p(-exp(log_p)) lost it, and failed at -1e-17)
+        log_q = math.log(-math.expm1(log_p)) if log_p < 0 else -math.inf
         pts = torch.stack([x0, x1.to(x0.dtype)])
         return cls(pts, log_weights=torch.tensor([log_p, log_q], dtype=pts.dtype), **kw)
 

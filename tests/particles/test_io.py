@@ -31,6 +31,11 @@ def test_round_trip_is_exact_in_every_float_dtype(tmp_path, dtype):
                  weights=torch.rand(7, generator=g, dtype=torch.float64).to(dtype), normalize=True)
     back = load_measure(save_measure(mu, tmp_path / "mu.npz"))
     _same(mu, back)
+    # a sequence of 300 tokens: in half precision its positions (kept in float32) stay distinct through a file
+    seq = Measure.sequence(torch.randn(300, 2, generator=g, dtype=torch.float64).to(dtype))
+    back = load_measure(save_measure(seq, tmp_path / "seq.npz"))
+    _same(seq, back)
+    assert bool((back.positions[1:] > back.positions[:-1]).all())
 
 
 def test_round_trip_keeps_positions_and_minus_inf_log_weights(tmp_path):
@@ -142,6 +147,10 @@ def test_refuses_a_pickled_header_and_files_that_are_not_archives(tmp_path):
     (dict(points=np.zeros((3, 2, 1))), "'points' has shape .*2 dimension"),
     (dict(log_weights=np.zeros(3)), "not a valid measure: log_weights"),
     (dict(weights=np.array([0.5, 0.25, 0.25])), "'weights' and 'log_weights' disagree"),
+    # within the agreement tolerance of exp(log_weights), but a negative mass and a sum above one
+    (dict(weights=np.array([0.5 + 5e-10, 0.5 + 5e-10, -8e-10]),
+          log_weights=np.array([math.log(0.5), math.log(0.5), -math.inf])),
+     "'weights' holds negative masses or does not sum to one"),
     (dict(positions=np.array([0.1, 0.2, 1.5])), "positions: must lie in \\[0, 1\\]"),
     (dict(points=np.array([[0, 1], [np.nan, 0], [1, 1]], dtype=float)), "NaN or infinite"),
     (dict(points=np.zeros((3, 2), dtype=np.int64)), "'points' has dtype int64"),

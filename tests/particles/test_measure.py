@@ -431,3 +431,12 @@ def test_cuda_without_cuda_is_a_named_error():
         Measure(torch.zeros(2, 1), device="cuda")
     with pytest.raises(ValueError, match="device: 'cuda' was asked for"):
         Measure(torch.zeros(2, 1)).to("cuda")
+
+
+def test_two_dirac_small_mass_in_log_form_near_one():
+    """q = 1 - p from log p: log q = log(-expm1(log p)) exactly, also where p is within 1e-17 of 1."""
+    for log_p in (-1e-10, -1e-17, -0.5):
+        mu = Measure.two_dirac([0.0], [1.0], log_p=log_p)
+        truth = math.log(-math.expm1(log_p))   # closed form, float64
+        assert float(mu.log_weights[1]) == pytest.approx(truth, rel=1e-15)
+        assert float(mu.log_weights[0]) == log_p
