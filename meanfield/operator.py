@@ -88,6 +88,16 @@ class AttentionOperator:
     def to(self, device=None, dtype=None) -> AttentionOperator:
         raise NotImplementedError(f"{type(self).__name__} cannot change device or dtype")
 
+    def _convert(self, arg: str) -> str:
+        """How to convert this operator, for error messages (``arg``: "dtype=torch.float64" or "'cuda'"): its
+        own ``to`` where it has one, else its wrapped module's (adapters read the module's dtype and device
+        at every call), else nothing to suggest."""
+        if type(self).to is not AttentionOperator.to:
+            return f" or the operator (op.to({arg}))"
+        if isinstance(getattr(self, "module", None), torch.nn.Module):
+            return f" or the wrapped module (module.to({arg}))"
+        return ""
+
     def parameters(self, d: int | None = None):
         """What the operator is made of: a :class:`~meanfield.parameters.Parameters` record (per head
         Q, K, V, biases, scale and kind; W_O and the output bias), which the bounds, the worst-case
@@ -166,10 +176,10 @@ class AttentionOperator:
                              f"got shape {tuple(X.shape)}")
         if self.dtype is not None and X.dtype != self.dtype:
             raise TypeError(f"{name}: dtype {X.dtype} differs from the operator's {self.dtype}; convert the input "
-                            f"({name}.to({self.dtype})) or the operator (op.to(dtype={X.dtype}))")
+                            f"({name}.to({self.dtype})){self._convert(f'dtype={X.dtype}')}")
         if self.device is not None and X.device != self.device:
             raise ValueError(f"{name}: on device {X.device}, the operator is on {self.device} "
-                             f"(move one of them: {name}.to('{self.device}') or op.to('{X.device}'))")
+                             f"(move the input: {name}.to('{self.device}'){self._convert(repr(str(X.device)))})")
         return X
 
     def check_measure(self, mu, name: str = "mu") -> Measure:
@@ -181,7 +191,7 @@ class AttentionOperator:
             raise ValueError(f"{name}: atoms have dimension {mu.dim}, the operator expects {self.d_in}")
         if self.dtype is not None and mu.dtype != self.dtype:
             raise TypeError(f"{name}: dtype {mu.dtype} differs from the operator's {self.dtype}; convert the "
-                            f"measure ({name}.to(dtype={self.dtype})) or the operator (op.to(dtype={mu.dtype}))")
+                            f"measure ({name}.to(dtype={self.dtype})){self._convert(f'dtype={mu.dtype}')}")
         if self.device is not None and mu.device != self.device:
             raise ValueError(f"{name}: on device {mu.device}, the operator is on {self.device} "
                              f"(move one of them with .to(device))")

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from meanfield.hf import KINDS
-from particles.validation import check_bool
+from particles.validation import check_bool, check_device, resolve_dtype
 
 __all__ = ["random_model", "tiny_config", "load_model", "check_checkpoint", "check_safetensors", "load_tokenizer",
            "tokenizer_files", "TOKENIZER_FILES",
@@ -148,6 +148,11 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
     allow_pickle = check_bool(allow_pickle, "allow_pickle")
     is_decoder = check_bool(is_decoder, "is_decoder", allow_none=True)
+    # before the weights are read: a dtype name ("float32") as everywhere in the framework, a floating dtype only
+    dtype = resolve_dtype(dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise TypeError(f"dtype: a model needs a floating-point dtype, got {dtype}")
+    device = check_device(device)
     local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     path = Path(name_or_path)
     local = _where(name_or_path)

@@ -352,3 +352,20 @@ def test_bert_cross_attention_is_refused():
     for module in (cross, cross.self):
         with pytest.raises(ValueError, match="module: BertCrossAttention is cross-attention"):
             as_operator(module)
+
+
+def test_the_dtype_advice_of_an_adapter_works_when_followed(models):
+    """The error for a float32 input to a float64 layer suggests converting the wrapped module: doing so
+    gives the layer's own float32 forward pass (adapters read the module's dtype at every call)."""
+    import copy
+
+    model = copy.deepcopy(models[("gpt2", False)])
+    op = mhf.HFAttention.from_model(model, 0)
+    X = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(TypeError, match=r"or the wrapped module \(module.to\(dtype=torch.float32\)\)"):
+        op.sequence(X)
+    model.to(torch.float32)
+    attn = model.h[0].attn
+    truth = attn(X[None], attention_mask=mhf.causal_mask(5, torch.float32))[0][0]
+    assert op.dtype == torch.float32
+    torch.testing.assert_close(op.sequence(X), truth, rtol=0, atol=0)

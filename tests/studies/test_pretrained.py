@@ -327,3 +327,19 @@ def test_float32_model_certifies_the_float32_map(folder, tensors, one_thread):
     est = local_lipschitz(op, X.float(), tol=1e-4)
     truth = _dense(lambda Z: _self_attention(tensors, 2, Z, False), X)
     assert abs(est.value - truth) <= est.error + 1e-4 * truth
+
+
+@needs_minilm
+def test_load_model_takes_dtype_names_and_refuses_other_dtypes_before_loading(folder, monkeypatch):
+    model = hf.load_model(folder, dtype="float32")
+    assert next(model.parameters()).dtype == torch.float32
+    import transformers
+
+    def never(*a, **k):
+        raise AssertionError("the weights were read before dtype was checked")
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", never)
+    with pytest.raises(TypeError, match="dtype: a model needs a floating-point dtype, got torch.int64"):
+        hf.load_model(folder, dtype=torch.int64)
+    with pytest.raises(TypeError, match="dtype: unknown dtype name"):
+        hf.load_model(folder, dtype="float99")
