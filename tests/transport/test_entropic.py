@@ -216,3 +216,24 @@ def test_large_radius_stays_finite():
     for method in ("sinkhorn", "streaming"):
         v = w2(mu, nu, method, reg=2000.0, debias=False)
         assert math.isfinite(v) and exact <= v < 200
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_measure_against_itself_converges_at_small_reg(dtype):
+    """OT_eps(mu, mu) at reg 1e-3 (squared diameter / reg = 2000): alternating Sinkhorn steps crawl there
+    (5000 updates did not reach tol); the pair is the self problem, solved by its averaged update. Truths: the
+    plan's marginals summed densely in float64, S_eps(mu, mu) = 0, and <pi, C> from an independent numpy
+    log-domain Sinkhorn."""
+    from tests.transport.helpers import plan_marginal_error
+
+    X = torch.rand(200, 2, generator=torch.Generator().manual_seed(0), dtype=F64).to(dtype)
+    mu = Measure(X)
+    res = solve(mu, mu, "streaming", reg=1e-3)
+    assert res.converged and res.value == 0.0
+    plain = solve(mu, mu, "streaming", reg=1e-3, debias=False)
+    assert plain.converged
+    f, g = plain.potentials
+    assert plan_marginal_error(mu, mu, f, g, 1e-3) <= plain.error <= (1e-7 if dtype == F64 else 1e-5)
+    if dtype == F64:
+        a = mu.weights
+        assert plain.value_squared == pytest.approx(entropic_ot(X, a, X, a, 1e-3, tol=1e-10)[1], rel=1e-6)
