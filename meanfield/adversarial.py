@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from particles import Measure, into_ball
-from particles.validation import check_bool, check_positive_int, check_radius, resolve_dtype
+from particles.validation import check_bool, check_positive_int, check_radius, check_seed, resolve_dtype
 
 from .bounds import (
     GammaInfo,
@@ -162,15 +162,20 @@ def zero_plus_spread(R, n, d, *, seed=None, dtype=None) -> torch.Tensor:
     the tokens (times A and V), which grows like R^2: dot-product attention is not globally
     Lipschitz. Without ``seed`` the others are evenly spread on the circle of the first two
     coordinates (d >= 2; +-R alternating when d = 1, centred when n - 1 is even); with ``seed``
-    they are i.i.d. uniform on the sphere of radius R.
+    (an integer, or a CPU torch.Generator, which is advanced) they are i.i.d. uniform on the sphere of
+    radius R. Any other seed (a float, a string) is a TypeError: nothing is truncated.
     """
     R = check_radius(R, "R")
     n = check_positive_int(n, "n", minimum=2)
     d = check_positive_int(d, "d")
+    seed = check_seed(seed, "seed")
     dt = _dtype(dtype)
     X = torch.zeros(n, d, dtype=torch.float64)
     if seed is not None:
-        g = torch.Generator().manual_seed(int(seed))
+        g = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+        if g.device.type != "cpu":
+            raise ValueError(f"seed: expected a CPU torch.Generator (the tokens are drawn on the CPU), got one on "
+                             f"{g.device}")
         Z = torch.randn(n - 1, d, generator=g, dtype=torch.float64)
         X[1:] = R * Z / Z.norm(dim=1, keepdim=True)
     elif d == 1:
@@ -208,12 +213,24 @@ def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
 
     Two atoms for any n, so the constant of the witness family is computable for n up to 10^15 and
     beyond; ``n`` may be any real > 1 (integer n gives the measure of a sequence; other n
-    interpolate the family). The weights are stored as log-weights ``(-log n, log1p(-1/n))``.
+    interpolate the family), a Python integer even beyond the float range (10**400: the first
+    atom's log-weight -log n is still exact, its weight underflows to 0 in the dtype). The weights
+    are stored as log-weights ``(-log n, log1p(-1/n))``.
     """
-    if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or not n > 1:
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real):
         raise ValueError(f"n: expected a finite number > 1, got {n!r}")
+    if isinstance(n, numbers.Integral):
+        n = int(n)
+        if n <= 1:
+            raise ValueError(f"n: expected a finite number > 1, got {n!r}")
+        inv = 1 / n            # exact integer division, correctly rounded: 0.0 beyond the float range
+    else:
+        n = float(n)
+        if not math.isfinite(n) or not n > 1:
+            raise ValueError(f"n: expected a finite number > 1, got {n!r}")
+        inv = 1.0 / n
     X2 = sqrt_n_sequence(A, R, 2, dtype=dtype)  # the two distinct tokens: x_1 and the repeated one
-    log_w = torch.tensor([-math.log(n), math.log1p(-1.0 / n)], dtype=X2.dtype)
+    log_w = torch.tensor([-math.log(n), math.log1p(-inv)], dtype=X2.dtype)
     return Measure(X2, log_weights=log_w)
 
 

@@ -17,6 +17,18 @@ the certified value (backtracking: a rejected trial shrinks the step), rows that
 moving together until that tied ascent stops, a few random kicks to leave a stationary point (kept
 only if they raise the value), and successive halving that gives most of the budget to the best
 starts. ``line_search=False`` is the plain ascent: fixed steps along the raw gradient.
+
+The budget: the starts' certified values are spent whatever it is (``start_products``); after them
+no work runs unless its predicted cost fits in what is left. An iteration has up to three pieces
+(the gradients, the gradients of starts that just untied, the trial evaluations); before each, the
+products it and the trials after it will cost are predicted from the largest cost per state seen so
+far: for an evaluation, from the starts' certification on; for a gradient, once one has been
+measured, and until then as one evaluation (a gradient differentiates the value an evaluation
+certified). When the prediction does not fit, the search stops with ``"budget"``. So
+``products <= max(budget, start_products)`` as long as no evaluation costs more per state than all
+before it and a gradient costs at most two evaluations (both exact for :mod:`meanfield.worst_case`
+with dense evaluations, whose cost is fixed; a Lanczos run that needs more iterations than every
+earlier one can exceed the prediction by the difference).
 """
 
 from __future__ import annotations
@@ -135,6 +147,24 @@ def _new_direction(m, gtol, rng):
     return True
 
 
+class _Costs:
+    """The largest cost per state seen so far of an evaluation and of a gradient (module docstring)."""
+
+    def __init__(self):
+        self.evaluate = self.gradient = None
+
+    def observe(self, kind, spent, states):
+        if states > 0:
+            per = spent / states
+            setattr(self, kind, per if getattr(self, kind) is None else max(getattr(self, kind), per))
+
+    def predict(self, gradients, evaluations):
+        """Products that ``gradients`` gradients and ``evaluations`` evaluations are expected to cost."""
+        e = self.evaluate or 0.0
+        g = self.gradient if self.gradient is not None else e
+        return gradients * g + evaluations * e
+
+
 def _tie(Y):
     """(distinct rows, token -> row) when some rows coincide exactly, else (Y, None)."""
     rows, inverse = torch.unique(Y, dim=0, return_inverse=True)
@@ -149,6 +179,8 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
     Ys = [problem.project(Y) for _, Y in starts]
     evals = problem.evaluate(Ys)
     problem.start_products = problem.products   # spent whatever the budget: every start certified once
+    cost = _Costs()
+    cost.observe("evaluate", problem.start_products, sum(aux is not None for _, aux in evals))
     members = []
     for (name, _), Y, (v, aux) in zip(starts, Ys, evals):
         # tokens that coincide in a start (the witnesses' copies, clustered starts) first move together:
@@ -165,8 +197,18 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
     trace = []
     best = lambda: max(m.best[0] for m in members)
     stopped = "converged"
-    it, last_cost, halvings = 0, 0, 0
+    it, halvings = 0, 0
     rng = torch.Generator().manual_seed(seed)
+
+    def out_of_budget(active, gradients):
+        """Whether ``gradients`` more gradients and then one trial per active start would exceed the budget
+        (then every active start stops on it)."""
+        if problem.products + cost.predict(gradients, len(active)) <= budget:
+            return False
+        for m in active:
+            m.stopped = "budget"
+        return True
+
     while True:
         active = [m for m in members if m.stopped is None]
         if not active:
@@ -176,15 +218,15 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 m.stopped = "max_steps"
             stopped = "max_steps"
             break
-        if problem.products + last_cost > budget:
-            for m in active:
-                m.stopped = "budget"
+        need = [m for m in active if m.G is None]
+        if out_of_budget(active, len(need)):
             stopped = "budget"
             break
-        before = problem.products
-        need = [m for m in active if m.G is None]
         if need:
-            for m, G in zip(need, problem.gradient([m.full(m.Y) for m in need], [m.aux for m in need])):
+            before = problem.products
+            grads = problem.gradient([m.full(m.Y) for m in need], [m.aux for m in need])
+            cost.observe("gradient", problem.products - before, sum(G is not None for G in grads))
+            for m, G in zip(need, grads):
                 if G is None:
                     m.stopped = "overflow"
                     continue
@@ -200,9 +242,15 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 if m.stopped is None:  # untied: its gradient in the full space is needed first
                     break
         active = [m for m in active if m.stopped is None]
-        need = [m for m in active if m.G is None]
+        need = [m for m in active if m.G is None]   # untied starts: their gradient in the full space
+        if active and out_of_budget(active, len(need)):
+            stopped = "budget"
+            break
         if need:
-            for m, G in zip(need, problem.gradient([m.Y for m in need], [m.aux for m in need])):
+            before = problem.products
+            grads = problem.gradient([m.Y for m in need], [m.aux for m in need])
+            cost.observe("gradient", problem.products - before, sum(G is not None for G in grads))
+            for m, G in zip(need, grads):
                 if G is None:
                     m.stopped = "overflow"
                     continue
@@ -229,9 +277,15 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 step = m.lr * m.G
             steps[id(m)] = step
         active = [m for m in active if m.stopped is None]
+        if active and out_of_budget(active, 0):
+            stopped = "budget"
+            break
         if active:
             trials = [problem.project(m.Y + steps[id(m)]) for m in active]
-            for m, Y, (v, aux) in zip(active, trials, problem.evaluate([m.full(Y) for m, Y in zip(active, trials)])):
+            before = problem.products
+            results = problem.evaluate([m.full(Y) for m, Y in zip(active, trials)])
+            cost.observe("evaluate", problem.products - before, sum(aux is not None for _, aux in results))
+            for m, Y, (v, aux) in zip(active, trials, results):
                 if not line_search:  # plain ascent: every step is taken (one that fails ends the start)
                     if aux is None:
                         m.stopped = "overflow"
@@ -262,7 +316,6 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                         m.value - m.history[-_WINDOW - 1] <= _PROGRESS * m.value:
                     m.stop("stalled")
         it += 1
-        last_cost = problem.products - before
         # successive halving: at 1/4 and 1/2 of the budget the worse half of the starts stops (never
         # fewer than ``keep`` go on), so that most of the budget goes to the best ones
         while keep is not None and halvings < 2 and problem.products >= budget / 2 ** (2 - halvings):

@@ -32,7 +32,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from particles.validation import as_tensor, check_allocation, check_bool, check_positive_int, check_radius
+from particles.validation import (
+    as_tensor,
+    check_allocation,
+    check_bool,
+    check_positive_float,
+    check_positive_int,
+    check_radius,
+)
 
 __all__ = [
     "BoundOverflowWarning",
@@ -193,7 +200,10 @@ def multihead_upper(head_lips, W_O) -> float:
     ``head_lips`` are per-head Lipschitz constants (local values at one X or bounds on a set; the
     result is then of the same kind). An output bias does not change the constant.
     """
-    lips = as_tensor(head_lips, "head_lips", dtype=torch.float64).detach().reshape(-1).numpy()
+    lips = as_tensor(head_lips, "head_lips", dtype=torch.float64).detach().cpu()
+    if lips.dim() != 1:
+        raise ValueError(f"head_lips: expected a list of per-head constants (1-D), got shape {tuple(lips.shape)}")
+    lips = lips.numpy()
     if lips.size == 0:
         raise ValueError("head_lips: expected at least one per-head constant")
     if (lips < 0).any():
@@ -239,11 +249,25 @@ def _check_tol(tol):
         raise ValueError(f"tol: expected a finite tolerance >= 0, got {tol!r}")
 
 
+#: an eigenvalue of A of modulus at most _ZERO_EIGENVALUE d eps ||A||_2 is 0 up to rounding (eig's backward error)
+_ZERO_EIGENVALUE = 64
+
+
+def _zero_cut(d: int, norm: float) -> float:
+    """The modulus below which an eigenvalue of a d x d matrix of spectral norm ``norm`` is rounding noise
+    of 0: _ZERO_EIGENVALUE d eps ||A||_2 (the same for A and for its factored form, :func:`gamma_info_factored`)."""
+    return _ZERO_EIGENVALUE * d * float(np.finfo(np.float64).eps) * norm
+
+
 def _real_eigen(a: np.ndarray, tol: float):
-    """(real eigenvalues, their eigenvectors) of a; an eigenvalue counts as real when |Im| <= tol (1 + |lambda|)."""
+    """(real eigenvalues, their eigenvectors) of a; an eigenvalue counts as real when |Im| <= tol (1 + |lambda|),
+    and is set to exactly 0 when within :func:`_zero_cut` of 0 (LAPACK returns the zero eigenvalues of a
+    singular A as rounding noise of either sign, which would otherwise count as a nonzero gamma)."""
     evals, evecs = np.linalg.eig(a)
     real = np.abs(evals.imag) <= tol * (1.0 + np.abs(evals))
-    return evals.real[real], evecs[:, real]
+    lam = evals.real[real]
+    lam = np.where(np.abs(evals[real]) <= _zero_cut(a.shape[0], float(np.linalg.norm(a, 2))), 0.0, lam)
+    return lam, evecs[:, real]
 
 
 def eigen_cases(A, *, tol: float = 1e-10) -> list[GammaInfo]:
@@ -271,10 +295,12 @@ def eigen_cases(A, *, tol: float = 1e-10) -> list[GammaInfo]:
 def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
     """Real eigen-structure of A used by Propositions 3.4 and 3.6 (see :class:`GammaInfo`).
 
-    An eigenvalue counts as real when ``|Im| <= tol (1 + |lambda|)``. lambda_max / 8 counts only if
-    lambda_max > 0 and -lambda_min only if lambda_min < 0; when every real eigenvalue is 0,
-    gamma = 0 (case "max"). A matrix with no real eigenvalue raises a ValueError. The case of
-    gamma is the first of :func:`eigen_cases`.
+    An eigenvalue counts as real when ``|Im| <= tol (1 + |lambda|)``, and as 0 when its modulus is at
+    most ``64 d eps ||A||_2`` (rounding noise: a singular A's zero eigenvalues come out of LAPACK as
+    numbers of either sign near 1e-17 ||A||). lambda_max / 8 counts only if lambda_max > 0 and
+    -lambda_min only if lambda_min < 0; when every real eigenvalue is 0, gamma = 0 (case "max"). A
+    matrix with no real eigenvalue raises a ValueError. The case of gamma is the first of
+    :func:`eigen_cases`.
     """
     a = _square(A)
     _check_tol(tol)
@@ -342,13 +368,16 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     """m_i = argmax_j <A x_i, x_j> (over j <= i when ``masked``), as an int array of length n.
 
     Raises a ValueError when some row's maximum is not unique: the runner-up score lies within
-    ``rtol (1 + |max|)`` of the maximum (Theorems 3.7 / 4.5 need unique maximizers).
+    ``rtol (1 + |max|)`` of the maximum (Theorems 3.7 / 4.5 need unique maximizers). ``rtol`` is a
+    finite number >= 0 (0: only exact ties); NaN or a negative value, which would switch the test
+    off, is a ValueError.
     """
     a = _square(A)
     x = _matrix(X, "X")
     if x.shape[1] != a.shape[0]:
         raise ValueError(f"X: expected tokens of dimension {a.shape[0]} to match A, got shape {x.shape}")
     masked = check_bool(masked, "masked")
+    rtol = check_positive_float(rtol, "rtol", allow_zero=True)
     _check_scores_memory(x.shape[0], "argmax_indices")
     S = (x @ a.T) @ x.T
     n = S.shape[0]
@@ -573,7 +602,9 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     Both have the same nonzero eigenvalues: if ``scale Q K^T w = lambda w`` then ``A w' = lambda w'``
     for ``w' = K^T w``. When k < d, A has rank at most k, so 0 is an eigenvalue too; it never
     changes gamma. The cost is that of a k x k eigenproblem instead of d x d (a Transformer head:
-    k = 64, d = 768). When gamma = 0 there is no witness: ``eigenvector`` is None.
+    k = 64, d = 768). When gamma = 0 there is no witness: ``eigenvector`` is None. Eigenvalues of
+    modulus at most ``64 d eps ||A||_2`` count as 0, as in :func:`gamma_info` (||A||_2 from the
+    factors, :func:`_factored_norm`), so that the two agree on a head whose gamma is exactly 0.
     """
     Qt, Kt = as_tensor(Q, "Q", dtype=torch.float64), as_tensor(K, "K", dtype=torch.float64)
     if Qt.dim() != 2 or Qt.shape != Kt.shape or Qt.numel() == 0:
@@ -586,7 +617,9 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     M = (scale * Qt @ Kt.T).cpu().numpy()
     ev, W = np.linalg.eig(M)
     real = np.abs(ev.imag) <= tol * (1 + np.abs(ev))
-    lam = np.concatenate([ev.real[real], [0.0]]) if Qt.shape[-1] > Qt.shape[0] else ev.real[real]
+    cut = _zero_cut(Qt.shape[-1], abs(scale) * float(_factored_norm(Kt[None], Qt[None])[0]))
+    lam = np.where(np.abs(ev[real]) <= cut, 0.0, ev.real[real])
+    lam = np.concatenate([lam, [0.0]]) if Qt.shape[-1] > Qt.shape[0] else lam
     if lam.size == 0:
         raise ValueError("Q, K: A = scale K^T Q has no real eigenvalue; Proposition 3.4 does not apply")
     l_max, l_min = float(lam.max()), float(lam.min())
@@ -604,6 +637,15 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     return GammaInfo(g, case, lam_c, u, l_max, l_min, w_t)
 
 
+def _factored_norm(K: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``||K_h^T M_h||_2`` per head for K (H, k, d) and M (H, k, m), without the d x m product: with the
+    reduced QR factorization ``K_h^T = U_h T_h`` (U_h with orthonormal columns, T_h of shape
+    (min(k, d), k)), ``||K_h^T M_h||_2 = ||T_h M_h||_2``. No condition on K: a zero or linearly
+    dependent key unit, or k > d, only makes T_h singular."""
+    T = torch.linalg.qr(K.transpose(-1, -2), mode="r").R
+    return torch.linalg.matrix_norm(T @ M, ord=2)
+
+
 def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.ndarray, np.ndarray]:
     """``(||A'_h||_2, ||V'_h||_2)`` for every head of a layer with biases, as arrays of length H.
 
@@ -612,8 +654,10 @@ def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.nda
     leave the softmax unchanged, so with x' = (x, 1) the head is self-attention with
     ``A'_h = scale [K_h^T; 0] [Q_h, b_Q]`` and ``V'_h = [V_h, b_V]`` on (d+1)-dimensional tokens of
     radius sqrt(R^2 + 1): Theorems 3.3 / 4.3 apply with these norms (:func:`biased_multihead_upper`).
-    With K_h K_h^T = L L^T, ``||A'_h|| = scale ||L^T [Q_h, b_Q]||``, a k x (d+1) matrix. ``b_K``
-    does not enter. Missing biases are zero.
+    With the reduced QR factorization K_h^T = U T (U with orthonormal columns),
+    ``||A'_h|| = |scale| ||T [Q_h, b_Q]||``, a min(k, d) x (d+1) matrix (:func:`_factored_norm`): no d x d
+    matrix, and no condition on K_h (a pruned, zero key unit, or k > d, is fine). ``b_K`` does not
+    enter. Missing biases are zero.
 
     This is the lift of :func:`absorb_key_bias` at t = 1, in factored form (no d x d matrix is
     formed, which keeps it cheap for every head of every layer of a real model), with b_V kept in
@@ -634,12 +678,9 @@ def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.nda
                          f"{tuple(bV.shape)}")
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise TypeError(f"scale: expected a finite real number, got {scale!r}")
-    a, v = [], []
-    for h in range(H):
-        L = torch.linalg.cholesky(Kh[h] @ Kh[h].T)
-        a.append(scale * float(torch.linalg.matrix_norm(L.T @ torch.cat([Qh[h], bQ[h][:, None]], 1), 2)))
-        v.append(float(torch.linalg.matrix_norm(torch.cat([Vh[h], bV[h][:, None]], 1), 2)))
-    return np.array(a), np.array(v)
+    a = abs(scale) * _factored_norm(Kh, torch.cat([Qh, bQ[:, :, None]], 2))
+    v = torch.linalg.matrix_norm(torch.cat([Vh, bV[:, :, None]], 2), ord=2)
+    return a.cpu().numpy().astype(np.float64), v.cpu().numpy().astype(np.float64)
 
 
 def biased_multihead_upper(a_norms, v_norms, w_norm, R, n) -> float:
@@ -647,21 +688,32 @@ def biased_multihead_upper(a_norms, v_norms, w_norm, R, n) -> float:
     constant of a multi-head layer with biases on sequences of n tokens of norm at most R,
     ``||W_O||_2 (sum_h 3 ||V'_h||^2 (||A'_h||^2 R'^4 (4n + 1) + n))^{1/2}`` with ``R'^2 = R^2 + 1``.
 
-    ``a_norms``, ``v_norms``: the per-head norms of :func:`augmented_head_norms`; ``w_norm``:
-    ``||W_O||_2``. The output bias does not change the constant.
+    ``a_norms``, ``v_norms``: the per-head norms of :func:`augmented_head_norms` (finite, >= 0);
+    ``w_norm``: ``||W_O||_2`` (finite, >= 0). The output bias does not change the constant. Evaluated
+    in logarithms, like :func:`sqrt_n_upper`: never NaN, and ``math.inf`` (with a
+    :class:`BoundOverflowWarning`) only when the bound exceeds the float64 range.
     """
-    a = np.asarray(a_norms, dtype=float)
-    v = np.asarray(v_norms, dtype=float)
+    a = as_tensor(a_norms, "a_norms", dtype=torch.float64).detach().cpu().numpy()
+    v = as_tensor(v_norms, "v_norms", dtype=torch.float64).detach().cpu().numpy()
     if a.ndim != 1 or a.shape != v.shape or a.size == 0 or (a < 0).any() or (v < 0).any():
         raise ValueError(f"a_norms, v_norms: expected two non-empty lists of norms >= 0 of the same length, got "
                          f"shapes {a.shape} and {v.shape}")
-    if isinstance(w_norm, bool) or not isinstance(w_norm, numbers.Real) or not w_norm >= 0:
-        raise ValueError(f"w_norm: expected a norm >= 0, got {w_norm!r}")
+    w_norm = check_positive_float(w_norm, "w_norm", allow_zero=True)
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
-    R2 = R * R + 1.0
-    heads = math.sqrt(3.0) * v * np.sqrt(a * a * R2 * R2 * (4 * n + 1) + n)
-    return float(w_norm * math.sqrt(float(np.sum(heads ** 2))))
+    # head h squared: 3 ||V'||^2 (||A'||^2 R'^4 (4n + 1) + n), R'^2 = R^2 + 1; n may exceed the float range
+    log_R2, log_n, log_4n1 = math.log1p(R * R), math.log(n), math.log(4 * n + 1)
+    logs = []
+    for ah, vh in zip(a.tolist(), v.tolist()):
+        if vh == 0.0:
+            continue
+        inner = log_n if ah == 0.0 else float(np.logaddexp(2 * math.log(ah) + 2 * log_R2 + log_4n1, log_n))
+        logs.append(math.log(3.0) + 2 * math.log(vh) + inner)
+    if not logs or w_norm == 0.0:
+        return 0.0
+    top = max(logs)
+    log_sum = top + math.log(sum(math.exp(t - top) for t in logs))
+    return _exp_or_inf(math.log(w_norm) + 0.5 * log_sum, "biased_multihead_upper")
 
 
 def score_gap(A, X, *, masked: bool = False) -> float:
@@ -844,16 +896,31 @@ def split_constant(lip_unsplit, query_norms, split) -> float:
     ``||V Sigma_mu(x_i) A||_2`` of :func:`query_term_norms` (of the unsplit measure). Perturbations
     that move the parts of an atom in opposite directions leave every softmax unchanged to first
     order and are orthogonal to the unsplit ones, so only the query term acts on them.
+
+    ``lip_unsplit`` and every entry of ``query_norms`` (a 1-D list) must be finite and >= 0; ``split``
+    is a list of integer atom indices in [0, N) (a float index, even a whole one, is a TypeError:
+    nothing is truncated).
     """
-    if isinstance(lip_unsplit, bool) or not isinstance(lip_unsplit, numbers.Real) or not lip_unsplit >= 0:
-        raise ValueError(f"lip_unsplit: expected a constant >= 0, got {lip_unsplit!r}")
-    q = np.asarray(query_norms, dtype=float).reshape(-1)
-    idx = [int(i) for i in split]
-    if not idx:
-        return float(lip_unsplit)
-    if any(not -q.size <= i < q.size for i in idx):
+    lip = check_positive_float(lip_unsplit, "lip_unsplit", allow_zero=True)
+    q = as_tensor(query_norms, "query_norms", dtype=torch.float64).detach().cpu()
+    if q.dim() != 1:
+        raise ValueError(f"query_norms: expected one norm per atom (1-D), got shape {tuple(q.shape)}")
+    q = q.numpy()
+    if (q < 0).any():
+        raise ValueError(f"query_norms: expected norms >= 0, got a minimum of {q.min():.3g}")
+    if isinstance(split, (str, bytes)) or not hasattr(split, "__iter__"):
+        raise TypeError(f"split: expected a list of atom indices, got {type(split).__name__}")
+    idx = split.tolist() if isinstance(split, (np.ndarray, torch.Tensor)) else list(split)
+    idx = idx if isinstance(idx, list) else [idx]
+    bad = [i for i in idx if isinstance(i, (bool, np.bool_)) or not isinstance(i, numbers.Integral)]
+    if bad:
+        raise TypeError(f"split: expected integer atom indices, got {bad[0]!r} ({type(bad[0]).__name__})")
+    idx = [int(i) for i in idx]
+    if any(not 0 <= i < q.size for i in idx):
         raise ValueError(f"split: atom indices must lie in [0, {q.size}), got {idx}")
-    return float(max(float(lip_unsplit), float(q[idx].max())))
+    if not idx:
+        return lip
+    return float(max(lip, float(q[idx].max())))
 
 
 def __getattr__(name: str):

@@ -137,9 +137,13 @@ def split_lipschitz(f, mu, *, tol=None, seed=0, estimate: LipschitzEstimate | No
         except ConvergenceError as err:
             estimate = err.estimate
     Q = query_jacobians(op, mu)
-    norms = torch.linalg.matrix_norm(Q, ord=2)
     present = torch.isfinite(mu.log_weights)
-    norms = torch.where(present, norms, torch.zeros_like(norms))
+    Q = torch.where(present[:, None, None], Q, torch.zeros_like(Q))   # atoms of mass 0 cannot split
+    norms = torch.linalg.matrix_norm(Q, ord=2) if bool(torch.isfinite(Q).all()) else None
+    if norms is None or not bool(torch.isfinite(norms).all()):
+        # not passed on: the SVD fails on a NaN, and the max of split_constant would drop one
+        raise OverflowError(f"mu: the query derivative Q_i is not finite at some atom (beyond the range of "
+                            f"{mu.points.dtype}); use float64 or a smaller radius")
     atom = int(norms.argmax())
     top = float(norms[atom])
     value = split_constant(estimate.value, norms.cpu().numpy(), [atom])

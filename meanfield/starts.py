@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from particles import Measure
+from particles.measure import position_dtype
 from particles.validation import check_bool, check_positive_int, check_radius, make_generator
 
 from . import adversarial
@@ -182,7 +183,7 @@ def _positions(op, positions, atoms, dtype):
         return sequence_positions(atoms, torch.zeros(0, dtype=dtype)) if op.masked else None
     if not op.masked:
         raise ValueError("positions: only masked operators use positions")
-    pos = torch.as_tensor(positions, dtype=dtype).detach().cpu()
+    pos = torch.as_tensor(positions, dtype=position_dtype(dtype)).detach().cpu()
     if pos.shape != (atoms,):
         raise ValueError(f"positions: expected {atoms} entries (one per atom), got shape {tuple(pos.shape)}")
     return pos
@@ -202,7 +203,7 @@ def longer_start(X, n, *, masked: bool = False) -> torch.Tensor:
       longer input has D f(X) as its top-left block with zeros to its right: again at least Lip_X(f).
 
     This holds for every operator of this framework and for attention layers without positional terms inside
-    them. Tokens in B_R stay in B_R.
+    them. Tokens in B_R stay in B_R. Tokens with a NaN or infinite entry are a ValueError.
     """
     if not isinstance(X, torch.Tensor) or X.dim() != 2:
         raise TypeError(f"X: expected a tensor of shape (m, d), got {type(X).__name__}"
@@ -210,6 +211,9 @@ def longer_start(X, n, *, masked: bool = False) -> torch.Tensor:
     m = X.shape[0]
     if m == 0:
         raise ValueError("X: has no token")
+    if not bool(torch.isfinite(X).all()):
+        bad = int((~torch.isfinite(X)).sum())
+        raise ValueError(f"X: contains {bad} NaN or infinite entr{'y' if bad == 1 else 'ies'}")
     n = check_positive_int(n, "n", minimum=m)
     if not check_bool(masked, "masked") and n % m:
         raise ValueError(f"n: unmasked attention keeps the constant of X ({m} tokens) only at a multiple of {m}, "

@@ -199,3 +199,37 @@ def test_witnesses_and_configurations_are_in_the_ball_exactly(dtype):
             worst = max(worst, float((X.norm(dim=1) / R).max()))
             assert bool((X.norm(dim=1) <= R).all())
     assert worst >= 1 - 1e-6   # the witnesses do reach the sphere
+
+
+# ---------------------------------------------------------------------------- review: silent inputs
+def test_zero_plus_spread_seed_is_an_integer_or_a_generator():
+    """A float seed was truncated (1.5 gave seed 1) and a string failed in int() without naming seed.
+    Truth: torch's own draw from a generator seeded by hand."""
+    with pytest.raises(TypeError, match="seed"):
+        adversarial.zero_plus_spread(1.0, 3, 2, seed=1.5)
+    with pytest.raises(TypeError, match="seed"):
+        adversarial.zero_plus_spread(1.0, 3, 2, seed="a")
+    with pytest.raises(TypeError, match="seed"):
+        adversarial.zero_plus_spread(1.0, 3, 2, seed=True)
+    Z = torch.randn(4, 3, generator=torch.Generator().manual_seed(7), dtype=F64)
+    truth = torch.cat([torch.zeros(1, 3, dtype=F64), 2.0 * Z / Z.norm(dim=1, keepdim=True)])
+    for seed in (7, np.int64(7), torch.Generator().manual_seed(7)):
+        torch.testing.assert_close(adversarial.zero_plus_spread(2.0, 5, 3, seed=seed), truth, rtol=0, atol=1e-15)
+
+
+def test_sqrt_n_measure_takes_n_beyond_the_float_range():
+    """The docstring promises any real n > 1, 'up to 10^15 and beyond': a Python integer beyond float range
+    (10**400) raised OverflowError. Truth: log-weights -log n = -400 log 10 and log(1 - 10^-400) = -0 in
+    float64, on the two tokens of the n = 2 witness."""
+    A = np.diag([2.0, -0.5])
+    mu = adversarial.sqrt_n_measure(A, 1.5, 10**400)
+    assert mu.log_weights.tolist() == pytest.approx([-400 * math.log(10), 0.0], rel=1e-15, abs=0)
+    torch.testing.assert_close(mu.points, adversarial.sqrt_n_sequence(A, 1.5, 2), rtol=0, atol=0)
+    # inside the float range the exact-integer and the float paths agree
+    for n in (7, 10**20):
+        a, b = adversarial.sqrt_n_measure(A, 1.5, n), adversarial.sqrt_n_measure(A, 1.5, float(n))
+        torch.testing.assert_close(a.log_weights, b.log_weights, rtol=1e-15, atol=0)
+        assert a.log_weights.tolist() == pytest.approx([-math.log(n), math.log1p(-1 / n)], rel=1e-15)
+    for bad in (1, 1.0, math.inf, math.nan, -3, True, "5"):
+        with pytest.raises(ValueError, match="n:"):
+            adversarial.sqrt_n_measure(A, 1.5, bad)

@@ -411,3 +411,126 @@ def test_bad_types_name_the_argument():
         bounds.mean_field_upper(np.eye(2), np.eye(2), 1.0, log=1)
     with pytest.raises(TypeError, match="A:"):
         bounds.gamma("eye")
+
+
+# ---------------------------------------------------------------------------- review: degenerate and silent inputs
+def test_augmented_head_norms_need_no_invertible_key_gram():
+    """||A'_h|| = |scale| ||K_h^T [Q_h, b_Q]||_2 is defined for every K_h: a zero (pruned) key unit, linearly
+    dependent key units, or more key units than the token dimension (k > d, K K^T always singular).
+    Truth: numpy's spectral norm of the (d, d+1) product K^T [Q, b_Q], formed explicitly."""
+    rng = np.random.default_rng(0)
+    cases = []
+    k, d = 4, 6
+    Q, K, V, bQ = (rng.standard_normal(s) for s in ((k, d), (k, d), (k, d), (k,)))
+    K[3] = 0.0                                                          # a zero key unit
+    cases.append((Q, K, V, bQ, 1 / math.sqrt(k)))
+    K2 = K.copy()
+    K2[3] = 2.0 * K2[0] - K2[1]                                         # linearly dependent key units
+    cases.append((Q, K2, V, bQ, 0.5))
+    k, d = 4, 2                                                         # k > d
+    cases.append((rng.standard_normal((k, d)), rng.standard_normal((k, d)), rng.standard_normal((k, d)), None, 1.0))
+    k, d = 3, 5                                                         # full rank: the previous (Cholesky) result
+    cases.append((rng.standard_normal((k, d)), rng.standard_normal((k, d)), rng.standard_normal((2, d)),
+                  rng.standard_normal(k), -0.7))
+    for Q, K, V, bQ, scale in cases:
+        a, v = bounds.augmented_head_norms(Q, K, V, b_Q=bQ, scale=scale)
+        b = np.zeros(Q.shape[0]) if bQ is None else bQ
+        truth = abs(scale) * np.linalg.norm(K.T @ np.concatenate([Q, b[:, None]], 1), 2)
+        assert a.shape == (1,) and a[0] == pytest.approx(truth, rel=1e-12)
+        assert v[0] == pytest.approx(np.linalg.norm(np.concatenate([V, np.zeros((V.shape[0], 1))], 1), 2), rel=1e-12)
+    # several heads at once, one of them with an all-zero K: that head's A' is 0
+    Qh, Kh, Vh = rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4)), rng.standard_normal((3, 2, 4))
+    Kh[1] = 0.0
+    a, _ = bounds.augmented_head_norms(Qh, Kh, Vh)
+    assert a == pytest.approx([np.linalg.norm(Kh[h].T @ np.concatenate([Qh[h], np.zeros((2, 1))], 1), 2)
+                               for h in range(3)], rel=1e-12, abs=0)
+    assert a[1] == 0.0
+
+
+@pytest.mark.parametrize("rtol", [math.nan, -1.0, -1e-12, math.inf])
+def test_argmax_tie_test_cannot_be_switched_off(rtol):
+    """An exact 3-way tie (row 0 of X sees only scores 0) must raise with every admissible rtol; an rtol that
+    would disable the test (NaN, negative) or make it meaningless (inf) is refused by name.
+    Truth: the tie, exact by construction."""
+    A, V = np.eye(2), np.eye(2)
+    X = np.array([[0.0, 0.0], [1.0, 0.0], [-1.0, 0.0]])
+    for r in (0.0, 1e-9):
+        with pytest.raises(ValueError, match="not unique"):
+            bounds.large_radius_limit(A, V, X, rtol=r)
+    with pytest.raises(ValueError, match="rtol"):
+        bounds.argmax_indices(A, X, rtol=rtol)
+    with pytest.raises(ValueError, match="rtol"):
+        bounds.large_radius_limit(A, V, X, rtol=rtol)
+    with pytest.raises(TypeError, match="rtol"):
+        bounds.argmax_indices(A, X, rtol="1e-9")
+
+
+def test_gamma_ignores_rounding_noise_of_zero_eigenvalues():
+    """A = K^T Q of rank 2 whose nonzero eigenvalues are the complex pair +-1.3i: its real eigenvalues are
+    exactly 0, so gamma = 0 and Proposition 3.6 gives no witness. LAPACK returns those zeros as numbers
+    near 1e-17, which must not count. Truth: the eigenvalues, exact by construction; gamma_info_factored
+    of the same head agrees."""
+    rng = np.random.default_rng(1)
+    U, _ = np.linalg.qr(rng.standard_normal((4, 4)))
+    K = U[:2]
+    Q = 1.3 * np.array([[0.0, -1.0], [1.0, 0.0]]) @ K
+    A = K.T @ Q
+    info = bounds.gamma_info(A)
+    assert info.gamma == 0.0 and info.lambda_max == 0.0 and info.lambda_min == 0.0
+    assert bounds.eigen_cases(A) == []
+    assert bounds.gamma_info_factored(Q, K).gamma == 0.0
+    with pytest.raises(ValueError, match="gamma"):
+        adversarial.two_dirac(A, 10.0)
+    assert bounds.two_dirac_lower(A, 10.0) == 0.0
+    # the cut is a rounding tolerance, not a threshold on small real eigenvalues: 1e-9 ||A|| still counts
+    for big, small, case in ((2.0, -1e-9, "min"), (-2.0, 1e-9, "max")):
+        B = U.T @ np.diag([big, small, 0.0, 0.0]) @ U
+        cases = {c.case: c.gamma for c in bounds.eigen_cases(B)}
+        assert cases[case] == pytest.approx(abs(small) / (8 if case == "max" else 1), rel=1e-4)
+    only_small = bounds.gamma_info(np.diag([0.0, -1e-9]))
+    assert only_small.gamma == 1e-9 and only_small.case == "min"
+
+
+def test_silent_inputs_are_refused_by_name():
+    """NaN, inf, fractional indices and 2-D per-head lists were dropped, truncated or flattened."""
+    with pytest.raises(ValueError, match="query_norms"):
+        bounds.split_constant(1.0, [math.nan], [0])        # max() dropped the NaN: returned 1.0
+    with pytest.raises(ValueError, match="query_norms"):
+        bounds.split_constant(1.0, [1.0, math.inf], [0])
+    with pytest.raises(ValueError, match="query_norms"):
+        bounds.split_constant(1.0, [1.0, -2.0], [0])
+    with pytest.raises(TypeError, match="split"):
+        bounds.split_constant(1.0, [1.0, 5.0], [1.7])      # truncated to atom 1: returned 5.0
+    with pytest.raises(TypeError, match="split"):
+        bounds.split_constant(1.0, [1.0, 5.0], [1.0])
+    with pytest.raises(ValueError, match="split"):
+        bounds.split_constant(1.0, [1.0, 5.0], [-1])
+    with pytest.raises(ValueError, match="lip_unsplit"):
+        bounds.split_constant(math.nan, [1.0], [0])
+    assert bounds.split_constant(1.0, [1.0, 5.0], np.array([1])) == 5.0
+    assert bounds.split_constant(7.0, [1.0, 5.0], [0, 1]) == 7.0
+    with pytest.raises(ValueError, match="a_norms"):
+        bounds.biased_multihead_upper([math.nan], [1.0], 1.0, 1.0, 3)   # returned NaN
+    with pytest.raises(ValueError, match="v_norms"):
+        bounds.biased_multihead_upper([1.0], [math.inf], 1.0, 1.0, 3)
+    with pytest.raises(ValueError, match="w_norm"):
+        bounds.biased_multihead_upper([1.0], [1.0], math.inf, 1.0, 3)   # returned inf
+    with pytest.raises(ValueError, match="w_norm"):
+        bounds.biased_multihead_upper([1.0], [1.0], math.nan, 1.0, 3)
+    with pytest.raises(ValueError, match="head_lips"):
+        bounds.multihead_upper([[1.0, 2.0], [3.0, 4.0]], np.eye(2))    # flattened: returned sqrt(30)
+
+
+def test_biased_multihead_upper_never_nan_and_exact_in_range():
+    """The bias-augmented Lemma 3.8 bound, in logarithms: the closed form where it is in range, inf with a
+    BoundOverflowWarning (never NaN) beyond, and n beyond the float range. Truth: the formula typed in."""
+    a, v, w, R, n = [0.5, 0.0, 2.0], [1.5, 3.0, 0.0], 1.7, 2.0, 9
+    R2 = R * R + 1
+    truth = w * math.sqrt(sum(3 * vh ** 2 * (ah ** 2 * R2 ** 2 * (4 * n + 1) + n) for ah, vh in zip(a, v)))
+    assert bounds.biased_multihead_upper(a, v, w, R, n) == pytest.approx(truth, rel=1e-13)
+    assert bounds.biased_multihead_upper([1.0], [0.0], 1.0, 1.0, 3) == 0.0
+    assert bounds.biased_multihead_upper([1.0], [1.0], 0.0, 1.0, 3) == 0.0
+    with pytest.warns(bounds.BoundOverflowWarning, match="biased_multihead_upper"):
+        assert bounds.biased_multihead_upper([1e200], [1e200], 1.0, 1.0, 3) == math.inf
+    big = bounds.biased_multihead_upper([1.0], [1.0], 1.0, 1.0, 10**40)
+    assert big == pytest.approx(math.sqrt(3 * (4 * 4e40 + 1e40)), rel=1e-12)

@@ -397,6 +397,83 @@ def test_plain_gradient_ascent_uses_random_starts_and_the_same_budget():
     assert search.stopped in ("budget", "converged", "max_steps")
 
 
+def test_the_first_iteration_respects_the_budget():
+    """Only the starts' certification may exceed the budget (WorstCaseResult.start_products): the first
+    iteration too is predicted before it runs. Truth: the budget, and the cost of the starts and of one
+    iteration measured by searches capped at 0 and 1 step."""
+    rng = np.random.default_rng(0)
+    op = SelfAttention(rng.standard_normal((2, 2)), np.eye(2))
+    opts = SearchOptions(random=4, clusters=2)
+    starts_only = worst_case_sequence(op, 1.0, 6, budget=10**9, options=opts.replace(max_steps=0))
+    one_step = worst_case_sequence(op, 1.0, 6, budget=10**9, options=opts.replace(max_steps=1))
+    sp, step = starts_only.start_products, one_step.products - starts_only.start_products
+    assert sp > 0 and step > 0
+    for budget in (sp - 1, sp, sp + 1, sp + step // 2, sp + step - 1):
+        res = worst_case_sequence(op, 1.0, 6, budget=budget, options=opts)
+        assert res.start_products == sp
+        assert res.products == sp <= max(budget, sp), budget          # the ascent made no step ...
+        assert res.stopped == "budget" and res.trace == (), budget   # ... and says it stopped on the budget
+        assert all(s.stopped == "budget" and s.steps == 0 for s in res.starts), budget
+    for budget in (sp + 3 * step, sp + 10 * step):
+        res = worst_case_sequence(op, 1.0, 6, budget=budget, options=opts)
+        assert sp < res.products <= budget and res.trace, budget
+        assert res.stopped in ("budget", "converged"), budget
+
+
+class _KnownCosts:
+    """A problem for meanfield.ascent.ascend with fixed costs: each evaluation ``e`` products, each gradient
+    ``g``; the value 10 - |Y - c|^2 on the unit ball (maximum inside, so starts move for a while)."""
+
+    tied = False
+
+    def __init__(self, e, g):
+        self.e, self.g, self.products, self.start_products = e, g, 0, 0
+        self.c = torch.tensor([[0.3, -0.2], [0.1, 0.4]], dtype=f64)
+
+    def project(self, Y):
+        norm = Y.norm(dim=-1, keepdim=True)
+        return Y * torch.where(norm > 1, 1.0 / norm, torch.ones_like(norm))
+
+    def projected_gradient(self, Y, G):
+        return G
+
+    def evaluate(self, Ys):
+        self.products += self.e * len(Ys)
+        return [(10.0 - float((Y - self.c).pow(2).sum()), True) for Y in Ys]
+
+    def gradient(self, Ys, auxs):
+        self.products += self.g * len(Ys)
+        return [-2.0 * (Y - self.c) for Y in Ys]
+
+
+@pytest.mark.parametrize("e, g", [(12, 2), (1, 2), (3, 5)])
+def test_ascend_never_spends_more_than_the_budget_beyond_the_starts(e, g):
+    """At fixed costs per evaluation and per gradient, every budget is kept (only the starts, spent whatever
+    the budget, may exceed it), for the line search and the plain ascent, with and without pruning; the
+    prediction is not so cautious that a budget of one full iteration stops before it."""
+    from meanfield.ascent import ascend
+
+    gen = torch.Generator().manual_seed(0)
+    starts = [(f"s{k}", torch.rand(2, 2, generator=gen, dtype=f64) * 2 - 1) for k in range(3)]
+    for line_search in (True, False):
+        for keep in (None, 1):
+            sp = 3 * e
+            for budget in range(1, sp + 6 * (e + g) * 3):
+                problem = _KnownCosts(e, g)
+                _, trace, stopped = ascend(problem, starts, budget=budget, max_steps=10**6, gtol=1e-12, eta=0.01,
+                                           line_search=line_search, keep=keep, t0=0.0, seed=0)
+                assert problem.start_products == sp
+                assert problem.products <= max(budget, sp), (line_search, keep, budget, problem.products)
+                if stopped == "budget" and trace:
+                    # stopping early wastes less than one iteration and its first gradients
+                    assert problem.products + 3 * (e + g) + 3 * max(e, g) > budget
+            # a budget far beyond: it runs, and still keeps the budget
+            problem = _KnownCosts(e, g)
+            ascend(problem, starts, budget=sp + 100 * (e + g), max_steps=10**6, gtol=1e-12, eta=0.01,
+                   line_search=line_search, keep=keep, t0=0.0, seed=0)
+            assert sp + (e + g) <= problem.products <= sp + 100 * (e + g)
+
+
 def test_arguments_are_checked_and_numpy_scalars_accepted():
     op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
     res = worst_case_sequence(op, np.float64(1.0), np.int64(3), budget=np.int64(200),
@@ -531,6 +608,32 @@ def test_longer_start_refuses_what_would_lose_the_constant():
         longer_start(X[0], 4)
     with pytest.raises(ValueError, match="X: has no token"):
         longer_start(X[:0], 4)
+    for bad in (math.nan, math.inf):   # NaN tokens went through, into the search's starts
+        Y = X.clone()
+        Y[1, 2] = bad
+        with pytest.raises(ValueError, match="X: contains 1 NaN or infinite entry"):
+            longer_start(Y, 8)
+
+
+def test_split_lipschitz_refuses_a_non_finite_query_norm(monkeypatch):
+    """A non-finite query derivative (an overflowed covariance) escaped as a raw torch._LinAlgError from the
+    SVD (and a NaN norm would be dropped by the max of split_constant): a clear OverflowError naming mu, the
+    failure the worst-case search rejects a trial on. Truth: a query derivative made NaN by hand."""
+    from meanfield import splitting
+
+    op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
+    mu = Measure(rand(3, 2, seed=3), torch.tensor([0.2, 0.3, 0.5], dtype=f64))
+    clean = split_lipschitz(op, mu)
+    real = splitting.query_jacobians
+
+    def poisoned(f, m):
+        Q = real(f, m).clone()
+        Q[1] = math.nan
+        return Q
+
+    monkeypatch.setattr(splitting, "query_jacobians", poisoned)
+    with pytest.raises(OverflowError, match="mu: the query derivative"):
+        split_lipschitz(op, mu, estimate=clean.unsplit)
 
 
 @pytest.mark.parametrize("masked", [False, True])
