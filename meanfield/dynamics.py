@@ -61,11 +61,13 @@ class Trajectory:
 
     Attributes: ``times`` (T,), ``points`` (T, N, d), ``weights`` / ``log_weights`` (N,) (constant in
     time), ``positions`` (N,) or None (constant in time), ``method``, ``nfev`` (velocity-field
-    evaluations), ``steps`` (solver steps), ``rescale_V`` (the V of y = exp(-tV) x, or None),
-    ``geometry`` ("euclidean" or "sphere"). Indexing and iteration give :class:`Measure` objects.
+    evaluations), ``steps`` (solver steps of a fixed-step method; None for an adaptive one, whose accepted
+    and rejected steps torchdiffeq does not report: ``nfev`` counts its work), ``rescale_V`` (the V of
+    y = exp(-tV) x, or None), ``geometry`` ("euclidean" or "sphere"). Indexing and iteration give
+    :class:`Measure` objects.
     """
 
-    def __init__(self, times, points, template: Measure, *, method: str, nfev: int, steps: int,
+    def __init__(self, times, points, template: Measure, *, method: str, nfev: int, steps: int | None,
                  rescale_V=None, geometry: str = "euclidean", sphere=None):
         self.times = times
         self.points = points

@@ -209,7 +209,9 @@ class WorstCaseResult:
         One :class:`TracePoint` per iteration.
     products : int
         Jacobian products spent (each J u and each J^T w on one sequence counts one; a gradient pass
-        counts :data:`GRADIENT_PRODUCTS`), the starts' certified values included.
+        counts :data:`GRADIENT_PRODUCTS`), the starts' certified values included, and for
+        :func:`worst_case_measure` the certificate of a split representation, computed once after the
+        search (it can take ``products`` past the budget by that one certificate).
     start_products : int
         Of ``products``, those that certified the starts before the first step. They are spent whatever
         the budget (a lower bound needs at least one certified value), so ``products`` exceeds a budget
@@ -568,9 +570,10 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
         Number of tokens.
     budget : int
         Jacobian products to spend (each J u and J^T w on one sequence counts one, a gradient pass
-        two). The search stops when the next iteration, at the cost of the last one, would exceed it.
-        The starts' certified values come first and count in it, whatever it is (the result's
-        ``start_products``): a budget below them buys no ascent step.
+        two). No step runs unless its cost, predicted from the largest cost per input seen so far
+        (:mod:`meanfield.ascent`), fits in what is left. The starts' certified values come first and
+        count in it, whatever it is (the result's ``start_products``): a budget below them buys no
+        ascent step.
     starts : list or None
         Tensors of shape (n, d), or pairs (a name, such a tensor), to use instead of
         :func:`~meanfield.starts.sequence_starts` (each is projected onto B_R^n first). To carry an input
