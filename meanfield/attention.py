@@ -297,7 +297,8 @@ class MultiHeadAttention(AttentionOperator):
         if values is None or len(values) != len(heads):
             raise ValueError(f"V: expected one value matrix per head ({len(heads)}), got "
                              f"{'none' if values is None else len(values)}")
-        return [SelfAttention(A, V, masked=bool(masked), dtype=dtype) for A, V in zip(heads, values)], W_O, bias
+        masked = False if masked is None else check_bool(masked, "masked")
+        return [SelfAttention(A, V, masked=masked, dtype=dtype) for A, V in zip(heads, values)], W_O, bias
 
     def _stackable(self):
         h0 = self.heads[0]
@@ -428,6 +429,9 @@ class L2SelfAttention(AttentionOperator):
         if WQ.dim() != 3:
             raise ValueError(f"W_Q: expected shape (H, D, k) or (D, k), got {tuple(WQ.shape)}")
         H, D, k = WQ.shape
+        if H == 0 or D == 0 or k == 0:
+            raise ValueError(f"W_Q: expected at least one head, input coordinate and query coordinate, got shape "
+                             f"{tuple(WQ.shape)}")
         like = None if dtype is not None else "W_Q"
         _same_dtype(W_V, "W_V", WQ.dtype, like)
         WV = as_tensor(W_V, "W_V", dtype=WQ.dtype, device=WQ.device)
@@ -498,6 +502,11 @@ class L2SelfAttention(AttentionOperator):
         qq = torch.einsum("...md,hdk->...hmk", x, self._WQ)
         kk = torch.einsum("...nd,hdk->...hnk", keys, self._WQ)
         v = torch.einsum("...nd,hdk->...hnk", keys, self._AV)
+        # -|q_i - k_j|^2 = 2 <q_i - c, k_j - c> - |k_j - c|^2 + (a term of row i alone) for any c: from the keys'
+        # centre, so that tokens far from the origin (radius R) lose no accuracy to terms of size R^2 that cancel
+        # (float32 at R = 1e4 lost the weights). The value does not depend on c, nor do its derivatives
+        c = kk.detach().mean(dim=-2, keepdim=True)
+        qq, kk = qq - c, kk - c
         key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)
         lw = key_term if log_weights is None else key_term + log_weights.unsqueeze(-2)
         qp = None if x_positions is None else x_positions.unsqueeze(-2)

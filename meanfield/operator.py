@@ -152,6 +152,9 @@ class AttentionOperator:
             p = as_tensor(positions, "positions", dtype=position_dtype(x.dtype), device=x.device)
             if p.shape != lead:
                 raise ValueError(f"positions: expected shape {tuple(lead)} (one per point), got {tuple(p.shape)}")
+            if p.numel() and bool(((p < 0) | (p > 1)).any()):
+                raise ValueError("positions: must lie in [0, 1], as a measure's do "
+                                 f"(got range [{float(p.min()):.3g}, {float(p.max()):.3g}])")
             q_pos, k_pos = p.reshape(-1), mu.positions
         elif positions is not None:
             raise ValueError("positions: only masked operators take query positions")

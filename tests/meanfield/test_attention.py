@@ -253,3 +253,37 @@ def test_multihead_from_matrices_equals_multihead_from_heads():
         MultiHeadAttention(A1, W)
     with pytest.raises(TypeError, match="W_O: given twice"):
         MultiHeadAttention([SelfAttention(A1, V1)], W[:, :3], W_O=W[:, :3])
+
+
+# ---------------------------------------------------------------- review: far tokens, bad arguments
+@pytest.mark.parametrize("masked", [False, True])
+def test_l2_attention_in_float32_far_from_the_origin(masked):
+    """Six tokens within 0.5 of a point at radius R = 1e3 and 1e4: the scores -|q_i - q_j|^2 are small, but
+    2<q_i, q_j> - |q_j|^2 holds terms of size R^2 that cancel (float32 lost the weights at 1e4). Truth:
+    tests/reference.py's difference form in float64; float32 must stay within a few 1e-3 of the outputs'
+    spread, as the difference form in float32 does."""
+    g = torch.Generator().manual_seed(0)
+    WQ = torch.randn(1, 4, 4, generator=g, dtype=torch.float64)
+    WV = torch.randn(1, 4, 4, generator=g, dtype=torch.float64)
+    op = L2SelfAttention(WQ.float(), WV.float(), masked=masked)
+    for R in (1e3, 1e4):
+        c = torch.randn(4, generator=g, dtype=torch.float64)
+        X = R * c / c.norm() + 0.5 * torch.randn(6, 4, generator=g, dtype=torch.float64)
+        X32 = X.float()
+        truth = naive_l2(X32.double(), WQ.float().double(), WV.float().double(), torch.eye(4, dtype=torch.float64),
+                         masked)
+        spread = (truth - truth.mean(0)).abs().max()
+        assert float((op.sequence(X32).double() - truth).abs().max() / spread) < 5e-3, R
+
+
+def test_bad_arguments_of_the_operators_are_named():
+    A = [torch.eye(2, dtype=torch.float64)] * 2
+    for bad in ("False", "no", 1):
+        with pytest.raises(TypeError, match="masked: expected True or False"):
+            MultiHeadAttention(A, A, W_O=torch.eye(4, 2, dtype=torch.float64), masked=bad)
+    with pytest.raises(ValueError, match="W_Q: expected at least one head"):
+        L2SelfAttention(np.ones((3, 0)), np.ones((3, 2)))
+    op = SelfAttention(torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64), masked=True)
+    mu = Measure.sequence(torch.randn(3, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"positions: must lie in \[0, 1\]"):
+        op.velocity(mu, torch.zeros(2, 2, dtype=torch.float64), positions=torch.tensor([-1.0, 2.0]).double())
