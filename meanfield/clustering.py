@@ -30,7 +30,9 @@ __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "
 
 #: above this many points single linkage runs on grid-cell representatives (see cluster_labels)
 EXACT_LIMIT = 4000
-#: the default clustering distance, as a fraction of the diagonal of the points' bounding box
+#: the default clustering distance, as a fraction of the configuration's scale: the larger of the diagonal of the
+#: points' bounding box and their largest norm (a collapsing cluster keeps its norm: on the unit sphere the
+#: default stays 1e-3 however tight the cluster gets)
 RELATIVE_TOL = 1e-3
 
 def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
@@ -43,11 +45,14 @@ def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
 
 
 def _check_tol(tol, X: np.ndarray) -> float:
-    """``tol``, or for None :data:`RELATIVE_TOL` times the diagonal of the bounding box of X (1.0 for a
-    configuration of one point: every tolerance then gives one cluster)."""
+    """``tol``, or for None :data:`RELATIVE_TOL` times the configuration's scale: the larger of the diagonal of
+    the bounding box of X and the largest norm in X (1.0 for all points at the origin). Relative to the
+    diagonal alone, a collapsed cluster (spread 1e-14 on the sphere) counted every token as its own cluster."""
     if tol is None:
-        diagonal = float(np.linalg.norm(X.max(0) - X.min(0))) if len(X) else 0.0
-        return RELATIVE_TOL * diagonal if diagonal > 0 else 1.0
+        if not len(X):
+            return 1.0
+        scale = max(float(np.linalg.norm(X.max(0) - X.min(0))), float(np.linalg.norm(X, axis=1).max()))
+        return RELATIVE_TOL * scale if scale > 0 else 1.0
     return check_positive_float(tol, "tol")
 
 
@@ -55,9 +60,10 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
                    ) -> np.ndarray:
     """Single-linkage cluster labels at distance ``tol``, numbered 0..k-1 by first occurrence.
 
-    ``tol`` None: :data:`RELATIVE_TOL` (1e-3) of the diagonal of the points' bounding box, a scale-free
-    choice for collapsed clusters (on the unit sphere about 2e-3 to 3e-3); give an absolute distance
-    to compare configurations of different spreads.
+    ``tol`` None: :data:`RELATIVE_TOL` (1e-3) of the configuration's scale, the larger of the diagonal of
+    the points' bounding box and their largest norm (on the unit sphere 1e-3 to 2e-3, also once the tokens
+    have collapsed into one cluster); give an absolute distance to compare configurations of different
+    spreads, or tokens that collapse at the origin.
 
     Up to ``exact_limit`` points: exact (scipy.cluster.hierarchy single linkage cut at ``tol``).
     Above: points are first grouped in grid cells of diameter ``slack * tol / 2`` and single linkage

@@ -317,8 +317,9 @@ def test_w2_to_reference_matches_assignment():
 
 
 def test_clustering_has_a_scale_free_default_tolerance():
-    """tol=None clusters at 1e-3 of the bounding box's diagonal: two tight groups 1e4 apart (spread 1)
-    are 2 clusters at that scale, and the same picture scaled by 1e-6 too; one point is one cluster."""
+    """tol=None clusters at 1e-3 of the configuration's scale (here the bounding box's diagonal, larger than
+    any norm): two tight groups 1e4 apart are 2 clusters at that scale, and the same picture scaled by 1e-6
+    too; one point is one cluster."""
     g = torch.Generator().manual_seed(0)
     base = torch.cat([torch.randn(20, 3, generator=g, dtype=torch.float64) * 1e-4,
                       1e4 + torch.randn(20, 3, generator=g, dtype=torch.float64) * 1e-4])
@@ -382,3 +383,19 @@ def test_an_adaptive_solvers_unknown_option_is_refused_by_name():
         simulate(op, Measure(X), [0.0, 1.0], method="dopri5", options={"max_stpes": 10})
     traj = simulate(op, Measure(X), [0.0, 1.0], method="dopri5", options={"first_step": 0.1})
     assert torch.isfinite(traj.final.points).all()
+
+
+def test_default_tolerance_sees_a_collapsed_cluster():
+    """Tokens on the unit sphere collapsed to within 1e-12 of one point (SA dynamics run to t = 40 reach
+    8e-15) are one cluster under the default tolerance, as under an absolute 1e-3; relative to the frame's own
+    diagonal they were 64. Two such clusters far apart stay two."""
+    g = torch.Generator().manual_seed(1)
+    c = torch.randn(3, generator=g, dtype=torch.float64)
+    c = c / c.norm()
+    X = c + 1e-12 * torch.randn(64, 3, generator=g, dtype=torch.float64)
+    X = X / X.norm(dim=1, keepdim=True)
+    assert count_clusters(X) == 1 == count_clusters(X, 1e-3)
+    assert limit_set(X).n_clusters == 1
+    assert count_clusters(torch.cat([X, -X])) == 2
+    frames = torch.stack([X, torch.cat([X[:32], -X[32:]])])
+    assert count_clusters(frames).tolist() == [1, 2]
