@@ -45,7 +45,7 @@ from particles.validation import as_tensor, check_allocation, check_ndim, check_
 
 from .adapters import as_operator
 from .geometry import GEOMETRIES, Euclidean, Sphere, resolve_geometry
-from .integrators import ADAPTIVE, FIXED, check_finite, integrate_adaptive, integrate_fixed
+from .integrators import ADAPTIVE, FIXED, FIXED_MAX_STEPS, check_finite, integrate_adaptive, integrate_fixed
 from .isotropic import NORMALIZATIONS, IsotropicAttention
 from .operator import AttentionOperator
 
@@ -246,7 +246,7 @@ class _Field:
 
 
 #: the options of simulate for each kind of method (everything else in ``options`` goes to torchdiffeq)
-FIXED_OPTIONS = ("step", "steps")
+FIXED_OPTIONS = ("step", "steps", "max_steps")
 ADAPTIVE_OPTIONS = ("max_steps",)
 #: keywords of the previous release, moved into ``options`` or ``geometry`` (they warn for one release)
 _MOVED = ("step", "steps", "max_steps", "sphere", "beta")
@@ -286,7 +286,8 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         ``op.parameters()``), or the matrix given. See the module docstring.
     options : dict or None
         Fixed-step methods: ``step`` (largest step size) or ``steps`` (steps between consecutive
-        requested times); by default 100 steps over the whole span. Adaptive methods: ``max_steps``
+        requested times); by default 100 steps over the whole span; ``max_steps`` (default 1000000): more
+        steps than that are refused before the first one. Adaptive methods: ``max_steps``
         (per layer, default 100000; beyond it a RuntimeError says it did not converge) and any
         option of torchdiffeq's solver. An option of the other kind of method is an error.
 
@@ -346,9 +347,9 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
                 raise ValueError(f"options: {wrong} do not apply to the fixed-step method {method!r} "
                                  f"(its options: {FIXED_OPTIONS})")
             out, nsteps = integrate_fixed(field, Y, [float(s) for s in t], method, options.get("step"),
-                                          options.get("steps"))
+                                          options.get("steps"), options.get("max_steps", FIXED_MAX_STEPS))
         else:
-            wrong = sorted(set(options) & set(FIXED_OPTIONS))
+            wrong = sorted(set(options) & (set(FIXED_OPTIONS) - set(ADAPTIVE_OPTIONS)))
             if wrong:
                 raise ValueError(f"options: {wrong} only for the fixed-step methods {tuple(FIXED)}, not {method!r}")
             max_steps = options.pop("max_steps", 100_000)

@@ -105,18 +105,28 @@ def _segments(field, times):
     return [(a, b, idx.get(b)) for a, b in zip(cuts[:-1], cuts[1:])]
 
 
-def integrate_fixed(field, Y, times, method, step, steps):
+#: the default budget of a fixed-step integration: a step size or count that needs more steps is refused before the
+#: first one (options={"max_steps": ...} raises it)
+FIXED_MAX_STEPS = 1_000_000
+
+
+def integrate_fixed(field, Y, times, method, step, steps, max_steps=FIXED_MAX_STEPS):
     """Fixed-step integration; returns (points at each requested time, number of steps).
 
     The requested times are snapped onto the layer boundaries they round to (:func:`snap_to_edges`; the times have
-    the particles' dtype), so that no sliver piece costs a step.
+    the particles' dtype), so that no sliver piece costs a step. The steps are counted before the first one: more
+    than ``max_steps`` is a ValueError (a step of 1e-12 would otherwise run for days).
     """
     stepper = FIXED[method]
+    max_steps = check_positive_int(max_steps, "max_steps")
     times = snap_to_edges(times, field.breakpoints(), Y.dtype)
     if step is not None and steps is not None:
         raise ValueError("step, steps: give at most one of them")
     if step is not None:
-        if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) or step <= 0:
+        if isinstance(step, bool) or not isinstance(step, numbers.Real):
+            raise TypeError(f"step: expected a positive real number (a Python float), got {type(step).__name__} "
+                            f"{step!r}")
+        if not math.isfinite(step) or step <= 0:
             raise ValueError(f"step: expected a positive step size, got {step!r}")
         h_max = [float(step)] * (len(times) - 1)
     elif steps is None:
@@ -124,15 +134,22 @@ def integrate_fixed(field, Y, times, method, step, steps):
     else:
         k = check_positive_int(steps, "steps")
         h_max = [(b - a) / k for a, b in zip(times[:-1], times[1:])]
-    out, nsteps = [field.retract(Y)], 0
-    Y = out[0]
+    plan = []
     for a, b, k_out in _segments(field, times):
-        layer = field.layer_of(a, b)
         # a piece between layer boundaries inherits the step of the requested interval holding it: the
         # interval [times[i], times[i + 1]] with times[i] <= a (a bisection, not a scan: many output times)
         i = min(bisect.bisect_right(times, a) - 1, len(h_max) - 1)
-        h_piece = h_max[i]
-        m = max(1, math.ceil((b - a) / h_piece - 1e-9))
+        m = (b - a) / h_max[i] - 1e-9
+        plan.append((a, b, k_out, max(1, math.ceil(m)) if math.isfinite(m) else math.inf))
+    total = sum(m for *_, m in plan)
+    if total > max_steps:
+        what = "step" if step is not None else "steps" if steps is not None else "the default 100 steps"
+        raise ValueError(f"{what}: {total:.4g} steps over [{times[0]:g}, {times[-1]:g}] exceed max_steps = "
+                         f"{max_steps} (the fixed-step budget); take a larger step, or raise options['max_steps']")
+    out, nsteps = [field.retract(Y)], 0
+    Y = out[0]
+    for a, b, k_out, m in plan:
+        layer = field.layer_of(a, b)
         h = (b - a) / m
         for s in range(m):
             Y = field.retract(stepper(field, a + s * h, Y, h, layer))

@@ -255,8 +255,8 @@ def test_bad_inputs_are_reported():
         simulate(op, mu, [0.0, 1.0], geometry="torus")
     with pytest.raises(TypeError, match="unexpected keyword"):
         simulate(op, mu, [0.0, 1.0], spherre=True)
-    with pytest.raises(ValueError, match="options"):
-        simulate(op, mu, [0.0, 1.0], options={"max_steps": 10})
+    with pytest.raises(ValueError, match=r"options: \['first_step'\] do not apply to the fixed-step"):
+        simulate(op, mu, [0.0, 1.0], options={"first_step": 0.1})
     with pytest.raises(ValueError, match="options"):
         simulate(op, mu, [0.0, 1.0], method="dopri5", options={"steps": 10})
     with pytest.raises(ValueError, match="rescale"):
@@ -399,3 +399,25 @@ def test_default_tolerance_sees_a_collapsed_cluster():
     assert count_clusters(torch.cat([X, -X])) == 2
     frames = torch.stack([X, torch.cat([X[:32], -X[32:]])])
     assert count_clusters(frames).tolist() == [1, 2]
+
+
+def test_fixed_steps_are_counted_before_the_first_one(monkeypatch):
+    """A step of 1e-12 over [0, 1] is 1e12 steps: refused before any step (it ran for days), naming step and the
+    budget; the budget is an option, and a plan within it runs exactly that many steps (nfev = 4 per RK4 step)."""
+    from meanfield import integrators
+
+    taken = []
+    rk4 = integrators.FIXED["rk4"]
+    monkeypatch.setitem(integrators.FIXED, "rk4", lambda *a: taken.append(1) or rk4(*a))
+    mu, op = Measure(_rand(4, 2)), _op()
+    with pytest.raises(ValueError, match=r"step: 1e\+12 steps over \[0, 1\] exceed max_steps = 1000000"):
+        simulate(op, mu, [0.0, 1.0], options={"step": 1e-12})
+    with pytest.raises(ValueError, match=r"steps: 1e\+15 steps .* exceed max_steps"):
+        simulate(op, mu, [0.0, 1.0], options={"steps": 10**15})
+    with pytest.raises(ValueError, match=r"the default 100 steps: 100 steps .* exceed max_steps = 50"):
+        simulate(op, mu, [0.0, 1.0], options={"max_steps": 50})
+    assert not taken   # refused before any step, not after
+    tr = simulate(op, mu, [0.0, 1.0], options={"steps": 50, "max_steps": 50})
+    assert tr.steps == 50 == len(taken) and tr.nfev == 200
+    with pytest.raises(TypeError, match="step: expected a positive real number"):
+        simulate(op, mu, [0.0, 1.0], options={"step": torch.tensor(0.1)})
