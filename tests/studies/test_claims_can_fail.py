@@ -382,3 +382,27 @@ def test_lemma38_claim_fails_exactly_beyond_its_reported_slack():
     assert claim.agrees and f"slack (bound / Lip) >= {slack:.3g}" in claim.measured and slack > 1
     assert lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (0.99 * slack)}]}).agrees
     assert not lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (1.01 * slack)}]}).agrees
+
+
+@pytest.mark.parametrize("mistake", ["no weighting", "inverted weighting"])
+def test_w2_sense_check_of_lemma_32_fails_for_a_wrong_weighting(monkeypatch, mistake):
+    """discrete_vs_meanfield-1 also checks the W2 sense at unequal weights against exact W2 ratios: the
+    Euclidean Jacobian (no weighting) or D^-1/2 J D^1/2 (inverted) pass Lemma 3.2's equal-weight check (their
+    scalings are 1 there) but fail this one; Lemma C.5's weighting passes."""
+    import meanfield.jacobian as J
+    from studies.experiments.discrete_vs_meanfield import W2_TOL, lemma_3_2_task, w2_sense_task
+
+    def worst(fn):
+        rows = [fn(n, 3, 2.0, 0, 0) for n in (4, 8)]
+        return max(max(r["top_rel_diff"], r["random_excess"]) for r in rows), max(
+            lemma_3_2_task(n, 3, 2.0, 0, 0)["rel_diff"] for n in (4, 8))
+
+    right, lemma = worst(w2_sense_task)
+    assert right <= W2_TOL and lemma <= 1e-7
+    orig = J._scalings
+    ones = lambda lw, dt: (torch.ones_like(lw, dtype=dt)[:, None], torch.ones_like(lw, dtype=dt)[:, None])  # noqa: E731
+    monkeypatch.setattr(J, "_scalings", ones if mistake == "no weighting" else
+                        (lambda lw, dt: tuple(reversed(orig(lw, dt)))))
+    wrong, lemma = worst(w2_sense_task)
+    assert lemma <= 1e-7          # invisible at equal weights
+    assert wrong > 10 * W2_TOL    # seen by W2
