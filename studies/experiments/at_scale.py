@@ -30,7 +30,15 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import fit_loglog, mean_std_by_n, seeded_attention, to_device, uniform_ball, uniform_sphere
+from ..common import (
+    fit_loglog,
+    mean_std_by_n,
+    seeded_attention,
+    spread_shrinks,
+    to_device,
+    uniform_ball,
+    uniform_sphere,
+)
 from ..contract import EMPIRICAL, Claim
 
 __all__ = ["grid", "lipschitz_task", "cluster_task", "lipschitz_claims", "cluster_claims", "lipschitz_figure",
@@ -78,23 +86,14 @@ def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
     """Concentration (the spread over samples shrinks, by a one-sided F-test at 95%) and settling (the means
     of the two largest N agree within three standard errors or 1%) of the local constants of N-sample
     measures; a non-converged estimate makes both fail. Returns the claims and the per-N statistics."""
-    from scipy import stats as st
-
     ns = sorted({r["n"] for r in rows})
     stats = mean_std_by_n(rows, ("lip",))
     bad = [r for r in rows if not r["converged"]]
     first, last = stats[0], stats[-1]
-    df0, df1 = first["samples"] - 1, last["samples"] - 1
-    ratio = first["lip_std"] ** 2 / max(last["lip_std"] ** 2, 1e-300)
+    shrinks, ratio = spread_shrinks(first, last, "lip")
     if bad:
         shrinks = False
-    elif df0 < 1 or df1 < 1 or len(ns) < 2:
-        shrinks = None
-    elif ratio > st.f.ppf(0.95, df0, df1):
-        shrinks = True
-    elif 1.0 / max(ratio, 1e-300) > st.f.ppf(0.95, df1, df0):
-        shrinks = False
-    else:
+    elif len(ns) < 2:
         shrinks = None
     claims = [
         Claim(f"local constants of N-sample measures concentrate up to N = {ns[-1]:g}",

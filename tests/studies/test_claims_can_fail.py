@@ -406,3 +406,18 @@ def test_w2_sense_check_of_lemma_32_fails_for_a_wrong_weighting(monkeypatch, mis
     wrong, lemma = worst(w2_sense_task)
     assert lemma <= 1e-7          # invisible at equal weights
     assert wrong > 10 * W2_TOL    # seen by W2
+
+
+def test_concentration_claims_need_a_significant_drop_of_the_variance():
+    """discrete_vs_meanfield-3/4 and at_scale's concentration: a one-sided F-test at 95% (the critical value
+    of F(4, 4) is 6.39 in every table): a variance ratio of 6.0 between 5 samples each decides nothing (a second
+    draw at the same n passed the old 'std smaller' test half the time), 6.5 shrinks, 1/6.5 grows."""
+    from studies.common import spread_shrinks
+
+    def stats(std):
+        return {"samples": 5, "x_std": std}
+
+    for ratio, verdict in ((6.0, None), (6.5, True), (1 / 6.5, False), (1.0, None)):
+        got, r = spread_shrinks(stats(math.sqrt(ratio)), stats(1.0), "x")
+        assert got is verdict and r == pytest.approx(ratio)
+    assert spread_shrinks({"samples": 1, "x_std": 5.0}, stats(1.0), "x")[0] is None
