@@ -194,14 +194,21 @@ def limit_set(x, tol: float | None = None, **kw) -> LimitSet:
     return LimitSet(centers, masses, labels, is_vertex, spread)
 
 
-def interaction_energy(x, beta: float, weights=None) -> float | np.ndarray:
+def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> float | np.ndarray:
     """E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>) (uniform: 1/(2 beta n^2) sum_ij ...).
 
     This is the energy of the sphere models of Geshkovski et al. (2023) (their normalization):
     the USA field is a_i^{-1} grad_{x_i} E_beta and the SA field a positive multiple of it per
-    particle, so E_beta is non-decreasing along both projected flows. Computed in log-sum-exp form.
-    ``x`` may be points, a Measure, or a Trajectory / (T, N, d) tensor (then an array over time).
+    particle, so E_beta is non-decreasing along both projected flows. Computed in log-sum-exp form;
+    ``log=True`` returns log E_beta, which stays finite where E_beta overflows float64 (beta R^2 above
+    about 700: an OverflowError says so rather than returning inf).
+    ``x`` may be points, a Measure, or a Trajectory / (T, N, d) tensor (then an array over time);
+    ``weights`` (non-negative, not all zero; normalized here) only for points, a Measure or a Trajectory
+    carrying their own.
     """
+    from particles.validation import check_bool
+
+    log = check_bool(log, "log")
     beta = float(beta)
     if not (math.isfinite(beta) and beta > 0):
         raise ValueError(f"beta: expected a positive inverse temperature, got {beta}")
@@ -211,16 +218,26 @@ def interaction_energy(x, beta: float, weights=None) -> float | np.ndarray:
         pts = as_tensor(getattr(x, "points", x), "x")
         lw = getattr(x, "log_weights", None)
     if weights is not None:
+        if lw is not None:
+            raise ValueError(f"weights: {type(x).__name__} carries its own weights; pass its points to weigh them "
+                             "otherwise")
         w = as_tensor(weights, "weights", dtype=pts.dtype)
         if w.shape != (pts.shape[-2],) or bool((w < 0).any()):
             raise ValueError(f"weights: expected {pts.shape[-2]} non-negative weights")
-        lw = torch.log(w / w.sum())
+        if not float(w.sum()) > 0:
+            raise ValueError("weights: every weight is zero")
+        lw = torch.log(w / w.max()) - torch.log((w / w.max()).sum())
     if lw is None:
         lw = torch.full((pts.shape[-2],), -math.log(pts.shape[-2]), dtype=pts.dtype, device=pts.device)
     pts = pts.detach()
     s = beta * pts @ pts.transpose(-1, -2) + lw[:, None] + lw[None, :]
-    logE = torch.logsumexp(s.flatten(-2), -1) - math.log(2 * beta)
-    E = torch.exp(logE).cpu().numpy()
+    logE = (torch.logsumexp(s.flatten(-2), -1) - math.log(2 * beta)).cpu().numpy()
+    if log:
+        return float(logE) if logE.ndim == 0 else logE
+    if bool((logE > math.log(np.finfo(np.float64).max)).any()):
+        raise OverflowError(f"interaction_energy: log E_beta = {float(np.max(logE)):.4g} overflows float64; pass "
+                            "log=True for log E_beta")
+    E = np.exp(logE)
     return float(E) if E.ndim == 0 else E
 
 

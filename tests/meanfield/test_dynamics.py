@@ -421,3 +421,25 @@ def test_fixed_steps_are_counted_before_the_first_one(monkeypatch):
     assert tr.steps == 50 == len(taken) and tr.nfev == 200
     with pytest.raises(TypeError, match="step: expected a positive real number"):
         simulate(op, mu, [0.0, 1.0], options={"step": torch.tensor(0.1)})
+
+
+def test_interaction_energy_in_log_form_where_it_overflows():
+    """At radius 30 and beta = 1, log E = 900 - log 2 - ... is beyond float64's exp: log=True gives it (truth:
+    scipy's logsumexp of the written-out sum), the plain value is an OverflowError instead of inf; weights
+    that are all zero, or given for a Measure that has its own, are named errors."""
+    from scipy.special import logsumexp
+
+    g = torch.Generator().manual_seed(3)
+    X = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    X = 30 * X / X.norm(dim=1, keepdim=True)
+    G = (X @ X.T).numpy()
+    truth = logsumexp(G - 2 * math.log(6)) - math.log(2.0)
+    assert interaction_energy(X, 1.0, log=True) == pytest.approx(truth, rel=1e-14)
+    with pytest.raises(OverflowError, match="log=True"):
+        interaction_energy(X, 1.0)
+    small = X / 30
+    assert interaction_energy(small, 1.0) == pytest.approx(math.exp(interaction_energy(small, 1.0, log=True)))
+    with pytest.raises(ValueError, match="weights: every weight is zero"):
+        interaction_energy(small, 1.0, weights=torch.zeros(6, dtype=torch.float64))
+    with pytest.raises(ValueError, match="weights: Measure carries its own weights"):
+        interaction_energy(Measure(small), 1.0, weights=torch.ones(6, dtype=torch.float64))
