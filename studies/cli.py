@@ -31,7 +31,7 @@ from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOS
 from .contract import import_errors, registry
 from .costs import help_text
 from .preflight import out_argument, seed_argument
-from .sweep import add_sweep_arguments, sweep_options
+from .sweep import SCHEDULER_ENV, add_sweep_arguments, scheduler_from_environment, sweep_options
 
 EXIT_OK = 0
 EXIT_VIOLATED = 1
@@ -50,8 +50,9 @@ EXIT_CODES = {
     EXIT_STUDY_FAILED: "a study failed: it raised an error (report.md has its traceback)",
     EXIT_USAGE: "usage error, found before the first study starts: unknown option or study, bad value, --out or "
                 "--cache names a file, --text is no UTF-8 text, a --checkpoint that is not a complete folder or a "
-                "reachable hub name, --model minilm without the pretrained extra, an unreachable --scheduler, "
-                "$SMOOTH_ATTENTION_MEMORY_LIMIT not a size, --device cuda without CUDA",
+                "reachable hub name, --model minilm without the pretrained extra, an unreachable --scheduler (or "
+                "$DASK_SCHEDULER_ADDRESS), $SMOOTH_ATTENTION_MEMORY_LIMIT not a size, $SMOOTH_ATTENTION_THREADS "
+                "not a positive integer or auto, --device cuda without CUDA",
     EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
                  "left truncated)",
     EXIT_BUSY: "the --out folder is in use by another meanfield run",
@@ -234,19 +235,20 @@ def _interrupted_line(ctx: RunContext) -> str:
             f"{ctx.out / 'report.md'} has them. Resume with: {stop['resume']}")
 
 
-def _run(ctx: RunContext, names: list[str] | None) -> int:
+def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--scheduler") -> int:
     import signal
     import threading
 
     from .io import OutputError
     from .preflight import UsageError
-    from .report import attention_lines, reproduce, summary_line
+    from .report import attention_lines, not_in_run_line, reproduce, summary_line
     from .sweep import FolderBusy
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        summary = reproduce(ctx, only=names)   # checks every option first (studies.preflight)
+        # checks every option first (studies.preflight), naming the scheduler's address as the user gave it
+        summary = reproduce(ctx, only=names, scheduler_option=scheduler_option)
     except UsageError as exc:
         _say(str(exc))
         return EXIT_USAGE
@@ -266,6 +268,9 @@ def _run(ctx: RunContext, names: list[str] | None) -> int:
     print(summary_line(summary))
     for line in attention_lines(summary, ctx.to_config(), markdown=False):
         print(f"  {line}")
+    note = not_in_run_line(summary, ctx.out)
+    if note:
+        print(f"  {note}")
     if summary["failed"]:
         return EXIT_STUDY_FAILED
     return EXIT_VIOLATED if summary["violated_claims"] else EXIT_OK
@@ -336,6 +341,8 @@ def _main(parser, args, argv) -> int:
         except (ValueError, TypeError) as exc:
             _say(str(exc))
             return EXIT_USAGE
+        if scheduler_from_environment(args) is not None:   # the checks name the variable, not --scheduler
+            return _run(ctx, names, f"${SCHEDULER_ENV}")
         return _run(ctx, names)
     finally:
         _release_logging(handler)

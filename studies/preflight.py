@@ -8,8 +8,9 @@ minutes of the studies before the one that reads it, and the command line turns 
 exit code 64. What is checked:
 
 * the run's own options: ``--device`` (CUDA present), ``--text`` (a UTF-8 file with words), ``--cache``
-  (not a file), ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` (a size), the sweep options (``--backend`` with
-  ``--scheduler``, dask installed, the scheduler answering at its address);
+  (not a file), ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` (a size), ``$SMOOTH_ATTENTION_THREADS`` (a positive
+  integer or ``auto``, as ``--threads``), the sweep options (``--backend`` with ``--scheduler``, dask installed,
+  the scheduler answering at its address, named as ``$DASK_SCHEDULER_ADDRESS`` when it came from there);
 * what each selected study reads from the run, through the ``check`` its module registered with
   :func:`studies.contract.register` (the real-model study: its models, every ``--checkpoint`` as a folder
   or a reachable hub name with safetensors weights and tokenizer files, the packaged model's cache).
@@ -28,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 __all__ = ["UsageError", "check_run", "check_text", "check_cache", "check_checkpoint", "check_device",
-           "check_memory_limit", "check_sweep", "check_packaged_model", "SCHEDULER_TIMEOUT"]
+           "check_memory_limit", "check_threads", "check_sweep", "check_packaged_model", "SCHEDULER_TIMEOUT"]
 
 #: seconds to wait for a Dask scheduler to accept a connection
 SCHEDULER_TIMEOUT = 5.0
@@ -141,9 +142,31 @@ def check_memory_limit(environ: Mapping | None = None) -> None:
             raise UsageError(_one_line(exc)) from None
 
 
+def check_threads(environ: Mapping | None = None) -> None:
+    """``$SMOOTH_ATTENTION_THREADS``, when set, is what :mod:`particles.threads` accepts: a positive integer or
+    ``auto`` (every task of every study would otherwise fail on reading it). ``--threads`` is checked by the
+    command line, which then sets the variable for the run and its workers."""
+    from particles.threads import ENV, _parse
+
+    environ = os.environ if environ is None else environ
+    try:   # the rules of particles.threads.requested_threads, which reads the variable in every task
+        _parse(environ.get(ENV), f"${ENV}")
+    except (ValueError, TypeError) as exc:
+        raise UsageError(_one_line(exc)) from None
+
+
+def _run_locally(option: str) -> str:
+    """How to run without the scheduler named by ``option``."""
+    if option.startswith("$"):
+        return f"unset {option}, or pass --backend processes (or inprocess), to run locally"
+    return f"drop {option} (and unset $DASK_SCHEDULER_ADDRESS) to run locally"
+
+
 def check_sweep(sweep: Mapping, option: str = "--scheduler") -> None:
     """The sweep options agree (a scheduler means the dask backend), dask is installed when asked for, and a
-    scheduler given by address accepts a connection within :data:`SCHEDULER_TIMEOUT` seconds."""
+    scheduler given by address accepts a connection within :data:`SCHEDULER_TIMEOUT` seconds. ``option`` is how
+    the scheduler was given (``--scheduler``, or ``$DASK_SCHEDULER_ADDRESS`` when it came from the environment):
+    every message names it."""
     from .sweep.runner import check_options
 
     backend, scheduler = sweep.get("backend", "auto"), sweep.get("scheduler")
@@ -156,6 +179,9 @@ def check_sweep(sweep: Mapping, option: str = "--scheduler") -> None:
     try:
         import distributed  # noqa: F401
     except ImportError:
+        if scheduler is not None and option.startswith("$"):   # the address came from the environment
+            raise UsageError(f"{option}: a Dask scheduler needs dask.distributed, which is not installed: pip "
+                             f"install 'smooth-attention[distributed]', or {_run_locally(option)}") from None
         raise UsageError("--backend dask: dask.distributed is not installed: pip install "
                          "'smooth-attention[distributed]'") from None
     if isinstance(scheduler, str):
@@ -171,23 +197,24 @@ def _check_reachable(address: str, option: str) -> None:
             return   # inproc:// and other transports have no host to try
         host, port = parse_host_port(loc)
     except (ValueError, TypeError) as exc:
-        raise UsageError(f"{option}: {address!r} is not a scheduler address such as tcp://host:8786 ({exc})") \
-            from None
+        raise UsageError(f"{option}: {address!r} is not a scheduler address such as tcp://host:8786 ({exc})"
+                         + (f"; {_run_locally(option)}" if option.startswith("$") else "")) from None
     if port is None:
         raise UsageError(f"{option}: {address!r} names no port (a scheduler address is tcp://host:8786)")
     try:
         socket.create_connection((host, port), timeout=SCHEDULER_TIMEOUT).close()
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
-        raise UsageError(f"{option}: no Dask scheduler answers at {address} ({reason}); start it, or drop "
-                         "--scheduler (and unset $DASK_SCHEDULER_ADDRESS) to run locally") from None
+        raise UsageError(f"{option}: no Dask scheduler answers at {address} ({reason}); start it, or "
+                         f"{_run_locally(option)}") from None
 
 
 def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: str = "--scheduler") -> None:
     """Every check of the module docstring for a run of the studies ``names`` (None: all) with context ``ctx``.
 
     Raises :class:`UsageError` at the first problem. ``scheduler_option`` is how the scheduler was given
-    (the command line says ``$DASK_SCHEDULER_ADDRESS`` when it came from there).
+    (the command line says ``$DASK_SCHEDULER_ADDRESS`` when it came from there,
+    :func:`studies.sweep.scheduler_from_environment`): the messages about the scheduler name it.
     """
     from .contract import registry
 
@@ -197,6 +224,7 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
     check_text(ctx.text)
     check_cache(ctx.cache)
     check_memory_limit(environ)
+    check_threads(environ)
     check_sweep(ctx.sweep, scheduler_option)
     studies = registry()
     for name in (list(studies) if not names else names):

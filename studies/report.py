@@ -17,7 +17,9 @@ traceback) and the others still run; a full disk or a read-only folder stops the
 writes when and during which study it stopped, and the command that resumes it: running the same
 command again into the same folder reuses every study that finished there with the same code and
 settings (:func:`study_fingerprint`) and resumes the stored grid points of the others
-(``--no-resume`` recomputes everything). :func:`reproduce` returns the summary; ``summary["ok"]`` says
+(``--no-resume`` recomputes everything). Study folders that an earlier run left in the folder and that
+are not part of this run (another ``--only``) are kept and listed as such (:func:`not_in_run`), never
+mixed into the report. :func:`reproduce` returns the summary; ``summary["ok"]`` says
 whether every study ran and every theorem claim holds (empirical claims that are not reproduced
 are findings, not failures).
 """
@@ -49,7 +51,8 @@ from .sweep.files import FolderLock
 from .sweep.progress import format_seconds
 
 __all__ = ["reproduce", "run_study", "write_report", "environment", "default_run_dir", "summarize", "summary_line",
-           "study_fingerprint", "resume_command", "attention_lines", "claims_table", "readme_excerpt"]
+           "study_fingerprint", "resume_command", "attention_lines", "claims_table", "readme_excerpt", "not_in_run",
+           "not_in_run_line"]
 
 log = logging.getLogger(__name__)
 
@@ -176,13 +179,15 @@ def _reusable(ctx: RunContext, name: str) -> dict | None:
     return {**entry, "reused": True}
 
 
-def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
+def reproduce(ctx: RunContext, *, only: list[str] | None = None, scheduler_option: str = "--scheduler") -> dict:
     """Run the studies (all, or ``only``) with the run context ``ctx``; write config.json, then
     summary.json and report.md after each study. Returns the final summary (:func:`summarize`).
 
     Before the first study, :func:`studies.preflight.check_run` checks every option, file and service the
     run names (a :class:`studies.preflight.UsageError` at the first problem), then the output folder is
-    probed (:class:`studies.io.OutputError` when it cannot be written).
+    probed (:class:`studies.io.OutputError` when it cannot be written). ``scheduler_option``: how the
+    scheduler address in ``ctx.sweep`` was given, named by the checks' messages (the command line passes
+    ``$DASK_SCHEDULER_ADDRESS`` when it came from there).
 
     With ``ctx.sweep["resume"]`` (the default), a study that already finished in ``ctx.out`` with the
     same code and settings (:func:`study_fingerprint`) is reused instead of run again. A
@@ -197,7 +202,8 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
         if unknown:
             raise ValueError(f"only: unknown study name(s) {unknown}; registered: {', '.join(studies)}")
         names = [n for n in names if n in only]
-    check_run(ctx, names)   # every option, file and service the run names, before the first study
+    # every option, file and service the run names, before the first study
+    check_run(ctx, names, scheduler_option=scheduler_option)
     resume = bool(ctx.sweep.get("resume", True))
     out = probe_output(ctx.out)
     lock = FolderLock(out, what="meanfield run", argument="out").acquire()
@@ -210,9 +216,11 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
             {"name": mod.rsplit(".", 1)[-1], "title": mod, "status": "failed", "seconds": 0.0,
              "error": f"module {mod} failed to import: {err}", "traceback": err, "claims": [], "figures": [],
              "tables": []} for mod, err in import_errors().items()]
+        # study folders an earlier run into the same folder left, which this run neither includes nor changes
+        others = not_in_run(ctx, [*names, *(b["name"] for b in broken)])
         entries: list[dict] = []
         for k, name in enumerate(names, 1):
-            _write_aggregate(out, entries + broken, config, names[k - 1:], running=name)
+            _write_aggregate(out, entries + broken, config, names[k - 1:], running=name, others=others)
             entry = _reusable(ctx, name) if resume else None
             if entry is not None:
                 entries.append(entry)
@@ -229,11 +237,12 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None) -> dict:
                             "signal": getattr(exc, "signal_name", None) or
                             ("SIGINT" if isinstance(exc, KeyboardInterrupt) else type(exc).__name__),
                             "resume": resume_command(config)}
-                    _write_aggregate(out, entries + broken, config, names[k - 1:], running=None, interrupted=stop)
+                    _write_aggregate(out, entries + broken, config, names[k - 1:], running=None, interrupted=stop,
+                                     others=others)
                 raise
             entries.append(entry)
             log.info("[%d/%d] %s: %s", k, len(names), name, _entry_line(entry))
-        summary = _write_aggregate(out, entries + broken, config, [], running=None)
+        summary = _write_aggregate(out, entries + broken, config, [], running=None, others=others)
         return summary
     finally:
         lock.release()
@@ -255,20 +264,57 @@ def _counts(claims) -> dict:
 
 
 def _write_aggregate(out: Path, entries: list[dict], config: dict, pending: list[str], running,
-                     interrupted: dict | None = None) -> dict:
-    summary = summarize(entries, config, pending=pending, running=running, interrupted=interrupted)
+                     interrupted: dict | None = None, others=()) -> dict:
+    summary = summarize(entries, config, pending=pending, running=running, interrupted=interrupted,
+                        not_in_run=others)
     write_json(summary, out / "summary.json")
     write_report(out, summary, config)
     return summary
 
 
-def summarize(entries: list[dict], config: dict, *, pending=(), running=None, interrupted=None) -> dict:
+def not_in_run(ctx: RunContext, names) -> list[dict]:
+    """The study folders in ``ctx.out`` that are not part of a run of the studies ``names``: left there by an
+    earlier run into the same folder (other ``--only``, or a study since renamed). The run neither includes
+    nor changes them, and deletes nothing: the report lists them, so that they are not mistaken for this
+    run's results. A study folder is a subfolder named after a registered study, or holding a result.json.
+
+    One dict per folder, sorted by name: ``name``; ``status`` (``ok`` or ``failed`` from its result.json,
+    None when it has none: an unfinished study); ``finished`` (when, or None); ``same_settings`` (whether
+    it finished with this run's code and settings, :func:`study_fingerprint`, so that adding it to the run
+    would reuse it; None for a folder that is not a registered study's)."""
+    studies = registry()
+    try:
+        folders = sorted(p for p in ctx.out.iterdir() if p.is_dir() and not p.name.startswith((".", "_")))
+    except OSError:
+        return []
+    found = []
+    for folder in folders:
+        name, result = folder.name, folder / "result.json"
+        if name in names or (name not in studies and not result.is_file()):
+            continue
+        try:
+            old = json.loads(result.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            old = None
+        old = old if isinstance(old, dict) else {}
+        status = old.get("status") if old.get("status") in ("ok", "failed") else None
+        same = None
+        if name in studies:
+            same = status == "ok" and old.get("fingerprint") == study_fingerprint(name, ctx)
+        found.append({"name": name, "status": status, "finished": old.get("finished") if status else None,
+                      "same_settings": same})
+    return found
+
+
+def summarize(entries: list[dict], config: dict, *, pending=(), running=None, interrupted=None,
+              not_in_run=()) -> dict:
     """The run's summary from the study entries: failed studies, claims by verdict, overall status.
 
     ``ok``: every study ran (none pending) and no theorem claim is violated. ``not_reproduced`` and
     ``inconclusive`` list empirical claims: findings, they do not change ``ok``. ``interrupted``
     (None when the run was not): when (``at``), during which study, how many studies were done of how
-    many, the signal, and the command that resumes the run (``resume``).
+    many, the signal, and the command that resumes the run (``resume``). ``not_in_run``: the study folders
+    of the run folder that are not part of the run (:func:`not_in_run`), listed as such by the report.
     """
     pairs = [(e["name"], c) for e in entries for c in e.get("claims", [])]
     failed = [e["name"] for e in entries if e["status"] != "ok"]
@@ -289,6 +335,7 @@ def summarize(entries: list[dict], config: dict, *, pending=(), running=None, in
         "kinds": {k: sum(1 for _, c in pairs if c["kind"] == k) for k in (THEOREM, EMPIRICAL)},
         "seed": config["seed"], "quick": config["quick"], "grid": config["grid"],
         "studies": {e["name"]: e for e in entries},
+        "not_in_run": [dict(e) for e in not_in_run],
     }
 
 
@@ -488,9 +535,45 @@ def _summary_section(summary: dict, config: dict) -> list[str]:
     todo = attention_lines(summary, config)
     if todo:
         lines += [f"- {t}" for t in todo] + [""]
+    lines += _not_in_run_lines(summary)
     lines += ["Theorem claims are mathematical statements: a violation is a bug (exit code 1). Empirical claims "
               "are observations the paper reports: *not reproduced* is a finding, not a failure of the run.", ""]
     return lines
+
+
+def _left_over(entry: dict) -> str:
+    """What a study folder not part of the run holds, for the reader."""
+    if entry.get("status") is None:
+        return "an unfinished study (no result.json)"
+    when = f" at {entry['finished']}" if entry.get("finished") else ""
+    if entry.get("status") != "ok":
+        return f"a study that failed{when}"
+    if entry.get("same_settings") is None:
+        return f"finished{when}; not a study of this version"
+    if entry["same_settings"]:
+        return f"finished{when} with this run's code and settings (adding it to `--only` reuses it)"
+    return f"finished{when} with other code or settings (seed, grid, models, versions)"
+
+
+def _not_in_run_lines(summary: dict) -> list[str]:
+    others = summary.get("not_in_run") or []
+    if not others:
+        return []
+    lines = ["**Not part of this report**: this folder also holds study folders left from an earlier run, which "
+             "this run neither includes nor changes (nothing was deleted; their numbers are not in the counts, "
+             "claims or sections of this report):", ""]
+    lines += [f"- `{e['name']}/`: {_left_over(e)}." for e in others]
+    return lines + [""]
+
+
+def not_in_run_line(summary: dict, out) -> str | None:
+    """One line for the terminal about the study folders of ``out`` that are not part of the run, or None."""
+    others = summary.get("not_in_run") or []
+    if not others:
+        return None
+    folders = ", ".join(f"{e['name']}/" for e in others)
+    return (f"note: {out} also holds {folders} from an earlier run: not part of this report (kept; report.md "
+            "lists them)")
 
 
 def write_report(out: Path, summary: dict, config: dict) -> Path:

@@ -88,6 +88,15 @@ class FolderBusy(ValueError):
     """A folder is locked by another live process."""
 
 
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The path or nearest existing ancestor of ``folder`` that is not a folder (so that ``folder`` cannot be
+    created), or None."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
 class FolderLock:
     """An exclusive ``flock`` on ``folder/.lock`` that keeps a second writer out of ``folder``.
 
@@ -108,9 +117,16 @@ class FolderLock:
         return self._fh is not None
 
     def acquire(self) -> FolderLock:
-        """Take the lock; :class:`FolderBusy` (a ValueError) when another live process holds it."""
+        """Take the lock, creating the folder; :class:`FolderBusy` (a ValueError) when another live process holds
+        it, a ValueError naming the argument when the folder is, or lies below, an existing file."""
         if self._fh is not None:
             return self
+        blocker = _file_in_the_way(self.folder)
+        if blocker == self.folder:
+            raise ValueError(f"{self.argument}: {self.folder} is an existing file, not a folder; give a folder path")
+        if blocker is not None:
+            raise ValueError(f"{self.argument}: {self.folder} cannot be created: {blocker} is a file, not a folder; "
+                             "give a folder path")
         self.folder.mkdir(parents=True, exist_ok=True)
         try:
             import fcntl

@@ -28,6 +28,8 @@ This subpackage stands alone: it imports nothing from the rest of :mod:`studies`
 from __future__ import annotations
 
 import collections
+import difflib
+import inspect
 import itertools
 import json
 import logging
@@ -184,6 +186,62 @@ def _validate(fn, backend, n_workers, retries, scheduler):
     return backend
 
 
+def _signature(fn):
+    """``inspect.signature(fn)``, or None where none can be read (some builtins and C extensions)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_params(fn, tasks: list[dict], from_mapping: bool = False) -> None:
+    """Each task's parameter names fit ``fn``'s signature (``fn(**params)`` would not raise a TypeError for
+    them): a typo in a grid is refused at once instead of failing every task ``1 + retries`` times. Checked
+    once per distinct set of names; skipped when ``fn`` has no readable signature. ``functools.partial``
+    objects are read through (their bound keywords may be given again), ``**kwargs`` accepts any name."""
+    sig = _signature(fn)
+    if sig is None:
+        return
+    seen = set()
+    for i, params in enumerate(tasks):
+        names = tuple(params)
+        if names in seen:
+            continue
+        seen.add(names)
+        try:
+            sig.bind(**params)
+        except TypeError as exc:
+            raise TypeError(f"{'grid' if from_mapping else f'grid[{i}]'}: parameters do not fit fn "
+                            f"{_fn_name(fn)}{sig}: {_mismatch(sig, params) or exc}") from None
+
+
+def _fn_name(fn) -> str:
+    inner = getattr(fn, "func", None)   # functools.partial
+    return getattr(fn, "__qualname__", None) or (f"partial({getattr(inner, '__qualname__', '?')})" if inner
+                                                 else type(fn).__name__)
+
+
+def _mismatch(sig: inspect.Signature, params: Mapping) -> str:
+    """The names of ``params`` that ``sig`` does not take, and the arguments it needs that they lack."""
+    P = inspect.Parameter
+    by_keyword = [p.name for p in sig.parameters.values() if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    any_keyword = any(p.kind is P.VAR_KEYWORD for p in sig.parameters.values())
+    unknown = [] if any_keyword else [k for k in params if k not in by_keyword]
+    missing = [p.name for p in sig.parameters.values() if p.default is P.empty and p.name not in params
+               and p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    positional = [p.name for p in sig.parameters.values() if p.kind is P.POSITIONAL_ONLY]
+    parts = []
+    for k in unknown:
+        if k in positional:
+            parts.append(f"{k!r} is positional-only (fn(**params) cannot pass it)")
+            continue
+        close = difflib.get_close_matches(k, [n for n in by_keyword if n not in params], n=1)
+        parts.append(f"no argument {k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    if missing:
+        parts.append(f"missing {', '.join(map(repr, missing))}")
+    return "; ".join(parts)
+
+
 def check_options(backend, n_workers, retries, scheduler) -> str:
     """The backend a sweep with these options runs on ("inprocess", "processes" or "dask"), after checking
     them as :func:`run_sweep` does (a ValueError naming the option otherwise)."""
@@ -222,6 +280,7 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     if label is not None and not isinstance(label, str):
         raise TypeError(f"label: expected a string, got {type(label).__name__}")
     tasks = expand_grid(grid)
+    _check_params(fn, tasks, isinstance(grid, Mapping))
     keys = [task_key(name, p) for p in tasks]
     store = SweepStore(out_dir)
     t_start = time.perf_counter()

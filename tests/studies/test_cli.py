@@ -184,6 +184,40 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path, capsys):
     assert not (tmp_path / "config.json").exists()
 
 
+def test_an_explicit_local_backend_wins_over_the_scheduler_variable(tmp_path):
+    parser = build_parser()
+    env = {"DASK_SCHEDULER_ADDRESS": "tcp://1.2.3.4:8786"}
+    for backend in ("processes", "inprocess"):
+        args = parser.parse_args(["reproduce", "--backend", backend, "--out", str(tmp_path)])
+        ctx = cli.context_from_args(args, ["meanfield"], env)
+        assert ctx.sweep["backend"] == backend and ctx.sweep["scheduler"] is None
+    args = parser.parse_args(["reproduce", "--backend", "dask", "--out", str(tmp_path)])
+    assert cli.context_from_args(args, ["meanfield"], env).sweep["scheduler"] == "tcp://1.2.3.4:8786"
+
+
+def test_a_reused_out_folder_says_which_study_folders_are_not_part_of_the_run(tmp_path, capsys):
+    def make(name):
+        def run(out_dir, ctx):
+            return contract.StudyResult(name, name, [contract.Claim("c", "t", "m", True, kind="theorem",
+                                                                    fails_if="never")])
+        return run
+
+    for k, name in enumerate(("zz_cli_a", "zz_cli_b")):
+        contract.register(name, name, order=2000 + k)(make(name))
+    try:
+        out = tmp_path / "r"
+        assert main(["reproduce", "--only", "zz_cli_a", "zz_cli_b", "--out", str(out), "--no-progress", "-q"]) == 0
+        assert "note:" not in capsys.readouterr().out
+        assert main(["reproduce", "--only", "zz_cli_a", "--seed", "3", "--out", str(out), "--no-progress", "-q"]) == 0
+    finally:
+        for name in ("zz_cli_a", "zz_cli_b"):
+            contract.unregister(name)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (f"  note: {out} also holds zz_cli_b/ from an earlier run: not part of this report (kept; "
+                         "report.md lists them)")
+    assert (out / "zz_cli_b" / "result.json").is_file() and "`zz_cli_b/`" in (out / "report.md").read_text()
+
+
 def test_failing_study_gives_exit_code_2(tmp_path):
     @contract.register("zz_cli_fail", "fails", order=2000)
     def fail(out_dir, ctx):

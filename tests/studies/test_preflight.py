@@ -162,6 +162,54 @@ def test_an_unreachable_scheduler_is_refused_once_up_front(tmp_path, capsys, fir
     assert first_study == [] and not (tmp_path / "r").exists()
 
 
+def test_the_scheduler_variable_is_named_and_an_explicit_local_backend_wins(tmp_path, capsys, first_study,
+                                                                            monkeypatch):
+    """$DASK_SCHEDULER_ADDRESS (not --scheduler, which the user did not give) is what the errors name, also with
+    -q; --backend processes or inprocess runs locally despite it."""
+    pytest.importorskip("distributed")
+    address = f"tcp://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", address)
+    line = _refused(["reproduce", "--only", "zz_first", "--out", str(tmp_path / "r"), "-q"], capsys)
+    assert line == (f"meanfield: $DASK_SCHEDULER_ADDRESS: no Dask scheduler answers at {address} (Connection "
+                    "refused); start it, or unset $DASK_SCHEDULER_ADDRESS, or pass --backend processes (or "
+                    "inprocess), to run locally")
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", "garbage")
+    line = _refused(["reproduce", "--only", "zz_first", "--out", str(tmp_path / "r"), "-q"], capsys)
+    assert line.startswith("meanfield: $DASK_SCHEDULER_ADDRESS: 'garbage' is not a scheduler address") and \
+        "--scheduler" not in line
+    assert first_study == [] and not (tmp_path / "r").exists()
+    monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", address)
+    for k, backend in enumerate(("processes", "inprocess")):
+        assert main(["reproduce", "--only", "zz_first", "--backend", backend, "-q", "--out",
+                     str(tmp_path / f"ok{k}")]) == EXIT_OK
+        assert first_study[-1].sweep["backend"] == backend and first_study[-1].sweep["scheduler"] is None
+    # given on the command line, the same address is --scheduler's
+    monkeypatch.delenv("DASK_SCHEDULER_ADDRESS")
+    line = _refused(["reproduce", "--only", "zz_first", "--scheduler", address, "--out", str(tmp_path / "r")], capsys)
+    assert line.startswith(f"meanfield: --scheduler: no Dask scheduler answers at {address}")
+
+
+def test_the_threads_variable_is_checked_before_the_first_study(tmp_path, capsys, first_study, monkeypatch):
+    """$SMOOTH_ATTENTION_THREADS is read in every task: a bad value is a usage error up front (64, naming the
+    variable), not every task of every study failing and exit 2; --threads wins over it."""
+    from studies import preflight
+
+    for value in ("abc", "0", "-2", "1.5"):
+        monkeypatch.setenv("SMOOTH_ATTENTION_THREADS", value)
+        line = _refused(["reproduce", "--only", "zz_first", "large_radius", "--tiny", "--out", str(tmp_path / "r")],
+                        capsys)
+        assert line.startswith("meanfield: $SMOOTH_ATTENTION_THREADS: expected a positive integer or 'auto', got ")
+        assert value in line
+        with pytest.raises(preflight.UsageError, match=r"^\$SMOOTH_ATTENTION_THREADS: "):
+            preflight.check_threads({"SMOOTH_ATTENTION_THREADS": value})
+    assert first_study == [] and not (tmp_path / "r").exists()
+    for value in ("3", " auto ", ""):
+        preflight.check_threads({"SMOOTH_ATTENTION_THREADS": value})
+    monkeypatch.setenv("SMOOTH_ATTENTION_THREADS", "abc")
+    assert main(["reproduce", "--only", "zz_first", "--threads", "1", "-q", "--out", str(tmp_path / "ok")]) == EXIT_OK
+    assert len(first_study) == 1 and os.environ["SMOOTH_ATTENTION_THREADS"] == "abc"   # restored after the run
+
+
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
 def test_an_output_folder_that_cannot_be_created_is_the_output_code(tmp_path, capsys, first_study):
     """/proc/x cannot be created (a virtual file system): exit 74 with one line, not a traceback and 1 (the

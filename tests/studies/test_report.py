@@ -351,3 +351,55 @@ def test_the_report_names_this_trees_version_also_when_it_runs_uninstalled(monke
     monkeypatch.setattr(md, "distribution", no_distribution)
     assert report._versions(["smooth-attention", "torch"]) == {"smooth-attention": expected,
                                                                 "torch": real("torch")}
+
+
+@pytest.fixture()
+def two_studies():
+    """Two quick throw-away studies whose folders hold a result.json; ``runs`` counts their runs."""
+    runs = []
+
+    def make(name):
+        def run(out_dir, ctx):
+            runs.append(name)
+            write_csv([{"seed": ctx.seed}], out_dir / "t.csv")
+            return StudyResult(name, name, [Claim("c", "t", "m", True, kind="theorem", fails_if="never")],
+                               tables=["t.csv"])
+        return run
+
+    for k, name in enumerate(("zz_left_a", "zz_left_b")):
+        register(name, name, order=2000 + k)(make(name))
+    yield runs
+    for name in ("zz_left_a", "zz_left_b"):
+        contract.unregister(name)
+
+
+def test_study_folders_of_an_earlier_run_are_listed_as_not_part_of_the_report(tmp_path, two_studies):
+    """An --out folder reused with another --only (and seed): the earlier run's study folder stays (nothing is
+    deleted) and the report, summary.json and the terminal say it is not part of this run; resuming the same run
+    is unchanged (reused, nothing listed)."""
+    from studies.report import not_in_run_line
+
+    out = tmp_path / "r"
+    first = reproduce(RunContext(out, level="tiny", seed=0, progress=False), only=["zz_left_a", "zz_left_b"])
+    assert first["not_in_run"] == [] and "Not part of this report" not in (out / "report.md").read_text()
+    again = reproduce(RunContext(out, level="tiny", seed=0, progress=False), only=["zz_left_a", "zz_left_b"])
+    assert again["reused"] == ["zz_left_a", "zz_left_b"] and again["not_in_run"] == []   # resumption as before
+    assert two_studies == ["zz_left_a", "zz_left_b"]
+
+    other = reproduce(RunContext(out, level="tiny", seed=3, progress=False), only=["zz_left_a"])
+    assert two_studies[2:] == ["zz_left_a"] and list(other["studies"]) == ["zz_left_a"]
+    assert (out / "zz_left_b" / "result.json").is_file()   # kept
+    finished = json.loads((out / "zz_left_b" / "result.json").read_text())["finished"]
+    assert other["not_in_run"] == [{"name": "zz_left_b", "status": "ok", "finished": finished,
+                                    "same_settings": False}]
+    assert json.loads((out / "summary.json").read_text())["not_in_run"] == other["not_in_run"]
+    report = (out / "report.md").read_text()
+    assert "**Not part of this report**" in report
+    assert f"- `zz_left_b/`: finished at {finished} with other code or settings" in report
+    assert "## zz_left_b" not in report
+    assert not_in_run_line(other, out) == (f"note: {out} also holds zz_left_b/ from an earlier run: not part of "
+                                           "this report (kept; report.md lists them)")
+    # with the earlier seed again, the left folder matches this run's settings: adding it to --only reuses it
+    same = reproduce(RunContext(out, level="tiny", seed=0, progress=False), only=["zz_left_a"])
+    assert same["not_in_run"][0]["same_settings"] is True
+    assert "with this run's code and settings (adding it to `--only` reuses it)" in (out / "report.md").read_text()

@@ -484,6 +484,43 @@ def test_bad_arguments_are_named(tmp_path):
         load_sweep(tmp_path / "nothing")
 
 
+def kw_task(a, **extra):
+    return {"y": a, "extra": sorted(extra)}
+
+
+def test_grid_names_that_do_not_fit_fn_are_refused_before_any_task_runs(tmp_path):
+    """A typo in a grid raises at once, naming the grid and the parameter (not 1 + retries failing runs of every
+    task and a result with ok=False); partial objects, **kwargs and callables without a signature still run."""
+    import functools
+
+    with pytest.raises(TypeError, match=r"^grid: parameters do not fit fn square\(a, b=0\): no argument 'aa' "
+                                        r"\(did you mean 'a'\?\); missing 'a'$"):
+        run_sweep(square, {"aa": [1, 2]}, tmp_path / "typo", progress=False)
+    with pytest.raises(TypeError, match=r"^grid\[1\]: parameters do not fit fn square\(a, b=0\): no argument 'c'$"):
+        run_sweep(square, [{"a": 1}, {"a": 2, "c": 3}], tmp_path / "extra", progress=False)
+    with pytest.raises(TypeError, match=r"missing 'bad'$"):
+        run_sweep(raises_on, {"a": [1]}, tmp_path / "missing", progress=False)
+    with pytest.raises(TypeError, match=r"no argument 'a'$"):   # a is bound by the partial already
+        run_sweep(functools.partial(square, 1), {"a": [2]}, tmp_path / "bound", progress=False)
+    assert CALLS == [] and not any((tmp_path / d).exists() for d in ("typo", "extra", "missing", "bound"))
+    # what fn(**params) accepts runs: a partial's keywords given again, **kwargs, no readable signature
+    part = functools.partial(raises_on, bad=2)
+    assert run_sweep(part, {"a": [1], "bad": [5]}, tmp_path / "p", progress=False, name="p").rows == \
+        [{"a": 1, "bad": 5, "y": 2}]
+    assert run_sweep(kw_task, {"a": [1], "z": [0]}, tmp_path / "k", progress=False).rows == \
+        [{"a": 1, "z": 0, "y": 1, "extra": ["z"]}]
+    assert run_sweep(dict, {"a": [1]}, tmp_path / "d", progress=False, name="d").rows == [{"a": 1}]
+
+
+def test_an_out_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "f").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^out_dir: .*/f is an existing file, not a folder; give a folder path$"):
+        run_sweep(square, {"a": [1]}, tmp_path / "f", progress=False)
+    with pytest.raises(ValueError, match=r"^out_dir: .*/f/sub cannot be created: .*/f is a file, not a folder"):
+        run_sweep(square, {"a": [1]}, tmp_path / "f" / "sub", progress=False)
+    assert CALLS == [] and (tmp_path / "f").read_text() == "not a folder"
+
+
 def test_a_folder_in_use_is_refused(tmp_path):
     run_sweep(square, [{"a": 1}], tmp_path, progress=False)
     with open(tmp_path / ".lock", "a+") as fh:   # another runner holding the folder
@@ -548,6 +585,37 @@ def test_command_line_options(tmp_path, monkeypatch):
     assert opts == {"backend": "inprocess", "n_workers": 3, "scheduler": None, "resume": False, "retries": 1,
                     "progress": False}
     assert run_sweep(square, {"a": [4]}, tmp_path, **opts).rows == [{"a": 4, "y": 16}]
+
+
+def test_an_explicit_local_backend_wins_over_the_scheduler_variable(tmp_path, caplog):
+    """$DASK_SCHEDULER_ADDRESS set by a job environment: --backend inprocess or processes runs locally and the log
+    says the variable is ignored; auto and dask adopt it (logged); --scheduler wins over it; an empty --scheduler
+    is refused (not read as 'none')."""
+    from studies.sweep import scheduler_from_environment
+
+    env = {"DASK_SCHEDULER_ADDRESS": "tcp://10.1.2.3:8786"}
+    p = add_sweep_arguments(argparse.ArgumentParser())
+    caplog.set_level(logging.INFO, logger="studies.sweep")
+    for backend in ("inprocess", "processes"):
+        caplog.clear()
+        args = p.parse_args(["--backend", backend])
+        opts = sweep_options(args, env)
+        assert opts["backend"] == backend and opts["scheduler"] is None
+        assert scheduler_from_environment(args, env) is None
+        assert f"--backend {backend}: running on this machine; $DASK_SCHEDULER_ADDRESS=tcp://10.1.2.3:8786 is " \
+               "ignored" in caplog.text
+    assert run_sweep(square, {"a": [3]}, tmp_path, **sweep_options(p.parse_args(["--backend", "processes",
+                                                                                 "--no-progress"]), env)).ok
+    for argv in ([], ["--backend", "dask"]):
+        caplog.clear()
+        args = p.parse_args(argv)
+        assert sweep_options(args, env)["scheduler"] == "tcp://10.1.2.3:8786"
+        assert scheduler_from_environment(args, env) == "tcp://10.1.2.3:8786"
+        assert "using the Dask scheduler tcp://10.1.2.3:8786 from $DASK_SCHEDULER_ADDRESS" in caplog.text
+    args = p.parse_args(["--scheduler", "tcp://10.9.9.9:1"])
+    assert sweep_options(args, env)["scheduler"] == "tcp://10.9.9.9:1" and scheduler_from_environment(args, env) is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--scheduler", " "])
 
 
 def test_the_sweep_subpackage_imports_nothing_from_the_rest_of_studies():
