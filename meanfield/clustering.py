@@ -41,6 +41,8 @@ def _points(x, name="points") -> tuple[np.ndarray, np.ndarray | None]:
     t = as_tensor(x, name)
     if t.dim() != 2:
         raise ValueError(f"{name}: expected an (N, d) array of points, got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 or t.shape[1] == 0:
+        raise ValueError(f"{name}: expected at least one point of at least one coordinate, got shape {tuple(t.shape)}")
     return t.detach().cpu().numpy(), None
 
 

@@ -334,6 +334,8 @@ def test_clustering_has_a_scale_free_default_tolerance():
         count_clusters(base, True)
     with pytest.raises(ValueError, match="tol"):
         count_clusters(base, -1.0)
+    with pytest.raises(ValueError, match="points: expected at least one point"):
+        count_clusters(torch.zeros(0, 3, dtype=torch.float64))
 
 
 def test_fixed_steps_follow_each_requested_interval():
