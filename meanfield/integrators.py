@@ -191,6 +191,11 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     if unknown and _solver_options(method):
         raise ValueError(f"options: {unknown} are not options of torchdiffeq's {method!r} solver (it takes "
                          f"{sorted(_solver_options(method) - {'max_num_steps'})}; its step budget is max_steps=)")
+    for name in ("first_step", "step_size"):   # torchdiffeq turns a step <= 0 into an 'underflow in dt'
+        val = (options or {}).get(name)
+        if val is not None and (isinstance(val, bool) or not isinstance(val, numbers.Real)
+                                or not (math.isfinite(val) and val > 0)):
+            raise ValueError(f"options: {name} = {val!r}; expected a positive finite step")
     opts = {"max_num_steps": check_positive_int(max_steps, "max_steps")}
     opts.update(options or {})
     # the requested times on a layer boundary (to a few ulps of their dtype) are put on it: a float64 boundary

@@ -257,6 +257,8 @@ def test_bad_inputs_are_reported():
         simulate(op, mu, [0.0, 1.0], spherre=True)
     with pytest.raises(ValueError, match=r"options: \['first_step'\] do not apply to the fixed-step"):
         simulate(op, mu, [0.0, 1.0], options={"first_step": 0.1})
+    with pytest.raises(ValueError, match="options: first_step = -1.0; expected a positive finite step"):
+        simulate(op, mu, [0.0, 1.0], method="dopri5", options={"first_step": -1.0})
     with pytest.raises(ValueError, match="options"):
         simulate(op, mu, [0.0, 1.0], method="dopri5", options={"steps": 10})
     with pytest.raises(ValueError, match="rescale"):
