@@ -107,6 +107,7 @@ def _check(args) -> None:
     preflight.check_text(args.text)
     preflight.check_cache(args.cache)
     preflight.check_memory_limit()
+    preflight.check_threads()
     if args.checkpoint is not None:   # the files, before anything is loaded; the tokenizer is optional here
         preflight.check_checkpoint(args.checkpoint, tokenizer=False)
 

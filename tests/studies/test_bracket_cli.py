@@ -90,6 +90,14 @@ def test_bracket_usage_errors_exit_64_with_one_line(checkpoint, tmp_path, capsys
     assert exc.value.code == EXIT_USAGE
 
 
+def test_bracket_checks_the_threads_variable_before_loading(checkpoint, monkeypatch, capsys):
+    folder, _ = checkpoint
+    monkeypatch.setenv("SMOOTH_ATTENTION_THREADS", "abc")
+    assert main(["bracket", "--checkpoint", str(folder), "--radius", "1", "--n", "3"]) == EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "$SMOOTH_ATTENTION_THREADS" in err[0], err
+
+
 @pytest.mark.skipif(not pretrained.is_installed(pretrained.MINILM), reason="the pretrained extra is not installed")
 def test_bracket_on_the_trained_minilm(tmp_path, capsys):
     out = tmp_path / "m"
