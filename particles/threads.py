@@ -33,8 +33,8 @@ import time
 
 import torch
 
-__all__ = ["ThreadPolicy", "timed_probe", "set_threads", "using_threads", "requested_threads", "free_cores",
-           "SMALL_STEP", "ENV"]
+__all__ = ["ThreadPolicy", "parse_threads", "timed_probe", "set_threads", "using_threads", "requested_threads",
+           "free_cores", "SMALL_STEP", "ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ RECHECK = 0.25
 _override: int | None = None
 
 
-def _parse(value, name: str) -> int | None:
+def parse_threads(value, name: str) -> int | None:
+    """A thread count as ``set_threads`` and ``$SMOOTH_ATTENTION_THREADS`` take it: a positive integer (or its
+    text), or None / "" / "auto" for the automatic choice (None); a ValueError or TypeError naming ``name``."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -70,7 +72,7 @@ def set_threads(n) -> None:
     """Fix the number of threads of every framework call (a positive integer), or give the choice
     back to the policy (None or "auto"). Wins over ``$SMOOTH_ATTENTION_THREADS``."""
     global _override
-    _override = _parse(n, "threads")
+    _override = parse_threads(n, "threads")
 
 
 @contextlib.contextmanager
@@ -79,7 +81,7 @@ def using_threads(n, *, environment: bool = False):
     ``$SMOOTH_ATTENTION_THREADS``, so that processes started in the block (pool or Dask workers)
     inherit it. Both are restored on exit."""
     global _override
-    value = _parse(n, "threads")
+    value = parse_threads(n, "threads")
     saved, saved_env = _override, os.environ.get(ENV)
     _override = value
     if environment:
@@ -99,7 +101,7 @@ def requested_threads() -> int | None:
     """The override in force: :func:`set_threads`, else ``$SMOOTH_ATTENTION_THREADS``, else None."""
     if _override is not None:
         return _override
-    return _parse(os.environ.get(ENV), ENV)
+    return parse_threads(os.environ.get(ENV), ENV)
 
 
 def _cores() -> int:

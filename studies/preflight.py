@@ -146,11 +146,11 @@ def check_threads(environ: Mapping | None = None) -> None:
     """``$SMOOTH_ATTENTION_THREADS``, when set, is what :mod:`particles.threads` accepts: a positive integer or
     ``auto`` (every task of every study would otherwise fail on reading it). ``--threads`` is checked by the
     command line, which then sets the variable for the run and its workers."""
-    from particles.threads import ENV, _parse
+    from particles.threads import ENV, parse_threads
 
     environ = os.environ if environ is None else environ
     try:   # the rules of particles.threads.requested_threads, which reads the variable in every task
-        _parse(environ.get(ENV), f"${ENV}")
+        parse_threads(environ.get(ENV), f"${ENV}")
     except (ValueError, TypeError) as exc:
         raise UsageError(_one_line(exc)) from None
 
