@@ -604,7 +604,7 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     changes gamma. The cost is that of a k x k eigenproblem instead of d x d (a Transformer head:
     k = 64, d = 768). When gamma = 0 there is no witness: ``eigenvector`` is None. Eigenvalues of
     modulus at most ``64 d eps ||A||_2`` count as 0, as in :func:`gamma_info` (||A||_2 from the
-    factors, :func:`_factored_norm`), so that the two agree on a head whose gamma is exactly 0.
+    factors, ``_factored_norm``), so that the two agree on a head whose gamma is exactly 0.
     """
     Qt, Kt = as_tensor(Q, "Q", dtype=torch.float64), as_tensor(K, "K", dtype=torch.float64)
     if Qt.dim() != 2 or Qt.shape != Kt.shape or Qt.numel() == 0:
@@ -655,7 +655,7 @@ def augmented_head_norms(Q, K, V, b_Q=None, b_V=None, scale=1.0) -> tuple[np.nda
     ``A'_h = scale [K_h^T; 0] [Q_h, b_Q]`` and ``V'_h = [V_h, b_V]`` on (d+1)-dimensional tokens of
     radius sqrt(R^2 + 1): Theorems 3.3 / 4.3 apply with these norms (:func:`biased_multihead_upper`).
     With the reduced QR factorization K_h^T = U T (U with orthonormal columns),
-    ``||A'_h|| = |scale| ||T [Q_h, b_Q]||``, a min(k, d) x (d+1) matrix (:func:`_factored_norm`): no d x d
+    ``||A'_h|| = |scale| ||T [Q_h, b_Q]||``, a min(k, d) x (d+1) matrix (``_factored_norm``): no d x d
     matrix, and no condition on K_h (a pruned, zero key unit, or k > d, is fine). ``b_K`` does not
     enter. Missing biases are zero.
 

@@ -30,8 +30,8 @@ __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "
 
 #: above this many points single linkage runs on grid-cell representatives (see cluster_labels)
 EXACT_LIMIT = 4000
-#: the default clustering distance, as a fraction of the configuration's scale: the larger of the diagonal of the
-#: points' bounding box and their largest norm (a collapsing cluster keeps its norm: on the unit sphere the
+#: the default clustering distance as a fraction of the configuration's scale, the larger of the diagonal of the
+#: points' bounding box and their largest norm (a collapsing cluster keeps its norm, so on the unit sphere the
 #: default stays 1e-3 however tight the cluster gets)
 RELATIVE_TOL = 1e-3
 

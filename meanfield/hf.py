@@ -35,7 +35,7 @@ from .kernels import additive_mask, blind_rows
 from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 
-__all__ = ["HFAttention", "is_hf_attention", "model_kind", "is_causal", "num_layers", "attention_module",
+__all__ = ["HFAttention", "is_hf_attention", "own_mask", "model_kind", "is_causal", "num_layers", "attention_module",
            "capture_attention_inputs", "causal_mask", "container_advice", "attention_function", "extract_layer",
            "LayerParameters", "KINDS"]
 
