@@ -226,6 +226,18 @@ def test_half_types_agree_with_float64_dense_to_their_precision(ta, dtype):
     _close(dq.double(), ref, tol=5e-2)
 
 
+@pytest.mark.parametrize("positions", ["other", "causal"])
+def test_half_points_with_float32_positions(ta, positions):
+    """Measures of float16 points keep their positions in float32 (particles.measure.position_dtype: i/n
+    collide in half precision): the kernel compares them as given, against float64 dense on the same values."""
+    args = _problem(13, positions=positions, n=40)
+    half = [None if a is None else a.to(torch.float16) for a in args[:4]] + [a.float() for a in args[4:]]
+    assert half[4].dtype == torch.float32 and half[0].dtype == torch.float16
+    out, _ = ta.forward(*half, positions == "causal")
+    ref_out, _ = _dense(*[a.double() for a in half[:4]], *half[4:])
+    _close(out.double(), ref_out, tol=2e-2)
+
+
 def _dense_fn(qp, kp):
     return lambda q, k, v, lw: _dense(q, k, v, lw, qp, kp)
 
