@@ -198,6 +198,7 @@ def _configure_logging(verbosity: int) -> logging.Handler:
     handler.setFormatter(logging.Formatter("%(message)s" if verbosity < VERBOSE
                                            else "%(asctime)s %(name)s %(levelname)s: %(message)s"))
     level = {QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[verbosity]
+    handler.previous_levels = {name: logging.getLogger(name).level for name in LOGGERS}   # restored on release
     for name in LOGGERS:
         logger = logging.getLogger(name)
         logger.addHandler(handler)
@@ -207,8 +208,11 @@ def _configure_logging(verbosity: int) -> logging.Handler:
 
 
 def _release_logging(handler: logging.Handler) -> None:
+    """Remove the handler and put the loggers' levels back (a -v run called in a process left them at DEBUG)."""
     for name in LOGGERS:
-        logging.getLogger(name).removeHandler(handler)
+        logger = logging.getLogger(name)
+        logger.removeHandler(handler)
+        logger.setLevel(getattr(handler, "previous_levels", {}).get(name, logging.NOTSET))
 
 
 class Terminated(KeyboardInterrupt):

@@ -127,7 +127,8 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
     if log.isEnabledFor(logging.DEBUG):
         log.debug("transport %s: %d x %d atoms, d = %d, %s, reg %s, %s iterations, error %.3g, converged %s, "
                   "value %.6g", method, problem.n, problem.m, mu.points.shape[-1], result.precision, result.reg,
-                  result.iterations, err, result.converged, float(value.detach()))
+                  result.iterations, err, result.converged,
+                  float(value.detach() if isinstance(value, torch.Tensor) else value))
     if not result.converged:
         report_failure(result, on_failure, stacklevel + 1)
     return result

@@ -222,15 +222,21 @@ def test_bracket_says_the_text_was_projected_into_the_ball(tmp_path, capsys):
 def test_bracket_verbose_shows_the_solvers_and_threads_override(checkpoint, tmp_path, capsys, monkeypatch):
     """-v prints each certified constant's solver, products and threads; --threads 1 is applied (and the
     environment restored afterwards); a malformed --threads is a usage error naming the option."""
+    import logging
+
     from particles import threads
 
     folder, _ = checkpoint
     monkeypatch.delenv(threads.ENV, raising=False)
+    names = ("meanfield", "transport", "particles", "studies")
+    before = [logging.getLogger(name).level for name in names]
     assert main(["bracket", "--checkpoint", str(folder), "--n", "3", "--radius", "1", "--budget", "50",
                  "--threads", "1", "-v", "--out", str(tmp_path / "v")]) == 0
     err = capsys.readouterr().err
     assert "meanfield.lipschitz DEBUG: local_lipschitz:" in err and "1 thread(s)" in err
     assert threads.ENV not in __import__("os").environ and threads.requested_threads() is None
+    # the loggers are back at their levels: a -v run in a process does not leave the library at DEBUG
+    assert [logging.getLogger(name).level for name in names] == before
     with pytest.raises(SystemExit) as exc:
         main(["bracket", "--checkpoint", str(folder), "--threads", "0"])
     assert exc.value.code == EXIT_USAGE

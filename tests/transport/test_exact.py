@@ -275,3 +275,16 @@ def test_result_repr_is_a_summary():
     text = repr(ent)
     assert "tensor([" not in text and "grad_fn=" in text and "reg=0.5, debias=True, tol=1e-07" in text
     assert f"iterations={ent.iterations}" in text and "plan=None" in text and str(ent) == text
+
+
+def test_debug_logging_of_an_exact_solve(caplog):
+    """With the transport logger at DEBUG (meanfield's -v), an exact solve logs its value: the log line formatted
+    a float value as a tensor and crashed every exact W2 under verbose logging."""
+    import logging
+
+    mu = Measure(torch.tensor([[0.0], [1.0]], dtype=torch.float64))
+    nu = Measure(torch.tensor([[0.5], [2.0]], dtype=torch.float64))
+    with caplog.at_level(logging.DEBUG, logger="transport"):
+        res = solve(mu, nu, "exact")
+    assert res.value_squared == pytest.approx(0.5 * 0.25 + 0.5 * 1.0)   # sorted pairs: (0, 0.5), (1, 2)
+    assert any("value" in r.getMessage() and "exact" in r.getMessage() for r in caplog.records)
