@@ -242,6 +242,9 @@ def run(args) -> int:
              f"stopped: {res.stopped}"
              + (f" (the starts alone cost more than the budget, so the ascent made no step: give --budget above "
                 f"{res.start_products})" if res.start_products >= args.budget
+                else f" (no ascent step fit in the {args.budget - res.products} products left after the starts, so the "
+                     f"lower bound is the best start's: give --budget of at least {3 * res.start_products})"
+                if res.stopped == "budget" and not res.trace
                 else " (still ascending: a larger --budget may raise the lower bound)" if res.stopped == "budget"
                 else "")]
     wit = [s for s in res.starts if s.name.startswith("prop3.4-")]

@@ -241,3 +241,18 @@ def test_bracket_verbose_shows_the_solvers_and_threads_override(checkpoint, tmp_
         main(["bracket", "--checkpoint", str(folder), "--threads", "0"])
     assert exc.value.code == EXIT_USAGE
     assert "--threads" in capsys.readouterr().err
+
+
+def test_bracket_says_when_no_ascent_step_fit(checkpoint, tmp_path, capsys):
+    """A budget just above the starts' cost buys no ascent step: the summary says so and how much to give,
+    instead of 'still ascending'."""
+    import re
+
+    folder, _ = checkpoint
+    common = ["bracket", "--checkpoint", str(folder), "--n", "3", "--radius", "1", "--quiet"]
+    assert main([*common, "--budget", "1", "--out", str(tmp_path / "a")]) == 0
+    starts = int(re.search(r"\((\d+) certifying", capsys.readouterr().out).group(1))
+    assert main([*common, "--budget", str(starts + 1), "--out", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "0 ascending" in out and "still ascending" not in out
+    assert "no ascent step fit in the 1 products left after the starts" in out and f"{3 * starts}" in out
