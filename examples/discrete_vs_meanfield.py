@@ -8,7 +8,9 @@ Theorem 3.3's upper bound, while n << exp(2 gamma R^2) (docs/math.md sections 4 
 panel shows the Lipschitz ratio W2(F mu_n, F nu_n) / W2(mu_n, nu_n) of mean-field attention between
 n i.i.d. samples mu_n of a Gaussian law and their translate nu_n = mu_n + b (so that
 W2(mu_n, nu_n) = |b| exactly): it converges to the ratio of the two laws as n grows, and its spread
-over samples shrinks (docs/math.md section 4.6).
+over samples shrinks overall (with 8 seeds, not at every n) (docs/math.md section 4.6). R = 3.5 keeps
+n <= 1024 far below exp(2 gamma R^2) = 2e5: at R = 2.5 (exp = 518) the witness left the sqrt(n) regime
+from n = 256 on.
 
     python examples/discrete_vs_meanfield.py [--out DIR] [--tiny]
 """
@@ -44,7 +46,7 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     ns = [8, 16] if args.tiny else [8, 16, 32, 64, 128, 256, 512, 1024]
     seeds = range(2 if args.tiny else 8)
-    d, R = 2, 2.5
+    d, R = 2, 3.5   # 2 gamma R^2 = 12.25: n up to 1024 stays << exp(2 gamma R^2), where the witness follows sqrt(n)
     theta = 0.4  # A = rotation diag(1, -0.5) rotation^T: real eigenvalues, gamma = 0.5 (Proposition 3.4)
     rot = np.array([[np.cos(theta), -np.sin(theta)], [np.sin(theta), np.cos(theta)]])
     A = rot @ np.diag([1.0, -0.5]) @ rot.T
@@ -82,7 +84,8 @@ def main(argv=None) -> Path:
     ax.set_xticks(ns, [str(n) for n in ns])
     ax.set_xlabel("number of tokens $n$")
     ax.set_ylabel(r"local constant $\mathrm{Lip}_X(f)$")
-    ax.set_title(f"sequences in $B_R$, R = {R}: the worst case grows like $\\sqrt{{n}}$", fontsize=11)
+    ax.set_title(f"sequences in $B_R$, R = {R}: the worst case grows like $\\sqrt{{n}}$ (n $\\ll e^{{2\\gamma R^2}}$)",
+                 fontsize=11)
     ax.grid(alpha=0.3, which="both")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=9, frameon=False)
 

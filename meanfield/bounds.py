@@ -341,8 +341,9 @@ def sqrt_n_lower(A, R, n) -> float:
     ``sqrt(n - 1) / (1 + (n - 1) exp(-2 gamma R^2))``, gamma from :func:`gamma`.
 
     Reached or exceeded at the witness :func:`meanfield.adversarial.sqrt_n_sequence` (in case "min"
-    the witness's constant matches it to about 1e-4; in case "max" it is strictly above, by sqrt(2)
-    at n = 2); it grows like sqrt(n) while n << exp(2 gamma R^2).
+    the witness's constant matches it to about 1e-4 while (n - 1) exp(-2 gamma R^2) is small, and is above
+    it beyond: 5x at n = 1024 with gamma R^2 = 3.1; in case "max" it is strictly above, by sqrt(2) at
+    n = 2); it grows like sqrt(n) while n << exp(2 gamma R^2).
     """
     g = gamma(A)
     return sqrt_n_lower_from_gamma(g, R, check_positive_int(n, "n"))
