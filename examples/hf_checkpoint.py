@@ -4,14 +4,15 @@
 (docs/math.md section 2): the same calls as for ``SelfAttention`` apply to it, here
 ``local_lipschitz`` on the hidden states that the layer really receives, for growing prefixes of
 the text, and ``simulate``, the layer's attention as the velocity field of the token dynamics, with
-the tokens kept on their spheres (``geometry="sphere"``, as LayerNorm would): they collapse to one
-cluster (docs/math.md section 6.3).
+the tokens kept on their spheres (``geometry="sphere"``, as LayerNorm would): they gather into a few
+clusters (one for the default random BERT; two for the trained MiniLM's layer 3 at T = 20; docs/math.md
+section 6.3).
 
 Point it at a local checkpoint folder (``config.json`` and the weights, as written by
 ``save_pretrained``; a tokenizer in the same folder is used when present)::
 
     python examples/hf_checkpoint.py --checkpoint /path/to/bert-base-uncased [--layer 3] [--text file.txt]
-    SMOOTH_ATTENTION_CHECKPOINT=/path/to/gpt2 python examples/hf_checkpoint.py
+    SMOOTH_ATTENTION_CHECKPOINTS=/path/to/gpt2 python examples/hf_checkpoint.py   # the CLI's variable: its first
 
 Nothing is downloaded (``local_files_only=True``). Without a checkpoint it builds a small randomly
 initialized BERT from a config (weights of standard deviation 0.1 instead of BERT's 0.02, so that
@@ -55,9 +56,11 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true",
                         default=os.environ.get("SMOOTH_ATTENTION_EXAMPLES_TINY", "") not in ("", "0"),
                         help="small sizes, for CI (also $SMOOTH_ATTENTION_EXAMPLES_TINY=1)")
-    parser.add_argument("--checkpoint", default=os.environ.get("SMOOTH_ATTENTION_CHECKPOINT"),
-                        help="a local BERT or GPT-2 checkpoint folder (default: $SMOOTH_ATTENTION_CHECKPOINT; "
-                             "none: a small random BERT)")
+    listed = [c for c in os.environ.get("SMOOTH_ATTENTION_CHECKPOINTS", "").split(os.pathsep) if c]
+    parser.add_argument("--checkpoint", default=listed[0] if listed else None,
+                        help="a local BERT or GPT-2 checkpoint folder (default: the first of "
+                             "$SMOOTH_ATTENTION_CHECKPOINTS, the variable of `meanfield real_models`; none: a small "
+                             "random BERT)")
     parser.add_argument("--layer", type=int, default=None, help="the layer to study (default: the last)")
     parser.add_argument("--text", default=None, help="a text file to feed the model (needs a tokenizer)")
     return parser.parse_args(argv)
