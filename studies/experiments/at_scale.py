@@ -156,9 +156,13 @@ CLUSTER_TOL = 1e-3
 
 def spread(X: torch.Tensor) -> float:
     """The largest distance of a token on the unit sphere to the normalized mean direction (2 for
-    uniform tokens, 0 for one cluster); O(N)."""
+    uniform tokens, 0 for one cluster); O(N). Tokens whose mean is 0 (an exactly symmetric start) have no mean
+    direction: their spread is the largest distance to any unit vector, 2 at most, and is returned as 2."""
     m = X.mean(dim=0)
-    return float((X - m / m.norm()).norm(dim=1).max())
+    norm = float(m.norm())
+    if norm == 0.0:
+        return 2.0
+    return float((X - m / norm).norm(dim=1).max())
 
 
 def cluster_task(n: int, T: float, step: float, dt: float, seed: int, rep: int = 0, *, device=None) -> dict:
@@ -190,11 +194,15 @@ def cluster_task(n: int, T: float, step: float, dt: float, seed: int, rep: int =
 
 
 def _crossing(times, values, level) -> float:
-    """The first time ``values`` (positive) pass ``level``, either way, interpolated in log; NaN if never."""
+    """The first time ``values`` (non-negative) pass ``level``, either way, interpolated in log (linearly from
+    0); NaN if never."""
     for k in range(1, len(values)):
         if min(values[k - 1], values[k]) < level <= max(values[k - 1], values[k]) and values[k] != values[k - 1]:
-            a, b = math.log(values[k - 1]), math.log(values[k])
-            return times[k - 1] + (math.log(level) - a) / (b - a) * (times[k] - times[k - 1])
+            if min(values[k - 1], values[k]) <= 0.0:   # an exactly symmetric start: 0 has no log, interpolate linearly
+                a, b, x = values[k - 1], values[k], level
+            else:
+                a, b, x = math.log(values[k - 1]), math.log(values[k]), math.log(level)
+            return times[k - 1] + (x - a) / (b - a) * (times[k] - times[k - 1])
     return math.nan
 
 

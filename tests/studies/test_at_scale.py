@@ -126,3 +126,14 @@ def test_studies_run_the_at_scale_part_when_the_grid_says_so(study, tmp_path, mo
     for table in after.tables:
         assert (tmp_path / "scale" / table).exists()
     assert after.summary["at_scale_grid"] == SMALL and "at_scale_grid" not in before.summary
+
+
+def test_spread_and_crossing_of_an_exactly_symmetric_start():
+    """Tokens whose mean is 0 have no mean direction: spread 2 (unclustered), not NaN; an order parameter of
+    exactly 0 crosses a level by linear interpolation (log 0 raised a math domain error)."""
+    from studies.experiments.at_scale import _crossing, spread
+
+    X = torch.tensor([[1.0, 0.0, 0.0], [-1.0, 0.0, 0.0]], dtype=torch.float64)
+    assert spread(X) == 2.0
+    assert _crossing([0.0, 1.0], [0.0, 0.8], 0.5) == pytest.approx(0.625)
+    assert math.isnan(_crossing([0.0, 1.0], [0.1, 0.4], 0.5))   # never crosses
