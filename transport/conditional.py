@@ -7,19 +7,32 @@ import math
 import torch
 
 from particles import Measure
-from particles.validation import check_allocation, check_bool, check_positive_float
+from particles.validation import check_allocation, check_bool, check_positive_float, weight_tolerance
 
 from .exact import emd_squared
 from .options import check_memory_limit
 from .problem import check_pair, log_weights, needs_grad, normalize, to_units
 
-#: Default tolerance on positions (two positions closer than this are the same position).
+#: Default tolerance on positions in float64 (two positions closer than this are the same position); positions
+#: held in float32 (float32 and half-precision measures) take 4 of their epsilons (5e-7): one rounding of i/n
+#: made two copies of a sequence's positions differ by 6e-8, and W2c infinite
 POSITION_ATOL = 1e-9
-#: Default tolerance on the masses of the position marginals.
+#: Default tolerance on the masses of the position marginals of float64 measures; float32 measures take their
+#: weights' tolerance (:func:`particles.validation.weight_tolerance`, 1e-5): a split atom's masses summed in
+#: float32 differ from the unsplit mass by a rounding, which made W2c(mu, mu.split(...)) infinite
 MASS_ATOL = 1e-9
 
 
-def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MASS_ATOL, squared=False,
+def _default_tolerances(mu: Measure, atol, mass_atol) -> tuple:
+    if atol is None:
+        eps = torch.finfo(mu.positions.dtype).eps
+        atol = POSITION_ATOL if mu.positions.dtype == torch.float64 else max(POSITION_ATOL, 4 * eps)
+    if mass_atol is None:
+        mass_atol = max(MASS_ATOL, weight_tolerance(mu.dtype))
+    return atol, mass_atol
+
+
+def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squared=False,
                    return_plan=False, memory_limit=None):
     """W2c(mu, nu)^2 = sum over distinct positions s of m(s) W2(mu_s, nu_s)^2 (Definition 4.1).
 
@@ -32,12 +45,15 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
     Parameters
     ----------
     mu, nu : :class:`particles.Measure`
-        Masked measures (every atom with a position), of the same dimension, dtype and device.
-    atol : float
+        Masked measures (every atom with a position), of the same dimension, dtype (float32 or float64)
+        and device.
+    atol : float or None
         Positions closer than ``atol`` (>= 0) count as one position (the marginal of ``mu`` groups them,
-        chaining gaps <= atol); the two marginals must have the same positions within ``atol``.
-    mass_atol : float
-        ... and the same masses within ``mass_atol`` (>= 0). Otherwise the value is ``math.inf``: no
+        chaining gaps <= atol); the two marginals must have the same positions within ``atol``. None:
+        :data:`POSITION_ATOL` for float64 positions, 4 epsilons of float32 (5e-7) for float32 ones.
+    mass_atol : float or None
+        ... and the same masses within ``mass_atol`` (>= 0); None: :data:`MASS_ATOL` in float64, the
+        weights' tolerance of the measures' dtype otherwise (1e-5 in float32). Otherwise the value is ``math.inf``: no
         coupling keeps every position. ``mass_atol`` compares the masses of positions both measures occupy: a
         position that holds mass (however little) in one measure and none in the other gives ``math.inf``.
         Where the masses at a position differ (within ``mass_atol``), each measure's slice is renormalized by
@@ -59,6 +75,7 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=POSITION_ATOL, mass_atol=MA
         if not m.masked:
             raise ValueError(f"{name}: conditional W2 needs a masked measure with positions "
                              "(build it with positions=... or Measure.sequence)")
+    atol, mass_atol = _default_tolerances(mu, atol, mass_atol)
     atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
     mass_atol = check_positive_float(mass_atol, "mass_atol", allow_zero=True, allow_inf=True)
     squared = check_bool(squared, "squared")

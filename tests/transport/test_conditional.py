@@ -144,3 +144,32 @@ def test_conditional_w2_bad_arguments():
         conditional_w2(mu, mu, squared="yes")
     with pytest.raises(TypeError, match="return_plan: expected True or False"):
         conditional_w2(mu, mu, return_plan=1)
+
+
+def test_float32_measures_with_equal_marginals_up_to_rounding():
+    """Default tolerances follow the dtype: in float32 a split atom's masses sum to the unsplit mass only up to a
+    rounding (W2c(mu, mu.split(...)) was inf in 47 of 50 draws), all atoms at one position give W2 (Definition
+    4.1 with one slice; truth: the transport LP in float64), and positions i/n built two ways differ by one
+    ulp (W2c was inf) while W2c of two sequences is |X - Y|_F / sqrt(n)."""
+    g = torch.Generator().manual_seed(2)
+    for i in range(20):
+        mu = Measure(torch.randn(6, 2, generator=g, dtype=F64), torch.rand(6, generator=g, dtype=F64) + 0.1,
+                     torch.linspace(0.1, 1, 6, dtype=F64), normalize=True, dtype=torch.float32)
+        assert conditional_w2(mu, mu.split(2, 0.3)) == 0.0, i
+    X, Y = torch.randn(300, 2, generator=g, dtype=F64), torch.randn(300, 2, generator=g, dtype=F64)
+    a, b = torch.rand(300, generator=g, dtype=F64) + 0.1, torch.rand(300, generator=g, dtype=F64) + 0.1
+    one = torch.ones(300, dtype=F64)
+    mu = Measure(X, a, one, normalize=True, dtype=torch.float32)
+    nu = Measure(Y, b, one, normalize=True, dtype=torch.float32)
+    truth = w2_lp(mu.points.double(), mu.weights.double() / mu.weights.double().sum(), nu.points.double(),
+                  nu.weights.double() / nu.weights.double().sum())
+    assert conditional_w2(mu, nu) == pytest.approx(truth, rel=1e-6)
+    n = 50
+    s = Measure.sequence(X[:n].float())
+    t = Measure(Y[:n].float(), positions=torch.linspace(1 / n, 1, n, dtype=torch.float32))
+    assert not torch.equal(s.positions, t.positions)     # one rounding apart
+    assert conditional_w2(s, t) == pytest.approx(float((X[:n] - Y[:n]).norm()) / math.sqrt(n), rel=1e-6)
+    # float64 keeps its tight defaults: a mass off by 1e-8 is another marginal
+    mu64 = Measure(X[:3], torch.tensor([0.5, 0.25, 0.25], dtype=F64), torch.tensor([0.5, 1.0, 1.0], dtype=F64))
+    nu64 = Measure(Y[:2], torch.tensor([0.5 - 1e-8, 0.5 + 1e-8], dtype=F64), torch.tensor([0.5, 1.0], dtype=F64))
+    assert conditional_w2(mu64, nu64) == math.inf
