@@ -502,10 +502,17 @@ class L2SelfAttention(AttentionOperator):
         qq = torch.einsum("...md,hdk->...hmk", x, self._WQ)
         kk = torch.einsum("...nd,hdk->...hnk", keys, self._WQ)
         v = torch.einsum("...nd,hdk->...hnk", keys, self._AV)
-        # -|q_i - k_j|^2 = 2 <q_i - c, k_j - c> - |k_j - c|^2 + (a term of row i alone) for any c: from the keys'
-        # centre, so that tokens far from the origin (radius R) lose no accuracy to terms of size R^2 that cancel
-        # (float32 at R = 1e4 lost the weights). The value does not depend on c, nor do its derivatives
-        c = kk.detach().mean(dim=-2, keepdim=True)
+        # -|q_i - k_j|^2 = 2 <q_i - c, k_j - c> - |k_j - c|^2 + (a term of row i alone) for any c: near the keys,
+        # so that tokens far from the origin (radius R) lose no accuracy to terms of size R^2 that cancel
+        # (float32 at R = 1e4 lost the weights). The value does not depend on c, nor do its derivatives. With
+        # positions, c is the key of the first position, which every query that sees a key sees (the keys' mean
+        # would carry later keys into earlier outputs through rounding); else the keys' mean
+        c = kk.detach()
+        if key_positions is None:
+            c = c.mean(dim=-2, keepdim=True)
+        else:
+            first = key_positions.detach().argmin(dim=-1).expand(kk.shape[:-3])   # (...,)
+            c = torch.gather(c, -2, first[..., None, None, None].expand(*kk.shape[:-2], 1, kk.shape[-1]))
         qq, kk = qq - c, kk - c
         key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)
         lw = key_term if log_weights is None else key_term + log_weights.unsqueeze(-2)

@@ -287,3 +287,22 @@ def test_bad_arguments_of_the_operators_are_named():
     mu = Measure.sequence(torch.randn(3, 2, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"positions: must lie in \[0, 1\]"):
         op.velocity(mu, torch.zeros(2, 2, dtype=torch.float64), positions=torch.tensor([-1.0, 2.0]).double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("method", ["dense", "stream"])
+def test_masked_l2_attention_never_reads_a_later_token(dtype, method):
+    """Moving the second half of a sequence (by 2, and by 1e4) changes none of the first half's outputs, bit for
+    bit: the scores' centre must not depend on later keys (the keys' mean did, through rounding)."""
+    from meanfield import kernels
+
+    g = torch.Generator().manual_seed(7)
+    WQ, WV = torch.randn(2, 3, 2, generator=g, dtype=dtype), torch.randn(2, 3, 2, generator=g, dtype=dtype)
+    op = L2SelfAttention(WQ, WV, masked=True)
+    X = torch.randn(40, 3, generator=g, dtype=dtype)
+    with kernels.use(method):
+        base = op.sequence(X)
+        for shift in (2.0, 1e4):
+            Y = X.clone()
+            Y[20:] += shift
+            assert torch.equal(op.sequence(Y)[:20], base[:20]), shift
