@@ -368,7 +368,9 @@ def lipschitz_ratio(op, mu, nu) -> float:
 
     ``op`` is anything :func:`meanfield.as_operator` accepts (a meanfield operator, a Hugging Face
     attention layer, ...; a bare callable only on uniform, unpositioned measures). As nu -> mu the
-    ratio tends to at most the local constant of F at mu (docs/math.md section 4).
+    ratio tends to at most the local constant of F at mu (docs/math.md section 4). Measures of a half
+    precision (an operator in float16 or bfloat16) are widened to float32, exactly, for the distances:
+    transport works in float32 or float64.
     """
     op = as_operator(op)
     mu = op.check_measure(mu, "mu")
@@ -376,7 +378,11 @@ def lipschitz_ratio(op, mu, nu) -> float:
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import conditional_w2, w2
 
-    dist = conditional_w2 if op.masked else w2
+    def dist(a, b):
+        if a.dtype in (torch.float16, torch.bfloat16):
+            a, b = a.to(dtype=torch.float32), b.to(dtype=torch.float32)
+        return (conditional_w2 if op.masked else w2)(a, b)
+
     den = dist(mu, nu)
     if den == 0:
         raise ValueError("mu, nu: W2(mu, nu) = 0 (the same measure); the ratio is undefined")

@@ -376,7 +376,9 @@ class Measure:
         atol = float(atol)
         if not atol >= 0:
             raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
-        X = self._points.detach().cpu().numpy()
+        # numpy has no bfloat16: its points are widened to float32 (exactly) for the grouping
+        X = self._points.detach().cpu()
+        X = (X.float() if X.dtype == torch.bfloat16 else X).numpy()
         if self._positions is not None:
             # atoms at different positions never merge: the position's rank as one more coordinate, ranks
             # spaced by more than atol in the max-norm (a merged atom keeps its atoms' common position)

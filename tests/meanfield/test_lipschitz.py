@@ -326,6 +326,18 @@ def test_lipschitz_ratio_unmasked_and_masked():
         lipschitz_ratio(op, Measure(X), Measure(X))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_lipschitz_ratio_of_a_half_precision_operator(dtype):
+    """Transport works in float32 or float64: the half operator's measures are widened (exactly) for the
+    distances, and the ratio is the one of the half outputs (truth: conditional W2 of sequences, |X - Y|_F /
+    sqrt(n), on the same half values in float64)."""
+    opm = make_op("single", masked=True).to(dtype=dtype)
+    mu, nu = Measure.sequence(rand(6, 4, seed=1).to(dtype)), Measure.sequence(rand(6, 4, seed=2).to(dtype))
+    fx, fy = opm(mu).points.double(), opm(nu).points.double()
+    expected = float((fx - fy).norm() / (mu.points.double() - nu.points.double()).norm())
+    assert rel(lipschitz_ratio(opm, mu, nu), expected) <= 1e-6
+
+
 def test_numpy_input_is_accepted():
     op = make_op("single", masked=False)
     X = rand(5, 4, seed=1)

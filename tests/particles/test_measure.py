@@ -440,3 +440,15 @@ def test_two_dirac_small_mass_in_log_form_near_one():
         truth = math.log(-math.expm1(log_p))   # closed form, float64
         assert float(mu.log_weights[1]) == pytest.approx(truth, rel=1e-15)
         assert float(mu.log_weights[0]) == log_p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_merge_in_half_precision(dtype):
+    """Duplicated atoms merge into one of the summed weight in half precision too (bfloat16 crashed in numpy),
+    positions kept."""
+    X = torch.tensor([[1.0, 2.0], [1.0, 2.0], [3.0, 0.5]], dtype=dtype)
+    mu = Measure(X, positions=torch.tensor([0.5, 0.5, 1.0]))
+    m = mu.merge()
+    assert m.n == 2 and m.dtype == dtype
+    assert torch.equal(m.points, X[1:]) and m.positions.tolist() == [0.5, 1.0]
+    assert m.weights.float().tolist() == pytest.approx([2 / 3, 1 / 3], rel=1e-2)
