@@ -193,16 +193,23 @@ def mean_field(out_dir: Path, ctx) -> StudyResult:
     _figures(out_dir, rows_a, curve, checks, running, n_star, R_t, d, gam, a_norm)
 
     log_gap = last["log_upper"] - last["log_lip"]
+    # the bound compared is Theorem 3.5's formula (V = I), written out here: it is e^(hundreds) above every
+    # constant, so a wrong exponent would pass the comparison alone
+    formula_dev = max(abs(r["log_upper"] - (math.log1p(3 * a_norm * r["R"] ** 2) + 2 * a_norm * r["R"] ** 2))
+                      / max(1.0, abs(r["log_upper"])) for r in rows_a)
     claims = [
         Claim("two-Dirac constant <= mean-field bound of Theorem 3.5, every R",
               "log Lip <= log bound", f"{len(viol_a)} violations of {len(rows_a)}; at R = {last['R']:.3g}: "
-              f"log Lip = {last['log_lip']:.4g} <= {last['log_upper']:.4g}", not viol_a,
+              f"log Lip = {last['log_lip']:.4g} <= {last['log_upper']:.4g}; the bound evaluated is the theorem's "
+              f"formula within {formula_dev:.1e}", not viol_a and formula_dev <= 1e-12,
               f"tightness: not attained; the two-Dirac witness is the family closest to it, and its constant grows "
               f"like e^(gamma R^2) against the bound's e^(2 ||A|| R^2) (gamma = {gam:.3g}, "
               f"2 ||A|| = {2 * a_norm:.3g}): "
               f"log(bound / Lip) = {log_gap:.4g} at R = {last['R']:.3g}, the gap in the exponent that the paper "
               "leaves open", kind=THEOREM,
-              fails_if="at some R the log of the constant exceeds the log of the bound by more than 1e-9",
+              fails_if="at some R the log of the constant exceeds the log of the bound by more than 1e-9, or the "
+                       "bound the library evaluates differs from ||V|| (1 + 3 ||A|| R^2) exp(2 ||A|| R^2), written out "
+                       "in the study, by more than 1e-12 (relative, in logs)",
               short="two-Dirac constant <= Theorem 3.5's mean-field bound, every R",
               short_measured=f"{len(viol_a)} of {len(rows_a)} above; log(bound / Lip) = {log_gap:.4g} at R = "
                              f"{last['R']:.3g}"),

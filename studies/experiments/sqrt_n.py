@@ -140,6 +140,11 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
     low_viol_m = [r for r in adv_m if r["lip"] + r["lip_error"] < r["lower"] * (1 - 1e-9)]
     top = max(rows, key=lambda r: r["lip"] / r["upper"])
     max_up_ratio = top["lip"] / top["upper"]
+    # the bound compared is Theorem 3.3's formula, written out here from the norms (V = I): every measured constant
+    # is far below it, so a bound off by a factor or growing like n instead of sqrt(n) would pass the comparison
+    norm_A = float(np.linalg.norm(A.numpy(), 2))
+    formula_dev = max(abs(r["upper"] / (np.sqrt(3.0) * np.sqrt(norm_A ** 2 * r["R"] ** 4 * (4 * r["n"] + 1) + r["n"]))
+                          - 1.0) for r in rows)
     min_low_ratio = min(r["lip"] / r["lower"] for r in adv)
     min_low_ratio_m = min(r["lip"] / r["lower"] for r in adv_m)
     write_csv([{"curve": "adversarial unmasked", **fit}, {"curve": "adversarial masked", **fit_m},
@@ -153,13 +158,17 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
         Claim("Lip_X(f) <= Theorem 3.3 / 4.3 bound, all inputs (masked and unmasked)",
               "Lip / bound <= 1",
               f"max Lip / bound = {max_up_ratio:.3g} ({top['kind']} input, "
-              f"{'masked' if top['masked'] else 'unmasked'}, n = {top['n']}); {len(up_viol)} violations of {len(rows)}",
-              not up_viol,
+              f"{'masked' if top['masked'] else 'unmasked'}, n = {top['n']}); {len(up_viol)} violations of "
+              f"{len(rows)}; the bound evaluated is the theorem's formula within {formula_dev:.1e}",
+              not up_viol and formula_dev <= 1e-12,
               "certified estimates: Lip - error bar compared with the bound. Tightness: no input is known to reach "
               "this bound; the closest family is Proposition 3.4's witness, whose constant is about sqrt(n) while "
               "the bound is about 2 sqrt(3) ||A|| R^2 sqrt(n), so the ratio stays near 1 / (2 sqrt(3) ||A|| R^2): "
               "the bound is tight in n, not in its constant", kind=THEOREM,
-              fails_if="some input's certified constant minus its error bar exceeds the bound",
+              fails_if="some input's certified constant minus its error bar exceeds the bound, or the bound the "
+                       "library evaluates differs from sqrt(3) ||V|| (||A||^2 R^4 (4n + 1) + n)^{1/2}, written out in "
+                       "the study, by more than 1e-12 (relative): a bound off by a constant or growing like n would "
+                       "otherwise pass, every constant being far below it",
               short="Lip <= Thm 3.3 / 4.3 bound on every input, masked and unmasked",
               short_measured=f"max Lip / bound {max_up_ratio:.3g}; {len(up_viol)} of {len(rows)} above"),
         Claim("Proposition 3.4: Lip at the witness >= sqrt(n-1) / (1 + (n-1) e^{-2 gamma R^2})",

@@ -421,3 +421,24 @@ def test_concentration_claims_need_a_significant_drop_of_the_variance():
         got, r = spread_shrinks(stats(math.sqrt(ratio)), stats(1.0), "x")
         assert got is verdict and r == pytest.approx(ratio)
     assert spread_shrinks({"samples": 1, "x_std": 5.0}, stats(1.0), "x")[0] is None
+
+
+@pytest.mark.parametrize("wrong", ["sqrt_n_upper", "mean_field_upper"])
+def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wrong):
+    """sqrt_n-1 and mean_field-1 compare constants far below their bounds (0.09 and e^-238 of them), so a bound
+    too large by sqrt 2 passed the comparison (a mutation review found it); the claims also check the bound
+    against the theorem's formula written out in the study."""
+    from studies.context import RunContext
+    from studies.report import reproduce
+
+    orig = getattr(bounds, wrong)
+    if wrong == "sqrt_n_upper":
+        monkeypatch.setattr(bounds, wrong, lambda *a, **k: math.sqrt(2) * orig(*a, **k))
+    else:
+        monkeypatch.setattr(bounds, wrong, lambda *a, log=False, **k: (orig(*a, log=True, **k) + math.log(2)) if log
+                            else 2 * orig(*a, **k))
+    study = "sqrt_n" if wrong == "sqrt_n_upper" else "mean_field"
+    out = reproduce(RunContext(tmp_path, level="tiny", seed=0, sweep={"backend": "inprocess", "resume": False}),
+                    only=[study])
+    first = out["studies"][study]["claims"][0]
+    assert first["verdict"] == "violated", first
