@@ -46,6 +46,10 @@ def grid(level: str) -> dict:
     return _settings(level)
 
 
+#: steps the adaptive solver may take per layer in the rescaled experiments (they take about 100 at the full grid):
+#: a wrong field (a rescaling by exp(+tV), in a mutation review) made the solver crawl for minutes without a verdict;
+#: beyond this budget the study fails at once, saying the solver did not converge
+STEP_BUDGET = 5000
 #: initial draws of the polytope experiment (the first one is the trajectory shown; the others' final states only)
 POLYTOPE_DRAWS = 4
 
@@ -116,7 +120,8 @@ def _polytope(cfg, seed, dev, rows):
     X = torch.randn(cfg["n_poly"], 2, generator=_gen(seed + 2), dtype=D).to(dev)
     times = torch.linspace(0, cfg["T_poly"], cfg["frames"] + 1, dtype=D)
     traj = simulate(SelfAttention(A, torch.eye(2, dtype=D, device=dev)), Measure(X), times, method="dopri5",
-                    rescale=True, rtol=1e-8, atol=1e-10)
+                    rescale=True, rtol=1e-8, atol=1e-10,
+                    options={"max_steps": STEP_BUDGET})
     tol = 1e-2
     ls = limit_set(traj.final, tol)
     counts = count_clusters(traj, tol)
@@ -128,7 +133,7 @@ def _polytope(cfg, seed, dev, rows):
     for k in range(1, POLYTOPE_DRAWS):
         Xk = torch.randn(cfg["n_poly"], 2, generator=_gen(seed + 2 + 7919 * k), dtype=D).to(dev)
         trk = simulate(SelfAttention(A, torch.eye(2, dtype=D, device=dev)), Measure(Xk), times[[0, -1]],
-                       method="dopri5", rescale=True, rtol=1e-8, atol=1e-10)
+                       method="dopri5", rescale=True, rtol=1e-8, atol=1e-10, options={"max_steps": STEP_BUDGET})
         extra.append(limit_set(trk.final, tol))
     return traj, ls, counts, extra
 
@@ -142,7 +147,8 @@ def _leading(cfg, seed, dev, rows):
     X = torch.randn(cfg["n_neg"], 2, generator=_gen(seed + 3), dtype=D).to(dev)
     times = torch.linspace(0, cfg["T_neg"], cfg["frames"] + 1, dtype=D)
     traj = simulate(SelfAttention(torch.eye(2, dtype=D, device=dev), V), Measure(X), times, method="dopri5",
-                    rescale=True, rtol=1e-8, atol=1e-10)
+                    rescale=True, rtol=1e-8, atol=1e-10,
+                    options={"max_steps": STEP_BUDGET})
     lead = traj.points[..., :1]  # coordinate along the eigenvector of the eigenvalue 1
     other = traj.points[..., 1:]
     c_lead = count_clusters(lead, 1e-2)
