@@ -442,3 +442,27 @@ def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wron
                     only=[study])
     first = out["studies"][study]["claims"][0]
     assert first["verdict"] == "violated", first
+
+
+def test_l2_tied_check_fails_for_untied_keys(monkeypatch):
+    """l2_attention-2 also checks that the layer is tied L2 attention: keys through W_Q^T (W_K != W_Q, Kim et
+    al.'s non-Lipschitz case) stayed far below the bound on the study's inputs (a mutation review); the written-out
+    comparison sees them."""
+    import meanfield
+    from studies.experiments.l2_attention import grid, tied_formula_deviation
+
+    d = grid("quick")["d"]
+    assert tied_formula_deviation(d, 0) <= 1e-12
+
+    class Untied:
+        def __init__(self, W_Q, W_V):
+            self.W_Q, self.W_V = W_Q, W_V
+
+        def sequence(self, X):
+            k = self.W_Q.shape[1]
+            q, kk = X @ self.W_Q, X @ self.W_Q.T   # keys through W_Q^T (the study's W_Q is square, d x d)
+            S = -((q[:, None] - kk[None]) ** 2).sum(-1) / math.sqrt(k)
+            return torch.softmax(S, -1) @ X @ (self.W_Q @ self.W_Q.T / math.sqrt(k)) @ self.W_V
+
+    monkeypatch.setattr(meanfield, "L2SelfAttention", Untied)
+    assert tied_formula_deviation(d, 0) > 1e-3
