@@ -19,7 +19,7 @@ import torch
 from particles import Measure
 from particles.validation import as_tensor, check_bool
 
-from .kernels import additive_mask, blind_rows
+from .kernels import additive_mask, silence_blind_rows
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 
@@ -179,14 +179,8 @@ class TorchMultiheadAttention(AttentionOperator):
         out = torch.func.functional_call(self.module, frozen, (q, k, k),
                                          {"attn_mask": mask, "need_weights": False})[0]
         out = (out if bf else out.transpose(0, 1)).reshape(*lead, m, self.d_out)
-        blind = blind_rows(log_weights, x_positions, key_positions)
-        if blind is not None:
-            # a query that sees no key of positive weight: zero heads, the output projection's bias (the
-            # framework's rule; the finite mask averaged every key, later ones included)
-            b = self.module.out_proj.bias
-            silent = out.new_zeros(self.d_out) if b is None else b.detach().to(out.dtype)
-            out = torch.where(blind.unsqueeze(-1), silent, out)
-        return out
+        # a query that sees no key of positive weight: zero heads, the output projection's bias
+        return silence_blind_rows(out, log_weights, x_positions, key_positions, self.module.out_proj.bias)
 
 
 def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:

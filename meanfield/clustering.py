@@ -228,7 +228,8 @@ def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> fl
             raise ValueError(f"weights: expected {pts.shape[-2]} non-negative weights")
         if not float(w.sum()) > 0:
             raise ValueError("weights: every weight is zero")
-        lw = torch.log(w / w.max()) - torch.log((w / w.max()).sum())
+        w = w / w.max()   # by the largest first: a sum of large raw counts stays finite
+        lw = torch.log(w / w.sum())
     if lw is None:
         lw = torch.full((pts.shape[-2],), -math.log(pts.shape[-2]), dtype=pts.dtype, device=pts.device)
     pts = pts.detach()

@@ -31,7 +31,7 @@ import torch
 
 from particles.validation import check_bool
 
-from .kernels import additive_mask, blind_rows
+from .kernels import additive_mask, silence_blind_rows
 from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 
@@ -192,7 +192,7 @@ class HFAttention(AttentionOperator):
             raise ValueError("ln: block=True on GPT-2 needs the block's ln_1 (use HFAttention.from_model)")
         self.module, self.kind, self.masked, self.block, self.ln = module, kind, masked, block, ln
         self.name = name or type(module).__name__
-        self._core = module.self if kind == "bert" else module
+        self._core = core
         self._d = (module.embed_dim if kind == "gpt2" else
                    self._core.query.in_features)
         self._d_out = self._d if kind != "bert_self" else self._core.all_head_size
@@ -251,12 +251,11 @@ class HFAttention(AttentionOperator):
         y = self._call(self._core, hidden, attention_mask=mask)[0]
         return self._call(self.module.output.dense, y) if self.kind == "bert" else y
 
-    def _silent_heads(self, like):
-        """The attention's output where every head gives zero: the output projection's bias (GPT-2's
-        ``c_proj``, BERT's ``output.dense``), zero for ``BertSelfAttention`` alone."""
+    def _output_bias(self):
+        """What the attention outputs where every head gives zero: the output projection's bias (GPT-2's
+        ``c_proj``, BERT's ``output.dense``); None (zeros) for ``BertSelfAttention`` alone."""
         proj = {"gpt2": lambda: self.module.c_proj, "bert": lambda: self.module.output.dense}.get(self.kind)
-        bias = None if proj is None else getattr(proj(), "bias", None)
-        return like.new_zeros(like.shape[-1]) if bias is None else bias.detach().to(like.dtype)
+        return None if proj is None else getattr(proj(), "bias", None)
 
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         self._check_eval()
@@ -290,12 +289,10 @@ class HFAttention(AttentionOperator):
         out = self._heads(hidden, mask)
         if not same:
             out = out[..., n:, :]
-        blind = blind_rows(log_weights, x_positions, key_positions)
-        if blind is not None:
-            # a query that sees no key of positive weight: its heads give zero (the framework's rule, as in
-            # MultiHeadAttention), where the module's finite mask averaged every key, later ones included
-            out = out.reshape(*lead, m, -1)
-            out = torch.where(blind.unsqueeze(-1), self._silent_heads(out), out).reshape(-1, m, out.shape[-1])
+        # a query that sees no key of positive weight: its heads give zero (the framework's rule, as in
+        # MultiHeadAttention), where the module's finite mask averaged every key, later ones included
+        out = silence_blind_rows(out.reshape(*lead, m, -1), log_weights, x_positions, key_positions,
+                                 self._output_bias()).reshape(-1, m, out.shape[-1])
         if self.block:
             if self.kind == "bert":
                 out = self._call(self.module.output.LayerNorm, out + xb)

@@ -421,14 +421,15 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     return _check_output(compute(attention_probs), q, k, v, log_weights)
 
 
-def blind_rows(log_weights, q_pos, k_pos) -> torch.Tensor | None:
-    """Queries that see no key of positive weight, whose attention output is zero (docs/math.md section 2):
-    a bool tensor (..., m) or (..., 1), or None where no query can be blind (no weights and no positions).
-    For adapters whose module has no such rule (an additive mask of finite values makes such a row the
-    average of every key, later ones included)."""
+def silence_blind_rows(out, log_weights, q_pos, k_pos, bias=None) -> torch.Tensor:
+    """``out`` (..., m, c), a layer's output, with the rows of queries that see no key of positive weight set to
+    what zero heads give (docs/math.md section 2): the output projection's ``bias``, zeros for None. For
+    adapters whose module has no such rule (an additive mask of finite values makes such a row the average of
+    every key, later ones included)."""
     if log_weights is None and q_pos is None:
-        return None
-    return _dead_rows(log_weights, q_pos, k_pos)
+        return out
+    silent = out.new_zeros(out.shape[-1]) if bias is None else bias.detach().to(out.dtype)
+    return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), silent, out)
 
 
 def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:

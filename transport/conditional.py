@@ -25,8 +25,7 @@ MASS_ATOL = 1e-9
 
 def _default_tolerances(mu: Measure, atol, mass_atol) -> tuple:
     if atol is None:
-        eps = torch.finfo(mu.positions.dtype).eps
-        atol = POSITION_ATOL if mu.positions.dtype == torch.float64 else max(POSITION_ATOL, 4 * eps)
+        atol = max(POSITION_ATOL, 4 * torch.finfo(mu.positions.dtype).eps)   # float64: POSITION_ATOL
     if mass_atol is None:
         mass_atol = max(MASS_ATOL, weight_tolerance(mu.dtype))
     return atol, mass_atol

@@ -284,13 +284,14 @@ def _run(out_dir: Path, ctx) -> StudyResult:
 
     all_ls = [ls, *ls_extra]
     powered = sum(x.n_clusters > 3 for x in all_ls)
+    vertices, centers = sum(int(x.is_vertex.sum()) for x in all_ls), sum(x.n_clusters for x in all_ls)
     claims = [
         Claim("V = I: rescaled tokens converge to the vertices of a convex polytope (Geshkovski et al. 2023)",
               "every cluster center is a vertex of the hull of the centers; clusters shrink to points",
               f"{int(ls.is_vertex.sum())}/{ls.n_clusters} centers are vertices; spread {ls.spread:.1e}; "
               f"{counts_p[0]} -> {counts_p[-1]} clusters; over {len(all_ls)} initial draws "
-              f"{sum(int(x.is_vertex.sum()) for x in all_ls)}/{sum(x.n_clusters for x in all_ls)} centers are "
-              f"vertices, {powered} draw(s) with more than 3 centers (where the vertex test can fail)",
+              f"{vertices}/{centers} centers are vertices, {powered} draw(s) with more than 3 centers (where the "
+              "vertex test can fail)",
               bool(all(x.all_vertices and x.spread < 1e-2 for x in all_ls) and 1 < ls.n_clusters < counts_p[0]),
               f"single linkage at tol 1e-2 on y(T); hull by scipy.spatial.ConvexHull; {len(all_ls)} draws of "
               f"{cfg['n_poly']} Gaussian tokens (3 centers in the plane are always vertices: the vertex test has "
@@ -298,9 +299,8 @@ def _run(out_dir: Path, ctx) -> StudyResult:
               fails_if="at T, in some draw, some cluster center is not a vertex of the hull or the spread is 1e-2 or "
                        "more, or in the draw shown the tokens form one cluster or as many as at t = 0",
               short="V = I: rescaled tokens converge to the vertices of a polytope",
-              short_measured=f"{sum(int(x.is_vertex.sum()) for x in all_ls)} of {sum(x.n_clusters for x in all_ls)} "
-                             f"centers are vertices ({len(all_ls)} draws, {powered} with > 3); spread "
-                             f"{max(x.spread for x in all_ls):.0e}"),
+              short_measured=f"{vertices} of {centers} centers are vertices ({len(all_ls)} draws, {powered} with > 3); "
+                             f"spread {max(x.spread for x in all_ls):.0e}"),
         Claim("V with a simple positive leading eigenvalue: the coordinate along its eigenvector clusters on at most "
               "3 values, i.e. 3 parallel hyperplanes (Geshkovski et al. 2023)",
               "<= 3 clusters of <y_i, e_1>",

@@ -75,9 +75,9 @@ def tied_formula_deviation(d: int, seed: int, n: int = 5) -> float:
 
     W_Q, W_V = weights(d, seed)
     X = torch.randn(n, d, generator=torch.Generator().manual_seed(int(seed) + 77), dtype=torch.float64)
-    q, w, v, x = W_Q.numpy(), W_Q.numpy(), W_V.numpy(), X.numpy()
+    q, v, x = W_Q.numpy(), W_V.numpy(), X.numpy()
     k = q.shape[1]
-    Y = x @ w
+    Y = x @ q
     S = -((Y[:, None, :] - Y[None, :, :]) ** 2).sum(-1) / math.sqrt(k)
     P = np.exp(S - S.max(1, keepdims=True))
     P /= P.sum(1, keepdims=True)
