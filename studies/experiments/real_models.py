@@ -326,7 +326,8 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
         raise ValueError(f"text: has {ids.numel()} tokens with this tokenizer, fewer than the smallest length "
                          "of the grid; give a longer text")
     base = {"model": label, "mode": mode}
-    out = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": []}
+    out = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": []}
+    tight_X = None
     norms = {i: layer_norms(mhf.extract_layer(model, i)) for i in layers}
     upper = {i: LayerBound(mhf.extract_layer(model, i)) for i in layers}
     ops = {(i, m): mhf.HFAttention.from_model(model, i, block=m == "block") for i in layers for m in MAPS}
@@ -340,6 +341,8 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
             xs = mhf.capture_attention_inputs(model, ids[rep * n:(rep + 1) * n][None], layers)
             for i in layers:
                 X = xs.pop(i)
+                if tight_X is None and i == layers[0]:
+                    tight_X = X.double()
                 radii = X.double().norm(dim=1)
                 radius_sum[i] += float(radii.sum())
                 radius_count[i] += n
@@ -400,8 +403,28 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
                         "layer_upper": upper[i](Rw, n, layer_op.masked),
                         "layer_upper_t1": bounds.biased_multihead_upper(*norms[i], Rw, n)})
             step(f"{mode}, layer {i}, witness of head {h}")
+        if i == layers[0] and heads:
+            out["lemma38_tight"].append({**base, "layer": i, **lemma38_equality(p, heads[0], tight_X,
+                                                                                 layer_op.masked)})
         del p
     return out
+
+
+def lemma38_equality(p: mhf.LayerParameters, h: int, X: torch.Tensor, masked: bool) -> dict:
+    """Lemma 3.8's equality case on a real head, float64: H = p.num_heads copies of head h (A_h and V_h of the
+    layer, no biases) summed by W_O = [I_k ... I_k] give f_MH = H f^h, whose constant is H Lip(f^h); the
+    lemma's bound from the local per-head constants, ||W_O||_2 (H Lip(f^h)^2)^{1/2} = sqrt(H) sqrt(H) Lip(f^h),
+    equals it. A bound that combined the heads otherwise (their maximum: sqrt(H) Lip(f^h); their sum: H^{3/2}
+    Lip(f^h)) is off by sqrt(H) either way, which the certified error bars see."""
+    from meanfield import MultiHeadAttention, SelfAttention
+
+    head = SelfAttention(p.A(h, dtype=torch.float64), p.V[h].double(), masked=masked)
+    H, k = p.num_heads, p.V.shape[-2]
+    W_O = torch.eye(k, dtype=torch.float64, device=head.device).repeat(1, H)
+    lh, eh, _, okh = _estimate(head, X)
+    lm, em, _, okm = _estimate(MultiHeadAttention([head] * H, W_O=W_O), X)
+    return {"head": h, "heads": H, "n": X.shape[0], "lip_head": lh, "lip_head_error": eh, "lip_mh": lm,
+            "lip_mh_error": em, "converged": okh and okm, "bound": bounds.multihead_upper([lh] * H, W_O)}
 
 
 def count_steps(model, tokenizer, text, *, layers, ns, reps, adv_heads="top") -> int:
@@ -579,13 +602,25 @@ def _gamma_claim(label, mode, gamma_rows, n_max) -> Claim:
                         if top else "no layer measured"))
 
 
+def lemma38_off(rows) -> list[dict]:
+    """The rows of Lemma 3.8's equality case (:func:`lemma38_equality`) where the bound differs from the constant
+    of the summed copies by more than their certified error bars (the bound's bar is H times the head's) plus
+    1e-9 relative, or where an estimate did not converge."""
+    return [r for r in rows if not r["converged"] or abs(r["bound"] - r["lip_mh"]) >
+            r["lip_mh_error"] + r["heads"] * r["lip_head_error"] + 1e-9 * r["bound"]]
+
+
 def lemma38_claim(tables) -> Claim:
     """Lemma 3.8 with the best per-head bounds (:class:`LayerBound`) above every certified constant of the
-    attention, on real text and at the witnesses; the slack (bound / Lip) says what the check can catch."""
+    attention, on real text and at the witnesses; the slack (bound / Lip) says what the check can catch. The
+    slack (10^2 or more) hides how the lemma combines the heads; its equality case (H copies of a real head
+    summed, :func:`lemma38_equality`) checks that combination to the error bars."""
     lip = [r for r in tables["lipschitz"] if r["map"] == "attention"]
     adv = tables["adversarial"]
+    tight = tables.get("lemma38_tight", [])
     viol = [r for r in lip if r["lip"] - r["lip_error"] > r["upper"]]
     viol += [r for r in adv if r["lip_layer"] - r["lip_layer_error"] > r["layer_upper"]]
+    off = lemma38_off(tight)
     where, gains, slack = [], [], []
     for name, rows, key, ub in (("real text", lip, "lip", "upper"), ("witnesses", adv, "lip_layer", "layer_upper")):
         if not rows:
@@ -597,19 +632,30 @@ def lemma38_claim(tables) -> Claim:
         gains += [r[ub + "_t1"] / r[ub] for r in rows if r.get(ub + "_t1")]
     gain = (f"; the best lift (t per head and radius, b_V dropped) is at most {100 * (1 - 1 / max(gains)):.0f}% "
             "below the t = 1 lift with b_V" if gains else "")
+    worst = max((abs(r["bound"] / r["lip_mh"] - 1) for r in tight), default=None)
+    equality = (f"; equality case (H copies of a real head summed, W_O = [I ... I]): bound / Lip - 1 within "
+                f"{worst:.1e} at {len(tight) - len(off)} of {len(tight)} layers" if tight else
+                "; equality case: not measured")
     return Claim(
         "Lip_X(f_MH) <= ||W_O|| (sum_h bound_h^2)^{1/2} (Lemma 3.8), bound_h = min(Theorem 3.3 / 4.3, Theorem 3.5) "
         "of head h with its key bias absorbed by the best lift (meanfield.operator_upper), on real text and on "
-        "Prop 3.4's witnesses, every model, mode and layer",
+        "Prop 3.4's witnesses, every model, mode and layer; and the lemma is attained, with local per-head "
+        "constants, by H copies of a real head summed (W_O = [I_k ... I_k]: Lip = H Lip(f^h) = the bound)",
         "Lip / bound <= 1; the bound grows like ||A_h|| R^2 sqrt(n), so on trained layers it is loose by a factor "
-        "(the slack) of order 10^2 or more: the check catches only a bound or a constant wrong by more than the slack",
-        f"{len(viol)} violations of {len(lip) + len(adv)}; " + "; ".join(where) + gain,
-        not viol, "certified estimates: Lip - error bar compared with the bound; the smallest slack is where the "
-                  "check is sharpest (the witnesses come closest)", kind=THEOREM,
-        fails_if="some certified constant minus its error bar exceeds the layer's bound",
-        short="Lemma 3.8: a real multi-head layer's Lip <= its bound",
-        short_measured=shorten(f"{len(viol)} of {len(lip) + len(adv)} above; smallest slack " + ", ".join(
-            f"{s:.3g} {name}" for name, s in slack)))
+        "(the slack) of order 10^2 or more: the check catches only a bound or a constant wrong by more than the "
+        "slack; the equality case catches a wrong combination of the heads (their maximum or their sum: off by "
+        "sqrt(H))",
+        f"{len(viol)} violations of {len(lip) + len(adv)}; " + "; ".join(where) + gain + equality,
+        not viol and not off and bool(tight), "certified estimates: Lip - error bar compared with the bound; the "
+        "smallest slack is where the check is sharpest (the witnesses come closest); the equality case compares "
+        "float64 certified constants within their error bars plus 1e-9", kind=THEOREM,
+        fails_if="some certified constant minus its error bar exceeds the layer's bound, or in the equality case "
+                 "the bound and the constant differ by more than their error bars (or it was not measured)",
+        short="Lemma 3.8: a real layer's Lip <= its bound; equality for summed copies",
+        short_measured=shorten(f"{len(viol)} of {len(lip) + len(adv)} above, slack >= "
+                               f"{min((s for _, s in slack), default=math.nan):.3g}; equality case " +
+                               (f"{len(tight) - len(off)} of {len(tight)} within {worst:.0e}" if tight else
+                                "not measured")))
 
 
 def head_witness_claim(adv) -> Claim | None:
@@ -670,7 +716,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     g = grid(ctx.level)
     dtype = {"float32": torch.float32, "float64": torch.float64}[g["dtype"]]
     text = hf.read_text(path=ctx.text)
-    tables: dict[str, list] = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": []}
+    tables: dict[str, list] = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": []}
     specs, why = _specs(ctx, g, dtype)
     measured, failed = [], []
     for spec in specs:

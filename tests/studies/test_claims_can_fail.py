@@ -365,7 +365,7 @@ def test_lemma38_claim_fails_exactly_beyond_its_reported_slack():
     for a bound smaller than the constant, i.e. wrong by more than the slack (and only then)."""
     from meanfield import hf as mhf
     from studies import models as hf
-    from studies.experiments.real_models import LayerBound, lemma38_claim
+    from studies.experiments.real_models import LayerBound, lemma38_claim, lemma38_equality
     from tests.meanfield.test_hf import dense_lipschitz as dense_layer
     from tests.meanfield.test_hf import reimplementation
 
@@ -376,12 +376,57 @@ def test_lemma38_claim_fails_exactly_beyond_its_reported_slack():
     bound = LayerBound(mhf.extract_layer(model, 1))(float(X.norm(dim=1).max()), 8)
     row = {"model": "M", "mode": "encoder", "layer": 1, "map": "attention", "n": 8, "lip": lip, "lip_error": 0.0,
            "upper": bound, "upper_t1": 1.5 * bound}
-    tables = {"lipschitz": [row], "adversarial": []}
+    tight = lemma38_equality(mhf.extract_layer(model, 1), 0, X.double(), False)
+    tables = {"lipschitz": [row], "adversarial": [], "lemma38_tight": [tight]}
     claim = lemma38_claim(tables)
     slack = bound / lip
     assert claim.agrees and f"slack (bound / Lip) >= {slack:.3g}" in claim.measured and slack > 1
     assert lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (0.99 * slack)}]}).agrees
     assert not lemma38_claim({**tables, "lipschitz": [{**row, "upper": bound / (1.01 * slack)}]}).agrees
+    assert not lemma38_claim({**tables, "lemma38_tight": []}).agrees   # the equality case not measured
+
+
+def _raw_head_lipschitz(model, layer, head, X):
+    """The top singular value of the dense Jacobian of head ``head`` of a BERT layer without its biases,
+    rewritten from the raw weights: softmax(X Q^T K X^T / sqrt(k)) X V^T."""
+    from tests.meanfield.test_hf import dense_lipschitz
+
+    att = model.encoder.layer[layer].attention.self
+    k = att.attention_head_size
+    rows = slice(head * k, (head + 1) * k)
+    Q, K, V = (w.weight.detach().double()[rows] for w in (att.query, att.key, att.value))
+    return dense_lipschitz(lambda Y: torch.softmax(Y @ Q.T @ K @ Y.T / k ** 0.5, dim=-1) @ Y @ V.T, X)
+
+
+@pytest.mark.parametrize("combine", ["root-sum-square", "max", "sum"])
+def test_lemma38_equality_case_catches_how_the_heads_are_combined(monkeypatch, combine):
+    """Lemma 3.8's slack on trained layers (10^2 and more) hides how the heads are combined; its equality case
+    does not: H copies of a head summed have the constant H Lip(f^h) (here H times the dense Jacobian's top
+    singular value of the head rewritten from raw weights), which the lemma's root-sum-square attains and a
+    maximum (sqrt(H) Lip) or a sum (H^1.5 Lip) of the heads misses by sqrt(H)."""
+    import math
+
+    from meanfield import bounds
+    from meanfield import hf as mhf
+    from studies import models as hf
+    from studies.experiments.real_models import lemma38_claim, lemma38_equality
+
+    model = hf.random_model("bert", size="tiny", seed=3)
+    ids = hf.encode(hf.HashTokenizer(model.config.vocab_size), hf.default_corpus(), 8)
+    X = mhf.capture_attention_inputs(model, ids, [0])[0].double()
+    p = mhf.extract_layer(model, 0)
+    truth = p.num_heads * _raw_head_lipschitz(model, 0, 1, X)
+    right = bounds.multihead_upper
+    wrong = {"max": lambda lips, W: right([max(lips)], W), "sum": lambda lips, W: right([sum(lips)], W)}
+    if combine in wrong:
+        monkeypatch.setattr(bounds, "multihead_upper", wrong[combine])
+    row = {"model": "M", "mode": "encoder", "layer": 0, **lemma38_equality(p, 1, X, False)}
+    assert row["converged"] and row["lip_mh"] == pytest.approx(truth, rel=1e-6)
+    assert row["lip_head"] == pytest.approx(truth / p.num_heads, rel=1e-6)
+    factor = {"root-sum-square": 1.0, "max": 1 / math.sqrt(p.num_heads), "sum": math.sqrt(p.num_heads)}[combine]
+    assert row["bound"] == pytest.approx(factor * truth, rel=1e-6)
+    claim = lemma38_claim({"lipschitz": [], "adversarial": [], "lemma38_tight": [row]})
+    assert claim.agrees is (combine == "root-sum-square")
 
 
 @pytest.mark.parametrize("mistake", ["no weighting", "inverted weighting"])
