@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import warnings
 
+import numpy as np
 import torch
 
 from particles import Measure
@@ -171,6 +172,14 @@ class AttentionOperator:
             raise TypeError(f"{name}: expected a tensor of points, got a Measure "
                             "(call the operator on measures: op(mu))")
         if not isinstance(X, torch.Tensor):
+            # lists and integer arrays carry no float dtype: they take the operator's; a float numpy array must
+            # have it, as a tensor must (float64 values given to a float32 operator would lose precision)
+            if isinstance(X, np.ndarray | np.generic) and X.dtype.kind == "f" and self.dtype is not None \
+                    and torch.from_numpy(np.empty(0, X.dtype)).dtype != self.dtype:
+                want = str(self.dtype).removeprefix("torch.")
+                raise TypeError(f"{name}: numpy dtype {X.dtype} differs from the operator's {self.dtype}; convert the "
+                                f"input ({name}.astype(np.{want}))"
+                                f"{self._convert(f'dtype=torch.{X.dtype}')}")
             X = as_tensor(X, name, dtype=self.dtype, device=self.device)
         else:
             X = as_tensor(X, name)

@@ -43,6 +43,35 @@ def test_float32_tensor_into_float64_operator_says_how_to_convert():
     torch.testing.assert_close(att.to(dtype=torch.float32).sequence(X), truth.float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("entry", ["sequence", "velocity", "local_lipschitz"])
+def test_float_numpy_array_of_another_dtype_is_refused_like_a_tensor(entry):
+    """A float64 numpy array given to a float32 operator was converted to float32 silently (its precision lost)
+    where the same values as a tensor are refused: a float numpy array must have the operator's dtype, and the
+    advice works; lists and integer arrays, which carry no float dtype, take the operator's."""
+    att32 = SelfAttention(A, V, dtype=torch.float32)
+    mu = Measure.sphere(4, 2, seed=0, dtype=torch.float32)
+    X = np.random.default_rng(0).normal(size=(5, 2))
+    run = {"sequence": att32.sequence, "velocity": lambda x: att32.velocity(mu, x),
+           "local_lipschitz": lambda x: local_lipschitz(att32, x)}[entry]
+    with pytest.raises(TypeError, match=r"X: numpy dtype float64 differs from the operator's torch.float32; "
+                                        r"convert the input \(X.astype\(np.float32\)\) or the operator "
+                                        r"\(op.to\(dtype=torch.float64\)\)" if entry != "velocity" else
+                       r"x: numpy dtype float64 differs from the operator's torch.float32; convert the input "
+                       r"\(x.astype\(np.float32\)\)"):
+        run(X)
+    with pytest.raises(TypeError, match=r"numpy dtype float32 differs from the operator's torch.float64"):
+        SelfAttention(A, V).sequence(X.astype(np.float32))
+    got = run(X.astype(np.float32))
+    want = run(torch.from_numpy(X.astype(np.float32)))
+    if entry == "local_lipschitz":
+        got, want = got.value, want.value
+    assert got == pytest.approx(want) if entry == "local_lipschitz" else torch.equal(got, want)
+    if entry == "sequence":
+        torch.testing.assert_close(att32.sequence(X.tolist()), att32.sequence(torch.tensor(X.tolist())))
+        Xi = np.arange(10).reshape(5, 2) % 3
+        assert torch.equal(att32.sequence(Xi), att32.sequence(torch.from_numpy(Xi).float()))
+
+
 @pytest.mark.parametrize("call", ["pushforward", "velocity", "local_lipschitz", "lipschitz_ratio", "simulate"])
 def test_float32_measure_into_float64_operator_names_the_fix(call):
     att = SelfAttention(A, V)
