@@ -135,12 +135,25 @@ def running_mean_task(n: int, d: int, R: float, seed: int, rep: int, *, device=N
             "stated_bound": float(bounds.mean_field_upper(A, V, R))}
 
 
+def theorem_33_formula_deviation(rows: list[dict], d: int, seed: int) -> float:
+    """The largest relative deviation of the rows' Theorem 3.3 / 4.3 bound (``upper``, from
+    :func:`meanfield.bounds.sqrt_n_upper`) from the theorems' formula written out here,
+    sqrt(3) ||V|| (||A||^2 R^4 (4n + 1) + n)^(1/2), with the study's A and V."""
+    norm_A = float(np.linalg.norm(random_A(d, seed).numpy(), 2))
+    norm_V = float(np.linalg.norm(random_V(d, seed).numpy(), 2))
+    return max(abs(r["upper"] / (math.sqrt(3.0) * norm_V * math.sqrt(norm_A ** 2 * r["R"] ** 4 * (4 * r["n"] + 1)
+                                                                      + r["n"])) - 1.0) for r in rows)
+
+
 def running_mean_claims(rows: list[dict]) -> list[Claim]:
     """The closed form of the masked constant at A = 0 (a theorem), and Theorem 4.4's stated bound against it
     (the paper's statement, checked: a finding)."""
-    off = max(max(abs(r["lip_sequence"] - r["closed_form"]) - r["error_sequence"],
-                  abs(r["lip_measure"] - r["closed_form"]) - r["error_measure"]) / r["closed_form"] for r in rows)
-    bad = [r for r in rows if off > 1e-8]
+    def deviation(r):   # relative, beyond the certified error bars
+        return max(abs(r["lip_sequence"] - r["closed_form"]) - r["error_sequence"],
+                   abs(r["lip_measure"] - r["closed_form"]) - r["error_measure"]) / r["closed_form"]
+
+    off = max(deviation(r) for r in rows)
+    bad = [r for r in rows if deviation(r) > 1e-8]
     above = [r for r in rows if r["lip_measure"] - r["error_measure"] > r["stated_bound"] * (1 + 1e-12)]
     top = max(rows, key=lambda r: r["lip_measure"] / r["stated_bound"])
     ns = sorted({r["n"] for r in rows})
@@ -242,6 +255,7 @@ def masked(out_dir: Path, ctx) -> StudyResult:
     viol2 = [r for r in rows2 if max(r["lip_masked"], r["lip_unmasked"]) > r["upper"] * (1 + 1e-12)]
     frac_masked_smaller = float(np.mean([r["lip_masked"] <= r["lip_unmasked"] for r in rows2]))
     top2 = max(rows2, key=lambda r: max(r["lip_masked"], r["lip_unmasked"]) / r["upper"])
+    formula_dev2 = theorem_33_formula_deviation(rows2, d, seed)
 
     fig, axes = P.figure(ncols=3, width=16.0, height=4.8)
     ax = axes[0]
@@ -298,10 +312,14 @@ def masked(out_dir: Path, ctx) -> StudyResult:
         Claim("masked and unmasked constants both obey Theorem 3.3 / 4.3", "Lip <= sqrt(3)||V||(...)^(1/2)",
               f"{len(viol2)} violations of {2 * len(rows2)}; largest Lip / bound = "
               f"{max(top2['lip_masked'], top2['lip_unmasked']) / top2['upper']:.3g} (n = {top2['n']}); masked <= "
-              f"unmasked in {frac_masked_smaller:.0%} of inputs", not viol2,
-              "random sequences on the sphere of radius R; the sqrt(n) study reports this bound's slack at the "
-              "witness of Proposition 3.4", kind=THEOREM,
-              fails_if="a masked or unmasked constant exceeds the Theorem 3.3 / 4.3 bound",
+              f"unmasked in {frac_masked_smaller:.0%} of inputs; the bound evaluated is the theorems' formula within "
+              f"{formula_dev2:.1e}", not viol2 and formula_dev2 <= 1e-12,
+              "random sequences on the sphere of radius R; every constant is far below the bound (the sqrt(n) study "
+              "reports its slack at the witness of Proposition 3.4), so the bound evaluated is also compared with "
+              "the formula written out in this study from the norms (1e-12): a bound off by a constant factor, or "
+              "in n, would pass the comparison alone", kind=THEOREM,
+              fails_if="a masked or unmasked constant exceeds the Theorem 3.3 / 4.3 bound, or the bound evaluated "
+                       "differs from sqrt(3) ||V|| (||A||^2 R^4 (4n + 1) + n)^(1/2) by more than 1e-12 (relative)",
               short="masked and unmasked constants both obey Thm 3.3 / 4.3",
               short_measured=f"max Lip / bound {max(top2['lip_masked'], top2['lip_unmasked']) / top2['upper']:.3g}; "
                              f"{len(viol2)} of {2 * len(rows2)} above"),

@@ -208,6 +208,9 @@ def test_running_mean_claims_fail_for_an_unmasked_kernel_and_would_reproduce_a_t
     assert not running_mean_claims(unmasked)[0].agrees and running_mean_claims(unmasked)[1].agrees
     off_by_one = [{**r, "lip_sequence": c, "lip_measure": c} for r, c in zip(rows, shifted)]
     assert not running_mean_claims(off_by_one)[0].agrees
+    # one row off of three is counted as one (the count compared the largest deviation, so it said 3 of 3)
+    one_off = [rows[0], {**rows[1], "lip_measure": 1.01 * rows[1]["lip_measure"]}, rows[2]]
+    assert running_mean_claims(one_off)[0].short_measured.endswith("; 1 of 3 off")
 
 
 def test_peak_claim_fails_at_another_grid_point():
@@ -468,11 +471,12 @@ def test_concentration_claims_need_a_significant_drop_of_the_variance():
     assert spread_shrinks({"samples": 1, "x_std": 5.0}, stats(1.0), "x")[0] is None
 
 
-@pytest.mark.parametrize("wrong", ["sqrt_n_upper", "mean_field_upper"])
-def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wrong):
-    """sqrt_n-1 and mean_field-1 compare constants far below their bounds (0.09 and e^-238 of them), so a bound
-    too large by sqrt 2 passed the comparison (a mutation review found it); the claims also check the bound
-    against the theorem's formula written out in the study."""
+@pytest.mark.parametrize("wrong, study, index", [("sqrt_n_upper", "sqrt_n", 0), ("mean_field_upper", "mean_field", 0),
+                                                  ("sqrt_n_upper", "masked", 4)])
+def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wrong, study, index):
+    """sqrt_n-1, mean_field-1 and masked-5 compare constants far below their bounds (0.09, e^-238 and 0.07 of
+    them), so a bound too large by sqrt 2 passed the comparison (mutation reviews found it); the claims also check
+    the bound against the theorem's formula written out in the study."""
     from studies.context import RunContext
     from studies.report import reproduce
 
@@ -482,11 +486,10 @@ def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wron
     else:
         monkeypatch.setattr(bounds, wrong, lambda *a, log=False, **k: (orig(*a, log=True, **k) + math.log(2)) if log
                             else 2 * orig(*a, **k))
-    study = "sqrt_n" if wrong == "sqrt_n_upper" else "mean_field"
     out = reproduce(RunContext(tmp_path, level="tiny", seed=0, sweep={"backend": "inprocess", "resume": False}),
                     only=[study])
-    first = out["studies"][study]["claims"][0]
-    assert first["verdict"] == "violated", first
+    claim = out["studies"][study]["claims"][index]
+    assert claim["verdict"] == "violated", claim
 
 
 def test_l2_tied_check_fails_for_untied_keys(monkeypatch):
