@@ -21,12 +21,35 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Plan", "tile_plan", "blocks", "backward_functional", "jvp_functional", "score_tile", "forward_tiles",
-           "jvp_tiles", "backward_tiles"]
+__all__ = ["Plan", "tile_plan", "blocks", "HALF", "widen", "narrow_to", "backward_functional", "jvp_functional",
+           "score_tile", "forward_tiles", "jvp_tiles", "backward_tiles"]
 
 
 def blocks(size: int, block: int):
     return [(i, min(i + block, size)) for i in range(0, size, block)]
+
+
+#: dtypes whose tiles compute in float32 (:func:`widen`)
+HALF = (torch.float16, torch.bfloat16)
+
+
+def widen(*tensors):
+    """float32 copies of the half-precision (float16, bfloat16) tensors among ``tensors``, the others (None,
+    positions, wider dtypes) as they are.
+
+    The tile loops carry sums across key tiles: the online softmax's running sum and accumulator
+    (sum_j exp(s_ij - max) and sum_j exp(s_ij - max) v_j), the JVP's sum_j P_ij ds_ij v_j and the VJP's
+    dq_i = sum_j ds_ij k_j, dk_j, dv_j. Kept in a half type, each tile's addition rounds them again, and the
+    error grew with the number of keys (bfloat16, 32768 keys: 1e-1 against the dense path's 1e-3). In float32,
+    as the Triton kernels accumulate, the inputs (exact in float32) give the float32 computation, rounded
+    once at the end (:func:`narrow_to`). Costs one copy of the inputs, O(N d), against the tiles' O(N^2 d)."""
+    return tuple(t.float() if t is not None and t.dtype in HALF else t for t in tensors)
+
+
+def narrow_to(results, likes):
+    """Each result in the dtype of its input (``likes``): the half types' results rounded once, after the
+    float32 tiles (:func:`widen`). None stays None."""
+    return tuple(None if r is None else r.to(like.dtype) for r, like in zip(results, likes))
 
 
 # ---------------------------------------------------------------------- layout of the mask
@@ -153,7 +176,11 @@ def _probs(s, lse_rows):
 
 
 def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
-    """Streamed VJP; ``need`` = (dq, dk, dv, dlw) flags. Differentiable in all its tensor inputs."""
+    """Streamed VJP; ``need`` = (dq, dk, dv, dlw) flags. Differentiable in all its tensor inputs. The half types
+    compute in float32 (:func:`widen`), the derivatives returned in the dtypes of q, k, v and log a."""
+    if q.dtype in HALF:
+        wide = widen(q, k, v, lw, out, lse, g_out, g_lse)
+        return narrow_to(backward_functional(*wide[:4], qp, kp, *wide[4:], plan, need), (q, k, v, lw))
     m, n = q.shape[-2], k.shape[-2]
     qb, kb = blocks(m, plan.bq), blocks(n, plan.bk)
     dq = [None] * len(qb)
@@ -199,7 +226,11 @@ def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
 
 
 def jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
-    """Streamed JVP (docs/math.md section 4.1 at the kernel level): returns (d out, d L). Differentiable."""
+    """Streamed JVP (docs/math.md section 4.1 at the kernel level): returns (d out, d L). Differentiable. The half
+    types compute in float32 (:func:`widen`); d out is returned in out's dtype, d L in L's."""
+    if q.dtype in HALF:
+        wide = widen(q, k, v, lw, out, lse, tq, tk, tv, tlw)
+        return narrow_to(jvp_functional(*wide[:4], qp, kp, *wide[4:], plan), (out, lse))
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)
     d_outs, d_lses = [], []
@@ -250,7 +281,13 @@ def score_tile(qa, kT, lwT, qpa, kp, j0, j1, mask, out=None):
 
 
 def forward_tiles(q, k, v, lw, qp, kp, plan):
-    """Online-softmax forward on 3-D inputs (B, m, e): returns (out, L)."""
+    """Online-softmax forward on 3-D inputs (B, m, e): returns (out, L). The half types run in float32
+    (:func:`widen`: the running sum and the accumulator carried across key tiles) and return out in their
+    dtype and L in float32, as the Triton kernels and CUDA's fused kernel do (a half L would put its rounding,
+    about 0.03 at L = 10 in bfloat16, into every exp(s - L) of the derivatives)."""
+    if q.dtype in HALF:
+        out, lse = forward_tiles(*widen(q, k, v, lw), qp, kp, plan)
+        return out.to(q.dtype), lse
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)
     kT = k.transpose(-1, -2)
@@ -324,7 +361,12 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, 
     ``fold`` (used on accelerators): fewer passes over each tile, the same products regrouped
     (``_folded``: s - L as one product; ds with d(log a) as one product [dq, q, 1] [k, dk, d log a]^T; the row sums
     sum_j P_ij ds_ij as the extra column of P ds [v, 1]).
+    The half types compute in float32 (:func:`widen`; cached tiles then are float32); d out is returned in
+    out's dtype, d L in L's.
     """
+    if q.dtype in HALF:
+        wide = widen(q, k, v, lw, out, lse, tq, tk, tv, tlw)
+        return narrow_to(jvp_tiles(*wide[:4], qp, kp, *wide[4:], plan, cache=cache, fold=fold), (out, lse))
     m, n = q.shape[-2], k.shape[-2]
     c = v.shape[-1]
     kb = blocks(n, plan.bk)
@@ -396,7 +438,11 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, 
 def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need, fold=False):
     """Streamed VJP on 3-D inputs, in place (results not differentiated). ``fold`` (used on accelerators):
     fewer passes over each tile, the same products regrouped (``_folded``: s - L as one product; dP - D as one product
-    [dO, -D] [v, 1]^T)."""
+    [dO, -D] [v, 1]^T). The half types compute in float32 (:func:`widen`: dq, dk, dv and d log a are sums over
+    tiles), the derivatives returned in the dtypes of q, k, v and log a."""
+    if q.dtype in HALF:
+        wide = widen(q, k, v, lw, out, lse, g_out, g_lse)
+        return narrow_to(backward_tiles(*wide[:4], qp, kp, *wide[4:], plan, need, fold=fold), (q, k, v, lw))
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)
     kT, vT = k.transpose(-1, -2), v.transpose(-1, -2)

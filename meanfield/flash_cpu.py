@@ -11,7 +11,7 @@ import math
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "empty_rows",
+__all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "rows_contiguous", "empty_rows",
            "clear_empty_rows", "forward", "backward"]
 
 
@@ -63,7 +63,9 @@ def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):
     width for q, k and v: the narrower side is padded with zero columns, which change no product, and
     the width is rounded up to a multiple of ``align``. ``heads``: the axis of the (single) head in the
     4-D layout, 1 for (B, H, rows, features), 2 for (B, rows, H, features) (CUDA's memory-efficient
-    kernel, :mod:`meanfield.efficient_cuda`).
+    kernel, :mod:`meanfield.efficient_cuda`). The fused kernels read each row's features as consecutive
+    memory (they take the strides of every other dimension, not of the last): Q, K and V come back with
+    stride 1 in the features (:func:`rows_contiguous`).
     """
     mask = None
     if lw is not None and (causal or fold):
@@ -73,7 +75,16 @@ def layout(q, k, v, lw, causal, fold, *, align=1, heads=1):
     c = v.shape[-1]
     width = align * -(-max(q.shape[-1], c) // align)
     pad = lambda t: t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    return pad(q).unsqueeze(heads), pad(k).unsqueeze(heads), pad(v).unsqueeze(heads), mask, c
+    return (rows_contiguous(pad(q)).unsqueeze(heads), rows_contiguous(pad(k)).unsqueeze(heads),
+            rows_contiguous(pad(v)).unsqueeze(heads), mask, c)
+
+
+def rows_contiguous(t):
+    """``t`` with stride 1 in its last dimension, copied only where it is not (a transposed or sliced view, a
+    feature dimension expanded with stride 0, a Fortran-ordered array): torch's fused CPU flash kernel (and
+    its backward) read the features of a row as consecutive memory whatever the strides say, so such a view
+    gave wrong results. Other strides (an expanded batch) the kernels take as they are."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
 def empty_rows(lw, causal, m):

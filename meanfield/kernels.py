@@ -57,8 +57,8 @@ from particles.validation import check_allocation, memory_limit, output_checks_a
 from . import accelerator_paths as _paths
 from .streamed_attention import _transforms_active, one_query_set, sequence_mask, shared_keys
 
-__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "fused_or_stream", "rows_attend",
-           "STREAM_THRESHOLD",
+__all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
+           "rows_attend", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
@@ -126,6 +126,30 @@ def _check_method(method):
         raise ValueError(f"method: expected one of {METHODS}, got {method!r}")
 
 
+_RECORD = contextvars.ContextVar("meanfield_kernel_paths_run", default=None)
+
+
+@contextlib.contextmanager
+def record_paths():
+    """The path every :func:`attend` call runs inside this context, in order: yields a list that receives
+    "dense", "rows", "fused" or "stream" per call (on an accelerator, "fused" only where SDPA found a fused
+    kernel, "stream" where the call fell back). What ran, not what :func:`choose` predicts: a study that
+    checks a path against the dense kernel can tell that the path was taken. Nested contexts each record
+    their own calls (the innermost one)."""
+    paths: list[str] = []
+    token = _RECORD.set(paths)
+    try:
+        yield paths
+    finally:
+        _RECORD.reset(token)
+
+
+def _ran(path: str) -> None:
+    paths = _RECORD.get()
+    if paths is not None:
+        paths.append(path)
+
+
 @contextlib.contextmanager
 def use(method="auto", *, block_size=None, threshold=None):
     """Set the default path of :func:`attend` inside a ``with`` block (per thread / task).
@@ -153,11 +177,39 @@ def use(method="auto", *, block_size=None, threshold=None):
 
 
 def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
+    """Entries of the (..., m, n) score matrix over all batch entries, those of ``torch.func.vmap`` included
+    (:func:`_vmapped_size`): what the dense path allocates and the path choice weighs."""
     lead = q.shape[:-2]
     others = [k.shape[:-2]] + [t.shape[:-1] for t in (log_weights, q_pos, k_pos) if t is not None]
     if all(s == lead for s in others):  # the common case, without broadcast_shapes' cost
-        return math.prod(lead) * q.shape[-2] * k.shape[-2]
-    return torch.broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
+        entries = math.prod(lead) * q.shape[-2] * k.shape[-2]
+    else:
+        entries = torch.broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
+    if _transforms_active():
+        entries *= _vmapped_size(q, k, log_weights, q_pos, k_pos)
+    return entries
+
+
+def _vmapped_size(*tensors) -> int:
+    """The product of the batch sizes of the ``torch.func.vmap`` levels around this call (1 without vmap).
+
+    Inside vmap a tensor's shape is one sample's: the dense path's memory guard and auto's thresholds, which
+    count all batch entries, would see 1/B of the scores that the batched kernel allocates (a 96 MiB dense call
+    passing a 4 MiB limit). The batched tensors are unwrapped level by level (grad and jvp wrappers in between
+    carry no batch dimension), each vmap level's size read from the unwrapped tensor at its batch dimension;
+    an input not batched at a level (``in_dims=None``) meets one that is, and the product broadcasts to it."""
+    try:
+        functorch = torch._C._functorch
+        sizes = {}
+        for t in tensors:
+            while t is not None and functorch.is_functorch_wrapped_tensor(t):
+                inner = functorch.get_unwrapped(t)
+                if functorch.is_batchedtensor(t):
+                    sizes[functorch.maybe_get_level(t)] = inner.shape[functorch.maybe_get_bdim(t)]
+                t = inner
+    except (AttributeError, RuntimeError):   # private API gone: the logical size, as before
+        return 1
+    return math.prod(sizes.values())
 
 
 def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
@@ -264,18 +316,48 @@ def _checks_skipped() -> bool:
     return _transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred()
 
 
-def _check_output(out, q, k, v, log_weights, *, queries: bool = False) -> torch.Tensor:
-    """A NaN or infinite output names its cause instead of being returned. One reduction, the sum of the output
-    (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the streamed and
-    fused paths turn a NaN query's row into zeros), one host sync; the entry-wise check only when that sum is
-    not finite. None inside torch.func transforms, whose callers check their own results."""
+def _position_sum(q_pos, k_pos):
+    """The sum of the floating positions (a 0-dim tensor; None without floating positions), folded into the finite
+    check of the output (:func:`_check_output`, :func:`_plain_first`): NaN when a position is NaN, which the
+    mask s_j > t_i would otherwise take silently (a NaN compares false: a query at a NaN position sees no key
+    and gets a zero row, a key at a NaN position is dropped). Two O(m + n) reductions, no host sync of their own.
+    Integer positions cannot be NaN; one tensor given as both (self-attention's positions) is summed once. An
+    infinite position (allowed) or a sum that overflows makes the sum infinite: the check then looks entry by
+    entry (:func:`_check_positions`) and lets it pass."""
+    total = None
+    for t in (q_pos, None if k_pos is q_pos else k_pos):
+        if t is not None and t.is_floating_point():
+            part = t.detach().sum()
+            total = part if total is None else total + part
+    return total
+
+
+def _check_positions(q_pos, k_pos) -> None:
+    """FloatingPointError naming the position argument that holds a NaN (:func:`_position_sum`)."""
+    for name, t, fate in (("q_pos", q_pos, "a query at a NaN position sees no key (its row would silently be 0)"),
+                          ("k_pos", k_pos, "a key at a NaN position is visible to no query (it would silently be "
+                                           "dropped)")):
+        if t is not None and t.is_floating_point() and bool(torch.isnan(t.detach()).any()):
+            raise FloatingPointError(f"{name}: contains NaN entries; {fate}. Give every position a number")
+
+
+def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=None, k_pos=None) -> torch.Tensor:
+    """A NaN or infinite output, or a NaN position, names its cause instead of being returned. One reduction, the
+    sum of the output (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the
+    streamed and fused paths turn a NaN query's row into zeros; plus the sums of floating positions,
+    :func:`_position_sum`), one host sync; the entry-wise check only when that sum is not finite. None inside
+    torch.func transforms, whose callers check their own results."""
     if _checks_skipped():
         return out
     total = out.detach().sum()
     if queries:
         total = total + q.detach().sum()
+    positions = _position_sum(q_pos, k_pos)
+    if positions is not None:
+        total = total + positions
     if math.isfinite(float(total)):
         return out
+    _check_positions(q_pos, k_pos)
     if bool(torch.isfinite(out.detach()).all()) and not (queries and not bool(torch.isfinite(q.detach()).all())):
         return out   # finite entries whose sum overflows
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -409,16 +491,25 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     output check computes anyway) is the exact result; attention_probs's guarded formula otherwise."""
     if (log_weights is not None or q_pos is not None) and not _checks_skipped():
         out = compute(_plain_probs)
-        if math.isfinite(float(out.detach().sum())):
+        # a NaN position: reported by _check_output below. A NaN query position masks every key of its row, which
+        # the plain softmax makes NaN; a NaN key position is masked for every query (dropped, the output finite):
+        # its sum rides in the same check (:func:`_position_sum`; not needed when the keys' positions are the
+        # queries': their NaN also makes a query's row NaN)
+        total = out.detach().sum()
+        positions = None if k_pos is q_pos else _position_sum(None, k_pos)
+        if positions is not None:
+            total = total + positions
+        if math.isfinite(float(total)):
             return out
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_weights))):
             # the rows that see no key of positive weight (a query before every key: half of all random
             # positions) are attention_probs's zero rows; set them, instead of computing every row again
             out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), 0.0, out)
             # those rows are 0 @ v in the guarded formula: NaN where v holds a NaN or an infinity, reported below
-            if bool(torch.isfinite(out.detach().sum()) & torch.isfinite(v.detach()).all()):
+            ok = torch.isfinite(out.detach().sum()) & torch.isfinite(v.detach()).all()
+            if bool(ok if positions is None else ok & torch.isfinite(positions)):
                 return out
-    return _check_output(compute(attention_probs), q, k, v, log_weights)
+    return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
 
 
 def silence_blind_rows(out, log_weights, q_pos, k_pos, bias=None) -> torch.Tensor:
@@ -435,7 +526,8 @@ def silence_blind_rows(out, log_weights, q_pos, k_pos, bias=None) -> torch.Tenso
 def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     """Rows that see no key of positive weight, (..., m) or (..., 1), as :func:`attention_probs` decides
     them, from O(m + n) reductions: q_pos_i below the first position of a key of positive weight. A NaN
-    position or weight makes no row dead here (the guarded formula then decides)."""
+    position or weight makes no row dead here (the guarded formula then decides: a NaN weight gives a NaN output,
+    and a NaN position is reported by :func:`_check_output`)."""
     seen = None if log_weights is None else log_weights != float("-inf")
     if q_pos is None:
         return ~seen.any(dim=-1, keepdim=True)
@@ -474,11 +566,17 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         if log.isEnabledFor(logging.DEBUG):
             _log_path(method, q, k, log_weights, q_pos)
         if method == "fused" and q.device.type != "cpu":
-            return fused_or_stream(q, k, v, log_weights, q_pos, k_pos, causal=causal)
+            # checked as every other path (one sum, one host sync: about 10 us against the 1.4 ms of a fused
+            # call at N = 1e4 on an H200): a NaN input or position would otherwise come back silently
+            return _check_output(fused_or_stream(q, k, v, log_weights, q_pos, k_pos, causal=causal), q, k, v,
+                                 log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
         if method == "rows":
+            _ran("rows")
             return rows_attend(q, k, v, log_weights, q_pos, k_pos)
     elif method not in METHODS:
         _check_method(method)
+    if method != "stream":   # the stream path records below, fused_or_stream where it ran
+        _ran(method)
     if method == "dense":
         _check_dense_memory(q, k, log_weights, q_pos, k_pos)
         return _plain_first(lambda probs: probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights, q_pos,
@@ -489,10 +587,11 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         # CUDA's fused kernels take heads of a multiple of 8 (zero-padded; scores and outputs unchanged)
         return _check_output(streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
                                                     align=8 if q.device.type == "cuda" else 1),
-                             q, k, v, log_weights, queries=True)
+                             q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
+    _ran("stream")
     return _check_output(streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
                                                  block_size=default_block if block_size is None else block_size),
-                         q, k, v, log_weights, queries=True)
+                         q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
 
 
 def additive_mask(m, n, log_weights, q_pos, k_pos, dtype, device):
@@ -530,6 +629,7 @@ def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
     except ImportError:  # torch < 2.3: no way to exclude the math kernel
+        _ran("stream")
         return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)
     backends = [b for b in (getattr(SDPBackend, name, None) for name in
                             ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")) if b is not None]
@@ -537,9 +637,12 @@ def fused_or_stream(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, causal
         with warnings.catch_warnings(), sdpa_kernel(backends):
             # torch warns once per backend that does not apply before raising: the fallback below says it all
             warnings.simplefilter("ignore", UserWarning)
-            return streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
-                                          align=accelerator_paths.FUSED_ALIGN)
+            out = streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
+                                         align=accelerator_paths.FUSED_ALIGN)
+        _ran("fused")
+        return out
     except RuntimeError as exc:
         if "No available kernel" not in str(exc):
             raise
+    _ran("stream")
     return streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos)

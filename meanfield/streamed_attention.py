@@ -356,7 +356,8 @@ class _StreamBackward(torch.autograd.Function):
                 # repeated products at one point (reverse-over-reverse Jacobian products) reuse the
                 # probability tiles while they fit in P_CACHE_BYTES
                 if not hasattr(ctx, "p_cache"):
-                    small = q.shape[0] * q.shape[1] * k.shape[1] * q.element_size() <= P_CACHE_BYTES
+                    # (the half types' tiles are float32: attention_tiles.widen)
+                    small = q.shape[0] * q.shape[1] * k.shape[1] * max(4, q.element_size()) <= P_CACHE_BYTES
                     ctx.p_cache = {} if small and plan.engine != "triton" else None
                 d_out, d_lse = _fast_jvp(q, k, v, lw, qp, kp, out, lse, *tans, plan, cache=ctx.p_cache)
             else:

@@ -464,7 +464,12 @@ def backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, need):
     _check(q, k, v)
     B, m, n, e, c, ptrs, strides, flags, meta = _common(q, k, v, lw, qp, kp, causal)
     need = (need[0], need[1], need[2], bool(need[3]) and lw is not None)
-    delta = (g_out * out).sum(-1)
+    # D_i = <dO_i, out_i> in the kernels' accumulator precision (_lse_dtype: float32 for the half types, as L): in
+    # float16 the products and their sum overflow where each factor is finite (|dO| = 2000 against |out| = 10
+    # over 4 features: 8e4 > 65504), and every row's rounding would enter ds_ij = P_ij (dP_ij - D_i), a
+    # difference of two nearly equal numbers. (float32 and float64: .to is no copy)
+    wide = _lse_dtype(q.dtype)
+    delta = (g_out.to(wide) * out.to(wide)).sum(-1)
     if g_lse is not None:
         delta = delta - g_lse  # a cotangent on L_i adds P_ij g_i to ds_ij
     delta = delta.contiguous()

@@ -331,3 +331,26 @@ def _no_triton_kernel_fell_back():
     assert not new, f"Triton kernels fell back to torch: {new}"
     new = {k: v for k, v in efficient_cuda._REFUSED.items() if k not in refused}
     assert not new, f"the memory-efficient kernel refused: {new}"
+
+
+@pytest.mark.parametrize("n", [1000, 10_000, 100_000])
+@pytest.mark.parametrize("bad", ["q", "q_pos", "k_pos"])
+def test_auto_on_cuda_names_a_nan_input_on_every_path(n, bad):
+    """auto's paths on CUDA (dense at 1e3, row blocks or fused at 1e4, fused at 1e5) report a NaN query or a NaN
+    position by name, as on the CPU, instead of returning a zero or NaN row silently (the fused branch returned
+    SDPA's output unchecked)."""
+    q, k, v, lw, qp, kp = _to(_inputs(n, 3, "positions", seed=7), torch.float32)
+    if bad == "q":
+        q = q.clone()
+        q[n // 2, 0] = math.nan
+    else:
+        t = (qp if bad == "q_pos" else kp).clone()
+        t[n // 3] = math.nan
+        qp, kp = (t, kp) if bad == "q_pos" else (qp, t)
+    with pytest.raises(FloatingPointError, match=rf"^{bad}: contains NaN"):
+        attend(q, k, v, lw, qp, kp)
+    if bad != "q":
+        return
+    # unmasked, the fused path at 1e4 and 1e5: the query is named too
+    with pytest.raises(FloatingPointError, match=r"^q: contains NaN"):
+        attend(q, k, v)

@@ -995,3 +995,23 @@ def test_a_batch_without_queries_gives_an_empty_output_on_every_path(method):
     gq, gk = torch.autograd.grad(out.sum(), (q, k), allow_unused=True)
     assert gk is None or torch.equal(gk, torch.zeros_like(k))
     assert gq is None or gq.shape == q.shape
+
+
+def test_record_paths_sees_the_path_each_call_ran():
+    """kernels.record_paths lists the path every attend call ran, in order, as the outputs show: the dense path's
+    output is the written-out formula's; a batch with shared keys (one inner call) is recorded once; calls outside
+    the context, or in an inner context, are not recorded in the outer list."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(300, 3, generator=g, dtype=torch.float64)
+    small = q[:5]
+    with kernels.record_paths() as ran:
+        out = kernels.attend(small, small, small)
+        kernels.attend(q, q, q)                                   # above the fused threshold, no derivatives
+        kernels.attend(q.clone().requires_grad_(True), q, q)      # derivatives: streamed
+        kernels.attend(q, q, q, method="stream")
+        kernels.attend(torch.stack([small, small]), small, small)   # shared keys: one call
+        with kernels.record_paths() as inner:
+            kernels.attend(small, small, small, method="fused")
+    kernels.attend(small, small, small)
+    assert ran == ["dense", "fused", "stream", "stream", "dense"] and inner == ["fused"]
+    torch.testing.assert_close(out, torch.softmax(small @ small.T, -1) @ small, rtol=1e-13, atol=1e-13)
