@@ -27,7 +27,7 @@ import torch
 
 from particles.validation import as_tensor, check_bool, check_ndim, float_dtype
 
-from .kernels import attend
+from .kernels import attend, silence_blind_rows
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 
@@ -70,6 +70,14 @@ def _vector(value, name, size, dtype, device, like=None):
     return t
 
 
+def _add_value_bias(out, b_V, log_weights, x_positions, key_positions):
+    """``out + b_V`` on the rows of queries that see a key of positive weight. The value bias passes through
+    sum_j P_ij (V x_j + b_V) because a row of P sums to one; a query that sees no key (before every key, or
+    every key of weight zero) has a zero head (docs/math.md section 2), so no b_V either: the layer then gives
+    its output bias, as torch's MultiheadAttention adapter does."""
+    return silence_blind_rows(out + b_V, log_weights, x_positions, key_positions)
+
+
 class SelfAttention(AttentionOperator):
     """Single-head self-attention f(X)_i = sum_j softmax_j(<A x_i, x_j>) V x_j (docs/math.md section 1).
 
@@ -84,7 +92,8 @@ class SelfAttention(AttentionOperator):
     key_bias : ``(d,)`` or None
         c adding <c, x_j> to every score s_ij (what a query bias b_Q becomes: c = K^T b_Q / sqrt(k)).
     value_bias : ``(d_out,)`` or None
-        b added to every output (P is row-stochastic, so b_V passes through unchanged).
+        b added to every output (P is row-stochastic, so b_V passes through unchanged); a query that sees
+        no key of positive weight has a zero output, without b (docs/math.md section 2).
     dtype : torch.dtype or None
         Convert the parameters (default: float64 for numpy input, a float tensor's own dtype).
     """
@@ -209,7 +218,7 @@ class SelfAttention(AttentionOperator):
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         q, k, v, lw = self._qkv(x, keys, log_weights)
         out = attend(q, k, v, lw, x_positions, key_positions)
-        return out if self._bV is None else out + self._bV
+        return out if self._bV is None else _add_value_bias(out, self._bV, log_weights, x_positions, key_positions)
 
 
 class MultiHeadAttention(AttentionOperator):
@@ -390,7 +399,7 @@ class MultiHeadAttention(AttentionOperator):
             out = attend(q, k, v, lw, qp, kp)  # (..., H, m, k_v)
             concat = out.transpose(-3, -2).reshape(*out.shape[:-3], out.shape[-2], -1)
             if bVs is not None:
-                concat = concat + bVs
+                concat = _add_value_bias(concat, bVs, log_weights, x_positions, key_positions)
         out = concat @ self._W_O.T
         return out if self._b is None else out + self._b
 

@@ -78,7 +78,12 @@ class IsotropicAttention(AttentionOperator):
         q = self.beta * x
         out = attend(q, keys, keys, log_weights, x_positions, key_positions)
         if self.normalization == "USA":
-            out = out * torch.exp(_row_logsumexp(q, keys, log_weights, x_positions, key_positions)).unsqueeze(-1)
+            lse = _row_logsumexp(q, keys, log_weights, x_positions, key_positions)
+            if log_weights is None:
+                # no weights: the uniform a_j = 1/n of the n keys (docs/math.md section 6.3), so that the sequence
+                # map is that of its empirical measure, F(m(X)) = m(f(X)) (masked: 1/n of all keys, seen or not)
+                lse = lse - math.log(keys.shape[-2])
+            out = out * torch.exp(lse).unsqueeze(-1)
         return out
 
 

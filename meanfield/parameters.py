@@ -24,10 +24,13 @@ so that its score matrix is A = scale K^T Q (s_ij = <A x_i, x_j> + <c, x_j>). A 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+
+from particles.validation import check_bool
 
 __all__ = ["Head", "Parameters", "KINDS"]
 
@@ -43,17 +46,20 @@ class Head:
     Q : torch.Tensor
         The (k, d) query map.
     K : torch.Tensor
-        The (k, d) key map (for ``"l2"``, K is Q: tied).
+        The (k, d) key map (for ``"l2"``, K is Q: tied, and a different K is an error).
     V : torch.Tensor
         The (k_v, d) value map.
     key_bias : torch.Tensor or None
         The vector c (d,) of the score term <c, y>.
     value_bias : torch.Tensor or None
-        Added to every value, (k_v,).
+        Added to every value, (k_v,) (a query that sees no key has a zero head, without it).
     scale : float
         The factor on <Q x, K y>.
     kind : str
         "dot" or "l2".
+
+    Every tensor is a floating-point tensor of finite entries and of the shape above; anything else is
+    an error naming the field (a record is what the bounds read: nothing is coerced).
     """
 
     Q: torch.Tensor
@@ -65,15 +71,36 @@ class Head:
     kind: str = "dot"
 
     def __post_init__(self):
-        if self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"kind: expected one of {KINDS}, got {self.kind!r}")
+        for name in ("Q", "K", "V", "key_bias", "value_bias"):
+            t = getattr(self, name)
+            if t is None and name in ("key_bias", "value_bias"):
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__}")
+            if not t.is_floating_point():
+                raise TypeError(f"{name}: expected a floating-point tensor, got dtype {t.dtype}")
         if self.Q.dim() != 2 or self.K.shape != self.Q.shape:
             raise ValueError(f"Q, K: expected two (k, d) matrices of one shape, got {tuple(self.Q.shape)} and "
                              f"{tuple(self.K.shape)}")
         if self.V.dim() != 2 or self.V.shape[1] != self.Q.shape[1]:
             raise ValueError(f"V: expected a (k_v, {self.Q.shape[1]}) matrix, got {tuple(self.V.shape)}")
+        for name, size in (("key_bias", self.Q.shape[1]), ("value_bias", self.V.shape[0])):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (size,):
+                raise ValueError(f"{name}: expected a vector of {size} entries, got shape {tuple(t.shape)}")
+        for name in ("Q", "K", "V", "key_bias", "value_bias"):
+            t = getattr(self, name)
+            if t is not None and not bool(torch.isfinite(t.detach()).all()):
+                raise ValueError(f"{name}: contains NaN or infinite entries")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, numbers.Real):
+            raise TypeError(f"scale: expected a real number, got {type(self.scale).__name__} {self.scale!r}")
         if not math.isfinite(self.scale):
             raise ValueError(f"scale: expected a finite number, got {self.scale}")
+        if self.kind == "l2" and not torch.equal(self.K, self.Q):
+            raise ValueError("K: an L2 head ties queries and keys (scores -scale |Q x - Q y|^2); expected K equal "
+                             "to Q, got a different matrix")
 
     @property
     def dim(self) -> int:
@@ -113,7 +140,7 @@ class Parameters:
     bias : torch.Tensor or None
         (d_out,), added to every output.
     masked : bool
-        Whether the operator is causal.
+        Whether the operator is causal (True or False only).
     caveat : str or None
         None when the operator is exactly this attention; otherwise why it is not (the whole Hugging
         Face block with its LayerNorm and residual, the unnormalized USA model, ...): the bounds then
@@ -128,13 +155,36 @@ class Parameters:
     _legacy: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
+        if isinstance(self.heads, Head) or not hasattr(self.heads, "__iter__"):
+            raise TypeError(f"heads: expected a sequence of Head records, got {type(self.heads).__name__}")
+        object.__setattr__(self, "heads", tuple(self.heads))
         if not self.heads:
             raise ValueError("heads: expected at least one head")
-        object.__setattr__(self, "heads", tuple(self.heads))
+        for h, head in enumerate(self.heads):
+            if not isinstance(head, Head):
+                raise TypeError(f"heads[{h}]: expected a Head, got {type(head).__name__}")
+            if head.dim != self.heads[0].dim:
+                raise ValueError(f"heads[{h}]: token dimension {head.dim} differs from heads[0]'s "
+                                 f"{self.heads[0].dim} (every head reads the same tokens)")
+        object.__setattr__(self, "masked", check_bool(self.masked, "masked"))
+        if self.caveat is not None and not isinstance(self.caveat, str):
+            raise TypeError(f"caveat: expected None or a string, got {type(self.caveat).__name__}")
         width = sum(h.V.shape[0] for h in self.heads)
+        for name in ("W_O", "bias"):
+            t = getattr(self, name)
+            if t is not None and not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+                got = f"a tensor of dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise TypeError(f"{name}: expected None or a floating-point torch tensor, got {got}")
         if self.W_O is not None and (self.W_O.dim() != 2 or self.W_O.shape[1] != width):
             raise ValueError(f"W_O: expected (d_out, {width}) for heads of value sizes "
                              f"{[h.V.shape[0] for h in self.heads]}, got {tuple(self.W_O.shape)}")
+        d_out = width if self.W_O is None else self.W_O.shape[0]
+        if self.bias is not None and tuple(self.bias.shape) != (d_out,):
+            raise ValueError(f"bias: expected a vector of d_out = {d_out} entries, got shape {tuple(self.bias.shape)}")
+        for name in ("W_O", "bias"):
+            t = getattr(self, name)
+            if t is not None and not bool(torch.isfinite(t.detach()).all()):
+                raise ValueError(f"{name}: contains NaN or infinite entries")
 
     @property
     def num_heads(self) -> int:

@@ -31,7 +31,7 @@ from particles import Measure
 from .adapters import as_operator
 from .operator import sequence_positions
 
-__all__ = ["SigmaGradient", "sigma_gradient"]
+__all__ = ["SigmaGradient", "sigma_gradient", "with_jacobian_products"]
 
 
 class SigmaGradient(NamedTuple):
@@ -70,20 +70,31 @@ def _per_member_norm(t):
     return t.flatten(1).norm(dim=1).reshape(-1, *([1] * (t.dim() - 1)))
 
 
-def _vjp_of_jvp(build, args):
-    """Run ``build(jv)`` (a function of ``args`` returning J v, weighted) under a VJP and pull back u."""
+def with_jacobian_products(run):
+    """``run(jv)``, where ``jv(fn, Y, v)`` is the Jacobian-vector product J(Y) v of ``fn`` at ``Y``, under torch's
+    math attention backend (its fused CPU kernels have no forward-mode rule): forward mode first, and where an
+    operator still has none (or it fails inside another transform), ``run`` again with reverse-over-reverse
+    (:func:`_jv_reverse`). The one fallback of the framework's derivatives of Jacobian products: the gradient
+    of sigma here and the query derivatives of :mod:`meanfield.splitting`."""
     errors = []
     for jv in (_jv_forward, _jv_reverse):
         try:
             with _math_sdpa():
-                Jv, back = vjp(build(jv), *args)
-                norm = _per_member_norm(Jv)
-                u = Jv / torch.where(norm > 0, norm, torch.ones_like(norm))
-                grads = back(u)
-            return norm.flatten(), grads
+                return run(jv)
         except (NotImplementedError, RuntimeError) as err:  # no forward-mode rule: reverse-over-reverse
             errors.append(err)
     raise errors[-1]
+
+
+def _vjp_of_jvp(build, args):
+    """Run ``build(jv)`` (a function of ``args`` returning J v, weighted) under a VJP and pull back u."""
+    def run(jv):
+        Jv, back = vjp(build(jv), *args)
+        norm = _per_member_norm(Jv)
+        u = Jv / torch.where(norm > 0, norm, torch.ones_like(norm))
+        return norm.flatten(), back(u)
+
+    return with_jacobian_products(run)
 
 
 def sigma_gradient(f, X, vector) -> SigmaGradient:
@@ -96,9 +107,10 @@ def sigma_gradient(f, X, vector) -> SigmaGradient:
         The input, as given to :func:`meanfield.local_lipschitz` (sequences: Euclidean norm, positions
         i/n when masked; a measure: the W2 sense of Lemma C.5, positions held fixed).
     vector : torch.Tensor
-        The top right singular vector v, shaped like the points (:attr:`LipschitzEstimate.vector
-        <meanfield.lipschitz.LipschitzEstimate.vector>`; for a batch, the vectors stacked). It is
-        normalized here (per batch member).
+        The top right singular vector v, of the shape of the points, (n, d), (b, n, d) or (N, d)
+        (:attr:`LipschitzEstimate.vector <meanfield.lipschitz.LipschitzEstimate.vector>`; for a batch, the
+        vectors stacked); another shape, a transposed one included, is an error. It is normalized here
+        (per batch member).
 
     Returns
     -------
@@ -131,7 +143,7 @@ def sigma_gradient(f, X, vector) -> SigmaGradient:
     if Xt.dim() not in (2, 3):
         raise ValueError(f"X: expected a sequence (n, d) or a batch (b, n, d), got shape {tuple(Xt.shape)}")
     Xb = (Xt if Xt.dim() == 3 else Xt.unsqueeze(0)).detach()
-    v = _vector(vector, Xb)
+    v = _vector(vector, Xb, Xt.shape)
     pos = sequence_positions(Xb.shape[1], Xb) if op.masked else None
     fn = lambda Y: op.points_map(Y, None, pos)
     sigma, (g,) = _vjp_of_jvp(lambda jv: (lambda Y: jv(fn, Y, v)), (Xb,))
@@ -140,14 +152,15 @@ def sigma_gradient(f, X, vector) -> SigmaGradient:
     return SigmaGradient(sigma, g, None)
 
 
-def _vector(vector, like):
+def _vector(vector, like, shape):
     if not isinstance(vector, torch.Tensor):
         raise TypeError(f"vector: expected a tensor (the singular vector), got {type(vector).__name__}")
-    v = vector.detach().to(dtype=like.dtype, device=like.device)
-    if v.numel() != like.numel():
-        raise ValueError(f"vector: expected {tuple(like.shape[-2:])} entries per member like X, "
-                         f"got shape {tuple(vector.shape)}")
-    v = v.reshape(like.shape)
+    if tuple(vector.shape) != tuple(shape):
+        # the shape, not only the number of entries: a transposed (d, n) vector has n d entries too, and read
+        # row by row it is another direction (its sigma is not the estimate's)
+        raise ValueError(f"vector: expected shape {tuple(shape)}, that of the points X (the singular vector "
+                         f"LipschitzEstimate.vector), got shape {tuple(vector.shape)}")
+    v = vector.detach().to(dtype=like.dtype, device=like.device).reshape(like.shape)
     norm = _per_member_norm(v)
     if bool((norm == 0).any()) or not bool(torch.isfinite(v).all()):
         raise ValueError("vector: expected a finite non-zero vector per member")
@@ -162,7 +175,7 @@ def _measure_gradient(op, mu, vector) -> SigmaGradient:
     if not bool(torch.isfinite(lw0).all()):
         raise ValueError("X: the measure has atoms of zero mass; drop them (they are not in the measure)")
     P = mu.points.detach().unsqueeze(0)
-    v = _vector(vector, P)
+    v = _vector(vector, P, mu.points.shape)
     pos = mu.positions if op.masked else None
 
     def build(jv):

@@ -13,8 +13,14 @@ perturbations. Hence, for any splitting of the atoms of a set I (any fractions),
 
 and splitting every atom once gives the supremum over splittings, a lower bound of the W2 local
 constant at mu (section 4.7). For single-head attention Q_i = V Sigma_mu(x_i) A (section 4.1); the
-argument uses only that Gamma_mu(x) depends on the keys through mu, so it holds for every operator
-of the protocol (multi-head, with biases, L2, Hugging Face layers).
+argument uses only that Gamma_mu(x) is differentiable and depends on the keys through mu alone (two
+parts of one atom act as the merged atom: true of every softmax head, so of multi-head layers, biases,
+L2 heads and the Hugging Face layers, and of the USA field). It applies to every operator of the
+protocol that evaluates queries against weighted keys (not to points-only callables, which are
+refused). The query derivatives are forward-mode JVPs under torch's math attention backend, and
+reverse-over-reverse products where an operator has no forward-mode rule (torch's fused attention
+kernels: ``nn.MultiheadAttention``, Hugging Face layers on SDPA), through the same fallback as
+:func:`meanfield.sigma_gradient.sigma_gradient` (:func:`~meanfield.sigma_gradient.with_jacobian_products`).
 
 :func:`meanfield.bounds.query_term_norms` is the same ||Q_i||_2 written out for one head,
 V Sigma_mu(x_i) A, in numpy; this module differentiates the operator instead, so the two check each
@@ -25,16 +31,18 @@ other (tests/meanfield/test_worst_case.py), and both combine through
 from __future__ import annotations
 
 import math
+import operator as _operator
 from dataclasses import dataclass
 
 import torch
-from torch.func import grad, jvp
+from torch.func import grad
 
 from particles import Measure
 
 from .adapters import as_operator
 from .bounds import split_constant
 from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
+from .sigma_gradient import with_jacobian_products
 
 __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
 
@@ -49,16 +57,32 @@ def _setup(f, mu):
     return op, mu, pos
 
 
-def _query_block(op, x, keys, lw, q_pos, k_pos):
-    """(m, d_out, d) derivatives of the outputs at queries x (m, d) in x alone, by d JVPs (one per
-    input coordinate, all queries at once: query i's output depends on query i only)."""
+def _atom(atom, n: int, name: str = "atom") -> int:
+    """An atom index: an integer (not a bool, not a float) in [0, n)."""
+    is_bool = isinstance(atom, bool) or (isinstance(atom, torch.Tensor) and atom.dtype == torch.bool) \
+        or type(atom).__name__ == "bool_"
+    try:
+        if is_bool:
+            raise TypeError
+        i = _operator.index(atom)
+    except TypeError:
+        raise TypeError(f"{name}: expected an atom index (an integer), got {type(atom).__name__} {atom!r}") from None
+    if not 0 <= i < n:
+        raise IndexError(f"{name}: expected an atom index in [0, {n}) (the measure has {n} atoms), got {i}")
+    return i
+
+
+def _query_block(op, x, keys, lw, q_pos, k_pos, jv):
+    """(m, d_out, d) derivatives of the outputs at queries x (m, d) in x alone, by d Jacobian-vector
+    products ``jv`` (one per input coordinate, all queries at once: query i's output depends on query
+    i only)."""
     d = x.shape[-1]
     fn = lambda q: op.evaluate(q, keys, lw, q_pos, k_pos)
     cols = []
     for k in range(d):
         e = torch.zeros_like(x)
         e[:, k] = 1.0
-        cols.append(jvp(fn, (x,), (e,))[1])
+        cols.append(jv(fn, x, e))
     return torch.stack(cols, dim=-1)
 
 
@@ -68,7 +92,7 @@ def query_jacobians(f, mu) -> torch.Tensor:
     op, mu, pos = _setup(f, mu)
     X = mu.points.detach()
     lw = mu.log_weights.detach()
-    return _query_block(op, X, X, lw, pos, pos).detach()
+    return with_jacobian_products(lambda jv: _query_block(op, X, X, lw, pos, pos, jv)).detach()
 
 
 def split_measure(mu: Measure, atoms) -> Measure:
@@ -76,8 +100,11 @@ def split_measure(mu: Measure, atoms) -> Measure:
     position): the representation whose constant :func:`split_lipschitz` gives."""
     if not isinstance(mu, Measure):
         raise TypeError(f"mu: expected a particles.Measure, got {type(mu).__name__}")
+    if isinstance(atoms, (str, bytes)) or not hasattr(atoms, "__iter__"):
+        raise TypeError(f"atoms: expected an iterable of atom indices, got {type(atoms).__name__}")
+    chosen = {_atom(a, mu.n, "atoms") for a in atoms}
     out = mu
-    for i in sorted({int(a) % mu.n for a in atoms}, reverse=True):  # from the end: indices stay valid
+    for i in sorted(chosen, reverse=True):  # from the end: indices stay valid
         out = out.split(i, 0.5)
     return out
 
@@ -162,17 +189,20 @@ def query_term_gradient(f, mu, atom: int):
     z0 = mu.log_weights.detach()
     if not bool(torch.isfinite(z0).all()):
         raise ValueError("mu: the measure has atoms of zero mass; drop them")
-    i = int(atom)
+    i = _atom(atom, mu.n)
     q_pos = None if pos is None else pos[i:i + 1]
 
-    def Q(Y, z):
-        lw = z - torch.logsumexp(z, 0)
-        return _query_block(op, Y[i:i + 1], Y, lw, q_pos, pos)[0]
+    def run(jv):
+        def Q(Y, z):
+            lw = z - torch.logsumexp(z, 0)
+            return _query_block(op, Y[i:i + 1], Y, lw, q_pos, pos, jv)[0]
 
-    with torch.no_grad():
-        U, S, Vh = torch.linalg.svd(Q(X0, z0))
-    u, v = U[:, 0], Vh[0]
-    gX, gz = grad(lambda Y, z: u @ Q(Y, z) @ v, argnums=(0, 1))(X0, z0)
+        with torch.no_grad():
+            U, S, Vh = torch.linalg.svd(Q(X0, z0))
+        u, v = U[:, 0], Vh[0]
+        return S, grad(lambda Y, z: u @ Q(Y, z) @ v, argnums=(0, 1))(X0, z0)
+
+    S, (gX, gz) = with_jacobian_products(run)
     value = float(S[0])
     if not math.isfinite(value):
         raise OverflowError("mu: the query derivative overflows at this measure")

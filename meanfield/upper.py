@@ -92,9 +92,19 @@ def _l2_upper(p, n) -> UpperBound:
         return UpperBound(math.inf, "none: Kim et al.'s bound is stated for unmasked L2 attention")
     if n is None:
         return UpperBound(math.inf, "none: Kim et al.'s bound depends on the number of tokens N")
-    # Kim et al.'s layout: W_Q^h = Q_h^T (D, k), W_V^h = V_h^T (D, k_v), W_O (H k_v, D_out)
-    value = l2_attention_upper([_np(h.Q.T) for h in p.heads], [_np(h.V.T) for h in p.heads],
-                               None if p.W_O is None else _np(p.W_O.T), N=n)
+    for h, head in enumerate(p.heads):
+        if head.key_bias is not None and bool((head.key_bias != 0).any()):
+            return UpperBound(math.inf, f"none: L2 head {h} has a key bias (a score term <c, y>), which Kim et al.'s "
+                                        "bound does not cover")
+        if head.scale < 0:
+            return UpperBound(math.inf, f"none: L2 head {h} has scale {head.scale} < 0 (scores +|scale| "
+                                        "|Q x - Q y|^2), which Kim et al.'s bound does not cover")
+    # Kim et al.'s layout: W_Q^h (D, k), W_V^h = V_h^T (D, k_v), W_O (H k_v, D_out), with the scale 1/sqrt(k) built
+    # in. The record's head (scores -s |Q x - Q y|^2, values V (s Q^T Q) y, any s >= 0) is Kim et al.'s head with
+    # W_Q^h = sqrt(s sqrt(k)) Q_h^T: its scores are -(s sqrt(k)) |Q (x - y)|^2 / sqrt(k) and its value map
+    # W_Q^h W_Q^h^T / sqrt(k) = s Q^T Q (docs/math.md section 5.8). A value bias or an output bias is a constant.
+    W_Q = [_np(h.Q.T) * math.sqrt(h.scale * math.sqrt(h.Q.shape[0])) for h in p.heads]
+    value = l2_attention_upper(W_Q, [_np(h.V.T) for h in p.heads], None if p.W_O is None else _np(p.W_O.T), N=n)
     return UpperBound(math.log(value) if value > 0 else -math.inf, "Kim et al. Theorem 3.2 (2-norm form)")
 
 
@@ -116,7 +126,9 @@ def operator_upper(op, R, n=None, *, d=None) -> UpperBound:
     * biases: a value bias or an output bias adds a constant and changes no Lipschitz constant; a
       key bias (from b_Q) is absorbed head by head with :func:`~meanfield.bounds.absorb_key_bias`;
     * L2 heads (unmasked, sequences): :func:`~meanfield.bounds.l2_attention_upper` with N = n
-      (Kim et al., docs/math.md section 5.8).
+      (Kim et al., docs/math.md section 5.8), for the head's own scale s >= 0 (its W_Q is
+      sqrt(s sqrt(k)) Q^T in Kim et al.'s layout, which builds in 1/sqrt(k)); an L2 head with a key bias
+      or a negative scale gets no bound (``known=False``).
 
     Operators without a record (bare callables), records with a caveat (whole Hugging Face blocks,
     the unnormalized USA model) and masked L2 attention get an :class:`UpperBound` with
