@@ -97,16 +97,11 @@ def _map(att, lw, pos, sequence: bool):
     return lambda Y: att(Measure(Y, log_weights=lw, positions=pos)).points
 
 
-def _path(att, X, lw, pos, derivatives: bool, sequence: bool) -> str:
-    """The path ``auto`` takes for the case's kernel call (:func:`meanfield.kernels.choose`)."""
-    from meanfield import kernels
-
-    Xg = X.detach().requires_grad_(derivatives)
-    A, V = att.A.to(X), att.V.to(X)
-    if sequence:
-        pos = torch.arange(1, X.shape[0] + 1, dtype=X.dtype, device=X.device) / X.shape[0]
-    with torch.enable_grad():
-        return kernels.choose(Xg @ A.T, Xg, Xg @ V.T, lw, pos, pos)
+def _paths_run(paths: list[str]) -> str:
+    """The paths :func:`meanfield.kernels.record_paths` saw, as one label: the path when every call took it,
+    else the paths joined by "+" (a case whose calls split between paths is not a test of one path)."""
+    kinds = sorted(set(paths))
+    return kinds[0] if len(kinds) == 1 else ("+".join(kinds) if kinds else "none")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -127,14 +122,15 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
     att, X, lw, pos = _inputs(case, seed, device)
     sequence = positions == "sequence" and not weighted
     fn = _map(att, lw, pos, sequence)
-    row = {"case": case, "what": what, "n": n, "entries": n * n, "path": _path(att, X, lw, pos, derivatives, sequence),
+    row = {"case": case, "what": what, "n": n, "entries": n * n,
            "expected_path": expected if X.device.type == "cpu" else "not dense"}
     if not derivatives:
         with torch.no_grad():
-            got = fn(X)
+            with kernels.record_paths() as ran:
+                got = fn(X)
             with kernels.use("dense"):
                 ref = fn(X)
-        return {**row, "deviation": _rel(got, ref)}
+        return {**row, "path": _paths_run(ran), "calls": len(ran), "deviation": _rel(got, ref)}
     g = torch.Generator().manual_seed(int(seed) + 17)
     u = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
     w = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
@@ -158,7 +154,9 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
                                       max_iter=LIP_MAX_ITER, on_failure="warn")
         return Ju.detach(), Ju_rr, JTw, est
 
-    Ju, Ju_rr, JTw, est = products()
+    with kernels.record_paths() as ran:
+        Ju, Ju_rr, JTw, est = products()
+    row.update(path=_paths_run(ran), calls=len(ran))
     with kernels.use("dense"):
         Ju_d, Ju_rr_d, JTw_d, est_d = products()
     row.update(deviation_jvp=max(_rel(Ju, Ju_d), _rel(Ju_rr, Ju_d), _rel(Ju_rr_d, Ju_d)),
@@ -202,7 +200,7 @@ def forward_claim(rows: list[dict], path: str) -> Claim:
            if wrong_path else ""),
         bool(sel) and not off and not wrong_path,
         "float64; the same operator and input evaluated under kernels.use('dense') (materialized scores, plain "
-        "log-sum-exp softmax); the path auto takes is read from meanfield.kernels.choose", kind=THEOREM,
+        "log-sum-exp softmax); the path is the one the calls ran (meanfield.kernels.record_paths)", kind=THEOREM,
         fails_if=f"some case's output differs from the dense kernel's by more than {TOL:g} (relative), or auto does "
                  f"not take the {path} path at the case's size (the claim would not test it)",
         short=f"the {'streamed' if path == 'stream' else path} attention kernel computes the dense kernel's map",

@@ -282,6 +282,20 @@ def test_kernel_path_claims_hold_on_the_kernel_as_written():
     assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
 
 
+def test_kernel_path_claims_fail_when_the_operator_never_runs_the_path(monkeypatch):
+    """An operator whose calls all went to the dense path agrees with the dense reference trivially; the study read
+    the path from kernels.choose on rebuilt inputs, so every claim held (a review found it). The path is now what
+    the calls ran."""
+    import meanfield.attention as attention_module
+    from meanfield import kernels
+
+    real = kernels.attend
+    monkeypatch.setattr(attention_module, "attend", lambda *a, **k: real(*a, **{**k, "method": "dense"}))
+    claims = _kernel_claims(["weighted measure", "masked measure, large", "d weighted measure"])
+    assert not any(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
+    assert all("auto took another path" in c.short_measured for c in claims.values())
+
+
 # (module.function of the streamed kernel, line as written, the mistake, cases that must see it, claim that must fail)
 _KERNEL_MISTAKES = {
     "tile mask includes the diagonal's neighbours": (
