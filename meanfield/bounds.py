@@ -476,8 +476,14 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
         p = W_Q.parameters()
         if p is None or p.kind != "l2":
             raise ValueError("W_Q: expected matrices, or an operator made of L2 heads")
-        W_Q, W_V = [h.Q.T for h in p.heads], [h.V.T for h in p.heads]
-        W_O = None if p.W_O is None else p.W_O.T
+        for h, head in enumerate(p.heads):
+            if (head.key_bias is not None and bool((head.key_bias != 0).any())) or head.scale < 0:
+                raise ValueError(f"W_Q: L2 head {h} has a key bias or a negative scale, which Kim et al.'s bound "
+                                 "does not cover (meanfield.operator_upper says so)")
+        # the record's scale s in Kim et al.'s layout, which builds in 1/sqrt(k): W_Q = sqrt(s sqrt(k)) Q^T
+        # (meanfield.upper, docs/math.md section 5.8)
+        W_Q = [h.Q.T * math.sqrt(h.scale * math.sqrt(h.Q.shape[0])) for h in p.heads]
+        W_V, W_O = [h.V.T for h in p.heads], None if p.W_O is None else p.W_O.T
     if W_V is None:
         raise ValueError("W_V: the value weights are required")
     if N is None:

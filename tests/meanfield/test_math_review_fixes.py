@@ -100,6 +100,21 @@ def test_l2_upper_uses_the_record_scale_and_is_attained_at_one_token(s):
     assert b.known and b.value == pytest.approx(truth, rel=1e-10)
 
 
+def test_deprecated_l2_bound_of_an_operator_reads_the_record_scale():
+    """bounds.l2_attention_upper(op, N=...) (the deprecated spelling) read Q^T as Kim et al.'s W_Q whatever the
+    record's scale: 2.0 for the constant 4.0 of the head at N = 1 (scale 1, Q = 2 I, k = 4); it now gives
+    operator_upper's bound, attained there, and refuses a key bias."""
+    from meanfield.bounds import l2_attention_upper
+
+    k, q = 4, 2.0
+    op = ScaledL2(q * torch.eye(k, dtype=f64), torch.eye(k, dtype=f64), 1.0)
+    truth = dense_lip(lambda Y: l2_map(Y, Y, op.Q, op.V, 1.0), rand(1, k, seed=0))
+    with pytest.warns(DeprecationWarning):
+        assert l2_attention_upper(op, N=1) == pytest.approx(truth, rel=1e-10)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="W_Q: L2 head 0 has a key bias"):
+        l2_attention_upper(ScaledL2(op.Q, op.V, 1.0, key_bias=torch.ones(k, dtype=f64)), N=1)
+
+
 @pytest.mark.parametrize("s", [0.05, 1.0, 4.0])
 def test_l2_upper_is_above_dense_constants_at_any_scale(s):
     """Random heads (k = 2 rows, d = 3), scales far from 1/sqrt(k): the bound is never below the dense constant
