@@ -87,6 +87,60 @@ class _InProcess:
         pass
 
 
+def _is_main_test(test) -> bool:
+    """Whether an ``if`` test is ``__name__ == "__main__"`` (either way round)."""
+    import ast
+
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
+        return False
+    sides = [test.left, test.comparators[0]]
+    return (any(isinstance(t, ast.Name) and t.id == "__name__" for t in sides)
+            and any(isinstance(t, ast.Constant) and t.value == "__main__" for t in sides))
+
+
+def unguarded_line(source: str, line: int) -> bool:
+    """Whether ``line`` of a script's ``source`` lies outside every ``if __name__ == "__main__":`` block (its body;
+    an ``else`` branch is what the workers run). Unparsable source counts as guarded (nothing is claimed)."""
+    import ast
+
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_test(node.test) and \
+                node.body[0].lineno <= line <= (node.body[-1].end_lineno or node.body[-1].lineno):
+            return False
+    return True
+
+
+def _check_main_guard() -> None:
+    """A process pool started from the top level of a script without ``if __name__ == "__main__":`` fails every
+    task: its workers (forkserver, spawn) import the script, which runs its top-level code again (the sweep, and
+    whatever else is there: a folder removed, a file written) and dies in Python's bootstrapping check; the
+    parent saw only dead workers. Refused here, before any worker starts, with what to write. Interactive
+    sessions, ``python -c`` and calls inside functions of an imported module are not concerned."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or not os.path.isfile(path):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if frame is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            source = fh.read()
+    except (OSError, UnicodeDecodeError):
+        return
+    if unguarded_line(source, frame.f_lineno):
+        raise RuntimeError(
+            f"backend: 'processes' starts workers that import the script {path}, and line {frame.f_lineno} runs the "
+            "sweep at its top level: every worker would run it again (with the script's other top-level code) and "
+            "die. Put the call under `if __name__ == \"__main__\":` (docs/sweeps.md), or use backend='inprocess'")
+
+
 class _Pool:
     """concurrent.futures process pool; a pool broken by a dying worker is rebuilt."""
 
@@ -99,6 +153,7 @@ class _Pool:
             pickle.dumps(fn)
         except Exception as exc:
             raise TypeError(f"fn: backend='processes' needs a picklable top-level function ({exc})") from None
+        _check_main_guard()
         # fork would copy the parent's torch thread pools and locks; forkserver/spawn start clean.
         if "forkserver" in mp.get_all_start_methods():
             self.ctx = mp.get_context("forkserver")

@@ -637,3 +637,45 @@ def test_the_sweep_subpackage_imports_nothing_from_the_rest_of_studies():
             "print(sorted(m for m in sys.modules if m.startswith('studies') and not m.startswith('studies.sweep')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "['studies']", res.stderr
+
+
+@pytest.mark.parametrize("line, unguarded", [(2, True), (4, False), (6, True), (8, False), (10, True)])
+def test_main_guard_found_in_the_script(line, unguarded):
+    """Which lines of a script a process pool's workers would run again on import: those outside the body of
+    `if __name__ == "__main__":` (either way round); the else branch is what they run."""
+    from studies.sweep.backends import unguarded_line
+
+    source = textwrap.dedent('''\
+        import os
+        run_sweep(f, grid)
+        if __name__ == "__main__":
+            run_sweep(f, grid)
+        else:
+            run_sweep(f, grid)
+        if "__main__" == __name__:
+            run_sweep(f, grid)
+        def g():
+            run_sweep(f, grid)
+        ''')
+    assert unguarded_line(source, line) is unguarded
+
+
+def test_processes_backend_from_an_unguarded_script_is_refused_before_any_worker(tmp_path):
+    """A script that runs a 'processes' sweep at its top level: every worker imported it again (re-running its
+    top-level code) and died, and each task was reported as a dead worker. It is now refused before a worker
+    starts, saying what to write; the same script with the guard runs its tasks."""
+    (tmp_path / "tasks_mod.py").write_text("def square(x):\n    return {'y': x * x}\n")
+    body = (f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\nfrom tasks_mod import square\n"
+            "from studies.sweep import run_sweep\nprint('top level ran', flush=True)\n")
+    call = "run_sweep(square, {{'x': [1, 2]}}, {out!r}, backend='processes', n_workers=1)\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    bad = tmp_path / "unguarded.py"
+    bad.write_text(body + call.format(out=str(tmp_path / "a")))
+    run = subprocess.run([sys.executable, str(bad)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode != 0 and run.stdout.count("top level ran") == 1
+    assert "line 6 runs the sweep at its top level" in run.stderr and 'if __name__ == "__main__":' in run.stderr
+    good = tmp_path / "guarded.py"
+    good.write_text(body + "if __name__ == '__main__':\n    " + call.format(out=str(tmp_path / "b")))
+    run = subprocess.run([sys.executable, str(good)], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert sorted(r["y"] for r in load_sweep(tmp_path / "b").rows) == [1, 4]
