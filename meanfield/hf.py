@@ -167,7 +167,8 @@ class HFAttention(AttentionOperator):
         the module's own mask (:func:`own_mask`: GPT-2's attention is causal, BERT's in a decoder).
         To compare with the module called directly, give it the mask: a GPT2Attention called without an
         attention mask applies none (transformers' own models pass it), so ``module(X)`` is the non-causal
-        map of a causal layer (:func:`causal_mask` builds the additive mask). A query that sees no key of positive weight gives zero heads (the output projection's bias), as in
+        map of a causal layer (:func:`causal_mask` builds the additive mask). A query that sees no key of
+        positive weight gives zero heads (the output projection's bias), as in
         :class:`meanfield.MultiHeadAttention`, not the module's average over every key.
     block : bool
         The whole attention block instead of the attention alone (module docstring); needs
