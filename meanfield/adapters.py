@@ -122,13 +122,13 @@ class TorchMultiheadAttention(AttentionOperator):
     def __init__(self, module, *, masked: bool = False):
         if not isinstance(module, torch.nn.MultiheadAttention):
             raise TypeError(f"module: expected torch.nn.MultiheadAttention, got {type(module).__name__}")
-        if module.training:
-            raise ValueError("module: is in training mode (dropout makes it random); call module.eval()")
+        # the structure first: a cross-attention module is refused whatever its mode
         if not module._qkv_same_embed_dim:
             raise ValueError(f"module: kdim = {module.kdim}, vdim = {module.vdim} differ from embed_dim = "
                              f"{module.embed_dim}: cross-attention between two spaces, not self-attention on one "
                              "(build it with kdim = vdim = embed_dim, the default)")
         check_bool(masked, "masked")
+        _check_deterministic(module)
         self.module, self.masked = module, masked
 
     d_in = property(lambda self: self.module.embed_dim)
@@ -171,6 +171,7 @@ class TorchMultiheadAttention(AttentionOperator):
         if mask is not None:
             # (b, m, n) -> (b * heads, m, n), the layout nn.MultiheadAttention takes for a 3-D mask
             mask = mask.expand(xb.shape[0], m, n).repeat_interleave(self.module.num_heads, dim=0)
+        _check_deterministic(self.module)   # its mode is read at every call, as its weights are
         bf = self.module.batch_first
         q, k = (xb, kb) if bf else (xb.transpose(0, 1), kb.transpose(0, 1))
         # the operator is a fixed map of its inputs: no graph over the module's weights, read at every call
@@ -181,6 +182,16 @@ class TorchMultiheadAttention(AttentionOperator):
         out = (out if bf else out.transpose(0, 1)).reshape(*lead, m, self.d_out)
         # a query that sees no key of positive weight: zero heads, the output projection's bias
         return silence_blind_rows(out, log_weights, x_positions, key_positions, self.module.out_proj.bias)
+
+
+def _check_deterministic(module) -> None:
+    """A module in training mode is random only through a positive dropout: refuse that one, naming it.
+
+    (``nn.MultiheadAttention`` in training mode with ``dropout = 0``, the default, computes the same map as
+    in eval mode.)"""
+    if module.training and module.dropout > 0:
+        raise ValueError(f"module: is in training mode with dropout = {module.dropout} (a random map); call "
+                         "module.eval(), or build it with dropout=0.0")
 
 
 def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:

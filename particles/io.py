@@ -77,7 +77,8 @@ def save_measure(mu: Measure, path, *, metadata: dict | None = None) -> Path:
         Where to write; written exactly there (no suffix is added), atomically (a file that exists is
         replaced only once the new one is complete).
     metadata : dict or None
-        A JSON-serializable object stored in the header (read it back with :func:`read_header`).
+        A JSON-serializable object stored in the header (read it back with :func:`read_header`); numpy
+        bool, integer and real scalars are stored as the Python bool, int and float of the same value.
 
     Returns
     -------
@@ -144,9 +145,11 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind, "dtype": _dtype_name(dtype),
               "library_version": __version__, **(fields or {}), "metadata": metadata or {}}
     try:
-        text = json.dumps(header)
+        text = json.dumps(header, default=_numpy_scalar)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata: must be JSON-serializable ({exc})") from exc
+        raise TypeError(f"metadata: must be JSON-serializable: dicts with str keys, lists, str, int, float, bool, "
+                        f"None, or numpy scalars of those ({exc}); convert other values first, e.g. a tensor "
+                        "with .tolist()") from exc
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; give a file name such as {path / 'measure.npz'}")
     if not path.parent.is_dir():
@@ -159,6 +162,17 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
 
     # an interrupted save never leaves half a file behind
     return atomic_write_with(path, write, make_parents=False)
+
+
+def _numpy_scalar(value):
+    """A numpy bool, integer or real scalar as the Python bool, int or float of the same value (``.item()``), which
+    the header stores and reads back exactly; anything else (a complex or datetime scalar, an array, a
+    tensor) stays refused."""
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        out = value.item()
+        if type(out) in (bool, int, float):   # np.longdouble.item() may stay a numpy scalar: refused
+            return out
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 class LazyArray:

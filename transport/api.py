@@ -22,7 +22,7 @@ from .options import UNIT_ROUNDOFF, check_memory_limit, check_method, resolve
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
-from .streaming_sinkhorn import solve_streaming
+from .streaming_sinkhorn import annealing_shortfall, refuse_or_hint, solve_streaming
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,10 @@ def _auto_eps(problem: Problem) -> float:
     return max((AUTO_BLUR * spread * problem.dim ** 0.5) ** 2, 1e-12)
 
 
-def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel) -> TransportResult:
+def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel, caller) -> TransportResult:
+    """``caller``: the function the user called ("solve", "w2"), which the messages name."""
     problem = Problem(mu, nu)
+    problem.caller = caller
     method = check_method(method)
     return_plan = check_bool(return_plan, "return_plan")
     check_on_failure(on_failure)
@@ -84,7 +86,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
             opts = {}  # the entropic options were checked; they serve only the streaming branch
         elif opts["reg"] is None:
             opts["reg"] = problem.reg(_auto_eps(problem))
-    eps = None
+    eps, hint = None, None
     if method in ENTROPIC:
         if opts["reg"] is None:
             raise ValueError(f"reg: method={method!r} needs an entropic regularization reg > 0 "
@@ -95,6 +97,11 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
         if method == "streaming" and return_plan:
             raise ValueError("return_plan: the streaming method never forms the N x M plan; "
                              "use method='sinkhorn' (dense) for a plan, or the potentials of the result")
+        if method == "streaming":
+            # an annealing longer than max_iter: refused before any work ("raise"), or run compressed ("warn")
+            support = problem.support_points()
+            hint = refuse_or_hint(annealing_shortfall(support, support, eps, opts["scaling"], opts["max_iter"]),
+                                  on_failure, opts["max_iter"])
     # one thread for small problems, the free cores for large ones (particles/threads.py)
     with ThreadPolicy(step_seconds=SECONDS_PER_ENTRY * problem.n * problem.m):
         raw = ROUTINES[method](problem, eps, opts, return_plan, limit)
@@ -107,7 +114,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
                              f"plan's exponents carry rounding errors of about {noise:.2g} (unit roundoff x squared "
                              "diameter / reg), and its value overflows; use a larger reg or method='exact'")
         # the normalization keeps every finite input finite: reaching this is a solver failure
-        raise ConvergenceError(f"w2 ({method}): the computed value is {float(raw['value'])} "
+        raise ConvergenceError(f"{caller} ({method}): the computed value is {float(raw['value'])} "
                                f"(error {raw['error']:.3g} after {raw['iterations']} iterations)")
     raw_value = raw["value"]
     if problem.grad:  # a value with gradients comes in the measures' dtype, whatever the solver worked in
@@ -130,7 +137,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
                   result.iterations, err, result.converged,
                   float(value.detach() if isinstance(value, torch.Tensor) else value))
     if not result.converged:
-        report_failure(result, on_failure, stacklevel + 1)
+        report_failure(result, on_failure, stacklevel + 1, caller, hint)
     return result
 
 
@@ -178,8 +185,11 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         "sinkhorn", 5000 "streaming"). Every loop of every solver is bounded by it.
     scaling : float
         "streaming": eps-scaling ratio in [0, 1) (default 0.5), GeomLoss's ``scaling``: sqrt(eps) is
-        multiplied by it per level, from the squared diameter of the clouds down to reg (an annealing
-        longer than ``max_iter`` levels is refused); 0 solves at reg directly.
+        multiplied by it per level, from the squared diameter of the clouds down to reg; 0 solves at reg
+        directly. An annealing of ``max_iter`` levels or more is refused before any work with
+        ``on_failure="raise"`` (a ValueError naming the smallest ``max_iter`` that runs it); with "warn" it is
+        compressed to ``max_iter - 1`` levels over the same range and the solve reported as any other that
+        misses ``tol``.
     overrelaxation : ``"auto"`` or float
         "streaming": the factor omega in [1, 2) of the over-relaxed steps at reg
         (f <- f + omega (T(g) - f); 1: plain Sinkhorn), or "auto" (the default), adapted to the observed
@@ -196,7 +206,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         An entropic solve that misses ``tol`` within ``max_iter``: "raise" a
         :class:`~particles.validation.ConvergenceError` carrying this result (``.estimate``), or
         "warn" (RuntimeWarning) and return it with ``converged=False``. As for
-        :func:`meanfield.local_lipschitz`.
+        :func:`meanfield.local_lipschitz`. A solve running longer than a few seconds logs its progress at
+        INFO on the ``transport`` logger (:data:`transport.streaming_sinkhorn.PROGRESS_SECONDS`).
     memory_limit : int or str
         Bytes (or "16G") a dense method may take; default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or
         8 GiB. Above it a :class:`~particles.validation.MemoryLimitError` names the size and the
@@ -206,8 +217,9 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     -------
     TransportResult
         ``value`` (W2, a float or a 0-d tensor carrying the autograd graph when the points require
-        grad), ``value_squared``, ``plan``, ``potentials``, ``error``, ``converged``, ``iterations``,
-        ``method``, ``precision`` (the dtype the solver worked in) and the options used.
+        grad; points requiring grad are a ValueError for ``method="streaming"`` with ``debias=False``),
+        ``value_squared``, ``plan``, ``potentials``, ``error``, ``converged``, ``iterations``, ``method``,
+        ``precision`` (the dtype the solver worked in) and the options used.
 
     Notes
     -----
@@ -241,7 +253,7 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     """
     given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
                  overrelaxation=overrelaxation, chunk_elements=chunk_elements)
-    return _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
+    return _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2, caller="solve")
 
 
 def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return_plan=False, reg=None,
@@ -251,10 +263,15 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
 
     The value of :func:`transport.solve` (same parameters; see it for the methods, their options
     and conventions): a float, or a 0-d tensor carrying the autograd graph when the points (or
-    weights) require grad, whatever the options. ``squared=True`` returns W2^2 (OverflowError when
-    it exceeds the float range although W2 does not). The plan, the potentials and the certificate
-    come from :func:`transport.solve`, which returns a :class:`~transport.result.TransportResult`
-    (``return_plan=True`` here still returns ``(value, plan)``, with a DeprecationWarning).
+    weights) require grad, for every method and option except ``method="streaming"`` (or "auto"
+    choosing it) with ``debias=False``: the cost of the entropic plan has no envelope formula there, and
+    points that require grad are a ValueError (use ``debias=True``, or ``method="sinkhorn"``, which
+    differentiates through its iterations). The streaming path differentiates in the points only: weights
+    that require grad are a ValueError there.
+    ``squared=True`` returns W2^2 (OverflowError when it exceeds the float range although W2 does not).
+    The plan, the potentials and the certificate come from :func:`transport.solve`, which returns a
+    :class:`~transport.result.TransportResult` (``return_plan=True`` here still returns ``(value, plan)``,
+    with a DeprecationWarning).
 
     Examples
     --------
@@ -272,7 +289,7 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
                       DeprecationWarning, stacklevel=2)
     given = dict(reg=reg, debias=debias, tol=tol, max_iter=max_iter, scaling=scaling,
                  overrelaxation=overrelaxation, chunk_elements=chunk_elements)
-    res = _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2)
+    res = _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stacklevel=2, caller="w2")
     if squared and not isinstance(res.value_squared, torch.Tensor) and math.isinf(res.value_squared):
         raise OverflowError(f"squared: W2^2 = ({float(res.value):.6g})^2 exceeds the float range; "
                             "ask for W2 (squared=False)")

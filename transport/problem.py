@@ -100,7 +100,10 @@ class Problem:
     points); ``a``, ``b`` and ``log_a``, ``log_b``: the weights; a squared distance of the problem is
     4^k times one of the normalized clouds. ``dtype``: the precision these tensors are held in (the
     measures' own, ``input_dtype``, unless :meth:`to` changed it). Holds no solver state and no option.
+    ``caller``: the function the user called ("w2", "solve", ...), which the solvers' messages name.
     """
+
+    caller = "w2"
 
     def __init__(self, mu: Measure, nu: Measure):
         check_pair(mu, nu)

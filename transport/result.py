@@ -20,7 +20,8 @@ class TransportResult:
     value : float or 0-d :class:`~torch.Tensor`
         The W2 estimate, sqrt of ``value_squared``: W2 ("exact"), sqrt(S_eps) (entropic with
         ``debias=True``) or sqrt(<pi_eps, C>) (``debias=False``). A 0-d tensor carrying the autograd
-        graph when the measures' points or weights require grad, else a float.
+        graph when the measures' points or weights require grad (``method="streaming"`` with
+        ``debias=False`` refuses points that require grad), else a float.
     value_squared : float or 0-d :class:`~torch.Tensor`
         Its square, in squared-distance units; ``math.inf`` when it exceeds the floating range
         (clouds beyond ~1e154 in float64) although ``value`` does not.
@@ -104,12 +105,18 @@ def worst_error(*errors: float) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-def report_failure(result: TransportResult, on_failure: str, stacklevel: int) -> None:
-    """Raise ConvergenceError (carrying ``result``) or warn, when the solve missed ``tol``."""
+def report_failure(result: TransportResult, on_failure: str, stacklevel: int, caller: str = "w2",
+                   hint: str | None = None) -> None:
+    """Raise ConvergenceError (carrying ``result``) or warn, when the solve missed ``tol``.
+
+    ``caller`` names the function the user called (``"solve"``, ``"w2"``); ``hint``, when given, says what to
+    change instead of the generic advice (e.g. an annealing that ``max_iter`` cut short)."""
     err = result.error
     what = "diverged (non-finite marginal error)" if not math.isfinite(err) else f"marginal L1 error {err:.3g}"
-    msg = (f"w2 ({result.method}): did not converge in {result.iterations} iterations ({what} > tol "
-           f"{result.tol:.3g}); the value is approximate. Increase max_iter or reg.")
+    advice = hint or (f"Increase max_iter (it was {result.max_iter}) or reg, or loosen tol (it was {result.tol:.3g}) "
+                      "if that error is accurate enough.")
+    msg = (f"{caller} ({result.method}): did not converge in {result.iterations} iterations ({what} > tol "
+           f"{result.tol:.3g}); the value is approximate. {advice}")
     if on_failure == "raise":
         raise ConvergenceError(msg, result)
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)

@@ -13,7 +13,9 @@ optimal transport and MMD using Sinkhorn divergences"; docs/math.md section 3):
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import ot
 import torch
@@ -24,16 +26,49 @@ from particles.validation import ConvergenceError, check_allocation
 from .options import DEFAULT_CHUNK_ELEMENTS
 from .problem import Problem, sq_dists
 from .result import worst_error
-from .streaming_sinkhorn import extend_potential, symmetric_potential
+from .streaming_sinkhorn import PROGRESS_SECONDS, extend_potential, symmetric_potential
 
 #: Peak memory of a dense solve per pair of atoms, in matrices of the dtype, measured (ru_maxrss) at
 #: N = M = 1500 in float64: 7.4 (debiased) to 9.3 (plan cost); 10 leaves a margin.
 SINKHORN_MATRICES = 10
 #: Iterations of the symmetric warm start of the self problems OT_eps(mu, mu), OT_eps(nu, nu).
 WARMSTART_MAX_ITER = 10_000
+#: Iterations of POT's first round (:func:`_pot_sinkhorn`), which times one iteration. A multiple of 10 (POT
+#: checks its error every 10th iteration), so that the rounds check where one uninterrupted run would.
+FIRST_ROUND = 10
+
+logger = logging.getLogger(__name__)
 
 
-def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None):
+def _pot_sinkhorn(a, b, C, eps, max_iter, stop, warm, what):
+    """POT's log-domain Sinkhorn for at most ``max_iter`` iterations, run in rounds of about
+    :data:`PROGRESS_SECONDS` each, continued from the last round's log-scalings (POT's state), so that a long
+    solve logs its progress at INFO between rounds; the iterates and the stopping test are those of one
+    uninterrupted run, and so is the gradient through them (to rounding: each round adds its own node -C / eps
+    to the graph). Returns (POT's log of the last round, iterations in all)."""
+    start = last = time.monotonic()
+    done, size = 0, FIRST_ROUND
+    while True:
+        k = min(size, max_iter - done)
+        _, log = ot.sinkhorn(a, b, C, eps, method="sinkhorn_log", numItermax=k, stopThr=stop, log=True,
+                             warn=False, warmstart=warm)
+        ran = int(log["niter"]) + 1
+        done += ran
+        if ran < k or done >= max_iter:   # POT stopped on its test (only on an iteration 10 j), or the budget is spent
+            return log, done
+        warm = (log["log_u"], log["log_v"])
+        now = time.monotonic()
+        if now - last >= PROGRESS_SECONDS:
+            last = now
+            err = log["err"][-1] if log["err"] else math.nan
+            err = float(err.detach() if isinstance(err, torch.Tensor) else err)
+            logger.info("%s: %d of at most %d iterations, POT's column L2 error %.3g (stops below %.3g), %.0f s",
+                        what, done, max_iter, err, stop, now - start)
+        per = max((now - start) / done, 1e-9)
+        size = FIRST_ROUND * max(1, int(PROGRESS_SECONDS / per / FIRST_ROUND))
+
+
+def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None, what="w2 (sinkhorn)"):
     """Solve OT_eps between (x, log_a) and (y, log_b) with POT.
 
     Returns (OT_eps, <pi, C>, plan, (f, g), error, iterations). OT_eps is evaluated with the plan
@@ -44,8 +79,7 @@ def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None):
     C = sq_dists(x, y)
     a, b = log_a.exp(), log_b.exp()
     # POT stops on the L2 column error; L1 <= sqrt(M) L2, so this threshold implies ours
-    _, log = ot.sinkhorn(a, b, C, eps, method="sinkhorn_log", numItermax=max_iter,
-                         stopThr=tol / math.sqrt(C.shape[1]), log=True, warn=False, warmstart=warm)
+    log, iterations = _pot_sinkhorn(a, b, C, eps, max_iter, tol / math.sqrt(C.shape[1]), warm, what)
     log_plan = log["log_u"][:, None] + log["log_v"][None, :] - C / eps
     plan = log_plan.exp()
     # the plan's marginals summed in float64: the rounding of N or M float32 terms would blur tol
@@ -53,11 +87,15 @@ def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None):
     err = float((p64.sum(1) - a.detach()).abs().sum() + (p64.sum(0) - b.detach()).abs().sum())
     cost = (plan * C).sum()
     p, lp = plan.detach(), log_plan.detach()
-    kl = (p * (lp - log_a[:, None] - log_b[None, :])).sum()
+    kl = (p * (lp - log_a.detach()[:, None] - log_b.detach()[None, :])).sum()
     # POT's log-scalings are log a + f / eps (resp. log b + g / eps) in the a_i b_j exp((f + g - C) / eps) form
     f = eps * (log["log_u"].detach() - log_a.detach())
     g = eps * (log["log_v"].detach() - log_b.detach())
-    return (p * C).sum() + eps * kl, cost, plan, (f, g), err, int(log["niter"]) + 1
+    # the weights' derivative is the dual one, dOT_eps / da_i = f_i (and g_j in b): the primal form with the plan
+    # held fixed leaves out the marginal constraints that tie the plan to a and b (its derivative in log a_i was
+    # -eps a_i, which the debiased value cancelled: a zero gradient in the weights). A zero-valued term carries it.
+    dual = (a * f).sum() + (b * g).sum()
+    return (p * C).sum() + eps * kl + (dual - dual.detach()), cost, plan, (f, g), err, iterations
 
 
 def _symmetric_warmstart(x, log_a, eps, tol):
@@ -86,15 +124,18 @@ def solve_sinkhorn(problem: Problem, eps: float, opts: dict, return_plan: bool =
     n, m = problem.n, problem.m
     pairs = max(n * m, n * n, m * m) if debias else n * m
     check_allocation(SINKHORN_MATRICES * pairs * problem.x.element_size(),
-                     f"w2 (sinkhorn) between {n} and {m} atoms",
+                     f"{problem.caller} (sinkhorn) between {n} and {m} atoms",
                      "use method='streaming' (same entropic value, memory O(N + M))", memory_limit)
     sa, sb = problem.log_a > -math.inf, problem.log_b > -math.inf
     x, la = problem.x[sa], problem.log_a[sa]
     y, lb = problem.y[sb], problem.log_b[sb]
-    ot_xy, cost, plan, (f, g), err, it = _entropic(x, y, la, lb, eps, tol, max_iter)
+    what = f"{problem.caller} (sinkhorn)"
+    ot_xy, cost, plan, (f, g), err, it = _entropic(x, y, la, lb, eps, tol, max_iter, what=f"{what}, {n} x {m} atoms")
     if debias:
-        ot_xx, _, _, _, err_x, _ = _entropic(x, x, la, la, eps, tol, max_iter, _symmetric_warmstart(x, la, eps, tol))
-        ot_yy, _, _, _, err_y, _ = _entropic(y, y, lb, lb, eps, tol, max_iter, _symmetric_warmstart(y, lb, eps, tol))
+        ot_xx, _, _, _, err_x, _ = _entropic(x, x, la, la, eps, tol, max_iter, _symmetric_warmstart(x, la, eps, tol),
+                                             f"{what}, self problem of mu")
+        ot_yy, _, _, _, err_y, _ = _entropic(y, y, lb, lb, eps, tol, max_iter, _symmetric_warmstart(y, lb, eps, tol),
+                                             f"{what}, self problem of nu")
         value = ot_xy - 0.5 * (ot_xx + ot_yy)
         err = worst_error(err, err_x, err_y)
     else:

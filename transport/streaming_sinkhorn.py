@@ -39,7 +39,10 @@ misses tol the solve continues in float64.
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
+import time
 import warnings
 
 import torch
@@ -67,6 +70,28 @@ PROBE = 10.0
 #: of the block: used to estimate the solver's memory before running it.
 BLOCK_TEMPORARIES = 3
 
+#: A solve that runs longer than this many seconds logs its progress at INFO (logger ``transport``) about as often.
+PROGRESS_SECONDS = 5.0
+
+log = logging.getLogger(__name__)
+
+
+class Progress:
+    """INFO lines of a long solve, at most one per :data:`PROGRESS_SECONDS`: a sign of life with the updates
+    made and the error reached (a solve shorter than that says nothing). ``what`` names the problem."""
+
+    def __init__(self, what: str, max_iter: int, tol: float):
+        self.what, self.max_iter, self.tol = what, max_iter, tol
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, it: int, err: float | None = None) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last = now
+        where = "annealing" if err is None else f"marginal L1 error {err:.3g} (tol {self.tol:.3g})"
+        log.info("%s: %d of at most %d updates, %s, %.0f s", self.what, it, self.max_iter, where, now - self.start)
+
 
 class _EntropicValue(torch.autograd.Function):
     """<a, f> + <b, g> = OT_eps at optimal potentials; backward by the envelope theorem, streamed."""
@@ -93,24 +118,74 @@ class _EntropicValue(torch.autograd.Function):
         return 2.0 * grad * gx, 2.0 * grad * gy, None, None, None, None, None, None
 
 
+def _squared_diameter(x, y) -> float:
+    both = torch.cat([x.detach(), y.detach()])
+    return float(((both.max(0).values - both.min(0).values) ** 2).sum())
+
+
+def annealing_levels(diam2: float, eps: float, scaling: float) -> int:
+    """Levels above eps of the whole eps-scaling schedule from ``diam2`` (factor scaling^2 each): the schedule
+    fits ``max_iter`` when this is below it (the solve at eps takes one more update). Counted as
+    :func:`_schedule` makes them (exactly up to 10^6 levels, from the logarithms beyond)."""
+    if scaling == 0 or not diam2 > eps:
+        return 0
+    estimate = math.log(diam2 / eps) / (-2.0 * math.log(scaling))
+    if not estimate <= 1e6:
+        return math.ceil(estimate) if math.isfinite(estimate) else sys.maxsize
+    count, e = 0, diam2
+    while e > eps:
+        count += 1
+        e *= scaling ** 2
+    return count
+
+
 def _schedule(x, y, eps, scaling, max_iter):
     """eps levels from the squared diameter of both clouds down to eps (factor scaling^2 each).
 
     At most ``max_iter`` levels: a longer schedule (scaling close to 1, or eps far below the squared
-    diameter) is refused before any work, so that the annealing can never run away.
+    diameter) is compressed to ``max_iter - 1`` geometric levels over the same range, then eps, so that the
+    annealing never runs away (:func:`transport.solve` refuses that case beforehand with
+    ``on_failure="raise"``, see :func:`annealing_shortfall`; with "warn" the solve runs within ``max_iter``
+    and is reported as not converged unless it certifies tol anyway).
     """
     if scaling == 0:
         return [eps]
-    both = torch.cat([x.detach(), y.detach()])
-    diam2 = float(((both.max(0).values - both.min(0).values) ** 2).sum())
+    diam2 = _squared_diameter(x, y)
+    if annealing_levels(diam2, eps, scaling) >= max_iter:
+        n = max_iter - 1
+        ratio = (eps / diam2) ** (1.0 / n) if n else 0.0
+        return [diam2 * ratio ** k for k in range(n)] + [eps]
     levels, e = [], max(diam2, eps)
-    for _ in range(max_iter):
-        if not e > eps:
-            return levels + [eps]
+    while e > eps:
         levels.append(e)
         e *= scaling ** 2
-    raise ValueError(f"scaling: annealing over squared diameter / reg = {diam2 / eps:.3g} with scaling = {scaling} "
-                     f"takes more than max_iter = {max_iter} levels; use a smaller scaling or a larger max_iter")
+    return levels + [eps]
+
+
+def annealing_shortfall(x, y, eps: float, scaling: float, max_iter: int) -> str | None:
+    """None where the eps-scaling annealing from the squared diameter of (x, y) down to ``eps`` fits ``max_iter``,
+    else the sentence that says so, naming both options and the smallest ``max_iter`` that runs it whole."""
+    if scaling == 0:
+        return None
+    diam2 = _squared_diameter(x, y)
+    count = annealing_levels(diam2, eps, scaling)
+    if count < max_iter:
+        return None
+    return (f"annealing over squared diameter / reg = {diam2 / eps:.3g} with scaling = {scaling} takes more than "
+            f"max_iter = {max_iter} levels ({count} levels, then the updates at reg): the smallest max_iter that "
+            f"runs it is {count + 1} (more to converge at reg); or a smaller scaling (0: no annealing)")
+
+
+def refuse_or_hint(shortfall: str | None, on_failure: str, max_iter: int) -> str | None:
+    """With ``on_failure="raise"`` an annealing longer than ``max_iter`` is a ValueError before any work; with
+    "warn" the solve runs compressed within ``max_iter`` (:func:`_schedule`) and this returns the advice of
+    its warning."""
+    if shortfall is None:
+        return None
+    if on_failure == "raise":
+        raise ValueError(f"scaling: {shortfall}; or on_failure='warn' to run within max_iter = {max_iter} "
+                         "(the annealing compressed, the result flagged converged=False if it misses tol)")
+    return f"The eps-scaling ran compressed into max_iter = {max_iter} updates: its {shortfall}."
 
 
 def _row_error(a, delta, eps) -> float:
@@ -161,11 +236,13 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
                 f, g, levels = fc, gc, levels[count:]
     else:
         (f, g), levels, it = start, [], done
+    progress = Progress(f"streaming Sinkhorn, {x.shape[0]} x {y.shape[0]} atoms", max_iter, tol)
     # every half-step is tiled relative to the current potentials (tiles.update); rows where they are
     # too far off for that (the first levels) fall back to the max-shifted soft-min
-    for e in levels:
+    for k, e in enumerate(levels):
         f = f + update(x, xx, y, yy, log_b, f, g, e, chunk)
         g = g + update(y, yy, x, xx, log_a, g, f, e, chunk)
+        progress(k + 1)
     relax = Relaxation(omega)
     dense_x = lambda f, g: update(x, xx, y, yy, log_b, f, g, eps, chunk)
     dense_y = lambda g, f: update(y, yy, x, xx, log_a, g, f, eps, chunk)
@@ -184,6 +261,7 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
         # are exact, and err is the plan's whole L1 error
         err = _row_error(a, delta, eps)
         it += 1
+        progress(it, err)
         stop = math.isnan(err) or (plain and (err <= tol or it >= max_iter))
         if stop and cut is not None:
             # the stopping test again on the whole plan: the truncated passes left out terms, in the last step
@@ -243,14 +321,17 @@ def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None,
                 f, levels = fc, levels[count:]
     else:
         f, levels = start, []
-    for e in levels:
+    progress = Progress(f"streaming Sinkhorn, self problem of {x.shape[0]} atoms", max_iter, tol)
+    for k, e in enumerate(levels):
         f = f + 0.5 * update(x, xx, x, xx, log_a, f, f, e, chunk)
+        progress(k + 1)
     it, err = 0, math.inf
     cut = truncation.Truncation(x, xx, x, xx, log_a, log_a, eps, tol, chunk) if truncate else None
     while it < max_iter:
         delta = update(x, xx, x, xx, log_a, f, f, eps, chunk) if cut is None else cut.rows(f, f)
         err = 2.0 * _row_error(a, delta, eps)
         it += 1
+        progress(it, err)
         if cut is not None and (err <= tol or math.isnan(err) or it >= max_iter):
             # the stopping test again on the whole coupling: a truncated pass left out terms
             delta = update(x, xx, x, xx, log_a, f, f, eps, chunk)
@@ -317,9 +398,9 @@ def plan_check(x, y, log_a, log_b, f, g, eps, chunk, cost: bool = False):
     return err, (total if cost else None)
 
 
-def _check_blocks(n: int, m: int, chunk: int, element_size: int, memory_limit) -> None:
+def _check_blocks(n: int, m: int, chunk: int, element_size: int, memory_limit, caller: str = "w2 (streaming)") -> None:
     check_allocation(BLOCK_TEMPORARIES * max(chunk, n, m) * element_size,
-                     f"w2 (streaming) with blocks of chunk_elements = {chunk}",
+                     f"{caller} with blocks of chunk_elements = {chunk}",
                      "use a smaller chunk_elements", memory_limit)
 
 
@@ -413,9 +494,16 @@ def solve_streaming(problem: Problem, eps: float, opts: dict, return_plan: bool 
     opts = {**opts, "chunk_elements": chunk}
     debias = opts["debias"]
     if problem.grad and not debias:
-        raise ValueError("debias: gradients of the streaming path are available for debias=True only "
-                         "(the cost of the entropic plan has no envelope formula)")
-    _check_blocks(problem.n, problem.m, chunk, 8, memory_limit)  # the certificate's blocks are float64
+        raise ValueError("debias: gradients of the streaming path are available for debias=True only (the cost "
+                         "<pi_eps, C> of the entropic plan is not stationary in the plan: no envelope formula); use "
+                         "debias=True (the Sinkhorn divergence), method='sinkhorn' (dense, differentiated through "
+                         "its iterations; N, M up to a few thousand), or detach the points")
+    if problem.log_a.requires_grad or problem.log_b.requires_grad:
+        # the envelope gradient below is taken in the points; a weight gradient would be silently missing
+        raise ValueError("mu, nu: weights that require grad: the streaming path differentiates in the points only "
+                         "(its envelope formula); use method='exact' or 'sinkhorn', or detach the weights")
+    # the certificate's blocks are float64
+    _check_blocks(problem.n, problem.m, chunk, 8, memory_limit, f"{problem.caller} (streaming)")
     sa, sb = problem.log_a > -math.inf, problem.log_b > -math.inf
     la, lb = problem.log_a[sa].detach(), problem.log_b[sb].detach()
     x, y = problem.x[sa].detach(), problem.y[sb].detach()
@@ -488,10 +576,13 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         raise ValueError("reg: symmetric_potential needs an entropic regularization reg > 0")
     problem = problem.to(problem.precision(opts["reg"], opts["tol"]))
     eps = problem.eps(opts["reg"])
+    support = problem.support_points()
+    hint = refuse_or_hint(annealing_shortfall(support, support, eps, opts["scaling"], opts["max_iter"]),
+                          on_failure, opts["max_iter"])
     chunk = device_chunk(opts["chunk_elements"], DEFAULT_CHUNK_ELEMENTS, problem.x.device, problem.x.element_size(),
                          BLOCK_TEMPORARIES, memory_limit)
     opts = {**opts, "chunk_elements": chunk}
-    _check_blocks(mu.n, mu.n, chunk, 8, memory_limit)  # the certificate's blocks are float64
+    _check_blocks(mu.n, mu.n, chunk, 8, memory_limit, "symmetric_potential")  # the certificate's blocks are float64
     sa = problem.log_a > -math.inf
     x, la = problem.x.detach()[sa], problem.log_a.detach()[sa]
 
@@ -507,8 +598,10 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
                                f"{f.dtype} (squared distances beyond its range)", (f, err, it))
     if not err <= opts["tol"]:
+        advice = hint or (f"increase max_iter (it was {opts['max_iter']}) or reg, or loosen tol if that error is "
+                          "accurate enough")
         msg = (f"symmetric_potential: did not converge in {it} iterations (marginal L1 error {err:.3g} > tol "
-               f"{opts['tol']:.3g}); increase max_iter or reg")
+               f"{opts['tol']:.3g}); {advice}")
         if on_failure == "raise":
             raise ConvergenceError(msg, (f, err, it))
         warnings.warn(msg, RuntimeWarning, stacklevel=2)

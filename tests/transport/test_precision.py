@@ -94,7 +94,7 @@ def test_float32_at_cost_over_reg_1e7_is_never_wrong_and_converged(method, case)
     mu, nu = measures(UNRESOLVED[case])
     for reg in (0.1, 1.0):
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "w2 .* did not converge", RuntimeWarning)
+            warnings.filterwarnings("ignore", "(w2|solve) .* did not converge", RuntimeWarning)
             res = solve(mu, nu, method, reg=reg, debias=False, on_failure="warn")
         if res.method == "exact":
             assert res.value == pytest.approx(truth(mu, nu), rel=1e-12)
@@ -132,7 +132,7 @@ def test_certificate_catches_a_precision_that_does_not_hold(monkeypatch, case, r
     monkeypatch.setattr(transport.problem.Problem, "precision", lambda self, reg, tol: self.input_dtype)
     kw = dict(reg=reg, debias=False, max_iter=300, on_failure="warn")
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "w2 .* did not converge", RuntimeWarning)
+        warnings.filterwarnings("ignore", "(w2|solve) .* did not converge", RuntimeWarning)
         res = solve(mu, nu, "streaming", **kw)
         assert res.precision == F64  # continued in float64
         if res.converged:
@@ -204,7 +204,7 @@ def test_seeded_float32_draws_at_1e3_satisfy_the_entropic_bounds():
         mu, nu = measures((X, a / a.sum(), Y, b / b.sum()))
         for reg in (0.1, 10.0):
             with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "w2 .* did not converge", RuntimeWarning)
+                warnings.filterwarnings("ignore", "(w2|solve) .* did not converge", RuntimeWarning)
                 res = solve(mu, nu, "streaming", reg=reg, debias=False, max_iter=300, on_failure="warn")
             if res.converged:
                 check_entropic_bounds(res, mu, nu, reg)
