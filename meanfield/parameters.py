@@ -41,6 +41,9 @@ KINDS = ("dot", "l2")
 class Head:
     """One attention head (module docstring).
 
+    Every tensor is a floating-point tensor of finite entries and of the shape below; anything else is
+    an error naming the field (a record is what the bounds read: nothing is coerced).
+
     Attributes
     ----------
     Q : torch.Tensor
@@ -57,9 +60,6 @@ class Head:
         The factor on <Q x, K y>.
     kind : str
         "dot" or "l2".
-
-    Every tensor is a floating-point tensor of finite entries and of the shape above; anything else is
-    an error naming the field (a record is what the bounds read: nothing is coerced).
     """
 
     Q: torch.Tensor

@@ -74,7 +74,7 @@ def with_jacobian_products(run):
     """``run(jv)``, where ``jv(fn, Y, v)`` is the Jacobian-vector product J(Y) v of ``fn`` at ``Y``, under torch's
     math attention backend (its fused CPU kernels have no forward-mode rule): forward mode first, and where an
     operator still has none (or it fails inside another transform), ``run`` again with reverse-over-reverse
-    (:func:`_jv_reverse`). The one fallback of the framework's derivatives of Jacobian products: the gradient
+    (``_jv_reverse``). The one fallback of the framework's derivatives of Jacobian products: the gradient
     of sigma here and the query derivatives of :mod:`meanfield.splitting`."""
     errors = []
     for jv in (_jv_forward, _jv_reverse):

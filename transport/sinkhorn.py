@@ -33,7 +33,7 @@ from .streaming_sinkhorn import PROGRESS_SECONDS, extend_potential, symmetric_po
 SINKHORN_MATRICES = 10
 #: Iterations of the symmetric warm start of the self problems OT_eps(mu, mu), OT_eps(nu, nu).
 WARMSTART_MAX_ITER = 10_000
-#: Iterations of POT's first round (:func:`_pot_sinkhorn`), which times one iteration. A multiple of 10 (POT
+#: Iterations of POT's first round (``_pot_sinkhorn``), which times one iteration. A multiple of 10 (POT
 #: checks its error every 10th iteration), so that the rounds check where one uninterrupted run would.
 FIRST_ROUND = 10
 
