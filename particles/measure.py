@@ -226,6 +226,12 @@ class Measure:
         """
         if (p is None) == (log_p is None):
             raise ValueError("p, log_p: give exactly one of them")
+        for name, t in (("p", p), ("log_p", log_p)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                # read as a number below: a gradient in it would be silently missing
+                raise ValueError(f"{name}: a tensor that requires grad; two_dirac takes the mass as a number. To "
+                                 "differentiate in it, build Measure(torch.stack([x0, x1]), log_weights=...) from "
+                                 "the log-masses")
         x0 = as_tensor(x0, "x0", dtype=kw.get("dtype"))
         x1 = as_tensor(x1, "x1", dtype=kw.get("dtype"))
         if x0.shape != x1.shape or x0.dim() != 1:

@@ -6,6 +6,7 @@ archive metadata."""
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import numpy as np
@@ -236,3 +237,23 @@ def test_streaming_refuses_weights_that_require_grad():
     fd = (w2(mu(z.detach() + e), Measure(y), "sinkhorn", reg=0.5, debias=True, tol=1e-12)
           - w2(mu(z.detach() - e), Measure(y), "sinkhorn", reg=0.5, debias=True, tol=1e-12)) / (2 * h)
     assert float(grad[3]) == pytest.approx(float(fd), rel=1e-5, abs=1e-9)
+
+
+def test_graph_inputs_that_would_lose_their_gradient_are_refused():
+    """symmetric_potential and Measure.two_dirac computed without the inputs' graph: a gradient through them was
+    silently missing (a gradient review). Both refuse such inputs by name; detached inputs work as before."""
+    import torch
+
+    from particles import Measure
+    from transport import symmetric_potential
+
+    x = torch.randn(20, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"^mu: points or weights that require grad"):
+        symmetric_potential(Measure(x.clone().requires_grad_(True)), 0.5)
+    f, err, _ = symmetric_potential(Measure(x), 0.5)
+    assert f.shape == (20,) and err <= 1e-6
+    lp = torch.tensor(-1.0, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(ValueError, match=r"^log_p: a tensor that requires grad"):
+        Measure.two_dirac(torch.zeros(2), torch.ones(2), log_p=lp)
+    two = Measure.two_dirac(torch.zeros(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64), log_p=-1.0)
+    assert float(two.weights[0]) == pytest.approx(math.exp(-1.0), rel=1e-15)

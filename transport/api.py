@@ -267,7 +267,9 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
     choosing it) with ``debias=False``: the cost of the entropic plan has no envelope formula there, and
     points that require grad are a ValueError (use ``debias=True``, or ``method="sinkhorn"``, which
     differentiates through its iterations). The streaming path differentiates in the points only: weights
-    that require grad are a ValueError there.
+    that require grad are a ValueError there. A gradient in the weights is defined along changes that keep
+    their sum (1); its component along (1, ..., 1) is a convention that differs by method, so differentiate
+    normalized weights (``Measure(x, log_weights=torch.log_softmax(z, 0))``), not raw ones.
     ``squared=True`` returns W2^2 (OverflowError when it exceeds the float range although W2 does not).
     The plan, the potentials and the certificate come from :func:`transport.solve`, which returns a
     :class:`~transport.result.TransportResult` (``return_plan=True`` here still returns ``(value, plan)``,

@@ -570,6 +570,11 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     check_on_failure(on_failure)
     memory_limit = check_memory_limit(memory_limit)
     problem = Problem(mu, mu)
+    if problem.grad:
+        # the fixed point is computed without a graph: a gradient through f would be silently missing
+        raise ValueError("mu: points or weights that require grad: symmetric_potential returns the potential "
+                         "without an autograd graph; detach them (mu.detach()), or differentiate the Sinkhorn "
+                         "divergence itself (transport.w2 with debias=True)")
     opts = resolve("streaming", dict(reg=reg, tol=tol, max_iter=max_iter, scaling=scaling,
                                      chunk_elements=chunk_elements), mu.dtype)
     if opts["reg"] is None:
