@@ -196,6 +196,10 @@ def limit_set(x, tol: float | None = None, **kw) -> LimitSet:
     return LimitSet(centers, masses, labels, is_vertex, spread)
 
 
+#: score entries :func:`interaction_energy` holds at once (rows of points against all points)
+ENERGY_BLOCK = 2**22
+
+
 def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> float | np.ndarray:
     """E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>) (uniform: 1/(2 beta n^2) sum_ij ...).
 
@@ -233,8 +237,15 @@ def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> fl
     if lw is None:
         lw = torch.full((pts.shape[-2],), -math.log(pts.shape[-2]), dtype=pts.dtype, device=pts.device)
     pts = pts.detach()
-    s = beta * pts @ pts.transpose(-1, -2) + lw[:, None] + lw[None, :]
-    logE = (torch.logsumexp(s.flatten(-2), -1) - math.log(2 * beta)).cpu().numpy()
+    # in blocks of rows against every point: memory O(ENERGY_BLOCK + N), never the N x N matrix (1e5 points in
+    # float64 would be 80 GB); the blocks' log-sums combined by one more log-sum-exp
+    n = pts.shape[-2]
+    rows = max(1, ENERGY_BLOCK // max(1, math.prod(pts.shape[:-2]) * n))
+    parts = []
+    for i in range(0, n, rows):
+        s = beta * pts[..., i:i + rows, :] @ pts.transpose(-1, -2) + lw[i:i + rows, None] + lw[None, :]
+        parts.append(torch.logsumexp(s.flatten(-2), -1))
+    logE = (torch.logsumexp(torch.stack(parts, -1), -1) - math.log(2 * beta)).cpu().numpy()
     if log:
         return float(logE) if logE.ndim == 0 else logE
     if bool((logE > math.log(np.finfo(np.float64).max)).any()):

@@ -462,7 +462,7 @@ def test_splitting_falls_back_to_reverse_over_reverse():
     A, V = rand(2, 2, seed=40), rand(2, 2, seed=41)
     op = NoForwardAttention(A, V)
     X, w = rand(3, 2, seed=42), torch.softmax(rand(3, seed=43), 0)
-    mu = Measure(X, w)
+    mu = Measure(X, w / w.sum())
     with pytest.raises((NotImplementedError, RuntimeError)):
         torch.func.jvp(lambda q: op.evaluate(q, X, w.log()), (X,), (X,))
     Q = query_jacobians(op, mu)
@@ -475,3 +475,33 @@ def test_splitting_falls_back_to_reverse_over_reverse():
     value2, gX2, gz2 = query_term_gradient(twin, mu, 2)
     assert value == pytest.approx(value2, rel=1e-12)
     assert torch.allclose(gX, gX2, rtol=1e-9, atol=1e-12) and torch.allclose(gz, gz2, rtol=1e-9, atol=1e-12)
+
+
+def test_interaction_energy_and_usa_row_sums_in_blocks_of_bounded_size(monkeypatch):
+    """interaction_energy built the N x N matrix (80 GB at N = 1e5 in float64) and the USA field's row log-sums
+    took 2048 rows against every key (16 GB for 4096 queries against 1e6 keys); both now work in blocks of a
+    bounded number of entries. Shrunk here to a few hundred entries, they equal the formulas written out in
+    float64 (several blocks, a trajectory's leading axis included)."""
+    from meanfield import clustering, isotropic
+    from particles import Measure
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(37, 3, generator=g, dtype=f64)
+    w = torch.rand(37, generator=g, dtype=f64) + 0.1
+    a = (w / w.sum()).numpy()
+    beta = 0.7
+    G = X.numpy() @ X.numpy().T
+    truth = float((a[:, None] * a[None, :] * np.exp(beta * G)).sum() / (2 * beta))
+    traj = torch.stack([X, 0.5 * X])
+    truth_t = [truth, float((a[:, None] * a[None, :] * np.exp(beta * 0.25 * G)).sum() / (2 * beta))]
+    monkeypatch.setattr(clustering, "ENERGY_BLOCK", 100)
+    assert clustering.interaction_energy(Measure(X, w / w.sum()), beta) == pytest.approx(truth, rel=1e-13)
+    assert np.allclose(clustering.interaction_energy(traj, beta, weights=w), truth_t, rtol=1e-13)
+    monkeypatch.setattr(isotropic, "LSE_BLOCK", 200)
+    lse = isotropic._row_logsumexp(beta * X, X, torch.log(w / w.sum()), None, None)
+    want = np.log((a[None, :] * np.exp(beta * G)).sum(1))
+    assert np.allclose(lse.numpy(), want, rtol=1e-13, atol=1e-13)
+    usa = IsotropicAttention(beta, "USA")
+    mu = Measure(X, w / w.sum())
+    field = (a[None, :] * np.exp(beta * G)) @ X.numpy()   # USA: sum_j a_j e^{beta <x_i, x_j>} x_j
+    assert np.allclose(usa(mu).points.numpy(), field, rtol=1e-12, atol=1e-12)
