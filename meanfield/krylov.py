@@ -31,7 +31,9 @@ Termination. Every solver stops within its budget and says whether it met ``tol`
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -136,6 +138,31 @@ def _rayleigh_from_image(u, Bu):
 
 
 # ---------------------------------------------------------------------- power iteration
+log = logging.getLogger(__name__)
+
+#: a solve longer than this many seconds logs its progress at INFO (logger ``meanfield.krylov``) about as often
+PROGRESS_SECONDS = 5.0
+
+
+class _Progress:
+    """INFO lines of a long estimate, at most one per :data:`PROGRESS_SECONDS`: the Jacobian products made of the
+    budget and the largest estimated relative error (a solve shorter than that says nothing). On CPU a product
+    at N = 1e5 atoms takes about a minute: without them a run gave no sign of life for hours."""
+
+    def __init__(self, what: str, budget: int):
+        self.what, self.budget = what, budget
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, step: int, value, err) -> None:
+        now = time.monotonic()
+        if now - self.last < PROGRESS_SECONDS:
+            return
+        self.last = now
+        rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
+        log.info("%s: step %d of at most %d, estimate %.6g, relative error about %.2g, %.0f s", self.what, step,
+                 self.budget, float(value.max()), rel, now - self.start)
+
+
 def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
     """Power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the explicit
     certificate (not on the change of the estimate, which stops early on flat spectra), on
@@ -149,8 +176,10 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     best = since = None
     kept = None
     it = 0
+    progress = _Progress("local_lipschitz (power iteration)", max_iter)
     for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
         v_new, r_new, e_new, z = _rayleigh(p, u)
+        progress(it, v_new.double(), e_new.double())
         rel = _relative(e_new, v_new)
         if kept is None:
             kept = [v_new, r_new, e_new, u]
@@ -216,6 +245,7 @@ class _Krylov:
         self.images = _Basis(b, N, q, capacity=min(m_max, 16)) if images else None
         self.alpha, self.beta = [], []
         self.q_prev = self.w = self.y = self.err = self.sig = None
+        self.progress = _Progress(f"local_lipschitz (lanczos, {q.dtype})".replace("torch.", ""), m_max)
 
     @property
     def m(self):
@@ -273,6 +303,7 @@ class _Krylov:
         r_est = b_t[:, j] * self.y[:, -1].abs()
         self.sig = theta.clamp(min=0).sqrt()
         self.err = torch.minimum(r_est / self.sig.clamp(min=torch.finfo(torch.float64).tiny), r_est.sqrt())
+        self.progress(self.m, self.sig, self.err)
 
     def run(self, target, at_least=0):
         """Extend the basis by at least ``at_least`` vectors, then until every member's estimated

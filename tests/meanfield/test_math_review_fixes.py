@@ -505,3 +505,24 @@ def test_interaction_energy_and_usa_row_sums_in_blocks_of_bounded_size(monkeypat
     mu = Measure(X, w / w.sum())
     field = (a[None, :] * np.exp(beta * G)) @ X.numpy()   # USA: sum_j a_j e^{beta <x_i, x_j>} x_j
     assert np.allclose(usa(mu).points.numpy(), field, rtol=1e-12, atol=1e-12)
+
+
+def test_long_lipschitz_estimates_log_their_progress(monkeypatch, caplog):
+    """local_lipschitz said nothing until it returned (at N = 1e5 on CPU a product takes about a minute, and a
+    run gave no sign of life for hours): with the progress period at 0 s every Lanczos step and power iteration
+    logs at INFO, and the estimate is unchanged (the dense Jacobian's top singular value)."""
+    import logging
+
+    from meanfield import krylov
+
+    monkeypatch.setattr(krylov, "PROGRESS_SECONDS", 0.0)
+    X = rand(6, 3, seed=2)
+    att = SelfAttention(rand(3, 3, seed=3), rand(3, 3, seed=4))
+    truth = dense_lip(att.sequence, X)
+    for method in ("lanczos", "power"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="meanfield.krylov"):
+            est = local_lipschitz(att, X, method=method, tol=1e-8)
+        lines = [r.getMessage() for r in caplog.records if r.name == "meanfield.krylov"]
+        assert lines and all(f"local_lipschitz ({method}" in m and "of at most" in m for m in lines), lines
+        assert est.value == pytest.approx(truth, rel=1e-7)
