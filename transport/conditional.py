@@ -9,7 +9,7 @@ import torch
 from particles import Measure
 from particles.validation import check_allocation, check_bool, check_positive_float, weight_tolerance
 
-from .exact import emd_squared
+from .exact import EMD_BYTES_PER_PAIR, emd_squared
 from .options import check_memory_limit
 from .problem import check_pair, log_weights, needs_grad, normalize, to_units
 
@@ -123,9 +123,28 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squar
         total = total + (m64[gx[ix]] * ((x[ix] - y[iy]) ** 2).sum(1)).sum()
         if plan is not None:
             plan[ix, iy] = m64[gx[ix]].to(mu.dtype)
-    for s in torch.nonzero(~single)[:, 0].tolist():
-        ix = torch.nonzero(gx == s)[:, 0]
-        iy = torch.nonzero(gy == s)[:, 0]
+    slices = torch.nonzero(~single)[:, 0]
+    if slices.numel():
+        # every slice is solved exactly (network simplex): refuse the largest before any work, with what the
+        # caller of conditional_w2 can change (emd_squared's own message names methods conditional_w2 lacks)
+        pairs = count_x[slices] * count_y[slices]
+        big = int(slices[torch.argmax(pairs)])
+        n_big, m_big = int(count_x[big]), int(count_y[big])
+        check_allocation(EMD_BYTES_PER_PAIR * n_big * m_big,
+                         f"conditional_w2: the exact transport of the slice at position {float(s_mu[big]):.6g} "
+                         f"({n_big} atoms of mu, {m_big} of nu; {n_pos} positions)",
+                         "conditional W2 solves every slice exactly (there is no streaming or approximate "
+                         "method for it): put fewer atoms at each position, or raise the memory limit where "
+                         "the machine has the memory", limit)
+    # the atoms of each slice, by one stable sort of the groups (in increasing index within a slice, as
+    # torch.nonzero(gx == s) gives them): O(N log N) for all slices, instead of a scan of all atoms per slice
+    order_x, order_y = torch.argsort(gx, stable=True), torch.argsort(gy, stable=True)
+    start_x = (torch.cumsum(count_x, 0) - count_x).tolist()
+    start_y = (torch.cumsum(count_y, 0) - count_y).tolist()
+    cx, cy = count_x.tolist(), count_y.tolist()
+    for s in slices.tolist():
+        ix = order_x[start_x[s]:start_x[s] + cx[s]]
+        iy = order_y[start_y[s]:start_y[s] + cy[s]]
         a, b = lx[ix].exp(), ly[iy].exp()
         # centred on the slice, as for any exact solve (see transport.problem.normalize)
         c = (0.5 * (a @ x[ix] + b @ y[iy])).detach()
