@@ -5,8 +5,11 @@ j <= i when masked), Lip_{RX}(f) -> ||V||_2 sqrt(max_j #{i : m_i = j}) as R -> i
 exponentially fast (the softmax concentrates like exp(-gap R^2), gap the smallest score margin).
 The constant is computed along R for random directions (and one where every token attends to the
 same token, reaching ||V|| sqrt(n)), masked and unmasked, against the limit of
-``meanfield.bounds.large_radius_limit``. ||V|| sqrt(n) bounds the limit, not the constant at
-finite R: on the way the constant of a random direction rises well above it.
+``meanfield.bounds.large_radius_limit``. A third masked direction, ``hub_last`` (the unmasked hub
+placed last, where the tokens before it cannot see it), has masked and unmasked multiplicities that
+differ (1 or n - 1 against n): the other masked directions have the same limit masked and unmasked,
+so only this one tells Theorem 4.5's limit from Theorem 3.7's. ||V|| sqrt(n) bounds the limit, not
+the constant at finite R: on the way the constant of a random direction rises well above it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ..contract import THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
 
-__all__ = ["large_radius", "direction", "large_radius_task", "grid", "sup_claim"]
+__all__ = ["large_radius", "direction", "large_radius_task", "grid", "multiplicities", "masked_hub_claim", "sup_claim"]
 
 
 #: the largest radius of a curve
@@ -41,8 +44,10 @@ MAX_DRAWS = 64
 def direction(kind: str, n: int, d: int, seed: int, masked: bool = False) -> torch.Tensor:
     """A direction X (n, d) with max row norm 1: ``random`` (rows uniform on the unit sphere; the first of
     :data:`MAX_DRAWS` draws whose score gap for ``random_A(d, seed)`` is at least DECAY / R_CAP^2, so that its
-    limit is reached within R <= R_CAP) or ``hub`` (every token attends to token 0:
-    ``meanfield.adversarial.large_radius_configuration``, whose limit is ||V|| sqrt(n))."""
+    limit is reached within R <= R_CAP), ``hub`` (every token attends to token 0:
+    ``meanfield.adversarial.large_radius_configuration``, whose limit is ||V|| sqrt(n)) or ``hub_last``
+    (that construction with the hub last, ``hub = n - 1``: unmasked every token attends to it, masked
+    the tokens before it cannot, so the masked multiplicity is 1 or n - 1, not n; ``masked`` is unused)."""
     return _direction(kind, n, d, seed, masked)[0]
 
 
@@ -66,7 +71,11 @@ def _direction(kind, n, d, seed, masked):
         from meanfield import adversarial
 
         return adversarial.large_radius_configuration(random_A(d, seed), n, 1.0, masked=masked), 1
-    raise ValueError(f"kind: expected 'random' or 'hub', got {kind!r}")
+    if kind == "hub_last":
+        from meanfield import adversarial
+
+        return adversarial.large_radius_configuration(random_A(d, seed), n, 1.0, masked=False, hub=n - 1), 1
+    raise ValueError(f"kind: expected 'random', 'hub' or 'hub_last', got {kind!r}")
 
 
 def large_radius_task(kind: str, masked: bool, R: float, n: int, d: int, seed: int, *, device=None) -> dict:
@@ -90,6 +99,37 @@ def grid(level: str) -> dict:
     if level == "quick":
         return {"d": 4, "n": 12, "n_R": 14}
     return {"d": 6, "n": 32, "n_R": 30}
+
+
+def multiplicities(A, X) -> tuple[int, int]:
+    """(masked, unmasked) largest argmax multiplicity max_j #{i : m_i = j} of direction X, from the
+    scores (``bounds.argmax_indices``), not from ``bounds.large_radius_limit``."""
+    return tuple(int(np.bincount(bounds.argmax_indices(A, X, masked=m)).max()) for m in (True, False))
+
+
+def masked_hub_claim(hub: list[dict], late: list[dict], mult: tuple[int, int]) -> Claim:
+    """Theorem 4.5 along the masked hub directions: the hub first (token 0, the same limit as unmasked)
+    and the hub last (``hub_last``), whose masked multiplicity ``mult[0]`` differs from the unmasked
+    ``mult[1]``: a masked limit computed with the unmasked argmax would miss the constant there by
+    sqrt(mult[1] / mult[0]). Fails too when the two multiplicities coincide (the case would be lost)."""
+    a, b = hub[-1], late[-1]
+    mm, mu = mult
+    ok = a["rel_gap"] <= 1e-6 and b["rel_gap"] <= 1e-6 and mm != mu
+    return Claim(
+        "Theorem 4.5: Lip_(RX) -> ||V|| sqrt(max multiplicity), hub direction (hub first) and hub-last direction "
+        f"(masked multiplicity {mm}, unmasked {mu})",
+        f"{a['limit']:.6g} (hub first), {b['limit']:.6g} (hub last; unmasked formula "
+        f"{b['v_norm_sqrt_n'] * math.sqrt(mu / b['n']):.6g})",
+        f"{a['lip']:.6g} at R = {a['R']:.3g} (relative gap {a['rel_gap']:.1e}); {b['lip']:.6g} at R = {b['R']:.3g} "
+        f"(relative gap {b['rel_gap']:.1e})",
+        ok, f"tolerance 1e-6 at R where exp(-gap R^2) <= e^-40; score gaps {a['score_gap']:.3g}, "
+            f"{b['score_gap']:.3g}; hub last: meanfield.adversarial.large_radius_configuration with hub = n - 1 "
+            "(masked, the tokens before it cannot see it)", kind=THEOREM,
+        fails_if="at the largest R (exp(-gap R^2) <= e^-40) the constant of either masked hub direction differs "
+                 "from the limit by more than 1e-6 (relative), or the hub-last direction's masked and unmasked "
+                 "multiplicities coincide (no masked case would then tell Theorem 4.5's limit from Theorem 3.7's)",
+        short="Thm 4.5: Lip -> ‖V‖ sqrt(max mult.) as R grows, hub first and hub last",
+        short_measured=f"relative gaps {a['rel_gap']:.1e}, {b['rel_gap']:.1e}; hub last: mult {mm} (unmasked {mu})")
 
 
 def sup_claim(rows: list[dict]) -> Claim:
@@ -134,7 +174,14 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
         for R in np.geomspace(0.25, r_max[(kind, masked)], n_R):
             points.append({"kind": kind, "masked": masked, "R": float(R), "n": n, "d": d, "seed": seed})
     rows = run_grid(large_radius_task, points, out_dir, "large_radius", ctx, device=ctx.device)
-    write_csv(rows, out_dir / "lipschitz_vs_R.csv")
+    # the hub last, masked: its own sweep (the grid above keeps its points)
+    X_late = direction("hub_last", n, d, seed)
+    mult_late = multiplicities(A, X_late)
+    r_max[("hub_last", True)] = min(R_CAP, math.sqrt(DECAY / max(bounds.score_gap(A, X_late, masked=True), 1e-12)))
+    late = run_grid(large_radius_task, [{"kind": "hub_last", "masked": True, "R": float(R), "n": n, "d": d,
+                                         "seed": seed} for R in np.geomspace(0.25, r_max[("hub_last", True)], n_R)],
+                    out_dir, "large_radius_hub_last", ctx, device=ctx.device)
+    write_csv(rows + late, out_dir / "lipschitz_vs_R.csv")
 
     fig, axes = P.figure(ncols=2, width=10.5, height=4.8)
     claims = []
@@ -145,6 +192,9 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
             P.theory(ax, [sel[0]["R"], sel[-1]["R"]], [sel[0]["limit"]] * 2,
                      "its limit ||V|| sqrt(max multiplicity)", color=P.COLORS[i], kind="limit")
             end = sel[-1]
+            if masked and kind == "hub":
+                claims.append(masked_hub_claim(sel, late, mult_late))
+                continue
             claims.append(Claim(
                 f"Theorem {'4.5' if masked else '3.7'}: Lip_(RX) -> ||V|| sqrt(max multiplicity), {kind} direction",
                 f"{end['limit']:.6g}", f"{end['lip']:.6g} at R = {end['R']:.3g} (relative gap {end['rel_gap']:.1e})",
@@ -155,6 +205,11 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
                 short=f"Thm {'4.5' if masked else '3.7'}: Lip -> ‖V‖ sqrt(max multiplicity) as R grows, {kind} "
                       "direction",
                 short_measured=f"relative gap {end['rel_gap']:.1e} at R = {end['R']:.3g}"))
+        if masked:
+            P.measured(ax, [r["R"] for r in late], [r["lip"] for r in late], "hub-last direction",
+                       color=P.COLORS[2])
+            P.theory(ax, [late[0]["R"], late[-1]["R"]], [late[0]["limit"]] * 2,
+                     "its limit ||V|| sqrt(max multiplicity)", color=P.COLORS[2], kind="limit")
         ax.axhline(rows[0]["v_norm_sqrt_n"], color="k", lw=0.8, ls="--",
                    label="||V|| sqrt(n): the largest limit (R -> inf), not a bound at finite R")
         P.finish(ax, "radius R", "local Lipschitz constant at R X", f"{'masked' if masked else 'unmasked'}, n={n}, "
@@ -163,7 +218,9 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
     save_figure(fig, out_dir / "lipschitz_vs_R.png")
     claims.append(sup_claim(rows))
     notes = (f"A and V are {d}x{d} Gaussian matrices / sqrt(d) (seed {seed}); {n} tokens with unit-norm rows; "
-             "'hub' is meanfield.adversarial.large_radius_configuration: every token attends to token 0. The "
+             "'hub' is meanfield.adversarial.large_radius_configuration: every token attends to token 0; "
+             f"'hub_last' (masked only) is that construction with the hub last, masked multiplicity {mult_late[0]} "
+             f"against {mult_late[1]} unmasked. The "
              f"largest R of each curve is sqrt({DECAY:g} / gap) (capped at {R_CAP:g}) with gap the smallest top-two "
              f"score margin; a random direction is the first draw whose gap reaches {DECAY / R_CAP**2:g}, so that "
              f"its limit is reached within R <= {R_CAP:g} (draws: "
