@@ -658,15 +658,33 @@ def lemma38_claim(tables) -> Claim:
                                 "not measured")))
 
 
-def head_witness_claim(adv) -> Claim | None:
+def radius_deviation(adv, lip) -> float | None:
+    """The largest relative deviation of the witnesses' "real" radius R from the layer's mean token norm
+    recomputed from the per-sequence rows of the real-text table (sum of r_mean n over sum of n, the attention
+    map's rows); None without such rows."""
+    sums: dict = {}
+    for r in lip:
+        if r["map"] == "attention":
+            key = (r["model"], r["mode"], r["layer"])
+            total, count = sums.get(key, (0.0, 0))
+            sums[key] = (total + r["r_mean"] * r["n"], count + r["n"])
+    devs = [abs(r["R"] * sums[k][1] / sums[k][0] - 1.0) for r in adv
+            if r["radius"] == "real" and (k := (r["model"], r["mode"], r["layer"])) in sums]
+    return max(devs) if devs else None
+
+
+def head_witness_claim(adv, lip=None) -> Claim | None:
     """Proposition 3.4 at every measured real head's witness (V = I, float64): the bound holds, and the
     measured Lip / bound equals the witness's exact factor (``witness_factor``: its top singular value in
     closed form, which counts the head's non-normal A through A^T u, over the bound formed without the
     bound's formula, so that a wrong bound fails as well as a wrong witness) within the certificate's
-    error bar plus :data:`studies.common.WITNESS_FLOOR`; the sqrt_n study's check, on real heads."""
+    error bar plus :data:`studies.common.WITNESS_FLOOR`; the sqrt_n study's check, on real heads. With the
+    real-text rows ``lip``, also that the witnesses' "real" radius is the layer's mean token norm
+    (:func:`radius_deviation`, 1e-12): a radius taken otherwise (the largest norm) moved no verdict."""
     heads = [r for r in adv if r["head_converged"] and r["n"] > 1]
     if not heads:
         return None
+    r_dev = None if lip is None else radius_deviation(adv, lip)
     low = [r for r in heads if r["lip_head"] + r["lip_head_error"] < r["lower"] * (1 - 1e-9)]
     checks = witness_checks(heads, "lip_head", "lip_head_error")
     off = [c for c in checks if c[0] > c[1]]
@@ -690,20 +708,24 @@ def head_witness_claim(adv) -> Claim | None:
         f"{len(low)} violations of the bound of {len(heads)}; {len(off)} of {len(heads)} off the computed factor"
         + (f" ({second} matched a singular value below the top, within {PAIR_RESOLUTION:g} of it)" if second else "")
         + f" (at the witness nearest its tolerance: deviation {worst[0]:.1e}, allowed {worst[1]:.1e})"
-        + f"; Lip / lower - 1 in [{min(ratios):.1e}, {max(ratios):.1e}]" + why,
-        not low and not off, "Lip + error bar compared with the bound (1e-9 relative); the factor's tolerance is the "
+        + f"; Lip / lower - 1 in [{min(ratios):.1e}, {max(ratios):.1e}]" + why
+        + ("" if r_dev is None else f"; the real radius is the layers' mean token norm within {r_dev:.0e}"),
+        not low and not off and (r_dev is None or r_dev <= 1e-12),
+        "Lip + error bar compared with the bound (1e-9 relative); the factor's tolerance is the "
                              f"certificate's relative error bar plus {WITNESS_FLOOR:g} (the closed form is exact); "
                              f"singular values within {PAIR_RESOLUTION:g} of the top count as well as the top",
         kind=THEOREM, fails_if="the head's certified constant plus its error bar is below the lower bound at some "
                                "witness, or Lip / bound differs from the computed factor by more than the tolerance "
-                               "(a bound or a witness off by a constant factor, e.g. 1.001 or sqrt(2))",
+                               "(a bound or a witness off by a constant factor, e.g. 1.001 or sqrt(2)), or the real "
+                               "radius differs from the layer's mean token norm recomputed from the real-text rows "
+                               "by more than 1e-12",
         short="Prop 3.4 holds at every real head's witness, attained as computed",
         short_measured=f"{len(low)} of {len(heads)} below; {len(off)} of {len(heads)} off the computed factor")
 
 
 def _bound_claims(tables) -> list[Claim]:
     claims = [lemma38_claim(tables)]
-    head = head_witness_claim(tables["adversarial"])
+    head = head_witness_claim(tables["adversarial"], tables["lipschitz"])
     return claims + ([head] if head is not None else [])
 
 
