@@ -246,8 +246,17 @@ class HFAttention(AttentionOperator):
         return Parameters(heads, raw.W_O, raw.bias, self.masked, caveat, legacy)
 
     def _check_eval(self):
-        if self.module.training or (self.ln is not None and self.ln.training):
-            raise ValueError("module: is in training mode (dropout makes the map random); call model.eval()")
+        """Training mode is refused where it makes the map random: a dropout of p > 0 (GPT-2 and BERT apply theirs
+        through nn.Dropout modules, whose p their attention reads too). With every dropout at 0 the map is
+        deterministic, as for torch's MultiheadAttention adapter."""
+        mods = [self.module] + ([self.ln] if self.ln is not None else [])
+        if not any(m.training for m in mods):
+            return
+        p = max((d.p for m in mods for d in m.modules()
+                 if isinstance(d, torch.nn.modules.dropout._DropoutNd) and d.training), default=0.0)
+        if p > 0:
+            raise ValueError(f"module: is in training mode with dropout p = {p:g} (a random map); call model.eval(), "
+                             "or build the model with its dropout probabilities at 0")
 
     def _heads(self, hidden, mask):
         """The attention alone on ``hidden`` (b, N, d) with the additive ``mask`` (b or 1, 1, N, N)."""

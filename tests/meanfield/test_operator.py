@@ -193,8 +193,26 @@ def test_hf_layer_lipschitz_ratio_against_lp_w2():
 def test_hf_module_in_training_mode_is_refused():
     model = tiny_bert().train()
     op = HFAttention.from_model(model, 0)
-    with pytest.raises(ValueError, match="training mode"):
+    with pytest.raises(ValueError, match=r"training mode with dropout p = 0\.1"):
         op.sequence(rand(4, 8))
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_hf_module_in_training_mode_without_dropout_is_the_eval_map(block):
+    """Training mode with every dropout at 0 is a deterministic map (as torch's MultiheadAttention adapter already
+    took it): accepted, and equal to the module in eval mode; a dropout of p > 0 anywhere in the block is refused."""
+    model = tiny_bert()
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    X = rand(4, 8)
+    want = HFAttention.from_model(model, 0, block=block).sequence(X)
+    model.train()
+    got = HFAttention.from_model(model, 0, block=block).sequence(X)
+    assert torch.equal(got, want)
+    model.encoder.layer[0].attention.output.dropout.p = 0.2
+    with pytest.raises(ValueError, match=r"training mode with dropout p = 0\.2"):
+        HFAttention.from_model(model, 0, block=block).sequence(X)
 
 
 # ---------------------------------------------------------------------- torch.nn.MultiheadAttention
