@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.func import jacfwd, jacrev
 
+from particles.progress import Heartbeat
 from particles.validation import check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
 
@@ -140,27 +140,20 @@ def _rayleigh_from_image(u, Bu):
 # ---------------------------------------------------------------------- power iteration
 log = logging.getLogger(__name__)
 
-#: a solve longer than this many seconds logs its progress at INFO (logger ``meanfield.krylov``) about as often
-PROGRESS_SECONDS = 5.0
-
-
 class _Progress:
-    """INFO lines of a long estimate, at most one per :data:`PROGRESS_SECONDS`: the Jacobian products made of the
-    budget and the largest estimated relative error (a solve shorter than that says nothing). On CPU a product
-    at N = 1e5 atoms takes about a minute: without them a run gave no sign of life for hours."""
+    """INFO lines of a long estimate (:class:`particles.progress.Heartbeat`): the Jacobian products made of the
+    budget and the largest estimated relative error (a solve shorter than the period says nothing). On CPU a
+    product at N = 1e5 atoms takes about a minute: without them a run gave no sign of life for hours."""
 
     def __init__(self, what: str, budget: int):
         self.what, self.budget = what, budget
-        self.start = self.last = time.monotonic()
+        self.beat = Heartbeat()
 
     def __call__(self, step: int, value, err) -> None:
-        now = time.monotonic()
-        if now - self.last < PROGRESS_SECONDS:
-            return
-        self.last = now
-        rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
-        log.info("%s: step %d of at most %d, estimate %.6g, relative error about %.2g, %.0f s", self.what, step,
-                 self.budget, float(value.max()), rel, now - self.start)
+        if self.beat.due():
+            rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
+            log.info("%s: step %d of at most %d, estimate %.6g, relative error about %.2g, %.0f s", self.what, step,
+                     self.budget, float(value.max()), rel, self.beat.elapsed)
 
 
 def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:

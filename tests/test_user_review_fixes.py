@@ -15,10 +15,10 @@ import torch
 
 import transport
 from meanfield import as_operator, local_lipschitz
-from particles import Measure, load_measure, save_measure
+from particles import Measure, load_measure, progress, save_measure
 from particles.io import read_header
 from particles.validation import ConvergenceError
-from transport import sinkhorn, solve, streaming_sinkhorn, symmetric_potential, w2
+from transport import solve, symmetric_potential, w2
 
 F64 = torch.float64
 
@@ -163,7 +163,7 @@ def test_dense_sinkhorn_logs_progress_and_its_rounds_are_one_uninterrupted_run(m
         return res, torch.autograd.grad(res.value, X)[0]
 
     whole, grad_whole = run()
-    monkeypatch.setattr(sinkhorn, "PROGRESS_SECONDS", 0.0)   # a round of 10 iterations, and a line, each time
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)   # a round of 10 iterations, and a line, each time
     calls = []
     real = ot.sinkhorn
     monkeypatch.setattr(ot, "sinkhorn", lambda *a, **k: calls.append(k["numItermax"]) or real(*a, **k))
@@ -185,7 +185,7 @@ def test_streaming_sinkhorn_logs_progress_of_long_solves_only(monkeypatch, caplo
         solve(*far_pair, "streaming", reg=0.05, tol=1e-4)
         solve(*far_pair, "sinkhorn", reg=0.05, tol=1e-4)
     assert not [r for r in caplog.records if r.levelno >= logging.INFO]
-    monkeypatch.setattr(streaming_sinkhorn, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
     with caplog.at_level(logging.INFO, logger="transport"):
         solve(*far_pair, "streaming", reg=0.05, tol=1e-4)
     lines = [r.getMessage() for r in caplog.records if r.name == "transport.streaming_sinkhorn"]

@@ -211,7 +211,7 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         :class:`~particles.validation.ConvergenceError` carrying this result (``.estimate``), or
         "warn" (RuntimeWarning) and return it with ``converged=False``. As for
         :func:`meanfield.local_lipschitz`. A solve running longer than a few seconds logs its progress at
-        INFO on the ``transport`` logger (every ``PROGRESS_SECONDS`` of :mod:`transport.streaming_sinkhorn`, 5 s).
+        INFO on the ``transport`` logger (every :data:`particles.progress.PROGRESS_SECONDS`, 5 s).
     memory_limit : int or str
         Bytes (or "16G") a dense method may take; default ``$SMOOTH_ATTENTION_MEMORY_LIMIT`` or
         8 GiB. Above it a :class:`~particles.validation.MemoryLimitError` names the size and the

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
 import ot
 import torch
 
-from particles import Measure
+from particles import Measure, progress
+from particles.progress import Heartbeat
 from particles.validation import ConvergenceError, check_allocation
 
 from .options import DEFAULT_CHUNK_ELEMENTS
 from .problem import Problem, sq_dists
 from .result import worst_error
-from .streaming_sinkhorn import PROGRESS_SECONDS, extend_potential, symmetric_potential
+from .streaming_sinkhorn import extend_potential, symmetric_potential
 
 #: Peak memory of a dense solve per pair of atoms, in matrices of the dtype, measured (ru_maxrss) at
 #: N = M = 1500 in float64: 7.4 (debiased) to 9.3 (plan cost); 10 leaves a margin.
@@ -42,11 +42,11 @@ logger = logging.getLogger(__name__)
 
 def _pot_sinkhorn(a, b, C, eps, max_iter, stop, warm, what):
     """POT's log-domain Sinkhorn for at most ``max_iter`` iterations, run in rounds of about
-    :data:`PROGRESS_SECONDS` each, continued from the last round's log-scalings (POT's state), so that a long
-    solve logs its progress at INFO between rounds; the iterates and the stopping test are those of one
-    uninterrupted run, and so is the gradient through them (to rounding: each round adds its own node -C / eps
-    to the graph). Returns (POT's log of the last round, iterations in all)."""
-    start = last = time.monotonic()
+    :data:`particles.progress.PROGRESS_SECONDS` each, continued from the last round's log-scalings (POT's
+    state), so that a long solve logs its progress at INFO between rounds; the iterates and the stopping test
+    are those of one uninterrupted run, and so is the gradient through them (to rounding: each round adds its
+    own node -C / eps to the graph). Returns (POT's log of the last round, iterations in all)."""
+    beat = Heartbeat()
     done, size = 0, FIRST_ROUND
     while True:
         k = min(size, max_iter - done)
@@ -57,15 +57,13 @@ def _pot_sinkhorn(a, b, C, eps, max_iter, stop, warm, what):
         if ran < k or done >= max_iter:   # POT stopped on its test (only on an iteration 10 j), or the budget is spent
             return log, done
         warm = (log["log_u"], log["log_v"])
-        now = time.monotonic()
-        if now - last >= PROGRESS_SECONDS:
-            last = now
+        if beat.due():
             err = log["err"][-1] if log["err"] else math.nan
             err = float(err.detach() if isinstance(err, torch.Tensor) else err)
             logger.info("%s: %d of at most %d iterations, POT's column L2 error %.3g (stops below %.3g), %.0f s",
-                        what, done, max_iter, err, stop, now - start)
-        per = max((now - start) / done, 1e-9)
-        size = FIRST_ROUND * max(1, int(PROGRESS_SECONDS / per / FIRST_ROUND))
+                        what, done, max_iter, err, stop, beat.elapsed)
+        per = max(beat.elapsed / done, 1e-9)
+        size = FIRST_ROUND * max(1, int(progress.PROGRESS_SECONDS / per / FIRST_ROUND))
 
 
 def _entropic(x, y, log_a, log_b, eps, tol, max_iter, warm=None, what="w2 (sinkhorn)"):

@@ -42,13 +42,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
-import time
 import warnings
 
 import torch
 
 from particles import Measure
 from particles.device import run_triton
+from particles.progress import Heartbeat
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
 from . import multiscale, tiles, truncation
@@ -70,27 +70,22 @@ PROBE = 10.0
 #: of the block: used to estimate the solver's memory before running it.
 BLOCK_TEMPORARIES = 3
 
-#: A solve that runs longer than this many seconds logs its progress at INFO (logger ``transport``) about as often.
-PROGRESS_SECONDS = 5.0
-
 log = logging.getLogger(__name__)
 
 
 class Progress:
-    """INFO lines of a long solve, at most one per :data:`PROGRESS_SECONDS`: a sign of life with the updates
-    made and the error reached (a solve shorter than that says nothing). ``what`` names the problem."""
+    """INFO lines of a long solve (:class:`particles.progress.Heartbeat`): a sign of life with the updates made
+    and the error reached (a solve shorter than the period says nothing). ``what`` names the problem."""
 
     def __init__(self, what: str, max_iter: int, tol: float):
         self.what, self.max_iter, self.tol = what, max_iter, tol
-        self.start = self.last = time.monotonic()
+        self.beat = Heartbeat()
 
     def __call__(self, it: int, err: float | None = None) -> None:
-        now = time.monotonic()
-        if now - self.last < PROGRESS_SECONDS:
-            return
-        self.last = now
-        where = "annealing" if err is None else f"marginal L1 error {err:.3g} (tol {self.tol:.3g})"
-        log.info("%s: %d of at most %d updates, %s, %.0f s", self.what, it, self.max_iter, where, now - self.start)
+        if self.beat.due():
+            where = "annealing" if err is None else f"marginal L1 error {err:.3g} (tol {self.tol:.3g})"
+            log.info("%s: %d of at most %d updates, %s, %.0f s", self.what, it, self.max_iter, where,
+                     self.beat.elapsed)
 
 
 class _EntropicValue(torch.autograd.Function):

@@ -513,9 +513,9 @@ def test_long_lipschitz_estimates_log_their_progress(monkeypatch, caplog):
     logs at INFO, and the estimate is unchanged (the dense Jacobian's top singular value)."""
     import logging
 
-    from meanfield import krylov
+    from particles import progress
 
-    monkeypatch.setattr(krylov, "PROGRESS_SECONDS", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 0.0)
     X = rand(6, 3, seed=2)
     att = SelfAttention(rand(3, 3, seed=3), rand(3, 3, seed=4))
     truth = dense_lip(att.sequence, X)
