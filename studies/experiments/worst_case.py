@@ -133,15 +133,13 @@ def naive_attention(X: torch.Tensor, A: torch.Tensor, masked: bool) -> torch.Ten
 
 
 def dense_constant(X: torch.Tensor, A: torch.Tensor, masked: bool) -> float:
-    """||D_X f||_2 of :func:`naive_attention` from its dense Jacobian (automatic differentiation, one row
-    at a time) and an SVD."""
-    J = torch.autograd.functional.jacobian(lambda Y: naive_attention(Y, A, masked), X)
-    return float(torch.linalg.matrix_norm(J.reshape(X.numel(), X.numel()), ord=2))
+    """||D_X f||_2 of :func:`naive_attention`: the largest of :func:`dense_singular_values`."""
+    return float(dense_singular_values(X, A, masked)[0])
 
 
 def dense_singular_values(X: torch.Tensor, A: torch.Tensor, masked: bool) -> np.ndarray:
-    """All singular values of D_X f of :func:`naive_attention` (dense Jacobian, as :func:`dense_constant`),
-    largest first."""
+    """All singular values of D_X f of :func:`naive_attention`, largest first, from its dense Jacobian (automatic
+    differentiation, one row at a time) and an SVD."""
     J = torch.autograd.functional.jacobian(lambda Y: naive_attention(Y, A, masked), X)
     return torch.linalg.svdvals(J.reshape(X.numel(), X.numel())).numpy()
 
