@@ -65,7 +65,11 @@ class Measure:
     weights : ``(N,)`` or None
         Non-negative masses summing to one (None: uniform). ``normalize=True`` divides by the sum.
     positions : ``(N,)`` or None
-        Positions s_j in [0, 1] for masked attention (None: an unmasked measure).
+        Positions s_j in [0, 1] for masked attention (None: an unmasked measure). They enter attention
+        only through the comparisons s_j <= s_i, so operators are piecewise constant in them: their
+        derivative is zero wherever no two positions tie, and autograd reports positions that require
+        grad as unused (``allow_unused=True`` gives None); a pushforward carries them through unchanged
+        (docs/math.md section 2.4).
     log_weights : ``(N,)`` or None
         Alternative to ``weights`` for masses that underflow (entries may be ``-inf``).
     """

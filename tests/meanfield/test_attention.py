@@ -115,6 +115,34 @@ def test_duplicated_tokens_equal_merged_measure():
 
 
 @pytest.mark.parametrize("op_kind", ["single", "mha", "l2"])
+def test_positions_act_only_through_their_order(op_kind):
+    """docs/math.md 2.4: F^m is piecewise constant in the positions. An order-preserving move of them (ties kept)
+    changes no output; autograd reports them unused for the output points and gives the identity for the output
+    positions (carried through); moving one position past another does change the output."""
+    d = 3
+    if op_kind == "single":
+        op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2), masked=True)
+    elif op_kind == "mha":
+        op = MultiHeadAttention([SelfAttention(rand(d, d, seed=s), rand(2, d, seed=s + 9), masked=True)
+                                 for s in range(2)], rand(d, 4, seed=5))
+    else:
+        op = L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), masked=True)
+    X = rand(6, d, seed=3).requires_grad_()
+    s = torch.tensor([0.1, 0.3, 0.3, 0.5, 0.8, 0.9], dtype=f64, requires_grad=True)
+    w = torch.tensor([0.1, 0.2, 0.15, 0.25, 0.1, 0.2], dtype=f64)
+    out = op(Measure(X, w, s))
+    moved = op(Measure(X.detach(), w, torch.tensor([0.0, 0.2, 0.2, 0.55, 0.6, 1.0], dtype=f64)))
+    torch.testing.assert_close(moved.points, out.points.detach(), rtol=0, atol=1e-15)
+    gx, gs = torch.autograd.grad(out.points.square().sum(), [X, s], allow_unused=True)
+    assert gs is None and torch.isfinite(gx).all() and gx.abs().max() > 0
+    assert out.positions is s
+    (ident,) = torch.autograd.grad(out.positions @ torch.arange(6.0, dtype=f64), [s])
+    torch.testing.assert_close(ident, torch.arange(6.0, dtype=f64))
+    swapped = op(Measure(X.detach(), w, torch.tensor([0.1, 0.3, 0.3, 0.95, 0.8, 0.9], dtype=f64)))
+    assert (swapped.points - out.points.detach()).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("op_kind", ["single", "mha", "l2"])
 def test_masked_output_does_not_depend_on_later_tokens(op_kind):
     d, n = 4, 6
     if op_kind == "single":
