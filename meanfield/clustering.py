@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from particles import Measure
+from particles.linkage import cells_resolve, linked_components
 from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
@@ -86,55 +87,14 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     if not 0 < slack <= 1:
         raise ValueError(f"slack: expected a number in (0, 1], got {slack}")
     side = slack * tol / (2 * math.sqrt(d))
-    cells = np.floor(X / side).astype(np.int64)
+    if not cells_resolve(X, side):
+        raise ValueError(f"tol: {tol:g} is below the resolution of the points' coordinates (cells of side {side:g} "
+                         f"across their extent); give a larger tol")
+    cells = np.floor((X - X.min(0)) / side).astype(np.int64)
     _, rep_idx, cell_of = np.unique(cells, axis=0, return_index=True, return_inverse=True)
     reps = X[rep_idx]
-    comp = _linked_components(reps, tol * (1 + slack))
+    comp = linked_components(reps, tol * (1 + slack))
     return _first_occurrence(comp[cell_of.reshape(-1)])
-
-
-def _linked_components(reps: np.ndarray, r: float) -> np.ndarray:
-    """Connected components of the graph linking points at distance <= r, without listing its edges (a partly
-    collapsed cloud has about m^2 / 2 of them: 3.9 GB at 1e5 tokens). Points are grouped in coarse cells of
-    diameter r, each group connected inside; two groups are linked when their closest pair is within r, asked
-    only for groups whose cells can hold such a pair and not already joined (union-find), one nearest-neighbour
-    query per point of the smaller group. The same components as the full edge list; memory O(m)."""
-    m, d = reps.shape
-    side = r / math.sqrt(d)
-    keys = np.floor(reps / side).astype(np.int64)
-    _, group = np.unique(keys, axis=0, return_inverse=True)
-    group = group.reshape(-1)
-    k = int(group.max()) + 1
-    from scipy.spatial import cKDTree
-
-    order = np.argsort(group, kind="stable")
-    counts = np.bincount(group, minlength=k)
-    bounds = np.concatenate([[0], np.cumsum(counts)])
-    members = lambda g: order[bounds[g]:bounds[g + 1]]
-    centers = np.stack([np.bincount(group, weights=reps[:, j], minlength=k) for j in range(d)], 1) / counts[:, None]
-    # two groups' points lie within their cell diameter (r) of the group's mean: closer than r + 2 r needed
-    candidates = cKDTree(centers).query_pairs(r=3 * r, output_type="ndarray")
-    parent = np.arange(k)
-
-    def find(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    trees = {}
-    for a, b in candidates:
-        ra, rb = find(a), find(b)
-        if ra == rb:
-            continue
-        small, large = (a, b) if counts[a] <= counts[b] else (b, a)
-        if large not in trees:
-            trees[large] = cKDTree(reps[members(large)])
-        dist, _ = trees[large].query(reps[members(small)], k=1, distance_upper_bound=r * (1 + 1e-12))
-        if np.isfinite(dist).any():
-            parent[ra] = rb
-    roots = np.array([find(g) for g in range(k)])
-    return roots[group]
 
 
 def _first_occurrence(raw: np.ndarray) -> np.ndarray:

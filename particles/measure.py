@@ -380,8 +380,9 @@ class Measure:
         Each group becomes one atom of summed weight at the weight-averaged location, at its atoms'
         common position (atoms at different positions never merge, whatever ``atol``): duplicated
         atoms and one atom of the summed weight are the same measure (docs/math.md section 2).
-        Groups are the connected components of the "within atol" relation; order follows the
-        first atom of each group.
+        Groups are the connected components of the "within atol" relation, found in memory O(N)
+        (:func:`particles.linkage.linked_components`: a collapsed cloud is not a list of N^2 / 2 pairs);
+        order follows the first atom of each group.
         """
         atol = float(atol)
         if not atol >= 0:
@@ -394,7 +395,8 @@ class Measure:
             # spaced by more than atol in the max-norm (a merged atom keeps its atoms' common position)
             _, rank = np.unique(self._positions.detach().cpu().numpy(), return_inverse=True)
             rank = rank.reshape(-1).astype(np.float64)
-            spacing = 2.0 * atol + 1.0
+            # ranks 2 atol apart: farther than atol (they never link), two cells of linked_components apart
+            spacing = 2.0 * atol if atol > 0 else 1.0
             if math.isfinite(spacing * max(1.0, float(rank.max()))):
                 labels = _group_labels(np.concatenate([X.astype(np.float64), rank[:, None] * spacing], axis=1), atol)
             else:   # atol too large to space the ranks (every finite pair of points is within it): atoms of one
@@ -526,35 +528,25 @@ def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises
 
 
-#: bytes per pair of atoms Measure.merge links: the (pairs, 2) int64 array, the COO matrix (data, row, col)
-#: and connected_components' symmetric CSR copy
-_MERGE_BYTES_PER_PAIR = 64
 
 
 def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:
-    """Connected components of {i ~ j : max|X_i - X_j| <= atol}, labelled by first occurrence."""
+    """Connected components of {i ~ j : max|X_i - X_j| <= atol}, labelled by first occurrence: exact duplicates
+    for atol = 0, :func:`particles.linkage.linked_components` otherwise (memory O(N): every atom of a collapsed
+    cloud within atol of every other is one group, not a list of N^2 / 2 pairs), and the list of pairs within atol
+    where atol is below the resolution of the coordinates (only nearly coinciding atoms are linked: few pairs)."""
     n = X.shape[0]
     if atol == 0.0:
         _, first, inv = np.unique(X, axis=0, return_index=True, return_inverse=True)
         inv = inv.reshape(-1)
     else:
-        from scipy.sparse import coo_matrix
-        from scipy.sparse.csgraph import connected_components
-        from scipy.spatial import cKDTree
+        from .linkage import linked_components
 
-        tree = cKDTree(X)
-        # count the pairs within atol first (the dual-tree count allocates nothing per pair): every pair
-        # becomes an index pair, a sparse entry and its symmetric CSR copy
-        pairs = (int(tree.count_neighbors(tree, atol, p=np.inf)) - n) // 2
-        check_allocation(_MERGE_BYTES_PER_PAIR * pairs, f"Measure.merge(atol={atol:g}): {pairs} pairs of atoms "
-                         f"within atol of {n} atoms", "use a smaller atol (atoms closer than it are merged)")
-        pairs = tree.query_pairs(r=atol, p=np.inf, output_type="ndarray")
-        graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(n, n)) if len(pairs) \
-            else coo_matrix((n, n))
-        _, inv = connected_components(graph, directed=False)
-        first = np.full(inv.max() + 1, n)
+        inv = linked_components(X, atol, p=math.inf, what=f"Measure.merge(atol={atol:g})")
+        first = np.full(int(inv.max()) + 1, n)
         np.minimum.at(first, inv, np.arange(n))
     # relabel groups by the index of their first atom so that the original order is kept
     rank = np.empty_like(first)
     rank[np.argsort(first, kind="stable")] = np.arange(len(first))
     return rank[inv]
+

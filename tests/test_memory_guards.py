@@ -31,18 +31,28 @@ def test_measure_sphere_of_10_to_the_10_atoms():
     assert torch.allclose(mu.points.norm(dim=1), torch.full((100,), 2.0, dtype=torch.float64))
 
 
-def test_merge_of_50000_atoms_in_a_small_box():
-    """5e4 atoms in a 1e-3 box, atol = 1e-3: every pair is within atol (1.25e9 pairs)."""
-    X = np.random.default_rng(0).random((50_000, 2)) * 1e-3
-    pairs = 50_000 * 49_999 // 2
-    with pytest.raises(MemoryLimitError, match=rf"Measure.merge\(atol=0.001\): {pairs} pairs of atoms.*"
-                                               r"use a smaller atol"):
-        Measure(X).merge(atol=1e-3)
+def test_merge_of_50000_atoms_in_two_small_boxes_lists_no_pairs(monkeypatch):
+    """5e4 atoms in two 1e-3 boxes, atol = 1e-3: every pair inside a box is within atol (6.2e8 pairs, 40 GB as a
+    list, which merge once refused). Under a 64 MiB limit it gives the two boxes' atoms, each of its box's mass at
+    its box's weighted mean (particles.linkage: no pair is listed)."""
+    rng = np.random.default_rng(0)
+    X = rng.random((50_000, 2)) * 1e-3
+    X[::2] += 5.0
+    w = rng.random(50_000)
+    w /= w.sum()
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * 2**20))
+    m = Measure(X, w).merge(atol=1e-3)
+    assert m.n == 2
+    for box, j in ((0, 0), (1, 1)):   # the first atom is in the far box: it comes first
+        part = slice(0, None, 2) if box == 0 else slice(1, None, 2)
+        torch.testing.assert_close(m.weights[j], torch.tensor(w[part].sum(), dtype=torch.float64), rtol=1e-12, atol=0)
+        mean = (w[part, None] * X[part]).sum(0) / w[part].sum()
+        torch.testing.assert_close(m.points[j], torch.as_tensor(mean), rtol=1e-12, atol=1e-15)
 
 
 def test_merge_below_the_limit_groups_like_a_brute_force_union(monkeypatch):
     """Chains of atoms closer than atol merge into one (connected components), compared with a union-find
-    over all pairs written here; the guard's pair count is exact (a limit of 64 bytes per pair passes)."""
+    over all pairs written here, whatever the memory limit (no pair is listed)."""
     rng = np.random.default_rng(1)
     X = rng.random((200, 2))
     atol = 0.04
@@ -56,11 +66,31 @@ def test_merge_below_the_limit_groups_like_a_brute_force_union(monkeypatch):
     for i, j in close:
         parent[find(i)] = find(j)
     groups = len({find(i) for i in range(200)})
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * len(close)))
-    assert Measure(X).merge(atol=atol).n == groups
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * len(close) - 1))
-    with pytest.raises(MemoryLimitError, match=f"{len(close)} pairs"):
-        Measure(X).merge(atol=atol)
+    roots = [find(i) for i in range(200)]
+    for limit in (64 * len(close), 1):
+        monkeypatch.setenv(MEMORY_LIMIT_ENV, str(limit))
+        m = Measure(X).merge(atol=atol)
+        assert m.n == groups
+        # each merged atom is its group's mean (uniform weights), groups in order of their first atom
+        firsts = sorted({r: i for i, r in reversed(list(enumerate(roots)))}.values())
+        for j, i in enumerate(firsts):
+            members = [t for t in range(200) if roots[t] == roots[i]]
+            np.testing.assert_allclose(m.points[j].numpy(), X[members].mean(0), rtol=1e-12)
+
+
+def test_merge_below_the_resolution_of_the_coordinates_lists_its_pairs_under_the_guard(monkeypatch):
+    """An atol below the resolution of the coordinates (1e-17 across an extent of 1: cells cannot index it) links
+    only nearly coinciding atoms, listed as pairs under the memory guard: 200 atoms 1e-20 apart near 0 (19900
+    pairs) and one at 1."""
+    X = np.concatenate([np.arange(200.0)[:, None] * 1e-20, [[1.0]]])
+    pairs = 200 * 199 // 2
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * pairs))
+    m = Measure(X).merge(atol=1e-17)
+    assert m.n == 2 and m.weights[0] == pytest.approx(200 / 201, rel=1e-14)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * pairs - 1))
+    with pytest.raises(MemoryLimitError, match=rf"Measure.merge\(atol=1e-17\): {pairs} pairs of atoms.*"
+                                               r"use a smaller atol"):
+        Measure(X).merge(atol=1e-17)
 
 
 def test_argmax_indices_and_score_gap_at_100000_tokens(monkeypatch):
@@ -106,3 +136,19 @@ def test_the_worst_case_search_names_its_own_options_when_memory_runs_short(monk
     assert "max_iter" not in str(exc.value) and "max_iter" not in inspect.signature(worst_case_sequence).parameters
     res = worst_case_sequence(att, 1.0, 40, budget=200, options=SearchOptions(batch_size=1))
     assert 0 < res.lower <= res.upper.value
+
+
+def test_cluster_labels_of_a_collapsed_cloud_list_no_pairs(monkeypatch):
+    """1.2e4 tokens in three tight clusters (spread 3e-3), above the exact limit (grid representatives linked at
+    tol = 1e-2): millions of pairs within tol, far above a 32 MiB limit as a list; under it the labels are the
+    three clusters, in order of first occurrence."""
+    from meanfield.clustering import cluster_labels
+
+    rng = np.random.default_rng(3)
+    which = rng.integers(0, 3, 12_000)
+    X = np.eye(3)[which] * 5.0 + 3e-3 * rng.standard_normal((12_000, 3))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(32 * 2**20))
+    labels = cluster_labels(X, tol=1e-2)
+    _, first = np.unique(which, return_index=True)
+    order = np.argsort(np.argsort(first))
+    np.testing.assert_array_equal(labels, order[which])

@@ -528,16 +528,22 @@ def test_long_lipschitz_estimates_log_their_progress(monkeypatch, caplog):
         assert est.value == pytest.approx(truth, rel=1e-7)
 
 
-def test_linked_components_without_the_edge_list_equal_the_edge_list_ones():
+@pytest.mark.parametrize("route", ["edges", "cells"])
+def test_linked_components_without_the_edge_list_equal_the_edge_list_ones(route, monkeypatch):
     """The large-N clustering listed every pair of grid representatives within r (3.9 GB for 1e5 tokens of a partly
-    collapsed cloud); it now links coarse cells by nearest-neighbour queries. The partition equals the connected
+    collapsed cloud); above a budget of edges it now links coarse cells by nearest-neighbour queries
+    (particles.linkage, which Measure.merge shares in the max-norm). Either route's partition equals the connected
     components of the full edge list (scipy), on random clouds of several scales and dimensions."""
+    import particles.linkage
+
+    if route == "cells":   # no edge is listed
+        monkeypatch.setattr(particles.linkage, "edge_budget", lambda m: 0)
     import numpy as np
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
     from scipy.spatial import cKDTree
 
-    from meanfield.clustering import _linked_components
+    from particles.linkage import linked_components
 
     rng = np.random.default_rng(0)
     for trial in range(24):
@@ -548,6 +554,11 @@ def test_linked_components_without_the_edge_list_equal_the_edge_list_ones():
         pairs = cKDTree(X).query_pairs(r=r, output_type="ndarray")
         graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(m, m))
         want = connected_components(graph, directed=False)[1]
-        got = _linked_components(X, r)
-        # the same partition: a bijection between the labels
-        assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist()))
+        for p in (2.0, np.inf):
+            if p == np.inf:
+                pairs = cKDTree(X).query_pairs(r=r, p=np.inf, output_type="ndarray")
+                graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(m, m))
+                want = connected_components(graph, directed=False)[1]
+            got = linked_components(X, r, p=p)
+            # the same partition: a bijection between the labels
+            assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist()))
