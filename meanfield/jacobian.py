@@ -6,7 +6,7 @@ through :class:`Jacobian`: ``J(u)`` (a tangent: forward-mode AD or reverse-over-
 ``c`` set from the first product so that every quantity a solver forms is of order one. This
 module also builds the problems of :func:`meanfield.local_lipschitz` from what users pass
 (:func:`make_problems`): the points map of an operator at X with weights and positions held fixed,
-the Lemma C.5 scalings of a measure (docs/math.md section 4.3), and the float32 twin used by the
+the Lemma C.5 scalings of a measure (docs/math.md section 4.5), and the float32 twin used by the
 mixed-precision Lanczos.
 """
 
@@ -274,28 +274,30 @@ def _scalings(log_weights, dtype):
     return s_in[:, None], s_out[:, None]
 
 
-def _float32_operator(op):
-    """The operator with float32 parameters, or None when it cannot convert (bare callables, layers
-    without ``to``)."""
+def _float32_operator(op, dtype=torch.float32):
+    """The operator with parameters of ``dtype`` (float32 by default), or None when it cannot convert (bare
+    callables, layers without ``to``)."""
     if op.points_only:
         return None
     try:
-        op32 = op.to(dtype=torch.float32)
+        converted = op.to(dtype=dtype)
     except (NotImplementedError, TypeError, ValueError, AttributeError, RuntimeError):
         return None
-    return op32 if isinstance(op32, AttentionOperator) else None
+    return converted if isinstance(converted, AttentionOperator) else None
 
 
 class Problem(NamedTuple):
     """One solver run: the points map ``fn`` of (b, n, d) batches at ``X`` (b, n, d), the Lemma C.5
-    scalings ``s_in`` = a^{-1/2}, ``s_out`` = a^{1/2} of a measure (None for sequences), and ``lower``,
-    which builds the float32 twin (fn32, X32, s_in32, s_out32) of the problem (None where there is none)."""
+    scalings ``s_in`` = a^{-1/2}, ``s_out`` = a^{1/2} of a measure (None for sequences), ``lower``,
+    which builds the float32 twin (fn32, X32, s_in32, s_out32) of the problem, and ``higher``, its float64 twin
+    (the same inputs and parameters, exactly widened), each None where there is none."""
 
     fn: Callable
     X: torch.Tensor
     s_in: torch.Tensor | None
     s_out: torch.Tensor | None
     lower: Callable | None
+    higher: Callable | None = None
 
 
 def make_problems(f, X):
@@ -304,15 +306,21 @@ def make_problems(f, X):
     """
     op = as_operator(f)
 
-    def lowering(lw, pos, X_, log_weights=None):
+    def twin(lw, pos, X_, log_weights=None, dtype=torch.float32):
         def build():
-            op32 = _float32_operator(op)
-            if op32 is None:
+            converted = _float32_operator(op, dtype)
+            if converted is None:
                 return None
-            lw32, pos32 = (None if t is None else t.to(torch.float32) for t in (lw, pos))
-            s32 = (None, None) if log_weights is None else _scalings(log_weights, torch.float32)
-            return (lambda Y: op32.points_map(Y, lw32, pos32)), X_.to(torch.float32), *s32
+            lw2, pos2 = (None if t is None else t.to(dtype) for t in (lw, pos))
+            s2 = (None, None) if log_weights is None else _scalings(log_weights, dtype)
+            return (lambda Y: converted.points_map(Y, lw2, pos2)), X_.to(dtype), *s2
         return build
+
+    def lowering(lw, pos, X_, log_weights=None):
+        return twin(lw, pos, X_, log_weights)
+
+    def raising(lw, pos, X_, log_weights=None):
+        return None if X_.dtype == torch.float64 else twin(lw, pos, X_, log_weights, torch.float64)
 
     if isinstance(X, Measure):
         mu = op.check_measure(X, "X")
@@ -321,7 +329,8 @@ def make_problems(f, X):
         fn = lambda Y: op.points_map(Y, lw, pos)
         s_in, s_out = _scalings(mu.log_weights, mu.dtype)
         Xb = mu.points.detach().unsqueeze(0)
-        return op, [Problem(fn, Xb, s_in, s_out, lowering(lw, pos, Xb, mu.log_weights))], False
+        return op, [Problem(fn, Xb, s_in, s_out, lowering(lw, pos, Xb, mu.log_weights),
+                         raising(lw, pos, Xb, mu.log_weights))], False
     Xt = op.check_points(X, "X")
     if Xt.dim() not in (2, 3):
         raise ValueError(f"X: expected a sequence (n, d) or a batch of sequences (b, n, d), got {tuple(Xt.shape)}")
@@ -334,7 +343,7 @@ def make_problems(f, X):
     if op.points_only:
         # a bare callable may not batch: one problem per sequence
         return op, [Problem(fn, Xb[i:i + 1], None, None, None) for i in range(Xb.shape[0])], batched
-    return op, [Problem(fn, Xb, None, None, lowering(None, pos, Xb))], batched
+    return op, [Problem(fn, Xb, None, None, lowering(None, pos, Xb), raising(None, pos, Xb))], batched
 
 
 def norms(u):

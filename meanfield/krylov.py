@@ -1,4 +1,4 @@
-"""Solvers for the top singular value of a Jacobian: Lanczos, power iteration, dense (docs/math.md 4.2).
+"""Solvers for the top singular value of a Jacobian: Lanczos, power iteration, dense (docs/math.md 4.3).
 
 Every solver has one signature and returns one object::
 

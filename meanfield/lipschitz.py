@@ -58,7 +58,7 @@ from particles.validation import (
 from particles.validation import memory_limit as memory_limit_bytes
 
 from .adapters import as_operator
-from .jacobian import Jacobian, make_problems
+from .jacobian import Jacobian, make_problems, norms
 from .krylov import PATIENCE, SOLVERS
 
 log = logging.getLogger(__name__)
@@ -68,9 +68,11 @@ __all__ = ["local_lipschitz", "lipschitz_ratio", "LipschitzEstimate", "Convergen
 
 METHODS = tuple(SOLVERS)
 
-#: Default relative tolerance of the certificate (error <= tol * value) by the input's dtype, what the
-#: products of that precision certify on the framework's problems (attention layers up to d = 768,
-#: radii up to 100), with room to spare. Other tolerances are given with ``tol=``.
+#: Default relative tolerance of the certificate (error <= tol * value) by the input's dtype, what a solve with
+#: products of that precision reaches on the framework's problems (attention layers up to d = 768). In float32
+#: the result is checked with float64 products (:func:`local_lipschitz`, ``tol``): 120 runs of single-head and
+#: L2 attention at radii 1 to 100 all met 1e-3 (worst 4.8e-4), but scores of order 1e4 (an unscaled A at
+#: R = 100) round enough to miss it, which is reported as not converged. Other tolerances are given with ``tol=``.
 TOL = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}
 
 #: Default iteration budget by method (the Krylov dimension for lanczos, iterations for power, one pass for dense)
@@ -83,6 +85,10 @@ ROUNDING_FLOOR = 1e4
 
 #: entries per batch member from which float32 products pay for their set-up (mixed=None)
 MIXED_MIN_SIZE = 4096
+
+#: float64 power steps (two products each) that the float64 check of a float32 or half solve may take from the
+#: solve's vector before it reports the certificate (:func:`_checked_in_float64`)
+CHECK_STEPS = 3
 
 
 def default_tol(dtype: torch.dtype) -> float:
@@ -161,9 +167,11 @@ class LipschitzEstimate:
     @property
     def upper(self):
         """``value + error``, an upper bound once the Ritz value is the top of the spectrum. ``error`` bounds the
-        distance to *some* singular value: where the top two are closer than ``tol * value``, the Ritz vector may
-        mix them and the bound point at the second, so ``upper`` can fall short of the top by up to their gap
-        (below ``tol * value``; docs/math.md section 4.4). ``value`` stays a lower bound (to the dtype's rounding)."""
+        distance to *some* singular value: where the top two are close, the iteration may certify the second
+        before it has separated them, and ``upper`` then falls short of the top by up to their gap, which need not
+        be below ``tol * value`` (seen: a relative gap of 1.4e-6 at tol = 1e-6, ``upper`` 1.3e-6 short, for one
+        random start of five; docs/math.md section 4.4). ``value`` stays a lower bound (to the dtype's
+        rounding)."""
         return self.value + self.error
 
     def __float__(self) -> float:
@@ -223,6 +231,50 @@ def _estimates(result, jac: Jacobian, method: str):
     return out
 
 
+def _checked_in_float64(members, build, tol, memory_limit):
+    """The members of a float32 (or half) solve, certified with float64 products: (members, products made).
+
+    The solver's certificate covers the Jacobian its products compute, in the input's dtype; at large radii
+    that Jacobian differs from the map's own (the same inputs and parameters in exact arithmetic) by more than
+    tol (float32, R = 50-100: 2e-4 to 3e-3 relative, where the float32 certificates said 1e-6). The returned
+    vector u of each member is therefore certified again by float64 products (two per member, the float64 twin
+    of the problem): value |J u|, error min(rho, sqrt(rho |J u|)) (docs/math.md section 4.4), converged where
+    that error meets tol. A member whose own certificate met tol and whose float64 one does not is at the
+    rounding floor of its dtype (``stalled``). Operators that do not convert to float64 (bare callables) keep
+    the certificate of their own products."""
+    from .krylov import _meets, _rayleigh
+
+    try:
+        parts = build()
+    except (ValueError, ArithmeticError, RuntimeError, NotImplementedError):
+        parts = None
+    if parts is None:
+        return members, 0
+    fn64, X64, s_in, s_out = parts
+    jac = Jacobian(fn64, X64, s_in, s_out, memory_limit)
+    u = torch.stack([m[1] for m in members]).to(device=X64.device, dtype=torch.float64)
+    u = u / norms(u)
+    value, rho, err, z = _rayleigh(jac, u)
+    met = _meets(err, value, tol, jac.zero)
+    for _ in range(CHECK_STEPS):
+        # a float64 power step (z = J^T J u / |J u|, already formed) for the members above tol: the float32
+        # vector's error is first order in the certificate, second order in the value
+        if bool(met.all()):
+            break
+        shape = (-1, *([1] * (u.dim() - 1)))
+        u = torch.where(met.reshape(shape), u, z / norms(z))
+        step = _rayleigh(jac, u)
+        value, rho, err, z = (torch.where(met.reshape(shape) if old.dim() > 1 else met, old, new)
+                              for old, new in zip((value, rho, err, z), step))
+        met = _meets(err, value, tol, jac.zero)
+    out = []
+    for i, (_, vector, _, _, ok, stalled) in enumerate(members):
+        c = float(jac.scale[i])
+        v = float(value[i]) * c
+        out.append((v, vector, float(err[i]) * c, float(rho[i]) * c * v, bool(met[i]), stalled or (ok and not met[i])))
+    return out, jac.applications
+
+
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, on_failure="raise",
                     memory_limit=None, mixed=None) -> LipschitzEstimate:
@@ -244,6 +296,9 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     tol : float or None
         Relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
         (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon is a ValueError.
+        For a float32 or half-precision input of an operator that converts to float64, the solve's vector is
+        certified again by float64 products of the same numbers (docs/math.md section 4.4): the value, error and
+        ``converged`` are those of the map itself, not of its rounding in the input's dtype.
     max_iter : int or None
         Iteration budget (lanczos: Krylov dimension; power: iterations); default :data:`MAX_ITER`.
     seed : int
@@ -303,7 +358,11 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                                     or (mixed is None and prob.X[0].numel() < MIXED_MIN_SIZE)):
                 low = None
             result = solve(jac, tol, max_iter, seed, memory_limit, low)
-            members += _estimates(result, jac, method)
+            found = _estimates(result, jac, method)
+            if prob.higher is not None:
+                found, extra = _checked_in_float64(found, prob.higher, tol, memory_limit)
+                applications += extra
+            members += found
             applications += jac.applications
             iterations = max(iterations, int(result.iterations))
     est = _assemble(members, method, iterations, applications, batched)
@@ -318,13 +377,17 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         worst = max(failed, key=lambda m: m[2] / max(m[0], 1e-300))
         rel = worst[2] / max(worst[0], 1e-300)
         dtype = problems[0].X.dtype
-        if worst[5] and method == "power" and rel > math.sqrt(ROUNDING_FLOOR * torch.finfo(dtype).eps):
-            # far above any rounding floor: close top singular values, between which power iteration moves
-            # slowly (by their ratio squared per iteration)
+        if worst[5] and method == "power":
+            # power iteration stalls on close top singular values (it moves by their ratio squared per iteration)
+            # long before any rounding floor; far above that floor it can be nothing else
+            floor = rel <= math.sqrt(ROUNDING_FLOOR * torch.finfo(dtype).eps)
             why = (f"the certificate stopped improving at relative error {rel:.3g} after {iterations} iterations "
-                   f"(no 1% gain in {PATIENCE} iterations), far above the rounding of {dtype} products: the top "
-                   "singular values are close, which power iteration separates slowly; use method='lanczos' (or "
-                   "a larger tol)")
+                   f"(no 1% gain in {PATIENCE} iterations)"
+                   + (f": the top singular values are close, which power iteration separates slowly, or the "
+                      f"rounding of {dtype} products is reached; method='lanczos' certifies as far as rounding "
+                      f"allows (or use tol >= {2 * rel:.2g})" if floor else
+                      f", far above the rounding of {dtype} products: the top singular values are close, which "
+                      "power iteration separates slowly; use method='lanczos' (or a larger tol)"))
         elif worst[5] and 2 * rel >= 0.5:
             why = (f"the certificate stalled at relative error {rel:.3g} after {iterations} iterations: {dtype} "
                    "products cannot certify this constant; use float32 or float64 inputs")
