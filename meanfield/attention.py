@@ -3,7 +3,7 @@
 Three operators implement the protocol of :mod:`meanfield.operator` (one primitive, ``evaluate``):
 
 * :class:`SelfAttention`: scores s_ij = <A x_i, x_j>, f(X)_i = sum_j softmax_j(s_ij) V x_j
-  (Castin et al. 2024, eq. (1)); masked (causal) variant f^m.
+  (Castin et al. 2024, Definition 2.1); masked (causal) variant f^m.
 * :class:`MultiHeadAttention`: f_MH(X) = concat_h f^h(X) W_O^T + b (docs/math.md section 1).
 * :class:`L2SelfAttention`: the L2 attention of Kim et al. (2021), with tied queries and keys.
 
@@ -21,6 +21,7 @@ form, so adversarial inputs with gamma R^2 ~ 1e4 give finite outputs.
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
@@ -132,6 +133,9 @@ class SelfAttention(AttentionOperator):
         k = Q.shape[0]
         if scale is None:
             scale = 1.0 / math.sqrt(k)
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            # a string, a bool or a tensor (whose graph float() would drop) is refused by name
+            raise TypeError(f"scale: expected a real number, got {type(scale).__name__} {scale!r}")
         scale = float(scale)
         if not math.isfinite(scale):
             raise ValueError(f"scale: expected a finite number, got {scale}")

@@ -342,8 +342,9 @@ def sqrt_n_lower(A, R, n) -> float:
 
     Reached or exceeded at the witness :func:`meanfield.adversarial.sqrt_n_sequence` (in case "min"
     the witness's constant matches it to about 1e-4 while (n - 1) exp(-2 gamma R^2) is small, and is above
-    it beyond: 5x at n = 1024 with gamma R^2 = 3.1; in case "max" it is strictly above, by sqrt(2) at
-    n = 2); it grows like sqrt(n) while n << exp(2 gamma R^2).
+    it beyond: 5x at n = 1024 with gamma R^2 = 3.1; in case "max" it is above it, at n = 2 by a
+    factor that tends to sqrt(2) as exp(-2 gamma R^2) gets small: 2.0, 1.69, 1.415 at gamma R^2 = 0.125, 1.125,
+    4.5 for A = I); it grows like sqrt(n) while n << exp(2 gamma R^2).
     """
     g = gamma(A)
     return sqrt_n_lower_from_gamma(g, R, check_positive_int(n, "n"))

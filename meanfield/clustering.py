@@ -106,8 +106,11 @@ def _first_occurrence(raw: np.ndarray) -> np.ndarray:
 
 def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
     """Number of single-linkage clusters at ``tol`` (None: :func:`cluster_labels`'s default, frame by
-    frame); an array over time for a Trajectory or (T, N, d)."""
-    pts = getattr(x, "points", x) if not isinstance(x, Measure) else x.points
+    frame); an array over time for a Trajectory or (T, N, d). Of a Measure, the clusters of its support: atoms of
+    zero mass are not in the measure (they neither count nor link two clusters)."""
+    if isinstance(x, Measure):
+        x = x.points[x.log_weights > -math.inf]
+    pts = getattr(x, "points", x)
     pts = as_tensor(pts, "x")
     if pts.dim() == 3:
         return np.array([int(cluster_labels(p, tol, **kw).max()) + 1 for p in pts])
@@ -115,7 +118,9 @@ def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
 
 
 def cluster_centers(x, tol: float | None = None, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster."""
+    """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster, one label
+    per atom; atoms of zero mass are clustered too (a cluster of them alone has mass 0, at their plain mean),
+    where :func:`count_clusters` of a Measure counts its support only."""
     X, w = _points(x)
     w = np.full(len(X), 1.0 / len(X)) if w is None else w
     labels = cluster_labels(X, tol, **kw)

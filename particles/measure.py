@@ -284,7 +284,7 @@ class Measure:
         """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
         positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
-        m = as_tensor(mean, "mean", dtype=dtype)
+        m = as_tensor(mean, "mean", dtype=_measure_dtype(dtype))
         check_ndim(m, "mean", 1, "a vector")
         d = m.shape[0]
         C = torch.eye(d, dtype=m.dtype) if cov is None else as_tensor(cov, "cov", dtype=m.dtype)
@@ -341,12 +341,22 @@ class Measure:
         if out.dim() != 2 or out.shape[0] != self.n:
             raise ValueError(f"fn: must map ({self.n}, d) points to ({self.n}, d') points, "
                              f"got shape {tuple(out.shape)}")
+        if out.dtype != self.dtype:
+            # the weights and log-weights are the measure's: points of another dtype would make a measure that
+            # the constructor refuses (integers) or whose weights no operator of the points' dtype takes
+            raise TypeError(f"fn: returned {out.dtype} points for a measure of {self.dtype}; return points of the "
+                            f"measure's dtype (convert the measure first with mu.to(dtype=...))")
         if not bool(torch.isfinite(out.detach()).all()):
             raise ValueError("fn: produced NaN or infinite points")
         return Measure._trusted(out, self._weights, self._log_weights, self._positions)
 
     def with_points(self, points) -> Measure:
-        """The same weights and positions carried by other points of the same count."""
+        """The same weights and positions carried by other points of the same count. A tensor of another
+        floating dtype is refused (converting it would round it or widen it silently); arrays and lists take the
+        measure's dtype."""
+        if isinstance(points, torch.Tensor) and points.is_floating_point() and points.dtype != self.dtype:
+            raise TypeError(f"points: {points.dtype} points for a measure of {self.dtype}; convert them with "
+                            f".to({self.dtype}) or the measure with mu.to(dtype=...)")
         pts = as_tensor(points, "points", dtype=self.dtype, device=self.device)
         if pts.dim() != 2 or pts.shape[0] != self.n:
             raise ValueError(f"points: expected ({self.n}, d), got {tuple(pts.shape)}")
@@ -516,13 +526,21 @@ def _check_sample_memory(n: int, dim: int, dtype, what: str) -> None:
     check_allocation(2 * n * dim * size, f"{what}: {n} atoms in dimension {dim}", "lower n")
 
 
+def _measure_dtype(dtype) -> torch.dtype | None:
+    """A dtype given to a sampler: a floating one (TypeError naming ``dtype`` otherwise), or None."""
+    dtype = resolve_dtype(dtype)
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")
+    return dtype
+
+
 def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     check_positive_int(n, "n")
     check_positive_int(dim, "dim")
     R = check_radius(radius, "radius")
     _check_sample_memory(n, dim, dtype, "Measure.sphere / Measure.ball")
     g = make_generator(seed)
-    Z = torch.randn(n, dim, generator=g, dtype=resolve_dtype(dtype) or torch.float64)
+    Z = torch.randn(n, dim, generator=g, dtype=_measure_dtype(dtype) or torch.float64)
     norms = Z.norm(dim=1, keepdim=True)
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
     return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises

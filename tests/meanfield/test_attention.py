@@ -334,3 +334,14 @@ def test_masked_l2_attention_never_reads_a_later_token(dtype, method):
             Y = X.clone()
             Y[20:] += shift
             assert torch.equal(op.sequence(Y)[:20], base[:20]), shift
+
+
+def test_from_qkv_scale_is_a_real_number():
+    """scale="0.5" and scale=True were taken by float(); a tensor's graph was dropped. Each is refused by name."""
+    Q, K, V = rand(2, 3, seed=1), rand(2, 3, seed=2), rand(3, 3, seed=3)
+    for bad in ("0.5", True, torch.tensor(0.5, requires_grad=True)):
+        with pytest.raises(TypeError, match="scale: expected a real number"):
+            SelfAttention.from_qkv(Q, K, V, scale=bad)
+    a = SelfAttention.from_qkv(Q, K, V, scale=np.float64(0.5))
+    b = SelfAttention.from_qkv(Q, K, V, scale=0.5)
+    torch.testing.assert_close(a.sequence(rand(4, 3, seed=4)), b.sequence(rand(4, 3, seed=4)))

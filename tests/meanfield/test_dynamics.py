@@ -447,3 +447,14 @@ def test_interaction_energy_in_log_form_where_it_overflows():
         interaction_energy(small, 1.0, weights=torch.zeros(6, dtype=torch.float64))
     with pytest.raises(ValueError, match="weights: Measure carries its own weights"):
         interaction_energy(Measure(small), 1.0, weights=torch.ones(6, dtype=torch.float64))
+
+
+def test_count_clusters_of_a_measure_counts_its_support():
+    """An atom of zero mass is not in the measure: it neither makes a cluster of its own nor links two."""
+    from meanfield.clustering import count_clusters
+
+    X = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.5, 0.0]], dtype=torch.float64)
+    assert count_clusters(Measure(X[:2], [0.5, 0.5]), 0.6) == 2
+    assert count_clusters(Measure(X, [0.5, 0.5, 0.0]), 0.6) == 2   # the empty middle atom links nothing
+    assert count_clusters(X, 0.6) == 1                               # as points, it does
+    assert count_clusters(Measure(torch.tensor([[0.0, 0.0], [9.0, 9.0]], dtype=torch.float64), [1.0, 0.0])) == 1

@@ -452,3 +452,24 @@ def test_merge_in_half_precision(dtype):
     assert m.n == 2 and m.dtype == dtype
     assert torch.equal(m.points, X[1:]) and m.positions.tolist() == [0.5, 1.0]
     assert m.weights.float().tolist() == pytest.approx([2 / 3, 1 / 3], rel=1e-2)
+
+
+def test_measure_review_fixes_of_dtypes():
+    """Samplers given a non-floating dtype, and pushforward / with_points that would change the measure's dtype,
+    are refused by name (they failed inside torch, or made a measure of float32 points and float64 weights that
+    no operator takes, or rounded float64 points into a float32 measure silently)."""
+    for make in (lambda dt: Measure.sphere(4, 3, dtype=dt), lambda dt: Measure.ball(4, 3, dtype=dt),
+                 lambda dt: Measure.gaussian(4, [0.0, 0.0], dtype=dt)):
+        for dt in (torch.int32, torch.int64, "bool"):
+            with pytest.raises(TypeError, match="dtype: a measure needs a floating-point dtype"):
+                make(dt)
+    mu = Measure(rand(5, 3))
+    with pytest.raises(TypeError, match="fn: returned torch.int64 points for a measure of torch.float64"):
+        mu.pushforward(lambda p: p.round().long())
+    with pytest.raises(TypeError, match="fn: returned torch.float32 points"):
+        mu.pushforward(lambda p: p.float())
+    assert mu.pushforward(lambda p: 2 * p).dtype == F64
+    mu32 = mu.to(dtype=torch.float32)
+    with pytest.raises(TypeError, match="points: torch.float64 points for a measure of torch.float32"):
+        mu32.with_points(rand(5, 3))
+    assert mu32.with_points(rand(5, 3).numpy()).points.dtype == torch.float32
