@@ -458,3 +458,13 @@ def test_count_clusters_of_a_measure_counts_its_support():
     assert count_clusters(Measure(X, [0.5, 0.5, 0.0]), 0.6) == 2   # the empty middle atom links nothing
     assert count_clusters(X, 0.6) == 1                               # as points, it does
     assert count_clusters(Measure(torch.tensor([[0.0, 0.0], [9.0, 9.0]], dtype=torch.float64), [1.0, 0.0])) == 1
+
+
+def test_cluster_labels_refuse_a_tol_below_the_resolution_of_the_coordinates():
+    """Above the exact limit the labels come from a grid of side about tol / 35: a tol of 1e-17 across an extent
+    of 1 overflowed the int64 cell indices (labels from garbage); it is refused by name."""
+    from meanfield.clustering import cluster_labels
+
+    X = np.random.default_rng(0).random((5000, 3))
+    with pytest.raises(ValueError, match="tol: 1e-17 is below the resolution"):
+        cluster_labels(X, 1e-17)
