@@ -518,13 +518,23 @@ class L2SelfAttention(AttentionOperator):
         # -|q_i - k_j|^2 = 2 <q_i - c, k_j - c> - |k_j - c|^2 + (a term of row i alone) for any c: near the keys,
         # so that tokens far from the origin (radius R) lose no accuracy to terms of size R^2 that cancel
         # (float32 at R = 1e4 lost the weights). The value does not depend on c, nor do its derivatives. With
-        # positions, c is the key of the first position, which every query that sees a key sees (the keys' mean
-        # would carry later keys into earlier outputs through rounding); else the keys' mean
+        # positions, c is the key of positive weight at the first position, which every query that sees a key sees
+        # (the keys' mean would carry later keys into earlier outputs through rounding); else the keys' weighted
+        # mean. Keys of zero weight are not in the measure: a far one (|x| = 1e6) moved c and changed the output
         c = kk.detach()
+        seen = None if log_weights is None else log_weights.detach() > -math.inf
         if key_positions is None:
-            c = c.mean(dim=-2, keepdim=True)
+            if seen is None:
+                c = c.mean(dim=-2, keepdim=True)
+            else:
+                w = torch.nan_to_num(torch.softmax(log_weights.detach(), dim=-1), nan=1.0 / c.shape[-2])
+                c = (w.unsqueeze(-2).unsqueeze(-1) * c).sum(dim=-2, keepdim=True)
         else:
-            first = key_positions.detach().argmin(dim=-1).expand(kk.shape[:-3])   # (...,)
+            kp = key_positions.detach()
+            if seen is not None:
+                last = math.inf if kp.is_floating_point() else torch.iinfo(kp.dtype).max
+                kp = torch.where(seen, kp, torch.full((), last, dtype=kp.dtype, device=kp.device))
+            first = kp.argmin(dim=-1).expand(kk.shape[:-3])   # (...,)
             c = torch.gather(c, -2, first[..., None, None, None].expand(*kk.shape[:-2], 1, kk.shape[-1]))
         qq, kk = qq - c, kk - c
         key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)

@@ -345,3 +345,19 @@ def test_from_qkv_scale_is_a_real_number():
     a = SelfAttention.from_qkv(Q, K, V, scale=np.float64(0.5))
     b = SelfAttention.from_qkv(Q, K, V, scale=0.5)
     torch.testing.assert_close(a.sequence(rand(4, 3, seed=4)), b.sequence(rand(4, 3, seed=4)))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_l2_attention_ignores_keys_of_zero_mass(masked):
+    """An atom of zero mass is not in the measure: L2 attention's centring point c (an exact reformulation of
+    -|q - k|^2 that only moves rounding) took it into the keys' mean, and one at |x| = 1e6 changed the outputs
+    by 4e-5. Masked, a zero-mass atom at the first position was the centre. Now the outputs equal those without
+    the atom to rounding (the formula: test_l2_attention_matches_kim_formula)."""
+    X = rand(4, 3, seed=1)
+    op = L2SelfAttention(rand(3, 2, seed=2), rand(3, 2, seed=3), masked=masked)
+    far = torch.full((1, 3), 1e6, dtype=f64)
+    pos = torch.tensor([0.2, 0.4, 0.6, 0.8], dtype=f64)
+    ref = Measure(X, positions=pos if masked else None)
+    with_far = Measure(torch.cat([far, X]), [0.0, 0.25, 0.25, 0.25, 0.25],
+                       positions=torch.cat([torch.tensor([0.1], dtype=f64), pos]) if masked else None)
+    torch.testing.assert_close(op(with_far).points[1:], op(ref).points, rtol=1e-13, atol=1e-13)
