@@ -1015,3 +1015,39 @@ def test_record_paths_sees_the_path_each_call_ran():
     kernels.attend(small, small, small)
     assert ran == ["dense", "fused", "stream", "stream", "dense"] and inner == ["fused"]
     torch.testing.assert_close(out, torch.softmax(small @ small.T, -1) @ small, rtol=1e-13, atol=1e-13)
+
+
+class _Syncs(TorchDispatchMode):
+    """Counts the aten ops that run and the host syncs among them (a tensor read into Python: float(), bool(),
+    .item() dispatch ``_local_scalar_dense``): on a GPU each sync waits for every queued kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.syncs += func.overloadpacket.__name__ == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("case", ["none", "weighted", "sequence", "random positions"])
+def test_dense_path_reads_the_device_once_or_twice(case):
+    """The dense path's output check is one sum read once (one host sync); where queries see no key (random
+    positions: about half of them) the rows are set to zero and checked with one more. The result equals the
+    probabilities of attention_probs times v. (With random positions the check took 40 aten ops, 3 isfinite and
+    2 logical reductions among them; the host cost of a small call on a GPU is about one launch per op.)"""
+    n = 64
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 3, generator=g, dtype=DT) for _ in range(3))
+    lw = torch.log_softmax(torch.randn(n, generator=g, dtype=DT), 0) if case == "weighted" else None
+    qp = kp = None
+    if case == "sequence":
+        qp = kp = torch.arange(1, n + 1, dtype=DT) / n
+    elif case == "random positions":
+        qp, kp = torch.rand(n, generator=g, dtype=DT), torch.rand(n, generator=g, dtype=DT)
+    with _Syncs() as count:
+        out = attend(q, k, v, lw, qp, kp, method="dense")
+    assert count.syncs == (2 if case == "random positions" else 1), count.syncs
+    assert count.ops <= 30, count.ops
+    _close(out, kernels.attention_probs(q, k, lw, qp, kp) @ v)
