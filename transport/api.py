@@ -38,8 +38,10 @@ ENTROPIC = ("sinkhorn", "streaming")
 #: "auto" solves exactly while N * M is at most this. N = M = 2000 takes about a second on one core
 #: and 190 MB for the network simplex.
 AUTO_EXACT_MAX_PAIRS = 2000 * 2000
-#: "auto" without reg uses reg = (AUTO_BLUR * diameter)^2 on the streaming path, the diameter being
-#: that of the box holding both clouds (the largest coordinate spread times sqrt(d)).
+#: "auto" without reg uses reg = (AUTO_BLUR * diameter)^2 on the streaming path, the diameter being the diagonal
+#: of the cube [lo, hi]^d spanned by the smallest and largest coordinates of both clouds, (hi - lo) sqrt(d)
+#: (docs/math.md section 3.2): at least the diagonal of their bounding box, larger for clouds stretched along
+#: one axis.
 AUTO_BLUR = 0.05
 #: one-thread seconds per cost entry of a Sinkhorn half-step (the tiled soft-min on a 2-core Xeon,
 #: benchmarks/transport.md): the thread policy's estimate of a step, N M times this
@@ -244,7 +246,8 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
     there the solve continues in float64 from those potentials; "sinkhorn" forms its plan and
     measures that plan's marginals, summed in float64. ``precision`` of the result says which dtype
     ran; plan and potentials come in it, a value with gradients in the measures' dtype. float32
-    weights are renormalized in float64. A float32 result is therefore never
+    weights whose sum is off 1 by more than float32's rounding (Measure accepts 1e-5) are renormalized in
+    float64. A float32 result is therefore never
     ``converged=True`` on float32's own rounding (docs/math.md section 3.2).
 
     Examples

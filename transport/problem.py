@@ -89,6 +89,15 @@ def log_weights(m: Measure, dtype: torch.dtype) -> torch.Tensor:
     return lw - torch.logsumexp(lw, 0)
 
 
+#: float32 weights whose sum (in float64) is further than this from 1 are renormalized for a solve (uniform
+#: float32 weights 1/n round by at most 6e-8 in their sum)
+MASS_DEFECT = 1e-7
+
+
+def _mass_defect(m: Measure) -> float:
+    return abs(float(m.weights.detach().to(torch.float64).sum()) - 1.0)
+
+
 def needs_grad(*measures: Measure) -> bool:
     return any(m.points.requires_grad or m.weights.requires_grad for m in measures)
 
@@ -110,6 +119,12 @@ class Problem:
         self.mu, self.nu = mu, nu
         self.a, self.b = mu.weights, nu.weights
         self.log_a, self.log_b = mu.log_weights, nu.log_weights
+        if mu.dtype == torch.float32 and max(_mass_defect(mu), _mass_defect(nu)) > MASS_DEFECT:
+            # a float32 measure's weights sum to 1 within 1e-5 (what Measure accepts): renormalized in float64,
+            # or the two marginals' masses differ by up to 2e-5 and no plan meets tol = 1e-5. Weights summing to
+            # 1 within float32's rounding are used as given
+            self.log_a, self.log_b = (log_weights(m, torch.float64).to(torch.float32) for m in (mu, nu))
+            self.a, self.b = self.log_a.exp(), self.log_b.exp()
         self.x, self.y, self.k = normalize(mu.points, self.a, nu.points, self.b)
         self.grad = needs_grad(mu, nu)
         self.dtype = mu.dtype

@@ -310,17 +310,18 @@ def _iterate_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None,
     if start is None:
         f = torch.zeros_like(xx)
         levels = _schedule(x, x, eps, scaling, max_iter)[:-1]
+        annealed = len(levels)   # counted in the budget, as the pair problem counts them
         if coarse:
             fc, count = multiscale.start_symmetric(x, log_a, levels, chunk)
             if count:
                 f, levels = fc, levels[count:]
     else:
-        f, levels = start, []
+        f, levels, annealed = start, [], 0
     progress = Progress(f"streaming Sinkhorn, self problem of {x.shape[0]} atoms", max_iter, tol)
     for k, e in enumerate(levels):
         f = f + 0.5 * update(x, xx, x, xx, log_a, f, f, e, chunk)
-        progress(k + 1)
-    it, err = 0, math.inf
+        progress(annealed - len(levels) + k + 1)
+    it, err = annealed, math.inf
     cut = truncation.Truncation(x, xx, x, xx, log_a, log_a, eps, tol, chunk) if truncate else None
     while it < max_iter:
         delta = update(x, xx, x, xx, log_a, f, f, eps, chunk) if cut is None else cut.rows(f, f)

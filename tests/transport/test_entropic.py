@@ -237,3 +237,49 @@ def test_a_measure_against_itself_converges_at_small_reg(dtype):
     if dtype == F64:
         a = mu.weights
         assert plain.value_squared == pytest.approx(entropic_ot(X, a, X, a, 1e-3, tol=1e-10)[1], rel=1e-6)
+
+
+def test_dense_sinkhorn_drops_atoms_whose_mass_underflows():
+    """Atoms of finite log-weight whose mass underflows the dtype (log a = -800 in float64, -200 in float32; the
+    witnesses of Proposition 3.6 are built so) made 0 * log 0 = NaN in the dense solver's KL term, reported as
+    'reg too small'. They are dropped like zero-mass atoms: the value equals that of the measure without them
+    (an independent numpy Sinkhorn divergence) and the streaming solver's."""
+    X, Y = rand(6, 2), rand(5, 2, 1)
+    for dtype, low in ((F64, -800.0), (torch.float32, -200.0)):
+        lw = torch.log(torch.tensor([0.2, 1.0, 0.3, 0.1, 0.4, 1.0], dtype=F64))
+        lw[[1, 5]] = low
+        lw = lw - torch.logsumexp(lw, 0)
+        kept = [0, 2, 3, 4]
+        w = torch.exp(lw[kept])
+        truth = sinkhorn_divergence(X[kept].numpy(), (w / w.sum()).numpy(), Y.numpy(), np.full(5, 0.2), 0.5)
+        mu = Measure(X.to(dtype), log_weights=lw.to(dtype))
+        for method in ("sinkhorn", "streaming"):
+            value = w2(mu, Measure(Y.to(dtype)), method, reg=0.5, squared=True, tol=1e-8 if dtype == F64 else 1e-5)
+            assert value == pytest.approx(truth, rel=1e-6 if dtype == F64 else 1e-4), (dtype, method)
+
+
+def test_float32_weights_within_the_accepted_sum_converge():
+    """Measure accepts float32 weights summing to 1 within 1e-5; used as given, the two marginals' masses differed
+    by up to 2e-5 and no plan could meet tol = 1e-5 (every iteration ran, then 'increase max_iter or reg'). They
+    are renormalized in float64: the solves converge to the value of the exactly normalized measures."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(30, 2, generator=g), torch.rand(40, 2, generator=g)
+    a, b = torch.full((30,), 1 / 30) * (1 + 8e-6), torch.full((40,), 1 / 40) * (1 - 8e-6)
+    for method in ("sinkhorn", "streaming"):
+        res = solve(Measure(x, a), Measure(y, b), method, reg=0.1)
+        ref = solve(Measure(x, a, normalize=True), Measure(y, b, normalize=True), method, reg=0.1)
+        assert res.converged and res.value == pytest.approx(ref.value, rel=1e-5)
+
+
+def test_dense_sinkhorn_of_a_measure_against_itself_at_small_reg():
+    """solve(mu, mu, 'sinkhorn', reg=1e-3) ran 10000 alternating updates and failed (the streaming solver saw the
+    self problem); the pair is now started from the self problem's fixed point. Truths: S_eps(mu, mu) = 0 and
+    <pi, C> of an independent numpy log-domain Sinkhorn."""
+    X = torch.rand(300, 2, generator=torch.Generator().manual_seed(0), dtype=F64)
+    mu = Measure(X)
+    res = solve(mu, mu, "sinkhorn", reg=1e-3)
+    assert res.converged and res.value == 0.0
+    plain = solve(mu, mu, "sinkhorn", reg=1e-3, debias=False)
+    a = mu.weights
+    assert plain.converged
+    assert plain.value_squared == pytest.approx(entropic_ot(X, a, X, a, 1e-3, tol=1e-10)[1], rel=1e-6)

@@ -288,3 +288,29 @@ def test_debug_logging_of_an_exact_solve(caplog):
         res = solve(mu, nu, "exact")
     assert res.value_squared == pytest.approx(0.5 * 0.25 + 0.5 * 1.0)   # sorted pairs: (0, 0.5), (1, 2)
     assert any("value" in r.getMessage() and "exact" in r.getMessage() for r in caplog.records)
+
+
+
+def test_exact_w2_of_small_clouds_is_scale_invariant():
+    """W2(s mu, s nu) = s W2(mu, nu): POT's network simplex tests optimality with an absolute tolerance, and on
+    the costs of clouds of size 1e-6 to 1e-148 (squared distances of 1e-12 and below) it returned a plan that was
+    not optimal (W2 off by 5-20%, potentials all zero, so a zero gradient in the weights). Truth: the LP of
+    tests/reference.py (scipy) at s = 1; for conditional W2 the same LP slice by slice (three positions, each
+    slice of mass 1/3). The potentials scale as s^2."""
+    from transport import conditional_w2
+
+    g = torch.Generator().manual_seed(4)
+    X, Y = torch.randn(9, 3, generator=g, dtype=torch.float64), torch.randn(9, 3, generator=g, dtype=torch.float64)
+    a, b = rand_weights(9, seed=1), rand_weights(9, seed=2)
+    truth = w2_lp(X, a, Y, b)
+    pos = torch.tensor([0.1] * 3 + [0.5] * 3 + [0.9] * 3, dtype=torch.float64)
+    sl = [slice(0, 3), slice(3, 6), slice(6, 9)]
+    truth_c = math.sqrt(sum(w2_lp(X[i], torch.full((3,), 1 / 3, dtype=torch.float64), Y[i],
+                                  torch.full((3,), 1 / 3, dtype=torch.float64)) ** 2 for i in sl) / 3)
+    for s in (1.0, 1e-6, 1e-8, 1e-12, 1e-100):
+        res = solve(Measure(s * X, a), Measure(s * Y, b), method="exact")
+        assert float(res.value) / s == pytest.approx(truth, rel=1e-12), s
+        f, gpot = res.potentials
+        assert float(a @ f + b @ gpot) / s**2 == pytest.approx(truth**2, rel=1e-10), s
+        wc = conditional_w2(Measure(s * X, positions=pos), Measure(s * Y, positions=pos))
+        assert float(wc) / s == pytest.approx(truth_c, rel=1e-12), s

@@ -261,3 +261,26 @@ def test_a_reg_below_what_float64_resolves_is_named():
     truth = float((X.double() - Y.double()).norm())
     assert w2(Measure(X), Measure(Y)) == pytest.approx(truth, rel=1e-6)
     assert w2(Measure(X), Measure(Y), "streaming", reg=1.0, max_iter=300) == pytest.approx(truth, rel=1e-6)
+
+
+def test_self_problem_counts_its_annealing_levels_in_the_budget():
+    """Every loop is bounded by max_iter, levels and updates together: the self problem counted only its updates
+    (symmetric_potential(max_iter=6) made 11 soft-min passes and said 6). Counted here by the passes of the
+    soft-min itself."""
+    import transport.streaming_sinkhorn as ss
+
+    mu = Measure(randn(200, 2, seed=3))
+    calls = []
+    real = ss.update
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    ss.update = counting
+    try:
+        with pytest.warns(RuntimeWarning):
+            f, err, it = symmetric_potential(mu, 1e-6, max_iter=6, on_failure="warn")
+    finally:
+        ss.update = real
+    assert it == 6 and len(calls) <= 6 + 1
