@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -268,16 +269,27 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-    print(f"report: {ctx.out / 'report.md'}")
-    print(summary_line(summary))
-    for line in attention_lines(summary, ctx.to_config(), markdown=False):
-        print(f"  {line}")
+    lines = [f"report: {ctx.out / 'report.md'}", summary_line(summary)]
+    lines += [f"  {line}" for line in attention_lines(summary, ctx.to_config(), markdown=False)]
     note = not_in_run_line(summary, ctx.out)
     if note:
-        print(f"  {note}")
+        lines.append(f"  {note}")
+    _print_lines(lines)
     if summary["failed"]:
         return EXIT_STUDY_FAILED
     return EXIT_VIOLATED if summary["violated_claims"] else EXIT_OK
+
+
+def _print_lines(lines) -> None:
+    """The lines on stdout; a reader that stops reading (``| head``) ends the printing, not the run: the exit status
+    stays the run's (a BrokenPipeError exited 1, which says that a theorem claim was violated)."""
+    try:
+        for line in lines:
+            print(line)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's advice: point stdout at devnull, so that the flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _bracket(args) -> int:
@@ -320,10 +332,8 @@ def _main(parser, args, argv) -> int:
     if args.command == "bracket":
         return _bracket(args)
     if args.command == "list":
-        for name, study in registry().items():
-            print(f"{name:24s} {study.title}")
-        for mod, err in import_errors().items():
-            print(f"{mod:24s} FAILED TO IMPORT: {err}")
+        _print_lines([f"{name:24s} {study.title}" for name, study in registry().items()]
+                     + [f"{mod:24s} FAILED TO IMPORT: {err}" for mod, err in import_errors().items()])
         return EXIT_OK
     if args.command == "reproduce":
         unknown = [n for n in args.only or [] if n not in registry()]
@@ -336,8 +346,10 @@ def _main(parser, args, argv) -> int:
         # not an error: the same command line with real_models added reads them
         _say(f"note: --checkpoint is read only by {' and '.join(CHECKPOINT_READERS)}, which this run does not "
              f"include ({', '.join(names)}): the checkpoints are not used")
-    if args.workers < 1 or args.retries < 0:
-        parser.error("--workers must be >= 1 and --retries >= 0")
+    if args.workers < 1:
+        parser.error(f"--workers: expected at least 1 worker, got {args.workers}")
+    if args.retries < 0:
+        parser.error(f"--retries: expected 0 or more retries, got {args.retries}")
     handler = _configure_logging(QUIET if args.quiet else VERBOSE if args.verbose else NORMAL)
     try:
         try:

@@ -77,3 +77,27 @@ def test_a_checkpoint_for_a_run_that_reads_none_is_said_to_be_unused(tmp_path, c
     assert main(["reproduce", "--only", "real_models", "--checkpoint", str(tmp_path / "c")]) == 0
     assert main(["mass_splitting", "--tiny", "--out", str(tmp_path / "r")]) == 0
     assert "--checkpoint" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option,value,says", [("--workers", "0", "--workers: expected at least 1 worker, got 0"),
+                                               ("--workers", "-2", "--workers: expected at least 1 worker, got -2"),
+                                               ("--retries", "-1", "--retries: expected 0 or more retries, got -1")])
+def test_workers_and_retries_are_named_apart(tmp_path, capsys, option, value, says):
+    with pytest.raises(SystemExit) as exc:
+        main(["mass_splitting", "--tiny", option, value, "--out", str(tmp_path / "run")])
+    assert exc.value.code == EX_USAGE
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["list"], ["mass_splitting", "--tiny", "-q"]])
+def test_a_reader_that_closes_the_pipe_leaves_the_exit_status_the_runs(tmp_path, command):
+    """`meanfield ... | head -0`: the final lines met a closed pipe, and the BrokenPipeError exited 1, the status of
+    a violated theorem claim. The run's own status (0) is kept, with no traceback."""
+    if command[0] != "list":
+        command = [*command, "--out", str(tmp_path / "run")]
+    proc = subprocess.Popen([sys.executable, "-m", "studies.cli", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=REPO)
+    proc.stdout.close()   # before the process writes anything: its writes meet a pipe without reader
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
