@@ -23,13 +23,14 @@
 
 from __future__ import annotations
 
+import copy
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from particles.validation import check_bool
+from particles.validation import check_bool, check_device, float_dtype
 
 from .kernels import additive_mask, silence_blind_rows
 from .operator import AttentionOperator, sequence_positions
@@ -194,6 +195,7 @@ class HFAttention(AttentionOperator):
         if block and kind == "gpt2" and ln is None:
             raise ValueError("ln: block=True on GPT-2 needs the block's ln_1 (use HFAttention.from_model)")
         self.module, self.kind, self.masked, self.block, self.ln = module, kind, masked, block, ln
+        self._cast = (None, None)   # (device, dtype) the parameters are converted to at every call (``to``)
         self.name = name or type(module).__name__
         self._core = core
         self._d = (module.embed_dim if kind == "gpt2" else
@@ -206,8 +208,18 @@ class HFAttention(AttentionOperator):
         at every call: in-place updates, replaced weights and a moved module are all seen."""
         # read at every call (a few microseconds): a weight replaced after the operator was built (an
         # ablation), or the module moved with model.to(...), is what the operator computes with
-        frozen = {n: t.detach() for n, t in (*mod.named_parameters(), *mod.named_buffers())}
+        device, dtype = self._cast
+        frozen = {n: _converted(t.detach(), device, dtype) for n, t in (*mod.named_parameters(), *mod.named_buffers())}
         return torch.func.functional_call(mod, frozen, args, kwargs)
+
+    def to(self, device=None, dtype=None) -> HFAttention:
+        """The same layer computing on ``device`` in ``dtype``: the module is shared, not copied, and its parameters
+        are converted at every call (they are read at every call anyway). What a float32 layer's certified constant
+        is checked with, in float64 (:func:`meanfield.local_lipschitz`)."""
+        dtype, device = float_dtype(dtype), check_device(device)
+        twin = copy.copy(self)
+        twin._cast = (device if device is not None else self._cast[0], dtype if dtype is not None else self._cast[1])
+        return twin
 
     @classmethod
     def from_model(cls, model, layer: int, *, masked: bool | None = None, block: bool = False) -> HFAttention:
@@ -224,8 +236,11 @@ class HFAttention(AttentionOperator):
 
     d_in = property(lambda self: self._d)
     d_out = property(lambda self: self._d_out)
-    dtype = property(lambda self: next(self.module.parameters()).dtype)
-    device = property(lambda self: next(self.module.parameters()).device)
+    dtype = property(lambda self: self._cast[1] or next(self.module.parameters()).dtype)
+    device = property(lambda self: self._cast[0] or next(self.module.parameters()).device)
+    #: no float32 twin for the mixed-precision Lanczos of float64 inputs (unmeasured on these layers); the float64
+    #: twin that certifies float32 inputs is used
+    mixed_precision = False
 
     def __repr__(self) -> str:
         return f"HFAttention({self.name}, masked={self.masked}, block={self.block})"
@@ -311,6 +326,13 @@ class HFAttention(AttentionOperator):
             else:
                 out = xb + out
         return out.reshape(*lead, m, self._d_out)
+
+
+def _converted(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    """A parameter or buffer on ``device`` and, if floating, in ``dtype`` (None: unchanged)."""
+    if dtype is not None and t.is_floating_point():
+        t = t.to(dtype)
+    return t if device is None else t.to(device)
 
 
 # ---------------------------------------------------------------------- hooks and masks

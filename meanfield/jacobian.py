@@ -317,7 +317,7 @@ def make_problems(f, X):
         return build
 
     def lowering(lw, pos, X_, log_weights=None):
-        return twin(lw, pos, X_, log_weights)
+        return twin(lw, pos, X_, log_weights) if getattr(op, "mixed_precision", True) else None
 
     def raising(lw, pos, X_, log_weights=None):
         return None if X_.dtype == torch.float64 else twin(lw, pos, X_, log_weights, torch.float64)

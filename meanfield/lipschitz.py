@@ -256,22 +256,34 @@ def _checked_in_float64(members, build, tol, memory_limit):
     u = u / norms(u)
     value, rho, err, z = _rayleigh(jac, u)
     met = _meets(err, value, tol, jac.zero)
+    shape = (-1, *([1] * (u.dim() - 1)))
+    stepped = False
     for _ in range(CHECK_STEPS):
         # a float64 power step (z = J^T J u / |J u|, already formed) for the members above tol: the float32
         # vector's error is first order in the certificate, second order in the value
         if bool(met.all()):
             break
-        shape = (-1, *([1] * (u.dim() - 1)))
         u = torch.where(met.reshape(shape), u, z / norms(z))
+        stepped = True
         step = _rayleigh(jac, u)
         value, rho, err, z = (torch.where(met.reshape(shape) if old.dim() > 1 else met, old, new)
                               for old, new in zip((value, rho, err, z), step))
         met = _meets(err, value, tol, jac.zero)
+    vectors = [m[1] for m in members]
+    if stepped:
+        # the vector returned is the stepped one in the input's dtype, and value, error and residual are certified
+        # at exactly that vector (two more products): they describe what the estimate holds
+        low = u.to(vectors[0].dtype)
+        u = low.to(torch.float64)
+        value, rho, err, _ = _rayleigh(jac, u / norms(u))
+        met = _meets(err, value, tol, jac.zero)
+        vectors = [_canonical_sign(low[i].to(v.device)) for i, v in enumerate(vectors)]
     out = []
-    for i, (_, vector, _, _, ok, stalled) in enumerate(members):
+    for i, (_, _, _, _, ok, stalled) in enumerate(members):
         c = float(jac.scale[i])
         v = float(value[i]) * c
-        out.append((v, vector, float(err[i]) * c, float(rho[i]) * c * v, bool(met[i]), stalled or (ok and not met[i])))
+        out.append((v, vectors[i], float(err[i]) * c, float(rho[i]) * c * v, bool(met[i]),
+                    stalled or (ok and not met[i])))
     return out, jac.applications
 
 
@@ -381,7 +393,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             # power iteration stalls on close top singular values (it moves by their ratio squared per iteration)
             # long before any rounding floor; far above that floor it can be nothing else
             floor = rel <= math.sqrt(ROUNDING_FLOOR * torch.finfo(dtype).eps)
-            why = (f"the certificate stopped improving at relative error {rel:.3g} after {iterations} iterations "
+            why = (f"the certificate stalled at relative error {rel:.3g} after {iterations} iterations "
                    f"(no 1% gain in {PATIENCE} iterations)"
                    + (f": the top singular values are close, which power iteration separates slowly, or the "
                       f"rounding of {dtype} products is reached; method='lanczos' certifies as far as rounding "
