@@ -106,10 +106,12 @@ def _first_occurrence(raw: np.ndarray) -> np.ndarray:
 
 def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
     """Number of single-linkage clusters at ``tol`` (None: :func:`cluster_labels`'s default, frame by
-    frame); an array over time for a Trajectory or (T, N, d). Of a Measure, the clusters of its support: atoms of
-    zero mass are not in the measure (they neither count nor link two clusters)."""
+    frame); an array over time for a Trajectory or (T, N, d). Of a Measure or a Trajectory, the clusters of the
+    support: atoms of zero mass are not in the measure (they neither count nor link two clusters)."""
     if isinstance(x, Measure):
         x = x.points[x.log_weights > -math.inf]
+    elif isinstance(getattr(x, "log_weights", None), torch.Tensor) and getattr(x, "points", None) is not None:
+        x = x.points[..., x.log_weights > -math.inf, :]   # a Trajectory: (T, N, d), weights fixed in time
     pts = getattr(x, "points", x)
     pts = as_tensor(pts, "x")
     if pts.dim() == 3:

@@ -13,12 +13,17 @@ import math
 
 import numpy as np
 
-__all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES"]
+__all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES",
+           "CHUNK"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
 #: points whose neighbours estimate the number of edges before they are counted exactly
 SAMPLE = 256
+#: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the singles' indices)
+CANDIDATE_BYTES = 48
+#: pairs of single points whose distances are formed at once
+CHUNK = 2**16
 #: bytes per listed edge (the (pairs, 2) int64 array, the COO matrix's data, row and col, and
 #: connected_components' symmetric CSR copy)
 EDGE_BYTES = 64
@@ -44,8 +49,7 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     """Component labels (N,) (integers, not ordered) of the graph linking points of X (N, d) at p-norm distance
     <= r, in one of two ways that give the same components:
 
-    * the list of edges, where it is short: at most :func:`edge_budget` pairs and within the memory limit
-      (:func:`particles.validation.memory_limit`; a sparse cloud: the pairs are
+    * the list of edges, where it fits the memory limit (:func:`edge_budget`; a sparse cloud: the pairs are
       counted first, exactly, once a sample of :data:`SAMPLE` points says their number is small), and where
       ``r`` is below the resolution of the coordinates (:func:`cells_resolve`: only nearly coinciding points
       are linked), then checked against the memory limit (MemoryLimitError, naming ``what``);
@@ -59,18 +63,23 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     p = float(p)
     if p not in NORMS:
         raise ValueError(f"p: expected 2 (Euclidean) or inf (max-norm), got {p}")
+    r = float(r)
+    if not r >= 0:
+        raise ValueError(f"r: expected a non-negative distance, got {r}")
     X = np.asarray(X, dtype=np.float64)
+    if X.ndim != 2:
+        raise ValueError(f"X: expected an (N, d) array of points, got shape {X.shape}")
+    if not np.isfinite(X).all():
+        raise ValueError("X: contains NaN or infinite coordinates")
     m, d = X.shape
     if m <= 1 or r == math.inf:
         return np.zeros(m, dtype=np.int64)
     from scipy.spatial import cKDTree
 
-    from .validation import memory_limit
-
     tree = cKDTree(X)
     side = _cell_side(r, d, p)
     resolved = cells_resolve(X, side)
-    budget = min(edge_budget(m), memory_limit() // EDGE_BYTES)
+    budget = edge_budget(m)
     if resolved and m > SAMPLE:
         sample = cKDTree(X[np.random.default_rng(0).choice(m, SAMPLE, replace=False)])
         estimate = (sample.count_neighbors(tree, r, p=p) - SAMPLE) * (m / SAMPLE) / 2
@@ -81,7 +90,7 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
         pairs = (int(tree.count_neighbors(tree, r, p=p)) - m) // 2
         if not resolved or pairs <= budget:
             return _edge_components(tree, m, r, p, pairs, what)
-    return _cell_components(X, r, p, side)
+    return _cell_components(X, r, p, side, what)
 
 
 def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str) -> np.ndarray:
@@ -100,13 +109,20 @@ def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str) ->
 
 
 def edge_budget(m: int) -> int:
-    """The most edges :func:`linked_components` lists for m points: 16 per point, at least 2^22 (256 MiB of
-    :data:`EDGE_BYTES`)."""
-    return max(2**22, 16 * m)
+    """The most edges :func:`linked_components` lists for m points: what the memory limit holds
+    (:func:`particles.validation.memory_limit`, :data:`EDGE_BYTES` each). Listing is the faster way wherever it
+    fits (a few points per cell in d = 3, or every point alone in its cell in d = 64, make the cells' candidate
+    pairs of groups many more than the edges)."""
+    from .validation import memory_limit
+
+    return memory_limit() // EDGE_BYTES
 
 
-def _cell_components(X: np.ndarray, r: float, p: float, side: float) -> np.ndarray:
-    """:func:`linked_components` by coarse cells."""
+def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str) -> np.ndarray:
+    """:func:`linked_components` by coarse cells. Distances are compared with r as the edge list compares them
+    (scipy's cKDTree: <= r, its nearest-neighbour bound being strict, one step above r)."""
+    from .validation import check_allocation
+
     m, d = X.shape
     keys = np.floor((X - X.min(0)) / side).astype(np.int64)
     _, group = np.unique(keys, axis=0, return_inverse=True)
@@ -121,7 +137,11 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float) -> np.ndarr
     bounds = np.concatenate([[0], np.cumsum(counts)])
     members = lambda g: order[bounds[g]:bounds[g + 1]]
     centers = np.stack([np.bincount(group, weights=X[:, j], minlength=k) for j in range(d)], 1) / counts[:, None]
-    candidates = cKDTree(centers).query_pairs(r=3 * r, p=p, output_type="ndarray")
+    ctree = cKDTree(centers)
+    count = (int(ctree.count_neighbors(ctree, 3 * r, p=p)) - k) // 2
+    check_allocation(CANDIDATE_BYTES * count, f"{what}: {count} candidate pairs of {k} cells of {m} atoms",
+                     "use a smaller distance, or raise the memory limit")
+    candidates = ctree.query_pairs(r=3 * r, p=p, output_type="ndarray")
     parent = np.arange(k)
 
     def find(i):
@@ -135,8 +155,10 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float) -> np.ndarr
     single = (counts[candidates[:, 0]] == 1) & (counts[candidates[:, 1]] == 1) if len(candidates) else \
         np.zeros(0, dtype=bool)
     a, b = candidates[single, 0], candidates[single, 1]
-    gap = np.linalg.norm(centers[a] - centers[b], ord=p, axis=1) if len(a) else np.zeros(0)
-    near = gap <= r * (1 + 1e-12)
+    near = np.zeros(len(a), dtype=bool)
+    for s in range(0, len(a), CHUNK):   # pairs x d differences, a chunk at a time
+        diff = centers[a[s:s + CHUNK]] - centers[b[s:s + CHUNK]]
+        near[s:s + CHUNK] = ((diff * diff).sum(1) <= r * r) if p == 2.0 else (np.abs(diff).max(1) <= r)
     for i, j in zip(a[near].tolist(), b[near].tolist()):
         ri, rj = find(i), find(j)
         if ri != rj:
@@ -149,7 +171,7 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float) -> np.ndarr
         small, large = (i, j) if counts[i] <= counts[j] else (j, i)
         if large not in trees:
             trees[large] = cKDTree(X[members(large)])
-        dist, _ = trees[large].query(X[members(small)], k=1, p=p, distance_upper_bound=r * (1 + 1e-12))
+        dist, _ = trees[large].query(X[members(small)], k=1, p=p, distance_upper_bound=np.nextafter(r, math.inf))
         if np.isfinite(dist).any():
             parent[ri] = rj
     while True:   # every group to its root (pointer jumping)

@@ -52,7 +52,10 @@ def test_merge_of_50000_atoms_in_two_small_boxes_lists_no_pairs(monkeypatch):
 
 def test_merge_below_the_limit_groups_like_a_brute_force_union(monkeypatch):
     """Chains of atoms closer than atol merge into one (connected components), compared with a union-find
-    over all pairs written here, whatever the memory limit (no pair is listed)."""
+    over all pairs written here: by the list of pairs where it fits the limit (exactly, 64 bytes a pair), and by
+    the coarse cells of particles.linkage where it does not."""
+    import particles.linkage
+
     rng = np.random.default_rng(1)
     X = rng.random((200, 2))
     atol = 0.04
@@ -67,8 +70,12 @@ def test_merge_below_the_limit_groups_like_a_brute_force_union(monkeypatch):
         parent[find(i)] = find(j)
     groups = len({find(i) for i in range(200)})
     roots = [find(i) for i in range(200)]
-    for limit in (64 * len(close), 1):
-        monkeypatch.setenv(MEMORY_LIMIT_ENV, str(limit))
+    for route in ("edges", "cells"):
+        if route == "edges":   # the limit holds the pairs exactly
+            monkeypatch.setenv(MEMORY_LIMIT_ENV, str(64 * len(close)))
+        else:
+            monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
+            monkeypatch.setattr(particles.linkage, "edge_budget", lambda m: 0)
         m = Measure(X).merge(atol=atol)
         assert m.n == groups
         # each merged atom is its group's mean (uniform weights), groups in order of their first atom
@@ -152,3 +159,17 @@ def test_cluster_labels_of_a_collapsed_cloud_list_no_pairs(monkeypatch):
     _, first = np.unique(which, return_index=True)
     order = np.argsort(np.argsort(first))
     np.testing.assert_array_equal(labels, order[which])
+
+
+def test_linked_components_refuse_the_cells_candidate_pairs_above_the_limit(monkeypatch):
+    """Where neither the list of edges nor the cells' candidate pairs fit the memory limit (3000 points in d = 64,
+    each alone in its cell, every pair a candidate), the cells path refuses before listing them: it once took
+    13 GiB there."""
+    import particles.linkage
+    from particles.linkage import linked_components
+
+    X = np.random.default_rng(5).standard_normal((3000, 64))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(32 * 2**20))
+    monkeypatch.setattr(particles.linkage, "edge_budget", lambda m: 0)
+    with pytest.raises(MemoryLimitError, match=r"merge-like: \d+ candidate pairs of 3000 cells of 3000 atoms"):
+        linked_components(X, 20.0, what="merge-like")

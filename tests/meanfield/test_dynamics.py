@@ -468,3 +468,16 @@ def test_cluster_labels_refuse_a_tol_below_the_resolution_of_the_coordinates():
     X = np.random.default_rng(0).random((5000, 3))
     with pytest.raises(ValueError, match="tol: 1e-17 is below the resolution"):
         cluster_labels(X, 1e-17)
+
+
+def test_count_clusters_of_a_trajectory_counts_its_support_frame_by_frame():
+    """count_clusters(trajectory) agrees with count_clusters of each of its frames (Measures): the empty atom that
+    a frame leaves out was counted over time."""
+    from meanfield.clustering import count_clusters
+
+    X = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.5, 0.0]], dtype=torch.float64)
+    mu = Measure(X, [0.5, 0.5, 0.0])
+    traj = simulate(SelfAttention(torch.zeros(2, 2, dtype=torch.float64), 0.1 * torch.eye(2, dtype=torch.float64)),
+                    mu, torch.linspace(0.0, 0.1, 3, dtype=torch.float64))
+    counts = count_clusters(traj, 0.6)
+    assert counts.tolist() == [count_clusters(traj[k], 0.6) for k in range(len(traj))] == [2, 2, 2]

@@ -562,3 +562,20 @@ def test_linked_components_without_the_edge_list_equal_the_edge_list_ones(route,
             got = linked_components(X, r, p=p)
             # the same partition: a bijection between the labels
             assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist()))
+    # on lattices spaced exactly r, where a distance equals r (linked: <= r); the cells once took r (1 + 1e-12)
+    for d, r, p in ((1, 0.1, np.inf), (2, 0.1, np.inf), (2, 0.25, 2.0), (3, 0.5, 2.0)):
+        X = np.stack(np.meshgrid(*[np.arange(4.0)] * d, indexing="ij"), -1).reshape(-1, d) * r
+        X[::3] += 1e-9   # every third point a hair off the lattice
+        pairs = cKDTree(X).query_pairs(r=r, p=p, output_type="ndarray")
+        m = len(X)
+        graph = coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(m, m))
+        want = connected_components(graph, directed=False)[1]
+        got = linked_components(X, r, p=p)
+        assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist()))
+        # two points one float step farther apart than r: not linked, whichever route (alone and with a blob)
+        far = np.zeros((2, d))
+        far[1, 0] = np.nextafter(r, 1.0)
+        blob = 10.0 + 1e-3 * np.random.default_rng(d).random((50, d))
+        for Y in (far, np.concatenate([far, blob])):
+            labels = linked_components(Y, r, p=p)
+            assert labels[0] != labels[1], (d, r, p, route)
