@@ -75,7 +75,9 @@ class SweepResult:
     tasks with no valid record (not run yet, or a corrupt record found by :func:`load_sweep`).
     Counters describe the call that produced the result: ``n_resumed`` tasks were already done,
     ``n_run`` attempts were executed now (retries included), ``n_corrupt`` records failed
-    verification (and were redone by :func:`run_sweep`).
+    verification (and were redone by :func:`run_sweep`). ``grid_known`` is False where :func:`load_sweep` found
+    sweep.json damaged and rebuilt the grid from the records: tasks that never finished are then unknown, and
+    the sweep is not ``ok`` (run :func:`run_sweep` with the grid to know and finish it).
     """
 
     name: str
@@ -90,19 +92,23 @@ class SweepResult:
     n_corrupt: int = 0
     backend: str = ""
     elapsed_s: float = 0.0
+    grid_known: bool = True
 
     @property
     def ok(self) -> bool:
-        """Every task of the grid finished."""
-        return not self.failures and not self.missing
+        """Every task of the grid finished (False where the grid itself is unknown: ``grid_known``)."""
+        return self.grid_known and not self.failures and not self.missing
 
     def raise_for_failures(self) -> SweepResult:
         """Raise a RuntimeError listing failed and missing tasks; return self when all finished."""
         if self.ok:
             return self
         lines = [str(f) for f in self.failures[:10]] + [f"{p}: not run" for p in self.missing[:10]]
+        unknown = ("" if self.grid_known else
+                   f" (the grid is unknown: sweep.json was damaged and rebuilt from the {len(self.grid)} tasks that "
+                   "left a record; tasks that never finished are not listed: run run_sweep with the grid)")
         raise RuntimeError(f"sweep {self.name!r}: {len(self.failures)} failed and {len(self.missing)} missing "
-                           f"of {len(self.grid)} tasks:\n  " + "\n  ".join(lines))
+                           f"of {len(self.grid)} tasks{unknown}:\n  " + "\n  ".join(lines))
 
     def to_csv(self, path=None) -> Path:
         """Write ``rows`` as CSV (default ``out_dir/results.csv``), atomically."""
@@ -360,7 +366,8 @@ def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, 
     return n_run
 
 
-def _collect(store: SweepStore, name: str, tasks: list[dict]) -> SweepResult:
+def _collect(store: SweepStore, name: str, tasks: list[dict], *, grid_known: bool = True,
+             corrupt: int = 0) -> SweepResult:
     found, bad = store.load(name, tasks)
     rows, failures, missing, records = [], [], [], []
     for p in tasks:
@@ -375,7 +382,8 @@ def _collect(store: SweepStore, name: str, tasks: list[dict]) -> SweepResult:
             err = rec.get("error") or {}
             failures.append(TaskFailure(rec["key"], p, rec.get("attempts", 0), err.get("type", "?"),
                                         err.get("message", ""), err.get("traceback", "")))
-    return SweepResult(name, store.root, tasks, rows, failures, missing, records, n_corrupt=len(bad))
+    return SweepResult(name, store.root, tasks, rows, failures, missing, records, n_corrupt=len(bad) + corrupt,
+                       grid_known=grid_known)
 
 
 def load_sweep(out_dir) -> SweepResult:
@@ -384,10 +392,13 @@ def load_sweep(out_dir) -> SweepResult:
     Rows come in the grid order of the manifest; tasks without a valid record (never run, or a
     corrupt record, counted in ``n_corrupt``) are listed in ``missing``. Nothing is written. A
     manifest that does not parse is rebuilt from the records (rows then in the order the tasks
-    finished; see :meth:`SweepStore.rebuild_manifest`).
+    finished; see :meth:`SweepStore.rebuild_manifest`): the result then says ``grid_known=False`` and is not
+    ``ok``, and its ``n_corrupt`` counts the records that failed verification.
     """
     store = SweepStore(out_dir)
     manifest = store.read_manifest()
     if manifest is None:
         raise ValueError(f"out_dir: {store.root} has no sweep.json and no record; not a sweep folder")
-    return _collect(store, manifest["name"], manifest["grid"])
+    rebuilt = bool(manifest.get("rebuilt"))
+    return _collect(store, manifest["name"], manifest["grid"], grid_known=not rebuilt,
+                    corrupt=int(manifest.get("corrupt", 0)) if rebuilt else 0)

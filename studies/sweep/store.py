@@ -173,20 +173,24 @@ class SweepStore:
         the rebuilt grid lists the tasks in the order they finished. :func:`~studies.sweep.run_sweep` replaces it by the
         grid it is given. Records of another name than the most common one are left out.
         """
-        recs = []
+        recs, corrupt = [], 0
         if self.records.exists():
             for path in sorted(self.records.glob("*.rec")):
                 try:
                     rec = read_record(path)
                 except (CorruptRecord, OSError):
+                    corrupt += 1
                     continue
                 if rec.get("key") == path.stem == task_key(rec["name"], rec["params"]):
                     recs.append(rec)
+                else:
+                    corrupt += 1
         if not recs:
             return None
         name = Counter(r["name"] for r in recs).most_common(1)[0][0]
         recs = sorted((r for r in recs if r["name"] == name), key=lambda r: (str(r.get("finished_at", "")), r["key"]))
-        return {"format": MANIFEST_FORMAT, "name": name, "grid": [r["params"] for r in recs], "rebuilt": True}
+        return {"format": MANIFEST_FORMAT, "name": name, "grid": [r["params"] for r in recs], "rebuilt": True,
+                "corrupt": corrupt}
 
     def write_manifest(self, name: str, grid: list[dict]) -> None:
         manifest = {"format": MANIFEST_FORMAT, "name": name, "grid": grid}

@@ -193,7 +193,10 @@ def test_a_corrupt_manifest_is_rebuilt_from_the_records(tmp_path, caplog):
     first = run_sweep(square, grid, out, progress=False)
     (out / "sweep.json").write_text('{"format": "smooth-attention-sweep/1", "name": ')   # a torn hand edit
     seen = load_sweep(out)   # readers rebuild it in memory (rows in the order the tasks finished)
-    assert sorted(seen.rows, key=lambda r: r["a"]) == first.rows and seen.ok
+    # the grid is then unknown (a task that never finished left no record): not ok, and said when raised
+    assert sorted(seen.rows, key=lambda r: r["a"]) == first.rows and not seen.grid_known and not seen.ok
+    with pytest.raises(RuntimeError, match="the grid is unknown: sweep.json was damaged"):
+        seen.raise_for_failures()
     assert "rebuilt from 4 verified record(s)" in caplog.text
     assert (out / "sweep.json").read_text().endswith('"name": ')   # a reader writes nothing
     CALLS.clear()
@@ -235,7 +238,8 @@ def test_deeply_nested_json_with_a_valid_checksum_is_a_corrupt_record(tmp_path, 
     assert again.n_corrupt == 1 and CALLS == [grid[0]] and again.rows == first.rows
     assert len(list((out / "corrupt").iterdir())) == 1
     (out / "sweep.json").write_text("{" * depth)   # a manifest nested too deeply is rebuilt as well
-    assert load_sweep(out).ok
+    rebuilt = load_sweep(out)
+    assert sorted(rebuilt.rows, key=lambda r: r["a"]) == first.rows and not rebuilt.grid_known
 
 
 # ---------------------------------------------------------------------- failures and retries
@@ -679,3 +683,19 @@ def test_processes_backend_from_an_unguarded_script_is_refused_before_any_worker
     run = subprocess.run([sys.executable, str(good)], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert sorted(r["y"] for r in load_sweep(tmp_path / "b").rows) == [1, 4]
+
+
+def test_a_damaged_manifest_of_an_unfinished_sweep_does_not_read_as_finished(tmp_path):
+    """4 of 8 tasks finished, one record corrupt, sweep.json damaged: load_sweep rebuilt the grid from the 3 good
+    records and said tasks=3, missing=0, ok=True, n_corrupt=0. It now says the grid is unknown (not ok) and counts
+    the corrupt record."""
+    out = tmp_path / "s"
+    grid = [{"a": a, "b": 0} for a in range(8)]
+    run_sweep(square, grid[:4], out, progress=False, name="half")
+    victim = sorted((out / "records").glob("*.rec"))[0]
+    victim.write_bytes(victim.read_bytes()[:-7] + b"garbage")
+    (out / "sweep.json").write_text("{bad")
+    seen = load_sweep(out)
+    assert len(seen.rows) == 3 and seen.n_corrupt == 1 and not seen.grid_known and not seen.ok
+    finished = run_sweep(square, grid, out, progress=False, name="half")   # the grid given: known, finished
+    assert finished.ok and finished.grid_known and len(finished.rows) == 8
