@@ -260,9 +260,11 @@ def _scalings(log_weights, dtype):
     lw = log_weights.to(dtype)
     half = (lw - lw.max()) / 2
     present = torch.isfinite(half)
-    # s_in = exp(-half) must stay representable with headroom (e^12) for the products it enters;
-    # what still overflows inside a product is caught there (OverflowError)
-    limit = math.log(torch.finfo(dtype).max) - 12.0
+    # s_in = exp(-half) must stay representable with headroom (e^12, or the square root of the range for float16,
+    # whose whole range is e^11) for the products it enters; what still overflows inside a product is caught there
+    # (OverflowError)
+    top = math.log(torch.finfo(dtype).max)
+    limit = max(top - 12.0, 0.5 * top)
     if bool((present & (half < -limit)).any()):
         raise ValueError("X: the weights of this measure span more than the floating range allows for the "
                          "weighted Jacobian D^{1/2} J D^{-1/2} (ratio of largest to smallest mass over "

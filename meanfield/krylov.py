@@ -507,6 +507,9 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         big = J.abs().max()
         _refuse_underflow((big > 0) & (big < _UNDERFLOW[J.dtype]), J.dtype)
         c = torch.ldexp(torch.ones_like(big), torch.frexp(big)[1]) if big > 0 else torch.ones_like(big)
+        if J.dtype in (torch.float16, torch.bfloat16):
+            # no SVD in the half types: the matrix widened to float32 (exactly); the certificate below in float32
+            J, c = J.float(), c.float()
         _, S, Vh = torch.linalg.svd(J / c, full_matrices=False)
         s, v = S[0], Vh[0]
         # rounding-level certificate from the explicit product (normalized residual, as in _rayleigh)
@@ -514,7 +517,7 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         rho = float(((J / c).T @ (w / s if s > 0 else w) - s * v).norm()) if s > 0 else 0.0
         c, s = float(c), float(s)
         values.append(s * c)
-        vectors.append(v.reshape(X.shape))
+        vectors.append(v.reshape(X.shape).to(X.dtype))
         errs.append(min(rho, math.sqrt(rho * s)) * c)
         res.append(rho * c)
     t = lambda v: torch.tensor(v, dtype=torch.float64)
