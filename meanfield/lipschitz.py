@@ -287,6 +287,20 @@ def _checked_in_float64(members, build, tol, memory_limit):
     return out, jac.applications
 
 
+def _half_in_float64(prob):
+    """(fn, X, s_in, s_out) of the float64 twin of a float16 or bfloat16 problem, or None: half-precision products
+    are too coarse to find the top of the spectrum (a bfloat16 Lanczos certified the second singular value, 27.8,
+    of a Jacobian whose top one is 93.9: with rounding of 4e-3 the Krylov space did not see it), so such inputs are
+    solved with float64 products of the same numbers; the vector is returned in the input's dtype and certified
+    at exactly it (:func:`_checked_in_float64`)."""
+    if prob.X.dtype not in (torch.float16, torch.bfloat16) or prob.higher is None:
+        return None
+    try:
+        return prob.higher()
+    except (ValueError, ArithmeticError, RuntimeError, NotImplementedError):
+        return None
+
+
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, on_failure="raise",
                     memory_limit=None, mixed=None) -> LipschitzEstimate:
@@ -308,9 +322,11 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     tol : float or None
         Relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
         (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon is a ValueError.
-        For a float32 or half-precision input of an operator that converts to float64, the solve's vector is
-        certified again by float64 products of the same numbers (docs/math.md section 4.4): the value, error and
-        ``converged`` are those of the map itself, not of its rounding in the input's dtype.
+        For a float32 input of an operator that converts to float64, the solve's vector is certified again by
+        float64 products of the same numbers (docs/math.md section 4.4): the value, error and ``converged`` are
+        those of the map itself, not of its rounding in the input's dtype; a float16 or bfloat16 input of such an
+        operator is solved with float64 products (half-precision products are too coarse to find the top of the
+        spectrum), its vector returned in the input's dtype and certified at exactly it.
     max_iter : int or None
         Iteration budget (lanczos: Krylov dimension; power: iterations); default :data:`MAX_ITER`.
     seed : int
@@ -328,7 +344,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         ``converged`` come from float64 products, and a float64 Lanczos continues from it when that
         certificate misses ``tol``. None uses it for operators that convert to float32
         (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE` entries per batch
-        member; True for every such operator; False never.
+        member; True for every such operator; False never. Hugging Face layers (``HFAttention``) never take it
+        (``mixed_precision = False``: unmeasured on them).
 
     Returns
     -------
@@ -361,9 +378,10 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     members, applications, iterations = [], 0, 0
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
+            wide = _half_in_float64(prob)
             # the first evaluation of f (recorded for the products) is the policy's probe
             with timed_probe(policy if k == 0 else None):
-                jac = Jacobian(prob.fn, prob.X, prob.s_in, prob.s_out, memory_limit)
+                jac = Jacobian(*(wide or (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
             jac.on_product = policy.tick
             low = prob.lower
             if low is not None and (prob.X.dtype != torch.float64 or mixed is False
@@ -371,6 +389,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                 low = None
             result = solve(jac, tol, max_iter, seed, memory_limit, low)
             found = _estimates(result, jac, method)
+            if wide is not None:   # the vectors in the input's dtype, certified at exactly them below
+                found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
             if prob.higher is not None:
                 found, extra = _checked_in_float64(found, prob.higher, tol, memory_limit)
                 applications += extra

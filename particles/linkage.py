@@ -14,12 +14,17 @@ import math
 import numpy as np
 
 __all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES",
-           "CHUNK"]
+           "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
 #: points whose neighbours estimate the number of edges before they are counted exactly
 SAMPLE = 256
+#: edges listed without looking at the cells: at most this many, or this many a point
+FEW_EDGES, FEW_EDGES_PER_POINT = 2**22, 16
+#: a cloud with more edges than that is linked by cells where its cells hold this many points on average
+#: (a few tight clusters), by its edges (while they fit the memory limit) where they hold fewer
+COLLAPSED = 32
 #: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the singles' indices)
 CANDIDATE_BYTES = 48
 #: pairs of single points whose distances are formed at once
@@ -49,8 +54,10 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     """Component labels (N,) (integers, not ordered) of the graph linking points of X (N, d) at p-norm distance
     <= r, in one of two ways that give the same components:
 
-    * the list of edges, where it fits the memory limit (:func:`edge_budget`; a sparse cloud: the pairs are
-      counted first, exactly, once a sample of :data:`SAMPLE` points says their number is small), and where
+    * the list of edges where they are few (a sample of :data:`SAMPLE` points estimates them: at most
+      :data:`FEW_EDGES` or :data:`FEW_EDGES_PER_POINT` a point), or where they fit the memory limit
+      (:func:`edge_budget`) and the cells hold fewer than :data:`COLLAPSED` points on average (the pairs are then
+      counted exactly first), and where
       ``r`` is below the resolution of the coordinates (:func:`cells_resolve`: only nearly coinciding points
       are linked), then checked against the memory limit (MemoryLimitError, naming ``what``);
     * coarse cells otherwise (a collapsed cloud: all pairs of 10^5 tokens in one cluster are 5e9 edges). Cells
@@ -80,17 +87,22 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     side = _cell_side(r, d, p)
     resolved = cells_resolve(X, side)
     budget = edge_budget(m)
+    group = None
+    listed = True
     if resolved and m > SAMPLE:
         sample = cKDTree(X[np.random.default_rng(0).choice(m, SAMPLE, replace=False)])
         estimate = (sample.count_neighbors(tree, r, p=p) - SAMPLE) * (m / SAMPLE) / 2
-        listed = estimate <= budget
-    else:
-        listed = True
+        if estimate > max(FEW_EDGES, FEW_EDGES_PER_POINT * m):
+            # many edges: the cells where the cloud collapses (many points a cell, few groups: a few tight
+            # clusters), the edges while they fit the memory otherwise (a few points a cell: the cells' candidate
+            # pairs of groups would outnumber the edges)
+            group = _cells(X, side)
+            listed = m < COLLAPSED * (int(group.max()) + 1) and estimate <= budget
     if listed:
         pairs = (int(tree.count_neighbors(tree, r, p=p)) - m) // 2
         if not resolved or pairs <= budget:
             return _edge_components(tree, m, r, p, pairs, what)
-    return _cell_components(X, r, p, side, what)
+    return _cell_components(X, r, p, side, what, group)
 
 
 def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str) -> np.ndarray:
@@ -118,15 +130,20 @@ def edge_budget(m: int) -> int:
     return memory_limit() // EDGE_BYTES
 
 
-def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str) -> np.ndarray:
-    """:func:`linked_components` by coarse cells. Distances are compared with r as the edge list compares them
-    (scipy's cKDTree: <= r, its nearest-neighbour bound being strict, one step above r)."""
+def _cells(X: np.ndarray, side: float) -> np.ndarray:
+    """The cell of each point (N,), numbered 0..k-1: cubes of ``side`` from the smallest coordinates."""
+    keys = np.floor((X - X.min(0)) / side).astype(np.int64)
+    return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+
+
+def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, group=None) -> np.ndarray:
+    """:func:`linked_components` by coarse cells (``group``: the points' cells, when known). Distances are compared
+    with r as the edge list compares them (scipy's cKDTree: <= r, its nearest-neighbour bound being strict, one
+    step above r)."""
     from .validation import check_allocation
 
     m, d = X.shape
-    keys = np.floor((X - X.min(0)) / side).astype(np.int64)
-    _, group = np.unique(keys, axis=0, return_inverse=True)
-    group = group.reshape(-1)
+    group = _cells(X, side) if group is None else group
     k = int(group.max()) + 1
     if k == 1:
         return group

@@ -173,3 +173,21 @@ def test_linked_components_refuse_the_cells_candidate_pairs_above_the_limit(monk
     monkeypatch.setattr(particles.linkage, "edge_budget", lambda m: 0)
     with pytest.raises(MemoryLimitError, match=r"merge-like: \d+ candidate pairs of 3000 cells of 3000 atoms"):
         linked_components(X, 20.0, what="merge-like")
+
+
+def test_a_collapsed_cloud_that_would_fit_as_edges_is_still_linked_by_cells(monkeypatch):
+    """16000 atoms in two clusters of spread 1e-3, atol 0.05: 6.4e7 pairs, which fit the default 8 GiB as a list
+    (3.7 GB and 11 s when they were listed), where the cells take 0.3 s. The edge list is not formed (a stub that
+    raises stands in for it); the two clusters merge into their weighted means."""
+    import particles.linkage
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the edges of a collapsed cloud were listed")
+
+    monkeypatch.setattr(particles.linkage, "_edge_components", refuse)
+    rng = np.random.default_rng(0)
+    X = 1e-3 * rng.random((16_000, 3))
+    X[::2] += 1.0
+    m = Measure(X).merge(atol=0.05)
+    assert m.n == 2
+    torch.testing.assert_close(m.points[0], torch.as_tensor(X[::2].mean(0)), rtol=1e-12, atol=1e-15)

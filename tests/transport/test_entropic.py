@@ -283,3 +283,10 @@ def test_dense_sinkhorn_of_a_measure_against_itself_at_small_reg():
     a = mu.weights
     assert plain.converged
     assert plain.value_squared == pytest.approx(entropic_ot(X, a, X, a, 1e-3, tol=1e-10)[1], rel=1e-6)
+    # the same measure with its atoms in another order (and unequal weights) is recognised too
+    w = torch.rand(300, generator=torch.Generator().manual_seed(1), dtype=F64) + 0.5
+    perm = torch.randperm(300, generator=torch.Generator().manual_seed(2))
+    mu_w = Measure(X, w, normalize=True)
+    shuffled = Measure(X[perm], mu_w.weights[perm])
+    res = solve(mu_w, shuffled, "sinkhorn", reg=1e-3)
+    assert res.converged and abs(res.value) <= 1e-6
