@@ -96,7 +96,7 @@ class SweepResult:
 
     @property
     def ok(self) -> bool:
-        """Every task of the grid finished (False where the grid itself is unknown: ``grid_known``)."""
+        """Whether every task of the grid finished; False where the grid itself is unknown (``grid_known``)."""
         return self.grid_known and not self.failures and not self.missing
 
     def raise_for_failures(self) -> SweepResult:
