@@ -20,8 +20,10 @@ __all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE
 NORMS = (2.0, math.inf)
 #: points whose neighbours estimate the number of edges before they are counted exactly
 SAMPLE = 256
-#: edges listed without looking at the cells: at most this many, or this many a point
-FEW_EDGES, FEW_EDGES_PER_POINT = 2**22, 16
+#: edges listed without looking at the cells (at most this many, or :data:`FEW_EDGES_PER_POINT` a point)
+FEW_EDGES = 2**22
+#: edges a point listed without looking at the cells (or :data:`FEW_EDGES` in all)
+FEW_EDGES_PER_POINT = 16
 #: a cloud with more edges than that is linked by cells where its cells hold this many points on average
 #: (a few tight clusters), by its edges (while they fit the memory limit) where they hold fewer
 COLLAPSED = 32
