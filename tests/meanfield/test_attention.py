@@ -114,19 +114,23 @@ def test_duplicated_tokens_equal_merged_measure():
     torch.testing.assert_close(seq[1:], merged[1].expand(n - 1, 3), rtol=1e-13, atol=1e-13)
 
 
+def _masked_operator(kind, d):
+    """A masked single head, multi-head layer or L2 layer on R^d."""
+    if kind == "single":
+        return SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2), masked=True)
+    if kind == "mha":
+        return MultiHeadAttention([SelfAttention(rand(d, d, seed=s), rand(2, d, seed=s + 9), masked=True)
+                                   for s in range(2)], rand(d, 4, seed=5))
+    return L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), masked=True)
+
+
 @pytest.mark.parametrize("op_kind", ["single", "mha", "l2"])
 def test_positions_act_only_through_their_order(op_kind):
     """docs/math.md 2.4: F^m is piecewise constant in the positions. An order-preserving move of them (ties kept)
     changes no output; autograd reports them unused for the output points and gives the identity for the output
     positions (carried through); moving one position past another does change the output."""
     d = 3
-    if op_kind == "single":
-        op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2), masked=True)
-    elif op_kind == "mha":
-        op = MultiHeadAttention([SelfAttention(rand(d, d, seed=s), rand(2, d, seed=s + 9), masked=True)
-                                 for s in range(2)], rand(d, 4, seed=5))
-    else:
-        op = L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), masked=True)
+    op = _masked_operator(op_kind, d)
     X = rand(6, d, seed=3).requires_grad_()
     s = torch.tensor([0.1, 0.3, 0.3, 0.5, 0.8, 0.9], dtype=f64, requires_grad=True)
     w = torch.tensor([0.1, 0.2, 0.15, 0.25, 0.1, 0.2], dtype=f64)
@@ -145,13 +149,7 @@ def test_positions_act_only_through_their_order(op_kind):
 @pytest.mark.parametrize("op_kind", ["single", "mha", "l2"])
 def test_masked_output_does_not_depend_on_later_tokens(op_kind):
     d, n = 4, 6
-    if op_kind == "single":
-        op = SelfAttention(rand(d, d, seed=1), rand(d, d, seed=2), masked=True)
-    elif op_kind == "mha":
-        op = MultiHeadAttention([SelfAttention(rand(d, d, seed=s), rand(2, d, seed=s + 9), masked=True)
-                                 for s in range(2)], rand(d, 4, seed=5))
-    else:
-        op = L2SelfAttention(rand(2, d, 2, seed=1), rand(2, d, 2, seed=2), masked=True)
+    op = _masked_operator(op_kind, d)
     X = rand(n, d, seed=3)
     base = op.sequence(X)
     for i in range(n - 1):
