@@ -306,9 +306,12 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
         found, bad = store.load(name, tasks, move_corrupt=True)
         done = {k for k, r in found.items() if r["status"] == "ok"}
         todo = [i for i, k in enumerate(keys) if k not in done]
+        # the backend first: one that refuses the function (not picklable, no __main__ guard) does so before any
+        # progress line is printed
+        runner = make_backend(backend, fn, n_workers, scheduler, name) if todo else None
         bar = Progress(len(tasks), label or name, unit="task", initial=len(done), enabled=bool(progress) and bool(todo))
         try:
-            n_run = _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, bar)
+            n_run = _execute(runner, tasks, keys, todo, store, name, retries, bar)
         finally:
             bar.close()
         result = _collect(store, name, tasks)
@@ -322,10 +325,9 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
         store.unlock()
 
 
-def _execute(fn, tasks, keys, todo, store, name, backend, n_workers, scheduler, retries, bar: Progress) -> int:
+def _execute(runner, tasks, keys, todo, store, name, retries, bar: Progress) -> int:
     if not todo:
         return 0
-    runner = make_backend(backend, fn, n_workers, scheduler, name)
     pending = collections.deque(todo)
     attempts = dict.fromkeys(todo, 0)
     inflight: dict = {}

@@ -699,3 +699,12 @@ def test_a_damaged_manifest_of_an_unfinished_sweep_does_not_read_as_finished(tmp
     assert len(seen.rows) == 3 and seen.n_corrupt == 1 and not seen.grid_known and not seen.ok
     finished = run_sweep(square, grid, out, progress=False, name="half")   # the grid given: known, finished
     assert finished.ok and finished.grid_known and len(finished.rows) == 8
+
+
+def test_a_function_the_process_backend_refuses_prints_no_progress_first(tmp_path, capsys):
+    """A lambda cannot go to worker processes: the TypeError names fn, and no '0/1 tasks' progress line came
+    before it (the bar was opened before the backend refused the function)."""
+    with pytest.raises(TypeError, match="fn: backend='processes' needs a picklable top-level function"):
+        run_sweep(lambda a: {"y": a}, [{"a": 1}], tmp_path / "s", backend="processes", progress=True)
+    captured = capsys.readouterr()
+    assert "tasks" not in captured.out + captured.err
