@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 __all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES",
-           "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK"]
+           "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
@@ -29,8 +29,12 @@ FEW_EDGES_PER_POINT = 16
 COLLAPSED = 32
 #: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the singles' indices)
 CANDIDATE_BYTES = 48
-#: pairs of single points whose distances are formed at once
+#: pairs of single points whose distances are formed at once (fewer for larger groups and widths: the chunk holds
+#: about CHUNK x 64 coordinates)
 CHUNK = 2**16
+#: groups of at most this many points are linked pair by pair at once (their points' distances), larger ones by
+#: nearest-neighbour queries
+SMALL_GROUP = 8
 #: bytes per listed edge (the (pairs, 2) int64 array, the COO matrix's data, row and col, and
 #: connected_components' symmetric CSR copy)
 EDGE_BYTES = 64
@@ -132,6 +136,26 @@ def edge_budget(m: int) -> int:
     return memory_limit() // EDGE_BYTES
 
 
+def _small_pairs_linked(X, order, group, bounds, counts, a, b, r, p) -> np.ndarray:
+    """For pairs (a_i, b_i) of groups of at most :data:`SMALL_GROUP` points: whether some point of a_i lies within
+    r of some point of b_i (<= r, squared distances against r^2 in the Euclidean norm), in chunks of pairs."""
+    k, d, S = len(counts), X.shape[1], SMALL_GROUP
+    table = np.full((k, S), -1, dtype=np.int64)   # the points of each small group, padded with -1
+    g_sorted = group[order]
+    rank = np.arange(len(order)) - bounds[g_sorted]
+    keep = counts[g_sorted] <= S
+    table[g_sorted[keep], rank[keep]] = order[keep]
+    near = np.zeros(len(a), dtype=bool)
+    step = max(1, CHUNK * 64 // (S * S * max(d, 1)))
+    for s in range(0, len(a), step):
+        ia, ib = table[a[s:s + step]], table[b[s:s + step]]
+        diff = X[ia][:, :, None, :] - X[ib][:, None, :, :]
+        dist = (diff * diff).sum(-1) if p == 2.0 else np.abs(diff).max(-1)
+        valid = (ia[:, :, None] >= 0) & (ib[:, None, :] >= 0)
+        near[s:s + step] = (valid & (dist <= (r * r if p == 2.0 else r))).any(axis=(1, 2))
+    return near
+
+
 def _cells(X: np.ndarray, side: float) -> np.ndarray:
     """The cell of each point (N,), numbered 0..k-1: cubes of ``side`` from the smallest coordinates."""
     keys = np.floor((X - X.min(0)) / side).astype(np.int64)
@@ -156,12 +180,39 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, 
     bounds = np.concatenate([[0], np.cumsum(counts)])
     members = lambda g: order[bounds[g]:bounds[g + 1]]
     centers = np.stack([np.bincount(group, weights=X[:, j], minlength=k) for j in range(d)], 1) / counts[:, None]
+    # each group's radius about its mean (below r, the cell's diameter): two groups can hold a pair within r only
+    # if their means lie within r + both radii (triangle inequality)
+    offset = X - centers[group]
+    spread = np.sqrt((offset * offset).sum(1)) if p == 2.0 else np.abs(offset).max(1)
+    rad = np.zeros(k)
+    np.maximum.at(rad, group, spread)
+    reach = r + 2 * float(rad.max())
     ctree = cKDTree(centers)
-    count = (int(ctree.count_neighbors(ctree, 3 * r, p=p)) - k) // 2
+    count = (int(ctree.count_neighbors(ctree, reach, p=p)) - k) // 2
     check_allocation(CANDIDATE_BYTES * count, f"{what}: {count} candidate pairs of {k} cells of {m} atoms",
                      "use a smaller distance, or raise the memory limit")
-    candidates = ctree.query_pairs(r=3 * r, p=p, output_type="ndarray")
-    parent = np.arange(k)
+    candidates = ctree.query_pairs(r=reach, p=p, output_type="ndarray").reshape(-1, 2)
+    keep = np.ones(len(candidates), dtype=bool)
+    for s in range(0, len(candidates), CHUNK):
+        ca, cb = candidates[s:s + CHUNK, 0], candidates[s:s + CHUNK, 1]
+        diff = centers[ca] - centers[cb]
+        gap = np.sqrt((diff * diff).sum(1)) if p == 2.0 else np.abs(diff).max(1)
+        keep[s:s + CHUNK] = gap <= (r + rad[ca] + rad[cb]) * (1 + 1e-12)   # loose by rounding: an exact test follows
+    candidates = candidates[keep]
+    # pairs of small groups (at most SMALL_GROUP points each: a sparse or moderately dense cloud, most groups) are
+    # decided at once, from all their points' distances, and joined as components of the group graph; a pair with
+    # a larger group by nearest-neighbour queries, skipped once the two are joined (union-find)
+    small = (counts[candidates[:, 0]] <= SMALL_GROUP) & (counts[candidates[:, 1]] <= SMALL_GROUP)
+    a, b = candidates[small, 0], candidates[small, 1]
+    near = _small_pairs_linked(X, order, group, bounds, counts, a, b, r, p)
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    comp = connected_components(coo_matrix((np.ones(int(near.sum())), (a[near], b[near])), shape=(k, k)),
+                                directed=False)[1]
+    root = np.full(int(comp.max()) + 1, k)
+    np.minimum.at(root, comp, np.arange(k))
+    parent = root[comp]
 
     def find(i):
         while parent[i] != i:
@@ -169,21 +220,8 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, 
             i = parent[i]
         return i
 
-    # pairs of single points are decided at once (a sparse cloud: most groups); a group pair with a larger group
-    # by nearest-neighbour queries, skipped once the two are joined
-    single = (counts[candidates[:, 0]] == 1) & (counts[candidates[:, 1]] == 1) if len(candidates) else \
-        np.zeros(0, dtype=bool)
-    a, b = candidates[single, 0], candidates[single, 1]
-    near = np.zeros(len(a), dtype=bool)
-    for s in range(0, len(a), CHUNK):   # pairs x d differences, a chunk at a time
-        diff = centers[a[s:s + CHUNK]] - centers[b[s:s + CHUNK]]
-        near[s:s + CHUNK] = ((diff * diff).sum(1) <= r * r) if p == 2.0 else (np.abs(diff).max(1) <= r)
-    for i, j in zip(a[near].tolist(), b[near].tolist()):
-        ri, rj = find(i), find(j)
-        if ri != rj:
-            parent[ri] = rj
     trees = {}
-    for i, j in candidates[~single].tolist():
+    for i, j in candidates[~small].tolist():
         ri, rj = find(i), find(j)
         if ri == rj:
             continue
