@@ -29,7 +29,7 @@ FEW_EDGES_PER_POINT = 16
 COLLAPSED = 32
 #: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the singles' indices)
 CANDIDATE_BYTES = 48
-#: pairs of single points whose distances are formed at once (fewer for larger groups and widths: the chunk holds
+#: pairs of cells whose distances are formed at once (fewer for larger groups and widths, the chunk holding
 #: about CHUNK x 64 coordinates)
 CHUNK = 2**16
 #: groups of at most this many points are linked pair by pair at once (their points' distances), larger ones by
