@@ -227,6 +227,9 @@ def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> fl
     else:
         pts = as_tensor(getattr(x, "points", x), "x")
         lw = getattr(x, "log_weights", None)
+        if pts.dim() < 2 or pts.shape[-2] == 0 or pts.shape[-1] == 0:
+            raise ValueError(f"x: expected an (N, d) array (or (T, N, d)) of at least one point of at least one "
+                             f"coordinate, got shape {tuple(pts.shape)}")
     if weights is not None:
         if lw is not None:
             raise ValueError(f"weights: {type(x).__name__} carries its own weights; pass its points to weigh them "

@@ -277,9 +277,10 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         Euler with 1 step per layer on [0, 1] is exactly L residual layers x <- x + (1/L) Gamma(x).
     rtol, atol : float or None
         Tolerances of the adaptive methods (default 1e-7 and 1e-9); an error with a fixed-step method.
-        They bound the local error per step, not the global error: measured against a converged solution,
-        dopri5 and bosh3 stay below rtol, torchdiffeq's dopri8 does not (9.9e-6 at rtol 1e-7, the same as
-        torchdiffeq called directly); check the convergence of a result by halving rtol.
+        They bound the local error per step, not the global error: measured against a converged solution on
+        6 tokens over [0, 1] at the defaults, dopri5 stayed within a few rtol (up to 2.6e-7 relative), bosh3 went
+        to 18-275 rtol and torchdiffeq's dopri8 to 9.9e-6 (each the same as torchdiffeq called directly); check
+        the convergence of a result by halving rtol.
     geometry : ``Euclidean()``, ``Sphere()``, ``"euclidean"`` or ``"sphere"`` (default: Euclidean)
         Where the tokens live (:mod:`meanfield.geometry`): the field is projected on the tangent
         spaces and the points retracted after each step. The sphere models of Geshkovski et al. are

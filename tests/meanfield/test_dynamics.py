@@ -481,3 +481,16 @@ def test_count_clusters_of_a_trajectory_counts_its_support_frame_by_frame():
                     mu, torch.linspace(0.0, 0.1, 3, dtype=torch.float64))
     counts = count_clusters(traj, 0.6)
     assert counts.tolist() == [count_clusters(traj[k], 0.6) for k in range(len(traj))] == [2, 2, 2]
+
+
+def test_interaction_energy_names_a_malformed_input():
+    """A vector raised IndexError, an empty cloud a 'math domain error', and zero coordinates returned 0.5; each is
+    now the ValueError of the other clustering functions."""
+    from meanfield.clustering import interaction_energy
+
+    for bad in (np.ones(3), np.zeros((0, 2)), np.zeros((3, 0))):
+        with pytest.raises(ValueError, match="x: expected an \\(N, d\\) array"):
+            interaction_energy(bad, 1.0)
+    X = np.random.default_rng(0).standard_normal((5, 2))
+    direct = sum(math.exp(X[i] @ X[j]) for i in range(5) for j in range(5)) / (2 * 25)
+    assert interaction_energy(X, 1.0) == pytest.approx(direct, rel=1e-13)
