@@ -149,18 +149,17 @@ def solve_sinkhorn(problem: Problem, eps: float, opts: dict, return_plan: bool =
     what = f"{problem.caller} (sinkhorn)"
     # a measure against itself is the self problem, whose alternating updates crawl at small reg (10000 did not
     # reach tol = 1e-5 at reg 1e-3 on 300 points): started from its symmetric fixed point as the debiasing terms
+    # (the symmetric start of mu is solved once: for the pair and for the self problem of mu, and, permuted, for nu's)
     match = _same_atoms(x, la, y, lb)
-    warm = None
-    if match is not None:
-        u, _ = _symmetric_warmstart(x, la, eps, tol)
-        warm = (u, u[match])
-    ot_xy, cost, plan, (f, g), err, it = _entropic(x, y, la, lb, eps, tol, max_iter, warm,
+    start_x = _symmetric_warmstart(x, la, eps, tol) if debias or match is not None else None
+    permuted = None if match is None else start_x[0][match]
+    ot_xy, cost, plan, (f, g), err, it = _entropic(x, y, la, lb, eps, tol, max_iter,
+                                                   None if match is None else (start_x[0], permuted),
                                                    what=f"{what}, {n} x {m} atoms")
     if debias:
-        ot_xx, _, _, _, err_x, _ = _entropic(x, x, la, la, eps, tol, max_iter, _symmetric_warmstart(x, la, eps, tol),
-                                             f"{what}, self problem of mu")
-        ot_yy, _, _, _, err_y, _ = _entropic(y, y, lb, lb, eps, tol, max_iter, _symmetric_warmstart(y, lb, eps, tol),
-                                             f"{what}, self problem of nu")
+        start_y = _symmetric_warmstart(y, lb, eps, tol) if match is None else (permuted, permuted.clone())
+        ot_xx, _, _, _, err_x, _ = _entropic(x, x, la, la, eps, tol, max_iter, start_x, f"{what}, self problem of mu")
+        ot_yy, _, _, _, err_y, _ = _entropic(y, y, lb, lb, eps, tol, max_iter, start_y, f"{what}, self problem of nu")
         value = ot_xy - 0.5 * (ot_xx + ot_yy)
         err = worst_error(err, err_x, err_y)
     else:
