@@ -276,9 +276,9 @@ def _scalings(log_weights, dtype):
     return s_in[:, None], s_out[:, None]
 
 
-def _float32_operator(op, dtype=torch.float32):
-    """The operator with parameters of ``dtype`` (float32 by default), or None when it cannot convert (bare
-    callables, layers without ``to``)."""
+def _converted_operator(op, dtype):
+    """The operator with parameters of ``dtype``, or None when it cannot convert (bare callables, layers without
+    ``to``)."""
     if op.points_only:
         return None
     try:
@@ -310,7 +310,7 @@ def make_problems(f, X):
 
     def twin(lw, pos, X_, log_weights=None, dtype=torch.float32):
         def build():
-            converted = _float32_operator(op, dtype)
+            converted = _converted_operator(op, dtype)
             if converted is None:
                 return None
             lw2, pos2 = (None if t is None else t.to(dtype) for t in (lw, pos))

@@ -231,8 +231,9 @@ def _estimates(result, jac: Jacobian, method: str):
     return out
 
 
-def _checked_in_float64(members, build, tol, memory_limit):
-    """The members of a float32 (or half) solve, certified with float64 products: (members, products made).
+def _checked_in_float64(members, jac, tol):
+    """The members of a float32 (or half) solve, certified with float64 products of ``jac``, the float64 twin of
+    the problem (:func:`_float64_twin`).
 
     The solver's certificate covers the Jacobian its products compute, in the input's dtype; at large radii
     that Jacobian differs from the map's own (the same inputs and parameters in exact arithmetic) by more than
@@ -240,19 +241,10 @@ def _checked_in_float64(members, build, tol, memory_limit):
     vector u of each member is therefore certified again by float64 products (two per member, the float64 twin
     of the problem): value |J u|, error min(rho, sqrt(rho |J u|)) (docs/math.md section 4.4), converged where
     that error meets tol. A member whose own certificate met tol and whose float64 one does not is at the
-    rounding floor of its dtype (``stalled``). Operators that do not convert to float64 (bare callables) keep
-    the certificate of their own products."""
+    rounding floor of its dtype (``stalled``)."""
     from .krylov import _meets, _rayleigh
 
-    try:
-        parts = build()
-    except (ValueError, ArithmeticError, RuntimeError, NotImplementedError):
-        parts = None
-    if parts is None:
-        return members, 0
-    fn64, X64, s_in, s_out = parts
-    jac = Jacobian(fn64, X64, s_in, s_out, memory_limit)
-    u = torch.stack([m[1] for m in members]).to(device=X64.device, dtype=torch.float64)
+    u = torch.stack([m[1] for m in members]).to(device=jac.X.device, dtype=torch.float64)
     u = u / norms(u)
     value, rho, err, z = _rayleigh(jac, u)
     met = _meets(err, value, tol, jac.zero)
@@ -284,16 +276,17 @@ def _checked_in_float64(members, build, tol, memory_limit):
         v = float(value[i]) * c
         out.append((v, vectors[i], float(err[i]) * c, float(rho[i]) * c * v, bool(met[i]),
                     stalled or (ok and not met[i])))
-    return out, jac.applications
+    return out
 
 
-def _half_in_float64(prob):
-    """(fn, X, s_in, s_out) of the float64 twin of a float16 or bfloat16 problem, or None: half-precision products
-    are too coarse to find the top of the spectrum (a bfloat16 Lanczos certified the second singular value, 27.8,
-    of a Jacobian whose top one is 93.9: with rounding of 4e-3 the Krylov space did not see it), so such inputs are
-    solved with float64 products of the same numbers; the vector is returned in the input's dtype and certified
-    at exactly it (:func:`_checked_in_float64`)."""
-    if prob.X.dtype not in (torch.float16, torch.bfloat16) or prob.higher is None:
+def _float64_twin(prob):
+    """(fn, X, s_in, s_out) of the problem in float64 (the same inputs and parameters, exactly widened), or None:
+    a float64 input, or an operator that does not convert (a bare callable keeps the certificate of its own
+    products). A float32 solve is certified with it (:func:`_checked_in_float64`); a float16 or bfloat16 problem
+    is solved in it: half-precision products are too coarse to find the top of the spectrum (a bfloat16 Lanczos
+    certified the second singular value, 27.8, of a Jacobian whose top one is 93.9: with rounding of 4e-3 the
+    Krylov space did not see it), and its vector, returned in the input's dtype, is certified at exactly it."""
+    if prob.higher is None:
         return None
     try:
         return prob.higher()
@@ -378,10 +371,11 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     members, applications, iterations = [], 0, 0
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
-            wide = _half_in_float64(prob)
+            wide = _float64_twin(prob)
+            half = wide is not None and prob.X.dtype in (torch.float16, torch.bfloat16)
             # the first evaluation of f (recorded for the products) is the policy's probe
             with timed_probe(policy if k == 0 else None):
-                jac = Jacobian(*(wide or (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
+                jac = Jacobian(*(wide if half else (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
             jac.on_product = policy.tick
             low = prob.lower
             if low is not None and (prob.X.dtype != torch.float64 or mixed is False
@@ -389,11 +383,13 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                 low = None
             result = solve(jac, tol, max_iter, seed, memory_limit, low)
             found = _estimates(result, jac, method)
-            if wide is not None:   # the vectors in the input's dtype, certified at exactly them below
-                found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
-            if prob.higher is not None:
-                found, extra = _checked_in_float64(found, prob.higher, tol, memory_limit)
-                applications += extra
+            if wide is not None:
+                if half:   # solved in float64: the vectors in the input's dtype, certified at exactly them
+                    found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
+                check = jac if half else Jacobian(*wide, memory_limit)
+                found = _checked_in_float64(found, check, tol)
+                if check is not jac:
+                    applications += check.applications
             members += found
             applications += jac.applications
             iterations = max(iterations, int(result.iterations))
