@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.linkage import cells_resolve, linked_components
+from particles.linkage import cells_resolve, first_occurrence, linked_components
 from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
@@ -83,7 +83,7 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
         from scipy.cluster.hierarchy import fcluster, linkage
 
         raw = fcluster(linkage(X, method="single"), t=tol, criterion="distance")
-        return _first_occurrence(raw)
+        return first_occurrence(raw)
     if not 0 < slack <= 1:
         raise ValueError(f"slack: expected a number in (0, 1], got {slack}")
     side = slack * tol / (2 * math.sqrt(d))
@@ -94,26 +94,17 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     _, rep_idx, cell_of = np.unique(cells, axis=0, return_index=True, return_inverse=True)
     reps = X[rep_idx]
     comp = linked_components(reps, tol * (1 + slack))
-    return _first_occurrence(comp[cell_of.reshape(-1)])
-
-
-def _first_occurrence(raw: np.ndarray) -> np.ndarray:
-    _, first, inv = np.unique(raw, return_index=True, return_inverse=True)
-    rank = np.empty_like(first)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    return rank[inv.reshape(-1)]
+    return first_occurrence(comp[cell_of.reshape(-1)])
 
 
 def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
     """Number of single-linkage clusters at ``tol`` (None: :func:`cluster_labels`'s default, frame by
     frame); an array over time for a Trajectory or (T, N, d). Of a Measure or a Trajectory, the clusters of the
     support: atoms of zero mass are not in the measure (they neither count nor link two clusters)."""
-    if isinstance(x, Measure):
-        x = x.points[x.log_weights > -math.inf]
-    elif isinstance(getattr(x, "log_weights", None), torch.Tensor) and getattr(x, "points", None) is not None:
-        x = x.points[..., x.log_weights > -math.inf, :]   # a Trajectory: (T, N, d), weights fixed in time
-    pts = getattr(x, "points", x)
-    pts = as_tensor(pts, "x")
+    lw = getattr(x, "log_weights", None)
+    if isinstance(lw, torch.Tensor):   # a Measure (N, d) or a Trajectory (T, N, d): weights fixed in time
+        x = x.points[..., lw > -math.inf, :]
+    pts = as_tensor(getattr(x, "points", x), "x")
     if pts.dim() == 3:
         return np.array([int(cluster_labels(p, tol, **kw).max()) + 1 for p in pts])
     return int(cluster_labels(pts, tol, **kw).max()) + 1

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-__all__ = ["linked_components", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES",
-           "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
+__all__ = ["linked_components", "first_occurrence", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES",
+           "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
@@ -27,7 +27,7 @@ FEW_EDGES_PER_POINT = 16
 #: a cloud with more edges than that is linked by cells where its cells hold this many points on average
 #: (a few tight clusters), by its edges (while they fit the memory limit) where they hold fewer
 COLLAPSED = 32
-#: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the singles' indices)
+#: bytes per candidate pair of cells (the (pairs, 2) int64 array, its masks and the small pairs' indices)
 CANDIDATE_BYTES = 48
 #: pairs of cells whose distances are formed at once (fewer for larger groups and widths, the chunk holding
 #: about CHUNK x 64 coordinates)
@@ -69,10 +69,11 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     * coarse cells otherwise (a collapsed cloud: all pairs of 10^5 tokens in one cluster are 5e9 edges). Cells
       of side r / sqrt(d) (Euclidean) or r (max-norm) make groups connected inside (every two points of a cell
       are linked); two groups are joined when their closest pair is within r, asked only for groups whose means
-      lie within 3 r (each point of a group is within r of its mean) and that are not already joined
-      (union-find), by one nearest-neighbour query per point of the smaller group. Memory O(N) plus the
-      candidate pairs of groups; time grows with those pairs where the groups are small and many (a cloud of a
-      few points per cell and more than :func:`edge_budget` edges)."""
+      lie within r plus both groups' radii about their means (triangle inequality): pairs of groups of at most
+      :data:`SMALL_GROUP` points from all their points' distances at once, the others by one nearest-neighbour
+      query per point of the smaller group, skipped once the two are joined (union-find). Memory O(N) plus the
+      candidate pairs of groups (checked against the memory limit); time grows with the pairs that involve a
+      larger group where such groups are many."""
     p = float(p)
     if p not in NORMS:
         raise ValueError(f"p: expected 2 (Euclidean) or inf (max-norm), got {p}")
@@ -109,6 +110,14 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
         if not resolved or pairs <= budget:
             return _edge_components(tree, m, r, p, pairs, what)
     return _cell_components(X, r, p, side, what, group)
+
+
+def first_occurrence(labels: np.ndarray) -> np.ndarray:
+    """``labels`` (N,) renumbered 0..k-1 in the order of each label's first atom (a group's atoms keep one number)."""
+    _, first, inv = np.unique(labels, return_index=True, return_inverse=True)
+    rank = np.empty_like(first)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank[inv.reshape(-1)]
 
 
 def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str) -> np.ndarray:
@@ -225,10 +234,10 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, 
         ri, rj = find(i), find(j)
         if ri == rj:
             continue
-        small, large = (i, j) if counts[i] <= counts[j] else (j, i)
-        if large not in trees:
-            trees[large] = cKDTree(X[members(large)])
-        dist, _ = trees[large].query(X[members(small)], k=1, p=p, distance_upper_bound=np.nextafter(r, math.inf))
+        fewer, more = (i, j) if counts[i] <= counts[j] else (j, i)
+        if more not in trees:
+            trees[more] = cKDTree(X[members(more)])
+        dist, _ = trees[more].query(X[members(fewer)], k=1, p=p, distance_upper_bound=np.nextafter(r, math.inf))
         if np.isfinite(dist).any():
             parent[ri] = rj
     while True:   # every group to its root (pointer jumping)

@@ -546,25 +546,16 @@ def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises
 
 
-
-
 def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:
     """Connected components of {i ~ j : max|X_i - X_j| <= atol}, labelled by first occurrence: exact duplicates
     for atol = 0, :func:`particles.linkage.linked_components` otherwise (memory O(N): every atom of a collapsed
     cloud within atol of every other is one group, not a list of N^2 / 2 pairs), and the list of pairs within atol
     where atol is below the resolution of the coordinates (only nearly coinciding atoms are linked: few pairs)."""
-    n = X.shape[0]
+    from .linkage import first_occurrence, linked_components
+
     if atol == 0.0:
-        _, first, inv = np.unique(X, axis=0, return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
+        groups = np.unique(X, axis=0, return_inverse=True)[1].reshape(-1)
     else:
-        from .linkage import linked_components
-
-        inv = linked_components(X, atol, p=math.inf, what=f"Measure.merge(atol={atol:g})")
-        first = np.full(int(inv.max()) + 1, n)
-        np.minimum.at(first, inv, np.arange(n))
-    # relabel groups by the index of their first atom so that the original order is kept
-    rank = np.empty_like(first)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    return rank[inv]
-
+        groups = linked_components(X, atol, p=math.inf, what=f"Measure.merge(atol={atol:g})")
+    # groups numbered by their first atom, so that the original order is kept
+    return first_occurrence(groups)
