@@ -28,7 +28,7 @@ import torch
 
 from particles.validation import as_tensor, check_bool, check_ndim, float_dtype
 
-from .kernels import attend, silence_blind_rows
+from .kernels import attend, seen_positions, silence_blind_rows
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 
@@ -530,11 +530,7 @@ class L2SelfAttention(AttentionOperator):
                 w = torch.nan_to_num(torch.softmax(log_weights.detach(), dim=-1), nan=1.0 / c.shape[-2])
                 c = (w.unsqueeze(-2).unsqueeze(-1) * c).sum(dim=-2, keepdim=True)
         else:
-            kp = key_positions.detach()
-            if seen is not None:
-                last = math.inf if kp.is_floating_point() else torch.iinfo(kp.dtype).max
-                kp = torch.where(seen, kp, torch.full((), last, dtype=kp.dtype, device=kp.device))
-            first = kp.argmin(dim=-1).expand(kk.shape[:-3])   # (...,)
+            first = seen_positions(key_positions.detach(), seen).argmin(dim=-1).expand(kk.shape[:-3])   # (...,)
             c = torch.gather(c, -2, first[..., None, None, None].expand(*kk.shape[:-2], 1, kk.shape[-1]))
         qq, kk = qq - c, kk - c
         key_term = -self._scale * (kk * kk).sum(-1)  # (..., H, n)

@@ -538,11 +538,18 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     # compared in the dtype torch compares q_pos and k_pos in (integer key positions against float queries:
     # float64 keeps integers above 2^24 that the default float32 would round)
     common = torch.promote_types(q_pos.dtype, k_pos.dtype)
-    first = k_pos.to(common)
-    if seen is not None:
-        last = math.inf if common.is_floating_point else torch.iinfo(common).max
-        first = torch.where(seen, first, torch.full((), last, dtype=common, device=first.device))
+    first = seen_positions(k_pos.to(common), seen)
     return q_pos.to(common) < first.amin(dim=-1, keepdim=True)
+
+
+def seen_positions(k_pos, seen) -> torch.Tensor:
+    """The key positions with those of keys of zero weight (``seen`` False) moved past every other (to the
+    dtype's largest value): their minimum is the first position of a key of positive weight. ``seen`` None:
+    ``k_pos`` as it is."""
+    if seen is None:
+        return k_pos
+    last = math.inf if k_pos.is_floating_point() else torch.iinfo(k_pos.dtype).max
+    return torch.where(seen, k_pos, torch.full((), last, dtype=k_pos.dtype, device=k_pos.device))
 
 
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
