@@ -366,8 +366,9 @@ def runtime_calls(b, fn) -> dict:
 
 
 def fixed_rows(b, n, d, mask):
-    """What a call costs besides its arithmetic (goal 2 below 1e5, goal 6 at 1e4): one synchronized call, and per
-    call in a loop of LOOP calls synchronized once (the regime of simulate's and Lanczos's loops, where a
+    """What a call costs besides its arithmetic (goal 2 below 1e5, goal 6 at 1e4): one synchronized call (also with
+    the output check deferred: what its host sync costs a single call), and per call in a loop of LOOP calls
+    synchronized once (the regime of simulate's and Lanczos's loops, where a
     host sync inside a call stops the host from queueing the next one), ours (auto) against naive dense; the
     kernel launches and host syncs of each."""
     args = attention_inputs(n, d, mask, b.device)
@@ -387,6 +388,7 @@ def fixed_rows(b, n, d, mask):
             return attend(*args)
 
     fns = {"ours (auto)": ours, "naive dense": peer if dense_fits(n, b.device) else None,
+           "ours, output check deferred": unchecked,
            f"ours (auto), per call in a loop of {LOOP}": loop(ours),
            f"ours, output check deferred, per call in a loop of {LOOP}": loop(unchecked),
            f"naive dense, per call in a loop of {LOOP}": loop(peer) if dense_fits(n, b.device) else None}
@@ -684,6 +686,13 @@ DIMS = [3, 64]
 SIZES = []
 #: RK4 steps of the dynamics section (--steps)
 STEPS = [10]
+#: the masks the attention sections run (--masks), in this order
+MASKS = ["none", "weighted", "causal", "positions"]
+
+
+def masks(order=("none", "weighted", "causal", "positions")):
+    """The masks of ``order`` that --masks keeps."""
+    return [m for m in order if m in MASKS]
 
 
 def pick(sizes, quick, quick_max=10**5):
@@ -697,7 +706,7 @@ def pick(sizes, quick, quick_max=10**5):
 def section_grid(b, quick):
     sizes = [24, 40] if b.smoke else pick([10**3, 10**4, 10**5, 10**6], quick)
     for d in [x for x in (3, 64) if x in DIMS]:
-        for mask in ("none", "weighted", "causal", "positions"):
+        for mask in masks():
             for n in sizes:
                 if n >= BIG_N:
                     b.prime(forward_rows, b, PRIME_N, d, mask)
@@ -709,7 +718,7 @@ def section_grid(b, quick):
 def section_derivatives(b, quick):
     sizes = [24, 40] if b.smoke else pick([10**4, 10**5, 10**6], quick)
     for d in [x for x in (64, 3) if x in DIMS]:
-        for mask in ("none", "weighted", "causal", "positions"):
+        for mask in masks():
             for n in sizes:
                 if n >= BIG_N:
                     # ours against SDPA's backward only: each call takes seconds here
@@ -774,7 +783,7 @@ def section_dynamics(b, quick):
 
 def section_fixed(b, quick):
     sizes = [24, 40] if b.smoke else pick([10**3, 10**4], quick)
-    for mask in ("none", "weighted", "causal", "positions"):
+    for mask in masks():
         for n in sizes:
             yield (f"fixed cost, forward, d = 3, {mask}", n, fixed_rows(b, n, 3, mask), "ours (auto)",
                    ["naive dense"])
@@ -844,7 +853,7 @@ def wide_rows(b, n, mask, d=64, engines=("tiles", "triton")):
 def section_wide(b, quick):
     sizes = [24, 40] if b.smoke else pick([10**4, 10**5], quick)
     engines = ["tiles"] + (["triton"] if "triton" in _engines(b) else [])
-    for mask in ("none", "positions", "causal", "weighted"):
+    for mask in masks(("none", "positions", "causal", "weighted")):
         for n in sizes:
             f, v, j = wide_rows(b, n, mask, engines=engines)
             yield [(f"{what}, d = 64, {mask}, by engine", n, r, f"{engines[-1]} engine",
@@ -939,6 +948,9 @@ def main(argv=None):
     ap.add_argument("--sizes", type=float, nargs="+", default=[],
                     help="run only these N of each section (e.g. --sizes 1e6: the rows at N = 1e6, merged with the "
                          "section's earlier rows at other N)")
+    ap.add_argument("--masks", nargs="+", choices=MASKS, default=list(MASKS),
+                    help="run only these masks in the grid, derivatives, fixed and wide sections (e.g. --masks "
+                         "positions: the rows with arbitrary positions, merged with the section's other rows)")
     ap.add_argument("--steps", type=int, default=10, help="RK4 steps of the dynamics section")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cap", type=float, default=120.0, help="seconds: a slower call is not repeated nor scaled up")
@@ -951,6 +963,7 @@ def main(argv=None):
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     a = ap.parse_args(argv)
     DIMS[:] = a.dims
+    MASKS[:] = a.masks
     SIZES[:] = [int(n) for n in a.sizes]
     STEPS[:] = [a.steps]
     if not a.cpu_smoke and not torch.cuda.is_available():

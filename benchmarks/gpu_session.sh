@@ -7,6 +7,7 @@
 #     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh                  # the default steps below
 #     BUDGET=560 bash benchmarks/gpu_session.sh tests grid-1e6 dynamics-1e6 derivatives-1e6   # goals 1-3, 6 at 1e6
 #     BUDGET=590 bash benchmarks/gpu_session.sh lipschitz-1e6                        # goal 4 (one call of minutes)
+#     BUDGET=200 bash benchmarks/gpu_session.sh fixed positions-1e6 grid-1e6-64     # what 2026-11-27 left unmeasured
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
 #   tests            tests/test_cuda.py (about 80 s cold)
@@ -17,8 +18,10 @@
 #   grid-1e6         attention forward at 1e6, d = 3, each mask, one timed call per candidate (about 110 s)
 #   derivatives-1e6  VJP and JVP at 1e6, d = 3, ours against SDPA's backward (about 250 s)
 #   dynamics-1e6     simulate, rk4, 2 steps at 1e6 against the RK4 loop on SDPA (about 110 s)
+#   grid-1e6-64      attention forward at 1e6, d = 64, each mask (about 150 s)
+#   positions-1e6    VJP and JVP at 1e6, d = 3, arbitrary positions only (about 60 s: 24 s and 20 s)
 #   lipschitz-1e6    certified Lipschitz at 1e5, then at 1e6 if the N^2 extrapolation fits the time left
-#                    (1e5 took 6.7 s on 2026-11-26, i.e. 1e6 about 11 minutes: it runs if 1e5 now takes under 5.5 s)
+#                    (1e5 took 5.09 s on 2026-11-27, i.e. 1e6 about 509 s: it runs if the step has that much left)
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
@@ -58,6 +61,8 @@ for step in "$@"; do
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
     derivatives-1e6) run derivatives-1e6 400 0 --sections derivatives --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
+    grid-1e6-64) run grid-1e6-64 220 0 --sections grid --sizes 1e6 --dims 64 --repeats 1 --cap 60 ;;
+    positions-1e6) run positions-1e6 120 0 --sections derivatives --sizes 1e6 --dims 3 --masks positions --repeats 1 --cap 60 ;;
     dynamics-1e6) run dynamics-1e6 200 0 --sections dynamics --sizes 1e6 --steps 2 --repeats 1 --cap 120 ;;
     lipschitz-1e6) run lipschitz-1e6 590 0 --sections lipschitz --sizes 1e5 1e6 --repeats 1 ;;
     *) echo "unknown step: $step" ;;

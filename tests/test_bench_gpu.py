@@ -127,6 +127,36 @@ def test_sizes_runs_only_those_rows_and_keeps_the_sections_other_rows(tmp_path, 
     assert "--sizes 20" in text and text.count("| row |") == 3
 
 
+def test_masks_runs_only_those_masks_and_keeps_the_other_rows(tmp_path, monkeypatch):
+    """--masks positions re-runs the rows with arbitrary positions of the attention sections (a lent device's
+    minutes go to the rows still missing) and keeps the section's rows of the other masks."""
+    bench = _load()
+    out = tmp_path / "gpu.md"
+    store = tmp_path / "gpu.json"
+    seen = []
+    monkeypatch.setattr(bench, "MASKS", list(bench.MASKS))
+
+    def section(b, quick):
+        for mask in bench.masks():
+            seen.append(mask)
+            yield (f"row {mask}", 10, {"ours": float(len(seen))}, "ours", [])
+
+    monkeypatch.setitem(bench.RUNNERS, "grid", section)
+    assert bench.main(["--cpu-smoke", "--sections", "grid", "--out", str(out)]) == 0
+    assert seen == ["none", "weighted", "causal", "positions"]
+    seen.clear()
+    assert bench.main(["--cpu-smoke", "--sections", "grid", "--masks", "positions", "causal", "--out", str(out)]) == 0
+    assert seen == ["causal", "positions"]   # the section's order, not the command line's
+    import json
+
+    rows = json.loads(store.read_text())["sections"]["grid"]["rows"]
+    assert [(r[0], r[2]["ours"]) for r in rows] == [("row none", 1.0), ("row weighted", 2.0), ("row causal", 1.0),
+                                                     ("row positions", 2.0)]
+    assert bench.masks(("positions", "none", "causal")) == ["positions", "causal"]
+    with pytest.raises(SystemExit):
+        bench.main(["--cpu-smoke", "--sections", "grid", "--masks", "sequence", "--out", str(out)])
+
+
 def test_rows_measured_together_are_all_kept_when_the_deadline_passes(tmp_path, monkeypatch):
     """The VJP and JVP rows come out of one measurement: a deadline reached after it keeps both."""
     bench = _load()
