@@ -258,7 +258,7 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
         _say(str(exc))
         return EXIT_USAGE
     except FolderBusy as exc:
-        _say(str(exc))
+        _say(f"--out: {exc.detail}")   # the option, where the Python API names RunContext.out
         return EXIT_BUSY
     except OutputError as exc:
         _say(f"cannot write the run's files: {exc}")

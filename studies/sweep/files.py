@@ -85,7 +85,12 @@ def write_csv(rows: Iterable[Mapping], path) -> Path:
 
 
 class FolderBusy(ValueError):
-    """A folder is locked by another live process."""
+    """A folder is locked by another live process. ``argument`` names the folder's argument in the message,
+    ``detail`` is the message without it (a command line names its own option: ``--out``)."""
+
+    def __init__(self, argument: str, detail: str):
+        super().__init__(f"{argument}: {detail}")
+        self.argument, self.detail = argument, detail
 
 
 def _file_in_the_way(folder: Path) -> Path | None:
@@ -140,7 +145,7 @@ class FolderLock:
             holder = fh.read().strip()
             fh.close()
             who = f" (pid {holder})" if holder.isdigit() else ""
-            raise FolderBusy(f"{self.argument}: {self.folder} is in use by another running {self.what}{who}; "
+            raise FolderBusy(self.argument, f"{self.folder} is in use by another running {self.what}{who}; "
                              "wait for it to finish or choose another folder") from None
         except OSError:  # file systems without flock: run unlocked rather than refuse
             pass

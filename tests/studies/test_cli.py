@@ -181,6 +181,7 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path, capsys):
         assert main(["large_radius", "--tiny", "--out", str(tmp_path), "--no-progress"]) == EXIT_BUSY
     err = capsys.readouterr().err
     assert "in use by another running meanfield run (pid 4242)" in err and err.count("\n") == 1
+    assert f"--out: {tmp_path} is in use" in err   # the option the user typed, not the API's argument
     assert not (tmp_path / "config.json").exists()
 
 
