@@ -40,6 +40,31 @@ def check_pair(mu, nu) -> None:
         raise ValueError(f"nu: device {nu.device} differs from mu's {mu.device} (move with nu.to(device=...))")
 
 
+def same_atoms(x: torch.Tensor, la: torch.Tensor, y: torch.Tensor, lb: torch.Tensor):
+    """Where (y, lb) holds the atoms of (x, la) in some order (exact equality of points and log-weights): the
+    index of x's atom for each of y's (y = x[match], lb = la[match]), else None. On the tensors' device: one sort
+    of the first coordinates rejects most unequal measures; the full test sorts lexicographically by coordinates
+    and log-weight (d + 1 stable sorts, O(N log N))."""
+    if x.shape != y.shape or la.shape != lb.shape or x.dim() != 2 or x.shape[0] == 0:
+        return None
+    x, la, y, lb = x.detach(), la.detach(), y.detach(), lb.detach()
+    if not torch.equal(torch.sort(x[:, 0]).values, torch.sort(y[:, 0]).values):
+        return None
+
+    def order(p, lw):
+        idx = torch.sort(lw, stable=True).indices   # the last key first: stable sorts build the lexicographic order
+        for j in range(p.shape[1] - 1, -1, -1):
+            idx = idx[torch.sort(p[idx, j], stable=True).indices]
+        return idx
+
+    ox, oy = order(x, la), order(y, lb)
+    if not (torch.equal(x[ox], y[oy]) and torch.equal(la[ox], lb[oy])):
+        return None
+    match = torch.empty_like(oy)
+    match[oy] = ox
+    return match
+
+
 def ldexp(t: torch.Tensor, k: int) -> torch.Tensor:
     """t * 2^k, exactly (steps of at most 2^60, so that no factor is subnormal in float32)."""
     while k:

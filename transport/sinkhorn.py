@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import ot
 import torch
 
@@ -25,7 +24,7 @@ from particles.progress import Heartbeat
 from particles.validation import ConvergenceError, check_allocation
 
 from .options import DEFAULT_CHUNK_ELEMENTS
-from .problem import Problem, sq_dists
+from .problem import Problem, same_atoms, sq_dists
 from .result import worst_error
 from .streaming_sinkhorn import extend_potential, symmetric_potential
 
@@ -113,22 +112,6 @@ def _symmetric_warmstart(x, log_a, eps, tol):
     return u, u.clone()
 
 
-def _same_atoms(x, la, y, lb):
-    """Where (y, lb) holds the atoms of (x, la) in some order: the index of x's atom for each of y's (y = x[match]),
-    else None. Sorted lexicographically by coordinates and log-weight, O(N log N); exact equality."""
-    if x.shape != y.shape:
-        return None
-    keys = lambda p, lw: np.lexsort(np.concatenate([p.detach().cpu().double().numpy(),
-                                                    lw.detach().cpu().double().numpy()[:, None]], 1).T[::-1])
-    ox, oy = keys(x, la), keys(y, lb)
-    ox_t, oy_t = torch.as_tensor(ox, device=x.device), torch.as_tensor(oy, device=y.device)
-    if not (torch.equal(x.detach()[ox_t], y.detach()[oy_t]) and torch.equal(la.detach()[ox_t], lb.detach()[oy_t])):
-        return None
-    match = torch.empty_like(oy_t)
-    match[oy_t] = ox_t
-    return match
-
-
 def solve_sinkhorn(problem: Problem, eps: float, opts: dict, return_plan: bool = False, memory_limit=None) -> dict:
     """Routine of method "sinkhorn": S_eps or <pi_eps, C> in normalized units, and what it reached.
 
@@ -150,7 +133,7 @@ def solve_sinkhorn(problem: Problem, eps: float, opts: dict, return_plan: bool =
     # a measure against itself is the self problem, whose alternating updates crawl at small reg (10000 did not
     # reach tol = 1e-5 at reg 1e-3 on 300 points): started from its symmetric fixed point as the debiasing terms
     # (the symmetric start of mu is solved once: for the pair and for the self problem of mu, and, permuted, for nu's)
-    match = _same_atoms(x, la, y, lb)
+    match = same_atoms(x, la, y, lb)
     start_x = _symmetric_warmstart(x, la, eps, tol) if debias or match is not None else None
     permuted = None if match is None else start_x[0][match]
     ot_xy, cost, plan, (f, g), err, it = _entropic(x, y, la, lb, eps, tol, max_iter,

@@ -290,3 +290,51 @@ def test_dense_sinkhorn_of_a_measure_against_itself_at_small_reg():
     shuffled = Measure(X[perm], mu_w.weights[perm])
     res = solve(mu_w, shuffled, "sinkhorn", reg=1e-3)
     assert res.converged and abs(res.value) <= 1e-6
+
+
+def test_streaming_sinkhorn_of_a_measure_against_its_atoms_in_another_order():
+    """The streaming solver recognised mu = nu only with the atoms in the same order; in another order the pair
+    ran alternating steps, which crawl at small reg (200 uniform points at reg 1e-3: more than 5000 updates).
+    Now any order is the self problem: truths S_eps(mu, mu) = 0, and the potentials of the unshuffled solve,
+    permuted."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.rand(200, 2, generator=g, dtype=F64)
+    w = torch.rand(200, generator=g, dtype=F64) + 0.5
+    mu = Measure(X, w, normalize=True)
+    perm = torch.randperm(200, generator=torch.Generator().manual_seed(2))
+    shuffled = Measure(X[perm], mu.weights[perm])
+    res = solve(mu, shuffled, "streaming", reg=1e-3, max_iter=300)
+    assert res.converged and abs(res.value) <= 1e-6
+    same = solve(mu, mu, "streaming", reg=1e-3, max_iter=300)
+    assert torch.allclose(res.potentials[0], same.potentials[0], atol=1e-12)
+    assert torch.allclose(res.potentials[1], same.potentials[1][perm], atol=1e-12)
+    plain = solve(mu, shuffled, "streaming", reg=1e-3, max_iter=300, debias=False)
+    ref = solve(mu, mu, "streaming", reg=1e-3, max_iter=300, debias=False)
+    assert plain.converged and plain.value_squared == pytest.approx(ref.value_squared, rel=1e-12)
+
+
+def test_same_atoms_finds_the_permutation_or_none():
+    """transport.problem.same_atoms against the permutation that built y: y = x[match]; any difference in one
+    coordinate or one log-weight, or another size, gives None; ties (duplicated atoms) still match."""
+    from transport.problem import same_atoms
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(50, 3, generator=g, dtype=F64)
+    x[10] = x[3]                                   # a duplicated atom
+    la = torch.log_softmax(torch.randn(50, generator=g, dtype=F64), 0)
+    la[10] = la[3]
+    perm = torch.randperm(50, generator=g)
+    y, lb = x[perm], la[perm]
+    match = same_atoms(x, la, y, lb)
+    assert match is not None and torch.equal(x[match], y) and torch.equal(la[match], lb)
+    y2 = y.clone()
+    y2[7, 2] += 1e-15
+    assert same_atoms(x, la, y2, lb) is None
+    lb2 = lb.clone()
+    lb2[[0, 1]] = lb2[[1, 0]]
+    assert lb[0] != lb[1] and same_atoms(x, la, y, lb2) is None
+    assert same_atoms(x, la, y[:-1], lb[:-1]) is None
+    # same first coordinates, the other coordinates swapped between two atoms
+    z = x.clone()
+    z[[0, 1], 1:] = z[[1, 0], 1:]
+    assert not torch.equal(x[0, 1:], x[1, 1:]) and same_atoms(x, la, z, la) is None
