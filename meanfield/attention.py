@@ -38,11 +38,19 @@ __all__ = ["SelfAttention", "MultiHeadAttention", "L2SelfAttention"]
 def _same_dtype(value, name, dtype, like: str | None):
     """A float tensor parameter must have the operator's dtype (set by ``like``) unless ``dtype=`` was given:
     converting it silently would lose precision (float64 -> float32) or change the requested one."""
-    if like is not None and isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
+    if like is None:
+        return
+    convert = f"{name}.to({dtype})"
+    if isinstance(value, np.ndarray | np.generic) and value.dtype.kind == "f":
+        # a float numpy array carries its precision as a tensor does (float64 values next to a float32 parameter
+        # would be rounded); lists and integer arrays carry none and take the operator's dtype
+        convert = f"{name}.astype(np.{str(dtype).removeprefix('torch.')})"
+        value = torch.from_numpy(np.empty(0, value.dtype))
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         owner = f"{like}'" if like.endswith("s") else f"{like}'s"
         other = ("the heads (head.to(dtype=...))" if like == "the heads"
                  else f"pass dtype= to convert every parameter (e.g. dtype={value.dtype})")
-        raise TypeError(f"{name}: dtype {value.dtype} differs from {owner} {dtype}; convert it ({name}.to({dtype})) "
+        raise TypeError(f"{name}: dtype {value.dtype} differs from {owner} {dtype}; convert it ({convert}) "
                         f"or {other}")
 
 
@@ -96,7 +104,9 @@ class SelfAttention(AttentionOperator):
         b added to every output (P is row-stochastic, so b_V passes through unchanged); a query that sees
         no key of positive weight has a zero output, without b (docs/math.md section 2).
     dtype : torch.dtype or None
-        Convert the parameters (default: float64 for numpy input, a float tensor's own dtype).
+        Convert the parameters (default: the first parameter's, A's or Q's: a float tensor's or float numpy
+        array's own dtype, float64 for lists and integers; the other float parameters must have it, lists
+        and integer arrays take it).
     """
 
     def __init__(self, A, V, masked=False, *, key_bias=None, value_bias=None, dtype=None):

@@ -111,9 +111,21 @@ def _row_logsumexp(q, k, log_weights, q_pos, k_pos, block: int | None = None) ->
     rows = []
     for i0 in range(0, q.shape[-2], block):
         s = q[..., i0:i0 + block, :] @ k.transpose(-1, -2)
+        if log_weights is None and q_pos is None:
+            rows.append(torch.logsumexp(s, dim=-1))
+            continue
+        # keys of zero weight and keys after the query are masked out (masked_fill: no gradient flows to them); a
+        # row that sees no key of positive weight (its output is 0, docs/math.md section 2) gets -inf without
+        # passing through logsumexp of an empty row, whose derivative is 0/0: NaN gradients and tangents
+        hidden = None
         if log_weights is not None:
-            s = s + log_weights.unsqueeze(-2)
+            hidden = (log_weights == float("-inf")).unsqueeze(-2)
+            s = s + log_weights.masked_fill(hidden.squeeze(-2), 0.0).unsqueeze(-2)
         if q_pos is not None:
-            s = s.masked_fill(k_pos.unsqueeze(-2) > q_pos[..., i0:i0 + block].unsqueeze(-1), float("-inf"))
-        rows.append(torch.logsumexp(s, dim=-1))
+            later = k_pos.unsqueeze(-2) > q_pos[..., i0:i0 + block].unsqueeze(-1)
+            hidden = later if hidden is None else hidden | later
+        hidden = hidden.expand(s.shape)
+        dead = hidden.all(dim=-1)
+        s = s.masked_fill(hidden, float("-inf")).masked_fill(dead.unsqueeze(-1), 0.0)
+        rows.append(torch.logsumexp(s, dim=-1).masked_fill(dead, float("-inf")))
     return torch.cat(rows, dim=-1)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.measure import position_dtype
+from particles.measure import held_positions, position_dtype
 from particles.validation import as_tensor, output_checks_are_deferred
 
 __all__ = ["AttentionOperator", "sequence_positions"]
@@ -150,7 +150,7 @@ class AttentionOperator:
         if self.masked:
             if positions is None:
                 raise ValueError("positions: a masked operator needs the query positions s of the points x")
-            p = as_tensor(positions, "positions", dtype=position_dtype(x.dtype), device=x.device)
+            p = held_positions(as_tensor(positions, "positions", device=x.device), position_dtype(x.dtype))
             if p.shape != lead:
                 raise ValueError(f"positions: expected shape {tuple(lead)} (one per point), got {tuple(p.shape)}")
             if p.numel() and bool(((p < 0) | (p > 1)).any()):
@@ -181,6 +181,9 @@ class AttentionOperator:
                                 f"input ({name}.astype(np.{want}))"
                                 f"{self._convert(f'dtype=torch.{X.dtype}')}")
             X = as_tensor(X, name, dtype=self.dtype, device=self.device)
+        elif not X.is_floating_point() and not X.is_complex() and X.dtype != torch.bool:
+            # an integer tensor carries no float dtype either: it takes the operator's, as a list of integers does
+            X = as_tensor(X, name, dtype=self.dtype)
         else:
             X = as_tensor(X, name)
         if X.dim() == 0 or (self.d_in is not None and X.shape[-1] != self.d_in):

@@ -31,7 +31,7 @@ from .validation import (
     weight_tolerance,
 )
 
-__all__ = ["Measure", "position_dtype"]
+__all__ = ["Measure", "position_dtype", "held_positions"]
 
 #: point dtypes too coarse for positions: float16 rounds i/n and (i+1)/n to one value from n = 2049 on, bfloat16
 #: from n = 257, so a token would see its successor through the causal mask
@@ -42,6 +42,27 @@ def position_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype positions are kept in for points of ``dtype``: float32 for half precisions (where i/n of a
     sequence of a few hundred tokens collide), the points' own otherwise. Positions are only ever compared."""
     return torch.float32 if dtype in _HALF else dtype
+
+
+def held_positions(pos: torch.Tensor, dtype: torch.dtype, name: str = "positions", device=None) -> torch.Tensor:
+    """Positions ``pos`` in ``dtype`` (on ``device``); a ValueError naming ``name`` where the conversion rounds two
+    distinct positions to one value. Positions are only ever compared, so rounding is harmless while it keeps
+    their order, and changes the causal mask where it ties them (the later atom then sees the earlier one:
+    0.5 + 1e-9 and 0.5 in float32). One sort, only when the dtype narrows."""
+    out = pos.to(dtype=dtype, device=device)
+    if out.dtype == pos.dtype or out.numel() < 2 or not pos.is_floating_point() \
+            or torch.finfo(out.dtype).eps <= torch.finfo(pos.dtype).eps:
+        return out
+    src = pos.detach().reshape(-1)
+    order = torch.argsort(src)
+    s, c = src[order], out.detach().reshape(-1)[order]
+    tied = (s[1:] > s[:-1]) & (c[1:] == c[:-1])
+    if bool(tied.any()):
+        i = int(torch.nonzero(tied)[0, 0])
+        raise ValueError(f"{name}: {dtype} rounds {int(tied.sum())} pair(s) of distinct positions to one value "
+                         f"(e.g. {float(s[i]):.17g} and {float(s[i + 1]):.17g}), which changes the causal mask; "
+                         f"keep them in {pos.dtype} (points of that dtype) or give positions further apart")
+    return out
 
 
 def _held(lw: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -144,8 +165,9 @@ class Measure:
                 w = w.to(pts.dtype)
         pos = None
         if positions is not None:
-            pos = as_tensor(positions, "positions", dtype=position_dtype(pts.dtype), device=pts.device)
+            pos = as_tensor(positions, "positions", device=pts.device)
             check_ndim(pos, "positions", 1, "a vector")
+            pos = held_positions(pos, position_dtype(pts.dtype))
             if pos.shape[0] != n:
                 raise ValueError(f"positions: expected {n} entries (one per atom), got {pos.shape[0]}")
             if (pos < 0).any() or (pos > 1).any():
@@ -321,7 +343,8 @@ class Measure:
         lw = lw if dtype is None else _held(lw, dtype, "dtype")
         pos = None
         if self._positions is not None:
-            pos = self._positions.to(device=device, dtype=None if dtype is None else position_dtype(dtype))
+            pos = self._positions.to(device=device) if dtype is None else \
+                held_positions(self._positions, position_dtype(dtype), "dtype", device=device)
         return Measure._trusted(pts, self._weights.to(**kw), lw, pos)
 
     def detach(self) -> Measure:

@@ -102,11 +102,16 @@ def test_parameters_of_different_float_dtypes_are_refused_not_silently_converted
     with pytest.raises(TypeError, match=r"heads\[1\]: dtype torch.float32 differs from heads\[0\]'s torch.float64; "
                                         r"convert the heads to one dtype \(heads\[1\].to\(dtype=torch.float64\)\)"):
         MultiHeadAttention([SelfAttention(A, V), SelfAttention(A.float(), V.float())], torch.eye(2, 4))
-    # dtype= converts every parameter on request; numpy and lists follow the operator's dtype (documented)
+    # dtype= converts every parameter on request; lists and integer arrays follow the operator's dtype, float numpy
+    # arrays carry theirs as tensors do (float64 values next to float32 parameters are refused, not rounded)
     X = torch.randn(3, 2, dtype=torch.float64)
     att = SelfAttention(A.float(), V, dtype=torch.float64)
     torch.testing.assert_close(att.sequence(X), naive_attention(X, A.float().double(), V), rtol=1e-12, atol=1e-12)
-    assert SelfAttention(A.float(), V.numpy()).dtype == torch.float32
+    with pytest.raises(TypeError, match=r"V: dtype torch.float64 differs from A's torch.float32; convert it "
+                                        r"\(V.astype\(np.float32\)\)"):
+        SelfAttention(A.float(), V.numpy())
+    assert SelfAttention(A.float(), V.numpy().astype(np.float32)).dtype == torch.float32
+    assert SelfAttention(A.float(), V.tolist()).dtype == torch.float32
     assert MultiHeadAttention(heads, np.eye(2, 4)).dtype == torch.float64
 
 

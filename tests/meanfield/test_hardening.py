@@ -200,7 +200,7 @@ def test_bounds_and_witnesses_on_arbitrary_radii_and_lengths(R, n):
 def test_operators_at_every_magnitude(scale, masked, dtype):
     """Tokens of any magnitude: a finite output or a FloatingPointError, never NaN."""
     heads = [SelfAttention(np.eye(3), np.eye(3), masked=masked, dtype=dtype) for _ in range(2)]
-    ops = [heads[0], MultiHeadAttention(heads, np.ones((3, 6)) / 6),
+    ops = [heads[0], MultiHeadAttention(heads, torch.ones(3, 6, dtype=dtype) / 6),
            L2SelfAttention(np.eye(3)[:, :2], np.eye(3)[:, :2], masked=masked, dtype=dtype)]
     X = (rand(5, 3, seed=4) * scale).to(dtype)
     for op in ops:

@@ -66,7 +66,7 @@ def _operator(kind, d, masked, dtype):
     if kind == "mha":
         heads = [SelfAttention(A, np.eye(d), masked=masked, dtype=dtype),
                  SelfAttention(A.T, g.standard_normal((d, d)) / d, masked=masked, dtype=dtype)]
-        return MultiHeadAttention(heads, g.standard_normal((d, 2 * d)) / (2 * d))
+        return MultiHeadAttention(heads, torch.as_tensor(g.standard_normal((d, 2 * d)) / (2 * d), dtype=heads[0].dtype))
     return L2SelfAttention(A[:, :2], np.eye(d)[:, :2], masked=masked, dtype=dtype)
 
 
