@@ -556,8 +556,9 @@ def sqrt_n_lower_from_gamma(gamma, R, n) -> float:
         return float(math.sqrt(n - 1) / (1.0 + (n - 1) * math.exp(-2.0 * g * R * R)))
     # n beyond the float range (10**400): in logarithms
     log_m = math.log(n - 1)
-    t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2}) > 0 here
-    return _exp_or_inf(0.5 * log_m - t - math.log1p(math.exp(-t)), "sqrt_n_lower_from_gamma")
+    t = log_m - 2.0 * g * R * R                      # log((n-1) e^{-2 gamma R^2}), of either sign (large R)
+    log1p_et = max(t, 0.0) + math.log1p(math.exp(-abs(t)))   # log(1 + e^t) without overflow
+    return _exp_or_inf(0.5 * log_m - log1p_et, "sqrt_n_lower_from_gamma")
 
 
 def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
@@ -612,8 +613,9 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
     changes gamma. The cost is that of a k x k eigenproblem instead of d x d (a Transformer head:
     k = 64, d = 768). When gamma = 0 there is no witness: ``eigenvector`` is None. Eigenvalues of
     modulus at most ``64 d eps ||A||_2`` count as 0, as in :func:`gamma_info` (||A||_2 from the
-    factors, ``_factored_norm``), so that the two agree on a head whose gamma is exactly 0.
-    """
+    factors, ``_factored_norm``), so that the two agree on a head whose gamma is exactly 0. When k > d
+    the k x k matrix has k - d zero eigenvalues that A lacks: A (d x d, the smaller problem) is formed
+    and the result is :func:`gamma_info`'s (with its eigenvector when gamma = 0)."""
     Qt, Kt = as_tensor(Q, "Q", dtype=torch.float64), as_tensor(K, "K", dtype=torch.float64)
     if Qt.dim() != 2 or Qt.shape != Kt.shape or Qt.numel() == 0:
         raise ValueError(f"Q, K: expected two (k, d) matrices of the same shape, got {tuple(Qt.shape)} and "
@@ -622,6 +624,14 @@ def gamma_info_factored(Q, K, scale=1.0, *, tol: float = 1e-10) -> GammaInfo:
         raise TypeError(f"scale: expected a finite real number, got {scale!r}")
     if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not tol >= 0:
         raise ValueError(f"tol: expected a number >= 0, got {tol!r}")
+    if Qt.shape[0] > Qt.shape[1]:
+        # k > d: the k x k matrix has k - d zero eigenvalues that A lacks (its rank is at most d), and A is the
+        # smaller problem: gamma_info on it
+        try:
+            return gamma_info(scale * Kt.T @ Qt, tol=tol)
+        except ValueError as exc:
+            raise ValueError(f"Q, K: A = scale K^T Q has no real eigenvalue; Proposition 3.4 does not apply "
+                             f"({exc})") from None
     M = (scale * Qt @ Kt.T).cpu().numpy()
     ev, W = np.linalg.eig(M)
     real = np.abs(ev.imag) <= tol * (1 + np.abs(ev))
@@ -861,7 +871,8 @@ def query_term_norms(A, V, X, log_weights=None, *, positions=None) -> np.ndarray
     ``P_ij = softmax_j(<A x_i, x_j> + log a_j)`` over the visible atoms (``s_j <= s_i`` when
     ``positions`` s are given: masked attention), and ``V Sigma A`` is the query term of the
     Jacobian (docs/math.md section 4.1). It is the constant that splitting atom i contributes
-    (:func:`split_constant`, docs/math.md section 4.7). ``log_weights=None`` means uniform weights.
+    (:func:`split_constant`, docs/math.md section 4.7). ``log_weights=None`` means uniform weights; a
+    log-weight of -inf (an atom of zero mass, which splitting does not change) gives 0.
     Returns a float64 array of length N.
     """
     a, v = _A_V(A, V)
@@ -872,9 +883,12 @@ def query_term_norms(A, V, X, log_weights=None, *, positions=None) -> np.ndarray
     if log_weights is None:
         lw = np.full(N, -math.log(N))
     else:
-        lw = as_tensor(log_weights, "log_weights", dtype=torch.float64).detach().cpu().numpy().reshape(-1)
-        if lw.shape != (N,) or np.isnan(lw).any() or np.isposinf(lw).any():
+        lw = as_tensor(log_weights, "log_weights", dtype=torch.float64, finite=False).detach().cpu().numpy()
+        lw = lw.reshape(-1)
+        if lw.shape != (N,):
             raise ValueError(f"log_weights: expected {N} log-weights (finite or -inf), got shape {lw.shape}")
+        if np.isnan(lw).any() or np.isposinf(lw).any():
+            raise ValueError("log_weights: contains NaN or +inf (-inf, a zero mass, is the only infinity allowed)")
     S = (x @ a.T) @ x.T + lw[None, :]
     if positions is not None:
         s = as_tensor(positions, "positions", dtype=torch.float64).detach().cpu().numpy().reshape(-1)
@@ -888,6 +902,9 @@ def query_term_norms(A, V, X, log_weights=None, *, positions=None) -> np.ndarray
     P = P / np.where(z > 0, z, 1.0)
     out = np.empty(N)
     for i in range(N):
+        if lw[i] == -np.inf:   # no mass: splitting the atom changes nothing (as splitting.split_lipschitz)
+            out[i] = 0.0
+            continue
         mean = P[i] @ x
         C = x - mean
         cov = (C * P[i][:, None]).T @ C
