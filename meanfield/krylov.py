@@ -55,6 +55,13 @@ _LOW_TARGET = 2 * torch.finfo(torch.float32).eps
 _BREAKDOWN_MAX = 1e-3
 #: a certification pass whose error is not below this fraction of the previous one made no progress
 _PROGRESS = 0.5
+#: Lanczos steps that check a converged power iteration found the top singular value (:func:`power`)
+POWER_CHECK_STEPS = 8
+#: Lanczos vectors before any certificate may meet tol (a loose tol met after one or two steps by a Ritz value far
+#: below the top: 12% at tol = 0.1 in a review's scan of 40 random attention inputs)
+LANCZOS_MIN_STEPS = 8
+#: restarts of the power iteration from the check's Ritz vector before a member is reported not converged
+POWER_RESTARTS = 2
 
 
 @dataclass
@@ -160,8 +167,49 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     """Power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the explicit
     certificate (not on the change of the estimate, which stops early on flat spectra), on
     ``max_iter``, or when the best certified error has not improved by 1% in :data:`PATIENCE`
-    iterations. Members keep the iterate of their best certificate."""
+    iterations. Members keep the iterate of their best certificate.
+
+    The certificate bounds the distance to *some* singular value (docs/math.md section 4.4): with two close
+    top singular values an iterate still mixing their vectors has a small residual near the lower one. So a
+    converged member is checked with :data:`POWER_CHECK_STEPS` Lanczos steps from its vector, whose top Ritz
+    value is a lower bound of ||J|| at least the member's value: above value + error, the certificate was
+    about a lower singular value, and the iteration restarts from the Ritz vector (at most
+    :data:`POWER_RESTARTS` times; then the member is reported as not converged). The check's products count
+    in the iterations reported."""
     u = _random_start(p.X.shape, p.X, seed)
+    shape = p.X.shape
+    b, N = shape[0], p.X[0].numel()
+    progress = _Progress("local_lipschitz (power iteration)", max_iter)
+    used = 0
+    restarts = 0
+    g = make_generator(None if seed is None else seed + 1)
+    while True:
+        value, rho, err, vector, done, stalled, it = _power_loop(p, u, tol, max_iter - used, progress, used)
+        used += it
+        steps = min(POWER_CHECK_STEPS, N, max_iter - used)   # within the budget: max_iter counts the check's steps
+        if not bool(done.any()) or steps < 2:
+            break
+        K = _Krylov(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
+                    what="local_lipschitz (power iteration: its check, Lanczos steps)")
+        K.run(0.0, at_least=steps)
+        used += K.m
+        eps = torch.finfo(K.sig.dtype).eps
+        higher = done & (K.sig.to(value.dtype) > value + err + 16 * eps * value)
+        if not bool(higher.any()):
+            break
+        if restarts >= POWER_RESTARTS or used >= max_iter:
+            # still below a Ritz value: the certificate holds for a lower singular value only
+            done, stalled = done & ~higher, stalled | higher
+            break
+        restarts += 1
+        ritz = K.ritz()[0].to(vector.dtype).reshape(shape)
+        u = torch.where(higher.reshape(-1, *([1] * (vector.dim() - 1))), ritz / norms(ritz), vector)
+    return SolverResult(value, vector, err, rho, used, done, stalled)
+
+
+def _power_loop(p, u, tol, max_iter, progress, offset):
+    """The power iteration from unit vectors u, at most ``max_iter`` products: (value, rho, error, vector,
+    done, stalled, iterations), each member with its best certificate."""
     shape = (-1, *([1] * (u.dim() - 1)))
     b = u.shape[0]
     done = torch.zeros(b, dtype=torch.bool, device=u.device)
@@ -169,10 +217,9 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     best = since = None
     kept = None
     it = 0
-    progress = _Progress("local_lipschitz (power iteration)", max_iter)
-    for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported
+    for it in range(1, max(1, max_iter) + 1):  # noqa: B007 - the count is reported
         v_new, r_new, e_new, z = _rayleigh(p, u)
-        progress(it, v_new.double(), e_new.double())
+        progress(offset + it, v_new.double(), e_new.double())
         rel = _relative(e_new, v_new)
         if kept is None:
             kept = [v_new, r_new, e_new, u]
@@ -193,7 +240,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
         nxt = torch.where(zn > 0, z / torch.where(zn > 0, zn, torch.ones_like(zn)), u)
         u = torch.where((done | stalled).reshape(shape), u, nxt)
     value, rho, err, vector = kept
-    return SolverResult(value, vector, err, rho, it, done, stalled)
+    return value, rho, err, vector, done, stalled, it
 
 
 # ---------------------------------------------------------------------- Lanczos
@@ -230,15 +277,19 @@ class _Krylov:
     float64 whatever the working dtype.
     """
 
-    def __init__(self, apply, q, m_max, g, first=None, images=False):
+    def __init__(self, apply, q, m_max, g, first=None, images=False, min_steps=0, what=None):
         self.apply, self.q, self.m_max, self.g, self.first = apply, q, m_max, g, first
+        # no target counts as met before min_steps vectors: after one or two steps a loose target is met by
+        # a Ritz value still far below the top (the certificate then bounds the distance to a lower one)
+        self.min_steps = min(min_steps, m_max)
         b, N = q.shape
         self.basis = _Basis(b, N, q, capacity=min(m_max, 16))
         # with ``images`` the products B q_j are kept, so that B u of a Ritz vector costs no product
         self.images = _Basis(b, N, q, capacity=min(m_max, 16)) if images else None
         self.alpha, self.beta = [], []
         self.q_prev = self.w = self.y = self.err = self.sig = None
-        self.progress = _Progress(f"local_lipschitz (lanczos, {q.dtype})".replace("torch.", ""), m_max)
+        what = f"local_lipschitz (lanczos, {q.dtype})" if what is None else what
+        self.progress = _Progress(what.replace("torch.", ""), m_max)
 
     @property
     def m(self):
@@ -304,7 +355,8 @@ class _Krylov:
         whether the target was met."""
         start = self.m
         while True:
-            if self.m > 0 and self.m - start >= at_least and bool((self.err <= target * self.sig).all()):
+            if self.m > 0 and self.m - start >= at_least and self.m >= self.min_steps \
+                    and bool((self.err <= target * self.sig).all()):
                 return True
             if self.m >= self.m_max:
                 return False
@@ -418,7 +470,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
         target = max(0.5 * tol, _LOW_TARGET)
         try:
             q32 = q.reshape(b, N).to(torch.float32)
-            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32))
+            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32), min_steps=LANCZOS_MIN_STEPS)
             while True:
                 met = K.run(target)
                 q = K.ritz()[0].to(p.X.dtype).reshape(shape)
@@ -446,7 +498,8 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
         # certificate of the Ritz vector then costs no product
         images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
             memory_limit)
-        K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images)
+        K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images,
+                    min_steps=max(0, LANCZOS_MIN_STEPS - used))
         target = 0.5 * tol
         previous = None
         while True:
@@ -476,7 +529,8 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
 # ---------------------------------------------------------------------- dense
 def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, low_build=None) -> SolverResult:
     """Explicit (weighted) Jacobian of each batch member and its top singular triple (ground truth for
-    small sizes); the certificate is the rounding-level residual of the explicit product. A member
+    small sizes); the certificate is the rounding-level residual of the explicit product, at least
+    sqrt(min(n_in, n_out)) machine epsilons of the value (the rounding of the entries and the SVD). A member
     whose rounding-level error is above ``tol`` (float32 at a tight tol) has not converged: it is
     ``stalled`` at the rounding floor, which no further work in this dtype lowers."""
     n_in, n_out = p.X[0].numel(), math.prod(p.out_shape[1:])
@@ -518,7 +572,11 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         c, s = float(c), float(s)
         values.append(s * c)
         vectors.append(v.reshape(X.shape).to(X.dtype))
-        errs.append(min(rho, math.sqrt(rho * s)) * c)
+        # the residual misses the rounding of the Jacobian's entries and of the SVD (a value of 4.4e99 reported
+        # with an error of 0.015 where the exact one differs by 1e83): at least sqrt(min(n_in, n_out)) units of
+        # the input dtype's rounding of the value
+        floor = math.sqrt(min(n_in, n_out)) * torch.finfo(X.dtype).eps * s * c
+        errs.append(max(min(rho, math.sqrt(rho * s)) * c, floor))
         res.append(rho * c)
     t = lambda v: torch.tensor(v, dtype=torch.float64)
     value, err = t(values), t(errs)

@@ -103,6 +103,9 @@ def _check_tol(tol, dtype: torch.dtype) -> float:
     if tol is None:
         return default_tol(dtype)
     tol = check_positive_float(tol, "tol")
+    if tol >= 1:
+        raise ValueError(f"tol: {tol:g} is a relative error (error <= tol * value); at 1 or more it certifies "
+                         "nothing about the value: use tol < 1 (the default is 1e-6 in float64)")
     eps = torch.finfo(dtype).eps
     if tol < eps:
         raise ValueError(f"tol: {tol:g} is below what {dtype} can certify: its machine epsilon {eps:.3g} is the "
@@ -314,7 +317,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         "lanczos" (default), "power" (Appendix E.1) or "dense".
     tol : float or None
         Relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
-        (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon is a ValueError.
+        (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon, or of 1 or more, is a
+        ValueError.
         For a float32 input of an operator that converts to float64, the solve's vector is certified again by
         float64 products of the same numbers (docs/math.md section 4.4): the value, error and ``converged`` are
         those of the map itself, not of its rounding in the input's dtype; a float16 or bfloat16 input of such an

@@ -1,0 +1,102 @@
+"""Defects found by an independent review of the certified Lipschitz estimates (2026-11-27), each against an
+independent truth (the top singular value of the dense Jacobian, or of the exact Jacobian in 80-digit arithmetic).
+
+1. method="power" on two close top singular values (1.0314761 and 1.0314746: a saturated softmax at R = 30)
+   reported converged at 1.3e-6 below the top, its certificate bounding the distance to the second one.
+2. A loose tol (0.1, 0.3) was met after one or two Lanczos steps by a Ritz value 12-14% below the top, and
+   tol >= 1 was accepted (tol = 5: converged after one product pair at 30% of the truth).
+3. method="dense" reported an error below the rounding of the value (0.015 on 4.4e99, the exact value 1e83 away).
+"""
+
+from __future__ import annotations
+
+import mpmath as mp
+import pytest
+import torch
+from torch.autograd.functional import jacobian
+
+from meanfield import SelfAttention, adversarial, local_lipschitz
+
+F64 = torch.float64
+
+
+def _inputs(seed, n, d, R=None, scale=2.0):
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(d, d, generator=g, dtype=F64) / 2
+    V = torch.randn(d, d, generator=g, dtype=F64) / 2
+    X = torch.randn(n, d, generator=g, dtype=F64)
+    X = R * X / X.norm(dim=1, keepdim=True) if R is not None else scale * X
+    return A, V, X
+
+
+def _singular_values(A, V, X):
+    """Of the dense Jacobian of softmax(X A^T X^T) X V^T, written here from the formula."""
+    f = lambda Y: torch.softmax(Y @ A.T @ Y.T, dim=-1) @ Y @ V.T
+    J = jacobian(f, X).reshape(X.numel(), X.numel())
+    return torch.linalg.svdvals(J)
+
+
+def test_power_iteration_finds_the_top_of_two_close_singular_values():
+    A, V, X = _inputs(1, 8, 3, R=30.0)
+    S = _singular_values(A, V, X)
+    assert float(S[0] - S[1]) < 2e-6 * float(S[0])          # the close pair of the review
+    est = local_lipschitz(SelfAttention(A, V), X, method="power")
+    assert est.converged
+    assert est.value <= float(S[0]) * (1 + 1e-14) and est.upper >= float(S[0]) * (1 - 1e-14)
+    assert abs(est.value - float(S[0])) <= 1e-6 * float(S[0])
+
+
+@pytest.mark.parametrize("method", ["lanczos", "power"])
+@pytest.mark.parametrize("tol", [0.3, 0.1])
+def test_a_loose_tol_still_certifies_the_top_singular_value(method, tol):
+    """value <= ||J|| <= value + error for every converged estimate (seeds 0-11 and the review's 19, 23)."""
+    for seed in list(range(12)) + [19, 23]:
+        A, V, X = _inputs(seed, 12, 4)
+        s1 = float(_singular_values(A, V, X)[0])
+        est = local_lipschitz(SelfAttention(A, V), X, method=method, tol=tol, seed=seed, on_failure="warn")
+        assert est.converged, seed
+        assert est.value <= s1 * (1 + 1e-12) and est.upper >= s1 * (1 - 1e-12), (seed, est, s1)
+
+
+def test_tol_of_one_or_more_is_refused():
+    A, V, X = _inputs(0, 6, 3)
+    for tol in (1.0, 5.0):
+        with pytest.raises(ValueError, match=f"tol: {tol:g} is a relative error"):
+            local_lipschitz(SelfAttention(A, V), X, tol=tol)
+
+
+def _exact_top(A, V, X, lw):
+    """The top singular value of the weighted Jacobian sqrt(a_i) J_ij / sqrt(a_j) of the same float64 numbers,
+    in 80-digit arithmetic (docs/math.md sections 4.1 and 4.5)."""
+    mp.mp.dps = 80
+    n, d = X.shape
+    Am, Vm = mp.matrix(A.tolist()), mp.matrix(V.tolist())
+    xs = [mp.matrix(X[i].tolist()) for i in range(n)]
+    lws = [mp.mpf(float(v)) for v in lw]
+    J = mp.zeros(n * d, n * d)
+    for i in range(n):
+        Ax = Am * xs[i]
+        s = [(Ax.T * xs[j])[0] + lws[j] for j in range(n)]
+        top = max(s)
+        e = [mp.exp(t - top) for t in s]
+        P = [t / sum(e) for t in e]
+        mean = sum((P[j] * xs[j] for j in range(n)), mp.zeros(d, 1))
+        cov = sum(((P[j] * (xs[j] - mean)) * (xs[j] - mean).T for j in range(n)), mp.zeros(d, d))
+        for j in range(n):
+            blk = P[j] * Vm + P[j] * (Vm * (xs[j] - mean)) * Ax.T + (Vm * cov * Am if i == j else mp.zeros(d, d))
+            w = mp.exp((lws[i] - lws[j]) / 2)
+            for a in range(d):
+                for b in range(d):
+                    J[i * d + a, j * d + b] = w * blk[a, b]
+    return max(mp.svd_r(J, compute_uv=False))
+
+
+@pytest.mark.parametrize("R", [15.0, 21.2])
+def test_dense_error_covers_the_rounding_of_the_value(R):
+    A = torch.tensor([[1.0, 0.3], [0.0, -0.5]], dtype=F64)
+    V = torch.eye(2, dtype=F64)
+    mu = adversarial.two_dirac(A, R)
+    exact = _exact_top(A, V, mu.points, mu.log_weights)
+    for method in ("dense", "lanczos"):
+        est = local_lipschitz(SelfAttention(A, V), mu, method=method)
+        assert est.converged and abs(mp.mpf(est.value) - exact) <= mp.mpf(est.error), (method, est)
