@@ -179,7 +179,9 @@ def test_float32_sums_over_many_blocks_keep_one_blocks_error(ta):
     t_out = torch.func.jvp(lambda a, b, c: _dense(a, b, c, None, None, None)[0], tuple(ref_args[:3]),
                            (tq, tk, tv))[1]
     d_out, _ = ta.jvp(*args, False, out, lse, tq.float(), tk.float(), tv.float(), None)
-    assert _rel(d_out, t_out) <= tol
+    # the tangent adds the float32 rounding of the tangent scores and of exp (numpy 2.4's float32 exp, 1.5 ulp, in
+    # the interpreter): 7.2e-7 compensated, 2.6e-6 with plain += (measured with _add replaced), so the bound of dq
+    assert _rel(d_out, t_out) <= LONG_TOL_DS
     g_out = torch.randn(ref_out.shape, generator=g, dtype=torch.float64)
     prim = [t.clone().requires_grad_(True) for t in ref_args[:3]]
     ref_dq = torch.autograd.grad((_dense(*prim, None, None, None)[0] * g_out).sum(), prim[0])[0]
