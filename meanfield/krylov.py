@@ -171,10 +171,10 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
 
     The certificate bounds the distance to *some* singular value (docs/math.md section 4.4): with two close
     top singular values an iterate still mixing their vectors has a small residual near the lower one. So a
-    converged member is checked with :data:`POWER_CHECK_STEPS` Lanczos steps from its vector, whose top Ritz
+    converged member is checked with ``POWER_CHECK_STEPS`` Lanczos steps from its vector, whose top Ritz
     value is a lower bound of ||J|| at least the member's value: above value + error, the certificate was
     about a lower singular value, and the iteration restarts from the Ritz vector (at most
-    :data:`POWER_RESTARTS` times; then the member is reported as not converged). The check's products count
+    ``POWER_RESTARTS`` times; then the member is reported as not converged). The check's products count
     in the iterations reported."""
     u = _random_start(p.X.shape, p.X, seed)
     shape = p.X.shape
