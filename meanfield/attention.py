@@ -42,8 +42,11 @@ def _same_dtype(value, name, dtype, like: str | None):
         return
     convert = f"{name}.to({dtype})"
     if isinstance(value, np.ndarray | np.generic) and value.dtype.kind == "f":
-        # a float numpy array carries its precision as a tensor does (float64 values next to a float32 parameter
-        # would be rounded); lists and integer arrays carry none and take the operator's dtype
+        # a float numpy array wider than the operator's dtype would be rounded (float64 values next to float32
+        # parameters): refused as a tensor is. A narrower one converts exactly (numpy input makes float64
+        # operators, float32 arrays included); lists and integer arrays take the operator's dtype
+        if torch.finfo(torch.from_numpy(np.empty(0, value.dtype)).dtype).eps >= torch.finfo(dtype).eps:
+            return
         convert = f"{name}.astype(np.{str(dtype).removeprefix('torch.')})"
         value = torch.from_numpy(np.empty(0, value.dtype))
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
@@ -104,9 +107,9 @@ class SelfAttention(AttentionOperator):
         b added to every output (P is row-stochastic, so b_V passes through unchanged); a query that sees
         no key of positive weight has a zero output, without b (docs/math.md section 2).
     dtype : torch.dtype or None
-        Convert the parameters (default: the first parameter's, A's or Q's: a float tensor's or float numpy
-        array's own dtype, float64 for lists and integers; the other float parameters must have it, lists
-        and integer arrays take it).
+        Convert the parameters (default: float64 for numpy input and lists, a float tensor's own dtype; the
+        other float tensor parameters must have it, a float numpy parameter must not be wider, lists and
+        integer arrays take it).
     """
 
     def __init__(self, A, V, masked=False, *, key_bias=None, value_bias=None, dtype=None):

@@ -124,7 +124,7 @@ def _row_logsumexp(q, k, log_weights, q_pos, k_pos, block: int | None = None) ->
         if q_pos is not None:
             later = k_pos.unsqueeze(-2) > q_pos[..., i0:i0 + block].unsqueeze(-1)
             hidden = later if hidden is None else hidden | later
-        hidden = hidden.expand(s.shape)
+        s, hidden = torch.broadcast_tensors(s, hidden)   # positions may carry batch dimensions the points lack
         dead = hidden.all(dim=-1)
         s = s.masked_fill(hidden, float("-inf")).masked_fill(dead.unsqueeze(-1), 0.0)
         rows.append(torch.logsumexp(s, dim=-1).masked_fill(dead, float("-inf")))

@@ -174,32 +174,45 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     converged member is checked with ``POWER_CHECK_STEPS`` Lanczos steps from its vector, whose top Ritz
     value is a lower bound of ||J|| at least the member's value: above value + error, the certificate was
     about a lower singular value, and the iteration restarts from the Ritz vector (at most
-    ``POWER_RESTARTS`` times; then the member is reported as not converged). The check's products count
-    in the iterations reported."""
+    ``POWER_RESTARTS`` times; then the member is reported as not converged). The check's steps count in
+    ``max_iter`` and in the iterations reported: a budget that leaves no room for them reports no member
+    converged."""
     u = _random_start(p.X.shape, p.X, seed)
     shape = p.X.shape
     b, N = shape[0], p.X[0].numel()
     progress = _Progress("local_lipschitz (power iteration)", max_iter)
+    # the check's steps are kept out of the iterations' budget (one singular value in dimension 1: no check)
+    steps = min(POWER_CHECK_STEPS, N) if N >= 2 else 0
     used = 0
     restarts = 0
     g = make_generator(None if seed is None else seed + 1)
     while True:
-        value, rho, err, vector, done, stalled, it = _power_loop(p, u, tol, max_iter - used, progress, used)
+        room = max_iter - used - steps
+        value, rho, err, vector, done, stalled, it = _power_loop(p, u, tol, max(1, room), progress, used)
         used += it
-        steps = min(POWER_CHECK_STEPS, N, max_iter - used)   # within the budget: max_iter counts the check's steps
-        if not bool(done.any()) or steps < 2:
+        if not steps or not bool(done.any()):
+            break
+        if max_iter - used < steps:
+            # no budget left for the check (max_iter below the iterations plus its steps): a member not checked
+            # is not reported converged, and the budget, not rounding, stopped it (not stalled)
+            done = torch.zeros_like(done)
             break
         K = _Krylov(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
                     what="local_lipschitz (power iteration: its check, Lanczos steps)")
         K.run(0.0, at_least=steps)
         used += K.m
-        eps = torch.finfo(K.sig.dtype).eps
+        # the Ritz value against value + error, with the rounding of the products in the working dtype
+        eps = max(torch.finfo(value.dtype).eps, torch.finfo(p.X.dtype).eps)
         higher = done & (K.sig.to(value.dtype) > value + err + 16 * eps * value)
         if not bool(higher.any()):
             break
-        if restarts >= POWER_RESTARTS or used >= max_iter:
-            # still below a Ritz value: the certificate holds for a lower singular value only
-            done, stalled = done & ~higher, stalled | higher
+        if restarts >= POWER_RESTARTS or max_iter - used < 1 + steps:
+            # still below a Ritz value: the certificate holds for a lower singular value only. After the
+            # restarts a close top pair stalls the iteration (stalled: the message names close singular values);
+            # a budget that allows no restart is the budget's doing (not stalled: 'increase max_iter')
+            done = done & ~higher
+            if restarts >= POWER_RESTARTS:
+                stalled = stalled | higher
             break
         restarts += 1
         ritz = K.ritz()[0].to(vector.dtype).reshape(shape)
@@ -208,8 +221,8 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
 
 
 def _power_loop(p, u, tol, max_iter, progress, offset):
-    """The power iteration from unit vectors u, at most ``max_iter`` products: (value, rho, error, vector,
-    done, stalled, iterations), each member with its best certificate."""
+    """The power iteration from unit vectors u, at most ``max_iter`` iterations (two products each): (value, rho,
+    error, vector, done, stalled, iterations), each member with its best certificate."""
     shape = (-1, *([1] * (u.dim() - 1)))
     b = u.shape[0]
     done = torch.zeros(b, dtype=torch.bool, device=u.device)

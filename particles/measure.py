@@ -49,7 +49,8 @@ def held_positions(pos: torch.Tensor, dtype: torch.dtype, name: str = "positions
     distinct positions to one value. Positions are only ever compared, so rounding is harmless while it keeps
     their order, and changes the causal mask where it ties them (the later atom then sees the earlier one:
     0.5 + 1e-9 and 0.5 in float32). One sort, only when the dtype narrows."""
-    out = pos.to(dtype=dtype, device=device)
+    pos = pos.to(device=device)          # on the target device first: the check compares both there
+    out = pos.to(dtype=dtype)
     if out.dtype == pos.dtype or out.numel() < 2 or not pos.is_floating_point() \
             or torch.finfo(out.dtype).eps <= torch.finfo(pos.dtype).eps:
         return out

@@ -354,3 +354,17 @@ def test_auto_on_cuda_names_a_nan_input_on_every_path(n, bad):
     # unmasked, the fused path at 1e4 and 1e5: the query is named too
     with pytest.raises(FloatingPointError, match=r"^q: contains NaN"):
         attend(q, k, v)
+
+
+def test_measure_to_cuda_float32_checks_its_positions_on_the_device():
+    """Measure.to(device, dtype) moves the positions before checking that the narrower dtype keeps them apart
+    (the check compared a CPU and a CUDA tensor); a tie that float32 would make is still refused."""
+    from particles import Measure
+
+    X = torch.randn(3, 2, dtype=torch.float64)
+    mu = Measure(X, positions=torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64))
+    moved = mu.to(device="cuda", dtype=torch.float32)
+    assert moved.positions.device.type == "cuda" and moved.positions.dtype == torch.float32
+    tied = Measure(X, positions=torch.tensor([0.5 + 1e-9, 0.5, 0.9], dtype=torch.float64))
+    with pytest.raises(ValueError, match="dtype: torch.float32 rounds 1 pair"):
+        tied.to(device="cuda", dtype=torch.float32)

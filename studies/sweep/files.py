@@ -92,6 +92,9 @@ class FolderBusy(ValueError):
         super().__init__(f"{argument}: {detail}")
         self.argument, self.detail = argument, detail
 
+    def __reduce__(self):   # pickled with both fields (a process pool re-raises it in the parent)
+        return type(self), (self.argument, self.detail)
+
 
 def _file_in_the_way(folder: Path) -> Path | None:
     """The path or nearest existing ancestor of ``folder`` that is not a folder (so that ``folder`` cannot be

@@ -10,6 +10,8 @@ independent truth (the top singular value of the dense Jacobian, or of the exact
 
 from __future__ import annotations
 
+import warnings
+
 import mpmath as mp
 import pytest
 import torch
@@ -100,3 +102,36 @@ def test_dense_error_covers_the_rounding_of_the_value(R):
     for method in ("dense", "lanczos"):
         est = local_lipschitz(SelfAttention(A, V), mu, method=method)
         assert est.converged and abs(mp.mpf(est.value) - exact) <= mp.mpf(est.error), (method, est)
+
+
+def _trap(N=20, seed=3):
+    """A linear map with singular values 1, 0.99, 0.5, ... and a start on the second singular vector (1e-9 of the
+    first): power iteration's certificate meets tol there long before the iterate turns to the top."""
+    g = torch.Generator().manual_seed(seed)
+    U, _ = torch.linalg.qr(torch.randn(N, N, generator=g, dtype=F64))
+    Vt, _ = torch.linalg.qr(torch.randn(N, N, generator=g, dtype=F64))
+    S = torch.cat([torch.tensor([1.0, 0.99], dtype=F64), torch.linspace(0.5, 0.1, N - 2, dtype=F64)])
+    return U @ torch.diag(S) @ Vt.T, Vt[:, 1] + 1e-9 * Vt[:, 0]
+
+
+def test_power_check_counts_in_the_budget_and_an_unchecked_estimate_is_not_converged(monkeypatch):
+    """The truth is ||J|| = 1. With max_iter = 6 the check's 8 Lanczos steps do not fit: the estimate (0.99,
+    certified at 2e-11 about the second singular value) is not converged, and says why; with the default budget
+    the check finds the top and the restart certifies it. No call exceeds its max_iter."""
+    from meanfield import krylov
+
+    M, start = _trap()
+    fn = lambda X: (M @ X.reshape(-1)).reshape(X.shape)
+    X = torch.zeros(10, 2, dtype=F64)
+    monkeypatch.setattr(krylov, "_random_start", lambda shape, like, seed: (start / start.norm()).reshape(shape))
+    with pytest.warns(RuntimeWarning, match="left no room for the 8 Lanczos steps"):
+        est = local_lipschitz(fn, X, method="power", tol=1e-6, max_iter=6, on_failure="warn")
+    assert not est.converged and est.iterations <= 6 and est.value <= 1.0
+    for cap in (9, 12, 16, 30, 60):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            est = local_lipschitz(fn, X, method="power", tol=1e-6, max_iter=cap, on_failure="warn")
+        assert est.iterations <= cap and bool(caught) == (not est.converged), (cap, est)
+        assert not est.converged or est.upper >= 1.0 - 1e-12, (cap, est)
+    est = local_lipschitz(fn, X, method="power", tol=1e-6)
+    assert est.converged and abs(est.value - 1.0) <= 1e-6 and est.upper >= 1.0 - 1e-12

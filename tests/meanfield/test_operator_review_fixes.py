@@ -108,3 +108,24 @@ def test_an_integer_tensor_takes_the_operators_dtype_as_a_list_does():
         att32.sequence(torch.ones(2, 3, dtype=torch.bool))
     with pytest.raises(TypeError, match="X: dtype torch.float64 differs from the operator's torch.float32"):
         att32.sequence(torch.ones(2, 3, dtype=F64))
+
+
+def test_float32_numpy_parameters_make_a_float64_operator_as_before():
+    """A narrower numpy array converts exactly: all-float32 numpy parameters give a float64 operator (numpy input
+    makes float64 operators), as they did before the dtype check of float numpy parameters."""
+    A32, V32 = np.eye(3, dtype=np.float32), np.full((3, 3), 0.1, dtype=np.float32)
+    att = SelfAttention(A32, V32, key_bias=np.zeros(3, dtype=np.float32))
+    assert att.dtype == F64 and torch.equal(att.V, torch.from_numpy(V32).double())
+    assert SelfAttention.from_qkv(A32, A32, V32).dtype == F64
+
+
+def test_usa_positions_with_batch_dimensions_the_points_lack():
+    """Positions (b, n) over points (n, d): each batch entry equals the call with its own positions."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=g, dtype=F64)
+    qp, kp = torch.rand(2, 5, generator=g, dtype=F64), torch.rand(2, 5, generator=g, dtype=F64)
+    op = IsotropicAttention(0.5, "USA", masked=True)
+    out = op.evaluate(x, x, None, qp, kp)
+    assert out.shape == (2, 5, 3)
+    for b in range(2):
+        assert torch.allclose(out[b], op.evaluate(x, x, None, qp[b], kp[b]), rtol=1e-14, atol=1e-14)

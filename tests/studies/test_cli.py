@@ -262,3 +262,15 @@ def test_progress_on_a_pipe_is_plain_lines_and_quiet_prints_none(tmp_path):
     res = _cli("large_radius", "--tiny", "--out", str(tmp_path / "b"), "--quiet")
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert "5 hold" in res.stdout
+
+
+def test_folder_busy_survives_pickling():
+    """A process pool re-raises its workers' exceptions in the parent by pickling them."""
+    import pickle
+
+    from studies.sweep import FolderBusy
+
+    exc = pickle.loads(pickle.dumps(FolderBusy("--out", "runs/x is in use by another running sweep")))
+    assert isinstance(exc, FolderBusy) and (exc.argument, exc.detail) == ("--out", "runs/x is in use by another "
+                                                                          "running sweep")
+    assert str(exc) == "--out: runs/x is in use by another running sweep"
