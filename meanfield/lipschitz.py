@@ -429,11 +429,12 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                    f"of {dtype} products at this input is above tol={tol:g}; use tol >= {2 * rel:.2g}"
                    + (" or float64" if dtype != torch.float64 else ""))
         elif method == "power" and rel <= tol:
-            # its certificate met tol, but the check that it is about the top singular value had no budget
-            # (meanfield.krylov.power: POWER_CHECK_STEPS Lanczos steps within max_iter), or found a larger one
-            why = (f"met tol={tol:g} (relative error bound {rel:.3g}, value {worst[0]:.6g}) but max_iter="
-                   f"{max_iter} left no room for the {krylov.POWER_CHECK_STEPS} Lanczos steps that check it is the "
-                   "top singular value, not a lower one; raise max_iter or use method='lanczos'")
+            # its certificate met tol, but the check that it is about the top singular value found a larger one
+            # and the budget allowed no restart (meanfield.krylov.power)
+            why = (f"met tol={tol:g} (relative error bound {rel:.3g}, value {worst[0]:.6g}), but its check "
+                   f"({krylov.POWER_CHECK_STEPS} Lanczos steps) found a larger singular value and max_iter={max_iter} "
+                   "left no room to go on from it (the certificate is about a lower one); raise max_iter or use "
+                   "method='lanczos'")
         else:
             why = (f"did not reach tol={tol:g} in {iterations} iterations (relative error bound {rel:.3g}, value "
                    f"{worst[0]:.6g}); raise max_iter or loosen tol")
