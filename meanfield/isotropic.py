@@ -119,8 +119,9 @@ def _row_logsumexp(q, k, log_weights, q_pos, k_pos, block: int | None = None) ->
         # passing through logsumexp of an empty row, whose derivative is 0/0: NaN gradients and tangents
         hidden = None
         if log_weights is not None:
-            hidden = (log_weights == float("-inf")).unsqueeze(-2)
-            s = s + log_weights.masked_fill(hidden.squeeze(-2), 0.0).unsqueeze(-2)
+            zero = log_weights == float("-inf")
+            s = s + log_weights.masked_fill(zero, 0.0).unsqueeze(-2)
+            hidden = zero.unsqueeze(-2)
         if q_pos is not None:
             later = k_pos.unsqueeze(-2) > q_pos[..., i0:i0 + block].unsqueeze(-1)
             hidden = later if hidden is None else hidden | later

@@ -188,7 +188,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     g = make_generator(None if seed is None else seed + 1)
     while True:
         room = max_iter - used - steps
-        if room < 1:   # no room for the check after any iteration: the whole budget iterates (nothing converges)
+        if room < 1:   # no room for the check after any iteration: the whole budget iterates, unchecked
             room = max_iter - used
         value, rho, err, vector, done, stalled, it = _power_loop(p, u, tol, room, progress, used)
         used += it
@@ -202,8 +202,8 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
                     what="local_lipschitz (power iteration: its check, Lanczos steps)")
         K.run(0.0, at_least=steps)
         used += K.m
-        # the Ritz value against value + error, with the rounding of the products in the working dtype
-        eps = max(torch.finfo(value.dtype).eps, torch.finfo(p.X.dtype).eps)
+        # the Ritz value against value + error, with the rounding of the products in the working dtype (value's)
+        eps = torch.finfo(value.dtype).eps
         higher = done & (K.sig.to(value.dtype) > value + err + 16 * eps * value)
         if not bool(higher.any()):
             break
@@ -231,7 +231,7 @@ def _power_loop(p, u, tol, max_iter, progress, offset):
     best = since = None
     kept = None
     it = 0
-    for it in range(1, max(1, max_iter) + 1):  # noqa: B007 - the count is reported
+    for it in range(1, max_iter + 1):  # noqa: B007 - the count is reported (power passes at least 1)
         v_new, r_new, e_new, z = _rayleigh(p, u)
         progress(offset + it, v_new.double(), e_new.double())
         rel = _relative(e_new, v_new)
