@@ -488,8 +488,20 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     With weights or positions the plain softmax first (as naive attention: about half the kernels of
     :func:`attention_probs`, which is most of a small call's cost on a GPU): it differs from attention_probs
     only on rows with no visible key of positive weight, which it leaves NaN, so a finite output (the sum the
-    output check computes anyway) is the exact result; attention_probs's guarded formula otherwise."""
-    if (log_weights is not None or q_pos is not None) and not _checks_skipped():
+    output check computes anyway) is the exact result; attention_probs's guarded formula otherwise. Inside
+    :func:`particles.validation.output_checks_deferred` a forward pass sets those rows from :func:`_dead_rows` at
+    once (no sum, no host sync; a NaN query position then gives a NaN row, which the caller's check meets, where
+    the guarded formula would give a silent zero row)."""
+    masked = log_weights is not None or q_pos is not None
+    if masked and output_checks_are_deferred() and not _needs_derivatives(q, k, v, log_weights):
+        # a caller that checks its own results (simulate): no sum and no host sync, so the rows that see no key of
+        # positive weight are set from O(m + n) reductions at once, to what the guarded formula gives them:
+        # 0 @ v, zeros with NaN in the columns where v holds a NaN or an infinity. About half the (m, n) passes of
+        # attention_probs, which its guard costs
+        out = compute(_plain_probs)
+        return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True),
+                           out)
+    if masked and not _checks_skipped():
         out = compute(_plain_probs)
         # a NaN position: reported by _check_output below. A NaN query position masks every key of its row, which
         # the plain softmax makes NaN; a NaN key position is masked for every query (dropped, the output finite):

@@ -1051,3 +1051,68 @@ def test_dense_path_reads_the_device_once_or_twice(case):
     assert count.syncs == (2 if case == "random positions" else 1), count.syncs
     assert count.ops <= 30, count.ops
     _close(out, kernels.attention_probs(q, k, lw, qp, kp) @ v)
+
+
+def _reference_rows(q, k, v, lw, qp, kp):
+    """Row by row from the definition (independent of the kernels): P_ij = exp(s_ij) / sum over the visible keys
+    of positive weight, 0 for the others; out_i = sum_j P_ij v_j over all keys (a row that sees no key is
+    sum_j 0 * v_j: zeros, NaN in a column where v holds a NaN or an infinity)."""
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                  *(t.shape[:-1] for t in (lw, qp, kp) if t is not None))
+    flat = lambda t, tail: t.expand(*lead, *t.shape[t.dim() - tail:]).reshape(-1, *t.shape[t.dim() - tail:])
+    Q, K, Vv = flat(q, 2), flat(k, 2), flat(v, 2)
+    LW = None if lw is None else flat(lw, 1)
+    QP, KP = (None, None) if qp is None else (flat(qp, 1), flat(kp, 1))
+    out = torch.empty(Q.shape[0], Q.shape[1], Vv.shape[-1], dtype=q.dtype)
+    for b in range(Q.shape[0]):
+        for i in range(Q.shape[1]):
+            keep = torch.ones(K.shape[1], dtype=torch.bool)
+            if LW is not None:
+                keep &= LW[b] != -math.inf
+            if QP is not None:
+                keep &= KP[b] <= QP[b, i]
+            p = torch.zeros(K.shape[1], dtype=q.dtype)
+            if keep.any():
+                s = K[b][keep] @ Q[b, i] + (0 if LW is None else LW[b][keep])
+                p[keep] = torch.exp(s - s.max()) / torch.exp(s - s.max()).sum()
+            out[b, i] = (p[:, None] * Vv[b]).sum(0)
+    return out.reshape(*lead, Q.shape[1], Vv.shape[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("method", ["dense", "auto"])
+def test_deferred_checks_give_the_checked_output_with_rows_that_see_no_key(case, method):
+    """Inside output_checks_deferred (simulate's fixed steps) a forward pass takes the plain softmax and sets the
+    rows that see no key of positive weight from O(m + n) reductions, instead of attention_probs's guarded formula:
+    the same numbers as outside (where the output check decides) and as the row-by-row definition."""
+    from particles.validation import output_checks_deferred
+
+    q, k, v, lw, qp, kp = _problem(7, **case)
+    want = _reference_rows(q, k, v, lw, qp, kp)
+    checked = attend(q, k, v, lw, qp, kp, method=method)
+    with output_checks_deferred():
+        deferred = attend(q, k, v, lw, qp, kp, method=method)
+    _close(deferred, want)
+    _close(checked, want)
+
+
+def test_deferred_checks_keep_nan_columns_of_rows_that_see_no_key():
+    """A row that sees no key is 0 @ v: an infinite value (of a key nobody sees) makes its column NaN there, with
+    the check deferred, as in the guarded formula (and in every other row: 0 * inf), while every other column
+    stays what the definition gives."""
+    from particles.validation import output_checks_deferred
+
+    q, k, v, lw, qp, kp = _problem(8, weighted=True, masked=True)
+    v, kp = v.clone(), kp.clone()
+    late = int(torch.argmax(kp))
+    kp[late] = 2.0                       # after every query: visible to none
+    v[late, 1] = math.inf
+    want = _reference_rows(q, k, v, lw, qp, kp)
+    dead = (_reference_rows(q, k, torch.ones_like(v), lw, qp, kp) == 0).all(-1)
+    assert dead.any() and (~dead).any()
+    for method in ("dense", "auto"):
+        with output_checks_deferred():
+            got = attend(q, k, v, lw, qp, kp, method=method)
+        assert torch.isnan(got[:, 1]).all() and torch.isnan(want[:, 1]).all()
+        assert torch.all(got[dead][:, [0, 2]] == 0)
+        _close(got[:, [0, 2]], want[:, [0, 2]])
