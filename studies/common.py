@@ -10,9 +10,9 @@ import torch
 
 from .contract import THEOREM, Claim, shorten
 
-__all__ = ["random_A", "random_V", "seeded_attention", "uniform_ball", "uniform_sphere", "fit_loglog", "fit_groups",
-           "mean_std_by_n", "to_device", "slope_claim", "witness_tolerance", "witness_columns", "witness_deviation",
-           "witness_checks", "WITNESS_FLOOR", "PAIR_RESOLUTION"]
+__all__ = ["random_A", "random_V", "seeded_attention", "uniform_ball", "ball_points", "uniform_sphere", "fit_loglog",
+           "fit_groups", "mean_std_by_n", "to_device", "slope_claim", "witness_tolerance", "witness_columns",
+           "witness_deviation", "witness_checks", "WITNESS_FLOOR", "PAIR_RESOLUTION"]
 
 #: relative rounding floor of a float64 constant compared with the witness's exact closed form
 #: (meanfield.adversarial.sqrt_n_witness_constant agrees with dense Jacobians to 1e-14; certified
@@ -46,9 +46,14 @@ def seeded_attention(d: int, seed: int, device=None):
 
 def uniform_ball(n: int, d: int, radius: float, seed: int) -> torch.Tensor:
     """n i.i.d. points uniform in the ball of ``radius`` of R^d (float64, CPU), from a seed."""
-    g = torch.Generator().manual_seed(int(seed))
-    Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-    r = radius * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1.0 / d)
+    return ball_points(n, d, radius, torch.Generator().manual_seed(int(seed)))
+
+
+def ball_points(n: int, d: int, radius: float, generator: torch.Generator) -> torch.Tensor:
+    """:func:`uniform_ball` drawn from ``generator`` (which goes on to draw what the caller needs next):
+    a direction from a normal vector, a radius ``radius * U^(1/d)``."""
+    Z = torch.randn(n, d, generator=generator, dtype=torch.float64)
+    r = radius * torch.rand(n, 1, generator=generator, dtype=torch.float64) ** (1.0 / d)
     return r * Z / Z.norm(dim=1, keepdim=True)
 
 

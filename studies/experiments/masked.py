@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .. import plotting as P
-from ..common import random_A, random_V, to_device
+from ..common import ball_points, random_A, random_V, to_device
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
@@ -41,8 +41,7 @@ def random_masked_pair(kind: str, n: int, d: int, R: float, eps: float, seed: in
     from particles import Measure
 
     g = torch.Generator().manual_seed(int(seed))
-    Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-    X = R * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1 / d) * Z / Z.norm(dim=1, keepdim=True)
+    X = ball_points(n, d, R, g)
     U = torch.randn(n, d, generator=g, dtype=torch.float64)
     Y = X + eps * U / U.norm() * math.sqrt(n)
     if kind == "sequence":
@@ -123,8 +122,7 @@ def running_mean_task(n: int, d: int, R: float, seed: int, rep: int, *, device=N
     V = random_V(d, seed)
     A = torch.zeros(d, d, dtype=torch.float64)
     g = torch.Generator().manual_seed(int(seed) * 1000 + 31 * n + rep)
-    Z = torch.randn(n, d, generator=g, dtype=torch.float64)
-    X = R * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1 / d) * Z / Z.norm(dim=1, keepdim=True)
+    X = ball_points(n, d, R, g)
     Ad, Vd, Xd = to_device(device, A, V, X)
     att = SelfAttention(Ad, Vd, masked=True)
     seq = local_lipschitz(att, Xd, method="lanczos", tol=1e-10)
@@ -158,9 +156,7 @@ def conditional_w2_rows(ns, d: int, R: float, seed: int, reps: int) -> list[dict
     for n in ns:
         for rep in range(reps):
             g = torch.Generator().manual_seed(int(seed) * 1000 + 53 * n + rep)
-            X, Y = (R * torch.rand(n, 1, generator=g, dtype=torch.float64) ** (1 / d)
-                    * torch.nn.functional.normalize(torch.randn(n, d, generator=g, dtype=torch.float64), dim=1)
-                    for _ in range(2))
+            X, Y = ball_points(n, d, R, g), ball_points(n, d, R, g)
             mu, nu = Measure.sequence(X), Measure.sequence(Y)
             rows.append({"case": "sequences", "n": n, "rep": rep, "w2c": float(conditional_w2(mu, nu)),
                          "closed_form": float((X - Y).norm() / math.sqrt(n)),
