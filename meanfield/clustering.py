@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.linkage import cells_resolve, first_occurrence, linked_components
+from particles.linkage import cells_resolve, first_occurrence, grid_cells, linked_components
 from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
@@ -90,11 +90,9 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     if not cells_resolve(X, side):
         raise ValueError(f"tol: {tol:g} is below the resolution of the points' coordinates (cells of side {side:g} "
                          f"across their extent); give a larger tol")
-    cells = np.floor((X - X.min(0)) / side).astype(np.int64)
-    _, rep_idx, cell_of = np.unique(cells, axis=0, return_index=True, return_inverse=True)
-    reps = X[rep_idx]
-    comp = linked_components(reps, tol * (1 + slack))
-    return first_occurrence(comp[cell_of.reshape(-1)])
+    cell_of, first = grid_cells(X, side)
+    comp = linked_components(X[first], tol * (1 + slack))
+    return first_occurrence(comp[cell_of])
 
 
 def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:

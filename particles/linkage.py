@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-__all__ = ["linked_components", "first_occurrence", "cells_resolve", "edge_budget", "NORMS", "SAMPLE", "EDGE_BYTES",
-           "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
+__all__ = ["linked_components", "first_occurrence", "cells_resolve", "grid_cells", "edge_budget", "NORMS", "SAMPLE",
+           "EDGE_BYTES", "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
@@ -165,10 +165,18 @@ def _small_pairs_linked(X, order, group, bounds, counts, a, b, r, p) -> np.ndarr
     return near
 
 
-def _cells(X: np.ndarray, side: float) -> np.ndarray:
-    """The cell of each point (N,), numbered 0..k-1: cubes of ``side`` from the smallest coordinates."""
+def grid_cells(X: np.ndarray, side: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cell, first): the cell of each point (N,), numbered 0..k-1, in cubes of ``side`` from the smallest
+    coordinates, and one point of each cell (k,), its first. Check :func:`cells_resolve` first: where ``side`` is
+    below the coordinates' resolution, the cells are not cubes of that side."""
     keys = np.floor((X - X.min(0)) / side).astype(np.int64)
-    return np.unique(keys, axis=0, return_inverse=True)[1].reshape(-1)
+    _, first, cell = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+    return cell.reshape(-1), first
+
+
+def _cells(X: np.ndarray, side: float) -> np.ndarray:
+    """The cell of each point (N,), numbered 0..k-1 (:func:`grid_cells`)."""
+    return grid_cells(X, side)[0]
 
 
 def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, group=None) -> np.ndarray:
