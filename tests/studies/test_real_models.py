@@ -260,6 +260,24 @@ def test_real_text_claim_verdicts(slopes, verdict):
     assert c.kind == "empirical" and c.verdict == verdict
 
 
+def test_real_text_claim_shows_a_wide_fit_without_its_largest_length():
+    """A layer whose constant is flat up to n = 128 and jumps at n = 256 (as MiniLM's first encoder layer in the
+    quick grid): its CI straddles, and the claim says what the fit is without n = 256 (about 0), computed here by
+    numpy's own least squares on the log-log points."""
+    rows = []
+    for n, lips in ((16, (4.0, 5.0)), (32, (4.2, 5.3)), (64, (3.8, 5.8)), (128, (3.6, 6.8)), (256, (12.0, 13.4))):
+        rows += [{"model": "M", "mode": "encoder", "layer": 0, "map": "attention", "n": n, "rep": r, "lip": v,
+                  "converged": True} for r, v in enumerate(lips)]
+    fits = rm.fit_tables({"lipschitz": rows, "adversarial": []}, [16])[0]
+    c = rm._real_text_claim("M", "encoder", fits, rows)
+    assert c.verdict == "inconclusive"
+    keep = [r for r in rows if r["n"] < 256]
+    slope = np.polyfit(np.log([r["n"] for r in keep]), np.log([r["lip"] for r in keep]), 1)[0]
+    assert f"without n = 256: {slope:.2f} [" in c.measured
+    assert c.short_measured.endswith(f"{slope:.2f} without n = 256") and len(c.short_measured) <= 72
+    assert "without" not in rm._real_text_claim("M", "encoder", fits).measured     # no rows given: no extra fit
+
+
 def _map_rows(diff, noise, seed=0):
     """lipschitz rows of two maps over 5 lengths x 2 sequences: Lip(block) = Lip(attention) n^diff e^(noise z)."""
     g = np.random.default_rng(seed)
