@@ -215,6 +215,11 @@ def _vmapped_size(*tensors) -> int:
 def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
     """Type, dtype, device and shape errors that name the argument (cheap: no data is read; the common
     case, three floating tensors on one device, costs a few attribute reads)."""
+    if (log_weights is None and q_pos is None and k_pos is None and type(q) is type(k) is type(v) is torch.Tensor
+            and q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point and q.dim() == k.dim() == v.dim() == 2
+            and q.shape[1] == k.shape[1] and k.shape[0] == v.shape[0] and k.shape[0] > 0
+            and q.device == k.device == v.device):
+        return   # the commonest call (unbatched, no weights or positions): everything below holds
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} (convert with torch.as_tensor)")
@@ -287,9 +292,11 @@ DENSE_BYTES_FACTOR = 3
 DENSE_ALWAYS_ALLOWED = 2**20
 
 
-def _check_dense_memory(q, k, log_weights, q_pos, k_pos) -> None:
-    """The memory guard of the dense path: its (..., m, n) matrices, before they are allocated."""
-    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+def _check_dense_memory(q, k, log_weights, q_pos, k_pos, entries=None) -> None:
+    """The memory guard of the dense path: its (..., m, n) matrices, before they are allocated (``entries``:
+    :func:`_score_entries` when the caller has it)."""
+    if entries is None:
+        entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     nbytes = DENSE_BYTES_FACTOR * entries * q.dtype.itemsize
     if nbytes <= DENSE_ALWAYS_ALLOWED:
         return
@@ -402,12 +409,13 @@ def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None)
     return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0]
 
 
-def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
+def _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
     """(path, causal): causal is True when the positions were read and form a sequence's causal mask,
-    None when they were not read."""
+    None when they were not read. ``entries``: :func:`_score_entries` when the caller has it."""
+    if entries is None:
+        entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     if q.device.type != "cpu":
-        return _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold)
-    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+        return _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries)
     if threshold is not None:
         fused_at = stream_at = threshold
     else:
@@ -429,15 +437,15 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold):
     return ("dense" if entries <= fused_at else "fused"), q_pos is not None
 
 
-def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
+def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
     """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
     device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask, where
     the path depends on it (not for the dense path, nor for derivatives: then causal is None)."""
-    entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+    if entries is None:
+        entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     transforms = _transforms_active()
     derivatives = _needs_derivatives(q, k, v, log_weights)
     device_type, m, n = q.device.type, q.shape[-2], k.shape[-2]
-    triton = _device.triton_runs(device_type)
     read = []
 
     def budget():   # read once, and only where a dense path is considered
@@ -448,7 +456,7 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold):
     def choose(positions):
         return _paths.choose(device_type, q.dtype, entries // max(1, m * n), m, n, q.shape[-1], v.shape[-1],
                              weighted=log_weights is not None, positions=positions, derivatives=derivatives,
-                             transforms=transforms, budget=budget, triton=triton, threshold=threshold)
+                             transforms=transforms, budget=budget, threshold=threshold)
 
     if q_pos is None:
         return choose("none"), None
@@ -583,9 +591,10 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         return out.reshape(*lead, q.shape[-2], out.shape[-1])
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
-    causal = None
+    causal = entries = None
     if method == "auto":
-        method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold)
+        entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+        method, causal = _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries)
         if log.isEnabledFor(logging.DEBUG):
             _log_path(method, q, k, log_weights, q_pos)
         if method == "fused" and q.device.type != "cpu":
@@ -601,7 +610,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     if method != "stream":   # the stream path records below, fused_or_stream where it ran
         _ran(method)
     if method == "dense":
-        _check_dense_memory(q, k, log_weights, q_pos, k_pos)
+        _check_dense_memory(q, k, log_weights, q_pos, k_pos, entries)
         return _plain_first(lambda probs: probs(q, k, log_weights, q_pos, k_pos) @ v, q, k, v, log_weights, q_pos,
                            k_pos)
     from . import streamed_attention as streaming

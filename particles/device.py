@@ -88,7 +88,7 @@ def memory_budget(device, limit=None, *, need=None) -> int:
     ``need``: the bytes the caller is about to weigh against the budget; at most :data:`ALWAYS_FREE` of them
     are taken to be free on the device (the framework's limit still applies) without asking the driver."""
     cap = memory_limit(limit)
-    device = torch.device(device)
+    device = device if isinstance(device, torch.device) else torch.device(device)
     if device.type != "cuda" or (need is not None and need <= min(cap, ALWAYS_FREE)):
         return cap
     return int(min(cap, _free_bytes(device, need)))

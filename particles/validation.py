@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import numbers
 import os
@@ -251,7 +252,13 @@ def memory_limit(value=None) -> int:
     :data:`DEFAULT_MEMORY_LIMIT` (8 GiB)."""
     if value is not None:
         return parse_bytes(value)
-    env = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    return _limit_from_env(os.environ.get(MEMORY_LIMIT_ENV, ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _limit_from_env(env: str) -> int:
+    """:func:`memory_limit` of the variable's text, parsed once per text (it is read on every attention call)."""
+    env = env.strip()
     return parse_bytes(env, MEMORY_LIMIT_ENV) if env else DEFAULT_MEMORY_LIMIT
 
 
