@@ -502,11 +502,13 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     the guarded formula would give a silent zero row)."""
     masked = log_weights is not None or q_pos is not None
     if masked and output_checks_are_deferred() and not _needs_derivatives(q, k, v, log_weights):
-        # a caller that checks its own results (simulate): no sum and no host sync, so the rows that see no key of
-        # positive weight are set from O(m + n) reductions at once, to what the guarded formula gives them:
-        # 0 @ v, zeros with NaN in the columns where v holds a NaN or an infinity. About half the (m, n) passes of
-        # attention_probs, which its guard costs
+        # a caller that checks its own results (simulate): the plain softmax, then the rows that see no key of
+        # positive weight set to what the guarded formula gives them, 0 @ v (zeros, NaN in the columns where v
+        # holds a NaN or an infinity), from O(m + n) reductions: about half the (m, n) passes of attention_probs.
+        # On the CPU, where reading a sum is no host sync, a finite output (no such row) is returned as it is
         out = compute(_plain_probs)
+        if q.device.type == "cpu" and math.isfinite(float(out.detach().sum())):
+            return out
         return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True),
                            out)
     if masked and not _checks_skipped():

@@ -1081,13 +1081,16 @@ def _reference_rows(q, k, v, lw, qp, kp):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("method", ["dense", "auto"])
-def test_deferred_checks_give_the_checked_output_with_rows_that_see_no_key(case, method):
+@pytest.mark.parametrize("empty", [True, False], ids=["rows-that-see-no-key", "every-row-sees-a-key"])
+def test_deferred_checks_give_the_checked_output_with_rows_that_see_no_key(case, method, empty):
     """Inside output_checks_deferred (simulate's fixed steps) a forward pass takes the plain softmax and sets the
     rows that see no key of positive weight from O(m + n) reductions, instead of attention_probs's guarded formula:
     the same numbers as outside (where the output check decides) and as the row-by-row definition."""
     from particles.validation import output_checks_deferred
 
-    q, k, v, lw, qp, kp = _problem(7, **case)
+    q, k, v, lw, qp, kp = _problem(7, **case, empty=empty)
+    if not empty and qp is not None:
+        qp = qp.clamp(min=float(kp.min()))     # every query sees a key
     want = _reference_rows(q, k, v, lw, qp, kp)
     checked = attend(q, k, v, lw, qp, kp, method=method)
     with output_checks_deferred():
