@@ -502,7 +502,10 @@ class Measure:
         gap = torch.diff(p) > atol
         group = torch.cat([torch.zeros(1, dtype=torch.long, device=p.device), torch.cumsum(gap.long(), 0)])
         k = int(group[-1]) + 1
-        mass = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, group, w)
+        # summed in float64 (a million float32 weights at one position summed in float32 are off by 1e-4, above
+        # the tolerance conditional_w2 compares masses with), then rounded once to the measure's dtype
+        mass = torch.zeros(k, dtype=torch.float64, device=self.device).index_add(0, group, w.to(torch.float64))
+        mass = mass.to(self.dtype)
         first = torch.cat([torch.ones(1, dtype=torch.bool, device=p.device), gap])
         labels = torch.empty_like(group)
         labels[order] = group

@@ -24,11 +24,17 @@ MASS_ATOL = 1e-9
 
 
 def _default_tolerances(mu: Measure, atol, mass_atol) -> tuple:
+    """(group, match, mass): the gap that joins positions of one measure, the distance within which the two
+    marginals' positions count as the same, the tolerance on their masses. Without ``atol``, a measure's positions
+    are grouped only where equal (as the causal mask sees them: positions a float32 mask keeps apart, 3e-7 near
+    0.01, or i/n for n above 2e6, were merged by a default gap of 5e-7), and the marginals matched within the
+    default tolerance (the roundings of i/n computed two ways)."""
+    group = match = atol
     if atol is None:
-        atol = max(POSITION_ATOL, 4 * torch.finfo(mu.positions.dtype).eps)   # float64: POSITION_ATOL
+        group, match = 0.0, max(POSITION_ATOL, 4 * torch.finfo(mu.positions.dtype).eps)   # float64: POSITION_ATOL
     if mass_atol is None:
         mass_atol = max(MASS_ATOL, weight_tolerance(mu.dtype))
-    return atol, mass_atol
+    return group, match, mass_atol
 
 
 def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squared=False,
@@ -48,8 +54,10 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squar
         and device.
     atol : float or None
         Positions closer than ``atol`` (>= 0) count as one position (the marginal of ``mu`` groups them,
-        chaining gaps <= atol); the two marginals must have the same positions within ``atol``. None:
-        :data:`POSITION_ATOL` for float64 positions, 4 epsilons of float32 (5e-7) for float32 ones.
+        chaining gaps <= atol); the two marginals must have the same positions within ``atol``. None: each
+        measure's atoms are grouped by equal positions only (the positions the causal mask tells apart are apart
+        here too), and the two marginals' positions must agree within :data:`POSITION_ATOL` for float64
+        positions, 4 epsilons of float32 (5e-7) for float32 ones (i/n computed in two ways differs by a rounding).
     mass_atol : float or None
         ... and the same masses within ``mass_atol`` (>= 0); None: :data:`MASS_ATOL` in float64, the
         weights' tolerance of the measures' dtype otherwise (1e-5 in float32). Otherwise the value is ``math.inf``: no
@@ -74,8 +82,9 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squar
         if not m.masked:
             raise ValueError(f"{name}: conditional W2 needs a masked measure with positions "
                              "(build it with positions=... or Measure.sequence)")
-    atol, mass_atol = _default_tolerances(mu, atol, mass_atol)
-    atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
+    if atol is not None:
+        atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
+    group, atol, mass_atol = _default_tolerances(mu, atol, mass_atol)
     mass_atol = check_positive_float(mass_atol, "mass_atol", allow_zero=True, allow_inf=True)
     squared = check_bool(squared, "squared")
     return_plan = check_bool(return_plan, "return_plan")
@@ -84,8 +93,8 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squar
         check_allocation(mu.n * nu.n * mu.points.element_size(), f"the plan of conditional_w2 between {mu.n} "
                          f"and {nu.n} atoms", "ask for the value only (return_plan=False)", limit)
     grad = needs_grad(mu, nu)
-    s_mu, m_mu, g_mu = mu.position_groups(atol, "conditional_w2")
-    s_nu, m_nu, g_nu = nu.position_groups(atol, "conditional_w2")
+    s_mu, m_mu, g_mu = mu.position_groups(group, "conditional_w2")
+    s_nu, m_nu, g_nu = nu.position_groups(group, "conditional_w2")
     # marginals are compared on atoms of positive mass only: zero-mass atoms carry no position law
     keep_mu, keep_nu = m_mu > 0, m_nu > 0
     s_mu, m_mu = s_mu[keep_mu], m_mu[keep_mu]
