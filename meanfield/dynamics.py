@@ -413,12 +413,19 @@ _BYTES_PER_STORED_TIME = 1024
 def _check_times(times, dtype) -> torch.Tensor:
     if isinstance(times, numbers.Real) and not isinstance(times, bool):
         times = [0.0, float(times)]
-    t = as_tensor(times, "times", dtype=dtype).detach().cpu()
-    check_ndim(t, "times", 1, "a 1-D sequence of output times")
-    if t.shape[0] < 2:
+    given = as_tensor(times, "times", dtype=torch.float64).detach().cpu()   # exact for every float32 or int time
+    check_ndim(given, "times", 1, "a 1-D sequence of output times")
+    if given.shape[0] < 2:
         raise ValueError("times: need an initial time and at least one output time")
-    if not bool((t[1:] > t[:-1]).all()):
+    if not bool((given[1:] > given[:-1]).all()):
         raise ValueError("times: must be strictly increasing (times[0] is the time of mu0)")
+    t = given.to(dtype) if dtype is not None else as_tensor(times, "times").detach().cpu()
+    if not bool((t[1:] > t[:-1]).all()):
+        k = int(torch.nonzero(t[1:] <= t[:-1])[0, 0])
+        a, b = float(given[k]), float(given[k + 1])
+        raise ValueError(f"times: {a:.12g} and {b:.12g} are not distinct in {dtype} (its resolution there is about "
+                         f"{torch.finfo(dtype).eps * max(abs(a), abs(b)):.3g}), the measure's dtype; simulate in "
+                         "float64, or with fewer output times")
     return t
 
 

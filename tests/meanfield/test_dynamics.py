@@ -494,3 +494,45 @@ def test_interaction_energy_names_a_malformed_input():
     X = np.random.default_rng(0).standard_normal((5, 2))
     direct = sum(math.exp(X[i] @ X[j]) for i in range(5) for j in range(5)) / (2 * 25)
     assert interaction_energy(X, 1.0) == pytest.approx(direct, rel=1e-13)
+
+
+@pytest.mark.parametrize("method", ["dopri5", "bosh3"])
+def test_an_adaptive_solvers_max_steps_bounds_each_layer_whatever_its_output_times(method):
+    """max_steps counts a layer's steps, not each output interval's (torchdiffeq's max_num_steps restarts at every
+    requested time: 201 output times ran about 181 steps under max_steps = 20; found by an independent review).
+    Truth: torchdiffeq's own count on the same layer with two times, where its interval is the layer: the layer
+    needs K steps, so max_steps = K passes with 201 output times too and K - 1 is refused either way."""
+    pytest.importorskip("torchdiffeq")
+    from meanfield import SelfAttention, simulate
+    from meanfield.integrators import _evaluations_per_step
+
+    g = torch.Generator().manual_seed(0)
+    X = 2 * torch.randn(8, 2, generator=g, dtype=torch.float64)
+    op = SelfAttention(torch.randn(2, 2, generator=g, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
+    kw = dict(method=method, rtol=1e-10, atol=1e-12)
+    two = simulate(op, X, [0.0, 1.0], **kw)
+    steps = (two.nfev - 2) // _evaluations_per_step(method)
+    assert two.nfev == 2 + steps * _evaluations_per_step(method) and steps > 5
+    many = torch.linspace(0, 1, 201, dtype=torch.float64)
+    full = simulate(op, X, many, **kw, options={"max_steps": steps})
+    assert full.nfev == two.nfev and torch.allclose(full.final.points, two.final.points, rtol=0, atol=1e-12)
+    for times in ([0.0, 1.0], many):
+        with pytest.raises(RuntimeError, match=r"did not converge on \[0, 1\].*max_steps"):
+            simulate(op, X, times, **kw, options={"max_steps": steps - 1})
+
+
+def test_times_that_float32_merges_are_named_with_the_dtype():
+    """Strictly increasing times that the measure's float32 rounds to one value are named, with the dtype and what
+    to do (they were cast first and reported as 'not strictly increasing'; found by an independent review); the
+    same times run in float64, and decreasing times keep their message."""
+    from meanfield import SelfAttention, simulate
+
+    X = torch.randn(4, 2, generator=torch.Generator().manual_seed(0))
+    op = SelfAttention(torch.eye(2), torch.eye(2))
+    for times in ([1000.0, 1000.00001], [0.0, 0.1, 0.10000000001, 1.0]):
+        with pytest.raises(ValueError, match=r"times: .* are not distinct in torch.float32 .*simulate in float64"):
+            simulate(op, X, times, method="rk4")
+        op64 = SelfAttention(torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
+        assert simulate(op64, X.double(), times, method="rk4").times.tolist() == times
+    with pytest.raises(ValueError, match="times: must be strictly increasing"):
+        simulate(op, X, [0.0, 1.0, 0.5], method="rk4")
