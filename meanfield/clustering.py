@@ -81,8 +81,14 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
         return np.zeros(1, dtype=int)
     if n <= exact_limit:
         from scipy.cluster.hierarchy import fcluster, linkage
+        from scipy.spatial.distance import pdist
 
-        raw = fcluster(linkage(X, method="single"), t=tol, criterion="distance")
+        # squared distances against tol^2, as particles.linkage compares them (scipy's k-d tree): a pair at
+        # exactly tol is linked or not the same way on every path (single linkage only orders the distances).
+        # Points and tol scaled by one power of two first (exact): squares of 1e-160 or 1e160 stay in range
+        e = math.frexp(float(np.abs(X).max()))[1] if np.any(X) else 0
+        Xs, ts = np.ldexp(X, -e), math.ldexp(tol, -e)
+        raw = fcluster(linkage(pdist(Xs, "sqeuclidean"), method="single"), t=ts * ts, criterion="distance")
         return first_occurrence(raw)
     if not 0 < slack <= 1:
         raise ValueError(f"slack: expected a number in (0, 1], got {slack}")

@@ -88,6 +88,11 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     m, d = X.shape
     if m <= 1 or r == math.inf:
         return np.zeros(m, dtype=np.int64)
+    if np.any(X):
+        # points and r scaled by one power of two (exact): the squared distances the k-d tree compares with r^2
+        # stay in range for clouds of size 1e-160 or 1e160 (they underflowed to 0, linking every pair)
+        e = math.frexp(float(np.abs(X).max()))[1]
+        X, r = np.ldexp(X, -e), math.ldexp(r, -e)
     from scipy.spatial import cKDTree
 
     tree = cKDTree(X)

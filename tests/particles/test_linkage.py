@@ -28,3 +28,22 @@ def test_grid_cells_group_points_by_cube_and_name_each_cells_first_point(d):
         c = int(cell[members[0]])
         assert first[c] == members[0]                            # the first point of that cube
         assert np.all(np.linalg.norm(X[members] - X[first[c]], axis=1) <= side * math.sqrt(d) * (1 + 1e-12))
+
+
+def test_a_pair_at_exactly_tol_is_linked_the_same_way_on_every_clustering_path():
+    """(-0.1, 0.5) and (0.3, 0.8): the distance rounds to 0.5 and its square to 0.25 + 1 ulp. The exact path of
+    cluster_labels (scipy linkage on rounded distances) linked the pair at tol 0.5 while linked_components (squared
+    distances, as a k-d tree compares them) did not (found by an independent review): both now compare squares,
+    at any scale (a power of two keeps the squares of 1e-160 in range)."""
+    from meanfield.clustering import cluster_labels
+    from particles.linkage import linked_components
+
+    X = np.array([[-0.1, 0.5], [0.3, 0.8]])
+    assert float(np.linalg.norm(X[0] - X[1])) == 0.5 and float(((X[0] - X[1]) ** 2).sum()) > 0.25
+    for scale in (2.0**-530, 1.0, 2.0**530):
+        exact = cluster_labels(X * scale, 0.5 * scale)
+        assert exact.tolist() == [0, 1]
+        assert len(set(linked_components(X * scale, 0.5 * scale).tolist())) == 2
+    line = np.array([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
+    for scale in (1e-160, 1.0, 1e160):
+        assert cluster_labels(line * scale, 1.5 * scale).tolist() == [0, 0, 1]
