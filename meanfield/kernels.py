@@ -499,38 +499,47 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     output check computes anyway) is the exact result; attention_probs's guarded formula otherwise. Inside
     :func:`particles.validation.output_checks_deferred` a forward pass sets those rows from :func:`_dead_rows` at
     once (no sum, no host sync; a NaN query position then gives a NaN row, which the caller's check meets, where
-    the guarded formula would give a silent zero row)."""
-    masked = log_weights is not None or q_pos is not None
-    if masked and output_checks_are_deferred() and not _needs_derivatives(q, k, v, log_weights):
-        # a caller that checks its own results (simulate): the plain softmax, then the rows that see no key of
-        # positive weight set to what the guarded formula gives them, 0 @ v (zeros, NaN in the columns where v
-        # holds a NaN or an infinity), from O(m + n) reductions: about half the (m, n) passes of attention_probs.
-        # On the CPU, where reading a sum is no host sync, a finite output (no such row) is returned as it is
+    the guarded formula would give a silent zero row), and so does a checked forward pass whose queries have positions
+    of their own (``q_pos`` not ``k_pos``: about half of random queries see no key), checked once."""
+    if log_weights is None and q_pos is None:
+        return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
+    forward = not _needs_derivatives(q, k, v, log_weights)
+    deferred = output_checks_are_deferred()
+    # a NaN key position is masked for every query (dropped, the output finite): its sum rides in the output's
+    # check (:func:`_position_sum`; not needed when the keys' positions are the queries': their NaN also makes a
+    # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
+    positions = None if k_pos is q_pos else _position_sum(None, k_pos)
+    if forward and (deferred or positions is not None):
+        # the rows that see no key of positive weight set at once, from O(m + n) reductions, to what the guarded
+        # formula gives them, 0 @ v (zeros; NaN in the columns where v holds a NaN or an infinity): about half the
+        # (m, n) passes of attention_probs. For a caller that checks its own results (simulate), with no sum and
+        # no host sync (on the CPU, where reading a sum is no host sync, a finite plain output is returned as it
+        # is); for queries with positions of their own (half of random queries see no key), with one
         out = compute(_plain_probs)
-        if q.device.type == "cpu" and math.isfinite(float(out.detach().sum())):
+        if deferred and q.device.type == "cpu" and math.isfinite(float(out.detach().sum())):
             return out
-        return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True),
-                           out)
-    if masked and not _checks_skipped():
-        out = compute(_plain_probs)
-        # a NaN position: reported by _check_output below. A NaN query position masks every key of its row, which
-        # the plain softmax makes NaN; a NaN key position is masked for every query (dropped, the output finite):
-        # its sum rides in the same check (:func:`_position_sum`; not needed when the keys' positions are the
-        # queries': their NaN also makes a query's row NaN)
+        out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True),
+                          out)
+        if deferred:
+            return out
         total = out.detach().sum()
-        positions = None if k_pos is q_pos else _position_sum(None, k_pos)
+        if math.isfinite(float(total + positions)):
+            return out
+    elif not _checks_skipped():
+        # the plain softmax first: a finite output (the sum the output check computes anyway) is the exact result
+        out = compute(_plain_probs)
+        total = out.detach().sum()
         if positions is not None:
             total = total + positions
         if math.isfinite(float(total)):
             return out
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, log_weights))):
-            # the rows that see no key of positive weight (a query before every key: half of all random
-            # positions) are attention_probs's zero rows; set them, instead of computing every row again
-            out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), 0.0, out)
-            # those rows are 0 @ v in the guarded formula: NaN where v holds a NaN or an infinity, reported below.
-            # One sum and one host sync (a sum of v that overflows, or an infinite position, takes the guarded
-            # formula below: slower, the same result)
-            total = out.detach().sum() + v.detach().sum()
+        if forward:
+            # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
+            # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v
+            # in the guarded formula: NaN where v holds a NaN or an infinity, reported below)
+            out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1),
+                              (v * 0).sum(dim=-2, keepdim=True), out)
+            total = out.detach().sum()
             if positions is not None:
                 total = total + positions
             if math.isfinite(float(total)):
