@@ -13,6 +13,7 @@
 #   tests            tests/test_cuda.py (about 80 s cold)
 #   derivatives      VJP / JVP at 1e4 and 1e5, d = 3 and 64, every engine (about 100 s)
 #   fixed            fixed costs at 1e3 and 1e4 (about 20 s)
+#   fixed-cost       bench_fixed_cost.py at 1e3 and 1e4: checked, deferred, naive; deferred dense vs before (about 40 s)
 #   grid             attention forward at 1e3 .. 1e5 (about 25 s)
 #   sinkhorn         Sinkhorn at 1e4 .. 1e5 (about 40 s)
 #   grid-1e6         attention forward at 1e6, d = 3, each mask, one timed call per candidate (about 110 s)
@@ -57,6 +58,10 @@ for step in "$@"; do
       echo "rc=$?" >> "$OUT/test_cuda.txt"; grep -E "passed|failed|relative error|rc=" "$OUT/test_cuda.txt" | tail -12 ;;
     derivatives) run derivatives 220 100 --sections derivatives --quick --cap 10 ;;
     fixed) run fixed 75 0 --sections fixed ;;
+    fixed-cost)
+      T=$(( $(left) < 90 ? $(left) : 90 )); echo "== fixed-cost ($(left) s left, $T s for it)"
+      timeout -k 5 $T python3 benchmarks/bench_fixed_cost.py --device cuda --sizes 1000 10000 --repeats 7 \
+        > "$OUT/fixed-cost.md" 2>&1; echo "rc=$?" >> "$OUT/fixed-cost.md"; tail -11 "$OUT/fixed-cost.md" ;;
     grid) run grid 150 60 --sections grid --quick --cap 10 ;;
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
