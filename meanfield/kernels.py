@@ -518,8 +518,7 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
         out = compute(_plain_probs)
         if deferred and q.device.type == "cpu" and math.isfinite(float(out.detach().sum())):
             return out
-        out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True),
-                          out)
+        out = _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
         if deferred:
             return out
         total = out.detach().sum()
@@ -537,14 +536,19 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
             # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
             # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v
             # in the guarded formula: NaN where v holds a NaN or an infinity, reported below)
-            out = torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1),
-                              (v * 0).sum(dim=-2, keepdim=True), out)
+            out = _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
             total = out.detach().sum()
             if positions is not None:
                 total = total + positions
             if math.isfinite(float(total)):
                 return out
     return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
+
+
+def _zero_blind_rows(out, v, log_weights, q_pos, k_pos) -> torch.Tensor:
+    """``out`` with the rows that see no key of positive weight (:func:`_dead_rows`) set to what the guarded formula
+    of :func:`attention_probs` gives them, 0 @ v: zeros, NaN in the columns where v holds a NaN or an infinity."""
+    return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True), out)
 
 
 def silence_blind_rows(out, log_weights, q_pos, k_pos, bias=None) -> torch.Tensor:
