@@ -39,7 +39,7 @@ import torch
 from torch.func import jacfwd, jacrev
 
 from particles.progress import Heartbeat
-from particles.validation import check_allocation, make_generator
+from particles.validation import SEED_LIMIT, check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
 
 from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, _sdpa_backends, norms
@@ -185,7 +185,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     steps = min(POWER_CHECK_STEPS, N) if N >= 2 else 0
     used = 0
     restarts = 0
-    g = make_generator(None if seed is None else seed + 1)
+    g = make_generator(None if seed is None else (seed + 1) % SEED_LIMIT)
     while True:
         room = max_iter - used - steps
         if room < 1:   # no room for the check after any iteration: the whole budget iterates, unchecked
@@ -461,7 +461,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
     check_allocation(b * m_max * N * p.X.element_size(), "method='lanczos'",
                      f"the Krylov basis of up to max_iter = {m_max} vectors of {N} entries; lower max_iter "
                      "(or tol), or use method='power', which stores no basis", memory_limit)
-    g = make_generator(None if seed is None else seed + 1)
+    g = make_generator(None if seed is None else (seed + 1) % SEED_LIMIT)
     q = _random_start(shape, p.X, seed)
     best = _Certificates(p, tol, shape)
     stalled = torch.zeros(b, dtype=torch.bool, device=p.X.device)

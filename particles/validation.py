@@ -189,12 +189,20 @@ def check_device(device, name: str = "device") -> torch.device | None:
     return dev
 
 
+#: seeds are integers in [0, SEED_LIMIT): torch's CPU generator keeps the low 32 bits of a seed (2**32 draws what
+#: 0 draws, -1 what 2**32 - 1 draws), so larger or negative seeds would repeat others silently
+SEED_LIMIT = 2**32
+
+
 def check_seed(seed, name: str = "seed"):
-    """None, a torch.Generator, or an integer (numpy integers accepted)."""
+    """None, a torch.Generator, or an integer in [0, 2**32) (numpy integers accepted; :data:`SEED_LIMIT`)."""
     if seed is None or isinstance(seed, torch.Generator):
         return seed
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, None or a torch.Generator, got {type(seed).__name__}")
+    if not 0 <= int(seed) < SEED_LIMIT:
+        raise ValueError(f"{name}: expected an integer in [0, 2**32), got {int(seed)} (torch's generator keeps a "
+                         f"seed's low 32 bits: it would draw what seed {int(seed) % SEED_LIMIT} draws)")
     return int(seed)
 
 

@@ -473,3 +473,22 @@ def test_measure_review_fixes_of_dtypes():
     with pytest.raises(TypeError, match="points: torch.float64 points for a measure of torch.float32"):
         mu32.with_points(rand(5, 3))
     assert mu32.with_points(rand(5, 3).numpy()).points.dtype == torch.float32
+
+
+def test_seeds_outside_32_bits_are_refused_by_name():
+    """torch's CPU generator keeps a seed's low 32 bits: seed 2**32 drew what 0 draws, -1 what 2**32 - 1 draws, and
+    2**64 failed with 'Overflow when unpacking long long' (found by an independent review). Seeds in [0, 2**32)
+    draw as before, each its own stream."""
+    from particles import Measure
+
+    assert not torch.equal(Measure.sphere(3, 2, seed=0).points, Measure.sphere(3, 2, seed=1).points)
+    assert torch.equal(Measure.sphere(3, 2, seed=2**32 - 1).points, Measure.sphere(3, 2, seed=2**32 - 1).points)
+    for bad in (2**32, -1, 2**64):
+        with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 2\*\*32\)"):
+            Measure.sphere(3, 2, seed=bad)
+    from meanfield import SelfAttention, local_lipschitz
+
+    op = SelfAttention(torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
+    X = torch.randn(4, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    est = local_lipschitz(op, X, method="lanczos", seed=2**32 - 1)   # its second stream wraps to 0, not an error
+    assert est.converged
