@@ -324,8 +324,9 @@ def main(argv=None) -> int:
         return _main(parser, args, argv)
 
 
-#: the studies that read ``--checkpoint`` (a run without them says that it ignores the option)
-CHECKPOINT_READERS = ("real_models",)
+def _checkpoint_readers() -> list[str]:
+    """The studies that read ``--checkpoint`` (a run without them says that it ignores the option)."""
+    return [name for name, study in registry().items() if "checkpoints" in study.reads]
 
 
 def _main(parser, args, argv) -> int:
@@ -342,9 +343,10 @@ def _main(parser, args, argv) -> int:
         names = args.only
     else:
         names = [args.command]
-    if args.checkpoint and not args.quiet and names is not None and not set(CHECKPOINT_READERS) & set(names):
-        # not an error: the same command line with real_models added reads them
-        _say(f"note: --checkpoint is read only by {' and '.join(CHECKPOINT_READERS)}, which this run does not "
+    readers = _checkpoint_readers()
+    if args.checkpoint and not args.quiet and names is not None and not set(readers) & set(names):
+        # not an error (the checkpoints are still checked): the same command line with real_models added reads them
+        _say(f"note: --checkpoint is read only by {' and '.join(readers)}, which this run does not "
              f"include ({', '.join(names)}): the checkpoints are not used")
     if args.workers < 1:
         parser.error(f"--workers: expected at least 1 worker, got {args.workers}")

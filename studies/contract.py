@@ -164,14 +164,18 @@ class Study:
     description: str
     grid: Callable[[str], dict] | None = None
     check: Callable | None = None
+    reads: tuple = ()
 
+
+#: the run options a study may read besides the level, seed and device (``register(reads=...)``)
+RUN_INPUTS = ("models", "checkpoints", "text")
 
 _REGISTRY: dict[str, Study] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 
 def register(name: str, title: str, order: int | None = None, *, grid: Callable[[str], dict] | None = None,
-             check: Callable | None = None) -> Callable:
+             check: Callable | None = None, reads: tuple = ()) -> Callable:
     """Decorator registering ``run(out_dir, ctx) -> StudyResult`` as study ``name``.
 
     Its place in the report: the position of its module in :data:`STUDY_MODULES` for the framework's
@@ -181,11 +185,16 @@ def register(name: str, title: str, order: int | None = None, *, grid: Callable[
     ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json). ``check(ctx)``
     checks what the study reads from the run context (files, models, the cache) before any study of the run
     starts, raising a ValueError whose message starts with the option to change (``--checkpoint: ...``).
+    ``reads``: the run inputs of :data:`RUN_INPUTS` the study reads (``--model``, ``--checkpoint``, ``--text``):
+    only those enter its fingerprint (a study that reads none is reused on resume whatever they are).
     The first line of the function's docstring describes the study on the command line.
     """
 
     if order is not None and (isinstance(order, bool) or not isinstance(order, int)):
         raise TypeError(f"order: expected an integer or None, got {type(order).__name__} {order!r}")
+    unknown = [r for r in reads if r not in RUN_INPUTS]
+    if isinstance(reads, str) or unknown:
+        raise ValueError(f"reads: expected a tuple of some of {RUN_INPUTS}, got {reads!r}")
 
     def deco(fn: Callable) -> Callable:
         if name in _REGISTRY and _REGISTRY[name].run is not fn:
@@ -195,7 +204,8 @@ def register(name: str, title: str, order: int | None = None, *, grid: Callable[
             module = getattr(fn, "__module__", None)
             place = (10 * (STUDY_MODULES.index(module) + 1) if module in STUDY_MODULES
                      else 10 * (len(STUDY_MODULES) + 1) + len(_REGISTRY))
-        _REGISTRY[name] = Study(name, title, fn, place, (fn.__doc__ or "").strip().split("\n")[0], grid, check)
+        _REGISTRY[name] = Study(name, title, fn, place, (fn.__doc__ or "").strip().split("\n")[0], grid, check,
+                                tuple(reads))
         return fn
 
     return deco

@@ -227,7 +227,13 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
     check_threads(environ)
     check_sweep(ctx.sweep, scheduler_option)
     studies = registry()
-    for name in (list(studies) if not names else names):
+    run = list(studies) if not names else names
+    if not any("checkpoints" in studies[n].reads for n in run if n in studies):
+        # no study of the run reads them, and they are still checked: a path that is no checkpoint folder is a
+        # usage error in every run (a study that reads them checks them itself)
+        for path in getattr(ctx, "checkpoints", ()):
+            check_checkpoint(path)
+    for name in run:
         study = studies.get(name)
         if study is not None and study.check is not None:
             try:

@@ -108,19 +108,22 @@ _NUMERIC_PACKAGES = ("torch", "numpy", "scipy", "pot", "transformers")
 def study_fingerprint(name: str, ctx: RunContext) -> str:
     """Short hash of everything a study's results depend on: the framework's code
     (:func:`studies.grid.code_fingerprint`), the study's grid at the run's level, the seed, the device,
-    the real-model inputs (models, checkpoints, the text file's bytes) and the versions of the numeric
-    packages. A study that finished in the run folder with the same fingerprint is reused on resume."""
+    the run inputs the study reads (models, checkpoints, the text file's bytes: ``register(reads=...)``) and the
+    versions of the numeric packages. A study that finished in the run folder with the same fingerprint is reused
+    on resume."""
     study = registry()[name]
     text = None
-    if ctx.text is not None:
+    if ctx.text is not None and "text" in study.reads:
         try:
             text = hashlib.sha256(Path(ctx.text).read_bytes()).hexdigest()
         except OSError:
             text = str(ctx.text)
     versions = _versions(_NUMERIC_PACKAGES)
     key = {"code": code_fingerprint(), "study": name, "level": ctx.level, "seed": ctx.seed, "device": ctx.device,
-           "grid": study.grid(ctx.level) if study.grid is not None else None, "models": list(ctx.models),
-           "checkpoints": list(ctx.checkpoints), "text": text, "versions": versions}
+           "grid": study.grid(ctx.level) if study.grid is not None else None,
+           "models": list(ctx.models) if "models" in study.reads else None,
+           "checkpoints": list(ctx.checkpoints) if "checkpoints" in study.reads else None, "text": text,
+           "versions": versions}
     blob = json.dumps(key, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -750,7 +750,7 @@ def _bound_claims(tables) -> list[Claim]:
 
 # ---------------------------------------------------------------------- the study
 @register("real_models", "Real attention layers: a trained BERT (MiniLM) on text and on adversarial inputs",
-          grid=grid, check=check)
+          grid=grid, check=check, reads=("models", "checkpoints", "text"))
 def real_models(out_dir: Path, ctx) -> StudyResult:
     """Local constants of real attention layers on text and at Prop. 3.4's witnesses; gamma R^2; token radii."""
     out_dir = Path(out_dir)

@@ -563,7 +563,7 @@ def check(ctx) -> None:
 
 
 @register("worst_case", "How smooth is this layer? Certified worst-case inputs between the bounds",
-          grid=grid, check=check)
+          grid=grid, check=check, reads=("text",))
 def worst_case(out_dir: Path, ctx) -> StudyResult:
     """Certified worst-case inputs: the bracket on Lip(f on B_R^n) vs n and R, against the witness and plain ascent."""
     # small products: one thread unless --threads / $SMOOTH_ATTENTION_THREADS says otherwise (on a shared

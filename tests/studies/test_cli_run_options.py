@@ -101,3 +101,37 @@ def test_a_reader_that_closes_the_pipe_leaves_the_exit_status_the_runs(tmp_path,
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 0, err
     assert "Traceback" not in err and "BrokenPipeError" not in err
+
+
+def test_a_checkpoint_that_is_no_folder_is_a_usage_error_in_every_run(tmp_path, capsys, monkeypatch):
+    """The README's promise: a --checkpoint that is not a checkpoint folder is a usage error before the first study,
+    also in a run whose studies do not read it (it exited 0 and wrote the path into config.json; found by an
+    independent review). The study is never started."""
+    from studies import report
+
+    started = []
+    monkeypatch.setattr(report, "run_study", lambda name, ctx: started.append(name))
+    code = main(["reproduce", "--quick", "--only", "large_radius", "--checkpoint", str(tmp_path / "none"),
+                 "--out", str(tmp_path / "run"), "-q"])
+    assert code == EX_USAGE and started == []
+    assert f"--checkpoint {tmp_path / 'none'}: no checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_study_is_fingerprinted_by_the_run_inputs_it_reads_only():
+    """A study that reads no model, checkpoint or text keeps its fingerprint when they change (resume reused it
+    only with the same --model, --checkpoint and --text: large_radius reran when --checkpoint was dropped);
+    real_models's changes with each, worst_case's with the text only."""
+    from pathlib import Path
+
+    from studies.context import RunContext
+    from studies.report import study_fingerprint
+
+    base = RunContext(out=Path("/tmp/x"), level="quick")
+    others = [RunContext(out=Path("/tmp/x"), level="quick", models=("gpt2-random",)),
+              RunContext(out=Path("/tmp/x"), level="quick", checkpoints=("/some/dir",))]
+    text = RunContext(out=Path("/tmp/x"), level="quick", text=Path(__file__))
+    for ctx in [*others, text]:
+        assert study_fingerprint("large_radius", ctx) == study_fingerprint("large_radius", base)
+        assert study_fingerprint("real_models", ctx) != study_fingerprint("real_models", base)
+    assert study_fingerprint("worst_case", text) != study_fingerprint("worst_case", base)
+    assert all(study_fingerprint("worst_case", ctx) == study_fingerprint("worst_case", base) for ctx in others)
