@@ -248,7 +248,8 @@ class MultiHeadAttention(AttentionOperator):
 
     ``heads`` is a list of :class:`SelfAttention` sharing the input dimension d and the masking
     (V^h of shape (k_h, d)); with matrices, head h is ``SelfAttention(A_h, V_h, masked=masked)``.
-    ``W_O`` is (d_out, sum_h k_h); ``bias`` is (d_out,). Heads with the same shapes are evaluated
+    ``W_O`` is (d_out, sum_h k_h), applied as W_O^T (torch.nn.Linear's layout; :class:`L2SelfAttention` follows
+    Kim et al. and takes the transpose, (H k_v, D_out)); ``bias`` is (d_out,). Heads with the same shapes are evaluated
     together in one batched kernel call.
     """
 
@@ -441,7 +442,9 @@ class L2SelfAttention(AttentionOperator):
     W_V : ``(H, D, k_v)`` or ``(D, k_v)``
         Value weights (applied after A_h).
     W_O : ``(H k_v, D_out)`` or None
-        Output weights, applied on the right (None: the identity, i.e. plain concatenation).
+        Output weights, applied on the right (None: the identity, i.e. plain concatenation). Kim et al.'s layout,
+        the transpose of :class:`MultiHeadAttention`'s ``W_O`` (``(d_out, sum_h k_h)``, applied as ``W_O^T``):
+        a square matrix is accepted by both, so pass ``W.T`` when moving one from there.
     bias : ``(D_out,)`` or None
     masked : bool
         Causal variant (keys j <= i; positions for measures).

@@ -261,11 +261,12 @@ def w2_to_reference(traj, reference, method: str = "exact", **kw) -> np.ndarray:
     """W2(mu_n(t_k), mu_ref(t_k)) at every requested time of two trajectories on the same times.
 
     The mean-field limit says this tends to zero as n grows when mu_n(0) -> mu_ref(0) (stability
-    of the continuity equation in W2, the Lipschitz property of Theorem 3.5 with Gronwall).
+    of the continuity equation in W2, the Lipschitz property of Theorem 3.5 with Gronwall). Positions, if any,
+    are not used (W2 of the points, :meth:`particles.Measure.unmasked`).
     """
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import w2
 
     if len(traj) != len(reference) or not torch.allclose(traj.times, reference.times):
         raise ValueError("reference: the two trajectories must be sampled at the same times")
-    return np.array([w2(a, b, method=method, **kw) for a, b in zip(traj, reference)])
+    return np.array([w2(a.unmasked(), b.unmasked(), method=method, **kw) for a, b in zip(traj, reference)])

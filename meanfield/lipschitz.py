@@ -311,7 +311,10 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     X : torch.Tensor or particles.Measure
         A sequence (n, d), a batch (b, n, d), or a measure. Tensors use the Euclidean (Frobenius)
         norm; a measure uses the W2 sense of Lemma C.5, ||D^{1/2} J D^{-1/2}||_2 with its weights
-        (and positions, for masked operators) held fixed. A batch is solved in one run with batched
+        (and positions, for masked operators) held fixed. That constant depends on how the measure is written:
+        splitting an atom (``mu.split(i)``, the same measure) moves its atoms apart independently and can raise
+        it (docs/math.md sections 2.3 and 4.7; the mass-splitting study); each is a valid lower bound on the
+        constant of F on measures. A batch is solved in one run with batched
         operator applications (an arbitrary callable, which may not batch, is looped over the
         sequences) and gives one batched estimate.
     method : str
@@ -484,7 +487,8 @@ def lipschitz_ratio(op, mu, nu) -> float:
     def dist(a, b):
         if a.dtype in (torch.float16, torch.bfloat16):
             a, b = a.to(dtype=torch.float32), b.to(dtype=torch.float32)
-        return (conditional_w2 if op.masked else w2)(a, b)
+        # an unmasked operator ignores positions: so does its distance (w2 of the laws on R^d)
+        return conditional_w2(a, b) if op.masked else w2(a.unmasked(), b.unmasked())
 
     den = dist(mu, nu)
     if den == 0:

@@ -353,6 +353,13 @@ class Measure:
         return Measure._trusted(self._points.detach(), self._weights.detach(),
                                 self._log_weights.detach(), pos)
 
+    def unmasked(self) -> Measure:
+        """The same atoms and weights without positions: the measure's law on R^d (what :func:`transport.w2`
+        compares; itself when it has no positions)."""
+        if self._positions is None:
+            return self
+        return Measure._trusted(self._points, self._weights, self._log_weights, None)
+
     def pushforward(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Measure:
         """T_# mu = sum_j a_j delta_{T(x_j)}: ``fn`` maps the (N, d) points to (N, d') points.
 

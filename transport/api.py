@@ -76,6 +76,12 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
     """``caller``: the function the user called ("solve", "w2"), which the messages name."""
     problem = Problem(mu, nu)
     problem.caller = caller
+    if getattr(mu, "positions", None) is not None and getattr(nu, "positions", None) is not None:
+        # both masked: W2 of their points may pair atoms across positions (0 for two atoms that swap positions)
+        warnings.warn(f"{caller}: the measures' positions are not used (W2 between their points on R^d, which may "
+                      "move mass across positions); transport.conditional_w2 keeps each position's atoms together. "
+                      "Pass mu.unmasked() and nu.unmasked() to compare the points on purpose", UserWarning,
+                      stacklevel=stacklevel + 1)
     method = check_method(method)
     return_plan = check_bool(return_plan, "return_plan")
     check_on_failure(on_failure)
@@ -267,6 +273,10 @@ def w2(mu: Measure, nu: Measure, method: str = "exact", *, squared=False, return
        debias=None, tol=None, max_iter=None, scaling=None, overrelaxation=None, chunk_elements=None,
        on_failure: str = "raise", memory_limit=None):
     """Wasserstein-2 distance between two measures on R^d (docs/math.md section 3): a number.
+
+    Of masked measures, the distance between their points (positions not used; a UserWarning says so when both
+    measures have positions): :func:`transport.conditional_w2` is the transport that keeps positions apart
+    (Definition 4.1), and is never below it.
 
     The value of :func:`transport.solve` (same parameters; see it for the methods, their options
     and conventions): a float, or a 0-d tensor carrying the autograd graph when the points (or

@@ -49,7 +49,7 @@ def test_conditional_w2_decomposes_over_positions_and_bounds_w2():
     # W2c >= W2 on [0, 1] x R^d (positions as a coordinate) >= W2 of the R^d parts
     joint = lambda m: Measure(torch.cat([m.positions[:, None], m.points], 1), m.weights)
     wj = w2(joint(mu), joint(nu))
-    assert wc >= wj - 1e-12 and wj >= w2(mu, nu) - 1e-12
+    assert wc >= wj - 1e-12 and wj >= w2(mu.unmasked(), nu.unmasked()) - 1e-12
     # the plan never moves mass across positions and is a coupling
     _, plan = conditional_w2(mu, nu, return_plan=True)
     cross = mu.positions[:, None] != nu.positions[None, :]
@@ -205,3 +205,28 @@ def test_position_masses_are_summed_in_float64():
     _, mass, _ = mu.position_groups()
     truth = float(w.double().sum())
     assert mass.dtype == torch.float32 and abs(float(mass[0]) - truth) <= 1e-7
+
+
+def test_w2_of_masked_measures_says_that_it_ignores_positions():
+    """Two atoms that swap positions: W2 of the points is 0 and W2c is |x - y| = sqrt(2) (the truth by hand);
+    w2 of two masked measures now warns that positions are not used (it returned 0 silently; found by an independent
+    review), w2 of their unmasked laws does not, and an unmasked operator's lipschitz_ratio compares those."""
+    import warnings
+
+    from meanfield import SelfAttention, lipschitz_ratio
+
+    x = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=F64)
+    pos = torch.tensor([0.25, 0.75], dtype=F64)
+    mu, nu = Measure(x, positions=pos), Measure(x.flip(0), positions=pos)
+    with pytest.warns(UserWarning, match=r"w2: the measures' positions are not used.*conditional_w2"):
+        assert w2(mu, nu) == 0.0
+    assert conditional_w2(mu, nu) == pytest.approx(math.sqrt(2.0), rel=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert w2(mu.unmasked(), nu.unmasked()) == 0.0
+        assert mu.unmasked().positions is None and torch.equal(mu.unmasked().points, mu.points)
+        op = SelfAttention(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64))
+        moved = Measure(x + 0.1 * torch.tensor([[1.0, -1.0], [0.5, 0.2]], dtype=F64), positions=pos)
+        ratio = lipschitz_ratio(op, mu, moved)
+    assert ratio == pytest.approx(w2(op(mu).unmasked(), op(moved).unmasked())
+                                  / w2(mu.unmasked(), moved.unmasked()), rel=1e-12)
