@@ -65,13 +65,16 @@ def test_sqrt_n_exponent_claim_fails_on_a_wrong_slope(witness_rows):
     ns = [r["n"] for r in rows]
     lips = [r["lip"] for r in rows]
     pred = [r["witness_predicted"] for r in rows]
-    claim, fit, fit_pred = slope_claim(ns, lips, pred, "the witness")
-    assert claim.agrees and fit["lo"] <= fit_pred["slope"] <= fit["hi"]
-    assert not (fit["lo"] <= 0.5 <= fit["hi"])  # the asymptote alone would have been the wrong prediction here
+    curve = [r["lower"] for r in rows]       # Prop 3.4's curve, written out here (prop34_lower)
+    claim, fit, fit_pred = slope_claim(ns, lips, pred, curve, "the witness")
+    assert claim.agrees and abs(fit["slope"] - fit_pred["slope"]) < 1e-9
+    assert fit["slope"] > 0.52                # the asymptote 0.5 alone would have been the wrong reference here
     wrong = [r["lip"] * (r["n"] / ns[0]) ** 0.1 for r in rows]          # slope about 0.6
-    assert not slope_claim(ns, wrong, pred, "the witness")[0].agrees
-    sqrt_n = [math.sqrt(n) for n in ns]                                   # exactly 0.5 where 0.54 is predicted
-    assert not slope_claim(ns, sqrt_n, pred, "the witness")[0].agrees
+    assert not slope_claim(ns, wrong, pred, curve, "the witness")[0].agrees
+    sqrt_n = [math.sqrt(n) for n in ns]                                   # exactly 0.5 where the curve has 0.54
+    assert not slope_claim(ns, sqrt_n, pred, curve, "the witness")[0].agrees
+    saturating = [r["lip"] * (ns[0] / r["n"]) ** 0.05 for r in rows]    # flattening by 0.05 in the exponent
+    assert not slope_claim(ns, saturating, pred, curve, "the witness")[0].agrees
 
 
 def test_prop34_witness_claim_fails_when_the_bound_is_off_by_a_factor(witness_rows):
