@@ -22,18 +22,18 @@ def test_to_device_moves_every_tensor_and_returns_one_tensor_for_one():
     assert [t.shape for t in moved] == [a.shape, b.shape]
 
 
-def test_slope_claim_compares_the_exponent_with_the_curves_within_its_tolerance():
-    """An exact sqrt(n) law against a curve of exponent 0.5 agrees; against curves of exponent 0.5 -+ 0.019 it still
-    agrees, and against 0.5 -+ 0.021 it does not (SLOPE_TOL = 0.02); the witness's own slope is reported, not
-    compared."""
+def test_slope_claim_places_the_exponent_between_one_half_and_the_curves():
+    """An exact sqrt(n) law agrees whatever the curve's exponent (1/2 is the theorem's); an exponent between 1/2
+    and the curve's agrees, and one more than SLOPE_TOL = 0.02 outside [min, max] of the two does not; the
+    witness's own slope is reported, not compared."""
     from studies.common import SLOPE_TOL
 
     ns = [4, 16, 64]
-    lips = [2.0, 4.0, 8.0]   # sqrt(n), exactly representable
-    claim, fit, pred = slope_claim(ns, lips, lips, lips, "an exact law")
+    root = [2.0, 4.0, 8.0]   # sqrt(n), exactly representable
+    claim, fit, pred = slope_claim(ns, root, root, [n**0.58 for n in ns], "an exact law")
     assert fit["slope"] == pred["slope"] == 0.5 and claim.agrees and SLOPE_TOL == 0.02
-    for e, agrees in ((0.519, True), (0.481, True), (0.521, False), (0.479, False)):
-        c, _, _ = slope_claim(ns, lips, [n**0.7 for n in ns], [n**e for n in ns], "an exact law")
+    for e, agrees in ((0.54, True), (0.599, True), (0.481, True), (0.601, False), (0.479, False)):
+        c, _, _ = slope_claim(ns, [n**e for n in ns], [n**0.7 for n in ns], [n**0.58 for n in ns], "a law")
         assert c.agrees is agrees, e
         assert "the witness's exact constant: 0.7000" in c.measured
 
