@@ -50,8 +50,9 @@ def _strip(message: str, prefix: str) -> str:
 
 
 #: the seeds --seed accepts, [0, 2**32): numpy's legacy seeding (np.random.seed) takes 0 <= seed < 2**32, its
-#: Generator (studies' default_rng([seed, k])) no negative seed, and torch.manual_seed [-2**63, 2**64); the studies
-#: derive their seeds as a few times 10**6 * seed + small offsets, which stays below 2**64 for every seed in range
+#: Generator (studies' default_rng([seed, k])) no negative seed, and the framework's functions [0, 2**32) (torch's
+#: generator keeps a seed's low 32 bits); the studies derive their seeds as a few times 10**6 * seed + small offsets,
+#: reduced modulo 2**32 where they reach the framework (studies.common.task_seed: the same draws)
 SEED_RANGE = (0, 2**32)
 
 

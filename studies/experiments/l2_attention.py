@@ -24,7 +24,7 @@ import torch
 from particles import Measure
 
 from .. import plotting as P
-from ..common import fit_loglog, to_device
+from ..common import fit_loglog, task_seed, to_device
 from ..contract import THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
@@ -46,9 +46,9 @@ def l2_task(kind: str, R: float, n: int, d: int, seed: int, rep: int = 0, *, dev
 
     W_Q, W_V = weights(d, seed)
     if kind == "spread":
-        X = adversarial.zero_plus_spread(R, n, d, seed=seed * 1000 + rep)
+        X = adversarial.zero_plus_spread(R, n, d, seed=task_seed(seed * 1000, rep))
     elif kind == "random":
-        X = Measure.sphere(n, d, R, seed=int(seed) * 1000 + 13 * n + rep).points
+        X = Measure.sphere(n, d, R, seed=task_seed(int(seed) * 1000, 13 * n, rep)).points
     else:
         raise ValueError(f"kind: expected 'spread' or 'random', got {kind!r}")
     k = W_Q.shape[1]

@@ -33,6 +33,7 @@ from ..common import (
     fit_loglog,
     random_A,
     slope_claim,
+    task_seed,
     to_device,
     witness_checks,
     witness_columns,
@@ -57,7 +58,7 @@ def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int,
     if kind == "adversarial":
         X = adversarial.sqrt_n_sequence(A, R, n)
     elif kind == "random":
-        X = Measure.sphere(n, d, R, seed=int(seed) * 1000003 + 7919 * n + rep).points
+        X = Measure.sphere(n, d, R, seed=task_seed(int(seed) * 1000003, 7919 * n, rep)).points
     else:
         raise ValueError(f"kind: expected 'random' or 'adversarial', got {kind!r}")
     att = SelfAttention(*to_device(device, A, V), masked=masked)

@@ -50,7 +50,7 @@ from meanfield.starts import longer_start, sequence_starts
 from particles.threads import ThreadPolicy
 
 from .. import plotting as P
-from ..common import random_A
+from ..common import random_A, task_seed
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import write_csv, write_json, write_with
@@ -187,8 +187,8 @@ def certificate_rows(d: int, Rs, seed: int, budget: int = 60) -> list[dict]:
                         for s in range(seed, seed + seeds):
                             with warnings.catch_warnings():
                                 warnings.simplefilter("ignore", RuntimeWarning)   # not converged: by design
-                                est = local_lipschitz(op, Y, method=method, tol=CERT_TOL, max_iter=max_iter, seed=s,
-                                                      on_failure="warn")
+                                est = local_lipschitz(op, Y, method=method, tol=CERT_TOL, max_iter=max_iter,
+                                                      seed=task_seed(s), on_failure="warn")
                             rows.append(_cert_record("estimate", Y, sv, est.value, est.error, **where, input=name,
                                                      method=method, max_iter=max_iter, seed=s))
     return rows
