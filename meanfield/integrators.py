@@ -179,27 +179,16 @@ def _solver_options(method) -> frozenset:
 
 
 class _StepBudget(Exception):
-    """Raised from the field when a layer's evaluations exceed its step budget (:func:`integrate_adaptive`)."""
-
-
-def _evaluations_per_step(method: str) -> int | None:
-    """Field evaluations per attempted step of torchdiffeq's adaptive Runge-Kutta ``method`` (its tableau's stages
-    after the first, which the previous step provides): 6 for dopri5, 3 for bosh3; None for other solvers."""
-    try:
-        from torchdiffeq._impl.odeint import SOLVERS
-
-        return len(SOLVERS[method].tableau.alpha)
-    except (ImportError, AttributeError, KeyError, TypeError):
-        return None
+    """Raised when a layer's attempted steps exceed its budget (:func:`integrate_adaptive`)."""
 
 
 def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     """torchdiffeq.odeint layer by layer; returns (points at each requested time, None).
 
     ``max_steps`` bounds the steps of each layer, accepted and rejected, whatever the number of output times in
-    it (torchdiffeq's own ``max_num_steps`` counts them per output interval): the field's evaluations are counted,
-    and a layer that needs more than ``max_steps`` steps' worth (plus the two of the first step's choice) stops
-    with a RuntimeError. Solvers without a Runge-Kutta tableau keep torchdiffeq's count."""
+    it (torchdiffeq's own ``max_num_steps`` counts them per output interval): the attempts are counted by the
+    ``callback_step`` torchdiffeq calls before each, and a layer that needs more than ``max_steps`` stops with a
+    RuntimeError. Solvers that make no such call (``scipy_solver``) keep torchdiffeq's count."""
     from torchdiffeq import odeint
 
     for name, val in (("rtol", rtol), ("atol", atol)):
@@ -219,8 +208,7 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     max_steps = check_positive_int(max_steps, "max_steps")
     opts = {"max_num_steps": max_steps}
     opts.update(options or {})
-    per_step = _evaluations_per_step(method)
-    budget = None if per_step is None else 2 + max_steps * per_step
+
     # the requested times on a layer boundary (to a few ulps of their dtype) are put on it: a float64 boundary
     # next to a float32 time would make a sliver that collapses in the solver's float32 grid
     times = snap_to_edges([float(s) for s in t], field.breakpoints(), t.dtype)
@@ -237,20 +225,23 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
             raise ValueError(f"simulate: the times {grid} of the layer [{a:.10g}, {b:.10g}] are not distinct in "
                              f"{Y.dtype} (its resolution there is about {res:.3g}); simulate in float64, or with "
                              "fewer layers or output times")
-        calls = [0]
-
-        def func(tt, yy, _l=layer, _calls=calls):
-            _calls[0] += 1
-            if budget is not None and _calls[0] > budget:
-                raise _StepBudget
+        def func(tt, yy, _l=layer):
             return field(tt, yy, _l)
 
+        attempts = [0]
+
+        def count_step(t0, y0, dt, _attempts=attempts):
+            _attempts[0] += 1
+            if _attempts[0] > max_steps:
+                raise _StepBudget
+
+        func.callback_step = count_step
         try:
             sol = odeint(func, Y, grid_t, method=method, rtol=float(rtol), atol=float(atol), options=opts)
         except _StepBudget:
             raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] (more "
-                               f"than max_steps = {max_steps} steps in this layer, {budget} evaluations); raise "
-                               "max_steps or loosen rtol/atol") from None
+                               f"than max_steps = {max_steps} steps in this layer); raise max_steps or loosen "
+                               "rtol/atol") from None
         except AssertionError as exc:
             # torchdiffeq asserts both its failures to converge and its checks of the input: only the former
             # are relabelled, any other assertion propagates as it is

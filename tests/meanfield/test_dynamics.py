@@ -503,8 +503,12 @@ def test_an_adaptive_solvers_max_steps_bounds_each_layer_whatever_its_output_tim
     Truth: torchdiffeq's own count on the same layer with two times, where its interval is the layer: the layer
     needs K steps, so max_steps = K passes with 201 output times too and K - 1 is refused either way."""
     pytest.importorskip("torchdiffeq")
+    from torchdiffeq._impl.odeint import SOLVERS
+
     from meanfield import SelfAttention, simulate
-    from meanfield.integrators import _evaluations_per_step
+
+    def _evaluations_per_step(m):   # torchdiffeq's tableau: the stages after the first (the previous step's last)
+        return len(SOLVERS[m].tableau.alpha)
 
     g = torch.Generator().manual_seed(0)
     X = 2 * torch.randn(8, 2, generator=g, dtype=torch.float64)
@@ -519,6 +523,26 @@ def test_an_adaptive_solvers_max_steps_bounds_each_layer_whatever_its_output_tim
     for times in ([0.0, 1.0], many):
         with pytest.raises(RuntimeError, match=r"did not converge on \[0, 1\].*max_steps"):
             simulate(op, X, times, **kw, options={"max_steps": steps - 1})
+    if method != "dopri5":
+        return
+    # jumps (jump_t) cost one more evaluation each, not a step: the same budget still holds (evaluations were counted,
+    # which refused this run)
+    jumps = torch.linspace(0.05, 0.95, 15, dtype=torch.float64)
+    ref = simulate(op, X, [0.0, 1.0], **kw, options={"jump_t": jumps, "max_steps": 10**6})
+    def passes(m):
+        try:
+            simulate(op, X, [0.0, 1.0], **kw, options={"jump_t": jumps, "max_steps": m})
+            return True
+        except RuntimeError:
+            return False
+
+    lo, k = 0, 2 * steps + 64   # the fewest steps torchdiffeq accepts with two times (its count is then per layer)
+    assert passes(k)
+    while k - lo > 1:
+        mid = (lo + k) // 2
+        lo, k = (lo, mid) if passes(mid) else (mid, k)
+    out = simulate(op, X, many, **kw, options={"jump_t": jumps, "max_steps": k})
+    assert torch.allclose(out.final.points, ref.final.points, rtol=0, atol=1e-12)
 
 
 def test_times_that_float32_merges_are_named_with_the_dtype():
