@@ -566,7 +566,8 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     """Rows that see no key of positive weight, (..., m) or (..., 1), as :func:`attention_probs` decides
     them, from O(m + n) reductions: q_pos_i below the first position of a key of positive weight. A NaN
     position or weight makes no row dead here (the guarded formula then decides: a NaN weight gives a NaN output,
-    and a NaN position is reported by :func:`_check_output`)."""
+    and a NaN position is reported by :func:`_check_output`; with checks deferred, a NaN key position makes every
+    row that sees no key NaN, where the guarded formula drops that key silently)."""
     seen = None if log_weights is None else log_weights != float("-inf")
     if q_pos is None:
         return ~seen.any(dim=-1, keepdim=True)
@@ -574,7 +575,9 @@ def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
     # float64 keeps integers above 2^24 that the default float32 would round)
     common = torch.promote_types(q_pos.dtype, k_pos.dtype)
     first = seen_positions(k_pos.to(common), seen)
-    return q_pos.to(common) < first.amin(dim=-1, keepdim=True)
+    dead = q_pos.to(common) < first.amin(dim=-1, keepdim=True)
+    # every weight zero: every row is dead, also a query at +inf (or the integer maximum), which no moved key is past
+    return dead if seen is None else dead | ~seen.any(dim=-1, keepdim=True)
 
 
 def seen_positions(k_pos, seen) -> torch.Tensor:

@@ -92,7 +92,9 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
         # points and r scaled by one power of two (exact): the squared distances the k-d tree compares with r^2
         # stay in range for clouds of size 1e-160 or 1e160 (they underflowed to 0, linking every pair)
         e = math.frexp(float(np.abs(X).max()))[1]
-        X, r = np.ldexp(X, -e), math.ldexp(r, -e)
+        X, r_given, r = np.ldexp(X, -e), r, math.ldexp(r, -e)
+    else:
+        r_given = r
     from scipy.spatial import cKDTree
 
     tree = cKDTree(X)
@@ -113,7 +115,7 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     if listed:
         pairs = (int(tree.count_neighbors(tree, r, p=p)) - m) // 2
         if not resolved or pairs <= budget:
-            return _edge_components(tree, m, r, p, pairs, what)
+            return _edge_components(tree, m, r, p, pairs, what, shown=r_given)
     return _cell_components(X, r, p, side, what, group)
 
 
@@ -125,14 +127,16 @@ def first_occurrence(labels: np.ndarray) -> np.ndarray:
     return rank[inv.reshape(-1)]
 
 
-def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str) -> np.ndarray:
-    """Components from the list of the ``pairs`` edges, checked against the memory limit first."""
+def _edge_components(tree, m: int, r: float, p: float, pairs: int, what: str, shown=None) -> np.ndarray:
+    """Components from the list of the ``pairs`` edges, checked against the memory limit first (``shown``: the
+    distance as the caller gave it, before :func:`linked_components` scaled the points, for the message)."""
     from scipy.sparse import coo_matrix
     from scipy.sparse.csgraph import connected_components
 
     from .validation import check_allocation
 
-    check_allocation(EDGE_BYTES * pairs, f"{what}: {pairs} pairs of atoms within {r:g} of {m} atoms",
+    shown = r if shown is None else shown
+    check_allocation(EDGE_BYTES * pairs, f"{what}: {pairs} pairs of atoms within {shown:g} of {m} atoms",
                      f"use a smaller {'atol' if 'atol' in what else 'distance'} (atoms closer than it are linked)")
     edges = tree.query_pairs(r=r, p=p, output_type="ndarray")
     graph = coo_matrix((np.ones(len(edges)), (edges[:, 0], edges[:, 1])), shape=(m, m)) if len(edges) \

@@ -260,14 +260,15 @@ def memory_limit(value=None) -> int:
     :data:`DEFAULT_MEMORY_LIMIT` (8 GiB)."""
     if value is not None:
         return parse_bytes(value)
-    return _limit_from_env(os.environ.get(MEMORY_LIMIT_ENV, ""))
+    env = os.environ.get(MEMORY_LIMIT_ENV, "")
+    return _limit_from_env(env) if env and not env.isspace() else DEFAULT_MEMORY_LIMIT
 
 
 @functools.lru_cache(maxsize=16)
 def _limit_from_env(env: str) -> int:
-    """:func:`memory_limit` of the variable's text, parsed once per text (it is read on every attention call)."""
-    env = env.strip()
-    return parse_bytes(env, MEMORY_LIMIT_ENV) if env else DEFAULT_MEMORY_LIMIT
+    """:func:`memory_limit` of the variable's text, parsed once per text (it is read on every attention call); the
+    default is read at every call, so that a program may change :data:`DEFAULT_MEMORY_LIMIT`."""
+    return parse_bytes(env.strip(), MEMORY_LIMIT_ENV)
 
 
 def format_bytes(n: float) -> str:

@@ -1120,3 +1120,31 @@ def test_deferred_checks_keep_nan_columns_of_rows_that_see_no_key():
         assert torch.isnan(got[:, 1]).all() and torch.isnan(want[:, 1]).all()
         assert torch.all(got[dead][:, [0, 2]] == 0)
         _close(got[:, [0, 2]], want[:, [0, 2]])
+
+
+def test_every_weight_zero_makes_every_row_dead_even_a_query_at_infinity():
+    """All weights zero and a query at +inf: the guarded formula gives 0 on every row; with checks deferred the rows
+    that see no key were decided by positions only and the +inf query's row came back NaN (found by an independent
+    review)."""
+    from particles.validation import output_checks_deferred
+
+    q, k, v, _, _, kp = _problem(9, weighted=True, masked=True)
+    lw = torch.full((k.shape[0],), -math.inf, dtype=DT)
+    qp = torch.full((q.shape[0],), math.inf, dtype=DT)
+    with output_checks_deferred():
+        out = attend(q, k, v, lw, qp, kp, method="dense")
+    assert torch.all(out == 0)
+    assert torch.all(kernels.attention_probs(q, k, lw, qp, kp) == 0)
+
+
+def test_the_memory_limit_reads_the_default_at_every_call(monkeypatch):
+    """The variable's text is parsed once, and DEFAULT_MEMORY_LIMIT read at every call: a program that raises it after
+    a first call gets the new value (the cached parse had kept 8 GiB; found by an independent review)."""
+    from particles import validation
+
+    monkeypatch.delenv(validation.MEMORY_LIMIT_ENV, raising=False)
+    assert validation.memory_limit() == validation.DEFAULT_MEMORY_LIMIT
+    monkeypatch.setattr(validation, "DEFAULT_MEMORY_LIMIT", 32 * 2**30)
+    assert validation.memory_limit() == 32 * 2**30
+    monkeypatch.setenv(validation.MEMORY_LIMIT_ENV, "1M")
+    assert validation.memory_limit() == 2**20

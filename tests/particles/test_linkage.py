@@ -47,3 +47,16 @@ def test_a_pair_at_exactly_tol_is_linked_the_same_way_on_every_clustering_path()
     line = np.array([[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]])
     for scale in (1e-160, 1.0, 1e160):
         assert cluster_labels(line * scale, 1.5 * scale).tolist() == [0, 0, 1]
+
+
+def test_a_refused_edge_list_names_the_distance_as_given(monkeypatch):
+    """The points are scaled by a power of two inside linked_components; the memory error still names the distance
+    the caller gave (it said 6.8e-24 for 0.001; found by an independent review)."""
+    from particles import validation
+    from particles.linkage import linked_components
+
+    monkeypatch.setenv(validation.MEMORY_LIMIT_ENV, "1M")
+    X = np.zeros((3000, 1))
+    X[0, 0] = 1e20
+    with pytest.raises(validation.MemoryLimitError, match=r"pairs of atoms within 0\.001 of 3000 atoms"):
+        linked_components(X, 1e-3)
