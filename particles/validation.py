@@ -189,8 +189,8 @@ def check_device(device, name: str = "device") -> torch.device | None:
     return dev
 
 
-#: seeds are integers in [0, SEED_LIMIT): torch's CPU generator keeps the low 32 bits of a seed (2**32 draws what
-#: 0 draws, -1 what 2**32 - 1 draws), so larger or negative seeds would repeat others silently
+#: The bound of the seeds, which are integers from 0 to SEED_LIMIT - 1. torch's CPU generator keeps the low 32 bits
+#: of a seed (2**32 draws what 0 draws, -1 what 2**32 - 1 draws), so larger or negative seeds would repeat others
 SEED_LIMIT = 2**32
 
 

@@ -185,7 +185,7 @@ def register(name: str, title: str, order: int | None = None, *, grid: Callable[
     ``grid(level)`` gives the study's sizes for a level (recorded in the run's config.json). ``check(ctx)``
     checks what the study reads from the run context (files, models, the cache) before any study of the run
     starts, raising a ValueError whose message starts with the option to change (``--checkpoint: ...``).
-    ``reads``: the run inputs of :data:`RUN_INPUTS` the study reads (``--model``, ``--checkpoint``, ``--text``):
+    ``reads``: the run inputs of ``RUN_INPUTS`` the study reads (``--model``, ``--checkpoint``, ``--text``):
     only those enter its fingerprint (a study that reads none is reused on resume whatever they are).
     The first line of the function's docstring describes the study on the command line.
     """
