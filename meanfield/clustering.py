@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.linkage import cells_resolve, first_occurrence, grid_cells, linked_components
+from particles.linkage import cells_resolve, first_occurrence, grid_cells, linked_components, unit_scale
 from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
@@ -86,8 +86,7 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
         # squared distances against tol^2, as particles.linkage compares them (scipy's k-d tree): a pair at
         # exactly tol is linked or not the same way on every path (single linkage only orders the distances).
         # Points and tol scaled by one power of two first (exact): squares of 1e-160 or 1e160 stay in range
-        e = math.frexp(float(np.abs(X).max()))[1] if np.any(X) else 0
-        Xs, ts = np.ldexp(X, -e), math.ldexp(tol, -e)
+        Xs, ts = unit_scale(X, tol)
         raw = fcluster(linkage(pdist(Xs, "sqeuclidean"), method="single"), t=ts * ts, criterion="distance")
         return first_occurrence(raw)
     if not 0 < slack <= 1:

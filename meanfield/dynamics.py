@@ -419,7 +419,7 @@ def _check_times(times, dtype) -> torch.Tensor:
         raise ValueError("times: need an initial time and at least one output time")
     if not bool((given[1:] > given[:-1]).all()):
         raise ValueError("times: must be strictly increasing (times[0] is the time of mu0)")
-    t = given.to(dtype) if dtype is not None else as_tensor(times, "times").detach().cpu()
+    t = given.to(dtype)
     if not bool((t[1:] > t[:-1]).all()):
         k = int(torch.nonzero(t[1:] <= t[:-1])[0, 0])
         a, b = float(given[k]), float(given[k + 1])

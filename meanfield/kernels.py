@@ -536,11 +536,9 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
             # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
             # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v
             # in the guarded formula: NaN where v holds a NaN or an infinity, reported below)
+            # (no key positions of their own here: those take the branch above)
             out = _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
-            total = out.detach().sum()
-            if positions is not None:
-                total = total + positions
-            if math.isfinite(float(total)):
+            if math.isfinite(float(out.detach().sum())):
                 return out
     return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
 

@@ -13,8 +13,9 @@ import math
 
 import numpy as np
 
-__all__ = ["linked_components", "first_occurrence", "cells_resolve", "grid_cells", "edge_budget", "NORMS", "SAMPLE",
-           "EDGE_BYTES", "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK", "SMALL_GROUP"]
+__all__ = ["linked_components", "first_occurrence", "cells_resolve", "grid_cells", "unit_scale", "edge_budget", "NORMS",
+           "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK",
+           "SMALL_GROUP"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
@@ -88,13 +89,10 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
     m, d = X.shape
     if m <= 1 or r == math.inf:
         return np.zeros(m, dtype=np.int64)
-    if np.any(X):
-        # points and r scaled by one power of two (exact): the squared distances the k-d tree compares with r^2
-        # stay in range for clouds of size 1e-160 or 1e160 (they underflowed to 0, linking every pair)
-        e = math.frexp(float(np.abs(X).max()))[1]
-        X, r_given, r = np.ldexp(X, -e), r, math.ldexp(r, -e)
-    else:
-        r_given = r
+    # the squared distances the k-d tree compares with r^2 stay in range for clouds of size 1e-160 or 1e160 (they
+    # underflowed to 0, linking every pair)
+    r_given = r
+    X, r = unit_scale(X, r)
     from scipy.spatial import cKDTree
 
     tree = cKDTree(X)
@@ -117,6 +115,16 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
         if not resolved or pairs <= budget:
             return _edge_components(tree, m, r, p, pairs, what, shown=r_given)
     return _cell_components(X, r, p, side, what, group)
+
+
+def unit_scale(X: np.ndarray, r: float) -> tuple[np.ndarray, float]:
+    """``X`` and the distance ``r`` scaled by one power of two (exact) that brings the largest coordinate into
+    [1/2, 1): squared distances of clouds of size 1e-160 or 1e160 then stay in range, and every comparison of a
+    distance with ``r`` comes out as unscaled. An all-zero ``X`` is returned as it is."""
+    if not np.any(X):
+        return X, r
+    e = math.frexp(float(np.abs(X).max()))[1]
+    return np.ldexp(X, -e), math.ldexp(r, -e)
 
 
 def first_occurrence(labels: np.ndarray) -> np.ndarray:
