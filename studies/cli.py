@@ -29,7 +29,7 @@ from particles.threads import ENV as THREADS_ENV
 from particles.threads import using_threads
 
 from .context import CACHE_ENV, CHECKPOINTS_ENV, NORMAL, QUIET, TEXT_ENV, VERBOSE, RunContext
-from .contract import import_errors, registry
+from .contract import import_errors, readers, registry
 from .costs import help_text
 from .preflight import out_argument, seed_argument
 from .sweep import SCHEDULER_ENV, add_sweep_arguments, scheduler_from_environment, sweep_options
@@ -324,11 +324,6 @@ def main(argv=None) -> int:
         return _main(parser, args, argv)
 
 
-def _checkpoint_readers() -> list[str]:
-    """The studies that read ``--checkpoint`` (a run without them says that it ignores the option)."""
-    return [name for name, study in registry().items() if "checkpoints" in study.reads]
-
-
 def _main(parser, args, argv) -> int:
     if args.command == "bracket":
         return _bracket(args)
@@ -343,10 +338,10 @@ def _main(parser, args, argv) -> int:
         names = args.only
     else:
         names = [args.command]
-    readers = _checkpoint_readers()
-    if args.checkpoint and not args.quiet and names is not None and not set(readers) & set(names):
+    reading = readers("checkpoints")   # a run without them says that it ignores the option
+    if args.checkpoint and not args.quiet and names is not None and not set(reading) & set(names):
         # not an error (the checkpoints are still checked): the same command line with real_models added reads them
-        _say(f"note: --checkpoint is read only by {' and '.join(readers)}, which this run does not "
+        _say(f"note: --checkpoint is read only by {' and '.join(reading)}, which this run does not "
              f"include ({', '.join(names)}): the checkpoints are not used")
     if args.workers < 1:
         parser.error(f"--workers: expected at least 1 worker, got {args.workers}")

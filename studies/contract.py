@@ -174,6 +174,13 @@ _REGISTRY: dict[str, Study] = {}
 _IMPORT_ERRORS: dict[str, str] = {}
 
 
+def readers(run_input: str) -> list[str]:
+    """The registered studies that read ``run_input``, one of :data:`RUN_INPUTS` (``register(reads=...)``)."""
+    if run_input not in RUN_INPUTS:
+        raise ValueError(f"run_input: expected one of {RUN_INPUTS}, got {run_input!r}")
+    return [name for name, study in registry().items() if run_input in study.reads]
+
+
 def register(name: str, title: str, order: int | None = None, *, grid: Callable[[str], dict] | None = None,
              check: Callable | None = None, reads: tuple = ()) -> Callable:
     """Decorator registering ``run(out_dir, ctx) -> StudyResult`` as study ``name``.

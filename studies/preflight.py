@@ -217,7 +217,7 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
     (the command line says ``$DASK_SCHEDULER_ADDRESS`` when it came from there,
     :func:`studies.sweep.scheduler_from_environment`): the messages about the scheduler name it.
     """
-    from .contract import registry
+    from .contract import readers, registry
 
     if ctx.out.exists() and not ctx.out.is_dir():
         raise UsageError(f"--out: {ctx.out} is an existing file; give a folder")
@@ -229,7 +229,7 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
     check_sweep(ctx.sweep, scheduler_option)
     studies = registry()
     run = list(studies) if not names else names
-    if not any("checkpoints" in studies[n].reads for n in run if n in studies):
+    if not set(readers("checkpoints")) & set(run):
         # no study of the run reads them, and they are still checked: a path that is no checkpoint folder is a
         # usage error in every run (a study that reads them checks them itself)
         for path in getattr(ctx, "checkpoints", ()):
