@@ -574,9 +574,14 @@ def product_clock(device):
                 return fn(self, *a, **kw)
             finally:
                 sync()
-                entry = clock.setdefault(f"{str(self.X.dtype).replace('torch.', '')} {what}", [0, 0.0])
+                seconds = time.perf_counter() - t0
+                key = f"{str(self.X.dtype).replace('torch.', '')} {what}"
+                entry = clock.setdefault(key, [0, 0.0])
                 entry[0] += 1
-                entry[1] += time.perf_counter() - t0
+                entry[1] += seconds
+                if seconds > 1:   # a call of minutes says how far it got (what a killed run leaves behind)
+                    print(f"  {key}: {entry[0]} in {entry[1]:.1f} s (the last {seconds:.2f} s)", file=sys.stderr,
+                          flush=True)
         return run
 
     saved = jacobian.Jacobian._product, jacobian.Jacobian._record
