@@ -556,14 +556,20 @@ def dynamics_rows(b, n, d=3, steps=10, T=1.0):
                   n, f"dynamics {d}")
 
 
+class Stopped(BaseException):
+    """A call stopped between two Jacobian products because the next would not fit the run's time (a BaseException:
+    :meth:`Bench._call` turns every Exception into an error row)."""
+
+
 @contextlib.contextmanager
-def product_clock(device):
+def product_clock(device, clock=None, stop=None):
     """Count and time (synchronized) the Jacobian products of :mod:`meanfield.jacobian` by dtype, and its graph
-    recordings: {"float32 products": [count, seconds], ...}. What the lipschitz rows break their time into (the
-    float32 phase of the mixed Lanczos against the float64 certificate)."""
+    recordings, into ``clock``: {"float32 products": [count, seconds], ...}. What the lipschitz rows break their
+    time into (the float32 phase of the mixed Lanczos against the float64 certificate). ``stop(seconds)``, asked
+    after each product with that product's time, raises :class:`Stopped` when true (the next would not fit)."""
     from meanfield import jacobian
 
-    clock = {}
+    clock = {} if clock is None else clock
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     def timed(what, fn):
@@ -571,7 +577,7 @@ def product_clock(device):
             sync()
             t0 = time.perf_counter()
             try:
-                return fn(self, *a, **kw)
+                out = fn(self, *a, **kw)
             finally:
                 sync()
                 seconds = time.perf_counter() - t0
@@ -582,6 +588,9 @@ def product_clock(device):
                 if seconds > 1:   # a call of minutes says how far it got (what a killed run leaves behind)
                     print(f"  {key}: {entry[0]} in {entry[1]:.1f} s (the last {seconds:.2f} s)", file=sys.stderr,
                           flush=True)
+            if stop is not None and stop(seconds):
+                raise Stopped
+            return out
         return run
 
     saved = jacobian.Jacobian._product, jacobian.Jacobian._record
@@ -597,7 +606,7 @@ def clock_info(clock) -> dict:
     return {k: f"{c} in {fmt(t)}" for k, (c, t) in sorted(clock.items())}
 
 
-def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
+def lipschitz_measure(b, n, device, d=3, dtype=torch.float64, clock=None, stop=None):
     g = torch.Generator().manual_seed(n)
     X = torch.randn(n, d, generator=g, dtype=torch.float64)
     w = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
@@ -606,7 +615,7 @@ def lipschitz_measure(b, n, device, d=3, dtype=torch.float64):
     mu = Measure(X.to(device, dtype), (w / w.sum()).to(device, dtype))
     op = SelfAttention(A.to(device, dtype), V.to(device, dtype))
     b_ = Bench(device, 1, b.cap, b.smoke)
-    with product_clock(device) as clock:
+    with product_clock(device, clock, stop) as clock:
         t, est = b_._call(lambda: local_lipschitz(op, mu, tol=1e-6, on_failure="warn"))
     return t, est, clock
 
@@ -759,7 +768,16 @@ def section_lipschitz(b, quick):
                 yield (what, n, {"ours (GPU)": f"skipped (about {predicted:.0f} s predicted from N = {last[0]:g}; "
                                                f"{b.left():.0f} s left)"}, "ours (GPU)", [])
                 continue
-        t, est, clock = lipschitz_measure(b, n, b.device)
+        # a call of minutes stops between two products once the next would not fit the time left, and its row says
+        # how far it got (the products so far, each kind's time), where a run killed from outside leaves nothing
+        clock, t0 = {}, time.perf_counter()
+        try:
+            t, est, clock = lipschitz_measure(b, n, b.device, clock=clock,
+                                              stop=lambda s: b.left() is not None and b.left() < 1.5 * s + 2)
+        except Stopped:
+            yield (what, n, {"ours (GPU)": f"stopped after {time.perf_counter() - t0:.0f} s (the next product would "
+                                           f"not fit the time left)", "info": clock_info(clock)}, "ours (GPU)", [])
+            return
         r = {"ours (GPU)": t if t is not None else est}   # (est: the error's text when the call failed)
         if not isinstance(est, str):
             r["info"] = {"value": est.value, "certified rel. error": est.error / est.value,

@@ -499,28 +499,32 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     output check computes anyway) is the exact result; attention_probs's guarded formula otherwise. Inside
     :func:`particles.validation.output_checks_deferred` a forward pass sets those rows from :func:`_dead_rows` at
     once (no sum, no host sync; a NaN query position then gives a NaN row, which the caller's check meets, where
-    the guarded formula would give a silent zero row), and so does a checked forward pass whose queries have positions
-    of their own (``q_pos`` not ``k_pos``: about half of random queries see no key), checked once."""
+    the guarded formula would give a silent zero row), after reading the plain output's sum where that costs less
+    (:func:`_sum_first`: on the CPU, and for small calls on an accelerator); and so does a checked forward pass
+    whose queries have positions of their own (``q_pos`` not ``k_pos``: about half of random queries see no key),
+    checked once."""
     if log_weights is None and q_pos is None:
         return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
     forward = not _needs_derivatives(q, k, v, log_weights)
     deferred = output_checks_are_deferred()
+    if forward and deferred:
+        # for a caller that checks its own results (simulate): the rows that see no key of positive weight set at
+        # once, from O(m + n) reductions, to what the guarded formula gives them, 0 @ v (zeros; NaN in the columns
+        # where v holds a NaN or an infinity): about half the (m, n) passes of attention_probs, no host sync. Where
+        # reading one sum costs less than those reductions' launches (:func:`_sum_first`), a finite plain output is
+        # returned as it is
+        out = compute(_plain_probs)
+        if _sum_first(q, k, q_pos, k_pos) and math.isfinite(float(out.detach().sum())):
+            return out
+        return _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
     # a NaN key position is masked for every query (dropped, the output finite): its sum rides in the output's
     # check (:func:`_position_sum`; not needed when the keys' positions are the queries': their NaN also makes a
     # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
-    positions = None if k_pos is q_pos else _position_sum(None, k_pos)
-    if forward and (deferred or positions is not None):
-        # the rows that see no key of positive weight set at once, from O(m + n) reductions, to what the guarded
-        # formula gives them, 0 @ v (zeros; NaN in the columns where v holds a NaN or an infinity): about half the
-        # (m, n) passes of attention_probs. For a caller that checks its own results (simulate), with no sum and
-        # no host sync (on the CPU, where reading a sum is no host sync, a finite plain output is returned as it
-        # is); for queries with positions of their own (half of random queries see no key), with one
-        out = compute(_plain_probs)
-        if deferred and q.device.type == "cpu" and math.isfinite(float(out.detach().sum())):
-            return out
-        out = _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
-        if deferred:
-            return out
+    positions = None if k_pos is q_pos or deferred else _position_sum(None, k_pos)
+    if forward and positions is not None:
+        # queries with positions of their own (half of random queries see no key): their rows set as above, then
+        # one sum and one host sync
+        out = _zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
         total = out.detach().sum()
         if math.isfinite(float(total + positions)):
             return out
@@ -541,6 +545,23 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
             if math.isfinite(float(out.detach().sum())):
                 return out
     return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
+
+
+#: score entries up to which a deferred dense pass on an accelerator reads one sum first (one host sync) instead of
+#: launching the reductions that set the rows that see no key (5 kernels): measured on an H200 at N = 1e3, d = 3,
+#: weighted, a checked call (the sum read) took 210 us, a deferred one (the reductions) 311 us; naive dense 90 us
+SUM_FIRST_ENTRIES = 2**21
+
+
+def _sum_first(q, k, q_pos, k_pos) -> bool:
+    """Whether a deferred forward pass reads the sum of its plain output first (returned as it is when finite): on
+    the CPU always (reading a sum is no host sync there); on an accelerator for a call bound by its launches (at
+    most :data:`SUM_FIRST_ENTRIES` score entries) whose queries see their own keys (no positions, or the keys'
+    positions given as the queries', where a row that sees no key needs every weight before it zero), not for
+    queries with positions of their own, about half of which see no key (the sum would be NaN)."""
+    if q.device.type == "cpu":
+        return True
+    return k_pos is q_pos and q.shape[:-1].numel() * k.shape[-2] <= SUM_FIRST_ENTRIES
 
 
 def _zero_blind_rows(out, v, log_weights, q_pos, k_pos) -> torch.Tensor:

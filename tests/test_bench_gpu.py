@@ -208,6 +208,24 @@ def test_the_lipschitz_row_at_a_larger_n_is_skipped_when_its_extrapolation_excee
     assert rows[0][2]["ours (GPU)"] == "error: RuntimeError: boom"
 
 
+def test_a_lipschitz_call_stops_between_products_when_the_next_would_not_fit_and_says_how_far_it_got():
+    """On the GPU the call at N = 1e6 ran past its step's limit and was killed, leaving no row: it now stops after
+    the product that leaves less than 1.5 times its own time, and its row holds the products made so far (real
+    solves at a tiny size on CPU, the time left faked)."""
+    bench = _load()
+    b = bench.Bench(torch.device("cpu"), repeats=1, cap=None, smoke=True)
+    b.left = lambda: 1.0     # every product leaves too little: the first one stops the call
+    rows = list(bench.section_lipschitz(b, quick=False))
+    stopped = rows[-1][2]
+    assert stopped["ours (GPU)"].startswith("stopped after") and "products" not in stopped["info"]
+    assert stopped["info"]["float64 graph recordings"].startswith("1 in")
+    b.left = lambda: 1e4
+    rows = list(bench.section_lipschitz(b, quick=False))
+    done = rows[-1][2]
+    assert isinstance(done["ours (GPU)"], float) and done["info"]["converged"]
+    assert done["info"]["float64 products"].startswith(f"{done['info']['products']} in")
+
+
 def test_a_primed_candidate_at_big_n_starts_only_if_its_extrapolation_fits_the_time_left():
     """At N >= BIG_N a primed candidate runs without a warm-up call, and only if its warm-up time at the priming
     N, scaled as N^2, fits the time left before --deadline (a call killed by the session's timeout loses the
