@@ -561,7 +561,10 @@ def _sum_first(q, k, q_pos, k_pos) -> bool:
     queries with positions of their own, about half of which see no key (the sum would be NaN)."""
     if q.device.type == "cpu":
         return True
-    return k_pos is q_pos and q.shape[:-1].numel() * k.shape[-2] <= SUM_FIRST_ENTRIES
+    if k_pos is not q_pos:
+        return False
+    batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))   # (a batch may sit on the keys alone)
+    return batch * q.shape[-2] * k.shape[-2] <= SUM_FIRST_ENTRIES
 
 
 def _zero_blind_rows(out, v, log_weights, q_pos, k_pos) -> torch.Tensor:

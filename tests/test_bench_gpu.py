@@ -4,6 +4,7 @@ and row at tiny sizes on CPU (the script's code paths, not its figures) and writ
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -208,20 +209,50 @@ def test_the_lipschitz_row_at_a_larger_n_is_skipped_when_its_extrapolation_excee
     assert rows[0][2]["ours (GPU)"] == "error: RuntimeError: boom"
 
 
-def test_a_lipschitz_call_stops_between_products_when_the_next_would_not_fit_and_says_how_far_it_got():
-    """On the GPU the call at N = 1e6 ran past its step's limit and was killed, leaving no row: it now stops after
-    the product that leaves less than 1.5 times its own time, and its row holds the products made so far (real
-    solves at a tiny size on CPU, the time left faked)."""
+def test_a_lipschitz_call_stops_between_products_when_the_next_would_not_fit_and_says_how_far_it_got(monkeypatch):
+    """On the GPU the call at N = 1e6 ran past its step's limit and was killed, leaving no row: it now stops once the
+    time left is under 1.5 times the longest product so far (+ 2 s), its row holding the products made, and the
+    Jacobian's methods are restored. Real solves at a tiny size on CPU; a fake clock makes the timed call's first
+    product take 30 s and the others 10 s (graph recordings none), against 100 s left at its start: a stop after 4
+    products, at 60 s, with 40 s left (predicting from the last product alone would have gone on to 90 s)."""
+    import types
+
+    from meanfield import jacobian
+
     bench = _load()
+    now = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0], monotonic=lambda: now[0]))
+    real = jacobian.Jacobian._product
+
+    first = [False]
+
+    def ten_seconds(self, *a, **kw):
+        now[0] += 30.0 if first[0] else 10.0
+        first[0] = False
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(jacobian.Jacobian, "_product", ten_seconds)
     b = bench.Bench(torch.device("cpu"), repeats=1, cap=None, smoke=True)
-    b.left = lambda: 1.0     # every product leaves too little: the first one stops the call
+    until = [math.inf]
+    b.left = lambda: until[0] - now[0]
+    calls = []
+    measure = bench.lipschitz_measure
+
+    def timed_call_gets_100_s(b_, n, device, **kw):   # the untimed warm-up call has all the time it wants
+        if "stop" in kw:
+            until[0], first[0] = now[0] + 100.0, True
+        calls.append(n)
+        return measure(b_, n, device, **kw)
+
+    monkeypatch.setattr(bench, "lipschitz_measure", timed_call_gets_100_s)
     rows = list(bench.section_lipschitz(b, quick=False))
     stopped = rows[-1][2]
-    assert stopped["ours (GPU)"].startswith("stopped after") and "products" not in stopped["info"]
-    assert stopped["info"]["float64 graph recordings"].startswith("1 in")
-    b.left = lambda: 1e4
-    rows = list(bench.section_lipschitz(b, quick=False))
-    done = rows[-1][2]
+    assert stopped["ours (GPU)"].startswith("stopped after 60 s"), stopped
+    assert stopped["info"]["float64 products"].startswith("4 in 60.0")
+    assert jacobian.Jacobian._product is ten_seconds    # product_clock put back what it wrapped
+    until[0] = math.inf                                   # all the time wanted: the call finishes
+    monkeypatch.setattr(bench, "lipschitz_measure", measure)
+    done = list(bench.section_lipschitz(b, quick=False))[-1][2]
     assert isinstance(done["ours (GPU)"], float) and done["info"]["converged"]
     assert done["info"]["float64 products"].startswith(f"{done['info']['products']} in")
 

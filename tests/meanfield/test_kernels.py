@@ -1167,17 +1167,21 @@ def test_a_deferred_pass_reads_its_sum_only_where_that_is_cheaper_than_setting_t
             qp, kp = torch.empty(n, device="meta"), torch.empty(n, device="meta")
         return q, k, v, lw, qp, kp
 
-    small, large = 64, int(math.isqrt(kernels.SUM_FIRST_ENTRIES)) + 1
-    for n, positions, reads in [(small, None, True), (small, "shared", True), (small, "own", False),
-                                (large, None, False), (large, "shared", False), (large, "own", False)]:
+    edge = math.isqrt(kernels.SUM_FIRST_ENTRIES)      # edge^2 entries at most the limit, (edge + 1)^2 above
+    for n, positions, reads in [(64, None, True), (64, "shared", True), (64, "own", False), (edge, None, True),
+                                (edge + 1, None, False), (edge + 1, "shared", False), (edge + 1, "own", False)]:
         args = meta_problem(n, positions)
         assert kernels._sum_first(*args[:2], *args[4:]) is reads, (n, positions)
         with output_checks_deferred():
             if reads:
-                with pytest.raises((NotImplementedError, RuntimeError)):
+                with pytest.raises(RuntimeError, match="meta"):    # the sum read (.item() of a meta tensor)
                     attend(*args, method="dense")
             else:
                 assert attend(*args, method="dense").shape == (n, 3)
+    # a batch on the keys alone counts: 1000 x 64 x 64 entries are above the limit, 2 x 64 x 64 below
+    q = torch.empty(64, 3, device="meta")
+    assert not kernels._sum_first(q, torch.empty(1000, 64, 3, device="meta"), None, None)
+    assert kernels._sum_first(torch.empty(2, 64, 3, device="meta"), q, None, None)
     # the CPU reads the sum whatever the size and positions (no host sync there)
     q = torch.zeros(4, 3)
     assert kernels._sum_first(q, q, torch.zeros(4), torch.zeros(4))
