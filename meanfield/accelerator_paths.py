@@ -13,10 +13,12 @@ The rules, in order:
    (:data:`CUDA_DENSE_THRESHOLD` entries, or ``use(threshold=...)``) *and* their temporaries fit the budget;
 2. **stream** whenever derivatives are needed: its engine (:func:`stream_engine`) is the Triton kernels of
    :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
-   heads (d <= 16 in float32 / float64), or the tile loops of :mod:`meanfield.streamed_attention` with tiles sized
-   by the budget (:func:`tile_shape`: row blocks against all keys, a few large cuBLAS products per block
-   instead of thousands of cache-sized ones) for wide heads (on Hopper GPUs only their VJP: float32 heads up
-   to 64 take Triton's forward pass and JVP there, :data:`TRITON_WIDE_MAX_WIDTH`), where Triton does not run,
+   heads (d <= 16 in float32 / float64; heads of at most 3 features in float32 and the half types take the FMA
+   kernels of :mod:`meanfield.triton_small_heads`, :func:`small_heads`), or the tile loops of
+   :mod:`meanfield.streamed_attention` with tiles sized by the budget (:func:`tile_shape`: row blocks
+   against all keys, a few large cuBLAS products per block instead of thousands of cache-sized ones) for wide
+   heads (on Hopper GPUs only their VJP: float32 heads up to 64 take Triton's forward pass and JVP there,
+   :data:`TRITON_WIDE_MAX_WIDTH`), where Triton does not run,
    and inside ``torch.func`` transforms. Where the mask allows (none, weights, a sequence's causal mask) and the
    dtype is float32 or a half type, the forward pass and the VJP run in torch's memory-efficient kernel
    (:mod:`meanfield.efficient_cuda`) whatever the engine;
@@ -45,7 +47,8 @@ import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
-           "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "triton_width", "choose",
+           "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "SMALL_HEAD_FEATURES",
+           "SMALL_HEAD_DTYPES", "small_heads", "triton_width", "choose",
            "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
@@ -109,6 +112,27 @@ def _dense_fits(entries, element_size, budget, temporaries=DENSE_TEMPORARIES):
     """Whether ``temporaries`` buffers of ``entries`` fit ``budget``: bytes, or a callable returning them (called
     here only, so that a call the dense paths are not considered for never asks the driver for the free memory)."""
     return temporaries * entries * element_size <= (budget() if callable(budget) else budget)
+
+
+#: heads of at most this many features (q, k and v) run in the FMA kernels of :mod:`meanfield.triton_small_heads`
+#: wherever the Triton kernels run (the particle regime: d = 1 to 3), in the dtypes of :data:`SMALL_HEAD_DTYPES`;
+#: None: the matrix-product kernels of :mod:`meanfield.triton_attention` for every head. Compiled for sm_90 (Triton
+#: 3.9) the float32 loops take 24 instructions per score entry and thread at d = 3 in the forward pass, 41 in the JVP
+#: and 26 + 33 in the VJP's two passes, against 70, 129 and 80 + 119 for the matrix-product kernels at 16 columns
+#: (Triton 3.6's padding of d = 3, which takes no smaller float32 product) and 48, 75, 47 + 78 at 8 (Triton 3.9's):
+#: ``python tests/triton_compile_check.py``'s ``loop_per_entry``. Not yet timed on a GPU (benchmarks/README.md)
+SMALL_HEAD_FEATURES = 3
+#: The dtypes of the small-head kernels, which compute in float32. float64 keeps the matrix-product kernels
+#: (its loops in FMAs take 65 instructions per entry and spill registers, where a float64 product of 4 columns,
+#: Triton's smallest, runs on the tensor cores of sm_80 and sm_90)
+SMALL_HEAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def small_heads(e: int, c: int, dtype=torch.float32) -> bool:
+    """Whether a head of ``e`` query / key features and ``c`` value features in ``dtype`` takes the small-head
+    kernels (:data:`SMALL_HEAD_FEATURES`, :data:`SMALL_HEAD_DTYPES`)."""
+    return (SMALL_HEAD_FEATURES is not None and dtype in SMALL_HEAD_DTYPES and 1 <= min(e, c)
+            and max(e, c) <= SMALL_HEAD_FEATURES)
 
 
 def triton_width(size: int, dtype) -> int:

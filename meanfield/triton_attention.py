@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .accelerator_paths import TRITON_DTYPES, TRITON_MAX_FEATURES, triton_width
+from .accelerator_paths import TRITON_DTYPES, TRITON_MAX_FEATURES, small_heads, triton_width
 
 __all__ = ["forward", "jvp", "backward", "padded"]
 #: Triton itself was imported in interpreter mode (TRITON_INTERPRET=1 set before ``import triton``):
@@ -369,15 +369,31 @@ def _common(q, k, v, lw, qp, kp, causal):
     ptrs = (q, k, v, lw_, qp_, kp_)
     strides = (*q.stride(), *k.stride(), *v.stride(), *s_lw, *s_qp, *s_kp)
     flags = dict(HAS_LW=lw is not None, HAS_POS=has_pos, CAUSAL=bool(causal))
-    E, C = padded(e, q.dtype), padded(c, q.dtype)
+    # small heads: the FMA kernels of meanfield.triton_small_heads, on the features themselves (no padding)
+    E, C = (e, c) if small_heads(e, c, q.dtype) else (padded(e, q.dtype), padded(c, q.dtype))
     meta = dict(E=E, C=C, PREC=_precision(q.dtype, max(E, C)),
                 ACC=tl.float64 if q.dtype == torch.float64 else tl.float32)
     return B, m, n, e, c, ptrs, strides, flags, meta
 
 
-def _tiles(q, meta, kernel):
-    """Block sizes and launch options of ``kernel`` (:func:`_blocks`)."""
-    bm, bn, warps = _blocks(q.dtype, max(meta["E"], meta["C"]), kernel)
+def _kernel(name, q, e, c):
+    """The kernel ``name`` for heads of e (q, k) and c (v) features in q's dtype: :mod:`meanfield.triton_small_heads`'s
+    where :func:`meanfield.accelerator_paths.small_heads` says so, this module's otherwise."""
+    if small_heads(e, c, q.dtype):
+        from .triton_small_heads import KERNELS
+
+        return KERNELS[name]
+    return globals()[f"_{name}_kernel"]   # looked up at the call (a test's spy replaces the module's)
+
+
+def _tiles(q, meta, kernel, e, c):
+    """Block sizes and launch options of ``kernel`` (:func:`_blocks`, or the small heads' own)."""
+    if small_heads(e, c, q.dtype):
+        from .triton_small_heads import blocks
+
+        bm, bn, warps = blocks(q.dtype, kernel)
+    else:
+        bm, bn, warps = _blocks(q.dtype, max(meta["E"], meta["C"]), kernel)
     return dict(BLOCK_M=bm, BLOCK_N=bn, **({} if _INTERPRETED else dict(num_warps=warps)))
 
 
@@ -430,9 +446,9 @@ def forward(q, k, v, lw, qp, kp, causal):
     lse = q.new_empty(B, m, dtype=_lse_dtype(q.dtype))
     if m == 0 or B == 0:
         return out, lse
-    tiles = _tiles(q, meta, "forward")
+    tiles = _tiles(q, meta, "forward", e, c)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
-    _forward_kernel[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(), m, n, e, c,
+    _kernel("forward", q, e, c)[grid](*ptrs, out, lse, *strides, *out.stride(), *lse.stride(), m, n, e, c,
                           **flags, **meta, **tiles)
     return out, lse
 
@@ -450,9 +466,9 @@ def jvp(q, k, v, lw, qp, kp, causal, out, lse, tq, tk, tv, tlw):
     tstr = []
     for t, rank in zip((tq, tk, tv, tlw), (3, 3, 3, 2)):
         tstr += list(t.stride()) if t is not None else [0] * rank
-    tiles = _tiles(q, meta, "jvp")
+    tiles = _tiles(q, meta, "jvp", e, c)
     grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
-    _jvp_kernel[grid](*ptrs, out, lse, *tans, d_out, d_lse, *strides, *out.stride(), *lse.stride(), *tstr,
+    _kernel("jvp", q, e, c)[grid](*ptrs, out, lse, *tans, d_out, d_lse, *strides, *out.stride(), *lse.stride(), *tstr,
                       m, n, e, c, **flags, HAS_TQ=tq is not None, HAS_TK=tk is not None, HAS_TV=tv is not None,
                       HAS_TLW=tlw is not None, **meta, **tiles)
     return d_out, d_lse
@@ -481,13 +497,13 @@ def backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, need):
         return dq, dk, dv, dlw
     tail = (*lse.stride(), *g_out.stride(), m, n, e, c)
     if need[0]:
-        tiles = _tiles(q, meta, "backward_q")
+        tiles = _tiles(q, meta, "backward_q", e, c)
         grid = (triton.cdiv(m, tiles["BLOCK_M"]), B)
-        _backward_q_kernel[grid](*ptrs, lse, g_out, delta, dq, *strides, *tail, **flags, **meta, **tiles)
+        _kernel("backward_q", q, e, c)[grid](*ptrs, lse, g_out, delta, dq, *strides, *tail, **flags, **meta, **tiles)
     if need[1] or need[2] or need[3]:
-        tiles = _tiles(q, meta, "backward_kv")
+        tiles = _tiles(q, meta, "backward_kv", e, c)
         grid = (triton.cdiv(n, tiles["BLOCK_N"]), B)
-        _backward_kv_kernel[grid](*ptrs, lse, g_out, delta, dk if need[1] else q, dv if need[2] else q,
+        _kernel("backward_kv", q, e, c)[grid](*ptrs, lse, g_out, delta, dk if need[1] else q, dv if need[2] else q,
                                   dlw if need[3] else q, *strides, *tail, **flags, NEED_DK=need[1],
                                   NEED_DV=need[2], NEED_DLW=need[3], **meta, **tiles)
     return dq, dk, dv, dlw
