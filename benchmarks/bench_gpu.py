@@ -25,6 +25,9 @@ merged in ``benchmarks/gpu.json`` and ``benchmarks/gpu.md`` is rewritten from al
 * ``sinkhorn`` (goals: within 1.5x of GeomLoss ``tensorized`` where it fits, N = 1e6 under 60 s):
   debiased, blur 0.05 (reg = 2 blur^2 = 0.005 in squared-distance units), tol 1e-3;
 * ``dynamics`` (goal: within 1.3x of a plain RK4 loop on the best kernel): simulate, rk4, 10 steps, d = 3;
+* ``small`` (the small heads' FMA kernels, meanfield.triton_small_heads): the Triton kernels themselves at d = 3,
+  float32, N = 1e4 .. 1e6, each mask: forward, JVP and VJP of the small-head kernels against the
+  matrix-product kernels and SDPA padded (forward; backward for the derivatives);
 * ``fixed`` (what a call costs besides its arithmetic, goal 2 below 1e5): the forward at N = 1e3 and 1e4,
   d = 3, each mask, and the VJP at 1e4: one synchronized call and the time per call in a loop of 20 calls
   synchronized once, ours against naive dense (SDPA's backward), with the CUDA kernel launches, host syncs
@@ -69,7 +72,7 @@ from particles import Measure  # noqa: E402
 from particles.validation import output_checks_deferred  # noqa: E402
 from transport import w2  # noqa: E402
 
-SECTIONS = ("table", "grid", "derivatives", "wide", "lipschitz", "sinkhorn", "dynamics", "fixed")
+SECTIONS = ("table", "grid", "derivatives", "wide", "small", "lipschitz", "sinkhorn", "dynamics", "fixed")
 OOM = "out of memory"
 CHUNK_ROWS = 2048
 BLUR = 0.05
@@ -889,9 +892,95 @@ def section_wide(b, quick):
                                          ("JVP", j, "SDPA backward"))]
 
 
+@contextlib.contextmanager
+def small_kernels(on: bool):
+    """The Triton kernels of heads of up to 3 features: the small heads' FMA kernels (on) or the matrix-product ones."""
+    from meanfield import accelerator_paths
+
+    saved = accelerator_paths.SMALL_HEAD_FEATURES
+    accelerator_paths.SMALL_HEAD_FEATURES = saved if on else None
+    try:
+        yield
+    finally:
+        accelerator_paths.SMALL_HEAD_FEATURES = saved
+
+
+def small_rows(b, n, mask, d=3):
+    """The Triton kernels themselves at d = 3 in float32 (meanfield.triton_attention's forward, JVP and VJP on
+    (1, N, 3) inputs): the small heads' FMA kernels against the matrix-product kernels (the head padded to
+    Triton's smallest product) and SDPA with the head padded to 8 (its forward; its backward for the VJP and
+    the JVP); at N <= 1e4 each kernel's relative error against the float64 kernels. Which is faster decides
+    meanfield.accelerator_paths.SMALL_HEAD_FEATURES (and whether small heads should leave SDPA for Triton)."""
+    from meanfield import triton_attention as ta
+
+    q, k, v, lw, qp, kp = attention_inputs(n, d, mask, b.device)
+    causal = mask == "causal"
+    three = [None if t is None else t.unsqueeze(0) for t in (q, k, v, lw, qp, kp)]
+    gen = torch.Generator(b.device)
+    g = torch.randn(three[2].shape, device=b.device, dtype=q.dtype, generator=gen.manual_seed(2))
+    tans = [torch.randn(t.shape, device=b.device, dtype=t.dtype, generator=gen.manual_seed(3 + i))
+            for i, t in enumerate(three[:3])]
+    kinds = {"small-head kernels": True, "matrix-product kernels": False}
+
+    def fwd(on, a=three):
+        with small_kernels(on):
+            return ta.forward(*a, causal)
+
+    saved = {kind: fwd(on) for kind, on in kinds.items()}
+
+    def jvp(on, a=three, t=tans, kind=None):
+        out, lse = saved[kind] if kind else fwd(on, a)
+        with small_kernels(on):
+            return ta.jvp(*a, causal, out, lse, *t, None)[0]
+
+    def vjp(on, a=three, gg=g, kind=None):
+        out, lse = saved[kind] if kind else fwd(on, a)
+        with small_kernels(on):
+            return ta.backward(*a, causal, out, lse, gg, None, (True, True, True, False))[:3]
+
+    prim_s = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out_s = sdpa_padded(*prim_s, lw, qp, kp) if mask != "positions" else None
+    sdpa_bwd = (lambda: torch.autograd.grad(out_s, prim_s, g[0], retain_graph=True)) if out_s is not None else None
+    res_f = b.time({**{kind: (lambda on=on: fwd(on)) for kind, on in kinds.items()},
+                    # (with arbitrary positions SDPA needs an (N, N) mask: not a peer at this scale)
+                    "SDPA padded": (lambda: sdpa_padded(q, k, v, lw, qp, kp)) if out_s is not None else None},
+                   n, f"small forward {d} {mask}")
+    res_j = b.time({**{kind: (lambda on=on, kind=kind: jvp(on, kind=kind)) for kind, on in kinds.items()},
+                    "SDPA backward": sdpa_bwd}, n, f"small jvp {d} {mask}")
+    res_v = b.time({**{kind: (lambda on=on, kind=kind: vjp(on, kind=kind)) for kind, on in kinds.items()},
+                    "SDPA backward": sdpa_bwd}, n, f"small vjp {d} {mask}")
+    if n <= 10**4:
+        a64 = [None if t is None else t.double() for t in three]
+        t64, g64 = [t.double() for t in tans], g.double()
+        ref_f = fwd(False, a64)[0]
+        ref_j = jvp(False, a64, t64)
+        ref_v = vjp(False, a64, g64)
+        for kind, on in kinds.items():
+            res_f.setdefault("info", {})[f"{kind} rel. error"] = _rel(saved[kind][0], ref_f)
+            res_j.setdefault("info", {})[f"{kind} rel. error"] = _rel(jvp(on, kind=kind), ref_j)
+            res_v.setdefault("info", {})[f"{kind} rel. error"] = max(_rel(a, r) for a, r in zip(vjp(on, kind=kind),
+                                                                                                ref_v))
+    return res_f, res_j, res_v
+
+
+def section_small(b, quick):
+    from particles.device import triton_runs
+
+    if not triton_runs(b.device.type):   # no CUDA Triton (or, on CPU, no TRITON_INTERPRET=1): no rows
+        return
+    sizes = [24, 40] if b.smoke else pick([10**4, 10**5, 10**6], quick)
+    for mask in masks(("none", "positions", "causal", "weighted")):
+        for n in sizes:
+            f, j, v = small_rows(b, n, mask)
+            yield [(f"{what}, d = 3, {mask}, Triton kernels", n, r, "small-head kernels",
+                    ["matrix-product kernels"] + ([peer] if r.get(peer) is not None else []))
+                   for what, r, peer in (("forward", f, "SDPA padded"), ("JVP", j, "SDPA backward"),
+                                         ("VJP", v, "SDPA backward"))]
+
+
 RUNNERS = {"table": section_table, "grid": section_grid, "derivatives": section_derivatives,
            "lipschitz": section_lipschitz, "sinkhorn": section_sinkhorn, "dynamics": section_dynamics,
-           "fixed": section_fixed, "wide": section_wide}
+           "fixed": section_fixed, "wide": section_wide, "small": section_small}
 
 
 # ---------------------------------------------------------------------- output

@@ -7,11 +7,15 @@
 #     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh                  # the default steps below
 #     BUDGET=560 bash benchmarks/gpu_session.sh tests grid-1e6 dynamics-1e6 derivatives-1e6   # goals 1-3, 6 at 1e6
 #     BUDGET=595 bash benchmarks/gpu_session.sh lipschitz-only-1e6                   # goal 4 at 1e6 (the call alone)
+#     BUDGET=300 bash benchmarks/gpu_session.sh small tests                          # the small heads' kernels
 #     BUDGET=200 bash benchmarks/gpu_session.sh fixed positions-1e6 grid-1e6-64     # what 2026-11-27 left unmeasured
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
 #   tests            tests/test_cuda.py (on a fresh machine 39 of 63 passed in the 140 s once given; up to 300 s)
 #   derivatives      VJP / JVP at 1e4 and 1e5, d = 3 and 64, every engine (about 100 s)
+#   small            the small heads' FMA kernels against the matrix-product kernels and SDPA, d = 3, 1e4 and 1e5,
+#                    each mask: forward, JVP, VJP (unmeasured; about 90 s with their compilation)
+#   small-1e6        the same at 1e6, no mask and arbitrary positions (about 200 s)
 #   fixed            fixed costs at 1e3 and 1e4 (about 20 s)
 #   fixed-cost       bench_fixed_cost.py at 1e3 and 1e4: checked, deferred, naive; deferred dense vs before (about 40 s)
 #   grid             attention forward at 1e3 .. 1e5 (about 25 s)
@@ -61,6 +65,8 @@ for step in "$@"; do
       echo "rc=$?" >> "$OUT/test_cuda.txt"; grep -E "passed|failed|relative error|rc=" "$OUT/test_cuda.txt" | tail -12 ;;
     derivatives) run derivatives 220 100 --sections derivatives --quick --cap 10 ;;
     fixed) run fixed 75 0 --sections fixed ;;
+    small) run small 150 0 --sections small --quick --cap 10 ;;
+    small-1e6) run small-1e6 300 0 --sections small --sizes 1e6 --masks none positions --repeats 1 --cap 60 ;;
     fixed-cost)
       T=$(( $(left) < 90 ? $(left) : 90 )); echo "== fixed-cost ($(left) s left, $T s for it)"
       timeout -k 5 $T python3 benchmarks/bench_fixed_cost.py --device cuda --sizes 1000 10000 --repeats 7 \

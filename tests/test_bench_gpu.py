@@ -36,13 +36,42 @@ def test_cpu_smoke_runs_every_row_and_writes_the_page(tmp_path):
     assert bench.main(["--cpu-smoke", "--out", str(out)]) == 0
     text = out.read_text()
     for section in bench.SECTIONS:
-        assert f"## {section}" in text
+        assert f"## {section}" in text   # (the small section has no rows without Triton's interpreter: next test)
     for row in ("attention forward, d = 3, auto", "VJP (backward), d = 64", "JVP (forward + tangent), d = 64",
                 "Sinkhorn, d = 3", "simulate, rk4, 10 steps", "certified Lipschitz, GPT-2-sized layer",
                 "certified mean-field Lipschitz"):
         assert row in text
     assert "torch " + torch.__version__ in text
     assert (tmp_path / "gpu.json").exists()
+
+
+@pytest.mark.slow
+def test_the_small_section_times_both_kernel_families_in_the_interpreter(tmp_path):
+    """``--sections small`` with Triton's interpreter (the CPU's stand-in for a GPU): a forward, JVP and VJP row per
+    mask and size, each timing the small-head kernels, the matrix-product kernels and SDPA (no SDPA with arbitrary
+    positions), with errors against float64 at the float32 level."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    out = tmp_path / "gpu.md"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--cpu-smoke", "--sections",
+                          "small", "--out", str(out)], capture_output=True, text=True, env=env, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = json.loads((tmp_path / "gpu.json").read_text())["sections"]["small"]["rows"]
+    whats = {(r[0], r[1]) for r in rows}
+    for mask in ("none", "positions", "causal", "weighted"):
+        for what in ("forward", "JVP", "VJP"):
+            assert (f"{what}, d = 3, {mask}, Triton kernels", 24) in whats
+    for what, _, res, ours, _peers in rows:
+        assert ours == "small-head kernels"
+        assert isinstance(res["small-head kernels"], float) and isinstance(res["matrix-product kernels"], float)
+        assert isinstance(res.get("SDPA padded", res.get("SDPA backward")), float) == ("positions" not in what)
+        for kind in ("small-head kernels", "matrix-product kernels"):
+            assert res["info"][f"{kind} rel. error"] < 1e-5, (what, res)
 
 
 def test_a_candidate_is_skipped_only_when_its_extrapolation_exceeds_the_margin_times_the_cap():
