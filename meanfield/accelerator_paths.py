@@ -48,7 +48,7 @@ import torch
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
            "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "SMALL_HEAD_FEATURES",
-           "SMALL_HEAD_DTYPES", "small_heads", "triton_width", "choose",
+           "SMALL_HEAD_DTYPES", "SMALL_HEADS_FIRST", "small_heads", "efficient_first", "triton_width", "choose",
            "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
@@ -126,6 +126,22 @@ SMALL_HEAD_FEATURES = 3
 #: (its loops in FMAs take 65 instructions per entry and spill registers, where a float64 product of 4 columns,
 #: Triton's smallest, runs on the tensor cores of sm_80 and sm_90)
 SMALL_HEAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+#: Whether the forward passes and VJPs of small heads (:func:`small_heads`) on an accelerator take the small-head
+#: Triton kernels rather than torch's memory-efficient kernel (which takes them wherever the mask allows, rule 2 of
+#: the module docstring). Off until measured: ``bench_gpu.py --sections small`` times both (the small-head kernels
+#: against SDPA padded and its backward); on turns it for every call of ``auto`` (local_lipschitz, simulate)
+SMALL_HEADS_FIRST = False
+
+
+def efficient_first(device_type: str, dtype, e: int, c: int, engine: str) -> bool:
+    """Whether an ``auto`` streamed call on ``device_type`` sends the passes the mask allows to torch's memory-efficient
+    kernel (``engine``: the engine :func:`stream_engine` chose): on every accelerator, except for small heads on the
+    Triton engine once :data:`SMALL_HEADS_FIRST` is on."""
+    if device_type == "cpu":
+        return False
+    return not (SMALL_HEADS_FIRST and engine == "triton" and small_heads(e, c, dtype))
 
 
 def small_heads(e: int, c: int, dtype=torch.float32) -> bool:

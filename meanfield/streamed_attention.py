@@ -74,6 +74,7 @@ from torch.autograd import forward_ad as _forward_ad
 from . import attention_tiles as tiles
 from . import efficient_cuda as efficient
 from . import flash_cpu as flash
+from .accelerator_paths import efficient_first
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
@@ -496,8 +497,9 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
         s = q @ k.transpose(-1, -2)
         out, lse = torch.softmax(s, -1) @ v, s.sum(-1) - math.inf
         return (out, lse) if return_lse else out
-    fused = engine is None and q.device.type != "cpu"
+    auto = engine is None
     engine = _resolve_engine(engine, q, v)
+    fused = auto and efficient_first(q.device.type, q.dtype, q.shape[-1], c, engine)
     if pair is not None:
         bq, bk = pair
     elif q.device.type == "cpu":

@@ -551,3 +551,36 @@ def test_rows_path_equals_the_attention_written_out(weighted, positions, rows, m
     assert torch.isfinite(qg.grad).all()
     if positions == "other":
         assert torch.equal(out[:, 0].detach(), torch.zeros(2, 3, dtype=DT))
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_small_heads_leave_the_memory_efficient_kernel_only_when_asked(monkeypatch, first):
+    """accelerator_paths.SMALL_HEADS_FIRST (off until measured on a GPU): an ``auto`` streamed call on an accelerator
+    sends the passes the mask allows to torch's memory-efficient kernel (plan.fused), except, once it is on, those of
+    small heads on the Triton engine. Meta tensors stand in for an accelerator; the plan is read where the call would
+    run."""
+    from meanfield import streamed_attention as streaming
+
+    monkeypatch.setattr(ap, "SMALL_HEADS_FIRST", first)
+    f32, f64 = torch.float32, torch.float64
+    assert ap.efficient_first("cuda", f32, 3, 3, "triton") is not first
+    assert ap.efficient_first("cuda", f32, 3, 5, "triton") and ap.efficient_first("cuda", f64, 3, 3, "triton")
+    assert ap.efficient_first("cuda", f32, 3, 3, "tiles") and not ap.efficient_first("cpu", f32, 3, 3, "triton")
+    plans = []
+
+    class Stop(Exception):
+        pass
+
+    def capture(*args):
+        plans.append(args[-1])
+        raise Stop
+
+    monkeypatch.setattr(streaming, "_resolve_engine", lambda engine, q, v: "triton" if engine is None else engine)
+    monkeypatch.setattr(streaming.StreamAttention, "apply", capture)
+    for e, c in ((3, 3), (3, 8)):
+        q, k, v = (torch.empty(*shape, device="meta") for shape in ((40, e), (50, e), (50, c)))
+        with pytest.raises(Stop):
+            streaming.stream_attend(q, k, v, block_size=(16, 16))
+        with pytest.raises(Stop):
+            streaming.stream_attend(q, k, v, block_size=(16, 16), engine="triton")   # forced: never fused
+    assert [p.fused for p in plans] == [not first, False, True, False]
