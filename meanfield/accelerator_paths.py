@@ -219,13 +219,12 @@ def fused_widths(e: int, c: int, weighted: bool, causal: bool, dtype=None) -> tu
 
 
 def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, *, weighted: bool,
-           positions: str, derivatives: bool, transforms: bool, budget: int, triton: bool | None = None,
-           threshold=None) -> str:
+           positions: str, derivatives: bool, transforms: bool, budget: int, threshold=None) -> str:
     """The path ("dense", "rows", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
     on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
     or "other"; ``budget`` in bytes, or a callable returning them (read only where the dense path is
-    considered); ``threshold`` the size given to ``kernels.use(threshold=...)``. ``triton`` (whether Triton runs)
-    does not change the path: the streamed path picks its engine itself (:func:`stream_engine`)."""
+    considered); ``threshold`` the size given to ``kernels.use(threshold=...)``. Whether Triton runs does not
+    change the path: the streamed path picks its engine itself (:func:`stream_engine`)."""
     if positions not in ("none", "causal", "other"):
         raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
     entries = max(1, batch) * m * n

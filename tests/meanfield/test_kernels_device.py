@@ -29,10 +29,9 @@ def _close(a, b, tol=1e-10):
 
 
 def _choose(n, e=3, dtype=torch.float32, positions="none", derivatives=False, budget=40 * GiB, weighted=False,
-            batch=1, triton=True, transforms=False, threshold=None, m=None):
+            batch=1, transforms=False, threshold=None, m=None):
     return ap.choose("cuda", dtype, batch, n if m is None else m, n, e, e, weighted=weighted, positions=positions,
-                     derivatives=derivatives, transforms=transforms, budget=budget, triton=triton,
-                     threshold=threshold)
+                     derivatives=derivatives, transforms=transforms, budget=budget, threshold=threshold)
 
 
 # ---------------------------------------------------------------- the choice on CUDA
@@ -402,7 +401,7 @@ def test_the_positions_are_read_only_where_the_path_depends_on_them(monkeypatch)
     for qp, kp in ((pb, pb), (pb, pb.flip(0))):
         kind = "causal" if kernels.sequence_mask(qp, kp) else "other"
         assert ap.choose("cuda", torch.float32, 1, big, big, 3, 3, weighted=False, positions=kind, derivatives=False,
-                         transforms=False, budget=40 * GiB, triton=True) == \
+                         transforms=False, budget=40 * GiB) == \
             kernels._choose_accelerator(qb, qb, qb, None, qp, kp, None)[0]
 
 
