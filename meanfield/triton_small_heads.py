@@ -131,6 +131,36 @@ def _lse(LSE, rows, rmask, s_L, ACC: tl.constexpr):
     return tl.where(lse == -float("inf"), float("inf"), lse)
 
 
+@triton.jit
+def _queries(Q, QP, spm, sqm, sqe, m, n, BLOCK_M: tl.constexpr, E: tl.constexpr, HAS_POS: tl.constexpr,
+             CAUSAL: tl.constexpr, ACC: tl.constexpr):
+    """The query-side kernels' own rows (pointers at their batch entry): indices, mask, features, positions (the
+    indices for a causal mask) and the end of the keys they see."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < m
+    q0, q1, q2, q3 = _cols(Q, rows, rmask, sqm, sqe, E, ACC)
+    qp = rows
+    if HAS_POS:
+        qp = tl.load(QP + rows * spm, mask=rmask, other=-float("inf"))
+    hi = n
+    if CAUSAL:
+        hi = tl.minimum(n, (pid + 1) * BLOCK_M)
+    return rows, rmask, q0, q1, q2, q3, qp, hi
+
+
+@triton.jit
+def _keys(K, skn, ske, LW, sln, KP, skpn, j0, n, rows, q0, q1, q2, q3, qp, BLOCK_N: tl.constexpr, E: tl.constexpr,
+          HAS_LW: tl.constexpr, HAS_POS: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr):
+    """The key block from ``j0`` of a query-side kernel: indices, mask, features and the (keys, queries) scores."""
+    cols = j0 + tl.arange(0, BLOCK_N)
+    cmask = cols < n
+    y0, y1, y2, y3 = _cols(K, cols, cmask, skn, ske, E, ACC)
+    s = _mask_q(_outer(y0, y1, y2, y3, q0, q1, q2, q3, E), LW, sln, qp, KP, skpn, rows, cols, cmask,
+                HAS_LW, HAS_POS, CAUSAL, ACC)
+    return cols, cmask, y0, y1, y2, y3, s
+
+
 # ---------------------------------------------------------------------- forward
 @triton.jit
 def _forward_kernel(Q, K, V, LW, QP, KP, OUT, LSE,
@@ -140,28 +170,17 @@ def _forward_kernel(Q, K, V, LW, QP, KP, OUT, LSE,
                     HAS_LW: tl.constexpr, HAS_POS: tl.constexpr, CAUSAL: tl.constexpr,
                     E: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     PREC: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < m
-    q0, q1, q2, q3 = _cols(Q + b * sqb, rows, rmask, sqm, sqe, E, ACC)
-    qp = rows
-    if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+    rows, rmask, q0, q1, q2, q3, qp, hi = _queries(Q + b * sqb, QP + b * spb, spm, sqm, sqe, m, n, BLOCK_M, E,
+                                                   HAS_POS, CAUSAL, ACC)
     run_max = tl.full([BLOCK_M], -float("inf"), ACC)
     run_sum = tl.zeros([BLOCK_M], ACC)
     sum_carry = tl.zeros([BLOCK_M], ACC)
     a0 = tl.zeros([BLOCK_M], ACC)
     a1, a2, a3, k0, k1, k2, k3 = a0, a0, a0, a0, a0, a0, a0
-    hi = n
-    if CAUSAL:
-        hi = tl.minimum(n, (pid + 1) * BLOCK_M)
     for j0 in range(0, hi, BLOCK_N):
-        cols = j0 + tl.arange(0, BLOCK_N)
-        cmask = cols < n
-        y0, y1, y2, y3 = _cols(K + b * skb, cols, cmask, skn, ske, E, ACC)
-        s = _mask_q(_outer(y0, y1, y2, y3, q0, q1, q2, q3, E), LW + b * slb, sln, qp, KP + b * skpb, skpn,
-                    rows, cols, cmask, HAS_LW, HAS_POS, CAUSAL, ACC)
+        cols, cmask, y0, y1, y2, y3, s = _keys(K + b * skb, skn, ske, LW + b * slb, sln, KP + b * skpb, skpn, j0, n,
+                                               rows, q0, q1, q2, q3, qp, BLOCK_N, E, HAS_LW, HAS_POS, CAUSAL, ACC)
         new_max = tl.maximum(run_max, tl.max(s, 0))
         # a query whose keys are all masked so far has max -inf: shift by 0 instead (its terms are all 0)
         shift = tl.where(new_max == -float("inf"), 0.0, new_max)
@@ -193,31 +212,20 @@ def _jvp_kernel(Q, K, V, LW, QP, KP, OUT, LSE, TQ, TK, TV, TLW, DOUT, DLSE,
                 E: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 PREC: tl.constexpr, ACC: tl.constexpr):
     """d out_i = sum_j P_ij dv_j + sum_j P_ij ds_ij v_j - (sum_j P_ij ds_ij) out_i, dL_i = sum_j P_ij ds_ij."""
-    pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < m
-    q0, q1, q2, q3 = _cols(Q + b * sqb, rows, rmask, sqm, sqe, E, ACC)
+    rows, rmask, q0, q1, q2, q3, qp, hi = _queries(Q + b * sqb, QP + b * spb, spm, sqm, sqe, m, n, BLOCK_M, E,
+                                                   HAS_POS, CAUSAL, ACC)
     t0, t1, t2, t3 = q0, q1, q2, q3
     if HAS_TQ:
         t0, t1, t2, t3 = _cols(TQ + b * stqb, rows, rmask, stqm, stqe, E, ACC)
-    qp = rows
-    if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
     lse = _lse(LSE + b * sLb, rows, rmask, sLm, ACC)
     a0 = tl.zeros([BLOCK_M], ACC)
     a1, a2, a3, k0, k1, k2, k3 = a0, a0, a0, a0, a0, a0, a0
     row = a0
     row_carry = a0
-    hi = n
-    if CAUSAL:
-        hi = tl.minimum(n, (pid + 1) * BLOCK_M)
     for j0 in range(0, hi, BLOCK_N):
-        cols = j0 + tl.arange(0, BLOCK_N)
-        cmask = cols < n
-        y0, y1, y2, y3 = _cols(K + b * skb, cols, cmask, skn, ske, E, ACC)
-        s = _mask_q(_outer(y0, y1, y2, y3, q0, q1, q2, q3, E), LW + b * slb, sln, qp, KP + b * skpb, skpn,
-                    rows, cols, cmask, HAS_LW, HAS_POS, CAUSAL, ACC)
+        cols, cmask, y0, y1, y2, y3, s = _keys(K + b * skb, skn, ske, LW + b * slb, sln, KP + b * skpb, skpn, j0, n,
+                                               rows, q0, q1, q2, q3, qp, BLOCK_N, E, HAS_LW, HAS_POS, CAUSAL, ACC)
         p = tl.exp(s - lse[None, :])
         if HAS_TV:
             w0, w1, w2, w3 = _cols(TV + b * stvb, cols, cmask, stvn, stvc, C, ACC)
@@ -253,28 +261,17 @@ def _backward_q_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DQ,
                        E: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        PREC: tl.constexpr, ACC: tl.constexpr):
     """dq for the owned queries: dq_i = sum_j P_ij (<dO_i, v_j> - D_i) k_j."""
-    pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    rmask = rows < m
-    q0, q1, q2, q3 = _cols(Q + b * sqb, rows, rmask, sqm, sqe, E, ACC)
+    rows, rmask, q0, q1, q2, q3, qp, hi = _queries(Q + b * sqb, QP + b * spb, spm, sqm, sqe, m, n, BLOCK_M, E,
+                                                   HAS_POS, CAUSAL, ACC)
     g0, g1, g2, g3 = _cols(GO + b * sgb, rows, rmask, sgm, sgc, C, ACC)
-    qp = rows
-    if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
     lse = _lse(LSE + b * sLb, rows, rmask, sLm, ACC)
     delta = tl.load(DELTA + b * m + rows, mask=rmask, other=0.0).to(ACC)
     a0 = tl.zeros([BLOCK_M], ACC)
     a1, a2, a3, k0, k1, k2, k3 = a0, a0, a0, a0, a0, a0, a0
-    hi = n
-    if CAUSAL:
-        hi = tl.minimum(n, (pid + 1) * BLOCK_M)
     for j0 in range(0, hi, BLOCK_N):
-        cols = j0 + tl.arange(0, BLOCK_N)
-        cmask = cols < n
-        y0, y1, y2, y3 = _cols(K + b * skb, cols, cmask, skn, ske, E, ACC)
-        s = _mask_q(_outer(y0, y1, y2, y3, q0, q1, q2, q3, E), LW + b * slb, sln, qp, KP + b * skpb, skpn,
-                    rows, cols, cmask, HAS_LW, HAS_POS, CAUSAL, ACC)
+        cols, cmask, y0, y1, y2, y3, s = _keys(K + b * skb, skn, ske, LW + b * slb, sln, KP + b * skpb, skpn, j0, n,
+                                               rows, q0, q1, q2, q3, qp, BLOCK_N, E, HAS_LW, HAS_POS, CAUSAL, ACC)
         p = tl.exp(s - lse[None, :])
         v0, v1, v2, v3 = _cols(V + b * svb, cols, cmask, svn, svc, C, ACC)
         ds = p * (_outer(v0, v1, v2, v3, g0, g1, g2, g3, C) - delta[None, :])

@@ -82,16 +82,8 @@ def test_which_heads_take_the_small_kernels(monkeypatch):
 
 @pytest.mark.parametrize("case", SMALL_CASES, ids=_ids)
 def test_forward_and_log_sum_exp_match_dense(ta, spy, case):
-    q, k, v, lw, qp, kp = _problem(31, **case)
-    out, lse = ta.forward(q, k, v, lw, qp, kp, case["positions"] == "causal")
+    base.test_forward_and_log_sum_exp_match_dense(ta, case)
     assert spy == ["forward"]
-    ref_out, ref_lse = _dense(q, k, v, lw, qp, kp)
-    _close(out, ref_out)
-    empty = torch.isinf(ref_lse)
-    assert torch.equal(torch.isinf(lse), empty) and torch.all(lse[empty] < 0)
-    _close(lse[~empty], ref_lse[~empty])
-    if case["positions"] == "other":
-        assert empty[:, 0].all() and torch.all(out[:, 0] == 0)  # the query before every key
 
 
 def test_a_head_of_four_features_takes_the_general_kernels(ta, spy):
@@ -158,52 +150,15 @@ JVP_CASES = [(case, "all") for case in SMALL_CASES[:6]] + [
 
 @pytest.mark.parametrize("case, which", JVP_CASES, ids=[f"{_ids(c)}-{w}" for c, w in JVP_CASES])
 def test_jvp_matches_dense_forward_mode(ta, spy, case, which):
-    q, k, v, lw, qp, kp = _problem(33, **case)
-    names = ["q", "k", "v"] + (["lw"] if lw is not None else [])
-    prim = (q, k, v, lw)[:len(names)]
-    g = torch.Generator().manual_seed(34)
-    tans = [torch.randn(t.shape, generator=g, dtype=DT) if which in ("all", name) else None
-            for t, name in zip(prim, names)]
-    f = lambda *p: _dense(*p[:3], p[3] if len(p) > 3 else None, qp, kp)
-    (_, ref_lse), (t_out, t_lse) = torch.func.jvp(
-        f, prim, tuple(torch.zeros_like(p) if t is None else t for p, t in zip(prim, tans)))
-    causal = case["positions"] == "causal"
-    out, lse = ta.forward(q, k, v, lw, qp, kp, causal)
-    d_out, d_lse = ta.jvp(q, k, v, lw, qp, kp, causal, out, lse, *(tans + [None] * (4 - len(tans))))
+    base.test_jvp_matches_dense_forward_mode(ta, case, which)
     assert spy == ["forward", "jvp"]
-    _close(d_out, t_out)
-    live = torch.isfinite(ref_lse)
-    _close(d_lse[live], t_lse[live])
 
 
 @pytest.mark.parametrize("case", SMALL_CASES, ids=_ids)
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_vjp_matches_dense_reverse_mode(ta, spy, case, with_lse):
-    q, k, v, lw, qp, kp = _problem(35, **case)
-    causal = case["positions"] == "causal"
-    prim = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    lw_r = None if lw is None else lw.detach().clone().requires_grad_(True)
-    ref_out, ref_lse = _dense(*prim, lw_r, qp, kp)
-    g = torch.Generator().manual_seed(36)
-    g_out = torch.randn(ref_out.shape, generator=g, dtype=DT)
-    g_lse = torch.randn(ref_lse.shape, generator=g, dtype=DT) if with_lse else None
-    live = torch.isfinite(ref_lse)
-    total = (ref_out * g_out).sum()
-    if with_lse:
-        total = total + (ref_lse[live] * g_lse[live]).sum()
-    wrt = prim + ([lw_r] if lw_r is not None else [])
-    ref = torch.autograd.grad(total, wrt)
-    out, lse = ta.forward(q, k, v, lw, qp, kp, causal)
-    got = ta.backward(q, k, v, lw, qp, kp, causal, out, lse, g_out, g_lse, (True,) * 4)
+    base.test_vjp_matches_dense_reverse_mode(ta, case, with_lse)
     assert spy == ["forward", "backward_q", "backward_kv"]
-    for a, b in zip(got, ref):
-        if b is not None and b is ref[-1] and lw is not None:
-            finite = torch.isfinite(lw)  # the dense gradient at log a = -inf is 0 * inf bookkeeping
-            _close(a[finite], b[finite])
-        else:
-            _close(a, b)
-    if lw is None:
-        assert got[3] is None
 
 
 def test_vjp_computes_only_what_is_needed(ta):
@@ -301,11 +256,10 @@ def test_float32_sums_over_many_blocks_keep_one_blocks_error(ta, spy):
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
                             "ignore:invalid value encountered:RuntimeWarning")   # the interpreter's numpy, by design
-def test_a_float32_sum_that_overflows_stays_infinite(ta):
-    q, k = torch.zeros(1, 16, 3), torch.zeros(1, 64, 3)
-    v = torch.full((1, 64, 2), 3e38)
-    out, _ = ta.forward(q, k, v, None, None, None, False)
-    assert torch.equal(out, torch.full_like(out, math.inf))
+def test_a_float32_sum_that_overflows_stays_infinite_in_the_matrix_product_kernels_too(ta, monkeypatch):
+    """test_kernels_triton.py's test (3 and 2 features: the small kernels), with the other family."""
+    monkeypatch.setattr(accelerator_paths, "SMALL_HEAD_FEATURES", None)
+    base.test_a_float32_sum_that_overflows_stays_infinite(ta)
 
 
 def test_float16_inputs_are_computed_in_float32(ta, spy):
