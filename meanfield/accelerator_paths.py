@@ -48,7 +48,8 @@ import torch
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
            "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "SMALL_HEAD_FEATURES",
-           "SMALL_HEAD_DTYPES", "SMALL_HEADS_FIRST", "small_heads", "efficient_first", "triton_width", "choose",
+           "SMALL_HEAD_DTYPES", "SMALL_HEAD_MAX", "SMALL_HEADS_FIRST", "small_heads", "efficient_first", "triton_width",
+           "choose",
            "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
 #: On an accelerator, dense up to this many score entries (all batch entries). Below it the dense path's
@@ -144,11 +145,16 @@ def efficient_first(device_type: str, dtype, e: int, c: int, engine: str) -> boo
     return not (SMALL_HEADS_FIRST and engine == "triton" and small_heads(e, c, dtype))
 
 
+#: The most features the small-head kernels can take at all, since they unroll features one by one up to 4. A
+#: :data:`SMALL_HEAD_FEATURES` set higher still sends wider heads to the matrix-product kernels
+SMALL_HEAD_MAX = 4
+
+
 def small_heads(e: int, c: int, dtype=torch.float32) -> bool:
     """Whether a head of ``e`` query / key features and ``c`` value features in ``dtype`` takes the small-head
-    kernels (:data:`SMALL_HEAD_FEATURES`, :data:`SMALL_HEAD_DTYPES`)."""
+    kernels (:data:`SMALL_HEAD_FEATURES`, at most :data:`SMALL_HEAD_MAX`; :data:`SMALL_HEAD_DTYPES`)."""
     return (SMALL_HEAD_FEATURES is not None and dtype in SMALL_HEAD_DTYPES and 1 <= min(e, c)
-            and max(e, c) <= SMALL_HEAD_FEATURES)
+            and max(e, c) <= min(SMALL_HEAD_FEATURES, SMALL_HEAD_MAX))
 
 
 def triton_width(size: int, dtype) -> int:

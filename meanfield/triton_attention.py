@@ -14,8 +14,9 @@ Each program holds a (BLOCK_M, BLOCK_N) tile of scores in registers; nothing of 
 memory. The mask is either none, the causal mask of a sequence (key index <= query index; the loops stop
 at the diagonal) or arbitrary positions (kp_j <= qp_i, every key block visited). Feature sizes are
 padded with zeros (which change no product) to a power of two, at least the smallest reduction of a
-Triton matrix product (4 in float64, 8 in float32, 16 in the half types: d = 3 costs 8 columns in
-float32); float32 and float64 products are IEEE (no TF32), so results agree with the CPU to rounding; each
+Triton matrix product (4 in float64, 8 in float32, 16 in the half types, with Triton 3.9; heads of at most 3
+features in float32 and the half types take the FMA kernels of :mod:`meanfield.triton_small_heads` instead);
+float32 and float64 products are IEEE (no TF32), so results agree with the CPU to rounding; each
 block's product is summed apart and the sums over blocks are compensated (Kahan summation, ``_add``), so a float32 pass
 over 1e5 keys keeps the error of one block (1.3e-7 relative on an H200, where one accumulation chain
 lost 2.5e-4).

@@ -28,13 +28,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .accelerator_paths import SMALL_HEAD_MAX
 from .triton_attention import _INTERPRETED, _add, _sum
 
 __all__ = ["MAX_FEATURES", "blocks", "KERNELS"]
 
-#: The largest feature size of q, k and v these kernels take, whose features are unrolled one by one (up to 4;
-#: with 4 the JVP and the dq pass spill registers at the tiles of :func:`blocks`)
-MAX_FEATURES = 4
+#: The largest feature size of q, k and v these kernels take, whose features are unrolled one by one (with 4 the
+#: JVP and the dq pass spill registers at the tiles of :func:`blocks`, so the default limit is 3)
+MAX_FEATURES = SMALL_HEAD_MAX
 
 
 def blocks(dtype, kernel: str):  # noqa: ARG001 - one tile for every dtype and kernel, so far

@@ -76,6 +76,8 @@ def test_which_heads_take_the_small_kernels(monkeypatch):
     assert not small(3, 4) and not small(4, 3) and not small(3, 5)
     assert not small(0, 3)   # no features: the general kernels (and their checks)
     assert not small(3, 3, torch.float64)   # float64 products of 4 columns run on tensor cores
+    monkeypatch.setattr(accelerator_paths, "SMALL_HEAD_FEATURES", 6)   # above what the kernels unroll: capped
+    assert small(4, 4) and not small(5, 3) and not small(3, 6)
     monkeypatch.setattr(accelerator_paths, "SMALL_HEAD_FEATURES", None)
     assert not small(3, 3)
 
@@ -159,6 +161,30 @@ def test_jvp_matches_dense_forward_mode(ta, spy, case, which):
 def test_vjp_matches_dense_reverse_mode(ta, spy, case, with_lse):
     base.test_vjp_matches_dense_reverse_mode(ta, case, with_lse)
     assert spy == ["forward", "backward_q", "backward_kv"]
+
+
+@pytest.mark.parametrize("positions", [None, "other"])
+def test_strided_features_and_rows(ta, spy, positions):
+    """Inputs that are views (a feature stride of 2, rows of a transposed tensor), tangents and the cotangent too:
+    every load goes through its strides (the kernels read no contiguous copy)."""
+    g = torch.Generator().manual_seed(48)
+    q0, k0, v0, lw, qp, kp = _problem(48, e=3, c=3, positions=positions)
+    wide = lambda t: torch.randn(*t.shape[:-1], 2 * t.shape[-1], generator=g, dtype=DT)[..., ::2]
+    rows_t = lambda t: torch.randn(t.shape[0], t.shape[2], t.shape[1], generator=g, dtype=DT).transpose(1, 2)
+    q, k, v = wide(q0), rows_t(k0), wide(v0)
+    assert q.stride(-1) == 2 and k.stride(-2) == 1 and v.stride(-1) == 2
+    out, lse = ta.forward(q, k, v, lw, qp, kp, False)
+    ref_out, ref_lse = _dense(q, k, v, lw, qp, kp)
+    _close(out, ref_out)
+    tans = (wide(q0), rows_t(k0), wide(v0))
+    t_out = torch.func.jvp(lambda a, b, c: _dense(a, b, c, lw, qp, kp)[0], (q, k, v), tans)[1]
+    _close(ta.jvp(q, k, v, lw, qp, kp, False, out, lse, *tans, None)[0], t_out)
+    g_out = wide(out)
+    req = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.autograd.grad((_dense(*req, lw, qp, kp)[0] * g_out).sum(), req)
+    for a, b in zip(ta.backward(q, k, v, lw, qp, kp, False, out, lse, g_out, None, (True, True, True, False)), ref):
+        _close(a, b)
+    assert spy == ["forward", "jvp", "backward_q", "backward_kv"]
 
 
 def test_vjp_computes_only_what_is_needed(ta):
