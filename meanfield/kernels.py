@@ -15,6 +15,9 @@ Every operator of the framework calls :func:`attend`. Three paths compute the sa
   forward pass and VJP run in torch's fused flash kernel where the mask allows.
 * ``"fused"``: torch's ``scaled_dot_product_attention`` in its 4-D layout, positions of a sequence as
   ``is_causal``, log-weights as a broadcast mask row (forward passes; no forward-mode AD on CPU).
+* ``"series"`` (:mod:`meanfield.series_attention`): the exponential of the centred scores as a truncated
+  series of M monomial features, O((m + n) M) time, its truncation proved below the dtype's machine epsilon
+  (relative to ``max |v_j|``); for narrow heads and bounded scores (the sphere models' tokens), no positions.
 
 ``method="auto"`` (the default) picks by regime (the map measured in benchmarks/README.md):
 
@@ -24,7 +27,11 @@ Every operator of the framework calls :func:`attend`. Three paths compute the sa
 * forward pass the fused kernel applies to (no positions, or the causal mask of a sequence; a dtype
   and device with a fused kernel): dense up to :data:`FUSED_THRESHOLD` entries, fused above;
 * forward pass with other positions (arbitrary masks): dense, then fused with an explicit boolean
-  (m, n) mask while that mask is small (:data:`MASKED_FUSED_RANGE`), streamed above (O(N) memory).
+  (m, n) mask while that mask is small (:data:`MASKED_FUSED_RANGE`), streamed above (O(N) memory);
+* forward pass without positions above :data:`SERIES_THRESHOLD` entries (:data:`SERIES_THRESHOLD_ACCELERATOR`
+  on other devices) whose series certifies the dtype's machine epsilon with few enough features to cost at most
+  :data:`meanfield.series_attention.COST_RATIO` of the dense pass (:func:`series_first`; one O(m + n) pass over q
+  and k, a host sync on an accelerator): the series, before every rule above.
 
 Force a path per call (``attend(..., method="stream", block_size=256)``) or for a block of code::
 
@@ -59,7 +66,8 @@ from .streamed_attention import _transforms_active, one_query_set, sequence_mask
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
            "rows_attend", "STREAM_THRESHOLD",
-           "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS"]
+           "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS", "SERIES_THRESHOLD",
+           "SERIES_THRESHOLD_ACCELERATOR", "series_first"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -72,6 +80,14 @@ FUSED_THRESHOLD = 2**14
 #: With ``method="auto"``, forward passes with arbitrary positions are dense up to the first bound, fused (with an
 #: explicit boolean mask of at most 4 MiB) up to the second, streamed above
 MASKED_FUSED_RANGE = (2**16, 2**22)
+#: With ``method="auto"``, forward passes without positions consider the series above this many score entries on the
+#: CPU (N of about 8200: below, the dense and fused kernels are as fast; measured in benchmarks/README.md)
+SERIES_THRESHOLD = 2**26
+#: the same on other devices, unmeasured (a conservative N of about 32768, where padded SDPA takes about 7 ms on an
+#: H200 and the series' launches about 1 ms)
+SERIES_THRESHOLD_ACCELERATOR = 2**30
+#: heads wider than this never take the series in ``auto`` (their features outnumber the keys)
+SERIES_MAX_HEAD = 6
 log = logging.getLogger(__name__)
 _LOGGED: set = set()
 
@@ -88,7 +104,7 @@ def _log_path(method, q, k, log_weights, q_pos) -> None:
               ", weighted" if log_weights is not None else "", ", masked" if q_pos is not None else "")
 
 
-METHODS = ("auto", "dense", "stream", "fused")
+METHODS = ("auto", "dense", "stream", "fused", "series")
 
 _DEFAULTS = contextvars.ContextVar("meanfield_kernel_defaults", default=("auto", None, None))
 
@@ -132,7 +148,7 @@ _RECORD = contextvars.ContextVar("meanfield_kernel_paths_run", default=None)
 @contextlib.contextmanager
 def record_paths():
     """The path every :func:`attend` call runs inside this context, in order: yields a list that receives
-    "dense", "rows", "fused" or "stream" per call (on an accelerator, "fused" only where SDPA found a fused
+    "dense", "rows", "fused", "stream" or "series" per call (on an accelerator, "fused" only where SDPA found a fused
     kernel, "stream" where the call fell back). What ran, not what :func:`choose` predicts: a study that
     checks a path against the dense kernel can tell that the path was taken. Nested contexts each record
     their own calls (the innermost one)."""
@@ -154,7 +170,7 @@ def _ran(path: str) -> None:
 def use(method="auto", *, block_size=None, threshold=None):
     """Set the default path of :func:`attend` inside a ``with`` block (per thread / task).
 
-    ``method`` is "auto", "dense", "stream" or "fused"; ``block_size`` the tile edge of the
+    ``method`` is "auto", "dense", "stream", "fused" or "series"; ``block_size`` the tile edge of the
     streaming path (int or (block_q, block_k)); ``threshold`` the size (entries of the score
     matrix) up to which auto stays dense in every regime (None: :data:`FUSED_THRESHOLD` for fused
     forward passes, :data:`STREAM_THRESHOLD` otherwise). An explicit ``method=`` / ``block_size=``
@@ -399,7 +415,7 @@ _FUSED_DTYPES = {
 
 
 def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None) -> str:
-    """The path "auto" takes for these inputs: "dense", "fused" or "stream" (module docstring); on an
+    """The path "auto" takes for these inputs: "dense", "fused", "stream" or "series" (module docstring); on an
     accelerator also "rows" (:func:`rows_attend`).
 
     Reads the positions once to recognise a sequence's causal mask (a host sync on an accelerator).
@@ -414,6 +430,8 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
     None when they were not read. ``entries``: :func:`_score_entries` when the caller has it."""
     if entries is None:
         entries = _score_entries(q, k, log_weights, q_pos, k_pos)
+    if series_first(q, k, v, log_weights, q_pos, threshold, entries):
+        return "series", None
     if q.device.type != "cpu":
         return _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries)
     if threshold is not None:
@@ -435,6 +453,33 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
             return "fused", False
         return ("dense" if entries <= (MASKED_FUSED_RANGE[0] if threshold is None else threshold) else "stream"), False
     return ("dense" if entries <= fused_at else "fused"), q_pos is not None
+
+
+def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=None) -> bool:
+    """Whether ``auto`` takes the series (:mod:`meanfield.series_attention`): a forward pass (no derivatives) without
+    positions, above :data:`SERIES_THRESHOLD` score entries (:data:`SERIES_THRESHOLD_ACCELERATOR` off the CPU; and
+    above ``threshold``, :func:`use`'s), a head of at most ``SERIES_MAX_HEAD`` features, whose
+    :func:`~meanfield.series_attention.plan` certifies the dtype's machine epsilon at a cost (its multiply-adds,
+    :func:`~meanfield.series_attention.cost`) of at most :data:`~meanfield.series_attention.COST_RATIO` of the dense
+    pass's. The plan reads ``max |q|`` and ``max |k - c|`` (one O(m + n) pass; a host sync on an accelerator), only once
+    every other condition holds."""
+    if q_pos is not None or q.shape[-1] > SERIES_MAX_HEAD:
+        return False
+    if entries is None:
+        entries = _score_entries(q, k, log_weights, q_pos, None)
+    floor = SERIES_THRESHOLD if q.device.type == "cpu" else SERIES_THRESHOLD_ACCELERATOR
+    if entries <= max(floor, threshold or 0) or _needs_derivatives(q, k, v, log_weights):
+        return False
+    from . import series_attention as series
+
+    m, n = q.shape[-2], k.shape[-2]
+    batch = entries // max(1, m * n)
+    dense = series.dense_cost(entries, q.shape[-1], v.shape[-1])
+    if series.cost(batch, m, n, q.shape[-1], v.shape[-1], 0) > series.COST_RATIO * dense:
+        return False   # not even the constant term pays
+    plan = series.plan(q, k, log_weights)
+    return plan is not None and series.cost(batch, m, n, q.shape[-1], v.shape[-1], plan.degree) <= \
+        series.COST_RATIO * dense
 
 
 def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
@@ -615,7 +660,9 @@ def seen_positions(k_pos, seen) -> torch.Tensor:
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
-    ``method``: "dense" (materialize P), "stream" (tiles of ``block_size``, O(N) memory), "fused"
+    ``method``: "dense" (materialize P), "stream" (tiles of ``block_size``, O(N) memory), "series" (the truncated
+    exponential series of :mod:`meanfield.series_attention`: no positions; a ValueError where its bound cannot
+    reach the dtype's machine epsilon, ``r = max |q| max |k - c|`` above about 2), "fused"
     (torch's scaled_dot_product_attention, for forward passes: its derivatives are SDPA's, whose fused CPU
     kernels have neither forward mode nor a double backward; "auto" never takes it where derivatives are
     needed), or "auto" (:func:`choose`: the fastest path for the size,
@@ -647,6 +694,14 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
             return rows_attend(q, k, v, log_weights, q_pos, k_pos)
     elif method not in METHODS:
         _check_method(method)
+    if method == "series":
+        if q_pos is not None:
+            raise ValueError("method: 'series' takes no positions (a mask does not factor through the series' "
+                             "features); use 'auto', 'stream' or 'dense'")
+        from .series_attention import series_attend
+
+        _ran("series")
+        return _check_output(series_attend(q, k, v, log_weights), q, k, v, log_weights, queries=True)
     if method != "stream":   # the stream path records below, fused_or_stream where it ran
         _ran(method)
     if method == "dense":

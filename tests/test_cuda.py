@@ -368,3 +368,29 @@ def test_measure_to_cuda_float32_checks_its_positions_on_the_device():
     tied = Measure(X, positions=torch.tensor([0.5 + 1e-9, 0.5, 0.9], dtype=torch.float64))
     with pytest.raises(ValueError, match="dtype: torch.float32 rounds 1 pair"):
         tied.to(device="cuda", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_series_on_cuda_against_float64_dense_rows_and_tf32_left_as_it_was(dtype):
+    # the sphere models' tokens at N = 4e4 (1.6e9 score entries): auto takes the series on CUDA; 256 rows against
+    # float64 dense on the CPU. TF32 switched on by the caller is off inside the series and on again after
+    from meanfield import kernels
+    from meanfield.kernels import record_paths
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40_000, 3, generator=g, dtype=torch.float64)
+    x = x / x.norm(dim=1, keepdim=True)
+    rows = torch.randperm(40_000, generator=g)[:256]
+    truth = torch.softmax(x[rows] @ x.T, dim=-1) @ x
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        xc = x.to(CUDA, dtype)
+        with record_paths() as paths:
+            out = attend(xc, xc, xc)
+        assert paths == ["series"] and kernels.choose(xc, xc, xc) == "series"
+        assert torch.backends.cuda.matmul.allow_tf32 is True
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    err = float((out[rows.to(CUDA)].double().cpu() - truth).abs().max())
+    assert err <= {torch.float32: 2e-6, torch.float64: 1e-13}[dtype], err

@@ -1,0 +1,326 @@
+"""Attention of bounded scores as a truncated exponential series: O((m + n) M) time and memory O(m + n + M)
+instead of O(m n), exact to a proved bound (docs/math.md section 2.5).
+
+Softmax weights do not change when a constant is added to every score of a row, so keys may be centred:
+<q_i, k_j> and <q_i, k_j - c> give the same attention. With ``r = max_i |q_i| max_j |k_j - c|`` every centred score
+lies in [-r, r], and e^s is its Taylor polynomial T_K(s) = sum_{p <= K} s^p / p! up to the tail
+tau_K(r) = sum_{p > K} r^p / p! <= r^(K+1) / (K+1)! / (1 - r / (K + 2)). The multinomial theorem splits each power
+into features of the query and of the key::
+
+    T_K(<q, k>) = sum_{|alpha| <= K} phi_alpha(q) phi_alpha(k),   phi_alpha(y) = y^alpha / sqrt(alpha!)
+
+over the M = C(K + e, e) monomials of degree at most K in e features, so that
+
+    out_i = sum_j a_j T_K(s_ij) v_j / sum_j a_j T_K(s_ij) = Phi(q_i) S_v / Phi(q_i) S_1,
+    S = sum_j a_j phi(k_j - c) [v_j, 1]   (an M x (c + 1) matrix, one pass over the keys).
+
+This is the expansion behind the fast Gauss transform (Greengard and Strain 1991; Yang, Duraiswami and Gumerov,
+the improved FGT, 2003), here with one centre: it pays where r is small and the head is narrow, which is the
+particle regime of the sphere models (d = 3, ``|x| = 1``, beta about 1: ``r <= beta max_j |x_j - c|``, about 1 for
+uniform tokens and shrinking as they cluster), not for wide heads (M grows like K^e / e!) nor large radii (K grows
+like e r).
+
+**Bound** (:func:`error_bound`). With delta = e^r tau_K(r) < 1, every T_K(s_ij) is within delta e^{s_ij} of e^{s_ij}
+(e^{s_ij} >= e^{-r}), so the denominator is within a factor (1 +- delta) of the exact one and
+``||out_i - exact_i|| <= 2 delta / (1 - delta) max_j ||v_j||``. :func:`plan` picks the smallest K whose bound is at
+most ``tol`` (default: the dtype's machine epsilon, so that the truncation is below the rounding of the dense
+kernel). Rounding of the series itself: its terms are at most e^r in sum against a denominator at least e^{-r}
+(relative to the weights' sum), so it can amplify the dtype's rounding by up to about e^{2 r}; :func:`plan`
+refuses r above :data:`MAX_RADIUS` (e^{2 r} = 64).
+
+``kernels.attend(..., method="series")`` computes it (weights, batches; no positions: a causal or positional mask
+does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
+``tol`` with at most :data:`MAX_FEATURES` features and costs a fraction of the dense pass
+(:func:`meanfield.kernels.choose`). It is made of ordinary torch operations, so autograd and forward-mode AD
+differentiate it (the derivative of the truncated series; ``auto`` never takes it for derivatives).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SeriesPlan", "plan", "series_attend", "tail_bound", "error_bound", "feature_count", "features", "cost",
+           "dense_cost",
+           "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
+
+#: the largest ``r = max |q| max |k - c|`` a plan accepts: the series' rounding grows like e^{2 r} (64 here)
+MAX_RADIUS = math.log(64.0) / 2
+#: the most features (monomials of degree <= K) a plan accepts by default
+MAX_FEATURES = 4096
+#: the highest degree a plan considers
+MAX_DEGREE = 60
+#: ``auto`` takes the series where its cost, (m + n) M (c + 1) multiply-adds plus M per row for the features, is
+#: at most this fraction of the dense pass's m n (e + c + 1) (plus the exponentials, counted as 8 multiply-adds)
+COST_RATIO = 0.25
+
+
+@dataclass(frozen=True)
+class SeriesPlan:
+    """What :func:`plan` decided: the degree K, the feature count M = C(K + e, e), the radius r of the centred
+    scores and the proved bound (:func:`error_bound`) on ``||out_i - exact_i|| / max_j ||v_j||``."""
+
+    degree: int
+    features: int
+    radius: float
+    bound: float
+
+
+def tail_bound(r: float, K: int) -> float:
+    """An upper bound on tau_K(r) = sum_{p > K} r^p / p!: r^(K+1) / (K+1)! / (1 - r / (K + 2)) (the tail's ratios
+    r / (p + 1) are at most r / (K + 2)); inf where r >= K + 2."""
+    if r < 0:
+        raise ValueError(f"r: expected a radius >= 0, got {r!r}")
+    if r == 0:
+        return 0.0
+    if r >= K + 2:
+        return math.inf
+    log_first = (K + 1) * math.log(r) - math.lgamma(K + 2)
+    return math.exp(log_first) / (1.0 - r / (K + 2))
+
+
+def error_bound(r: float, K: int) -> float:
+    """The bound 2 delta / (1 - delta), delta = e^r tau_K(r), on ``||out_i - exact_i|| / max_j ||v_j||`` of the
+    series of degree K at centred scores in [-r, r] (module docstring); inf where delta >= 1."""
+    delta = math.exp(r) * tail_bound(r, K) if r > 0 else 0.0
+    return 2 * delta / (1 - delta) if delta < 1 else math.inf
+
+
+def feature_count(e: int, K: int) -> int:
+    """M = C(K + e, e), the monomials of degree at most K in e variables."""
+    return math.comb(K + e, e)
+
+
+def cost(batch: int, m: int, n: int, e: int, c: int, K: int) -> int:
+    """Multiply-adds of the series of degree K: per key and query one product per feature to build it, and c + 1
+    per feature in the sums (S, then the numerators and denominators)."""
+    return batch * (m + n) * feature_count(e, K) * (c + 2)
+
+
+def dense_cost(entries: int, e: int, c: int) -> int:
+    """Multiply-adds of a dense pass over ``entries`` scores: e for the score, c for the output, and the exponential
+    and normalization counted as 8."""
+    return entries * (e + c + 8)
+
+
+def _radius(q, k, log_weights):
+    """(r, centre, scale): ``r = max |q| max |k - c|`` over the batch, c the midpoint of the keys' bounding box per
+    batch member (keys of zero weight left out where some weight is positive), and the scale s that balances the two
+    factors (``|q / s|`` and ``|(k - c) s|`` at most sqrt(r)). One host sync on an accelerator."""
+    kd = k.detach()
+    if log_weights is not None:
+        # keys of zero weight take no part in the sums: leave them out of the box (a row of zero weights keeps
+        # every key: its output is set apart, :func:`series_attend`)
+        live = (log_weights.detach() != float("-inf")).unsqueeze(-1)
+        live = live | ~live.any(dim=-2, keepdim=True)
+        far = torch.full((), math.inf, dtype=kd.dtype, device=kd.device)
+        lo = torch.where(live, kd, far).amin(dim=-2, keepdim=True)
+        hi = torch.where(live, kd, -far).amax(dim=-2, keepdim=True)
+    else:
+        live = None
+        lo, hi = kd.amin(dim=-2, keepdim=True), kd.amax(dim=-2, keepdim=True)
+    centre = (lo + hi) / 2
+    dist = (kd - centre).norm(dim=-1)
+    if live is not None:
+        dist = torch.where(live.squeeze(-1), dist, 0)
+    rho = dist.amax(dim=-1, keepdim=True)                       # (..., 1)
+    qmax = q.detach().norm(dim=-1).amax(dim=-1, keepdim=True)   # (..., 1)
+    both = torch.stack(torch.broadcast_tensors(qmax, rho)).flatten(1).amax(dim=1)   # one read for the two maxima
+    top = both.tolist()   # (one read)
+    r = top[0] * top[1]
+    scale = torch.where((qmax > 0) & (rho > 0), (qmax / rho.clamp(min=torch.finfo(kd.dtype).tiny)).sqrt(),
+                        torch.ones_like(qmax))
+    return r, centre, scale.unsqueeze(-1)
+
+
+def plan(q, k, log_weights=None, *, tol=None, max_features=None, radius=None) -> SeriesPlan | None:
+    """The degree of the series for these queries and keys: the smallest K whose proved bound
+    (:func:`error_bound`) is at most ``tol`` (default: the machine epsilon of q's dtype), or None where no K up to
+    :data:`MAX_DEGREE` with at most ``max_features`` features (default :data:`MAX_FEATURES`) reaches it, or where r
+    exceeds :data:`MAX_RADIUS`. ``radius``: r when the caller has it (else one pass over q and k)."""
+    if tol is None:
+        tol = torch.finfo(q.dtype).eps
+    if not (isinstance(tol, (int, float)) and 0 < tol < 1):
+        raise ValueError(f"tol: expected a bound in (0, 1), got {tol!r}")
+    max_features = MAX_FEATURES if max_features is None else int(max_features)
+    r = _radius(q, k, log_weights)[0] if radius is None else float(radius)
+    if not math.isfinite(r) or r > MAX_RADIUS:
+        return None
+    e = q.shape[-1]
+    for K in range(MAX_DEGREE + 1):
+        M = feature_count(e, K)
+        if M > max_features:
+            return None
+        bound = error_bound(r, K)
+        if bound <= tol:
+            return SeriesPlan(K, M, r, bound)
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _exponents(e: int, K: int) -> tuple:
+    """The multi-indices alpha of the monomials of degree at most K in e variables, in the order :func:`_powers`
+    builds them: by degree, then by last variable (that of the largest index with alpha_j > 0), recursively."""
+    blocks = [[(0,) * e]]
+    for _ in range(K):
+        previous, current = blocks[-1], []
+        for j in range(e):
+            # the previous degree's monomials whose last variable is at most j, times y_j (a prefix of them)
+            for alpha in previous:
+                if all(a == 0 for a in alpha[j + 1:]):
+                    current.append(alpha[:j] + (alpha[j] + 1,) + alpha[j + 1:])
+        blocks.append(current)
+    return tuple(alpha for block in blocks for alpha in block)
+
+
+@functools.lru_cache(maxsize=64)
+def _inverse_factorials(e: int, K: int, device, dtype) -> torch.Tensor:
+    """1 / alpha! per monomial (M,), in :func:`_exponents`' order."""
+    return torch.tensor([1.0 / math.prod(math.factorial(a) for a in alpha) for alpha in _exponents(e, K)],
+                        dtype=dtype, device=device)
+
+
+def _powers(y: torch.Tensor, K: int) -> torch.Tensor:
+    """The monomials y^alpha of degree at most K, as (..., M, rows) for y (..., rows, e), in :func:`_exponents`'
+    order. Degree p from degree p - 1: the monomials whose last variable is y_j are those of degree p - 1 whose last
+    variable is at most j (a prefix, in this order) times y_j, so each degree is e products of contiguous blocks
+    (no gather). Written in place where no derivative is taken, concatenated otherwise (autograd, forward mode)."""
+    from .kernels import _needs_derivatives
+
+    e, rows = y.shape[-1], y.shape[-2]
+    yt = y.transpose(-1, -2).unsqueeze(-2)        # (..., e, 1, rows)
+    M = feature_count(e, K)
+    counts = [1] * e                               # monomials of the previous degree whose last variable is <= j
+    if not _needs_derivatives(y):
+        out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
+        out[..., 0, :] = 1
+        start, end = 0, 1                          # the previous degree's rows of out
+        for _ in range(K):
+            at = end
+            for j in range(e):
+                torch.mul(out[..., start:start + counts[j], :], yt[..., j, :, :], out=out[..., at:at + counts[j], :])
+                at += counts[j]
+            start, end = end, at
+            counts = [sum(counts[:j + 1]) for j in range(e)]
+        return out
+    blocks = [torch.ones(*y.shape[:-2], 1, rows, dtype=y.dtype, device=y.device)]
+    for _ in range(K):
+        previous = blocks[-1]
+        blocks.append(torch.cat([previous[..., :counts[j], :] * yt[..., j, :, :] for j in range(e)], dim=-2))
+        counts = [sum(counts[:j + 1]) for j in range(e)]
+    return torch.cat(blocks, dim=-2)
+
+
+def features(y: torch.Tensor, K: int) -> torch.Tensor:
+    """phi(y) (..., rows, M): the monomials y^alpha / sqrt(alpha!) of degree at most K, so that
+    <phi(x), phi(y)> = sum_{p <= K} <x, y>^p / p! (the multinomial theorem)."""
+    scale = _inverse_factorials(y.shape[-1], K, y.device, y.dtype).sqrt()
+    return (_powers(y, K) * scale.unsqueeze(-1)).transpose(-1, -2)
+
+
+#: bytes of features one block of rows holds at once: on the CPU within a core's cache, on an accelerator enough
+#: rows to fill it
+BLOCK_BYTES = {"cpu": 2**23}
+BLOCK_BYTES_ACCELERATOR = 2**28
+
+
+def _block_rows(rows: int, batch: int, M: int, t: torch.Tensor) -> int:
+    budget = BLOCK_BYTES.get(t.device.type, BLOCK_BYTES_ACCELERATOR)
+    return max(1, min(rows, budget // max(1, batch * M * t.element_size())))
+
+
+def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_features=None) -> torch.Tensor:
+    """sum_j P_ij v_j as the truncated series of the module docstring, shape (..., m, c); leading (batch) dimensions
+    broadcast. ``degree``: K (else :func:`plan` with ``tol`` and ``max_features``; a ValueError where no degree
+    reaches ``tol``). Rows whose every weight is zero give 0 @ v, as :func:`meanfield.kernels.attention_probs`.
+    Queries and keys are read in blocks of rows (``BLOCK_BYTES`` of features at once)."""
+    if q.dtype in (torch.float16, torch.bfloat16):
+        # the half types: the series in float32 (its products of up to K factors would lose their digits)
+        wide = series_attend(q.float(), k.float(), v.float(), None if log_weights is None else log_weights.float(),
+                             tol=tol, degree=degree, max_features=max_features)
+        return wide.to(q.dtype)
+    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+                                  () if log_weights is None else log_weights.shape[:-1])
+    q = q.expand(*lead, *q.shape[-2:])
+    k = k.expand(*lead, *k.shape[-2:])
+    v = v.expand(*lead, *v.shape[-2:])
+    lw = None if log_weights is None else log_weights.expand(*lead, log_weights.shape[-1])
+    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    if n == 0:
+        raise ValueError(f"k: no keys (shape {tuple(k.shape)}): attention needs at least one key")
+    if m == 0:
+        return q.new_zeros(*lead, 0, c)
+    r, centre, scale = _radius(q, k, lw)
+    if not math.isfinite(r):
+        for name, t in (("q", q), ("k", k)):
+            if not bool(torch.isfinite(t.detach()).all()):
+                raise FloatingPointError(f"{name}: contains NaN or infinite entries (the series needs a finite "
+                                         "max |q| max |k - c|)")
+        raise FloatingPointError(f"q, k: max |q| max |k - c| overflows {q.dtype}; use float64 or smaller inputs")
+    if degree is None:
+        p = plan(q, k, lw, tol=tol, max_features=max_features, radius=r)
+        if p is None:
+            target = torch.finfo(q.dtype).eps if tol is None else tol
+            raise ValueError(f"series: no degree up to {MAX_DEGREE} with at most {max_features or MAX_FEATURES} "
+                             f"features reaches tol = {target:.3g} at r = {r:.3g} (max |q| max |k - c|; the series "
+                             f"takes r <= {MAX_RADIUS:.3g}): use method='auto', 'stream' or 'dense'")
+        degree = p.degree
+    elif isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
+        raise ValueError(f"degree: expected an int >= 0, got {degree!r}")
+    with _full_float32_products(q):
+        return _series(q, k, v, lw, degree, centre, scale)
+
+
+@contextlib.contextmanager
+def _full_float32_products(t):
+    """float32 matrix products without TF32 on CUDA (its 10-bit products would undo the series' digits), restored
+    after."""
+    if t.device.type != "cuda" or t.dtype != torch.float32:
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _series(q, k, v, lw, K, centre, scale):
+    """The series of degree K with the keys centred at ``centre`` and the queries and keys balanced by ``scale``."""
+    from .kernels import _zero_blind_rows
+
+    M, batch = feature_count(q.shape[-1], K), math.prod(q.shape[:-2])
+    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    # weights relative to the largest (the shift cancels in the normalization)
+    if lw is None:
+        wv = torch.cat([v, torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)], dim=-1)
+    else:
+        top = lw.amax(dim=-1, keepdim=True)
+        a = torch.exp(lw - torch.where(torch.isfinite(top), top, 0))
+        wv = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1) * a.unsqueeze(-1)
+    ks = (k - centre) * scale
+    if lw is not None:
+        # keys of zero weight lie outside the box the scale was set from: zeros instead (their weight is 0)
+        ks = torch.where((lw == float("-inf")).unsqueeze(-1), 0, ks)
+    # S = sum_j a_j k_j^alpha [v_j, 1] / alpha!: the factorials on this side only (M numbers)
+    S = None
+    step = _block_rows(n, batch, M, k)
+    for j in range(0, n, step):
+        part = _powers(ks[..., j:j + step, :], K) @ wv[..., j:j + step, :]
+        S = part if S is None else S + part
+    S = S * _inverse_factorials(q.shape[-1], K, q.device, q.dtype).unsqueeze(-1)
+    qs = q / scale
+    step = _block_rows(m, batch, M, q)
+    outs = []
+    for i in range(0, m, step):
+        num = _powers(qs[..., i:i + step, :], K).transpose(-1, -2) @ S
+        outs.append(num[..., :c] / num[..., c:])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    if lw is not None:
+        out = _zero_blind_rows(out, v, lw, None, None)
+    return out
