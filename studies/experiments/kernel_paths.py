@@ -1,7 +1,7 @@
-"""Study: the attention kernel's fused and streamed paths compute the dense kernel's map and Jacobian.
+"""Study: the attention kernel's fused, streamed and series paths compute the dense kernel's map and Jacobian.
 
 Every operator computes through :func:`meanfield.kernels.attend`, whose ``method="auto"`` picks a
-dense, fused or streamed path by size, mask and whether derivatives are needed
+dense, fused, streamed or series path by size, mask, scores and whether derivatives are needed
 (:func:`meanfield.kernels.choose`). The other studies run at sizes where most calls stay dense, so a
 mistake in the fused or streamed path (a mask entry, the log-weights, the online softmax's
 rescaling, the analytic JVP / VJP) would change none of their numbers. This study measures the same
@@ -12,7 +12,9 @@ dense path (``kernels.use("dense")``, the plain log-sum-exp softmax and autograd
   measure (log-weights as a mask row), on a causal sequence (``is_causal``), on a weighted causal
   sequence of atoms (log-weights as an extra key coordinate) and on a masked measure with arbitrary
   positions (an explicit boolean mask); the streamed path on a masked measure above the fused
-  path's mask range (the online softmax over 9 x 9 tiles, Python tiles);
+  path's mask range (the online softmax over 9 x 9 tiles, Python tiles); the series path
+  (:mod:`meanfield.series_attention`) on weighted tokens of the unit sphere under isotropic attention
+  (beta = 1: bounded scores, above :data:`~meanfield.kernels.SERIES_THRESHOLD` score entries);
 * derivatives (an input requires grad, so ``auto`` streams above :data:`~meanfield.kernels.STREAM_THRESHOLD`
   score entries): the Jacobian product J u (forward-mode AD: the streamed analytic JVP), J^T w
   (the streamed VJP) and the certified local constant (Lemma C.5, Lanczos with reverse-over-reverse
@@ -57,6 +59,8 @@ CASES = {
     "masked measure": ("F^m(mu), random positions and weights", 300, True, "random", True, False, "fused"),
     "masked measure, large": ("F^m(mu), random positions and weights (above the fused path's mask range)", 2100,
                               True, "random", True, False, "stream"),
+    "sphere tokens": ("F(mu), isotropic attention (beta = 1) on weighted tokens of the unit sphere", 8200, False, None,
+                      True, False, "series"),
     "d weighted measure": ("J, J^T and Lip at mu, unmasked, random weights", 300, False, None, True, True, "stream"),
     "d weighted causal atoms": ("J, J^T and Lip at mu, atoms at positions i/n, random weights", 300, True,
                                 "sequence", True, True, "stream"),
@@ -69,7 +73,7 @@ RADIUS = 1.5
 
 def _inputs(case: str, seed: int, device=None):
     """(operator, X, log-weights or None, positions or None) of a case; float64, drawn on the CPU."""
-    from meanfield import SelfAttention
+    from meanfield import IsotropicAttention, SelfAttention
 
     _, n, masked, positions, weighted, _, _ = CASES[case]
     g = torch.Generator().manual_seed(int(seed) * 1009 + n)
@@ -83,7 +87,11 @@ def _inputs(case: str, seed: int, device=None):
         pos = torch.rand(n, generator=g, dtype=torch.float64)
     elif positions == "sequence":
         pos = torch.arange(1, n + 1, dtype=torch.float64) / n
-    att = SelfAttention(*to_device(device, 1.5 * random_A(D, seed), random_V(D, seed)), masked=masked)
+    if case == "sphere tokens":
+        X = X / X.norm(dim=1, keepdim=True)
+        att = IsotropicAttention(1.0)
+    else:
+        att = SelfAttention(*to_device(device, 1.5 * random_A(D, seed), random_V(D, seed)), masked=masked)
     return att, to_device(device, X), None if lw is None else to_device(device, lw), \
         None if pos is None else to_device(device, pos)
 
@@ -129,7 +137,12 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
             with kernels.record_paths() as ran:
                 got = fn(X)
             with kernels.use("dense"):
-                ref = fn(X)
+                if case in _FORWARD["series"]:
+                    # the dense kernel on blocks of 1024 queries against every key (the same map, a sixth of the
+                    # memory of one (8200, 8200) pass: the quick job's peak)
+                    ref = torch.cat([att.evaluate(X[i:i + 1024], X, lw) for i in range(0, n, 1024)])
+                else:
+                    ref = fn(X)
         return {**row, "path": _paths_run(ran), "calls": len(ran), "deviation": _rel(got, ref)}
     g = torch.Generator().manual_seed(int(seed) + 17)
     u = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
@@ -183,14 +196,16 @@ def _cases_text(rows) -> str:
 
 
 def forward_claim(rows: list[dict], path: str) -> Claim:
-    """The forward passes of the cases that ``auto`` runs on ``path`` ("fused" or "stream") equal the dense
+    """The forward passes of the cases that ``auto`` runs on ``path`` ("fused", "stream" or "series") equal the dense
     kernel's to :data:`TOL` (relative), and ``auto`` takes that path at these sizes."""
     sel = [r for r in rows if r["case"] in _FORWARD[path]]
     wrong_path = [r for r in sel if not _path_ok(r)]
     off = [r for r in sel if not r["deviation"] <= TOL]
     where = {"fused": "torch's scaled_dot_product_attention: log-weights as a mask row or an extra key coordinate, "
                       "is_causal, an explicit boolean mask",
-             "stream": "tiles with an online softmax (running max and sum rescaled tile by tile), masks per tile"}[path]
+             "stream": "tiles with an online softmax (running max and sum rescaled tile by tile), masks per tile",
+             "series": "the exponential of the centred scores as a truncated series of monomial features, its "
+                       "truncation proved below the machine epsilon"}[path]
     return Claim(
         f"the {'streamed' if path == 'stream' else path} path of the attention kernel computes the dense kernel's map "
         f"(forward passes at sizes where auto takes it: {where})",
@@ -210,7 +225,7 @@ def forward_claim(rows: list[dict], path: str) -> Claim:
 
 
 _FORWARD = {"fused": ("weighted measure", "causal sequence", "weighted causal atoms", "masked measure"),
-            "stream": ("masked measure, large",)}
+            "stream": ("masked measure, large",), "series": ("sphere tokens",)}
 
 
 def derivative_claim(rows: list[dict]) -> Claim:
@@ -243,15 +258,17 @@ def derivative_claim(rows: list[dict]) -> Claim:
                        + ("; auto took another path" if wrong_path else ""))
 
 
-@register("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel",
+@register("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense kernel",
           grid=grid)
 def kernel_paths(out_dir: Path, ctx) -> StudyResult:
-    """Forward passes, JVP, VJP and certified constants by the fused / streamed paths against the dense kernel."""
+    """Forward passes, JVP, VJP and certified constants by the fused / streamed / series paths against the dense
+    kernel."""
     out_dir = Path(out_dir)
     rows = run_grid(case_task, [{"case": c, "seed": ctx.seed} for c in grid(ctx.level)["cases"]], out_dir,
                     "kernel_paths", ctx, device=ctx.device)
     write_csv(rows, out_dir / "kernel_paths.csv")
-    claims = [forward_claim(rows, "fused"), forward_claim(rows, "stream"), derivative_claim(rows)]
+    claims = [forward_claim(rows, "fused"), forward_claim(rows, "stream"), derivative_claim(rows),
+              forward_claim(rows, "series")]
 
     fig, ax = P.figure(width=10.0, height=4.4)
     labels, vals, colors = [], [], []
@@ -261,7 +278,7 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
             if key in r and (key != "deviation" or "deviation_jvp" not in r):
                 labels.append(f"{r['case'].removeprefix('d ')} (n = {r['n']}): {name}")
                 vals.append(max(r[key], 1e-18))
-                colors.append(P.COLORS[{"fused": 0, "stream": 1}.get(r["path"], 3)])
+                colors.append(P.COLORS[{"fused": 0, "stream": 1, "series": 2}.get(r["path"], 3)])
     from matplotlib.patches import Patch
 
     y = np.arange(len(vals))
@@ -274,15 +291,18 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
              f"each quantity by the path auto takes and by the dense kernel (float64, seed {ctx.seed})", logx=True,
              legend=False)
     ax.set_xlim(3e-19, 1e-8)
-    ax.legend([Patch(color=P.COLORS[0]), Patch(color=P.COLORS[1]), line],
-              ["auto took the fused path", "auto took the streamed path",
+    ax.legend([Patch(color=P.COLORS[0]), Patch(color=P.COLORS[1]), Patch(color=P.COLORS[2]), line],
+              ["auto took the fused path", "auto took the streamed path", "auto took the series path",
                f"tolerance {TOL:g} (Lip: the error bars + {TOL:g})"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
     save_figure(fig, out_dir / "deviations.png")
     notes = (f"d = {D}; A = 1.5 x a {D}x{D} Gaussian / sqrt({D}) and V Gaussian / sqrt({D}) (seed {ctx.seed}); "
              f"points Gaussian with scale {RADIUS} / sqrt({D}); weights uniform on [0.05, 1.05], normalized. "
              f"auto's thresholds (meanfield.kernels): fused forward passes above 2^14 score entries, streamed "
              f"derivatives above 2^15, masked forward passes fused with an explicit mask up to 2^22 entries and "
-             f"streamed above; the streamed tiles are 256 x 256, so n = 300 gives two key tiles and n = 2100 nine.")
+             f"streamed above; the streamed tiles are 256 x 256, so n = 300 gives two key tiles and n = 2100 nine. "
+             f"The sphere tokens: the same points normalized, isotropic attention with beta = 1 (A = V = I), "
+             f"n = 8200 (above the series' 2^26 score entries).")
     summary = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
-    return StudyResult("kernel_paths", "The attention kernel's fused and streamed paths against the dense kernel",
+    return StudyResult("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense "
+                       "kernel",
                        claims, ["deviations.png"], ["kernel_paths.csv"], summary, notes)

@@ -264,22 +264,23 @@ def _mutant(monkeypatch, module, name, old, new):
 
 
 def _kernel_claims(cases, lipschitz=False):
-    """The three kernel-path claims on some cases (the certified constants only on request: a wrong JVP makes
+    """The four kernel-path claims on some cases (the certified constants only on request: a wrong JVP makes
     Lanczos run to its iteration cap, and the products alone already decide)."""
     from studies.experiments import kernel_paths as kp
 
     rows = [kp.case_task(c, 0, lipschitz) for c in cases]
     return {"fused": kp.forward_claim(rows, "fused"), "stream": kp.forward_claim(rows, "stream"),
-            "derivatives": kp.derivative_claim(rows)}
+            "derivatives": kp.derivative_claim(rows), "series": kp.forward_claim(rows, "series")}
 
 
 _FWD_FUSED = ["weighted measure", "causal sequence", "weighted causal atoms", "masked measure"]
 _FWD_STREAM = ["masked measure, large"]
+_FWD_SERIES = ["sphere tokens"]
 
 
 def test_kernel_path_claims_hold_on_the_kernel_as_written():
-    claims = _kernel_claims(_FWD_FUSED + _FWD_STREAM + ["d weighted measure", "d masked measure",
-                                                          "d weighted causal atoms"])
+    claims = _kernel_claims(_FWD_FUSED + _FWD_STREAM + _FWD_SERIES + ["d weighted measure", "d masked measure",
+                                                                         "d weighted causal atoms"])
     assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
 
 
@@ -288,11 +289,13 @@ def test_kernel_path_claims_fail_when_the_operator_never_runs_the_path(monkeypat
     the path from kernels.choose on rebuilt inputs, so every claim held (a review found it). The path is now what
     the calls ran."""
     import meanfield.attention as attention_module
+    import meanfield.isotropic as isotropic_module
     from meanfield import kernels
 
     real = kernels.attend
-    monkeypatch.setattr(attention_module, "attend", lambda *a, **k: real(*a, **{**k, "method": "dense"}))
-    claims = _kernel_claims(["weighted measure", "masked measure, large", "d weighted measure"])
+    for module in (attention_module, isotropic_module):
+        monkeypatch.setattr(module, "attend", lambda *a, **k: real(*a, **{**k, "method": "dense"}))
+    claims = _kernel_claims(["weighted measure", "masked measure, large", "d weighted measure", "sphere tokens"])
     assert not any(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
     assert all("auto took another path" in c.short_measured for c in claims.values())
 
@@ -326,6 +329,14 @@ _KERNEL_MISTAKES = {
     "fused path forgets the causal mask": (
         "streamed_attention.fused_attend", "is_causal=causal", "is_causal=False",
         ["causal sequence", "weighted causal atoms"], "fused"),
+    "series at half the degree": (
+        "series_attention._series", "M, batch = feature_count(q.shape[-1], K)",
+        "K = K // 2; M, batch = feature_count(q.shape[-1], K)", _FWD_SERIES, "series"),
+    "series drops the log-weights": (
+        "series_attention._series", "* a.unsqueeze(-1)", "* 1", _FWD_SERIES, "series"),
+    "series without the factorials": (
+        "series_attention._series", "S = S * _inverse_factorials", "S = S + 0 * _inverse_factorials", _FWD_SERIES,
+        "series"),
 }
 
 
@@ -347,8 +358,9 @@ def test_kernel_path_claims_fail_when_auto_takes_another_path(monkeypatch):
 
     monkeypatch.setattr(kernels, "FUSED_THRESHOLD", 2**20)
     monkeypatch.setattr(kernels, "STREAM_THRESHOLD", 2**20)
-    claims = _kernel_claims(["weighted measure", "d weighted measure"])
-    assert not claims["fused"].agrees and not claims["derivatives"].agrees
+    monkeypatch.setattr(kernels, "SERIES_THRESHOLD", 2**30)
+    claims = _kernel_claims(["weighted measure", "d weighted measure", "sphere tokens"])
+    assert not claims["fused"].agrees and not claims["derivatives"].agrees and not claims["series"].agrees
     assert "auto took another path" in claims["fused"].measured
 
 
