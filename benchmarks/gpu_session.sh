@@ -9,6 +9,7 @@
 #     BUDGET=595 bash benchmarks/gpu_session.sh lipschitz-only-1e6                   # goal 4 at 1e6 (the call alone)
 #     BUDGET=300 bash benchmarks/gpu_session.sh small tests                          # the small heads' kernels
 #     BUDGET=200 bash benchmarks/gpu_session.sh fixed positions-1e6 grid-1e6-64     # what 2026-11-27 left unmeasured
+#     BUDGET=300 bash benchmarks/gpu_session.sh series clusters-1e6                 # the series engine; goal 7's 1e6
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
 #   tests            tests/test_cuda.py (on a fresh machine 39 of 63 passed in the 140 s once given; up to 300 s)
@@ -30,6 +31,10 @@
 #   lipschitz-only-1e6  certified Lipschitz at 1e6 alone, after an untimed call at 1e4 (its products took 28.75 s a
 #                    Lanczos vector on 2026-11-27: 17 vectors in float32 and the float64 certificate, 570-610 s). A
 #                    call stops between two products when the next would not fit, its row saying how far it got
+#   series           bench_series.py: the series engine against auto's path before it, sphere tokens, d = 3, float32
+#                    and float64, 1e4 .. 1e6 (unmeasured; about 60 s: the float64 baseline at 1e6 is skipped)
+#   clusters-1e6     bench_series.py --clusters: the dynamics study's at-scale run (SA on the sphere, beta = 1, T = 30,
+#                    120 RK4 steps, float64) at 1e5 and 1e6 (unmeasured; a few seconds per 1e6 evaluation at most)
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
@@ -71,6 +76,14 @@ for step in "$@"; do
       T=$(( $(left) < 90 ? $(left) : 90 )); echo "== fixed-cost ($(left) s left, $T s for it)"
       timeout -k 5 $T python3 benchmarks/bench_fixed_cost.py --device cuda --sizes 1000 10000 --repeats 7 \
         > "$OUT/fixed-cost.md" 2>&1; echo "rc=$?" >> "$OUT/fixed-cost.md"; tail -11 "$OUT/fixed-cost.md" ;;
+    series)
+      T=$(( $(left) < 150 ? $(left) : 150 )); echo "== series ($(left) s left, $T s for it)"
+      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --sizes 1e4 1e5 1e6 --cap 20 \
+        > "$OUT/series.md" 2>&1; echo "rc=$?" >> "$OUT/series.md"; tail -12 "$OUT/series.md" ;;
+    clusters-1e6)
+      T=$(( $(left) < 400 ? $(left) : 400 )); echo "== clusters-1e6 ($(left) s left, $T s for it)"
+      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --clusters 1e5 1e6 \
+        > "$OUT/clusters.md" 2>&1; echo "rc=$?" >> "$OUT/clusters.md"; tail -6 "$OUT/clusters.md" ;;
     grid) run grid 150 60 --sections grid --quick --cap 10 ;;
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;

@@ -1,0 +1,40 @@
+"""benchmarks/bench_series.py runs (tiny sizes): its table names the series' plan, times both candidates and
+reports errors at the machine epsilon, and its --clusters mode runs the dynamics study's at-scale task."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_series", ROOT / "benchmarks" / "bench_series.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_table_rows_time_both_paths_and_errors_are_small(capsys):
+    assert _bench().main(["--sizes", "64", "300", "--dtypes", "float64", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| float64")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[3].startswith("18, 1330, ")            # the plan at r about 1 in float64
+        assert "(dense)" in cells[5] or "(fused)" in cells[5]
+        assert float(cells[7]) < 1e-13 and float(cells[8]) < 1e-13
+
+
+def test_clusters_mode_runs_the_at_scale_task(capsys, monkeypatch):
+    from meanfield import kernels, series_attention
+
+    # at 300 tokens the series takes the run only with its threshold and cost model set aside
+    monkeypatch.setattr(kernels, "SERIES_THRESHOLD", 2**10)
+    monkeypatch.setattr(series_attention, "COST_RATIO", 100.0)
+    assert _bench().main(["--clusters", "300", "--T", "1"]) == 0
+    row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3e+02")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "series x16"    # 4 RK4 steps of 0.25, 4 evaluations each
+    assert float(cells[6]) < 1e-12          # drift off the sphere
