@@ -28,8 +28,11 @@ kernel). Rounding of the series itself: its terms are at most e^r in sum against
 (relative to the weights' sum), so it can amplify the dtype's rounding by up to about e^{2 r}; :func:`plan`
 refuses r above :data:`MAX_RADIUS` (e^{2 r} = 64).
 
-``kernels.attend(..., method="series")`` computes it (weights, batches; no positions: a causal or positional mask
-does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
+The same denominators give the row log-sums log sum_j a_j e^{<q_i, k_j>} (``lse=True``), which the unnormalized
+USA field of :class:`meanfield.IsotropicAttention` multiplies in.
+
+``kernels.attend(..., method="series")`` computes it (weights, batches; no positions: a causal or positional
+mask does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
 ``tol`` with at most :data:`MAX_FEATURES` features and costs a fraction of the dense pass
 (:func:`meanfield.kernels.choose`). It is made of ordinary torch operations, so autograd and forward-mode AD
 differentiate it (the derivative of the truncated series; ``auto`` never takes it for derivatives).
@@ -233,16 +236,20 @@ def _block_rows(rows: int, batch: int, M: int, t: torch.Tensor) -> int:
     return max(1, min(rows, budget // max(1, batch * M * t.element_size())))
 
 
-def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_features=None) -> torch.Tensor:
+def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_features=None, lse=False):
     """sum_j P_ij v_j as the truncated series of the module docstring, shape (..., m, c); leading (batch) dimensions
     broadcast. ``degree``: K (else :func:`plan` with ``tol`` and ``max_features``; a ValueError where no degree
     reaches ``tol``). Rows whose every weight is zero give 0 @ v, as :func:`meanfield.kernels.attention_probs`.
-    Queries and keys are read in blocks of rows (``BLOCK_BYTES`` of features at once)."""
+    Queries and keys are read in blocks of rows (``BLOCK_BYTES`` of features at once).
+
+    With ``lse``, (out, L): also the row log-sums L_i = log sum_j a_j e^{<q_i, k_j>} (..., m) from the same
+    denominators (L_i = log of the series' denominator + <q_i, c> + the largest log-weight; its error at most
+    -log(1 - delta), about the bound; -inf for rows whose every weight is zero)."""
     if q.dtype in (torch.float16, torch.bfloat16):
         # the half types: the series in float32 (its products of up to K factors would lose their digits)
         wide = series_attend(q.float(), k.float(), v.float(), None if log_weights is None else log_weights.float(),
-                             tol=tol, degree=degree, max_features=max_features)
-        return wide.to(q.dtype)
+                             tol=tol, degree=degree, max_features=max_features, lse=lse)
+        return (wide[0].to(q.dtype), wide[1].to(q.dtype)) if lse else wide.to(q.dtype)
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                                   () if log_weights is None else log_weights.shape[:-1])
     q = q.expand(*lead, *q.shape[-2:])
@@ -253,7 +260,7 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     if n == 0:
         raise ValueError(f"k: no keys (shape {tuple(k.shape)}): attention needs at least one key")
     if m == 0:
-        return q.new_zeros(*lead, 0, c)
+        return (q.new_zeros(*lead, 0, c), q.new_zeros(*lead, 0)) if lse else q.new_zeros(*lead, 0, c)
     r, centre, scale = _radius(q, k, lw)
     if not math.isfinite(r):
         for name, t in (("q", q), ("k", k)):
@@ -272,7 +279,15 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     elif isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
         raise ValueError(f"degree: expected an int >= 0, got {degree!r}")
     with _full_float32_products(q):
-        return _series(q, k, v, lw, degree, centre, scale)
+        out, den, top = _series(q, k, v, lw, degree, centre, scale)
+    if not lse:
+        return out
+    # log sum_j a_j e^{<q_i, k_j>} = log(den_i) + <q_i, c> + max log a (den_i: the series of sum_j (a_j / max a)
+    # e^{<q_i, k_j - c>}); rows of zero weights: -inf
+    rows = torch.log(den) + (q * centre).sum(dim=-1) + top
+    if lw is not None:
+        rows = torch.where(torch.isneginf(top).expand_as(rows), float("-inf"), rows)
+    return out, rows
 
 
 @contextlib.contextmanager
@@ -298,6 +313,7 @@ def _series(q, k, v, lw, K, centre, scale):
     m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
     # weights relative to the largest (the shift cancels in the normalization)
     if lw is None:
+        top = torch.zeros((), dtype=q.dtype, device=q.device)
         wv = torch.cat([v, torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)], dim=-1)
     else:
         top = lw.amax(dim=-1, keepdim=True)
@@ -316,11 +332,13 @@ def _series(q, k, v, lw, K, centre, scale):
     S = S * _inverse_factorials(q.shape[-1], K, q.device, q.dtype).unsqueeze(-1)
     qs = q / scale
     step = _block_rows(m, batch, M, q)
-    outs = []
+    outs, dens = [], []
     for i in range(0, m, step):
         num = _powers(qs[..., i:i + step, :], K).transpose(-1, -2) @ S
         outs.append(num[..., :c] / num[..., c:])
+        dens.append(num[..., c])
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    den = dens[0] if len(dens) == 1 else torch.cat(dens, dim=-1)
     if lw is not None:
         out = _zero_blind_rows(out, v, lw, None, None)
-    return out
+    return out, den, top

@@ -283,3 +283,34 @@ def test_keys_far_from_the_origin_are_centred():
     v = torch.randn(60, 2, generator=torch.Generator().manual_seed(4), dtype=DT)
     assert series.plan(x, k).radius < 1.5   # (uncentred: max |q| max |k| = 7.7)
     torch.testing.assert_close(attend(x, k, v, method="series"), truth(x, k, v), rtol=0, atol=1e-14)
+
+
+def test_row_log_sums_are_those_of_the_exact_scores():
+    g = torch.Generator().manual_seed(8)
+    q = 1.4 * sphere(30, 3, 8)
+    k = sphere(40, 3, 9) + torch.tensor([2.0, 0.0, -1.0], dtype=DT)
+    v = torch.randn(40, 2, generator=g, dtype=DT)
+    lw = torch.log_softmax(torch.randn(40, generator=g, dtype=DT), 0) + 3.0
+    lw[::4] = -math.inf
+    out, L = series.series_attend(q, k, v, lw, lse=True)
+    torch.testing.assert_close(L, torch.logsumexp(q @ k.T + lw, dim=-1), rtol=0, atol=1e-14)
+    torch.testing.assert_close(out, truth(q, k, v, lw), rtol=0, atol=1e-14)
+    _, L0 = series.series_attend(q, k, v, torch.full((40,), -math.inf, dtype=DT), lse=True)
+    assert bool(torch.isneginf(L0).all())
+    _, L1 = series.series_attend(q, k, v, lse=True)
+    torch.testing.assert_close(L1, torch.logsumexp(q @ k.T, dim=-1), rtol=0, atol=1e-14)
+
+
+def test_the_unnormalized_sphere_model_takes_the_series_with_its_row_sums(low_threshold):
+    mu = Measure(sphere(300, 3, 12), log_weights=torch.log_softmax(torch.randn(300, dtype=DT), 0))
+    op = IsotropicAttention(1.5, "USA")
+    with record_paths() as paths:
+        fast = op.velocity(mu, mu.points)
+    assert paths == ["series"]
+    with kernels.use("dense"), record_paths() as paths:
+        slow = op.velocity(mu, mu.points)
+    assert paths == ["dense"]
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-14)
+    x = mu.points
+    direct = (torch.exp(1.5 * x @ x.T + mu.log_weights) @ x)   # the USA field written out
+    torch.testing.assert_close(op.evaluate(x, x, mu.log_weights), direct, rtol=0, atol=1e-13)
