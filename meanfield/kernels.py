@@ -422,6 +422,9 @@ def choose(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, threshold=None)
     """
     if threshold is None:
         threshold = _DEFAULTS.get()[2]
+    if shared_keys(q, k, v, log_weights, q_pos):
+        # as attend: keys shared by the whole batch are one set of b x m queries
+        q, k, v, log_weights = one_query_set(q, k, v, log_weights)[0]
     return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0]
 
 

@@ -35,14 +35,16 @@ USA field of :class:`meanfield.IsotropicAttention` multiplies in.
 mask does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
 ``tol`` with at most :data:`MAX_FEATURES` features and costs a fraction of the dense pass
 (:func:`meanfield.kernels.choose`). It is made of ordinary torch operations, so autograd and forward-mode AD
-differentiate it (the derivative of the truncated series; ``auto`` never takes it for derivatives).
+differentiate it (the derivative of the truncated series, one degree above the plan's where a derivative may be
+taken, so that the derivative's own series keeps the plan's bound; ``auto`` never takes it for derivatives).
+Float32 on CUDA with TF32 switched on (read, never set) runs its products in float64.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -111,15 +113,18 @@ def dense_cost(entries: int, e: int, c: int) -> int:
 
 
 def _radius(q, k, log_weights):
-    """(r, centre, scale): ``r = max |q| max |k - c|`` over the batch, c the midpoint of the keys' bounding box per
-    batch member (keys of zero weight left out where some weight is positive), and the scale s that balances the two
-    factors (``|q / s|`` and ``|(k - c) s|`` at most sqrt(r)). One host sync on an accelerator."""
+    """(r, centre, scale): ``r = max over batch members of max |q| max |k - c|``, c the midpoint of the keys'
+    bounding box per batch member (keys of zero weight left out; a member whose every weight is zero, whose output
+    is 0 @ v, counts as r = 0), and the scale s that balances the two factors (``|q / s|`` and ``|(k - c) s|`` at
+    most sqrt(r)). A NaN or infinite key anywhere (of zero weight too) makes r NaN, as it makes the dense kernel's
+    output NaN. One host sync on an accelerator."""
     kd = k.detach()
+    dead = None
     if log_weights is not None:
-        # keys of zero weight take no part in the sums: leave them out of the box (a row of zero weights keeps
-        # every key: its output is set apart, :func:`series_attend`)
+        # keys of zero weight take no part in the sums: left out of the box
         live = (log_weights.detach() != float("-inf")).unsqueeze(-1)
-        live = live | ~live.any(dim=-2, keepdim=True)
+        dead = ~live.any(dim=-2, keepdim=True)                  # (..., 1, 1): a member of zero weights
+        live = live | dead
         far = torch.full((), math.inf, dtype=kd.dtype, device=kd.device)
         lo = torch.where(live, kd, far).amin(dim=-2, keepdim=True)
         hi = torch.where(live, kd, -far).amax(dim=-2, keepdim=True)
@@ -129,12 +134,16 @@ def _radius(q, k, log_weights):
     centre = (lo + hi) / 2
     dist = (kd - centre).norm(dim=-1)
     if live is not None:
-        dist = torch.where(live.squeeze(-1), dist, 0)
+        dist = torch.where(live.squeeze(-1) & ~dead.squeeze(-1), dist, 0)
     rho = dist.amax(dim=-1, keepdim=True)                       # (..., 1)
     qmax = q.detach().norm(dim=-1).amax(dim=-1, keepdim=True)   # (..., 1)
-    both = torch.stack(torch.broadcast_tensors(qmax, rho)).flatten(1).amax(dim=1)   # one read for the two maxima
-    top = both.tolist()   # (one read)
-    r = top[0] * top[1]
+    # r per member, their maximum; plus 0 x the sum of every key, NaN where one is NaN or infinite
+    total = (qmax * rho).amax() + 0 * kd.sum()
+    try:
+        r = float(total)
+    except RuntimeError as exc:   # torch.func.vmap: the degree cannot depend on the batched data
+        raise NotImplementedError("method='series' inside torch.func.vmap: its degree depends on the data; use "
+                                  "method='stream' or 'dense' there") from exc
     scale = torch.where((qmax > 0) & (rho > 0), (qmax / rho.clamp(min=torch.finfo(kd.dtype).tiny)).sqrt(),
                         torch.ones_like(qmax))
     return r, centre, scale.unsqueeze(-1)
@@ -182,9 +191,11 @@ def _exponents(e: int, K: int) -> tuple:
 
 @functools.lru_cache(maxsize=64)
 def _inverse_factorials(e: int, K: int, device, dtype) -> torch.Tensor:
-    """1 / alpha! per monomial (M,), in :func:`_exponents`' order."""
-    return torch.tensor([1.0 / math.prod(math.factorial(a) for a in alpha) for alpha in _exponents(e, K)],
-                        dtype=dtype, device=device)
+    """1 / alpha! per monomial (M,), in :func:`_exponents`' order (a normal tensor even when first asked for under
+    ``torch.inference_mode``: it is cached, and later graphs save it for backward)."""
+    with torch.inference_mode(False):
+        return torch.tensor([1.0 / math.prod(math.factorial(a) for a in alpha) for alpha in _exponents(e, K)],
+                            dtype=dtype, device=device)
 
 
 def _powers(y: torch.Tensor, K: int) -> torch.Tensor:
@@ -245,20 +256,25 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     With ``lse``, (out, L): also the row log-sums L_i = log sum_j a_j e^{<q_i, k_j>} (..., m) from the same
     denominators (L_i = log of the series' denominator + <q_i, c> + the largest log-weight; its error at most
     -log(1 - delta), about the bound; -inf for rows whose every weight is zero)."""
-    if q.dtype in (torch.float16, torch.bfloat16):
-        # the half types: the series in float32 (its products of up to K factors would lose their digits)
-        wide = series_attend(q.float(), k.float(), v.float(), None if log_weights is None else log_weights.float(),
-                             tol=tol, degree=degree, max_features=max_features, lse=lse)
-        return (wide[0].to(q.dtype), wide[1].to(q.dtype)) if lse else wide.to(q.dtype)
+    from .kernels import _check_shapes, _needs_derivatives
+
+    _check_shapes(q, k, v, log_weights, None, None)
+    if tol is None:
+        tol = torch.finfo(q.dtype).eps
+    if q.dtype in (torch.float16, torch.bfloat16) or (q.dtype == torch.float32 and _tf32_on(q)):
+        # the half types in float32 (products of up to K factors would lose their digits in them); float32 on CUDA
+        # with TF32 switched on (its 10-bit products would undo the series' digits) in float64, to the same tol
+        wide = torch.float32 if q.dtype != torch.float32 else torch.float64
+        res = series_attend(q.to(wide), k.to(wide), v.to(wide), None if log_weights is None else log_weights.to(wide),
+                            tol=tol, degree=degree, max_features=max_features, lse=lse)
+        return (res[0].to(q.dtype), res[1].to(q.dtype)) if lse else res.to(q.dtype)
     lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                                   () if log_weights is None else log_weights.shape[:-1])
     q = q.expand(*lead, *q.shape[-2:])
     k = k.expand(*lead, *k.shape[-2:])
     v = v.expand(*lead, *v.shape[-2:])
     lw = None if log_weights is None else log_weights.expand(*lead, log_weights.shape[-1])
-    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
-    if n == 0:
-        raise ValueError(f"k: no keys (shape {tuple(k.shape)}): attention needs at least one key")
+    m, c = q.shape[-2], v.shape[-1]
     if m == 0:
         return (q.new_zeros(*lead, 0, c), q.new_zeros(*lead, 0)) if lse else q.new_zeros(*lead, 0, c)
     r, centre, scale = _radius(q, k, lw)
@@ -271,15 +287,21 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     if degree is None:
         p = plan(q, k, lw, tol=tol, max_features=max_features, radius=r)
         if p is None:
-            target = torch.finfo(q.dtype).eps if tol is None else tol
-            raise ValueError(f"series: no degree up to {MAX_DEGREE} with at most {max_features or MAX_FEATURES} "
-                             f"features reaches tol = {target:.3g} at r = {r:.3g} (max |q| max |k - c|; the series "
-                             f"takes r <= {MAX_RADIUS:.3g}): use method='auto', 'stream' or 'dense'")
+            cap = MAX_FEATURES if max_features is None else max_features
+            why = (f"r = {r:.3g} (max |q| max |k - c|) is above {MAX_RADIUS:.3g}, where the series' rounding could "
+                   "grow beyond 64 times the dtype's" if r > MAX_RADIUS else
+                   f"at r = {r:.3g} (max |q| max |k - c|) a head of {q.shape[-1]} features needs more than "
+                   f"max_features = {cap} features")
+            raise ValueError(f"series: no degree up to {MAX_DEGREE} reaches tol = {tol:.3g}: {why}; use "
+                             "method='auto', 'stream' or 'dense'")
         degree = p.degree
-    elif isinstance(degree, bool) or not isinstance(degree, int) or degree < 0:
+        if _needs_derivatives(q, k, v, lw):
+            # the derivative of the degree-K series is the degree-(K - 1) series of the derivative: one degree more
+            # keeps it within the same bound (at r = 0, degree 0 would not depend on q and k at all)
+            degree += 1
+    elif isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or degree < 0:
         raise ValueError(f"degree: expected an int >= 0, got {degree!r}")
-    with _full_float32_products(q):
-        out, den, top = _series(q, k, v, lw, degree, centre, scale)
+    out, den, top = _series(q, k, v, lw, int(degree), centre, scale)
     if not lse:
         return out
     # log sum_j a_j e^{<q_i, k_j>} = log(den_i) + <q_i, c> + max log a (den_i: the series of sum_j (a_j / max a)
@@ -290,19 +312,18 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     return out, rows
 
 
-@contextlib.contextmanager
-def _full_float32_products(t):
-    """float32 matrix products without TF32 on CUDA (its 10-bit products would undo the series' digits), restored
-    after."""
-    if t.device.type != "cuda" or t.dtype != torch.float32:
-        yield
-        return
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+def _tf32_on(t) -> bool:
+    """Whether float32 matrix products on t's CUDA device may run in TF32 (read, never set: a process-wide switch)."""
+    if t.device.type != "cuda":
+        return False
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)   # the new interface (it reads either interface's setting)
+    if precision is not None:
+        return precision == "tf32"
     try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return True
 
 
 def _series(q, k, v, lw, K, centre, scale):

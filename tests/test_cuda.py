@@ -373,7 +373,8 @@ def test_measure_to_cuda_float32_checks_its_positions_on_the_device():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_series_on_cuda_against_float64_dense_rows_and_tf32_left_as_it_was(dtype):
     # the sphere models' tokens at N = 4e4 (1.6e9 score entries): auto takes the series on CUDA; 256 rows against
-    # float64 dense on the CPU. TF32 switched on by the caller is off inside the series and on again after
+    # float64 dense on the CPU. With TF32 switched on by the caller, float32 runs its products in float64 (the
+    # switch read, never set)
     from meanfield import kernels
     from meanfield.kernels import record_paths
 

@@ -4,6 +4,7 @@ autograd of the dense formula; then auto's choice of it."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from fractions import Fraction
@@ -314,3 +315,116 @@ def test_the_unnormalized_sphere_model_takes_the_series_with_its_row_sums(low_th
     x = mu.points
     direct = (torch.exp(1.5 * x @ x.T + mu.log_weights) @ x)   # the USA field written out
     torch.testing.assert_close(op.evaluate(x, x, mu.log_weights), direct, rtol=0, atol=1e-13)
+
+
+# ---------------------------------------------------------------- a review's findings (2026-11-28)
+def test_derivatives_at_tiny_radii_are_the_dense_ones():
+    # degree 0 at r = 0 does not depend on q or k: with derivatives asked, one degree more
+    k = 0.5 * torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=DT)
+    v = torch.randn(6, 2, generator=torch.Generator().manual_seed(2), dtype=DT)
+    for scale in (0.0, 1e-9, 1e-4):
+        q = (scale * sphere(4, 3, 3)).requires_grad_(True)
+        (gs,) = torch.autograd.grad(attend(q, k, v, method="series")[:, 0].sum(), q)
+        (gd,) = torch.autograd.grad(attend(q, k, v, method="dense")[:, 0].sum(), q)
+        torch.testing.assert_close(gs, gd, rtol=0, atol=1e-14)
+        u = torch.randn(4, 3, generator=torch.Generator().manual_seed(4), dtype=DT)
+        ts = torch.func.jvp(functools.partial(attend, k=k, v=v, method="series"), (q.detach(),), (u,))[1]
+        td = torch.func.jvp(functools.partial(attend, k=k, v=v, method="dense"), (q.detach(),), (u,))[1]
+        torch.testing.assert_close(ts, td, rtol=0, atol=1e-14)
+
+
+def test_a_call_under_inference_mode_leaves_later_gradients_working():
+    x = sphere(9, 2, 5)   # (e = 2: a cache entry of its own)
+    with torch.inference_mode():
+        attend(x, x, x, method="series")
+    v = x.clone().requires_grad_(True)
+    (gs,) = torch.autograd.grad(attend(x, x, v, method="series").sum(), v)
+    (gd,) = torch.autograd.grad(attend(x, x, v, method="dense").sum(), v)
+    torch.testing.assert_close(gs, gd, rtol=0, atol=1e-14)
+
+
+def test_tf32_is_read_never_set(monkeypatch):
+    import types
+
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    try:
+        assert series._tf32_on(cuda) is False
+        matmul.fp32_precision = "tf32"
+        assert series._tf32_on(cuda) is True and matmul.fp32_precision == "tf32"
+        assert series._tf32_on(types.SimpleNamespace(device=torch.device("cpu"))) is False
+    finally:
+        matmul.fp32_precision = before
+
+
+def test_a_float32_call_with_tf32_on_runs_in_float64(monkeypatch):
+    x = sphere(50, 3, 6, torch.float32)
+    seen = []
+    real = series._series
+    monkeypatch.setattr(series, "_series", lambda q, *a: seen.append(q.dtype) or real(q, *a))
+    monkeypatch.setattr(series, "_tf32_on", lambda t: True)
+    out = series.series_attend(x, x, x)
+    assert out.dtype == torch.float32 and seen == [torch.float64]
+    assert series.plan(x, x).degree == 11   # planned at float32's epsilon, not float64's
+
+
+def test_choose_agrees_with_the_path_run_for_keys_shared_by_a_batch(low_threshold, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    q = 0.2 * torch.randn(4, 100, 2, generator=g, dtype=DT)
+    k, v = 0.2 * torch.randn(30, 2, generator=g, dtype=DT), torch.randn(30, 1, generator=g, dtype=DT)
+    for ratio in (0.5, 0.98, 2.0, 100.0):
+        monkeypatch.setattr(series, "COST_RATIO", ratio)
+        monkeypatch.setattr(kernels, "SERIES_THRESHOLD", 0)
+        with record_paths() as paths:
+            attend(q, k, v)
+        assert paths == [kernels.choose(q, k, v)], ratio
+
+
+def test_the_radius_is_per_batch_member_and_members_of_zero_weight_do_not_count():
+    g = torch.Generator().manual_seed(7)
+    q = torch.stack([10 * sphere(5, 3, 1), 0.01 * sphere(5, 3, 2)])
+    k = torch.stack([0.01 * torch.randn(8, 3, generator=g, dtype=DT), 10 * torch.randn(8, 3, generator=g, dtype=DT)])
+    v = torch.randn(2, 8, 2, generator=g, dtype=DT)
+    r = series.plan(q, k).radius
+    assert r < 1.0    # each member's own product (the global max |q| x max |k - c| is about 300)
+    torch.testing.assert_close(series.series_attend(q, k, v), truth(q, k, v), rtol=0, atol=1e-13)
+    lw = torch.zeros(2, 8, dtype=DT)
+    lw[1] = -math.inf
+    k2 = torch.stack([sphere(8, 3, 3), sphere(8, 3, 4) + 50.0])   # the dead member's keys far away
+    q2 = sphere(5, 3, 5).expand(2, 5, 3)
+    assert series.plan(q2, k2, lw).radius < 2.0
+    torch.testing.assert_close(series.series_attend(q2, k2, v, lw), truth(q2, k2, v, lw), rtol=0, atol=1e-14)
+
+
+def test_errors_of_the_review():
+    x = sphere(8, 3, 0)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        torch.func.vmap(lambda y: attend(y, y, y, method="series"))(x.expand(2, 8, 3))
+    wide = sphere(8, 5, 0)   # r about 1: degree 18 in 5 variables is 33649 features
+    with pytest.raises(ValueError, match="needs more than max_features"):
+        attend(wide, wide, wide, method="series")
+    import numpy as np
+
+    torch.testing.assert_close(series.series_attend(x, x, x, degree=np.int64(20)), truth(x, x, x), rtol=0, atol=1e-14)
+    lw = torch.zeros(8, dtype=DT)
+    lw[3] = -math.inf
+    bad = x.clone()
+    bad[3, 0] = math.nan   # a NaN key of zero weight: NaN for the dense kernel too
+    with pytest.raises(FloatingPointError, match="k:"):
+        attend(x, bad, x, lw, method="series")
+    with pytest.raises(FloatingPointError, match="k:"):
+        attend(x, bad, x, lw, method="dense")
+    with pytest.raises(TypeError, match="q, k, v"):
+        series.series_attend(x, x.float(), x)
+    with pytest.raises(TypeError, match="log_weights"):
+        series.series_attend(x, x, x, torch.zeros(8, dtype=torch.int64))
+
+
+def test_half_types_run_the_degree_auto_costs(monkeypatch):
+    h = sphere(40, 3, 1, torch.float16)
+    seen = []
+    real = series._series
+    monkeypatch.setattr(series, "_series", lambda q, k, v, lw, K, *a: seen.append(K) or real(q, k, v, lw, K, *a))
+    series.series_attend(h, h, h)
+    assert seen == [series.plan(h, h).degree] and seen[0] < series.plan(h.float(), h.float()).degree
