@@ -18,7 +18,10 @@ the CPU :func:`grid` is None and their grids are what they always were.
   3000, two starts each) this escape time rose by 0.71 per unit of log N (95% CI [0.47, 0.96]); the GPU
   sizes carry it over three more decades.
 
-Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU.
+Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU. The clustering
+runs take the series engine (:mod:`meanfield.series_attention`: the tokens' scores are bounded by beta = 1, so
+``simulate``'s ``auto`` evaluates the field in O(N) above about 8200 tokens): on 2 CPU cores 10^5 tokens run to
+T = 30 in about 7 minutes (benchmarks/README.md, "The series engine").
 """
 
 from __future__ import annotations
