@@ -28,6 +28,7 @@ import torch
 
 from particles.validation import check_bool, check_positive_int
 
+from . import kernels as _kernels
 from .kernels import attend
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
@@ -76,27 +77,20 @@ class IsotropicAttention(AttentionOperator):
 
     def evaluate(self, x, keys, log_weights=None, x_positions=None, key_positions=None):
         q = self.beta * x
-        if self.normalization == "USA" and _series_here(q, keys, log_weights, x_positions):
+        if self.normalization == "SA":
+            return attend(q, keys, keys, log_weights, x_positions, key_positions)
+        if _kernels.series_by_default(q, keys, keys, log_weights, x_positions):
             # the softmax average and its row log-sums from one series (O(N): meanfield.series_attention), where
             # auto takes the series for the average
-            from . import kernels
-            from .series_attention import series_attend
-
-            out, lse = series_attend(q, keys, keys, log_weights, lse=True)
-            kernels._ran("series")
-            out = kernels._check_output(out, q, keys, keys, log_weights, queries=True)
-        elif self.normalization == "USA":
-            out = attend(q, keys, keys, log_weights, x_positions, key_positions)
-            lse = _row_logsumexp(q, keys, log_weights, x_positions, key_positions)
+            out, lse = _kernels.series_checked(q, keys, keys, log_weights, lse=True)
         else:
             out = attend(q, keys, keys, log_weights, x_positions, key_positions)
-        if self.normalization == "USA":
-            if log_weights is None:
-                # no weights: the uniform a_j = 1/n of the n keys (docs/math.md section 6.3), so that the sequence
-                # map is that of its empirical measure, F(m(X)) = m(f(X)) (masked: 1/n of all keys, seen or not)
-                lse = lse - math.log(keys.shape[-2])
-            out = out * torch.exp(lse).unsqueeze(-1)
-        return out
+            lse = _row_logsumexp(q, keys, log_weights, x_positions, key_positions)
+        if log_weights is None:
+            # no weights: the uniform a_j = 1/n of the n keys (docs/math.md section 6.3), so that the sequence
+            # map is that of its empirical measure, F(m(X)) = m(f(X)) (masked: 1/n of all keys, seen or not)
+            lse = lse - math.log(keys.shape[-2])
+        return out * torch.exp(lse).unsqueeze(-1)
 
 
 class SphereAttention(IsotropicAttention):
@@ -107,16 +101,6 @@ class SphereAttention(IsotropicAttention):
                       "(geometry='sphere'); the old name will be removed in the next release", DeprecationWarning,
                       stacklevel=2)
         super().__init__(beta, normalization, masked)
-
-
-def _series_here(q, keys, log_weights, x_positions) -> bool:
-    """Whether ``auto`` (the default path, :func:`meanfield.kernels.use`) takes the series for this call
-    (:func:`meanfield.kernels.series_first`)."""
-    from . import kernels
-
-    if kernels._DEFAULTS.get()[0] != "auto" or x_positions is not None:
-        return False
-    return kernels.series_first(q, keys, keys, log_weights, None, kernels._DEFAULTS.get()[2])
 
 
 #: score entries :func:`_row_logsumexp` holds at once (rows of queries against every key)

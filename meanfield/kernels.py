@@ -67,7 +67,7 @@ from .streamed_attention import _transforms_active, one_query_set, sequence_mask
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
            "rows_attend", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS", "SERIES_THRESHOLD",
-           "SERIES_THRESHOLD_ACCELERATOR", "series_first"]
+           "SERIES_THRESHOLD_ACCELERATOR", "series_first", "series_by_default", "series_checked"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -485,6 +485,25 @@ def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=
         series.COST_RATIO * dense
 
 
+def series_by_default(q, k, v, log_weights=None, q_pos=None) -> bool:
+    """Whether :func:`attend` called without ``method`` takes the series here: the default path (:func:`use`) is
+    "auto" and :func:`series_first` holds with its threshold. For callers that need the series' row log-sums too
+    (the unnormalized field of :class:`meanfield.IsotropicAttention`)."""
+    method, _, threshold = _DEFAULTS.get()
+    return method == "auto" and series_first(q, k, v, log_weights, q_pos, threshold)
+
+
+def series_checked(q, k, v, log_weights=None, *, lse=False):
+    """The series path as :func:`attend` runs it (recorded by :func:`record_paths`, its output checked); with
+    ``lse``, (out, the row log-sums) of :func:`meanfield.series_attention.series_attend`."""
+    from .series_attention import series_attend
+
+    _ran("series")
+    res = series_attend(q, k, v, log_weights, lse=lse)
+    out = _check_output(res[0] if lse else res, q, k, v, log_weights, queries=True)
+    return (out, res[1]) if lse else out
+
+
 def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
     """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
     device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask, where
@@ -701,10 +720,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         if q_pos is not None:
             raise ValueError("method: 'series' takes no positions (a mask does not factor through the series' "
                              "features); use 'auto', 'stream' or 'dense'")
-        from .series_attention import series_attend
-
-        _ran("series")
-        return _check_output(series_attend(q, k, v, log_weights), q, k, v, log_weights, queries=True)
+        return series_checked(q, k, v, log_weights)
     if method != "stream":   # the stream path records below, fused_or_stream where it ran
         _ran(method)
     if method == "dense":

@@ -119,22 +119,21 @@ def _radius(q, k, log_weights):
     most sqrt(r)). A NaN or infinite key anywhere (of zero weight too) makes r NaN, as it makes the dense kernel's
     output NaN. One host sync on an accelerator."""
     kd = k.detach()
-    dead = None
     if log_weights is not None:
-        # keys of zero weight take no part in the sums: left out of the box
+        # keys of zero weight take no part in the sums: left out of the box (a member of zero weights keeps its
+        # keys in the box, but none counts in r)
         live = (log_weights.detach() != float("-inf")).unsqueeze(-1)
-        dead = ~live.any(dim=-2, keepdim=True)                  # (..., 1, 1): a member of zero weights
-        live = live | dead
+        box = live | ~live.any(dim=-2, keepdim=True)
         far = torch.full((), math.inf, dtype=kd.dtype, device=kd.device)
-        lo = torch.where(live, kd, far).amin(dim=-2, keepdim=True)
-        hi = torch.where(live, kd, -far).amax(dim=-2, keepdim=True)
+        lo = torch.where(box, kd, far).amin(dim=-2, keepdim=True)
+        hi = torch.where(box, kd, -far).amax(dim=-2, keepdim=True)
     else:
         live = None
         lo, hi = kd.amin(dim=-2, keepdim=True), kd.amax(dim=-2, keepdim=True)
     centre = (lo + hi) / 2
     dist = (kd - centre).norm(dim=-1)
     if live is not None:
-        dist = torch.where(live.squeeze(-1) & ~dead.squeeze(-1), dist, 0)
+        dist = torch.where(live.squeeze(-1), dist, 0)
     rho = dist.amax(dim=-1, keepdim=True)                       # (..., 1)
     qmax = q.detach().norm(dim=-1).amax(dim=-1, keepdim=True)   # (..., 1)
     # r per member, their maximum; plus 0 x the sum of every key, NaN where one is NaN or infinite

@@ -3,17 +3,11 @@ reports errors at the machine epsilon, and its --clusters mode runs the dynamics
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.test_bench_gpu import _load
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_series", ROOT / "benchmarks" / "bench_series.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load("bench_series")
 
 
 def test_table_rows_time_both_paths_and_errors_are_small(capsys):
