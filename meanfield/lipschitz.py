@@ -40,6 +40,7 @@ ends in a ConvergenceError whose message names the level where the certificate s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import warnings
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
+from particles import Measure
 from particles.threads import ThreadPolicy, timed_probe
 from particles.validation import (
     ConvergenceError,
@@ -57,7 +59,7 @@ from particles.validation import (
 )
 from particles.validation import memory_limit as memory_limit_bytes
 
-from . import krylov
+from . import kernels, krylov, series_attention, series_jacobian
 from .adapters import as_operator
 from .jacobian import Jacobian, make_problems, norms
 from .krylov import PATIENCE, SOLVERS
@@ -300,7 +302,7 @@ def _float64_twin(prob):
 
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, on_failure="raise",
-                    memory_limit=None, mixed=None) -> LipschitzEstimate:
+                    memory_limit=None, mixed=None, attention=None) -> LipschitzEstimate:
     """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (docs/math.md section 4), certified.
 
     Parameters
@@ -347,6 +349,17 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE` entries per batch
         member; True for every such operator; False never. Hugging Face layers (``HFAttention``) never take it
         (``mixed_precision = False``: unmeasured on them).
+    attention : str or None
+        How the products evaluate attention: None or "series". None: :func:`meanfield.kernels.attend`'s default
+        path (exact to rounding). "series": the truncated exponential series (:mod:`meanfield.series_attention`),
+        O(N M) per product instead of O(N^2) and O(N) memory, for an unmasked :class:`~meanfield.SelfAttention`
+        whose centred scores stay in r = max ``|q|`` max ``|k - k0|`` <= :data:`meanfield.series_jacobian.MAX_RADIUS`
+        (particles in a ball: tokens in d = 2 or 3 at radius about 1-2). The solvers certify the series' Jacobian,
+        and a proved bound eps_J on its distance to the exact Jacobian (Weyl's inequality,
+        :func:`meanfield.series_jacobian.truncation_bound`, some 1e-14 of the operator's scale; docs/math.md
+        section 4.8) carries the certificate over: ``value`` drops by eps_J and ``error`` grows by 2 eps_J, so that
+        ``value`` stays a lower bound of the exact constant. Lanczos or power only (dense builds the exact
+        Jacobian), no mixed precision.
 
     Returns
     -------
@@ -372,35 +385,36 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     memory_limit_bytes(memory_limit)  # a malformed limit is an error whatever the method
     if mixed is not None and not isinstance(mixed, bool):
         raise TypeError(f"mixed: expected None, True or False, got {mixed!r}")
+    if attention not in (None, "series"):
+        raise ValueError(f"attention: expected None or 'series', got {attention!r}")
+    if attention == "series" and method == "dense":
+        raise ValueError("attention: 'series' runs with the matrix-free solvers (method='lanczos' or 'power'); "
+                         "method='dense' builds the exact Jacobian")
 
     op, problems, batched = make_problems(f, X)
+    if attention == "series":
+        why = series_jacobian.supports(op)
+        if why is not None:
+            raise ValueError(f"attention: {why}")
     tol = _check_tol(tol, problems[0].X.dtype)
     solve = SOLVERS[method]
     members, applications, iterations = [], 0, 0
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
-            wide = _float64_twin(prob)
-            half = wide is not None and prob.X.dtype in (torch.float16, torch.bfloat16)
-            # the first evaluation of f (recorded for the products) is the policy's probe
-            with timed_probe(policy if k == 0 else None):
-                jac = Jacobian(*(wide if half else (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
-            jac.on_product = policy.tick
-            low = prob.lower
-            if low is not None and (prob.X.dtype != torch.float64 or mixed is False
-                                    or (mixed is None and prob.X[0].numel() < MIXED_MIN_SIZE)):
-                low = None
-            result = solve(jac, tol, max_iter, seed, memory_limit, low)
-            found = _estimates(result, jac, method)
-            if wide is not None:
-                if half:   # solved in float64: the vectors in the input's dtype, certified at exactly them
-                    found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
-                check = jac if half else Jacobian(*wide, memory_limit)
-                found = _checked_in_float64(found, check, tol)
-                if check is not jac:
-                    applications += check.applications
+            lw, K = None, None
+            with contextlib.ExitStack() as context:
+                if attention == "series":
+                    lw = X.log_weights if isinstance(X, Measure) else None
+                    K = series_jacobian.degree(op, prob.X, lw)
+                    context.enter_context(kernels.use("series"))
+                    context.enter_context(series_attention.pinned(K))
+                found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method, memory_limit,
+                                          False if attention == "series" else mixed)
+            if K is not None:
+                found = _carried_over(found, series_jacobian.truncation_bound(op, prob.X, lw, K=K), tol)
             members += found
-            applications += jac.applications
-            iterations = max(iterations, int(result.iterations))
+            applications += used
+            iterations = max(iterations, its)
     est = _assemble(members, method, iterations, applications, batched)
     if log.isEnabledFor(logging.DEBUG):
         X0 = problems[0].X
@@ -447,6 +461,41 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
     return est
 
+
+def _solve(prob, first, policy, solve, tol, max_iter, seed, method, memory_limit, mixed):
+    """One problem's solve: (per-member estimates, Jacobian products, iterations)."""
+    applications = 0
+    wide = _float64_twin(prob)
+    half = wide is not None and prob.X.dtype in (torch.float16, torch.bfloat16)
+    # the first evaluation of f (recorded for the products) is the policy's probe
+    with timed_probe(policy if first else None):
+        jac = Jacobian(*(wide if half else (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
+    jac.on_product = policy.tick
+    low = prob.lower
+    if low is not None and (prob.X.dtype != torch.float64 or mixed is False
+                            or (mixed is None and prob.X[0].numel() < MIXED_MIN_SIZE)):
+        low = None
+    result = solve(jac, tol, max_iter, seed, memory_limit, low)
+    found = _estimates(result, jac, method)
+    if wide is not None:
+        if half:   # solved in float64: the vectors in the input's dtype, certified at exactly them
+            found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
+        check = jac if half else Jacobian(*wide, memory_limit)
+        found = _checked_in_float64(found, check, tol)
+        if check is not jac:
+            applications += check.applications
+    return found, applications + jac.applications, int(result.iterations)
+
+
+def _carried_over(found, eps, tol):
+    """Per-member estimates of the series' Jacobian J~ carried over to the exact J (Weyl: every singular value moves
+    by at most eps_J = ``||J~ - J||``, :func:`meanfield.series_jacobian.truncation_bound`): value - eps_J (still a
+    lower bound), error + 2 eps_J (the upper end moves by eps_J too), converged recomputed against tol."""
+    out = []
+    for (val, u, err, res, ok, stalled), e in zip(found, eps.tolist()):
+        val, err = max(val - e, 0.0), err + 2 * e
+        out.append((val, u, err, res, bool(ok and err <= tol * val), stalled))
+    return out
 
 def _short(x) -> str:
     """A value, or a batch's range, for a log line."""

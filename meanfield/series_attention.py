@@ -34,14 +34,18 @@ USA field of :class:`meanfield.IsotropicAttention` multiplies in.
 ``kernels.attend(..., method="series")`` computes it (weights, batches; no positions: a causal or positional
 mask does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
 ``tol`` with at most :data:`MAX_FEATURES` features and costs a fraction of the dense pass
-(:func:`meanfield.kernels.choose`). It is made of ordinary torch operations, so autograd and forward-mode AD
-differentiate it (the derivative of the truncated series, one degree above the plan's where a derivative may be
-taken, so that the derivative's own series keeps the plan's bound; ``auto`` never takes it for derivatives).
+(:func:`meanfield.kernels.choose`). Autograd, forward-mode AD and double backward differentiate it (the
+derivative of the truncated series, one degree above the plan's where a derivative may be taken, so that the
+derivative's own series keeps the plan's bound; ``auto`` never takes it for derivatives) in the same O(m + n)
+memory: every derivative of :func:`kernel_sum` is a kernel sum, since T_K' = T_{K-1}, and only the inputs are saved.
+:mod:`meanfield.series_jacobian` certifies local constants through it.
 Float32 on CUDA with TF32 switched on (read, never set) runs its products in float64.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import numbers
@@ -49,7 +53,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SeriesPlan", "plan", "series_attend", "tail_bound", "error_bound", "feature_count", "features", "cost",
+__all__ = ["SeriesPlan", "plan", "series_attend", "kernel_sum", "pinned", "tail_bound", "error_bound", "feature_count",
+           "features", "cost",
            "dense_cost",
            "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
 
@@ -62,6 +67,23 @@ MAX_DEGREE = 60
 #: ``auto`` takes the series where its cost, (m + n) M (c + 1) multiply-adds plus M per row for the features, is
 #: at most this fraction of the dense pass's m n (e + c + 1) (plus the exponentials, counted as 8 multiply-adds)
 COST_RATIO = 0.25
+
+
+_PINNED = contextvars.ContextVar("meanfield_series_degree", default=None)
+
+
+@contextlib.contextmanager
+def pinned(degree: int):
+    """Run :func:`series_attend` calls without an explicit ``degree`` at this one inside a ``with`` block (per thread
+    / task), with no radius limit: for callers that prove their own bound at that degree (the certified local
+    constant, :mod:`meanfield.series_jacobian`)."""
+    if isinstance(degree, bool) or not isinstance(degree, numbers.Integral) or degree < 0:
+        raise ValueError(f"degree: expected an int >= 0, got {degree!r}")
+    token = _PINNED.set(int(degree))
+    try:
+        yield
+    finally:
+        _PINNED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -197,18 +219,21 @@ def _inverse_factorials(e: int, K: int, device, dtype) -> torch.Tensor:
                             dtype=dtype, device=device)
 
 
-def _powers(y: torch.Tensor, K: int) -> torch.Tensor:
+def _powers(y: torch.Tensor, K: int, inplace: bool | None = None) -> torch.Tensor:
     """The monomials y^alpha of degree at most K, as (..., M, rows) for y (..., rows, e), in :func:`_exponents`'
     order. Degree p from degree p - 1: the monomials whose last variable is y_j are those of degree p - 1 whose last
     variable is at most j (a prefix, in this order) times y_j, so each degree is e products of contiguous blocks
-    (no gather). Written in place where no derivative is taken, concatenated otherwise (autograd, forward mode)."""
+    (no gather). Written in place where no derivative is taken (``inplace``; None: where no derivative may be taken
+    of y), concatenated otherwise (autograd, forward mode)."""
     from .kernels import _needs_derivatives
 
     e, rows = y.shape[-1], y.shape[-2]
     yt = y.transpose(-1, -2).unsqueeze(-2)        # (..., e, 1, rows)
     M = feature_count(e, K)
     counts = [1] * e                               # monomials of the previous degree whose last variable is <= j
-    if not _needs_derivatives(y):
+    if inplace is None:
+        inplace = not _needs_derivatives(y)
+    if inplace:
         out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
         out[..., 0, :] = 1
         start, end = 0, 1                          # the previous degree's rows of out
@@ -248,9 +273,10 @@ def _block_rows(rows: int, batch: int, M: int, t: torch.Tensor) -> int:
 
 def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_features=None, lse=False):
     """sum_j P_ij v_j as the truncated series of the module docstring, shape (..., m, c); leading (batch) dimensions
-    broadcast. ``degree``: K (else :func:`plan` with ``tol`` and ``max_features``; a ValueError where no degree
-    reaches ``tol``). Rows whose every weight is zero give 0 @ v, as :func:`meanfield.kernels.attention_probs`.
-    Queries and keys are read in blocks of rows (``BLOCK_BYTES`` of features at once).
+    broadcast. ``degree``: K (else the degree :func:`pinned` sets, else :func:`plan` with ``tol`` and
+    ``max_features``; a ValueError where no degree reaches ``tol``). Rows whose every weight is zero give 0 @ v, as
+    :func:`meanfield.kernels.attention_probs`. Queries and keys are read in blocks of rows (``BLOCK_BYTES`` of
+    features at once).
 
     With ``lse``, (out, L): also the row log-sums L_i = log sum_j a_j e^{<q_i, k_j>} (..., m) from the same
     denominators (L_i = log of the series' denominator + <q_i, c> + the largest log-weight; its error at most
@@ -283,6 +309,8 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
                 raise FloatingPointError(f"{name}: contains NaN or infinite entries (the series needs a finite "
                                          "max |q| max |k - c|)")
         raise FloatingPointError(f"q, k: max |q| max |k - c| overflows {q.dtype}; use float64 or smaller inputs")
+    if degree is None:
+        degree = _PINNED.get()
     if degree is None:
         p = plan(q, k, lw, tol=tol, max_features=max_features, radius=r)
         if p is None:
@@ -329,8 +357,7 @@ def _series(q, k, v, lw, K, centre, scale):
     """The series of degree K with the keys centred at ``centre`` and the queries and keys balanced by ``scale``."""
     from .kernels import _zero_blind_rows
 
-    M, batch = feature_count(q.shape[-1], K), math.prod(q.shape[:-2])
-    m, n, c = q.shape[-2], k.shape[-2], v.shape[-1]
+    c = v.shape[-1]
     # weights relative to the largest (the shift cancels in the normalization)
     if lw is None:
         top = torch.zeros((), dtype=q.dtype, device=q.device)
@@ -343,22 +370,103 @@ def _series(q, k, v, lw, K, centre, scale):
     if lw is not None:
         # keys of zero weight lie outside the box the scale was set from: zeros instead (their weight is 0)
         ks = torch.where((lw == float("-inf")).unsqueeze(-1), 0, ks)
-    # S = sum_j a_j k_j^alpha [v_j, 1] / alpha!: the factorials on this side only (M numbers)
-    S = None
-    step = _block_rows(n, batch, M, k)
-    for j in range(0, n, step):
-        part = _powers(ks[..., j:j + step, :], K) @ wv[..., j:j + step, :]
-        S = part if S is None else S + part
-    S = S * _inverse_factorials(q.shape[-1], K, q.device, q.dtype).unsqueeze(-1)
-    qs = q / scale
-    step = _block_rows(m, batch, M, q)
-    outs, dens = [], []
-    for i in range(0, m, step):
-        num = _powers(qs[..., i:i + step, :], K).transpose(-1, -2) @ S
-        outs.append(num[..., :c] / num[..., c:])
-        dens.append(num[..., c])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    den = dens[0] if len(dens) == 1 else torch.cat(dens, dim=-1)
+    # num_i = sum_j a_j T_K(<q_i, k_j - c>) [v_j, 1] (the scale cancels in the products)
+    num = kernel_sum(q / scale, ks, wv, K)
+    out, den = num[..., :c] / num[..., c:], num[..., c]
     if lw is not None:
         out = _zero_blind_rows(out, v, lw, None, None)
     return out, den, top
+
+
+def _kernel_sum(x, y, w, K):
+    """sum_j T_K(<x_i, y_j>) w_j (..., m, c) for x (..., m, e), y (..., n, e), w (..., n, c) of one batch shape, no
+    derivative taken: S = sum_j phi(y_j) w_j^T (M x c) over blocks of keys, then phi(x_i)^T S over blocks of queries
+    (features in place, ``BLOCK_BYTES`` of them at once); zeros for K < 0 (the derivative of T_0)."""
+    lead, (m, e), (n, c) = x.shape[:-2], x.shape[-2:], w.shape[-2:]
+    if K < 0 or m == 0 or n == 0 or c == 0:
+        return x.new_zeros(*lead, m, c)
+    with torch.no_grad():
+        M, batch = feature_count(e, K), math.prod(lead)
+        S = None
+        step = _block_rows(n, batch, M, y)
+        for j in range(0, n, step):
+            part = _powers(y[..., j:j + step, :], K, inplace=True) @ w[..., j:j + step, :]
+            S = part if S is None else S + part
+        # the factorials on this side only (M numbers)
+        S = S * _inverse_factorials(e, K, x.device, x.dtype).unsqueeze(-1)
+        step = _block_rows(m, batch, M, x)
+        outs = [_powers(x[..., i:i + step, :], K, inplace=True).transpose(-1, -2) @ S for i in range(0, m, step)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+
+
+def _outer(a, b):
+    """(..., rows, e * c): the products a_f b_g per row, f major."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-2)).flatten(-2)
+
+
+class _KernelSum(torch.autograd.Function):
+    """:func:`kernel_sum` with its derivatives in O(rows) memory: only x, y and w are saved, and every derivative is
+    itself a kernel sum, since T_K' = T_{K-1}:
+
+    * d/dw_j: sum_i T_K(<x_i, y_j>) g_i, the kernel sum with the sides exchanged;
+    * d/dx_i: sum_j T_{K-1}(<x_i, y_j>) (g_i . w_j) y_j, a kernel sum of degree K - 1 with values y_j (x) w_j;
+    * d/dy_j: sum_i T_{K-1}(<x_i, y_j>) (g_i . w_j) x_i, the same with the sides exchanged and values x_i (x) g_i;
+    * the tangent: F_K(x, y, dw) + sum_f dx_f F_{K-1}(x, y, y_f w) + sum_f x_f F_{K-1}(x, y, dy_f w).
+
+    The backward calls :func:`kernel_sum` again, so it can itself be differentiated (double backward, forward over
+    reverse)."""
+
+    @staticmethod
+    def forward(x, y, w, K):
+        return _kernel_sum(x, y, w, K)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, y, w, K = inputs
+        ctx.K = K
+        ctx.save_for_backward(x, y, w)
+        ctx.save_for_forward(x, y, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, y, w = ctx.saved_tensors
+        K, e, c = ctx.K, x.shape[-1], w.shape[-1]
+        gx = gy = gw = None
+        if ctx.needs_input_grad[2]:
+            gw = kernel_sum(y, x, g, K)
+        if ctx.needs_input_grad[0]:
+            H = kernel_sum(x, y, _outer(y, w), K - 1).unflatten(-1, (e, c))
+            gx = (H * g.unsqueeze(-2)).sum(-1)
+        if ctx.needs_input_grad[1]:
+            H = kernel_sum(y, x, _outer(x, g), K - 1).unflatten(-1, (e, c))
+            gy = (H * w.unsqueeze(-2)).sum(-1)
+        return gx, gy, gw, None
+
+    @staticmethod
+    def jvp(ctx, dx, dy, dw, _):
+        x, y, w = ctx.saved_tensors
+        K, e, c = ctx.K, x.shape[-1], w.shape[-1]
+        out = kernel_sum(x, y, dw, K) if dw is not None else x.new_zeros(*x.shape[:-1], c)
+        values, factors = [], []
+        if dx is not None:   # sum_f dx_if F_{K-1}(x, y, y_f w)_i
+            values.append(_outer(y, w))
+            factors.append(dx)
+        if dy is not None:   # sum_f x_if F_{K-1}(x, y, dy_f w)_i
+            values.append(_outer(dy, w))
+            factors.append(x)
+        if values:
+            H = kernel_sum(x, y, torch.cat(values, dim=-1), K - 1).unflatten(-1, (len(values), e, c))
+            for t, f in enumerate(factors):
+                out = out + (H[..., t, :, :] * f.unsqueeze(-1)).sum(-2)
+        return out
+
+
+def kernel_sum(x, y, w, K: int):
+    """sum_j T_K(<x_i, y_j>) w_j, (..., m, c), with T_K the Taylor polynomial of degree K of the exponential: the
+    series' core (x, y (..., rows, e) and w (..., n, c) of one batch shape). O((m + n) M) time, O(m + n + M)
+    memory, with its derivatives (autograd, forward mode, double backward) in the same memory (``_KernelSum``)."""
+    from .kernels import _needs_derivatives
+
+    if K < 0 or not _needs_derivatives(x, y, w):
+        return _kernel_sum(x, y, w, K)
+    return _KernelSum.apply(x, y, w, K)

@@ -1,0 +1,145 @@
+"""The certified local constant through the series engine: the Jacobian of the truncated series and a proved bound
+on its distance to the exact Jacobian (docs/math.md section 4.8).
+
+``local_lipschitz(op, X, attention="series")`` runs the matrix-free solvers on the Jacobian J~ of the map whose
+exponentials are Taylor polynomials of degree K (:mod:`meanfield.series_attention`): each product costs
+O(N M) instead of O(N^2), in O(N) memory. Weyl's inequality then carries the certificate over to the exact
+Jacobian J: every singular value of J lies within ``||J~ - J||`` of the matching one of J~, and
+:func:`truncation_bound` bounds that operator norm (in the norm of the estimate: Euclidean for sequences, the W2
+sense of Lemma C.5 for measures) by::
+
+    eps_J = alpha e^{(2 r + beta_c) / 2} + beta,
+    alpha = eta0 ||V|| + gamma1 Q ||K|| + gamma0 |c|,   beta = gamma1 R ||Q||,
+
+with, for SelfAttention's q = Q x, k = K x (K = I for a score matrix A), v = V x and key bias c:
+r = max_i ``|q_i|`` max_j ``|k_j - k0|`` (the centred scores, k0 the keys' box midpoint), Q = max_i ``|q_i|``,
+R = max_j ``|k_j - k0|``, V = max_j ``|v_j - v0|`` (v0 the values' box midpoint), beta_c the spread of <c, x_j> over the
+keys, delta_p = e^r tau_p(r) (:func:`meanfield.series_attention.tail_bound`), eta0 = 2 delta_K / (1 - delta_K),
+eta1 = (delta_K + delta_{K-1}) / (1 - delta_K), gamma1 = (2 eta1 + (1 + eta1) eta0) V and
+gamma0 = (2 eta0 + (1 + eta0) eta0) V. The proof (docs/math.md section 4.8): T_K(s) = e^s (1 + eps) and
+T_K'(s) = T_{K-1}(s) = e^s (1 + eps') with ``|eps| <= delta_K`` and ``|eps'| <= delta_{K-1}`` on [-r, r], so every
+weight, derivative weight and output of the series is within a relative eta of the exact one; the error of the
+Jacobian applied to u at row i is then at most alpha sum_j P_ij ``|u_j|`` + beta ``|u_i|``, and the row-stochastic
+P with P_ij <= w_j e^{2 r + beta_c} has norm at most e^{(2 r + beta_c) / 2} on L2(w).
+
+:func:`degree` takes the smallest K whose eta's are below the machine epsilon of float64, so eps_J is some 1e-15
+of the operator's scale: the certificate's error grows by 2 eps_J and its value (a lower bound of the exact
+constant) drops by eps_J. The series' rounding grows like e^{2 r} (r <= :data:`MAX_RADIUS`: 2e5 epsilons at
+most), far below a certificate's tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import series_attention as series
+
+__all__ = ["degree", "truncation_bound", "supports", "MAX_RADIUS"]
+
+#: the largest r = max ``|q|`` max ``|k - k0|`` the certified series takes (its rounding grows like e^{2 r}: 2e5 times
+#: float64's epsilon here, against a certificate's tolerance of 1e-6 and above)
+MAX_RADIUS = 6.0
+
+
+def supports(op) -> str | None:
+    """None where the series' certificate covers ``op`` (an unmasked :class:`~meanfield.SelfAttention`), else why
+    not."""
+    from .attention import SelfAttention
+
+    if type(op) is not SelfAttention:
+        return (f"the series' truncation bound covers SelfAttention operators, not {type(op).__name__}; use "
+                "attention=None")
+    if op.masked:
+        return "a causal mask does not factor through the series' features; use attention=None"
+    return None
+
+
+def _quantities(op, X, log_weights):
+    """Per batch member (tensors (b,)): r, Q, R, V, beta_c of the module docstring, at X (b, n, d)."""
+    X = X.detach().to(torch.float64)
+    Qf = op._Qf.detach().to(torch.float64)
+    Kf = None if op._Kf is None else op._Kf.detach().to(torch.float64)
+    q = X @ Qf.T
+    k = X if Kf is None else X @ Kf.T
+    v = X @ op._V.detach().to(torch.float64).T
+    if log_weights is None:
+        live = torch.ones(X.shape[:-1], dtype=torch.bool, device=X.device)
+    else:
+        live = torch.isfinite(log_weights.detach()).expand(X.shape[:-1])
+
+    def radius(y):
+        far = torch.full((), math.inf, dtype=y.dtype, device=y.device)
+        lo = torch.where(live.unsqueeze(-1), y, far).amin(dim=-2, keepdim=True)
+        hi = torch.where(live.unsqueeze(-1), y, -far).amax(dim=-2, keepdim=True)
+        dist = (y - (lo + hi) / 2).norm(dim=-1)
+        return torch.where(live, dist, 0).amax(dim=-1)
+
+    Qmax = q.norm(dim=-1).amax(dim=-1)
+    R = radius(k)
+    spread = torch.zeros_like(R)
+    if op._c is not None:
+        ck = X @ op._c.detach().to(torch.float64)
+        far = torch.full((), math.inf, dtype=ck.dtype, device=ck.device)
+        spread = torch.where(live, ck, -far).amax(dim=-1) - torch.where(live, ck, far).amin(dim=-1)
+    return Qmax * R, Qmax, R, radius(v), spread
+
+
+def _norm2(t) -> float:
+    return float(torch.linalg.matrix_norm(t.detach().to(torch.float64), 2)) if t is not None else 1.0
+
+
+def degree(op, X, log_weights=None, *, tol=None) -> int:
+    """The degree K the certified series runs at X (b, n, d): one above the smallest whose proved forward bound
+    (:func:`meanfield.series_attention.error_bound`) at the largest r of the batch is at most ``tol`` (default
+    float64's machine epsilon), so that the derivative's series (degree K - 1) meets it too. A ValueError where r
+    exceeds :data:`MAX_RADIUS` or no degree up to :data:`meanfield.series_attention.MAX_DEGREE` reaches ``tol``."""
+    tol = torch.finfo(torch.float64).eps if tol is None else tol
+    r = float(_quantities(op, X, log_weights)[0].max())
+    if not math.isfinite(r):
+        raise FloatingPointError("X: the scores of this input are not finite")
+    if r > MAX_RADIUS:
+        raise ValueError(f"attention: the series needs r = max |q| max |k - k0| <= {MAX_RADIUS:g} (its rounding grows "
+                         f"like e^(2 r)), got r = {r:.3g} at this input; use attention=None")
+    for K in range(series.MAX_DEGREE):
+        if series.error_bound(r, K) <= tol:
+            return K + 1
+    raise ValueError(f"attention: no series degree up to {series.MAX_DEGREE} reaches {tol:.3g} at r = {r:.3g}; use "
+                     "attention=None")
+
+
+def _etas(r: float, K: int) -> tuple[float, float]:
+    """(eta0, eta1): bounds on the relative errors ``|p~_ij - p_ij| / p_ij`` of the series' weights and
+    ``|rho_ij - p_ij| / p_ij`` of its derivative weights rho_ij = a_j T_{K-1}(s_ij) / sum_l a_l T_K(s_il), for
+    centred scores in [-r, r] (inf where a delta reaches 1)."""
+    d0 = math.exp(r) * series.tail_bound(r, K) if r > 0 else 0.0
+    d1 = math.exp(r) * series.tail_bound(r, K - 1) if r > 0 else 0.0
+    if d0 >= 1 or d1 >= 1:
+        return math.inf, math.inf
+    return 2 * d0 / (1 - d0), (d0 + d1) / (1 - d0)
+
+
+def truncation_bound(op, X, log_weights=None, *, K: int) -> torch.Tensor:
+    """eps_J (b,) of the module docstring: a bound on ``||J~ - J||`` at each batch member of X (b, n, d) for the
+    series of degree K >= 1, in the norm of ``local_lipschitz``'s estimate (Euclidean for sequences, whose
+    ``log_weights`` are None; L2 of the measure's weights otherwise). inf where a delta reaches 1."""
+    if isinstance(K, bool) or not isinstance(K, int) or K < 1:
+        raise ValueError(f"K: expected a degree >= 1 (the derivative has degree K - 1), got {K!r}")
+    r, Qmax, R, V, spread = _quantities(op, X, log_weights)
+    out = torch.empty_like(r)
+    nQ, nK, nV = _norm2(op._Qf), _norm2(op._Kf), _norm2(op._V)
+    nc = 0.0 if op._c is None else float(op._c.detach().to(torch.float64).norm())
+    for i in range(r.shape[0]):
+        ri = float(r[i])
+        eta0, eta1 = _etas(ri, K)
+        if not math.isfinite(eta0 + eta1):
+            out[i] = math.inf
+            continue
+        Vi = float(V[i])
+        gamma1 = (2 * eta1 + (1 + eta1) * eta0) * Vi
+        gamma0 = (2 * eta0 + (1 + eta0) * eta0) * Vi
+        alpha = eta0 * nV + gamma1 * float(Qmax[i]) * nK + gamma0 * nc
+        beta = gamma1 * float(R[i]) * nQ
+        out[i] = alpha * math.exp((2 * ri + float(spread[i])) / 2) + beta
+    return out

@@ -1,0 +1,233 @@
+"""The series' derivatives and the certified local constant through them (meanfield/series_jacobian.py), against
+independent truths: finite differences of the polynomial kernel (torch's gradcheck), the kernel sum written out,
+the dense Jacobians of the exact and the truncated maps (their distance in the operator norm, against the proved
+bound), and the certified constant of the exact map (local_lipschitz's default path, a dense SVD)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meanfield import MultiHeadAttention, SelfAttention, kernels, local_lipschitz
+from meanfield import series_attention as series
+from meanfield import series_jacobian as sj
+from particles import Measure
+
+DT = torch.float64
+
+
+def written_out(x, y, w, K):
+    s = x @ y.transpose(-1, -2)
+    return sum(s ** p / math.factorial(p) for p in range(K + 1)) @ w if K >= 0 else torch.zeros_like(x @ y.mT @ w)
+
+
+def rand(*shape, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=DT) * scale
+
+
+# ---------------------------------------------------------------------- the kernel sum and its derivatives
+@pytest.mark.parametrize("K", [0, 1, 2, 5, 9])
+def test_kernel_sum_is_the_truncated_exponential_kernel_written_out(K):
+    x, y, w = rand(3, 11, 3, seed=1, scale=0.6), rand(3, 13, 3, seed=2, scale=0.6), rand(3, 13, 4, seed=3)
+    assert torch.allclose(series.kernel_sum(x, y, w, K), written_out(x, y, w, K), rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("K", [0, 1, 3, 6])
+def test_kernel_sum_derivatives_match_finite_differences(K):
+    # reverse mode, forward mode, double backward and forward over reverse, all against finite differences
+    x = rand(2, 3, 2, seed=4, scale=0.5).requires_grad_()
+    y = rand(2, 4, 2, seed=5, scale=0.5).requires_grad_()
+    w = rand(2, 4, 2, seed=6).requires_grad_()
+    f = lambda a, b, c: series.kernel_sum(a, b, c, K)  # noqa: E731
+    tight = {"eps": 1e-6, "atol": 1e-9, "rtol": 1e-7}
+    assert torch.autograd.gradcheck(f, (x, y, w), check_forward_ad=True, **tight)
+    assert torch.autograd.gradgradcheck(f, (x, y, w), check_fwd_over_rev=True, **tight)
+
+
+def test_kernel_sum_tangent_with_some_inputs_fixed():
+    x, y, w = rand(6, 3, seed=7, scale=0.5), rand(8, 3, seed=8, scale=0.5), rand(8, 2, seed=9)
+    tx, ty, tw = rand(6, 3, seed=10), rand(8, 3, seed=11), rand(8, 2, seed=12)
+    for fixed in range(3):
+        tangents = [tx, ty, tw]
+        tangents[fixed] = torch.zeros_like(tangents[fixed])
+        want = torch.func.jvp(lambda a, b, c: written_out(a, b, c, 7), (x, y, w), tuple(tangents))[1]
+        with torch.autograd.forward_ad.dual_level():
+            args = [torch.autograd.forward_ad.make_dual(t, d) if i != fixed else t
+                    for i, (t, d) in enumerate(zip((x, y, w), tangents))]
+            got = torch.autograd.forward_ad.unpack_dual(series.kernel_sum(*args, 7)).tangent
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_derivatives_save_only_the_inputs():
+    # the graph of the series saves O(rows) numbers, not the M features of every row
+    n, saved = 20000, [0]
+
+    def pack(t):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    X = (torch.rand(n, 2, generator=torch.Generator().manual_seed(0), dtype=DT) - 0.5).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = series.series_attend(X, X, X)
+    M = series.feature_count(2, series.plan(X.detach(), X.detach()).degree + 1)
+    assert saved[0] < 40 * n * 8 < M * n * 8
+    g = torch.autograd.grad(out.sum(), X)[0]
+    assert torch.isfinite(g).all()
+
+
+def test_pinned_degree_is_the_explicit_one_without_the_radius_limit():
+    q, k, v = rand(9, 2, seed=13, scale=2.0), rand(12, 2, seed=14, scale=2.0), rand(12, 3, seed=15)
+    with pytest.raises(ValueError, match="r = "):
+        series.series_attend(q, k, v)
+    with series.pinned(30):
+        pinned = series.series_attend(q, k, v)
+    assert torch.equal(pinned, series.series_attend(q, k, v, degree=30))
+    with pytest.raises(ValueError, match="degree"):
+        series.pinned(-1).__enter__()
+
+
+# ---------------------------------------------------------------------- the truncation bound
+def dense_jacobian(op, X, lw, K=None):
+    """The Jacobian of the points map at X in the estimate's norm (D^{1/2} J D^{-1/2} for weights), exact (dense
+    attention) or of the series of degree K."""
+    def f(Y):
+        if K is None:
+            with kernels.use("dense"):
+                return op.points_map(Y, lw, None)
+        with kernels.use("series"), series.pinned(K):
+            return op.points_map(Y, lw, None)
+
+    J = torch.autograd.functional.jacobian(f, X)
+    n, dout = J.shape[:2]
+    J = J.reshape(n * dout, -1)
+    if lw is not None:
+        w = torch.exp(lw - lw.max())
+        J = w.sqrt().repeat_interleave(dout)[:, None] * J * (1 / w.sqrt()).repeat_interleave(X.shape[-1])[None, :]
+    return J
+
+
+def operators(d, seed):
+    A, V = rand(d, d, seed=seed), rand(d, d, seed=seed + 1)
+    yield SelfAttention(A, V)
+    yield SelfAttention(A, V + 3.0)                      # values far from their centre
+    yield SelfAttention.from_qkv(rand(2, d, seed=seed + 2), rand(2, d, seed=seed + 3), V,
+                                 b_Q=rand(2, seed=seed + 4))  # factored scores, a key bias
+
+
+@pytest.mark.parametrize("r", [0.3, 1.0, 2.5])
+@pytest.mark.parametrize("K", [4, 8, 14])
+def test_weights_and_derivative_weights_are_within_their_etas(r, K):
+    # the proof's first step, written out: scores spread over [-r, r], weights of the series (T_K) and of its
+    # derivative (T_{K-1}) against the exact softmax weights; at the score -r the bound is nearly met
+    s = torch.linspace(-r, r, 41, dtype=DT)
+    a = torch.exp(rand(41, seed=int(10 * r) + K))
+    T = lambda p: sum(s ** i / math.factorial(i) for i in range(p + 1))  # noqa: E731
+    exact = a * torch.exp(s) / (a * torch.exp(s)).sum()
+    approx = a * T(K) / (a * T(K)).sum()
+    rho = a * T(K - 1) / (a * T(K)).sum()
+    eta0, eta1 = sj._etas(r, K)
+    e0 = ((approx - exact).abs() / exact).max().item()
+    e1 = ((rho - exact).abs() / exact).max().item()
+    assert e0 <= eta0 + 1e-14 and e1 <= eta1 + 1e-14   # float64 rounding where the etas are below it
+    if 1e-12 < eta0 < 0.1:   # above rounding and where the bound is finite and small: within 5x of it
+        assert e0 >= eta0 / 5 and e1 >= eta1 / 5
+
+
+@pytest.mark.parametrize("d", [2, 3])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_truncation_bound_is_above_the_distance_of_the_jacobians(d, weighted):
+    for seed in range(3):
+        X = rand(16, d, seed=100 + seed)
+        X = X / X.norm(dim=1).max() * (0.6 + 0.4 * seed)
+        lw = torch.log_softmax(rand(16, seed=200 + seed), 0) if weighted else None
+        for op in operators(d, 10 * seed):
+            exact = dense_jacobian(op, X, lw)
+            rounding = 1e-13 * torch.linalg.matrix_norm(exact, 2).item()
+            for K in (3, 6, 10):
+                bound = float(sj.truncation_bound(op, X[None], lw, K=K)[0])
+                gap = torch.linalg.matrix_norm(dense_jacobian(op, X, lw, K) - exact, 2).item()
+                assert gap <= bound + rounding, (seed, K, gap, bound)
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.0])
+def test_truncation_bound_on_two_diracs_is_valid_and_not_vacuous(scale):
+    # two atoms at +-x with A = scale I: scores at +-r, the tail's worst case; there the bound is within 10-70x
+    X = torch.tensor([[1.0, 0.0], [-1.0, 0.0]], dtype=DT)
+    op = SelfAttention(scale * torch.eye(2, dtype=DT), torch.eye(2, dtype=DT))
+    exact = dense_jacobian(op, X, None)
+    ratios = []
+    for K in (5, 8, 12):
+        bound = float(sj.truncation_bound(op, X[None], None, K=K)[0])
+        if not math.isfinite(bound):
+            continue
+        gap = torch.linalg.matrix_norm(dense_jacobian(op, X, None, K) - exact, 2).item()
+        assert gap <= bound
+        ratios.append(gap / bound)
+    assert ratios and max(ratios) >= {0.5: 0.1, 1.0: 0.02, 2.0: 1e-3}[scale]
+
+
+def test_degree_meets_the_epsilon_and_refuses_large_radii():
+    X = rand(50, 2, seed=300)
+    X = X / X.norm(dim=1).max() * 1.5
+    op = SelfAttention(rand(2, 2, seed=301), rand(2, 2, seed=302))
+    K = sj.degree(op, X[None])
+    r = float(sj._quantities(op, X[None], None)[0])
+    assert series.error_bound(r, K - 1) <= torch.finfo(DT).eps < series.error_bound(r, K - 2)
+    assert float(sj.truncation_bound(op, X[None], None, K=K)[0]) < 1e-12
+    with pytest.raises(ValueError, match="attention: the series needs r"):
+        sj.degree(op, 3 * X[None])
+    with pytest.raises(ValueError, match="K"):
+        sj.truncation_bound(op, X[None], None, K=0)
+
+
+# ---------------------------------------------------------------------- the certified constant
+def top_singular_value(op, X, lw):
+    return torch.linalg.matrix_norm(dense_jacobian(op, X, lw), 2).item()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_series_certificate_brackets_the_exact_constant(weighted):
+    for seed in range(3):
+        X = rand(60, 2, seed=400 + seed)
+        X = X / X.norm(dim=1).max() * 1.5
+        lw = torch.log_softmax(rand(60, seed=500 + seed), 0) if weighted else None
+        for op in operators(2, 20 * seed):
+            target = Measure(X, torch.exp(lw)) if weighted else X
+            est = local_lipschitz(op, target, attention="series", tol=1e-8)
+            exact = local_lipschitz(op, target, tol=1e-8)
+            top = top_singular_value(op, X, None if not weighted else Measure(X, torch.exp(lw)).log_weights)
+            assert est.converged
+            assert est.value <= top * (1 + 1e-12) and top <= est.upper * (1 + 1e-12)
+            assert abs(est.value - exact.value) <= est.error + exact.error + 1e-12 * top
+
+
+def test_series_certificate_of_a_batch_and_its_truncation_term():
+    X = rand(3, 40, 2, seed=600)
+    X = X / X.norm(dim=-1).amax() * 1.2
+    op = SelfAttention(rand(2, 2, seed=601), rand(2, 2, seed=602))
+    est = local_lipschitz(op, X, attention="series")
+    exact = local_lipschitz(op, X)
+    K = sj.degree(op, X)
+    eps = sj.truncation_bound(op, X, None, K=K)
+    assert torch.all(eps > 0) and torch.all(eps < 1e-12)
+    assert torch.all((est.value - exact.value).abs() <= est.error + exact.error)
+    assert torch.all(est.error >= 2 * eps)
+
+
+def test_series_option_refuses_what_it_does_not_cover():
+    X = rand(20, 2, seed=700) * 0.3
+    op = SelfAttention(rand(2, 2, seed=701), rand(2, 2, seed=702))
+    with pytest.raises(ValueError, match="attention: expected None or 'series'"):
+        local_lipschitz(op, X, attention="fast")
+    with pytest.raises(ValueError, match="attention: 'series' runs with the matrix-free"):
+        local_lipschitz(op, X, attention="series", method="dense")
+    with pytest.raises(ValueError, match="attention: a causal mask"):
+        local_lipschitz(SelfAttention(op.A, op.V, masked=True), X, attention="series")
+    mh = MultiHeadAttention([op, op], W_O=torch.eye(2, 4, dtype=DT))
+    with pytest.raises(ValueError, match="attention: the series' truncation bound covers SelfAttention"):
+        local_lipschitz(mh, X, attention="series")
+    with pytest.raises(ValueError, match="attention: the series needs r"):
+        local_lipschitz(op, 30 * X, attention="series")
