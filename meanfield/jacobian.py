@@ -86,7 +86,7 @@ class Jacobian:
 
     _MODES = ("rr", "rr-math", "forward", "forward-math", "rr-unbudgeted")
 
-    def __init__(self, fn, X, s_in=None, s_out=None, memory_limit=None):
+    def __init__(self, fn, X, s_in=None, s_out=None, memory_limit=None, forward_first=False):
         self.fn, self.X, self.s_in, self.s_out = fn, X, s_in, s_out
         self.budget = min(RR_BUDGET, memory_limit_bytes(memory_limit) // 8)
         self.math_sdpa = False  # run torch's SDPA on its math backend (forward-mode AD available)
@@ -102,7 +102,9 @@ class Jacobian:
         self.zero = None       # (b,) members whose Jacobian is exactly zero
         self.forward_mode = True
         self.cheap_checks = False
-        self.mode = 0          # index into _MODES
+        # index into _MODES; forward_first: f's own tangent is cheaper than reverse-over-reverse (the series, whose
+        # tangent is one pass over its features where reverse-over-reverse differentiates its backward pass)
+        self.mode = self._MODES.index("forward") if forward_first else 0
         self.on_product = None  # called after each product (the thread policy's re-check)
         self._proven = False   # the current mode has returned a product
         self._rr = None

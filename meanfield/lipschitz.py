@@ -409,7 +409,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                     context.enter_context(kernels.use("series"))
                     context.enter_context(series_attention.pinned(K))
                 found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method, memory_limit,
-                                          False if attention == "series" else mixed)
+                                          False if attention == "series" else mixed, attention == "series")
             if K is not None:
                 found = _carried_over(found, series_jacobian.truncation_bound(op, prob.X, lw, K=K), tol)
             members += found
@@ -462,14 +462,16 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     return est
 
 
-def _solve(prob, first, policy, solve, tol, max_iter, seed, method, memory_limit, mixed):
-    """One problem's solve: (per-member estimates, Jacobian products, iterations)."""
+def _solve(prob, first, policy, solve, tol, max_iter, seed, method, memory_limit, mixed, forward_first=False):
+    """One problem's solve: (per-member estimates, Jacobian products, iterations); ``forward_first``: J u in forward
+    mode from the start (:class:`~meanfield.jacobian.Jacobian`)."""
     applications = 0
     wide = _float64_twin(prob)
     half = wide is not None and prob.X.dtype in (torch.float16, torch.bfloat16)
     # the first evaluation of f (recorded for the products) is the policy's probe
     with timed_probe(policy if first else None):
-        jac = Jacobian(*(wide if half else (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit)
+        jac = Jacobian(*(wide if half else (prob.fn, prob.X, prob.s_in, prob.s_out)), memory_limit,
+                       forward_first=forward_first)
     jac.on_product = policy.tick
     low = prob.lower
     if low is not None and (prob.X.dtype != torch.float64 or mixed is False
@@ -480,7 +482,7 @@ def _solve(prob, first, policy, solve, tol, max_iter, seed, method, memory_limit
     if wide is not None:
         if half:   # solved in float64: the vectors in the input's dtype, certified at exactly them
             found = [(v, u.to(prob.X.dtype), *rest) for v, u, *rest in found]
-        check = jac if half else Jacobian(*wide, memory_limit)
+        check = jac if half else Jacobian(*wide, memory_limit, forward_first=forward_first)
         found = _checked_in_float64(found, check, tol)
         if check is not jac:
             applications += check.applications

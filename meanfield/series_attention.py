@@ -380,23 +380,50 @@ def _series(q, k, v, lw, K, centre, scale):
 
 def _kernel_sum(x, y, w, K):
     """sum_j T_K(<x_i, y_j>) w_j (..., m, c) for x (..., m, e), y (..., n, e), w (..., n, c) of one batch shape, no
-    derivative taken: S = sum_j phi(y_j) w_j^T (M x c) over blocks of keys, then phi(x_i)^T S over blocks of queries
-    (features in place, ``BLOCK_BYTES`` of them at once); zeros for K < 0 (the derivative of T_0)."""
-    lead, (m, e), (n, c) = x.shape[:-2], x.shape[-2:], w.shape[-2:]
-    if K < 0 or m == 0 or n == 0 or c == 0:
-        return x.new_zeros(*lead, m, c)
+    derivative taken (:func:`_kernel_sums` of one sum)."""
+    return _kernel_sums(x, y, [(w, K)])[0]
+
+
+def _kernel_sums(x, y, sums):
+    """[sum_j T_K(<x_i, y_j>) w_j for (w, K) in sums], no derivative taken, sharing the features: those of degree
+    at most max K are built once per block of rows on each side, and a sum of lower degree reads their prefix (the
+    monomials are ordered by degree). S_K = sum_j phi(y_j) w_j^T (M_K x c) over blocks of y, then phi(x_i)^T S over
+    blocks of x (features in place, ``BLOCK_BYTES`` of them at once); zeros for K < 0 (the derivative of T_0)."""
+    lead, (m, e), n = x.shape[:-2], x.shape[-2:], y.shape[-2]
+    outs = [x.new_zeros(*lead, m, w.shape[-1]) for w, _ in sums]
+    live = [i for i, (w, K) in enumerate(sums) if K >= 0 and w.shape[-1] > 0]
+    if not live or m == 0 or n == 0:
+        return outs
     with torch.no_grad():
-        M, batch = feature_count(e, K), math.prod(lead)
-        S = None
+        top = max(sums[i][1] for i in live)
+        M, batch = feature_count(e, top), math.prod(lead)
+        sizes = {i: feature_count(e, sums[i][1]) for i in live}
+        S = {}
         step = _block_rows(n, batch, M, y)
         for j in range(0, n, step):
-            part = _powers(y[..., j:j + step, :], K, inplace=True) @ w[..., j:j + step, :]
-            S = part if S is None else S + part
-        # the factorials on this side only (M numbers)
-        S = S * _inverse_factorials(e, K, x.device, x.dtype).unsqueeze(-1)
+            P = _powers(y[..., j:j + step, :], top, inplace=True)
+            for i in live:
+                part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step, :]
+                S[i] = part if i not in S else S[i] + part
+        # the factorials on this side only; the sums of lower degree padded with zero rows, so that every output
+        # is one product with the query side's features
+        scale = _inverse_factorials(e, top, x.device, x.dtype).unsqueeze(-1)
+        blocks = []
+        for i in live:
+            Si = S[i] * scale[:sizes[i]]
+            if sizes[i] < M:
+                Si = torch.cat([Si, Si.new_zeros(*Si.shape[:-2], M - sizes[i], Si.shape[-1])], dim=-2)
+            blocks.append(Si)
+        S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
         step = _block_rows(m, batch, M, x)
-        outs = [_powers(x[..., i:i + step, :], K, inplace=True).transpose(-1, -2) @ S for i in range(0, m, step)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+        parts = [_powers(x[..., i:i + step, :], top, inplace=True).transpose(-1, -2) @ S_all for i in range(0, m, step)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        at = 0
+        for i in live:
+            c = sums[i][0].shape[-1]
+            outs[i] = out[..., at:at + c]
+            at += c
+        return outs
 
 
 def _outer(a, b):
@@ -431,23 +458,28 @@ class _KernelSum(torch.autograd.Function):
     def backward(ctx, g):
         x, y, w = ctx.saved_tensors
         K, e, c = ctx.K, x.shape[-1], w.shape[-1]
+        need_x, need_y, need_w = ctx.needs_input_grad[:3]
         gx = gy = gw = None
-        if ctx.needs_input_grad[2]:
-            gw = kernel_sum(y, x, g, K)
-        if ctx.needs_input_grad[0]:
-            H = kernel_sum(x, y, _outer(y, w), K - 1).unflatten(-1, (e, c))
+        if need_w or need_y:   # one pass over the features of x, then of y, for both
+            sums = ([(g, K)] if need_w else []) + ([(_outer(x, g), K - 1)] if need_y else [])
+            res = kernel_sums(y, x, sums)
+            if need_w:
+                gw = res[0]
+            if need_y:
+                gy = (res[-1].unflatten(-1, (e, c)) * w.unsqueeze(-2)).sum(-1)
+        if need_x:
+            H = kernel_sums(x, y, [(_outer(y, w), K - 1)])[0].unflatten(-1, (e, c))
             gx = (H * g.unsqueeze(-2)).sum(-1)
-        if ctx.needs_input_grad[1]:
-            H = kernel_sum(y, x, _outer(x, g), K - 1).unflatten(-1, (e, c))
-            gy = (H * w.unsqueeze(-2)).sum(-1)
         return gx, gy, gw, None
 
     @staticmethod
     def jvp(ctx, dx, dy, dw, _):
         x, y, w = ctx.saved_tensors
         K, e, c = ctx.K, x.shape[-1], w.shape[-1]
-        out = kernel_sum(x, y, dw, K) if dw is not None else x.new_zeros(*x.shape[:-1], c)
-        values, factors = [], []
+        sums, factors = [], []
+        if dw is not None:
+            sums.append((dw, K))
+        values = []
         if dx is not None:   # sum_f dx_if F_{K-1}(x, y, y_f w)_i
             values.append(_outer(y, w))
             factors.append(dx)
@@ -455,10 +487,27 @@ class _KernelSum(torch.autograd.Function):
             values.append(_outer(dy, w))
             factors.append(x)
         if values:
-            H = kernel_sum(x, y, torch.cat(values, dim=-1), K - 1).unflatten(-1, (len(values), e, c))
+            sums.append((torch.cat(values, dim=-1), K - 1))
+        if not sums:
+            return x.new_zeros(*x.shape[:-1], c)
+        res = kernel_sums(x, y, sums)
+        out = res[0] if dw is not None else x.new_zeros(*x.shape[:-1], c)
+        if values:
+            H = res[-1].unflatten(-1, (len(values), e, c))
             for t, f in enumerate(factors):
                 out = out + (H[..., t, :, :] * f.unsqueeze(-1)).sum(-2)
         return out
+
+
+def kernel_sums(x, y, sums):
+    """[sum_j T_K(<x_i, y_j>) w_j for (w, K) in sums] sharing their features (:func:`_kernel_sums`), differentiable
+    (each through :class:`_KernelSum` where a derivative may be taken, so that a backward pass built from them can
+    itself be differentiated)."""
+    from .kernels import _needs_derivatives
+
+    if not _needs_derivatives(x, y, *(w for w, _ in sums)):
+        return _kernel_sums(x, y, sums)
+    return [kernel_sum(x, y, w, K) for w, K in sums]
 
 
 def kernel_sum(x, y, w, K: int):

@@ -395,3 +395,21 @@ def test_series_on_cuda_against_float64_dense_rows_and_tf32_left_as_it_was(dtype
         torch.backends.cuda.matmul.allow_tf32 = saved
     err = float((out[rows.to(CUDA)].double().cpu() - truth).abs().max())
     assert err <= {torch.float32: 2e-6, torch.float64: 1e-13}[dtype], err
+
+
+def test_certified_local_constant_through_the_series_on_cuda():
+    # the at-scale study's measure at N = 2e4 (float64): the series' certificate on CUDA against the same on the CPU
+    # and against the exact path's on CUDA; O(N) memory on the device (no N x N allocation)
+    from meanfield import local_lipschitz
+    from studies.common import seeded_attention, uniform_ball
+
+    X = uniform_ball(20_000, 2, 1.5, 11)
+    cpu = local_lipschitz(seeded_attention(2, 0), Measure(X), attention="series")
+    torch.cuda.reset_peak_memory_stats()
+    gpu = local_lipschitz(seeded_attention(2, 0, CUDA), Measure(X.to(CUDA)), attention="series")
+    peak = torch.cuda.max_memory_allocated()
+    exact = local_lipschitz(seeded_attention(2, 0, CUDA), Measure(X.to(CUDA)))
+    assert gpu.converged and cpu.converged and exact.converged
+    assert abs(gpu.value - cpu.value) <= gpu.error + cpu.error
+    assert abs(gpu.value - exact.value) <= gpu.error + exact.error
+    assert peak < 20_000 ** 2 * 8 / 4, peak

@@ -18,8 +18,10 @@ the CPU :func:`grid` is None and their grids are what they always were.
   3000, two starts each) this escape time rose by 0.71 per unit of log N (95% CI [0.47, 0.96]); the GPU
   sizes carry it over three more decades.
 
-Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU. The clustering
-runs take the series engine (:mod:`meanfield.series_attention`: the tokens' scores are bounded by beta = 1, so
+Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU. The local constants
+from :data:`SERIES_FROM` points are certified through the series engine (``local_lipschitz(attention="series")``,
+:mod:`meanfield.series_jacobian`: O(N) per Jacobian product; 10^5 points in about 90 s on 2 CPU cores); the clustering
+runs take it too (:mod:`meanfield.series_attention`: the tokens' scores are bounded by beta = 1, so
 ``simulate``'s ``auto`` evaluates the field in O(N) above about 8200 tokens): on 2 CPU cores 10^5 tokens run to
 T = 30 in about 7 minutes (benchmarks/README.md, "The series engine").
 """
@@ -70,19 +72,37 @@ def grid(level: str, device: str) -> dict | None:
 
 
 # ---------------------------------------------------------------------------- local constants of samples
-def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None) -> dict:
+#: sample sizes from which the local constants run through the series (meanfield.series_jacobian: O(N) per
+#: product instead of O(N^2), the same certificate plus a proved truncation term of some 1e-14): on 2 CPU cores at
+#: N = 1e4 it took half the default path's time (10.5 s against 21 s), at 1e5 91 s
+SERIES_FROM = 5000
+
+
+def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None, attention: str = "auto") -> dict:
     """Certified local constant (W2 sense) of the discrete-versus-mean-field operator at the empirical measure
     of n i.i.d. points uniform on its disc of ``radius`` (float64, Lanczos at tol 1e-6), with its cost.
-    Picklable task."""
-    from meanfield import local_lipschitz
+    ``attention``: "auto" (the series from :data:`SERIES_FROM` points where its radius allows, else the default
+    path), "series" or "exact". Picklable task."""
+    from meanfield import local_lipschitz, series_jacobian
     from particles import Measure
 
+    if attention not in ("auto", "series", "exact"):
+        raise ValueError(f"attention: expected 'auto', 'series' or 'exact', got {attention!r}")
     att = seeded_attention(2, seed, device)
     X = to_device(device, uniform_ball(int(n), 2, radius, seed * 100003 + 7 * int(n) + rep + 1))
+    if attention == "auto":
+        attention = "exact"
+        if n >= SERIES_FROM:
+            try:
+                series_jacobian.degree(att, X[None])
+                attention = "series"
+            except ValueError:
+                pass
     t0 = time.perf_counter()
-    est = local_lipschitz(att, Measure(X), method="lanczos", tol=1e-6, on_failure="warn")
+    est = local_lipschitz(att, Measure(X), method="lanczos", tol=1e-6, on_failure="warn",
+                          attention="series" if attention == "series" else None)
     return {"lip": float(est.value), "lip_error": float(est.error), "converged": bool(est.converged),
-            "products": int(est.applications), "seconds": time.perf_counter() - t0}
+            "products": int(est.applications), "seconds": time.perf_counter() - t0, "attention": attention}
 
 
 def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:

@@ -35,6 +35,24 @@ def test_lipschitz_task_is_the_dense_constant_of_the_sample():
     truth = float(local_lipschitz(seeded_attention(2, 0), Measure(X), method="dense").value)
     assert row["converged"] and row["lip"] == pytest.approx(truth, rel=1e-6)
     assert row["lip_error"] <= 1e-6 * row["lip"] and row["products"] > 0
+    assert row["attention"] == "exact"   # below SERIES_FROM
+
+
+def test_lipschitz_task_through_the_series_is_the_dense_constant_too(monkeypatch):
+    from meanfield import local_lipschitz
+    from particles import Measure
+    from studies.common import seeded_attention, uniform_ball
+
+    X = uniform_ball(150, 2, 1.5, 0 * 100003 + 7 * 150 + 1 + 1)
+    truth = float(local_lipschitz(seeded_attention(2, 0), Measure(X), method="dense").value)
+    monkeypatch.setattr(at_scale, "SERIES_FROM", 100)
+    row = at_scale.lipschitz_task(150, radius=1.5, seed=0, rep=1)
+    assert row["attention"] == "series" and row["converged"]
+    assert row["lip"] == pytest.approx(truth, rel=1e-6) and row["lip"] <= truth * (1 + 1e-12)
+    # where the scores exceed the series' radius, auto keeps the exact path
+    assert at_scale.lipschitz_task(150, radius=4.0, seed=0, rep=1)["attention"] == "exact"
+    with pytest.raises(ValueError, match="attention"):
+        at_scale.lipschitz_task(150, radius=1.5, seed=0, rep=1, attention="fast")
 
 
 def _lip_rows(stds, means, converged=True):
