@@ -3,6 +3,7 @@
     python benchmarks/bench_series.py [--sizes 1e3 1e4 1e5] [--dtypes float32 float64] [--betas 1]
                                       [--device cpu|cuda] [--repeats 3] [--cap 60] [--threads T]
     python benchmarks/bench_series.py --clusters 1e5 1e6 [--device cuda] [--T 30]
+    python benchmarks/bench_series.py --lipschitz 1e4 1e5 [--device cuda] [--cap 600]
 
 Inputs: N tokens uniform on the unit sphere of R^3, q = beta x, k = v = x (isotropic attention, the SA model of
 Geshkovski et al.), uniform weights. Candidates, each timed in the same process (median of ``--repeats`` calls after
@@ -16,6 +17,13 @@ Prints a markdown table.
 uniform on the sphere under the SA flow, beta = 1, RK4 steps of 0.25 with retraction to time T, float64), one per N,
 each with its wall time, escape time, clusters at T and drift off the sphere; ``simulate``'s ``auto`` takes the
 series there.
+
+``--lipschitz N ...``: the discrete-versus-mean-field study's at-scale local constants
+(studies.experiments.at_scale.lipschitz_task: the certified W2 constant of SelfAttention at the empirical measure
+of N points uniform on the disc of radius 1.5, d = 2, float64, Lanczos at tol 1e-6), through the series
+(``local_lipschitz(attention="series")``) and through the exact path in the same process, the exact one only where
+its time predicted (N^2 from the previous size) stays within ``--cap``; each with its value, certified error,
+products and wall time, and the distance of the two values against the sum of their errors.
 """
 
 from __future__ import annotations
@@ -126,6 +134,34 @@ def clusters(args, device):
     return 0
 
 
+def lipschitz(args, device):
+    from studies.experiments import at_scale
+
+    print("| N | series: value, error | products | wall time | exact path: value, error | products | wall time | "
+          "exact / series | distance / (sum of errors) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    previous = None
+    for n in [int(s) for s in args.lipschitz]:
+        rs = at_scale.lipschitz_task(n, 1.5, 0, 0, device=str(device), attention="series")
+        sync(device)
+        predicted = None if previous is None else previous[1] * (n / previous[0]) ** 2
+        re = None
+        if predicted is None or predicted <= args.cap:
+            re = at_scale.lipschitz_task(n, 1.5, 0, 0, device=str(device), attention="exact")
+            sync(device)
+            previous = (n, re["seconds"])
+        mark = "" if rs["converged"] else " (not converged)"
+        cells = [f"{n:.0e}", f"{rs['lip']:.12g} ± {rs['lip_error']:.2g}{mark}", str(rs["products"]), fmt(rs["seconds"])]
+        if re is None:
+            cells += [f"not run (predicted {fmt(predicted)})", "", "", "", ""]
+        else:
+            cells += [f"{re['lip']:.12g} ± {re['lip_error']:.2g}", str(re["products"]), fmt(re["seconds"]),
+                      f"{re['seconds'] / rs['seconds']:.2f}x",
+                      f"{abs(rs['lip'] - re['lip']) / (rs['lip_error'] + re['lip_error']):.2g}"]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e3, 1e4, 1e5])
@@ -137,14 +173,20 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--clusters", nargs="+", type=float, default=None, help="run the at-scale clustering instead")
     ap.add_argument("--T", type=float, default=30.0, help="final time of --clusters")
+    ap.add_argument("--lipschitz", nargs="+", type=float, default=None,
+                    help="time the at-scale local constants through the series and the exact path instead")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"{name}; torch {torch.__version__}; sphere tokens in d = 3, q = beta x, k = v = x\n")
+    what = ("the disc of radius 1.5 in d = 2, the discrete-versus-mean-field operator (seed 0)" if args.lipschitz else
+            "sphere tokens in d = 3, q = beta x, k = v = x")
+    print(f"{name}; torch {torch.__version__}; {what}\n")
     if args.clusters:
         return clusters(args, device)
+    if args.lipschitz:
+        return lipschitz(args, device)
     print("| dtype | beta | N | plan (K, M, r, bound) | series | auto before (its path) | before / series | "
           "error, series | error, before |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -32,3 +32,14 @@ def test_clusters_mode_runs_the_at_scale_task(capsys, monkeypatch):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[3] == "series x16"    # 4 RK4 steps of 0.25, 4 evaluations each
     assert float(cells[6]) < 1e-12          # drift off the sphere
+
+
+def test_lipschitz_mode_certifies_both_ways_and_they_agree(capsys):
+    assert _bench().main(["--lipschitz", "200", "400"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2e+02") or
+            line.startswith("| 4e+02")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert "not converged" not in cells[1] and "not converged" not in cells[4]
+        assert float(cells[8]) <= 1.0     # the two values within the sum of their certified errors
