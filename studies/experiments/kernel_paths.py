@@ -19,13 +19,16 @@ dense path (``kernels.use("dense")``, the plain log-sum-exp softmax and autograd
   score entries): the Jacobian product J u (forward-mode AD: the streamed analytic JVP), J^T w
   (the streamed VJP) and the certified local constant (Lemma C.5, Lanczos with reverse-over-reverse
   products) on a weighted measure, a weighted causal sequence of atoms and a masked measure with
-  arbitrary positions, each with two key tiles so that the online softmax rescales.
+  arbitrary positions, each with two key tiles so that the online softmax rescales;
+* the certified constant through the series (``local_lipschitz(attention="series")``, :mod:`meanfield.series_jacobian`)
+  on weighted tokens of the unit sphere, with the series' own J u and J^T w, against the dense path.
 
 The sizes are set by the kernel's thresholds, not by the level: they are the same at every level.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from pathlib import Path
@@ -39,7 +42,8 @@ from ..contract import THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv
 
-__all__ = ["kernel_paths", "case_task", "CASES", "grid", "forward_claim", "derivative_claim", "TOL"]
+__all__ = ["kernel_paths", "case_task", "CASES", "grid", "forward_claim", "derivative_claim",
+           "series_certificate_claim", "TOL"]
 
 #: relative tolerance of the agreement: two float64 evaluations of one map that sum in another order
 #: differ by about 1e-15 relative; one wrong mask entry, log-weight or rescaling moves them by far more
@@ -66,6 +70,8 @@ CASES = {
                                 "sequence", True, True, "stream"),
     "d masked measure": ("J, J^T and Lip at mu, random positions and weights", 300, True, "random", True, True,
                          "stream"),
+    "d sphere tokens, series": ("J, J^T and Lip at mu through the series (local_lipschitz(attention='series')), "
+                                "weighted tokens of the unit sphere", 600, False, None, True, True, "series"),
 }
 D = 3
 RADIUS = 1.5
@@ -90,6 +96,9 @@ def _inputs(case: str, seed: int, device=None):
     if case == "sphere tokens":
         X = X / X.norm(dim=1, keepdim=True)
         att = IsotropicAttention(1.0)
+    elif case == "d sphere tokens, series":
+        X = X / X.norm(dim=1, keepdim=True)
+        att = SelfAttention(*to_device(device, random_A(D, seed), random_V(D, seed)))
     else:
         att = SelfAttention(*to_device(device, 1.5 * random_A(D, seed), random_V(D, seed)), masked=masked)
     return att, to_device(device, X), None if lw is None else to_device(device, lw), \
@@ -121,7 +130,7 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
     outputs (forward cases), or of J u (by forward-mode AD and by reverse-over-reverse, the product
     :func:`meanfield.local_lipschitz` uses), J^T w and, with ``lipschitz``, the certified constants
     (derivative cases)."""
-    from meanfield import kernels, local_lipschitz
+    from meanfield import kernels, local_lipschitz, series_attention, series_jacobian
     from particles import Measure
 
     if case not in CASES:
@@ -148,7 +157,26 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
     u = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
     w = torch.randn(n, D, generator=g, dtype=torch.float64).to(X.device)
 
-    def products():
+    series = expected == "series"
+    K = series_jacobian.degree(att, X[None], lw) if series else None
+
+    def lip(attention):
+        with warnings.catch_warnings():   # a certificate that misses its tolerance is reported in the row
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return local_lipschitz(att, Measure(X, log_weights=lw, positions=pos), tol=LIP_TOL,
+                                   max_iter=LIP_MAX_ITER, on_failure="warn", attention=attention)
+
+    def products(attention=None):
+        """J u (forward mode and reverse-over-reverse), J^T w and the certified constant, by the path auto takes or,
+        with ``attention="series"``, by the series at the certificate's degree (:mod:`meanfield.series_jacobian`)."""
+        with contextlib.ExitStack() as stack:
+            if attention == "series":
+                stack.enter_context(kernels.use("series"))
+                stack.enter_context(series_attention.pinned(K))
+            Ju, Ju_rr, JTw = _products()
+        return Ju, Ju_rr, JTw, (lip(attention) if lipschitz else None)
+
+    def _products():
         with torch.autograd.forward_ad.dual_level():
             Ju = torch.autograd.forward_ad.unpack_dual(fn(torch.autograd.forward_ad.make_dual(X, u))).tangent
         Xr = X.detach().requires_grad_(True)
@@ -159,16 +187,10 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
             v = torch.zeros_like(out, requires_grad=True)
             g_v = torch.autograd.grad(out, Xr, v, create_graph=True)[0]
             Ju_rr = torch.autograd.grad(g_v, v, u)[0]
-        est = None
-        if lipschitz:
-            with warnings.catch_warnings():   # a certificate that misses its tolerance is reported in the row
-                warnings.simplefilter("ignore", RuntimeWarning)
-                est = local_lipschitz(att, Measure(X, log_weights=lw, positions=pos), tol=LIP_TOL,
-                                      max_iter=LIP_MAX_ITER, on_failure="warn")
-        return Ju.detach(), Ju_rr, JTw, est
+        return Ju.detach(), Ju_rr, JTw
 
     with kernels.record_paths() as ran:
-        Ju, Ju_rr, JTw, est = products()
+        Ju, Ju_rr, JTw, est = products("series" if series else None)
     row.update(path=_paths_run(ran), calls=len(ran))
     with kernels.use("dense"):
         Ju_d, Ju_rr_d, JTw_d, est_d = products()
@@ -228,9 +250,13 @@ _FORWARD = {"fused": ("weighted measure", "causal sequence", "weighted causal at
             "stream": ("masked measure, large",), "series": ("sphere tokens",)}
 
 
+_DERIVATIVES = {"stream": ("d weighted measure", "d weighted causal atoms", "d masked measure"),
+                "series": ("d sphere tokens, series",)}
+
+
 def derivative_claim(rows: list[dict]) -> Claim:
     """J u, J^T w and the certified constant on the streamed path equal the dense path's."""
-    sel = [r for r in rows if "deviation_jvp" in r]
+    sel = [r for r in rows if r["case"] in _DERIVATIVES["stream"]]
     wrong_path = [r for r in sel if not _path_ok(r)]
     off = [r for r in sel if not (r["deviation_jvp"] <= TOL and r["deviation_vjp"] <= TOL
                                   and ("lip" not in r or (r["converged"] and r["deviation_lip"] <= r["lip_allowed"])))]
@@ -258,6 +284,39 @@ def derivative_claim(rows: list[dict]) -> Claim:
                        + ("; auto took another path" if wrong_path else ""))
 
 
+def series_certificate_claim(rows: list[dict]) -> Claim:
+    """The certified constant through the series (``local_lipschitz(attention="series")``: the series' Jacobian
+    certified, carried to the exact one by Weyl's inequality and the proved truncation bound) agrees with the dense
+    path's, and the series' J u and J^T w are the dense kernel's."""
+    sel = [r for r in rows if r["case"] in _DERIVATIVES["series"]]
+    wrong_path = [r for r in sel if not _path_ok(r)]
+    off = [r for r in sel if not (r["deviation_jvp"] <= TOL and r["deviation_vjp"] <= TOL
+                                  and ("lip" not in r or (r["converged"] and r["deviation_lip"] <= r["lip_allowed"])))]
+    return Claim(
+        "the certified local constant through the series is the exact one: the series' Jacobian certified by Lanczos "
+        "and carried to the exact Jacobian by Weyl's inequality with the proved truncation bound (docs/math.md 4.8)",
+        f"relative deviation of the series' J u and J^T w <= {TOL:g}; |Lip_series - Lip_dense| <= both error bars "
+        f"+ {TOL:g} Lip",
+        (f"{len(off)} of {len(sel)} cases off; " if sel else "no case; ")
+        + "; ".join(f"{r['case'][2:]} (n = {r['n']}, {r['path']}): J u {r['deviation_jvp']:.1e}, J^T w "
+                    f"{r['deviation_vjp']:.1e}" + (f", Lip {r['lip']:.12g} vs {r['lip_dense']:.12g} (error bars "
+                                                   f"{r['lip_error']:.1e})" if "lip" in r else "") for r in sel)
+        + (f"; the calls took another path: {', '.join(r['case'] + ' -> ' + r['path'] for r in wrong_path)}"
+           if wrong_path else ""),
+        bool(sel) and not off and not wrong_path,
+        "float64; weighted tokens of the unit sphere, SelfAttention with a random A and V; J u by forward-mode AD and "
+        "by reverse-over-reverse and J^T w by a backward pass through the series at the certificate's degree "
+        f"(meanfield.series_attention.kernel_sum's own derivatives); Lip by Lanczos (tolerance {LIP_TOL:g}) with "
+        "attention='series' against the dense path (kernels.use('dense'))", kind=THEOREM,
+        fails_if=f"the series' J u or J^T w differs from the dense kernel's by more than {TOL:g} (relative), the two "
+                 "certified constants differ by more than their error bars (or one misses its tolerance), or the "
+                 "calls did not run the series",
+        short="the certified constant through the series is the exact one",
+        short_measured=(f"{len(off)} of {len(sel)} cases off"
+                        + (f"; Lip {sel[0]['lip']:.10g} vs {sel[0]['lip_dense']:.10g}" if sel and "lip" in sel[0]
+                           else "") if sel else "no case") + ("; the calls took another path" if wrong_path else ""))
+
+
 @register("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense kernel",
           grid=grid)
 def kernel_paths(out_dir: Path, ctx) -> StudyResult:
@@ -268,7 +327,7 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
                     "kernel_paths", ctx, device=ctx.device)
     write_csv(rows, out_dir / "kernel_paths.csv")
     claims = [forward_claim(rows, "fused"), forward_claim(rows, "stream"), derivative_claim(rows),
-              forward_claim(rows, "series")]
+              forward_claim(rows, "series"), series_certificate_claim(rows)]
 
     fig, ax = P.figure(width=10.0, height=4.4)
     labels, vals, colors = [], [], []
@@ -288,11 +347,12 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     P.finish(ax, "relative deviation from the dense kernel (0 drawn at 1e-18)", "",
-             f"each quantity by the path auto takes and by the dense kernel (float64, seed {ctx.seed})", logx=True,
+             f"each quantity by the path under test and by the dense kernel (float64, seed {ctx.seed})", logx=True,
              legend=False)
     ax.set_xlim(3e-19, 1e-8)
     ax.legend([Patch(color=P.COLORS[0]), Patch(color=P.COLORS[1]), Patch(color=P.COLORS[2]), line],
-              ["auto took the fused path", "auto took the streamed path", "auto took the series path",
+              ["auto took the fused path", "auto took the streamed path",
+               "the series path (auto's for the output;\nattention='series' for the certificate)",
                f"tolerance {TOL:g} (Lip: the error bars + {TOL:g})"], loc="upper left", bbox_to_anchor=(1.02, 1.0))
     save_figure(fig, out_dir / "deviations.png")
     notes = (f"d = {D}; A = 1.5 x a {D}x{D} Gaussian / sqrt({D}) and V Gaussian / sqrt({D}) (seed {ctx.seed}); "
@@ -301,7 +361,8 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
              f"derivatives above 2^15, masked forward passes fused with an explicit mask up to 2^22 entries and "
              f"streamed above; the streamed tiles are 256 x 256, so n = 300 gives two key tiles and n = 2100 nine. "
              f"The sphere tokens: the same points normalized, isotropic attention with beta = 1 (A = V = I), "
-             f"n = 8200 (above the series' 2^26 score entries).")
+             f"n = 8200 (above the series' 2^26 score entries). The series' certificate: the same normalized points "
+             f"(n = 600) under SelfAttention with A and V as above but A not scaled by 1.5.")
     summary = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
     return StudyResult("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense "
                        "kernel",

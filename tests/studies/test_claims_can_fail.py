@@ -270,17 +270,19 @@ def _kernel_claims(cases, lipschitz=False):
 
     rows = [kp.case_task(c, 0, lipschitz) for c in cases]
     return {"fused": kp.forward_claim(rows, "fused"), "stream": kp.forward_claim(rows, "stream"),
-            "derivatives": kp.derivative_claim(rows), "series": kp.forward_claim(rows, "series")}
+            "derivatives": kp.derivative_claim(rows), "series": kp.forward_claim(rows, "series"),
+            "series certificate": kp.series_certificate_claim(rows)}
 
 
 _FWD_FUSED = ["weighted measure", "causal sequence", "weighted causal atoms", "masked measure"]
 _FWD_STREAM = ["masked measure, large"]
 _FWD_SERIES = ["sphere tokens"]
+_D_SERIES = ["d sphere tokens, series"]
 
 
 def test_kernel_path_claims_hold_on_the_kernel_as_written():
-    claims = _kernel_claims(_FWD_FUSED + _FWD_STREAM + _FWD_SERIES + ["d weighted measure", "d masked measure",
-                                                                         "d weighted causal atoms"])
+    claims = _kernel_claims(_FWD_FUSED + _FWD_STREAM + _FWD_SERIES + _D_SERIES
+                            + ["d weighted measure", "d masked measure", "d weighted causal atoms"])
     assert all(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
 
 
@@ -295,9 +297,10 @@ def test_kernel_path_claims_fail_when_the_operator_never_runs_the_path(monkeypat
     real = kernels.attend
     for module in (attention_module, isotropic_module):
         monkeypatch.setattr(module, "attend", lambda *a, **k: real(*a, **{**k, "method": "dense"}))
-    claims = _kernel_claims(["weighted measure", "masked measure, large", "d weighted measure", "sphere tokens"])
+    claims = _kernel_claims(["weighted measure", "masked measure, large", "d weighted measure", "sphere tokens"]
+                            + _D_SERIES)
     assert not any(c.agrees for c in claims.values()), {k: c.measured for k, c in claims.items()}
-    assert all("auto took another path" in c.short_measured for c in claims.values())
+    assert all("took another path" in c.short_measured for c in claims.values())
 
 
 # (module.function of the streamed kernel, line as written, the mistake, cases that must see it, claim that must fail)
@@ -330,13 +333,25 @@ _KERNEL_MISTAKES = {
         "streamed_attention.fused_attend", "is_causal=causal", "is_causal=False",
         ["causal sequence", "weighted causal atoms"], "fused"),
     "series at half the degree": (
-        "series_attention._series", "M, batch = feature_count(q.shape[-1], K)",
-        "K = K // 2; M, batch = feature_count(q.shape[-1], K)", _FWD_SERIES, "series"),
+        "series_attention._series", "num = kernel_sum(q / scale, ks, wv, K)",
+        "num = kernel_sum(q / scale, ks, wv, K // 2)", _FWD_SERIES, "series"),
     "series drops the log-weights": (
         "series_attention._series", "* a.unsqueeze(-1)", "* 1", _FWD_SERIES, "series"),
     "series without the factorials": (
-        "series_attention._series", "S = S * _inverse_factorials", "S = S + 0 * _inverse_factorials", _FWD_SERIES,
-        "series"),
+        "series_attention._kernel_sums", "scale = _inverse_factorials(e, top, x.device, x.dtype)",
+        "scale = 1 + 0 * _inverse_factorials(e, top, x.device, x.dtype)", _FWD_SERIES, "series"),
+    "series tangent with the key tangent's products transposed": (
+        "series_attention._KernelSum", "values.append(_outer(dy, w))", "values.append(_outer(w, dy))", _D_SERIES,
+        "series certificate"),
+    "series tangent without the query term": (
+        "series_attention._KernelSum", "values.append(_outer(y, w))", "values.append(0 * _outer(y, w))", _D_SERIES,
+        "series certificate"),
+    "series backward with the query side's products transposed": (
+        "series_attention._KernelSum", "H = kernel_sums(x, y, [(_outer(y, w), K - 1)])",
+        "H = kernel_sums(x, y, [(_outer(w, y), K - 1)])", _D_SERIES, "series certificate"),
+    "series backward with the sides of w's gradient exchanged": (
+        "series_attention._KernelSum", "res = kernel_sums(y, x, sums)", "res = kernel_sums(x, y, sums)",
+        _D_SERIES, "series certificate"),
 }
 
 

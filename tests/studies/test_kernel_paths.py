@@ -35,14 +35,14 @@ def run(tmp_path_factory):
 def test_study_runs_its_claims_hold_and_auto_takes_each_path(run):
     out, res, problems = run
     assert res["status"] == "ok", res.get("traceback")
-    assert [c["verdict"] for c in res["claims"]] == ["holds"] * 4
+    assert [c["verdict"] for c in res["claims"]] == ["holds"] * 5
     assert all(c["kind"] == "theorem" and c["fails_if"] for c in res["claims"])
     rows = {r["case"]: r for r in read_csv(out / "kernel_paths.csv")}
     assert set(rows) == set(kp.CASES)
     for case, r in rows.items():
         assert r["path"] == kp.CASES[case][-1] == r["expected_path"], case
         assert r["deviation"] <= kp.TOL
-    for case in ("d weighted measure", "d weighted causal atoms", "d masked measure"):
+    for case in ("d weighted measure", "d weighted causal atoms", "d masked measure", "d sphere tokens, series"):
         r = rows[case]
         assert r["converged"] and abs(r["lip"] - r["lip_dense"]) <= r["lip_error"] + kp.TOL * r["lip"]
     # n = 300 streams in two key tiles of 256 (the online softmax rescales), n = 2100 in nine
