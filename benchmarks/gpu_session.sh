@@ -10,6 +10,7 @@
 #     BUDGET=300 bash benchmarks/gpu_session.sh small tests                          # the small heads' kernels
 #     BUDGET=200 bash benchmarks/gpu_session.sh fixed positions-1e6 grid-1e6-64     # what 2026-11-27 left unmeasured
 #     BUDGET=300 bash benchmarks/gpu_session.sh series clusters-1e6                 # the series engine; goal 7's 1e6
+#     BUDGET=300 bash benchmarks/gpu_session.sh lipschitz-series                    # goal 7's local constants at 1e6
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
 #   tests            tests/test_cuda.py (on a fresh machine 39 of 63 passed in the 140 s once given; up to 300 s)
@@ -35,6 +36,9 @@
 #                    and float64, 1e4 .. 1e6 (unmeasured; about 60 s: the float64 baseline at 1e6 is skipped)
 #   clusters-1e6     bench_series.py --clusters: the dynamics study's at-scale run (SA on the sphere, beta = 1, T = 30,
 #                    120 RK4 steps, float64) at 1e5 and 1e6 (unmeasured; a few seconds per 1e6 evaluation at most)
+#   lipschitz-series bench_series.py --lipschitz: the discrete-versus-mean-field study's at-scale local constants
+#                    through the series (local_lipschitz(attention="series")) at 1e4 .. 1e6, the exact path beside it
+#                    where it fits (unmeasured on a GPU; on 2 CPU cores 1e4 in 10 s, 3e4 in 21 s against 357 s)
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
@@ -84,6 +88,10 @@ for step in "$@"; do
       T=$(( $(left) < 400 ? $(left) : 400 )); echo "== clusters-1e6 ($(left) s left, $T s for it)"
       timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --clusters 1e5 1e6 \
         > "$OUT/clusters.md" 2>&1; echo "rc=$?" >> "$OUT/clusters.md"; tail -6 "$OUT/clusters.md" ;;
+    lipschitz-series)
+      T=$(( $(left) < 400 ? $(left) : 400 )); echo "== lipschitz-series ($(left) s left, $T s for it)"
+      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --lipschitz 1e4 1e5 1e6 --cap 60 \
+        > "$OUT/lipschitz-series.md" 2>&1; echo "rc=$?" >> "$OUT/lipschitz-series.md"; tail -6 "$OUT/lipschitz-series.md" ;;
     grid) run grid 150 60 --sections grid --quick --cap 10 ;;
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;

@@ -302,7 +302,7 @@ def _float64_twin(prob):
 
 # ---------------------------------------------------------------------- public API
 def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, on_failure="raise",
-                    memory_limit=None, mixed=None, attention=None) -> LipschitzEstimate:
+                    memory_limit=None, mixed=None, attention="auto") -> LipschitzEstimate:
     """Local Lipschitz constant Lip_X(f) = ||D_X f||_2 (docs/math.md section 4), certified.
 
     Parameters
@@ -349,17 +349,19 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE` entries per batch
         member; True for every such operator; False never. Hugging Face layers (``HFAttention``) never take it
         (``mixed_precision = False``: unmeasured on them).
-    attention : str or None
-        How the products evaluate attention: None or "series". None: :func:`meanfield.kernels.attend`'s default
-        path (exact to rounding). "series": the truncated exponential series (:mod:`meanfield.series_attention`),
-        O(N M) per product instead of O(N^2) and O(N) memory, for an unmasked :class:`~meanfield.SelfAttention`
-        whose centred scores stay in r = max ``|q|`` max ``|k - k0|`` <= :data:`meanfield.series_jacobian.MAX_RADIUS`
-        (particles in a ball: tokens in d = 2 or 3 at radius about 1-2). The solvers certify the series' Jacobian,
-        and a proved bound eps_J on its distance to the exact Jacobian (Weyl's inequality,
-        :func:`meanfield.series_jacobian.truncation_bound`, some 1e-14 of the operator's scale; docs/math.md
-        section 4.8) carries the certificate over: ``value`` drops by eps_J and ``error`` grows by 2 eps_J, so that
-        ``value`` stays a lower bound of the exact constant. Lanczos or power only (dense builds the exact
-        Jacobian), no mixed precision.
+    attention : str
+        How the products evaluate attention: "auto" (default), "exact" or "series". "exact":
+        :func:`meanfield.kernels.attend`'s default path (exact to rounding). "series": the truncated exponential
+        series (:mod:`meanfield.series_attention`), O(N M) per product instead of O(N^2) and O(N) memory, for an
+        unmasked :class:`~meanfield.SelfAttention` whose centred scores stay in r = max ``|q|`` max ``|k - k0|`` <=
+        :data:`meanfield.series_jacobian.MAX_RADIUS` (particles in a ball: tokens in d = 2 or 3 at radius about
+        1-2). The solvers certify the series' Jacobian, and a proved bound eps_J on its distance to the exact
+        Jacobian (Weyl's inequality, :func:`meanfield.series_jacobian.truncation_bound`, some 1e-14 of the
+        operator's scale; docs/math.md section 4.8) carries the certificate over: ``value`` drops by eps_J and
+        ``error`` grows by 2 eps_J, so that ``value`` stays a lower bound of the exact constant. Lanczos or power
+        only (dense builds the exact Jacobian), no mixed precision. "auto": the series where
+        :func:`meanfield.series_jacobian.preferred` says it costs at most a quarter of the exact path (float64
+        measures or sequences of more than 2^26 score entries: N above about 8200), "exact" otherwise.
 
     Returns
     -------
@@ -385,8 +387,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     memory_limit_bytes(memory_limit)  # a malformed limit is an error whatever the method
     if mixed is not None and not isinstance(mixed, bool):
         raise TypeError(f"mixed: expected None, True or False, got {mixed!r}")
-    if attention not in (None, "series"):
-        raise ValueError(f"attention: expected None or 'series', got {attention!r}")
+    if attention not in ("auto", "exact", "series"):
+        raise ValueError(f"attention: expected 'auto', 'exact' or 'series', got {attention!r}")
     if attention == "series" and method == "dense":
         raise ValueError("attention: 'series' runs with the matrix-free solvers (method='lanczos' or 'power'); "
                          "method='dense' builds the exact Jacobian")
@@ -401,15 +403,17 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     members, applications, iterations = [], 0, 0
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
-            lw, K = None, None
+            lw = X.log_weights if isinstance(X, Measure) else None
+            series = attention == "series" or (attention == "auto" and method != "dense"
+                                               and series_jacobian.preferred(op, prob.X, lw))
+            K = None
             with contextlib.ExitStack() as context:
-                if attention == "series":
-                    lw = X.log_weights if isinstance(X, Measure) else None
+                if series:
                     K = series_jacobian.degree(op, prob.X, lw)
                     context.enter_context(kernels.use("series"))
                     context.enter_context(series_attention.pinned(K))
                 found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method, memory_limit,
-                                          False if attention == "series" else mixed, attention == "series")
+                                          False if series else mixed, series)
             if K is not None:
                 found = _carried_over(found, series_jacobian.truncation_bound(op, prob.X, lw, K=K), tol)
             members += found

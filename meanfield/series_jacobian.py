@@ -36,7 +36,7 @@ import torch
 
 from . import series_attention as series
 
-__all__ = ["degree", "truncation_bound", "supports", "MAX_RADIUS"]
+__all__ = ["degree", "truncation_bound", "supports", "preferred", "MAX_RADIUS"]
 
 #: the largest r = max ``|q|`` max ``|k - k0|`` the certified series takes (its rounding grows like e^{2 r}: 2e5 times
 #: float64's epsilon here, against a certificate's tolerance of 1e-6 and above)
@@ -50,10 +50,37 @@ def supports(op) -> str | None:
 
     if type(op) is not SelfAttention:
         return (f"the series' truncation bound covers SelfAttention operators, not {type(op).__name__}; use "
-                "attention=None")
+                "attention='exact'")
     if op.masked:
-        return "a causal mask does not factor through the series' features; use attention=None"
+        return "a causal mask does not factor through the series' features; use attention='exact'"
     return None
+
+
+def preferred(op, X, log_weights=None) -> bool:
+    """Whether ``local_lipschitz(attention="auto")`` runs its products through the series at X (b, n, d): an operator
+    it covers (:func:`supports`), float64 points, more than :data:`meanfield.kernels.SERIES_THRESHOLD` score entries
+    (:data:`~meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU), r within :data:`MAX_RADIUS`, and the
+    series' cost at the certificate's degree (:func:`meanfield.series_attention.cost`) at most
+    :data:`~meanfield.series_attention.COST_RATIO` of the dense pass's. One O(n) pass over X where the first
+    conditions hold."""
+    from . import kernels
+
+    if supports(op) is not None or X.dtype != torch.float64:
+        return False
+    b, n, d = X.shape
+    entries = b * n * n
+    floor = kernels.SERIES_THRESHOLD if X.device.type == "cpu" else kernels.SERIES_THRESHOLD_ACCELERATOR
+    if entries <= floor:
+        return False
+    e, c = op._Qf.shape[0], op._V.shape[0]
+    dense = series.dense_cost(entries, e, c)
+    if series.cost(b, n, n, e, c, 0) > series.COST_RATIO * dense:
+        return False
+    try:
+        K = degree(op, X, log_weights)
+    except (ValueError, FloatingPointError):
+        return False
+    return series.cost(b, n, n, e, c, K) <= series.COST_RATIO * dense
 
 
 def _quantities(op, X, log_weights):
@@ -101,12 +128,12 @@ def degree(op, X, log_weights=None, *, tol=None) -> int:
         raise FloatingPointError("X: the scores of this input are not finite")
     if r > MAX_RADIUS:
         raise ValueError(f"attention: the series needs r = max |q| max |k - k0| <= {MAX_RADIUS:g} (its rounding grows "
-                         f"like e^(2 r)), got r = {r:.3g} at this input; use attention=None")
+                         f"like e^(2 r)), got r = {r:.3g} at this input; use attention='exact'")
     for K in range(series.MAX_DEGREE):
         if series.error_bound(r, K) <= tol:
             return K + 1
     raise ValueError(f"attention: no series degree up to {series.MAX_DEGREE} reaches {tol:.3g} at r = {r:.3g}; use "
-                     "attention=None")
+                     "attention='exact'")
 
 
 def _etas(r: float, K: int) -> tuple[float, float]:

@@ -100,7 +100,7 @@ def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None, a
                 pass
     t0 = time.perf_counter()
     est = local_lipschitz(att, Measure(X), method="lanczos", tol=1e-6, on_failure="warn",
-                          attention="series" if attention == "series" else None)
+                          attention=attention)
     return {"lip": float(est.value), "lip_error": float(est.error), "converged": bool(est.converged),
             "products": int(est.applications), "seconds": time.perf_counter() - t0, "attention": attention}
 

@@ -166,7 +166,7 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
             return local_lipschitz(att, Measure(X, log_weights=lw, positions=pos), tol=LIP_TOL,
                                    max_iter=LIP_MAX_ITER, on_failure="warn", attention=attention)
 
-    def products(attention=None):
+    def products(attention="exact"):
         """J u (forward mode and reverse-over-reverse), J^T w and the certified constant, by the path auto takes or,
         with ``attention="series"``, by the series at the certificate's degree (:mod:`meanfield.series_jacobian`)."""
         with contextlib.ExitStack() as stack:
@@ -190,7 +190,7 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
         return Ju.detach(), Ju_rr, JTw
 
     with kernels.record_paths() as ran:
-        Ju, Ju_rr, JTw, est = products("series" if series else None)
+        Ju, Ju_rr, JTw, est = products("series" if series else "exact")
     row.update(path=_paths_run(ran), calls=len(ran))
     with kernels.use("dense"):
         Ju_d, Ju_rr_d, JTw_d, est_d = products()

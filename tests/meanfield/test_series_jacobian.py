@@ -220,7 +220,7 @@ def test_series_certificate_of_a_batch_and_its_truncation_term():
 def test_series_option_refuses_what_it_does_not_cover():
     X = rand(20, 2, seed=700) * 0.3
     op = SelfAttention(rand(2, 2, seed=701), rand(2, 2, seed=702))
-    with pytest.raises(ValueError, match="attention: expected None or 'series'"):
+    with pytest.raises(ValueError, match="attention: expected 'auto', 'exact' or 'series'"):
         local_lipschitz(op, X, attention="fast")
     with pytest.raises(ValueError, match="attention: 'series' runs with the matrix-free"):
         local_lipschitz(op, X, attention="series", method="dense")
@@ -231,3 +231,29 @@ def test_series_option_refuses_what_it_does_not_cover():
         local_lipschitz(mh, X, attention="series")
     with pytest.raises(ValueError, match="attention: the series needs r"):
         local_lipschitz(op, 30 * X, attention="series")
+
+
+def test_auto_takes_the_series_for_large_bounded_float64_inputs_only(monkeypatch):
+    from meanfield.kernels import record_paths
+
+    X = torch.rand(1500, 2, generator=torch.Generator().manual_seed(800), dtype=DT) - 0.5
+    op = SelfAttention(rand(2, 2, seed=801), rand(2, 2, seed=802))
+    with record_paths() as paths:
+        small = local_lipschitz(op, X)
+    assert "series" not in paths                      # 2.25e6 score entries: below the threshold
+    monkeypatch.setattr(kernels, "SERIES_THRESHOLD", 2**10)
+    assert sj.preferred(op, X[None])
+    with record_paths() as paths:
+        auto = local_lipschitz(op, X)
+    assert set(paths) == {"series"} and abs(auto.value - small.value) <= auto.error + small.error
+    # what auto leaves exact: float32 points, masks, operators the bound does not cover, radii beyond the series',
+    # and the dense solver
+    assert not sj.preferred(op, X[None].float())
+    assert not sj.preferred(SelfAttention(op.A, op.V, masked=True), X[None])
+    assert not sj.preferred(MultiHeadAttention([op, op], W_O=torch.eye(2, 4, dtype=DT)), X[None])
+    assert not sj.preferred(op, 40 * X[None])
+    monkeypatch.setattr(sj, "preferred", lambda *a: True)
+    for kwargs in ({"method": "dense"}, {"attention": "exact"}):
+        with record_paths() as paths:
+            local_lipschitz(op, X[:60], **kwargs)
+        assert "series" not in paths
