@@ -219,12 +219,13 @@ def _inverse_factorials(e: int, K: int, device, dtype) -> torch.Tensor:
                             dtype=dtype, device=device)
 
 
-def _powers(y: torch.Tensor, K: int, inplace: bool | None = None) -> torch.Tensor:
+def _powers(y: torch.Tensor, K: int, inplace: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The monomials y^alpha of degree at most K, as (..., M, rows) for y (..., rows, e), in :func:`_exponents`'
     order. Degree p from degree p - 1: the monomials whose last variable is y_j are those of degree p - 1 whose last
     variable is at most j (a prefix, in this order) times y_j, so each degree is e products of contiguous blocks
     (no gather). Written in place where no derivative is taken (``inplace``; None: where no derivative may be taken
-    of y), concatenated otherwise (autograd, forward mode)."""
+    of y), concatenated otherwise (autograd, forward mode). ``out``: where to write them in place, a buffer
+    (..., M, >= rows) reused from block to block (its first ``rows`` columns)."""
     from .kernels import _needs_derivatives
 
     e, rows = y.shape[-1], y.shape[-2]
@@ -234,7 +235,10 @@ def _powers(y: torch.Tensor, K: int, inplace: bool | None = None) -> torch.Tenso
     if inplace is None:
         inplace = not _needs_derivatives(y)
     if inplace:
-        out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
+        if out is None:
+            out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
+        else:
+            out = out[..., :M, :rows]
         out[..., 0, :] = 1
         start, end = 0, 1                          # the previous degree's rows of out
         for _ in range(K):
@@ -400,8 +404,10 @@ def _kernel_sums(x, y, sums):
         sizes = {i: feature_count(e, sums[i][1]) for i in live}
         S = {}
         step = _block_rows(n, batch, M, y)
+        # one buffer of features for every block of rows, on both sides (no allocation per block)
+        buffer = torch.empty(*lead, M, max(step, _block_rows(m, batch, M, x)), dtype=x.dtype, device=x.device)
         for j in range(0, n, step):
-            P = _powers(y[..., j:j + step, :], top, inplace=True)
+            P = _powers(y[..., j:j + step, :], top, inplace=True, out=buffer)
             for i in live:
                 part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step, :]
                 S[i] = part if i not in S else S[i] + part
@@ -416,7 +422,8 @@ def _kernel_sums(x, y, sums):
             blocks.append(Si)
         S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
         step = _block_rows(m, batch, M, x)
-        parts = [_powers(x[..., i:i + step, :], top, inplace=True).transpose(-1, -2) @ S_all for i in range(0, m, step)]
+        parts = [_powers(x[..., i:i + step, :], top, inplace=True, out=buffer).transpose(-1, -2) @ S_all
+                 for i in range(0, m, step)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         at = 0
         for i in live:
