@@ -356,12 +356,12 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         unmasked :class:`~meanfield.SelfAttention` whose centred scores stay in r = max ``|q|`` max ``|k - k0|`` <=
         :data:`meanfield.series_jacobian.MAX_RADIUS` (particles in a ball: tokens in d = 2 or 3 at radius about
         1-2). The solvers certify the series' Jacobian, and a proved bound eps_J on its distance to the exact
-        Jacobian (Weyl's inequality, :func:`meanfield.series_jacobian.truncation_bound`, some 1e-14 of the
+        Jacobian (Weyl's inequality, :func:`meanfield.series_jacobian.truncation_bound`, 1e-15 to 1e-12 of the
         operator's scale; docs/math.md section 4.8) carries the certificate over: ``value`` drops by eps_J and
         ``error`` grows by 2 eps_J, so that ``value`` stays a lower bound of the exact constant. Lanczos or power
         only (dense builds the exact Jacobian), no mixed precision. "auto": the series where
-        :func:`meanfield.series_jacobian.preferred` says it costs at most a quarter of the exact path (float64
-        measures or sequences of more than 2^26 score entries: N above about 8200), "exact" otherwise.
+        :func:`meanfield.series_jacobian.preferred` says its products cost at most a quarter of the exact path's
+        (float64 measures or sequences of more than 2^26 score entries: N above about 8200), "exact" otherwise.
 
     Returns
     -------

@@ -34,10 +34,12 @@ USA field of :class:`meanfield.IsotropicAttention` multiplies in.
 ``kernels.attend(..., method="series")`` computes it (weights, batches; no positions: a causal or positional
 mask does not factor through features); ``auto`` takes it for forward passes without positions where it certifies
 ``tol`` with at most :data:`MAX_FEATURES` features and costs a fraction of the dense pass
-(:func:`meanfield.kernels.choose`). Autograd, forward-mode AD and double backward differentiate it (the
-derivative of the truncated series, one degree above the plan's where a derivative may be taken, so that the
-derivative's own series keeps the plan's bound; ``auto`` never takes it for derivatives) in the same O(m + n)
-memory: every derivative of :func:`kernel_sum` is a kernel sum, since T_K' = T_{K-1}, and only the inputs are saved.
+(:func:`meanfield.kernels.choose`). Autograd, forward-mode AD and double backward differentiate it: the derivative
+of the truncated series, one degree above the plan's where a derivative may be taken (so that the derivative's own
+series keeps the plan's bound; ``auto`` never takes it for derivatives), with the keys' centre c and the balancing
+scale held fixed (they are read off the inputs' values, not differentiated: at a low explicit or pinned degree,
+where the series depends on c, the gradient misses how c moves with k). The same O(m + n) memory: every derivative
+of :func:`kernel_sum` is a kernel sum, since T_K' = T_{K-1}, and only the inputs are saved.
 :mod:`meanfield.series_jacobian` certifies local constants through it.
 Float32 on CUDA with TF32 switched on (read, never set) runs its products in float64.
 """
@@ -376,7 +378,12 @@ def _series(q, k, v, lw, K, centre, scale):
         ks = torch.where((lw == float("-inf")).unsqueeze(-1), 0, ks)
     # num_i = sum_j a_j T_K(<q_i, k_j - c>) [v_j, 1] (the scale cancels in the products)
     num = kernel_sum(q / scale, ks, wv, K)
-    out, den = num[..., :c] / num[..., c:], num[..., c]
+    den = num[..., c]
+    if lw is not None:
+        # rows whose every weight is zero have 0 / 0 here (set to 0 @ v below): divide them by 1, so that no NaN
+        # reaches a derivative through the where
+        den = torch.where(torch.isneginf(top), torch.ones_like(den), den)
+    out = num[..., :c] / den.unsqueeze(-1)
     if lw is not None:
         out = _zero_blind_rows(out, v, lw, None, None)
     return out, den, top
@@ -455,6 +462,12 @@ class _KernelSum(torch.autograd.Function):
         return _kernel_sum(x, y, w, K)
 
     @staticmethod
+    def vmap(info, in_dims, x, y, w, K):
+        raise NotImplementedError("method='series' inside torch.func.vmap (jacfwd, jacrev): not supported; use "
+                                  "method='stream' or 'dense' there, or torch.autograd's own forward and backward "
+                                  "modes")
+
+    @staticmethod
     def setup_context(ctx, inputs, output):
         x, y, w, K = inputs
         ctx.K = K
@@ -519,10 +532,23 @@ def kernel_sums(x, y, sums):
 
 def kernel_sum(x, y, w, K: int):
     """sum_j T_K(<x_i, y_j>) w_j, (..., m, c), with T_K the Taylor polynomial of degree K of the exponential: the
-    series' core (x, y (..., rows, e) and w (..., n, c) of one batch shape). O((m + n) M) time, O(m + n + M)
-    memory, with its derivatives (autograd, forward mode, double backward) in the same memory (``_KernelSum``)."""
+    series' core (x (..., m, e), y (..., n, e) and w (..., n, c); leading dimensions broadcast). O((m + n) M) time,
+    O(m + n + M) memory, with its derivatives (autograd, forward mode, double backward) in the same memory
+    (``_KernelSum``)."""
     from .kernels import _needs_derivatives
 
+    for name, t in (("x", x), ("y", y), ("w", w)):
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_floating_point():
+            raise ValueError(f"{name}: expected a floating tensor of shape (..., rows, features), got "
+                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
+    if y.shape[-1] != x.shape[-1] or w.shape[-2] != y.shape[-2] or not x.dtype == y.dtype == w.dtype:
+        raise ValueError(f"x, y, w: expected (..., m, e), (..., n, e), (..., n, c) of one dtype, got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(w.shape)} ({x.dtype}, {y.dtype}, {w.dtype})")
+    if isinstance(K, bool) or not isinstance(K, numbers.Integral):
+        raise ValueError(f"K: expected an int, got {K!r}")
+    K = int(K)
+    lead = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], w.shape[:-2])
+    x, y, w = (t.expand(*lead, *t.shape[-2:]) for t in (x, y, w))
     if K < 0 or not _needs_derivatives(x, y, w):
         return _kernel_sum(x, y, w, K)
     return _KernelSum.apply(x, y, w, K)
