@@ -360,7 +360,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         operator's scale; docs/math.md section 4.8) carries the certificate over: ``value`` drops by eps_J and
         ``error`` grows by 2 eps_J, so that ``value`` stays a lower bound of the exact constant. Lanczos or power
         only (dense builds the exact Jacobian), no mixed precision. "auto": the series where
-        :func:`meanfield.series_jacobian.preferred` says its products cost at most a quarter of the exact path's
+        :func:`meanfield.series_jacobian.auto_degree` says its products cost at most a quarter of the exact path's
         (float64 measures or sequences of more than 2^26 score entries: N above about 8200), "exact" otherwise.
 
     Returns
@@ -404,17 +404,19 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
             lw = X.log_weights if isinstance(X, Measure) else None
-            series = attention == "series" or (attention == "auto" and method != "dense"
-                                               and series_jacobian.preferred(op, prob.X, lw))
-            K = None
+            K = None   # the series' degree where the products take it
+            if attention == "series":
+                K = series_jacobian.degree(op, prob.X, lw)
+            elif attention == "auto" and method != "dense":
+                K = series_jacobian.auto_degree(op, prob.X, lw)
+            series = K is not None
             with contextlib.ExitStack() as context:
                 if series:
-                    K = series_jacobian.degree(op, prob.X, lw)
                     context.enter_context(kernels.use("series"))
                     context.enter_context(series_attention.pinned(K))
                 found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method, memory_limit,
                                           False if series else mixed, series)
-            if K is not None:
+            if series:
                 found = _carried_over(found, series_jacobian.truncation_bound(op, prob.X, lw, K=K), tol)
             members += found
             applications += used
@@ -502,6 +504,7 @@ def _carried_over(found, eps, tol):
         val, err = max(val - e, 0.0), err + 2 * e
         out.append((val, u, err, res, bool(ok and err <= tol * val), stalled))
     return out
+
 
 def _short(x) -> str:
     """A value, or a batch's range, for a log line."""

@@ -55,10 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SeriesPlan", "plan", "series_attend", "kernel_sum", "pinned", "tail_bound", "error_bound", "feature_count",
-           "features", "cost",
-           "dense_cost",
-           "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
+__all__ = ["SeriesPlan", "plan", "series_attend", "kernel_sum", "pinned", "box", "tail_bound", "error_bound",
+           "feature_count", "features", "cost", "dense_cost", "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
 
 #: the largest ``r = max |q| max |k - c|`` a plan accepts: the series' rounding grows like e^{2 r} (64 here)
 MAX_RADIUS = math.log(64.0) / 2
@@ -136,6 +134,27 @@ def dense_cost(entries: int, e: int, c: int) -> int:
     return entries * (e + c + 8)
 
 
+def box(y, log_weights=None):
+    """(centre (..., 1, e), radius (...)): the midpoint of the bounding box of the rows of y (..., n, e) per batch
+    member and the largest distance of a row to it, rows of zero weight left out (a member whose every weight is zero
+    keeps its rows in the box, but none counts in the radius: 0). The keys' centre of the series and the radii of
+    its bound (:mod:`meanfield.series_jacobian`)."""
+    if log_weights is None:
+        live = None
+        lo, hi = y.amin(dim=-2, keepdim=True), y.amax(dim=-2, keepdim=True)
+    else:
+        live = (log_weights != float("-inf")).unsqueeze(-1)
+        inside = live | ~live.any(dim=-2, keepdim=True)
+        far = torch.full((), math.inf, dtype=y.dtype, device=y.device)
+        lo = torch.where(inside, y, far).amin(dim=-2, keepdim=True)
+        hi = torch.where(inside, y, -far).amax(dim=-2, keepdim=True)
+    centre = (lo + hi) / 2
+    dist = (y - centre).norm(dim=-1)
+    if live is not None:
+        dist = torch.where(live.squeeze(-1), dist, 0)
+    return centre, dist.amax(dim=-1)
+
+
 def _radius(q, k, log_weights):
     """(r, centre, scale): ``r = max over batch members of max |q| max |k - c|``, c the midpoint of the keys'
     bounding box per batch member (keys of zero weight left out; a member whose every weight is zero, whose output
@@ -143,22 +162,8 @@ def _radius(q, k, log_weights):
     most sqrt(r)). A NaN or infinite key anywhere (of zero weight too) makes r NaN, as it makes the dense kernel's
     output NaN. One host sync on an accelerator."""
     kd = k.detach()
-    if log_weights is not None:
-        # keys of zero weight take no part in the sums: left out of the box (a member of zero weights keeps its
-        # keys in the box, but none counts in r)
-        live = (log_weights.detach() != float("-inf")).unsqueeze(-1)
-        box = live | ~live.any(dim=-2, keepdim=True)
-        far = torch.full((), math.inf, dtype=kd.dtype, device=kd.device)
-        lo = torch.where(box, kd, far).amin(dim=-2, keepdim=True)
-        hi = torch.where(box, kd, -far).amax(dim=-2, keepdim=True)
-    else:
-        live = None
-        lo, hi = kd.amin(dim=-2, keepdim=True), kd.amax(dim=-2, keepdim=True)
-    centre = (lo + hi) / 2
-    dist = (kd - centre).norm(dim=-1)
-    if live is not None:
-        dist = torch.where(live.squeeze(-1), dist, 0)
-    rho = dist.amax(dim=-1, keepdim=True)                       # (..., 1)
+    centre, rho = box(kd, None if log_weights is None else log_weights.detach())
+    rho = rho.unsqueeze(-1)                                      # (..., 1)
     qmax = q.detach().norm(dim=-1).amax(dim=-1, keepdim=True)   # (..., 1)
     # r per member, their maximum; plus 0 x the sum of every key, NaN where one is NaN or infinite
     total = (qmax * rho).amax() + 0 * kd.sum()
@@ -410,13 +415,13 @@ def _kernel_sums(x, y, sums):
         M, batch = feature_count(e, top), math.prod(lead)
         sizes = {i: feature_count(e, sums[i][1]) for i in live}
         S = {}
-        step = _block_rows(n, batch, M, y)
+        step_y, step_x = _block_rows(n, batch, M, y), _block_rows(m, batch, M, x)
         # one buffer of features for every block of rows, on both sides (no allocation per block)
-        buffer = torch.empty(*lead, M, max(step, _block_rows(m, batch, M, x)), dtype=x.dtype, device=x.device)
-        for j in range(0, n, step):
-            P = _powers(y[..., j:j + step, :], top, inplace=True, out=buffer)
+        buffer = torch.empty(*lead, M, max(step_y, step_x), dtype=x.dtype, device=x.device)
+        for j in range(0, n, step_y):
+            P = _powers(y[..., j:j + step_y, :], top, inplace=True, out=buffer)
             for i in live:
-                part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step, :]
+                part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step_y, :]
                 S[i] = part if i not in S else S[i] + part
         # the factorials on this side only; the sums of lower degree padded with zero rows, so that every output
         # is one product with the query side's features
@@ -428,9 +433,8 @@ def _kernel_sums(x, y, sums):
                 Si = torch.cat([Si, Si.new_zeros(*Si.shape[:-2], M - sizes[i], Si.shape[-1])], dim=-2)
             blocks.append(Si)
         S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
-        step = _block_rows(m, batch, M, x)
-        parts = [_powers(x[..., i:i + step, :], top, inplace=True, out=buffer).transpose(-1, -2) @ S_all
-                 for i in range(0, m, step)]
+        parts = [_powers(x[..., i:i + step_x, :], top, inplace=True, out=buffer).transpose(-1, -2) @ S_all
+                 for i in range(0, m, step_x)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
         at = 0
         for i in live:

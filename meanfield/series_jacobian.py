@@ -38,7 +38,8 @@ import torch
 
 from . import series_attention as series
 
-__all__ = ["degree", "truncation_bound", "supports", "preferred", "product_cost", "MAX_RADIUS", "DENSE_PASSES"]
+__all__ = ["degree", "truncation_bound", "supports", "preferred", "auto_degree", "product_cost", "MAX_RADIUS",
+           "DENSE_PASSES"]
 
 #: the largest r = max ``|q|`` max ``|k - k0|`` the certified series takes (its rounding grows like e^{2 r}: 2e5 times
 #: float64's epsilon here, against a certificate's tolerance of 1e-6 and above)
@@ -58,8 +59,9 @@ def supports(op) -> str | None:
     return None
 
 
-def preferred(op, X, log_weights=None) -> bool:
-    """Whether ``local_lipschitz(attention="auto")`` runs its products through the series at X (b, n, d): an operator
+def auto_degree(op, X, log_weights=None) -> int | None:
+    """The degree (:func:`degree`) at which ``local_lipschitz(attention="auto")`` runs its products through the series
+    at X (b, n, d), or None where it keeps the exact path. The series where: an operator
     it covers (:func:`supports`), float64 points, more than :data:`meanfield.kernels.SERIES_THRESHOLD` score entries
     (:data:`~meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU), r within :data:`MAX_RADIUS`, and a
     Jacobian product through the series at the certificate's degree (:func:`product_cost`) at most
@@ -70,21 +72,28 @@ def preferred(op, X, log_weights=None) -> bool:
     from . import kernels
 
     if supports(op) is not None or X.dtype != torch.float64:
-        return False
+        return None
     b, n, d = X.shape
     entries = b * n * n
     floor = kernels.SERIES_THRESHOLD if X.device.type == "cpu" else kernels.SERIES_THRESHOLD_ACCELERATOR
     if entries <= floor:
-        return False
+        return None
     e, c = op._Qf.shape[0], op._V.shape[0]
     dense = DENSE_PASSES * series.dense_cost(entries, e, c)
     if product_cost(b, n, e, c, 0) > series.COST_RATIO * dense:
-        return False
+        return None
     try:
         K = degree(op, X, log_weights)
     except (ValueError, FloatingPointError):
-        return False
-    return product_cost(b, n, e, c, K) <= series.COST_RATIO * dense
+        return None
+    return K if product_cost(b, n, e, c, K) <= series.COST_RATIO * dense else None
+
+
+def preferred(op, X, log_weights=None) -> bool:
+    """Whether ``local_lipschitz(attention="auto")`` takes the series at X (:func:`auto_degree`)."""
+    return auto_degree(op, X, log_weights) is not None
+
+
 
 
 #: a Jacobian product of the exact path costs about this many dense forward passes (the JVP and the VJP recompute
@@ -107,26 +116,17 @@ def _quantities(op, X, log_weights):
     q = X @ Qf.T
     k = X if Kf is None else X @ Kf.T
     v = X @ op._V.detach().to(torch.float64).T
-    if log_weights is None:
-        live = torch.ones(X.shape[:-1], dtype=torch.bool, device=X.device)
-    else:
-        live = torch.isfinite(log_weights.detach()).expand(X.shape[:-1])
-
-    def radius(y):
-        far = torch.full((), math.inf, dtype=y.dtype, device=y.device)
-        lo = torch.where(live.unsqueeze(-1), y, far).amin(dim=-2, keepdim=True)
-        hi = torch.where(live.unsqueeze(-1), y, -far).amax(dim=-2, keepdim=True)
-        dist = (y - (lo + hi) / 2).norm(dim=-1)
-        return torch.where(live, dist, 0).amax(dim=-1)
-
+    lw = None if log_weights is None else log_weights.detach().expand(X.shape[:-1])
+    # the keys' box and radius as the series takes them (its centre k0), the values' alike
+    R, Vr = series.box(k, lw)[1], series.box(v, lw)[1]
     Qmax = q.norm(dim=-1).amax(dim=-1)
-    R = radius(k)
     spread = torch.zeros_like(R)
     if op._c is not None:
+        live = torch.ones(X.shape[:-1], dtype=torch.bool, device=X.device) if lw is None else lw != float("-inf")
         ck = X @ op._c.detach().to(torch.float64)
         far = torch.full((), math.inf, dtype=ck.dtype, device=ck.device)
         spread = torch.where(live, ck, -far).amax(dim=-1) - torch.where(live, ck, far).amin(dim=-1)
-    return Qmax * R, Qmax, R, radius(v), spread
+    return Qmax * R, Qmax, R, Vr, spread
 
 
 def _norm2(t) -> float:
