@@ -4,6 +4,7 @@
                                       [--device cpu|cuda] [--repeats 3] [--cap 60] [--threads T]
     python benchmarks/bench_series.py --clusters 1e5 1e6 [--device cuda] [--T 30]
     python benchmarks/bench_series.py --lipschitz 1e4 1e5 [--device cuda] [--cap 600]
+    python benchmarks/bench_series.py --layouts 1e4 1e5 [--device cuda] [--repeats 5]
 
 Inputs: N tokens uniform on the unit sphere of R^3, q = beta x, k = v = x (isotropic attention, the SA model of
 Geshkovski et al.), uniform weights. Candidates, each timed in the same process (median of ``--repeats`` calls after
@@ -24,6 +25,13 @@ of N points uniform on the disc of radius 1.5, d = 2, float64, Lanczos at tol 1e
 (``local_lipschitz(attention="series")``) and through the exact path in the same process, the exact one only where
 its time predicted (N^2 from the previous size) stays within ``--cap``; each with its value, certified error,
 products and wall time, and the distance of the two values against the sum of their errors.
+
+``--layouts N ...``: one kernel sum (``series_attention.kernel_sum``, the core of every series call and of each of
+its derivatives) in the two at-scale shapes (the disc: d = 2, degree 36, 3 value columns; sphere tokens: d = 3,
+degree 18, 4 columns), float64, against the products as written before 2026-11-28's third session (P w on the keys'
+side, P^T S on the queries', reading the (M, rows) features across their rows; :func:`previous_kernel_sums`, kept
+here as the baseline), interleaved in one process; then one at-scale local constant
+(``lipschitz_task(attention="series")``) at the smallest N with each.
 """
 
 from __future__ import annotations
@@ -117,6 +125,116 @@ def row(n, dtype, beta, device, args, g, previous):
             f"{es} | {eb} |"), previous
 
 
+def previous_powers(y, K, out):
+    """series_attention._powers' in-place branch as it was before 2026-11-28's third session: each product's
+    multiplier read from y with its stride of e."""
+    e, rows = y.shape[-1], y.shape[-2]
+    yt = y.transpose(-1, -2).unsqueeze(-2)
+    out = out[..., :series.feature_count(e, K), :rows]
+    counts = [1] * e
+    out[..., 0, :] = 1
+    start, end = 0, 1
+    for _ in range(K):
+        at = end
+        for j in range(e):
+            torch.mul(out[..., start:start + counts[j], :], yt[..., j, :, :], out=out[..., at:at + counts[j], :])
+            at += counts[j]
+        start, end = end, at
+        counts = [sum(counts[:j + 1]) for j in range(e)]
+    return out
+
+
+def previous_kernel_sums(x, y, sums):
+    """series_attention._kernel_sums as it was before 2026-11-28's third session (the baseline of ``--layouts``):
+    the same features and blocks, the products read the (M, rows) features across their rows (P w, P^T S), the
+    features built by :func:`previous_powers`."""
+    import math
+
+    lead, (m, e), n = x.shape[:-2], x.shape[-2:], y.shape[-2]
+    outs = [x.new_zeros(*lead, m, w.shape[-1]) for w, _ in sums]
+    live = [i for i, (w, K) in enumerate(sums) if K >= 0 and w.shape[-1] > 0]
+    if not live or m == 0 or n == 0:
+        return outs
+    with torch.no_grad():
+        top = max(sums[i][1] for i in live)
+        M, batch = series.feature_count(e, top), math.prod(lead)
+        sizes = {i: series.feature_count(e, sums[i][1]) for i in live}
+        S = {}
+        step_y, step_x = series._block_rows(n, batch, M, y), series._block_rows(m, batch, M, x)
+        buffer = torch.empty(*lead, M, max(step_y, step_x), dtype=x.dtype, device=x.device)
+        for j in range(0, n, step_y):
+            P = previous_powers(y[..., j:j + step_y, :], top, buffer)
+            for i in live:
+                part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step_y, :]
+                S[i] = part if i not in S else S[i] + part
+        scale = series._inverse_factorials(e, top, x.device, x.dtype).unsqueeze(-1)
+        blocks = []
+        for i in live:
+            Si = S[i] * scale[:sizes[i]]
+            if sizes[i] < M:
+                Si = torch.cat([Si, Si.new_zeros(*Si.shape[:-2], M - sizes[i], Si.shape[-1])], dim=-2)
+            blocks.append(Si)
+        S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
+        parts = [previous_powers(x[..., i:i + step_x, :], top, buffer).transpose(-1, -2) @ S_all
+                 for i in range(0, m, step_x)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        at = 0
+        for i in live:
+            c = sums[i][0].shape[-1]
+            outs[i] = out[..., at:at + c]
+            at += c
+        return outs
+
+
+def layouts(args, device):
+    """--layouts: the kernel sum's products as written now against :func:`previous_kernel_sums`, interleaved."""
+    from studies.experiments import at_scale
+
+    current = series._kernel_sums
+    print("| shape | N | now | before | before / now | max relative difference |")
+    print("|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for name, e, K, c in (("disc: d = 2, degree 36, 3 columns", 2, 36, 3),
+                          ("sphere: d = 3, degree 18, 4 columns", 3, 18, 4)):
+        for n in [int(s) for s in args.layouts]:
+            x = (torch.rand(n, e, generator=g, dtype=torch.float64) - 0.5).to(device)
+            y = (torch.rand(n, e, generator=g, dtype=torch.float64) - 0.5).to(device)
+            w = torch.rand(n, c, generator=g, dtype=torch.float64).to(device)
+            times = {"now": [], "before": []}
+            outs = {}
+            for _ in range(args.repeats + 1):   # the first round a warm-up, not kept
+                for label, fn in (("now", current), ("before", previous_kernel_sums)):
+                    sync(device)
+                    t = time.perf_counter()
+                    outs[label] = fn(x, y, [(w, K)])[0]
+                    sync(device)
+                    times[label].append(time.perf_counter() - t)
+            now, before = (statistics.median(times[k][1:]) for k in ("now", "before"))
+            diff = float(((outs["now"] - outs["before"]).norm(dim=-1) / outs["before"].norm(dim=-1)).max())
+            print(f"| {name} | {n:.0e} | {fmt(now)} | {fmt(before)} | {before / now:.2f}x | {diff:.1g} |", flush=True)
+    n = int(args.layouts[0])
+    warm = min(2000, n)
+    print(f"\nlipschitz_task(attention='series') at N = {n:.0e} (the disc), after one untimed call at N = {warm}; "
+          f"the two layouts alternated, each {args.repeats} times (median):\n")
+    print("| layout | value, error | products | wall time |")
+    print("|---|---|---|---|")
+    at_scale.lipschitz_task(warm, 1.5, 0, 0, device=str(device), attention="series")
+    runs = {"now": [], "before": []}
+    for _ in range(args.repeats):
+        for label, fn in (("before", previous_kernel_sums), ("now", current)):
+            series._kernel_sums = fn
+            try:
+                runs[label].append(at_scale.lipschitz_task(n, 1.5, 0, 0, device=str(device), attention="series"))
+            finally:
+                series._kernel_sums = current
+            sync(device)
+    for label in ("now", "before"):
+        r = runs[label][0]
+        seconds = statistics.median(x["seconds"] for x in runs[label])
+        print(f"| {label} | {r['lip']:.12g} ± {r['lip_error']:.2g} | {r['products']} | {fmt(seconds)} |", flush=True)
+    return 0
+
+
 def clusters(args, device):
     from studies.experiments import at_scale
 
@@ -175,18 +293,23 @@ def main(argv=None):
     ap.add_argument("--T", type=float, default=30.0, help="final time of --clusters")
     ap.add_argument("--lipschitz", nargs="+", type=float, default=None,
                     help="time the at-scale local constants through the series and the exact path instead")
+    ap.add_argument("--layouts", nargs="+", type=float, default=None,
+                    help="time the kernel sum's products against their previous layout instead")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = ("the disc of radius 1.5 in d = 2, the discrete-versus-mean-field operator (seed 0)" if args.lipschitz else
+            "points uniform in the unit square (cube), centred; float64" if args.layouts else
             "sphere tokens in d = 3, q = beta x, k = v = x")
     print(f"{name}; torch {torch.__version__}; {what}\n")
     if args.clusters:
         return clusters(args, device)
     if args.lipschitz:
         return lipschitz(args, device)
+    if args.layouts:
+        return layouts(args, device)
     print("| dtype | beta | N | plan (K, M, r, bound) | series | auto before (its path) | before / series | "
           "error, series | error, before |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -246,12 +246,15 @@ def _powers(y: torch.Tensor, K: int, inplace: bool | None = None, out: torch.Ten
             out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
         else:
             out = out[..., :M, :rows]
+        # each variable's row contiguous (a multiplier read with y's stride of e made every product about 3.5 times
+        # slower on the CPU), sliced once
+        ys = [row for row in yt.contiguous().unbind(-3)]
         out[..., 0, :] = 1
         start, end = 0, 1                          # the previous degree's rows of out
         for _ in range(K):
             at = end
             for j in range(e):
-                torch.mul(out[..., start:start + counts[j], :], yt[..., j, :, :], out=out[..., at:at + counts[j], :])
+                torch.mul(out[..., start:start + counts[j], :], ys[j], out=out[..., at:at + counts[j], :])
                 at += counts[j]
             start, end = end, at
             counts = [sum(counts[:j + 1]) for j in range(e)]
@@ -404,7 +407,12 @@ def _kernel_sums(x, y, sums):
     """[sum_j T_K(<x_i, y_j>) w_j for (w, K) in sums], no derivative taken, sharing the features: those of degree
     at most max K are built once per block of rows on each side, and a sum of lower degree reads their prefix (the
     monomials are ordered by degree). S_K = sum_j phi(y_j) w_j^T (M_K x c) over blocks of y, then phi(x_i)^T S over
-    blocks of x (features in place, ``BLOCK_BYTES`` of them at once); zeros for K < 0 (the derivative of T_0)."""
+    blocks of x (features in place, ``BLOCK_BYTES`` of them at once); zeros for K < 0 (the derivative of T_0).
+
+    The features are (M, rows), rows contiguous, so both products are written with the long dimension (rows) as the
+    inner one of a row-major operand: S^T += w^T P^T on the keys' side and out^T = S^T P on the queries' side
+    (on 2 CPU cores at N = 1e5, d = 2, degree 36: 3x and 8x faster than P w and P^T S, which read P across its
+    rows; a kernel sum 1.6-2x faster in all)."""
     lead, (m, e), n = x.shape[:-2], x.shape[-2:], y.shape[-2]
     outs = [x.new_zeros(*lead, m, w.shape[-1]) for w, _ in sums]
     live = [i for i, (w, K) in enumerate(sums) if K >= 0 and w.shape[-1] > 0]
@@ -414,32 +422,36 @@ def _kernel_sums(x, y, sums):
         top = max(sums[i][1] for i in live)
         M, batch = feature_count(e, top), math.prod(lead)
         sizes = {i: feature_count(e, sums[i][1]) for i in live}
-        S = {}
+        # the values as (..., c, n), rows contiguous (one O(n c) copy each)
+        values = {i: sums[i][0].transpose(-1, -2).contiguous() for i in live}
+        ST = {}
         step_y, step_x = _block_rows(n, batch, M, y), _block_rows(m, batch, M, x)
         # one buffer of features for every block of rows, on both sides (no allocation per block)
         buffer = torch.empty(*lead, M, max(step_y, step_x), dtype=x.dtype, device=x.device)
         for j in range(0, n, step_y):
-            P = _powers(y[..., j:j + step_y, :], top, inplace=True, out=buffer)
+            PT = _powers(y[..., j:j + step_y, :], top, inplace=True, out=buffer).transpose(-1, -2)
             for i in live:
-                part = P[..., :sizes[i], :] @ sums[i][0][..., j:j + step_y, :]
-                S[i] = part if i not in S else S[i] + part
-        # the factorials on this side only; the sums of lower degree padded with zero rows, so that every output
+                part = values[i][..., j:j + step_y] @ PT[..., :sizes[i]]
+                ST[i] = part if i not in ST else ST[i] + part
+        # the factorials on this side only; the sums of lower degree padded with zero columns, so that every output
         # is one product with the query side's features
-        scale = _inverse_factorials(e, top, x.device, x.dtype).unsqueeze(-1)
+        scale = _inverse_factorials(e, top, x.device, x.dtype)
         blocks = []
         for i in live:
-            Si = S[i] * scale[:sizes[i]]
+            Si = ST[i] * scale[:sizes[i]]
             if sizes[i] < M:
-                Si = torch.cat([Si, Si.new_zeros(*Si.shape[:-2], M - sizes[i], Si.shape[-1])], dim=-2)
+                Si = torch.cat([Si, Si.new_zeros(*Si.shape[:-1], M - sizes[i])], dim=-1)
             blocks.append(Si)
-        S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)
-        parts = [_powers(x[..., i:i + step_x, :], top, inplace=True, out=buffer).transpose(-1, -2) @ S_all
-                 for i in range(0, m, step_x)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)
+        S_all = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+        outT = torch.empty(*lead, S_all.shape[-2], m, dtype=x.dtype, device=x.device)
+        for i in range(0, m, step_x):
+            P = _powers(x[..., i:i + step_x, :], top, inplace=True, out=buffer)
+            outT[..., i:i + step_x] = S_all @ P
+        out = outT.transpose(-1, -2)
         at = 0
         for i in live:
             c = sums[i][0].shape[-1]
-            outs[i] = out[..., at:at + c]
+            outs[i] = out[..., at:at + c].contiguous()
             at += c
         return outs
 

@@ -43,3 +43,17 @@ def test_lipschitz_mode_certifies_both_ways_and_they_agree(capsys):
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert "not converged" not in cells[1] and "not converged" not in cells[4]
         assert float(cells[8]) <= 1.0     # the two values within the sum of their certified errors
+
+
+def test_layouts_mode_times_both_layouts_and_they_agree(capsys):
+    assert _bench().main(["--layouts", "300", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = [line for line in out if line.startswith("| disc") or line.startswith("| sphere")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[4].endswith("x") and float(cells[5]) < 1e-13   # the two layouts' kernel sums agree
+    lips = [line for line in out if line.startswith("| now") or line.startswith("| before")]
+    assert len(lips) == 2
+    values = {line.split("|")[2].strip() for line in lips}
+    assert len(values) == 1     # the same certified value, error and products
