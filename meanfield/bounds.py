@@ -39,6 +39,7 @@ from particles.validation import (
     check_positive_float,
     check_positive_int,
     check_radius,
+    scalar,
 )
 
 __all__ = [
@@ -521,6 +522,7 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
 # computed those once (a real layer's heads, a sweep of many radii) or cannot form A at all (n beyond
 # the integers). They evaluate the same formulas as the functions above (docs/math.md section 5).
 def _gamma_value(gamma) -> float:
+    gamma = scalar(gamma, "gamma")
     if isinstance(gamma, bool) or not isinstance(gamma, numbers.Real):
         raise TypeError(f"gamma: expected a real number, got {type(gamma).__name__}")
     g = float(gamma)
@@ -531,6 +533,7 @@ def _gamma_value(gamma) -> float:
 
 def _length(n, name: str = "n"):
     """A length n >= 1: a float, or a Python int kept exact when it exceeds the float range."""
+    n = scalar(n, name)
     if isinstance(n, bool) or not isinstance(n, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(n).__name__}")
     if isinstance(n, numbers.Integral) and int(n) >= 1:

@@ -100,10 +100,13 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     return first_occurrence(comp[cell_of])
 
 
-def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
-    """Number of single-linkage clusters at ``tol`` (None: :func:`cluster_labels`'s default, frame by
+def count_clusters(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+                   ) -> int | np.ndarray:
+    """Number of single-linkage clusters at the distance ``tol`` (None: :func:`cluster_labels`'s default, frame by
     frame); an array over time for a Trajectory or (T, N, d). Of a Measure or a Trajectory, the clusters of the
-    support: atoms of zero mass are not in the measure (they neither count nor link two clusters)."""
+    support: atoms of zero mass are not in the measure (they neither count nor link two clusters).
+    ``exact_limit`` and ``slack``: as in :func:`cluster_labels`."""
+    kw = dict(exact_limit=exact_limit, slack=slack)
     lw = getattr(x, "log_weights", None)
     if isinstance(lw, torch.Tensor):   # a Measure (N, d) or a Trajectory (T, N, d): weights fixed in time
         x = x.points[..., lw > -math.inf, :]
@@ -113,10 +116,13 @@ def count_clusters(x, tol: float | None = None, **kw) -> int | np.ndarray:
     return int(cluster_labels(pts, tol, **kw).max()) + 1
 
 
-def cluster_centers(x, tol: float | None = None, **kw) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster, one label
-    per atom; atoms of zero mass are clustered too (a cluster of them alone has mass 0, at their plain mean),
-    where :func:`count_clusters` of a Measure counts its support only."""
+def cluster_centers(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster at the
+    distance ``tol``, one label per atom; atoms of zero mass are clustered too (a cluster of them alone has mass 0,
+    at their plain mean), where :func:`count_clusters` of a Measure counts its support only. ``exact_limit`` and
+    ``slack``: as in :func:`cluster_labels`."""
+    kw = dict(exact_limit=exact_limit, slack=slack)
     X, w = _points(x)
     w = np.full(len(X), 1.0 / len(X)) if w is None else w
     labels = cluster_labels(X, tol, **kw)

@@ -126,7 +126,21 @@ def weight_tolerance(dtype: torch.dtype, given=None) -> float:
     return tol
 
 
+def scalar(value, name: str):
+    """``value`` with a one-element real torch tensor of no dimensions (``X.norm(dim=1).max()``, ``torch.tensor(64)``)
+    taken as the Python number it holds (int or float); anything else unchanged, for the caller's own check. Such a
+    tensor that requires grad is a TypeError naming ``name``: the number is a plain float from here on, and its
+    gradient would be silently lost (pass ``.detach()`` to mean it)."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
+        if value.requires_grad:
+            raise TypeError(f"{name}: a tensor that requires grad, where a number is taken (its gradient would be "
+                            "lost); pass .detach() or .item()")
+        return value.item()
+    return value
+
+
 def check_radius(R, name: str = "R") -> float:
+    R = scalar(R, name)
     if not isinstance(R, numbers.Real) or isinstance(R, bool):
         raise TypeError(f"{name}: expected a real number, got {type(R).__name__}")
     R = float(R)
@@ -137,7 +151,9 @@ def check_radius(R, name: str = "R") -> float:
 
 def check_positive_int(value, name: str, minimum: int = 1) -> int:
     """An integer >= ``minimum`` (numpy integers accepted), as an int; bools, floats and strings are a
-    TypeError naming ``name``, a smaller integer a ValueError."""
+    TypeError naming ``name``, a smaller integer a ValueError. A 0-d tensor counts as the number it holds
+    (:func:`scalar`)."""
+    value = scalar(value, name)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
     if value < minimum:
@@ -148,7 +164,9 @@ def check_positive_int(value, name: str, minimum: int = 1) -> int:
 def check_positive_float(value, name: str, *, allow_zero: bool = False, allow_inf: bool = False) -> float:
     """A real number > 0 (>= 0 with ``allow_zero``), finite unless ``allow_inf`` (numpy scalars accepted),
     as a float; bools and strings are a TypeError naming ``name``, NaN or a value out of range a
-    ValueError. The one check of real options, from particles to the studies."""
+    ValueError. The one check of real options, from particles to the studies. A 0-d tensor counts as the number
+    it holds (:func:`scalar`)."""
+    value = scalar(value, name)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: expected a real number, got {type(value).__name__} {value!r}")
     try:

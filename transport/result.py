@@ -105,6 +105,22 @@ def worst_error(*errors: float) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
+#: iterations after which a missed tol is blamed on reg rather than on max_iter: Sinkhorn's iterations grow about
+#: like the squared diameter / reg, and where thousands did not reach tol, more help slowly (the README's 64-point
+#: spheres at reg = 1e-2: 2e-4 of marginal error after 1e4 iterations, 2e-5 after 1e5)
+SLOW_AFTER = 1000
+
+
+def failure_advice(iterations: int, max_iter, tol, reg) -> str:
+    """What to change after a missed tol: max_iter first when few iterations ran, reg first after
+    :data:`SLOW_AFTER` (where more iterations help slowly)."""
+    loosen = f"loosen tol (it was {tol:.3g}) if that error is accurate enough"
+    if iterations < SLOW_AFTER or reg is None:
+        return f"Increase max_iter (it was {max_iter}) or reg, or {loosen}."
+    return (f"Raise reg (it was {reg:.3g}; the iterations grow about like the squared diameter / reg) or {loosen}; "
+            f"after {iterations} iterations, more (max_iter, it was {max_iter}) help slowly.")
+
+
 def report_failure(result: TransportResult, on_failure: str, stacklevel: int, caller: str = "w2",
                    hint: str | None = None) -> None:
     """Raise ConvergenceError (carrying ``result``) or warn, when the solve missed ``tol``.
@@ -113,8 +129,7 @@ def report_failure(result: TransportResult, on_failure: str, stacklevel: int, ca
     change instead of the generic advice (e.g. an annealing that ``max_iter`` cut short)."""
     err = result.error
     what = "diverged (non-finite marginal error)" if not math.isfinite(err) else f"marginal L1 error {err:.3g}"
-    advice = hint or (f"Increase max_iter (it was {result.max_iter}) or reg, or loosen tol (it was {result.tol:.3g}) "
-                      "if that error is accurate enough.")
+    advice = hint or failure_advice(result.iterations, result.max_iter, result.tol, result.reg)
     msg = (f"{caller} ({result.method}): did not converge in {result.iterations} iterations ({what} > tol "
            f"{result.tol:.3g}); the value is approximate. {advice}")
     if on_failure == "raise":

@@ -55,7 +55,7 @@ from . import multiscale, tiles, truncation
 from .options import DEFAULT_CHUNK_ELEMENTS, check_memory_limit, resolve
 from .overrelaxation import Relaxation
 from .problem import Problem, ldexp, same_atoms
-from .result import worst_error
+from .result import failure_advice, worst_error
 from .tiles import cofactors, device_chunk, factors, plan_tiles, softmin, update
 
 __all__ = ["symmetric_potential"]
@@ -602,8 +602,7 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
                                f"{f.dtype} (squared distances beyond its range)", (f, err, it))
     if not err <= opts["tol"]:
-        advice = hint or (f"increase max_iter (it was {opts['max_iter']}) or reg, or loosen tol if that error is "
-                          "accurate enough")
+        advice = hint or failure_advice(it, opts["max_iter"], opts["tol"], opts["reg"])
         msg = (f"symmetric_potential: did not converge in {it} iterations (marginal L1 error {err:.3g} > tol "
                f"{opts['tol']:.3g}); {advice}")
         if on_failure == "raise":

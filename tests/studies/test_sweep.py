@@ -708,3 +708,14 @@ def test_a_function_the_process_backend_refuses_prints_no_progress_first(tmp_pat
         run_sweep(lambda a: {"y": a}, [{"a": 1}], tmp_path / "s", backend="processes", progress=True)
     captured = capsys.readouterr()
     assert "tasks" not in captured.out + captured.err
+
+
+def _ordered_task(n):
+    return {"lip": float(n), "error": 0.5, "converged": True}
+
+
+def test_rows_keep_the_order_in_which_the_task_wrote_its_columns(tmp_path):
+    # the grid's parameters first, then the task's keys as it wrote them ("lip" before "error"), also when read back
+    res = run_sweep(_ordered_task, {"n": [1, 2]}, tmp_path / "s", backend="inprocess", progress=False)
+    assert [list(r) for r in res.rows] == [["n", "lip", "error", "converged"]] * 2
+    assert [list(r) for r in load_sweep(tmp_path / "s").rows] == [["n", "lip", "error", "converged"]] * 2
