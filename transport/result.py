@@ -105,9 +105,9 @@ def worst_error(*errors: float) -> float:
     return math.nan if any(math.isnan(e) for e in errors) else max(errors)
 
 
-#: iterations after which a missed tol is blamed on reg rather than on max_iter: Sinkhorn's iterations grow about
-#: like the squared diameter / reg, and where thousands did not reach tol, more help slowly (the README's 64-point
-#: spheres at reg = 1e-2: 2e-4 of marginal error after 1e4 iterations, 2e-5 after 1e5)
+#: The iterations after which a missed tol is blamed on reg rather than on max_iter. Sinkhorn's iterations grow
+#: about like the squared diameter / reg, and where thousands did not reach tol, more help slowly (the README's
+#: 64-point spheres at reg = 1e-2 kept 2e-4 of marginal error after 1e4 iterations, 2e-5 after 1e5).
 SLOW_AFTER = 1000
 
 
