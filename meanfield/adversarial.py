@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from particles import Measure, into_ball
-from particles.validation import check_bool, check_positive_int, check_radius, check_seed, resolve_dtype
+from particles.validation import check_bool, check_positive_int, check_radius, check_seed, resolve_dtype, scalar
 
 from .bounds import (
     GammaInfo,
@@ -217,6 +217,7 @@ def sqrt_n_measure(A, R, n, *, dtype=None) -> Measure:
     atom's log-weight -log n is still exact, its weight underflows to 0 in the dtype). The weights
     are stored as log-weights ``(-log n, log1p(-1/n))``.
     """
+    n = scalar(n, "n")
     if isinstance(n, (bool, np.bool_)) or not isinstance(n, numbers.Real):
         raise ValueError(f"n: expected a finite number > 1, got {n!r}")
     if isinstance(n, numbers.Integral):
@@ -264,6 +265,7 @@ def sqrt_n_witness_singular_values(A, R, n, *, of: str = "sequence") -> np.ndarr
     """
     info, d = _witness_info(A)
     seq = _witness_of(of)
+    n = scalar(n, "n")
     if seq:
         n = _token_count(n)
     elif isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1:
@@ -364,6 +366,7 @@ def _witness_of(of) -> bool:
 
 
 def _token_count(n) -> int:
+    n = scalar(n, "n")
     if isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1:
         return int(n)
     if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1 or n != int(n):

@@ -189,11 +189,11 @@ class LimitSet:
         return bool(self.is_vertex.all())
 
 
-def limit_set(x, tol: float | None = None, **kw) -> LimitSet:
-    """Cluster ``x`` at ``tol`` (None: :func:`cluster_labels`'s default) and test which cluster centers
-    are vertices of their convex hull."""
+def limit_set(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1) -> LimitSet:
+    """Cluster ``x`` at the distance ``tol`` (None: :func:`cluster_labels`'s default) and test which cluster centers
+    are vertices of their convex hull. ``exact_limit`` and ``slack``: as in :func:`cluster_labels`."""
     X, _ = _points(x)
-    centers, masses, labels = cluster_centers(x, tol, **kw)
+    centers, masses, labels = cluster_centers(x, tol, exact_limit=exact_limit, slack=slack)
     is_vertex = np.zeros(len(centers), dtype=bool)
     is_vertex[hull_vertices(centers)] = True
     spread = float(np.linalg.norm(X - centers[labels], axis=1).max())

@@ -129,14 +129,27 @@ def weight_tolerance(dtype: torch.dtype, given=None) -> float:
 def scalar(value, name: str):
     """``value`` with a one-element real torch tensor of no dimensions (``X.norm(dim=1).max()``, ``torch.tensor(64)``)
     taken as the Python number it holds (int or float); anything else unchanged, for the caller's own check. Such a
-    tensor that requires grad is a TypeError naming ``name``: the number is a plain float from here on, and its
-    gradient would be silently lost (pass ``.detach()`` to mean it)."""
+    tensor that carries a derivative (it requires grad, holds a forward-mode tangent, or is traced by a torch.func
+    transform: vmap, jacfwd, grad) is a TypeError naming ``name``: the number is a plain float from here on, and its
+    derivative would be silently lost (pass ``.detach()`` to mean it); so is one on the meta device, which holds no
+    number."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() and value.dtype != torch.bool:
-        if value.requires_grad:
-            raise TypeError(f"{name}: a tensor that requires grad, where a number is taken (its gradient would be "
-                            "lost); pass .detach() or .item()")
+        if value.requires_grad or _traced(value):
+            raise TypeError(f"{name}: a tensor that carries a derivative (it requires grad, has a forward-mode "
+                            "tangent or is traced by a torch.func transform), where a number is taken (its derivative "
+                            "would be lost); pass .detach() or a number")
+        if value.device.type == "meta":
+            raise TypeError(f"{name}: a tensor on the meta device holds no number; pass a number")
         return value.item()
     return value
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds a forward-mode tangent or is wrapped by a torch.func transform."""
+    wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    if wrapped is not None and wrapped(t):
+        return True
+    return torch.autograd.forward_ad.unpack_dual(t).tangent is not None
 
 
 def check_radius(R, name: str = "R") -> float:
@@ -153,9 +166,11 @@ def check_positive_int(value, name: str, minimum: int = 1) -> int:
     """An integer >= ``minimum`` (numpy integers accepted), as an int; bools, floats and strings are a
     TypeError naming ``name``, a smaller integer a ValueError. A 0-d tensor counts as the number it holds
     (:func:`scalar`)."""
+    given = value
     value = scalar(value, name)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}")
+        what = f"a {given.dtype} tensor" if isinstance(given, torch.Tensor) else type(value).__name__
+        raise TypeError(f"{name}: expected an integer, got {what} {value!r}")
     if value < minimum:
         raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
     return int(value)

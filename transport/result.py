@@ -111,14 +111,17 @@ def worst_error(*errors: float) -> float:
 SLOW_AFTER = 1000
 
 
-def failure_advice(iterations: int, max_iter, tol, reg) -> str:
+def failure_advice(iterations: int, max_iter, tol, reg, *, sentence: bool = True) -> str:
     """What to change after a missed tol: max_iter first when few iterations ran, reg first after
-    :data:`SLOW_AFTER` (where more iterations help slowly)."""
+    :data:`SLOW_AFTER` (where more iterations help slowly). ``sentence``: capitalized with a full stop (else a
+    clause that continues a message)."""
     loosen = f"loosen tol (it was {tol:.3g}) if that error is accurate enough"
     if iterations < SLOW_AFTER or reg is None:
-        return f"Increase max_iter (it was {max_iter}) or reg, or {loosen}."
-    return (f"Raise reg (it was {reg:.3g}; the iterations grow about like the squared diameter / reg) or {loosen}; "
-            f"after {iterations} iterations, more (max_iter, it was {max_iter}) help slowly.")
+        text = f"increase max_iter (it was {max_iter}) or reg, or {loosen}"
+    else:
+        text = (f"raise reg (it was {reg:.3g}; the iterations grow about like the squared diameter / reg) or "
+                f"{loosen}; after {iterations} iterations, more (max_iter, it was {max_iter}) help slowly")
+    return text[0].upper() + text[1:] + "." if sentence else text
 
 
 def report_failure(result: TransportResult, on_failure: str, stacklevel: int, caller: str = "w2",

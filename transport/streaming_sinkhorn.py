@@ -602,7 +602,7 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
         raise ConvergenceError("symmetric_potential: the potential is not finite in "
                                f"{f.dtype} (squared distances beyond its range)", (f, err, it))
     if not err <= opts["tol"]:
-        advice = hint or failure_advice(it, opts["max_iter"], opts["tol"], opts["reg"])
+        advice = hint or failure_advice(it, opts["max_iter"], opts["tol"], opts["reg"], sentence=False)
         msg = (f"symmetric_potential: did not converge in {it} iterations (marginal L1 error {err:.3g} > tol "
                f"{opts['tol']:.3g}); {advice}")
         if on_failure == "raise":

@@ -59,9 +59,9 @@ def task_key(name: str, params: Mapping) -> str:
 
 
 def write_record(path: Path, payload: Mapping) -> Path:
-    """The payload as JSON in the task's own key order (a result's columns come back in the order the task wrote
-    them; the checksum covers these bytes), after a canonical header."""
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=True, allow_nan=True).encode()
+    """The payload as canonical JSON (sorted keys: a resumed sweep's table is the uninterrupted run's, whichever
+    release wrote its records; a result's columns therefore come back sorted by name), after a canonical header."""
+    body = canonical_json(payload).encode()
     header = {"format": RECORD_FORMAT, "sha256": hashlib.sha256(body).hexdigest(), "bytes": len(body)}
     return atomic_write(path, canonical_json(header).encode() + b"\n" + body + b"\n")
 

@@ -714,8 +714,10 @@ def _ordered_task(n):
     return {"lip": float(n), "error": 0.5, "converged": True}
 
 
-def test_rows_keep_the_order_in_which_the_task_wrote_its_columns(tmp_path):
-    # the grid's parameters first, then the task's keys as it wrote them ("lip" before "error"), also when read back
+def test_rows_give_the_parameters_then_the_results_columns_sorted_by_name(tmp_path):
+    # records are canonical JSON, so that a sweep resumed from records of any release gives the uninterrupted run's
+    # table: the grid's parameters first, then the task's keys sorted by name (docs/sweeps.md), fresh and read back
     res = run_sweep(_ordered_task, {"n": [1, 2]}, tmp_path / "s", backend="inprocess", progress=False)
-    assert [list(r) for r in res.rows] == [["n", "lip", "error", "converged"]] * 2
-    assert [list(r) for r in load_sweep(tmp_path / "s").rows] == [["n", "lip", "error", "converged"]] * 2
+    assert [list(r) for r in res.rows] == [["n", "converged", "error", "lip"]] * 2
+    assert [list(r) for r in load_sweep(tmp_path / "s").rows] == [["n", "converged", "error", "lip"]] * 2
+    assert (tmp_path / "s" / "results.csv").read_text().splitlines()[0] == "n,converged,error,lip"
