@@ -81,8 +81,11 @@ FUSED_THRESHOLD = 2**14
 #: explicit boolean mask of at most 4 MiB) up to the second, streamed above
 MASKED_FUSED_RANGE = (2**16, 2**22)
 #: With ``method="auto"``, forward passes without positions consider the series above this many score entries on the
-#: CPU (N of about 8200: below, the dense and fused kernels are as fast; measured in benchmarks/README.md)
-SERIES_THRESHOLD = 2**26
+#: CPU (N of about 2048), where its cost model (:data:`~meanfield.series_attention.COST_RATIO`) then takes float32
+#: sphere tokens (d = 3, M = 364) from there and float64 (M = 1330) from about 3800. Measured on 2 CPU cores since
+#: the kernel sums' faster products (benchmarks/README.md): float32 2.1x faster than the fused kernel at 2000 and 3.9x
+#: at 4000; float64 about even at 2000, 1.3x at 3000, 1.8x at 4000, 3.9x at 8000 (the floor was N of about 8200)
+SERIES_THRESHOLD = 2**22
 #: the same on other devices, unmeasured (a conservative N of about 32768, where padded SDPA takes about 7 ms on an
 #: H200 and the series' launches about 1 ms)
 SERIES_THRESHOLD_ACCELERATOR = 2**30

@@ -20,10 +20,10 @@ the CPU :func:`grid` is None and their grids are what they always were.
 
 Everything here runs on the CPU too (the tests run it at small N); only the sizes are for a GPU. The local constants
 from :data:`SERIES_FROM` points are certified through the series engine (``local_lipschitz(attention="series")``,
-:mod:`meanfield.series_jacobian`: O(N) per Jacobian product; 10^5 points in about 90 s on 2 CPU cores); the clustering
+:mod:`meanfield.series_jacobian`: O(N) per Jacobian product; 10^5 points in about 45 s on 2 CPU cores); the clustering
 runs take it too (:mod:`meanfield.series_attention`: the tokens' scores are bounded by beta = 1, so
-``simulate``'s ``auto`` evaluates the field in O(N) above about 8200 tokens): on 2 CPU cores 10^5 tokens run to
-T = 30 in about 7 minutes (benchmarks/README.md, "The series engine").
+``simulate``'s ``auto`` evaluates the field in O(N) from about 3800 tokens in float64): on 2 CPU cores 10^5 tokens
+run to T = 30 in under 7 minutes (benchmarks/README.md, "The series engine").
 """
 
 from __future__ import annotations

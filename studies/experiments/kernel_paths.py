@@ -361,8 +361,9 @@ def kernel_paths(out_dir: Path, ctx) -> StudyResult:
              f"derivatives above 2^15, masked forward passes fused with an explicit mask up to 2^22 entries and "
              f"streamed above; the streamed tiles are 256 x 256, so n = 300 gives two key tiles and n = 2100 nine. "
              f"The sphere tokens: the same points normalized, isotropic attention with beta = 1 (A = V = I), "
-             f"n = 8200 (above the series' 2^26 score entries). The series' certificate: the same normalized points "
-             f"(n = 600) under SelfAttention with A and V as above but A not scaled by 1.5.")
+             f"n = 8200 (above the series' 2^22 score entries and its cost model's cut, about 3800 tokens in "
+             f"float64). The series' certificate: the same normalized points (n = 600) under SelfAttention with A "
+             f"and V as above but A not scaled by 1.5.")
     summary = {r["case"]: {k: v for k, v in r.items() if k != "case"} for r in rows}
     return StudyResult("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense "
                        "kernel",

@@ -241,7 +241,7 @@ def test_auto_takes_the_series_for_large_bounded_float64_inputs_only(monkeypatch
     with record_paths() as paths:
         small = local_lipschitz(op, X)
     assert "series" not in paths                      # 2.25e6 score entries: below the threshold
-    monkeypatch.setattr(kernels, "SERIES_THRESHOLD", 2**10)
+    monkeypatch.setattr(sj, "SERIES_THRESHOLD", 2**10)
     assert sj.preferred(op, X[None])
     with record_paths() as paths:
         auto = local_lipschitz(op, X)
