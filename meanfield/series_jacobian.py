@@ -39,7 +39,7 @@ import torch
 from . import series_attention as series
 
 __all__ = ["degree", "truncation_bound", "supports", "preferred", "auto_degree", "product_cost", "MAX_RADIUS",
-           "DENSE_PASSES"]
+           "DENSE_PASSES", "SERIES_THRESHOLD"]
 
 #: the largest r = max ``|q|`` max ``|k - k0|`` the certified series takes (its rounding grows like e^{2 r}: 2e5 times
 #: float64's epsilon here, against a certificate's tolerance of 1e-6 and above)
