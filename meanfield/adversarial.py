@@ -366,7 +366,6 @@ def _witness_of(of) -> bool:
 
 
 def _token_count(n) -> int:
-    n = scalar(n, "n")
     if isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1:
         return int(n)
     if isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1 or n != int(n):

@@ -248,7 +248,7 @@ def _powers(y: torch.Tensor, K: int, inplace: bool | None = None, out: torch.Ten
             out = out[..., :M, :rows]
         # each variable's row contiguous (a multiplier read with y's stride of e made every product about 3.5 times
         # slower on the CPU), sliced once
-        ys = [row for row in yt.contiguous().unbind(-3)]
+        ys = yt.contiguous().unbind(-3)
         out[..., 0, :] = 1
         start, end = 0, 1                          # the previous degree's rows of out
         for _ in range(K):
