@@ -231,7 +231,8 @@ def test_batches_above_the_grid_limit_run_in_chunks(ta, spy, monkeypatch, positi
 #: relative errors allowed to float32 sums over 250 blocks (float32 rounding: 6e-8). Measured in this test: forward
 #: 1.7e-7, JVP 5.2e-7, dq 4.5e-7, dk 9.8e-7, dv 3.4e-7; with plain sums across blocks (``_add`` replaced by ``+``)
 #: 9.4e-7, 3.5e-6, 7.6e-6, 1.0e-6 and 4.4e-7: the sums over key blocks (forward, JVP, dq) fail without compensation;
-#: dk and dv, summed over query blocks, are dominated by the rounding of each term (and of D_i for dk)
+#: dk and dv, summed over query blocks, are dominated by the rounding of each term (and of D_i for dk) here: the
+#: key-side test below builds an input that tells compensated and plain sums apart
 LONG_TOL = {"forward": 3e-7, "jvp": 1e-6, "dq": 1.5e-6, "dk": 2e-6, "dv": 1e-6}
 
 
@@ -325,3 +326,43 @@ def test_autograd_forward_ad_and_double_backward_through_the_small_kernels(trito
 def test_local_lipschitz_certificate_through_the_small_kernels(triton_engine, spy):
     base.test_local_lipschitz_certificate_through_the_triton_engine(triton_engine)
     assert "jvp" in spy or "backward_q" in spy
+
+
+def _key_side_sums(ta, n_queries=1024):
+    """(dk, dv, dlw) of the key-side pass and their float64 truths on an input whose sums over query blocks lose
+    visibly without compensation: 16 keys at 0 (every score 0, P = 1/16), values +-1 alternating (out = 0 and
+    D_i = 0 exactly), q = 1, and a cotangent of 1e4 on the first query block and 3e-4 on the 63 others (the
+    interpreter's blocks of 16). Every gradient of key j is then +-(1/16 or 3/16) (16e4 + 1008 * 3e-4) per feature:
+    each later block adds 3e-4 or 9e-4, below half a float32 ulp of the running sum (1e4: 4.9e-4; 3e4: 9.8e-4), so
+    plain sums return the first block's alone, 1.9e-6 off; compensated sums keep them (measured: 2e-9 to 3.5e-8)."""
+    q = torch.ones(1, n_queries, 3)
+    k = torch.zeros(1, 16, 3)
+    v = torch.tensor([1.0, -1.0]).repeat(8)[None, :, None].expand(1, 16, 3).contiguous()
+    lw = torch.zeros(1, 16)
+    g_out = torch.full((1, n_queries, 3), 3e-4)
+    g_out[:, :16] = 1e4
+    out = torch.zeros(1, n_queries, 3)   # the forward pass's, so D_i = 0 exactly: the sums are the only rounding
+    lse = torch.full((1, n_queries), math.log(16.0))
+    _, dk, dv, dlw = ta.backward(q, k, v, lw, None, None, False, out, lse, g_out, None, (False, True, True, True))
+    prim = [t.double().requires_grad_(True) for t in (k, v, lw)]
+    ref = torch.autograd.grad((_dense(q.double(), *prim, None, None)[0] * g_out.double()).sum(), prim)
+    return [_rel(a, b) for a, b in zip((dk, dv, dlw), ref)]
+
+
+@pytest.mark.parametrize("family", ["small heads", "matrix products"])
+def test_the_key_side_pass_compensates_its_sums_over_query_blocks(ta, spy, monkeypatch, family):
+    """dk, dv and d(log-weights) sum over 64 query blocks in float32 with compensation (``_add``). On random inputs
+    the rounding of each term hides the difference (LONG_TOL above), so this input is built where plain sums lose
+    1.9e-6 and compensated ones keep one block's error; the same input with ``_add`` replaced by plain sums must
+    fail, so the test can tell them apart."""
+    from meanfield import triton_small_heads as small
+    from tests.meanfield.triton_plain_add import plain_add  # Triton, imported once TRITON_INTERPRET=1 is set
+
+    if family == "matrix products":
+        monkeypatch.setattr(accelerator_paths, "SMALL_HEAD_FEATURES", None)
+    errors = _key_side_sums(ta)
+    assert max(errors) <= 2e-7, errors
+    assert ("backward_kv" in spy) == (family == "small heads")
+    monkeypatch.setattr(small if family == "small heads" else ta, "_add", plain_add)
+    plain = _key_side_sums(ta)
+    assert min(plain) >= 1e-6, plain
