@@ -5,6 +5,7 @@
     python benchmarks/bench_series.py --clusters 1e5 1e6 [--device cuda] [--T 30]
     python benchmarks/bench_series.py --lipschitz 1e4 1e5 [--device cuda] [--cap 600]
     python benchmarks/bench_series.py --layouts 1e4 1e5 [--device cuda] [--repeats 5]
+    python benchmarks/bench_series.py --crossover 1e3 2e3 3e3 4e3 6e3 [--repeats 2]
 
 Inputs: N tokens uniform on the unit sphere of R^3, q = beta x, k = v = x (isotropic attention, the SA model of
 Geshkovski et al.), uniform weights. Candidates, each timed in the same process (median of ``--repeats`` calls after
@@ -32,6 +33,13 @@ degree 18, 4 columns), float64, against the products as written before 2026-11-2
 side, P^T S on the queries', reading the (M, rows) features across their rows; :func:`previous_kernel_sums`, kept
 here as the baseline), interleaved in one process; then one at-scale local constant
 (``lipschitz_task(attention="series")``) at the smallest N with each.
+
+``--crossover N ...``: where ``local_lipschitz``'s auto should start taking the series
+(:data:`meanfield.series_jacobian.SERIES_THRESHOLD` and its cost model): the certified W2 constant (Lanczos, tol 1e-6,
+float64) through the series and the exact path, alternating, the better of ``--repeats`` calls each after one warm-up
+call, on the study's disc (d = 2) and on sphere tokens in d = 3 with ``||A|| = 0.9, 1.3, 2`` (r = ||A||), each row with
+the cost model's ratio (``series_jacobian.product_cost`` over the exact path's) and what auto takes. The two values
+must agree within their certified errors (an AssertionError otherwise).
 """
 
 from __future__ import annotations
@@ -280,6 +288,57 @@ def lipschitz(args, device):
     return 0
 
 
+def crossover_cases(n):
+    """(name, op, X) of ``--crossover`` at n points: the study's disc, then sphere tokens for three ||A||."""
+    from meanfield import SelfAttention
+    from studies.experiments.at_scale import seeded_attention, uniform_ball
+
+    yield "the study's disc, d = 2", seeded_attention(2, 0, None), uniform_ball(n, 2, 1.5, 7 * n + 1)
+    x = tokens(n, torch.float64, "cpu")
+    A = torch.randn(3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    V = torch.randn(3, 3, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for scale in (0.9, 1.3, 2.0):
+        yield (f"sphere tokens, d = 3, ‖A‖ = {scale:g}", SelfAttention(A / torch.linalg.matrix_norm(A, 2) * scale, V),
+               x)
+
+
+def crossover(args, device):
+    from meanfield import local_lipschitz
+    from meanfield import series_jacobian as sj
+    from particles import Measure
+
+    def call(op, X, attention):
+        t0 = time.perf_counter()
+        est = local_lipschitz(op, Measure(X), method="lanczos", tol=1e-6, on_failure="warn", attention=attention)
+        sync(device)
+        return time.perf_counter() - t0, est
+
+    sizes = [int(s) for s in args.crossover]
+    _, op, X = next(crossover_cases(min(sizes)))
+    for attention in ("series", "exact"):   # warm-up
+        call(op, X.to(device), attention)
+    print("| case | N | r | degree | cost ratio | auto takes | series | exact | exact / series | products |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in sizes:
+        for name, op, X in crossover_cases(n):
+            op, X = op.to(device), X.to(device)
+            e, c = op._Qf.shape[0], op._V.shape[0]
+            K = sj.degree(op, X[None])
+            ratio = sj.product_cost(1, n, e, c, K) / (sj.DENSE_PASSES * series.dense_cost(n * n, e, c))
+            r = float(sj._quantities(op, X[None], None)[0].max())
+            ts, te = [], []
+            for _ in range(max(1, args.repeats)):
+                t, es = call(op, X, "series")
+                ts.append(t)
+                t, ee = call(op, X, "exact")
+                te.append(t)
+            assert abs(es.value - ee.value) <= es.error + ee.error, (name, n, es.value, ee.value)
+            takes = "series" if sj.preferred(op, X[None]) else "exact"
+            print(f"| {name} | {n} | {r:.2f} | {K} | {ratio:.3f} | {takes} | {fmt(min(ts))} | {fmt(min(te))} | "
+                  f"{min(te) / min(ts):.2f}x | {es.applications} / {ee.applications} |", flush=True)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", nargs="+", type=float, default=[1e3, 1e4, 1e5])
@@ -295,6 +354,8 @@ def main(argv=None):
                     help="time the at-scale local constants through the series and the exact path instead")
     ap.add_argument("--layouts", nargs="+", type=float, default=None,
                     help="time the kernel sum's products against their previous layout instead")
+    ap.add_argument("--crossover", nargs="+", type=float, default=None,
+                    help="time the certified local constant through the series and the exact path near auto's floor")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -302,6 +363,7 @@ def main(argv=None):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = ("the disc of radius 1.5 in d = 2, the discrete-versus-mean-field operator (seed 0)" if args.lipschitz else
             "points uniform in the unit square (cube), centred; float64" if args.layouts else
+            "the certified W2 constant, series against exact, float64" if args.crossover else
             "sphere tokens in d = 3, q = beta x, k = v = x")
     print(f"{name}; torch {torch.__version__}; {what}\n")
     if args.clusters:
@@ -310,6 +372,8 @@ def main(argv=None):
         return lipschitz(args, device)
     if args.layouts:
         return layouts(args, device)
+    if args.crossover:
+        return crossover(args, device)
     print("| dtype | beta | N | plan (K, M, r, bound) | series | auto before (its path) | before / series | "
           "error, series | error, before |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -59,10 +59,14 @@ def supports(op) -> str | None:
     return None
 
 
-#: Score entries above which ``local_lipschitz(attention="auto")`` considers the series on the CPU (N of about 8200;
-#: measured before the kernel sums' faster products: sphere tokens in d = 3 were 0.43x at 4000, 1.7x at 9000);
-#: :data:`meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU
-SERIES_THRESHOLD = 2**26
+#: Score entries above which ``local_lipschitz(attention="auto")`` considers the series on the CPU (N of about 2050;
+#: the cost model decides above it); :data:`meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU. Measured on 2
+#: CPU cores since the kernel sums' faster products (benchmarks/README.md), series against exact: the disc of
+#: radius 1.5 in d = 2 (degree 36) 1.0x at 2000, 1.1x at 3000, 1.7x at 4000, 4.2x at 6000; sphere tokens in d = 3
+#: 1.0x at about 2400 (r = 0.9, degree 18), 5000 (r = 1.3, degree 21) and 5500 (r = 2, degree 25). The cost model
+#: takes the series from about 2300 points on the disc and from 7400, 11000 and 18000 on the sphere (it
+#: overestimates d = 3's products about twice): never where it was measured slower. It was 2^26 (N of about 8200)
+SERIES_THRESHOLD = 2**22
 
 
 def auto_degree(op, X, log_weights=None) -> int | None:
@@ -72,9 +76,9 @@ def auto_degree(op, X, log_weights=None) -> int | None:
     (:data:`~meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU), r within :data:`MAX_RADIUS`, and a
     Jacobian product through the series at the certificate's degree (:func:`product_cost`) at most
     :data:`~meanfield.series_attention.COST_RATIO` of the exact path's (:data:`DENSE_PASSES` dense passes). One O(n)
-    pass over X where the first conditions hold. Measured on 2 CPU cores: the disc of radius 1.5 in d = 2 (r = 4.4,
-    ratio 0.06) 2x faster at N = 1e4; sphere tokens in d = 3 at r = 0.91 (ratio 0.2) 1.7x faster at 9000; at r = 1.3
-    (ratio 0.34, left exact) about even at 8300."""
+    pass over X where the first conditions hold. Measured on 2 CPU cores (:data:`SERIES_THRESHOLD`): the disc of
+    radius 1.5 in d = 2 (r = 4.4) at ratio 0.21 (N = 3000) 1.1x faster, at 0.10 (6000) 4.2x; sphere tokens in d = 3 at
+    r = 0.9 and ratio 0.31 (6000) 2.5x, at r = 1.3 and ratio 0.47 (6000, left exact) 1.1x."""
     from . import kernels
 
     if supports(op) is not None or X.dtype != torch.float64:

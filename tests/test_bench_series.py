@@ -57,3 +57,16 @@ def test_layouts_mode_times_both_layouts_and_they_agree(capsys):
     assert len(lips) == 2
     values = {line.split("|")[2].strip() for line in lips}
     assert len(values) == 1     # the same certified value, error and products
+
+
+def test_crossover_mode_times_both_paths_and_names_what_auto_takes(capsys):
+    assert _bench().main(["--crossover", "120", "--repeats", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| the study") or
+            line.startswith("| sphere")]
+    assert len(rows) == 4
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[5] == "exact"          # 120 points: far below auto's floor
+        assert cells[8].endswith("x")
+    # the certificate's degrees at r = max |q| max |k - k0|: about 4.4 on the disc, ||A|| on the sphere
+    assert [row.split("|")[4].strip() for row in rows][1:] == ["18", "21", "25"]

@@ -259,6 +259,25 @@ def test_auto_takes_the_series_for_large_bounded_float64_inputs_only(monkeypatch
         assert "series" not in paths
 
 
+def test_auto_floor_and_cost_model_follow_the_measured_crossovers():
+    """series_jacobian.SERIES_THRESHOLD (2^22 score entries) and the cost model, against the crossovers measured on
+    2 CPU cores (benchmarks/README.md): the study's disc (d = 2, r = 4.4) about even at 2000 points and 1.1x faster
+    at 3000; sphere tokens in d = 3 at r = 0.9 1.3x at 3000 but 2.5x only from 6000, where the cost model (about
+    twice pessimistic in d = 3) still leaves them exact."""
+    from studies.experiments.at_scale import seeded_attention, uniform_ball
+
+    disc = seeded_attention(2, 0, None)
+    assert not sj.preferred(disc, uniform_ball(2000, 2, 1.5, 1)[None])   # 4e6 entries: below the floor
+    assert sj.preferred(disc, uniform_ball(3000, 2, 1.5, 1)[None])
+    x = torch.randn(6000, 3, generator=torch.Generator().manual_seed(803), dtype=DT)
+    x = x / x.norm(dim=1, keepdim=True)
+    A = rand(3, 3, seed=804)
+    sphere = SelfAttention(0.9 * A / torch.linalg.matrix_norm(A, 2), rand(3, 3, seed=805))
+    assert not sj.preferred(sphere, x[None, :3000])
+    assert not sj.preferred(sphere, x[None])   # 2.5x measured, cost ratio 0.31: a missed speed-up, not a loss
+    assert sj.preferred(sphere, torch.cat([x, -x])[None, :8000])
+
+
 def test_kernel_sum_broadcasts_its_batch_dimensions_and_names_bad_arguments():
     # a review found mismatched batch shapes silently wrong (the features written into a buffer of another shape)
     x, y, w = rand(1, 4, 2, seed=900, scale=0.5), rand(3, 5, 2, seed=901, scale=0.5), rand(3, 5, 3, seed=902)
