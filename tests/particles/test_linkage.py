@@ -1,4 +1,5 @@
-"""particles.linkage.grid_cells against a grouping written out here (a dictionary of cube indices)."""
+"""particles.linkage: grid_cells against a grouping written out here (a dictionary of cube indices), and the
+cells' components against those of the full edge list."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
+from particles import linkage
 from particles.linkage import cells_resolve, grid_cells
 
 
-@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("d", [1, 2, 3, 40])   # 40: more cells than one int64 numbers (the rows' unique)
 def test_grid_cells_group_points_by_cube_and_name_each_cells_first_point(d):
     rng = np.random.default_rng(d)
     X = np.concatenate([rng.normal(size=(300, d)), rng.normal(size=(5, d)) * 1e-3 + 2.0])   # one tight clump
@@ -60,3 +62,35 @@ def test_a_refused_edge_list_names_the_distance_as_given(monkeypatch):
     X[0, 0] = 1e20
     with pytest.raises(validation.MemoryLimitError, match=r"pairs of atoms within 0\.001 of 3000 atoms"):
         linked_components(X, 1e-3)
+
+
+@pytest.mark.parametrize("representatives", ["all", "the mean's nearest only"])
+def test_cells_of_many_points_give_the_edge_lists_components(monkeypatch, representatives):
+    """Pairs of cells holding more than SMALL_GROUP points are tried first on a few points of each (their means'
+    nearest and their extremes along each axis), then decided exactly by nearest-neighbour queries where those
+    left them apart. Against the components of the full edge list (scipy) on clouds of dense blobs, with every
+    representative and with the mean's nearest alone (so the exact queries decide many more pairs)."""
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+    from scipy.spatial import cKDTree
+
+    monkeypatch.setattr(linkage, "edge_budget", lambda m: 0)   # the cells, whatever the edges
+    if representatives != "all":
+        full = linkage._representatives
+        monkeypatch.setattr(linkage, "_representatives", lambda *a: full(*a)[:, :1])
+    rng = np.random.default_rng(7)
+    for trial in range(8):
+        d = (2, 3)[trial % 2]
+        centres = rng.random((12, d)) * 3
+        X = centres[rng.integers(0, 12, 2500)] + rng.normal(size=(2500, d)) * rng.choice([0.02, 0.05, 0.1])
+        r = float(rng.uniform(0.1, 0.3))
+        for p in (2.0, np.inf):
+            side = linkage._cell_side(linkage.unit_scale(X, r)[1], d, p)
+            cells = linkage.grid_cells(linkage.unit_scale(X, r)[0], side)[0]
+            assert np.bincount(cells).max() > linkage.SMALL_GROUP   # pairs of larger groups are exercised
+            pairs = cKDTree(X).query_pairs(r=r, p=p, output_type="ndarray")
+            want = connected_components(coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])),
+                                                   shape=(len(X), len(X))), directed=False)[1]
+            got = linkage.linked_components(X, r, p=p)
+            assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist())), \
+                (trial, p)
