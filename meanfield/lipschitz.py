@@ -360,7 +360,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         operator's scale; docs/math.md section 4.8) carries the certificate over: ``value`` drops by eps_J and
         ``error`` grows by 2 eps_J, so that ``value`` stays a lower bound of the exact constant. Lanczos or power
         only (dense builds the exact Jacobian), no mixed precision. "auto": the series where
-        :func:`meanfield.series_jacobian.auto_degree` says its products cost at most a quarter of the exact path's
+        :func:`meanfield.series_jacobian.auto_degree` says its products cost at most half the exact path's
         (float64 measures or sequences of more than 2^22 score entries: N above about 2050), "exact" otherwise.
 
     Returns

@@ -39,7 +39,7 @@ import torch
 from . import series_attention as series
 
 __all__ = ["degree", "truncation_bound", "supports", "preferred", "auto_degree", "product_cost", "MAX_RADIUS",
-           "DENSE_PASSES", "SERIES_THRESHOLD"]
+           "DENSE_PASSES", "SERIES_THRESHOLD", "COST_RATIO", "ROW_DEGREE_COST"]
 
 #: the largest r = max ``|q|`` max ``|k - k0|`` the certified series takes (its rounding grows like e^{2 r}: 2e5 times
 #: float64's epsilon here, against a certificate's tolerance of 1e-6 and above)
@@ -63,10 +63,15 @@ def supports(op) -> str | None:
 #: the cost model decides above it); :data:`meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU. Measured on 2
 #: CPU cores since the kernel sums' faster products (benchmarks/README.md), series against exact: the disc of
 #: radius 1.5 in d = 2 (degree 36) 1.0x at 2000, 1.1x at 3000, 1.7x at 4000, 4.2x at 6000; sphere tokens in d = 3
-#: 1.0x at about 2400 (r = 0.9, degree 18), 5000 (r = 1.3, degree 21) and 5500 (r = 2, degree 25). The cost model
-#: takes the series from about 2300 points on the disc and from 7400, 11000 and 18000 on the sphere (it
-#: overestimates d = 3's products about twice): never where it was measured slower. It was 2^26 (N of about 8200)
+#: 1.0x at about 2400 (r = 0.9, degree 18), 5000 (r = 1.3, degree 21) and 5500 (r = 2, degree 25). With
+#: :func:`product_cost` and :data:`COST_RATIO` auto takes the series from about 2900 points on the disc and from 4400,
+#: 6400 and 10000 on the sphere: never where it was measured slower. It was 2^26 (N of about 8200)
 SERIES_THRESHOLD = 2**22
+
+#: ``local_lipschitz(attention="auto")`` takes the series where :func:`product_cost` is at most this fraction of the
+#: exact path's product (:data:`DENSE_PASSES` dense passes): with the model's per-row overhead the measured break-even
+#: points lie at ratios of 0.6-0.9 (2 CPU cores), so 0.5 keeps a margin
+COST_RATIO = 0.5
 
 
 def auto_degree(op, X, log_weights=None) -> int | None:
@@ -75,10 +80,10 @@ def auto_degree(op, X, log_weights=None) -> int | None:
     it covers (:func:`supports`), float64 points, more than :data:`SERIES_THRESHOLD` score entries
     (:data:`~meanfield.kernels.SERIES_THRESHOLD_ACCELERATOR` off the CPU), r within :data:`MAX_RADIUS`, and a
     Jacobian product through the series at the certificate's degree (:func:`product_cost`) at most
-    :data:`~meanfield.series_attention.COST_RATIO` of the exact path's (:data:`DENSE_PASSES` dense passes). One O(n)
-    pass over X where the first conditions hold. Measured on 2 CPU cores (:data:`SERIES_THRESHOLD`): the disc of
-    radius 1.5 in d = 2 (r = 4.4) at ratio 0.21 (N = 3000) 1.1x faster, at 0.10 (6000) 4.2x; sphere tokens in d = 3 at
-    r = 0.9 and ratio 0.31 (6000) 2.5x, at r = 1.3 and ratio 0.47 (6000, left exact) 1.1x."""
+    :data:`COST_RATIO` of the exact path's (:data:`DENSE_PASSES` dense passes). One O(n) pass over X where the first
+    conditions hold. Measured on 2 CPU cores (:data:`SERIES_THRESHOLD`): the disc of radius 1.5 in d = 2 (r = 4.4)
+    at ratio 0.47 (N = 3000) 1.1x faster, at 0.23 (6000) 4.2x; sphere tokens in d = 3 at r = 0.9 and ratio 0.36
+    (6000) 2.5x, at 0.72 (3000, left exact) 1.3x; at r = 1.3 and ratio 0.53 (6000, left exact) 1.1x."""
     from . import kernels
 
     if supports(op) is not None or X.dtype != torch.float64:
@@ -90,13 +95,13 @@ def auto_degree(op, X, log_weights=None) -> int | None:
         return None
     e, c = op._Qf.shape[0], op._V.shape[0]
     dense = DENSE_PASSES * series.dense_cost(entries, e, c)
-    if product_cost(b, n, e, c, 0) > series.COST_RATIO * dense:
+    if product_cost(b, n, e, c, 0) > COST_RATIO * dense:
         return None
     try:
         K = degree(op, X, log_weights)
     except (ValueError, FloatingPointError):
         return None
-    return K if product_cost(b, n, e, c, K) <= series.COST_RATIO * dense else None
+    return K if product_cost(b, n, e, c, K) <= COST_RATIO * dense else None
 
 
 def preferred(op, X, log_weights=None) -> bool:
@@ -111,11 +116,21 @@ def preferred(op, X, log_weights=None) -> bool:
 DENSE_PASSES = 3
 
 
+#: The overhead of a Jacobian product through the series per row and degree, in multiply-adds. It is the cost of
+#: building the features degree by degree in blocks of rows (small operations, whose fixed cost dominates where the
+#: features are few). Fitted
+#: on one CPU thread at n = 3000 (sphere tokens, d = 2 to 6, degrees 15-20): with it :func:`product_cost` over the
+#: exact path's came within 0.8-1.1x of the measured ratio in d = 3 to 6 (0.2 to 56), and d = 2's 0.197 (0.068
+#: without it)
+ROW_DEGREE_COST = 780
+
+
 def product_cost(b: int, n: int, e: int, c: int, K: int) -> int:
     """Multiply-adds of one Jacobian product through the series of degree K (a J u or a J^T w): per row and feature
     one product to build it and, in the sums, the c + 1 values and the e (c + 1) values of the degree K - 1 sums
-    twice (the tangent's, or the backward pass's two sides): 1 + (c + 1)(1 + 2 e)."""
-    return b * 2 * n * series.feature_count(e, K) * (1 + (c + 1) * (1 + 2 * e))
+    twice (the tangent's, or the backward pass's two sides): 1 + (c + 1)(1 + 2 e); plus :data:`ROW_DEGREE_COST` per
+    row and degree."""
+    return b * (2 * n * series.feature_count(e, K) * (1 + (c + 1) * (1 + 2 * e)) + ROW_DEGREE_COST * n * K)
 
 
 def _quantities(op, X, log_weights):
