@@ -15,7 +15,7 @@ import numpy as np
 
 __all__ = ["linked_components", "first_occurrence", "cells_resolve", "grid_cells", "unit_scale", "edge_budget", "NORMS",
            "SAMPLE", "EDGE_BYTES", "CANDIDATE_BYTES", "FEW_EDGES", "FEW_EDGES_PER_POINT", "COLLAPSED", "CHUNK",
-           "SMALL_GROUP"]
+           "SMALL_GROUP", "CELL_MARGIN"]
 
 #: the norms taken, Euclidean and max-norm
 NORMS = (2.0, math.inf)
@@ -41,10 +41,18 @@ SMALL_GROUP = 8
 EDGE_BYTES = 64
 
 
+#: the cells' side is shrunk by this relative margin below r / sqrt(d) (Euclidean) or r (max-norm): the rounding of
+#: r / sqrt(d) and of a point's cell index, (x - min) / side, let two points of one cell lie an ulp farther apart than
+#: r (a review's cases: 6 dimensions, and a lattice spaced r). The margin covers that rounding while the coordinates'
+#: extent is below 2^30 sides; nearer their resolution (:func:`cells_resolve`, 2^52) a cell may still link points
+#: a few units of the coordinates' last place beyond r
+CELL_MARGIN = 2.0**-20
+
+
 def _cell_side(r: float, d: int, p: float) -> float:
     """The side of cubic cells whose points are all within r of each other in the p-norm (strictly: a cell is
-    half-open)."""
-    return r / math.sqrt(d) if p == 2.0 else r
+    half-open), shrunk by :data:`CELL_MARGIN` against rounding."""
+    return (r / math.sqrt(d) if p == 2.0 else r) * (1 - CELL_MARGIN)
 
 
 def cells_resolve(X: np.ndarray, side: float) -> bool:
@@ -238,8 +246,7 @@ def _cells(X: np.ndarray, side: float) -> np.ndarray:
 
 def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, group=None) -> np.ndarray:
     """:func:`linked_components` by coarse cells (``group``: the points' cells, when known). Distances are compared
-    with r as the edge list compares them (scipy's cKDTree: <= r, its nearest-neighbour bound being strict, one
-    step above r)."""
+    with r as the edge list compares them (scipy's cKDTree: squared distances <= r^2 in the Euclidean norm)."""
     from .validation import check_allocation
 
     m, d = X.shape
@@ -312,8 +319,9 @@ def _cell_components(X: np.ndarray, r: float, p: float, side: float, what: str, 
         fewer, more = (i, j) if counts[i] <= counts[j] else (j, i)
         if more not in trees:
             trees[more] = cKDTree(X[members(more)])
-        dist, _ = trees[more].query(X[members(fewer)], k=1, p=p, distance_upper_bound=np.nextafter(r, math.inf))
-        if np.isfinite(dist).any():
+        # scipy's ball query compares as its edge list does (squared distances against r^2); its nearest-neighbour
+        # query's bound is strict, and one step above r let a pair at r^2 plus an ulp through (a review's case)
+        if trees[more].query_ball_point(X[members(fewer)], r, p=p, return_length=True).any():
             parent[ri] = rj
     while True:   # every group to its root (pointer jumping)
         up = parent[parent]

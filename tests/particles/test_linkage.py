@@ -94,3 +94,52 @@ def test_cells_of_many_points_give_the_edge_lists_components(monkeypatch, repres
             got = linkage.linked_components(X, r, p=p)
             assert len(set(zip(got.tolist(), want.tolist()))) == len(set(got.tolist())) == len(set(want.tolist())), \
                 (trial, p)
+
+
+def test_cells_link_no_pair_beyond_r_by_rounding():
+    """A review's cases, against the edge list: a cell of side r / sqrt(d) rounded up held two points r plus an ulp
+    apart in d = 6; a lattice spaced r, whose cell indices (x - min) / side rounded, merged two atoms r + 2.8e-17
+    apart; and the exact queries between larger cells took a squared distance one ulp above r^2 (their bound was a
+    step above r, and squared). The cells now shrink by CELL_MARGIN, and the queries compare as the edge list."""
+    import torch
+    from scipy.spatial import cKDTree
+
+    from particles import Measure
+
+    d, r, x = 6, 0.8788644226541458, 0.358794898098065
+    rng = np.random.default_rng(0)
+    X = np.vstack([np.full((4000, d), 20.0) + 1e-3 * rng.standard_normal((4000, d)), np.zeros(d), np.full(d, x)])
+    assert ((X[-1] - X[-2]) ** 2).sum() > r * r
+    lab = linkage.linked_components(X, r)
+    assert lab[-1] != lab[-2]
+    r, off = 0.09625722686001567, 0.6678894055713512
+    X = (np.arange(60.0) * r + off)[:, None]
+    Y = np.vstack([X, np.full((15000, 1), X[-1, 0] + 10)])
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
+    pairs = cKDTree(X).query_pairs(r, p=np.inf, output_type="ndarray")   # the lattice's gaps round either side of r
+    groups = connected_components(coo_matrix((np.ones(len(pairs)), (pairs[:, 0], pairs[:, 1])), shape=(60, 60)))[0]
+    assert 0 < len(pairs) < 59
+    assert Measure(torch.tensor(Y)).merge(atol=r).points.shape[0] == groups + 1   # and the far block of 15000 copies
+    # two clusters of 16 in d = 3 bridged by one pair at squared distance nextafter(1) = r^2 plus an ulp
+    rng = np.random.default_rng(0)
+    while True:
+        u = rng.standard_normal(3)
+        u /= np.linalg.norm(u)
+        a = rng.uniform(-1, 1, 3) * 0.25
+        b = a + u
+        if ((a - b) ** 2).sum() == np.nextafter(1.0, 2.0):
+            break
+
+    def perp(s):
+        w = rng.standard_normal(3)
+        w -= (w @ u) * u
+        return s * w / np.linalg.norm(w)
+
+    A = np.array([a] + [a - u * rng.uniform(0, 2e-3) + perp(0.05) for _ in range(15)])
+    B = np.array([b] + [b + u * rng.uniform(0, 2e-3) + perp(0.05) for _ in range(15)])
+    Y = np.vstack([A, B, np.full((4000, 3), 50.0) + 1e-4 * rng.standard_normal((4000, 3))])   # the blob: cells
+    assert not any((i < 16) != (j < 16) for i, j in cKDTree(Y[:32]).query_pairs(1.0))
+    lab = linkage.linked_components(Y, 1.0)
+    assert lab[0] != lab[16] and len(set(lab[:16].tolist())) == 1 and len(set(lab[16:32].tolist())) == 1
