@@ -361,7 +361,9 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         ``error`` grows by 2 eps_J, so that ``value`` stays a lower bound of the exact constant. Lanczos or power
         only (dense builds the exact Jacobian), no mixed precision. "auto": the series where
         :func:`meanfield.series_jacobian.auto_degree` says its products cost at most half the exact path's
-        (float64 measures or sequences of more than 2^22 score entries: N above about 2050), "exact" otherwise.
+        (float64 measures or sequences of more than 2^22 score entries: N above about 2050), "exact" otherwise; a
+        member whose ``tol`` the series' truncation bound (2 eps_J of its error) keeps out of reach is certified
+        again on the exact path.
 
     Returns
     -------
@@ -401,6 +403,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     tol = _check_tol(tol, problems[0].X.dtype)
     solve = SOLVERS[method]
     members, applications, iterations = [], 0, 0
+    floors = []   # per member: 2 eps_J where the series carried its certificate over (0 on the exact path)
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
             lw = X.log_weights if isinstance(X, Measure) else None
@@ -416,9 +419,20 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                     context.enter_context(series_attention.pinned(K))
                 found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method, memory_limit,
                                           False if series else mixed, series)
+            floor = [0.0] * len(found)
             if series:
-                found = _carried_over(found, series_jacobian.truncation_bound(op, prob.X, lw, K=K), tol)
+                eps = series_jacobian.truncation_bound(op, prob.X, lw, K=K)
+                found = _carried_over(found, eps, tol)
+                floor = [2 * e for e in eps.tolist()]
+                if attention == "auto" and any(not m[4] and f >= tol * m[0] / 2 for m, f in zip(found, floor)):
+                    # a tol within reach of the series' truncation bound (2 eps_J of the error, 1e-15 to 1e-12 of
+                    # the operator's scale): auto certifies on the exact path instead
+                    applications += used
+                    found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method,
+                                              memory_limit, mixed, False)
+                    floor = [0.0] * len(found)
             members += found
+            floors += floor
             applications += used
             iterations = max(iterations, its)
     est = _assemble(members, method, iterations, applications, batched)
@@ -428,12 +442,17 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                   "value %s, error %s, converged %s, %d thread(s)", type(op).__name__, len(problems),
                   tuple(X0.shape), str(X0.dtype).replace("torch.", ""), method, iterations, applications,
                   _short(est.value), _short(est.error), _short(est.converged), policy.threads)
-    failed = [m for m in members if not m[4]]
+    failed = [(m, f) for m, f in zip(members, floors) if not m[4]]
     if failed:
-        worst = max(failed, key=lambda m: m[2] / max(m[0], 1e-300))
+        worst, floor = max(failed, key=lambda mf: mf[0][2] / max(mf[0][0], 1e-300))
         rel = worst[2] / max(worst[0], 1e-300)
         dtype = problems[0].X.dtype
-        if worst[5] and method == "power":
+        if floor >= tol * worst[0] / 2:
+            why = (f"did not reach tol={tol:g} (relative error bound {rel:.3g}, value {worst[0]:.6g}): "
+                   f"{floor / max(worst[0], 1e-300):.3g} of it is the series' truncation bound (2 eps_J, "
+                   "meanfield.series_jacobian.truncation_bound), which more iterations do not lower; use "
+                   f"attention='exact' or tol >= {2 * rel:.2g}")
+        elif worst[5] and method == "power":
             # power iteration stalls on close top singular values (it moves by their ratio squared per iteration)
             # long before any rounding floor; far above that floor it can be nothing else
             floor = rel <= math.sqrt(ROUNDING_FLOOR * torch.finfo(dtype).eps)

@@ -342,3 +342,27 @@ def test_auto_counts_the_derivative_sums_in_its_cost():
                                                   sj.ROW_DEGREE_COST * 9000 * 18)
 
 
+
+
+def test_a_tol_below_the_series_truncation_bound(monkeypatch):
+    """A review: auto, taking the series, raised "raise max_iter or loosen tol" at tol = 2e-14 where the exact path
+    converges (its error includes 2 eps_J, which no iteration lowers). auto now certifies such a member on the exact
+    path; attention="series" says that the truncation bound is what stops it. Truth: the dense Jacobian."""
+    from meanfield import ConvergenceError
+    from meanfield.kernels import record_paths
+    from studies.experiments.at_scale import seeded_attention, uniform_ball
+
+    monkeypatch.setattr(sj, "SERIES_THRESHOLD", 2**10)
+    monkeypatch.setattr(sj, "COST_RATIO", 1e9)   # auto takes the series whatever it costs at 300 points
+    att, X = seeded_attention(2, 0, None), uniform_ball(300, 2, 1.5, 0)
+    truth = float(torch.linalg.matrix_norm(torch.autograd.functional.jacobian(att.sequence, X).reshape(600, 600), 2))
+    assert sj.preferred(att, X[None])
+    with record_paths() as paths:
+        est = local_lipschitz(att, X, tol=2e-14)
+    assert "series" in paths and est.converged and abs(est.value - truth) <= est.error + 1e-13 * truth
+    assert set(paths) != {"series"}                           # the exact path certified it
+    with record_paths() as paths:
+        local_lipschitz(att, X, tol=1e-6)
+    assert set(paths) == {"series"}                           # at a usual tol the series' estimate is kept
+    with pytest.raises(ConvergenceError, match="series' truncation bound .* use attention='exact' or tol >="):
+        local_lipschitz(att, X, attention="series", tol=2e-14)
