@@ -225,8 +225,10 @@ def grid_cells(X: np.ndarray, side: float) -> tuple[np.ndarray, np.ndarray]:
     """(cell, first): the cell of each point (N,), numbered 0..k-1, in cubes of ``side`` from the smallest
     coordinates, and one point of each cell (k,), its first. Check :func:`cells_resolve` first: where ``side`` is
     below the coordinates' resolution, the cells are not cubes of that side."""
+    if not len(X):
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     keys = np.floor((X - X.min(0)) / side).astype(np.int64)
-    span = keys.max(0) + 1 if len(keys) else np.ones(X.shape[1], dtype=np.int64)
+    span = keys.max(0) + 1
     if math.prod(int(s) for s in span) < 2**62:
         # one integer a cell, the first axis the most significant: the same (lexicographic) numbering as the rows'
         # unique, whose row sort took 3 s of 1e6 points in d = 3 where this takes 0.1 s

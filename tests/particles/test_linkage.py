@@ -143,3 +143,8 @@ def test_cells_link_no_pair_beyond_r_by_rounding():
     assert not any((i < 16) != (j < 16) for i, j in cKDTree(Y[:32]).query_pairs(1.0))
     lab = linkage.linked_components(Y, 1.0)
     assert lab[0] != lab[16] and len(set(lab[:16].tolist())) == 1 and len(set(lab[16:32].tolist())) == 1
+
+
+def test_grid_cells_of_no_points():
+    cell, first = grid_cells(np.zeros((0, 2)), 1.0)
+    assert cell.shape == (0,) and first.shape == (0,) and cell.dtype == first.dtype == np.int64
