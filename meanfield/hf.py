@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from particles.validation import check_bool, check_device, float_dtype
+from particles.validation import broadcast_shapes, check_bool, check_device, float_dtype
 
 from .kernels import additive_mask, silence_blind_rows
 from .operator import AttentionOperator, sequence_positions
@@ -308,7 +308,7 @@ class HFAttention(AttentionOperator):
             top = additive_mask(n, n, lw, kp, kp, x.dtype, x.device)
             bottom = additive_mask(m, n, lw, x_positions, kp, x.dtype, x.device)
             low = torch.finfo(x.dtype).min
-            bshape = torch.broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
+            bshape = broadcast_shapes(top.shape[:-2], bottom.shape[:-2])
             left = torch.cat([top.expand(*bshape, n, n), bottom.expand(*bshape, m, n)], dim=-2)
             right = torch.full((*bshape, n + m, m), low, dtype=x.dtype, device=x.device)
             mask = torch.cat([left, right], dim=-1)

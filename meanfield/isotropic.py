@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from particles.validation import check_bool, check_positive_int
+from particles.validation import broadcast_shapes, check_bool, check_positive_int
 
 from . import kernels as _kernels
 from .kernels import attend
@@ -112,7 +112,7 @@ def _row_logsumexp(q, k, log_weights, q_pos, k_pos, block: int | None = None) ->
     keep a block within :data:`LSE_BLOCK` score entries, batch included), memory O(LSE_BLOCK + n). A fixed
     2048 rows took 2048 x n entries: 3.2 GB at n = 1e5 in float64, 16 GB for 4096 queries against 1e6 keys."""
     if block is None:
-        batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
+        batch = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))
         block = max(1, LSE_BLOCK // max(1, batch * k.shape[-2]))
     rows = []
     for i0 in range(0, q.shape[-2], block):

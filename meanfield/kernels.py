@@ -59,7 +59,7 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from particles import device as _device
-from particles.validation import check_allocation, memory_limit, output_checks_are_deferred
+from particles.validation import broadcast_shapes, check_allocation, memory_limit, output_checks_are_deferred
 
 from . import accelerator_paths as _paths
 from .streamed_attention import _transforms_active, one_query_set, sequence_mask, shared_keys
@@ -203,7 +203,7 @@ def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
     if all(s == lead for s in others):  # the common case, without broadcast_shapes' cost
         entries = math.prod(lead) * q.shape[-2] * k.shape[-2]
     else:
-        entries = torch.broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
+        entries = broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
     if _transforms_active():
         entries *= _vmapped_size(q, k, log_weights, q_pos, k_pos)
     return entries
@@ -284,7 +284,7 @@ def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
         return
     leads = {"q": lead, "k": k.shape[:-2], "v": v.shape[:-2], **{name: t.shape[:-1] for name, t in others}}
     try:
-        torch.broadcast_shapes(*leads.values())
+        broadcast_shapes(*leads.values())
     except RuntimeError:
         raise ValueError("q, k, v, log_weights, q_pos, k_pos: batch dimensions do not broadcast ("
                          + ", ".join(f"{n} {tuple(s)}" for n, s in leads.items()) + ")") from None
@@ -633,7 +633,7 @@ def _sum_first(q, k, q_pos, k_pos) -> bool:
         return True
     if k_pos is not q_pos:
         return False
-    batch = math.prod(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))   # (a batch may sit on the keys alone)
+    batch = math.prod(broadcast_shapes(q.shape[:-2], k.shape[:-2]))   # (a batch may sit on the keys alone)
     return batch * q.shape[-2] * k.shape[-2] <= SUM_FIRST_ENTRIES
 
 

@@ -55,6 +55,8 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.validation import broadcast_shapes
+
 __all__ = ["SeriesPlan", "plan", "series_attend", "kernel_sum", "pinned", "box", "tail_bound", "error_bound",
            "feature_count", "features", "cost", "dense_cost", "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
 
@@ -307,7 +309,7 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
         res = series_attend(q.to(wide), k.to(wide), v.to(wide), None if log_weights is None else log_weights.to(wide),
                             tol=tol, degree=degree, max_features=max_features, lse=lse)
         return (res[0].to(q.dtype), res[1].to(q.dtype)) if lse else res.to(q.dtype)
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+    lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                                   () if log_weights is None else log_weights.shape[:-1])
     q = q.expand(*lead, *q.shape[-2:])
     k = k.expand(*lead, *k.shape[-2:])
@@ -563,7 +565,7 @@ def kernel_sum(x, y, w, K: int):
     if isinstance(K, bool) or not isinstance(K, numbers.Integral):
         raise ValueError(f"K: expected an int, got {K!r}")
     K = int(K)
-    lead = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2], w.shape[:-2])
+    lead = broadcast_shapes(x.shape[:-2], y.shape[:-2], w.shape[:-2])
     x, y, w = (t.expand(*lead, *t.shape[-2:]) for t in (x, y, w))
     if K < 0 or not _needs_derivatives(x, y, w):
         return _kernel_sum(x, y, w, K)

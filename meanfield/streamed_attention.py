@@ -71,6 +71,8 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
+from particles.validation import broadcast_shapes
+
 from . import attention_tiles as tiles
 from . import efficient_cuda as efficient
 from . import flash_cpu as flash
@@ -418,7 +420,7 @@ def _broadcast(q, k, v, log_weights, q_pos, k_pos):
             if t.dim() < 1 or t.shape[-1] != size:
                 raise ValueError(f"{name}: last dimension must be {size}, got shape {tuple(t.shape)}")
             shapes.append(t.shape[:-1])
-    batch = torch.broadcast_shapes(*shapes)
+    batch = broadcast_shapes(*shapes)
     q, k, v = (t.expand(*batch, *t.shape[-2:]) for t in (q, k, v))
     log_weights, q_pos, k_pos = (
         None if t is None else t.expand(*batch, t.shape[-1]) for t in (log_weights, q_pos, k_pos)
@@ -463,7 +465,7 @@ def shared_keys(q, k, v, log_weights, q_pos) -> bool:
 def one_query_set(q, k, v, log_weights):
     """In the case of :func:`shared_keys`: ((q, k, v, log_weights) as one set of b x m queries against the keys
     without their size-1 batch dimensions, the leading (batch) shape of the output)."""
-    lead = torch.broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
+    lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
                                   () if log_weights is None else log_weights.shape[:-1])
     return (q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
             None if log_weights is None else log_weights.reshape(-1)), lead
