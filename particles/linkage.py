@@ -41,11 +41,11 @@ SMALL_GROUP = 8
 EDGE_BYTES = 64
 
 
-#: the cells' side is shrunk by this relative margin below r / sqrt(d) (Euclidean) or r (max-norm): the rounding of
-#: r / sqrt(d) and of a point's cell index, (x - min) / side, let two points of one cell lie an ulp farther apart than
-#: r (a review's cases: 6 dimensions, and a lattice spaced r). The margin covers that rounding while the coordinates'
-#: extent is below 2^30 sides; nearer their resolution (:func:`cells_resolve`, 2^52) a cell may still link points
-#: a few units of the coordinates' last place beyond r
+#: The relative margin by which the cells' side is shrunk below r / sqrt(d) in the Euclidean norm, or r in the
+#: max-norm. The rounding of r / sqrt(d) and of a point's cell index, (x - min) / side, let two points of one cell lie
+#: an ulp farther apart than r (a review's cases, in 6 dimensions and on a lattice spaced r). The margin covers that
+#: rounding while the coordinates' extent is below 2^30 sides; nearer their resolution (:func:`cells_resolve`, 2^52)
+#: a cell may still link points a few units of the coordinates' last place beyond r
 CELL_MARGIN = 2.0**-20
 
 
