@@ -348,7 +348,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         certificate misses ``tol``. None uses it for operators that convert to float32
         (``op.to(dtype=torch.float32)``) with at least :data:`MIXED_MIN_SIZE` entries per batch
         member; True for every such operator; False never. Hugging Face layers (``HFAttention``) never take it
-        (``mixed_precision = False``: unmeasured on them).
+        (``mixed_precision = False``: unmeasured on them). The series (``attention``) runs no mixed precision:
+        True with ``attention="series"`` is an error, and with "auto" keeps the exact path.
     attention : str
         How the products evaluate attention: "auto" (default), "exact" or "series". "exact":
         :func:`meanfield.kernels.attend`'s default path (exact to rounding). "series": the truncated exponential
@@ -394,6 +395,9 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     if attention == "series" and method == "dense":
         raise ValueError("attention: 'series' runs with the matrix-free solvers (method='lanczos' or 'power'); "
                          "method='dense' builds the exact Jacobian")
+    if attention == "series" and mixed is True:
+        raise ValueError("mixed: the series' products run in the input's float64 (its degree is set for float64's "
+                         "epsilon), with no float32 phase; use mixed=None or False, or attention='exact'")
 
     op, problems, batched = make_problems(f, X)
     if attention == "series":
@@ -410,7 +414,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             K = None   # the series' degree where the products take it
             if attention == "series":
                 K = series_jacobian.degree(op, prob.X, lw)
-            elif attention == "auto" and method != "dense":
+            elif attention == "auto" and method != "dense" and mixed is not True:
                 K = series_jacobian.auto_degree(op, prob.X, lw)
             series = K is not None
             with contextlib.ExitStack() as context:

@@ -366,3 +366,22 @@ def test_a_tol_below_the_series_truncation_bound(monkeypatch):
     assert set(paths) == {"series"}                           # at a usual tol the series' estimate is kept
     with pytest.raises(ConvergenceError, match="series' truncation bound .* use attention='exact' or tol >="):
         local_lipschitz(att, X, attention="series", tol=2e-14)
+
+
+def test_mixed_precision_asked_of_the_series(monkeypatch):
+    """A review: mixed=True was dropped without a word where the series ran. attention='series' now refuses it,
+    naming the argument, and auto keeps the exact path (with its float32 phase) where mixed=True is asked."""
+    from meanfield.kernels import record_paths
+    from studies.experiments.at_scale import seeded_attention, uniform_ball
+
+    monkeypatch.setattr(sj, "SERIES_THRESHOLD", 2**10)
+    monkeypatch.setattr(sj, "COST_RATIO", 1e9)
+    att, X = seeded_attention(2, 0, None), uniform_ball(300, 2, 1.5, 0)
+    with pytest.raises(ValueError, match="mixed: the series' products run"):
+        local_lipschitz(att, X, attention="series", mixed=True)
+    with record_paths() as paths:
+        mixed = local_lipschitz(att, X, mixed=True)
+    assert "series" not in paths
+    with record_paths() as paths:
+        plain = local_lipschitz(att, X)
+    assert set(paths) == {"series"} and abs(mixed.value - plain.value) <= mixed.error + plain.error
