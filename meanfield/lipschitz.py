@@ -448,12 +448,12 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                   _short(est.value), _short(est.error), _short(est.converged), policy.threads)
     failed = [(m, f) for m, f in zip(members, floors) if not m[4]]
     if failed:
-        worst, floor = max(failed, key=lambda mf: mf[0][2] / max(mf[0][0], 1e-300))
+        worst, truncation = max(failed, key=lambda mf: mf[0][2] / max(mf[0][0], 1e-300))
         rel = worst[2] / max(worst[0], 1e-300)
         dtype = problems[0].X.dtype
-        if floor >= tol * worst[0] / 2:
+        if truncation >= tol * worst[0] / 2:
             why = (f"did not reach tol={tol:g} (relative error bound {rel:.3g}, value {worst[0]:.6g}): "
-                   f"{floor / max(worst[0], 1e-300):.3g} of it is the series' truncation bound (2 eps_J, "
+                   f"{truncation / max(worst[0], 1e-300):.3g} of it is the series' truncation bound (2 eps_J, "
                    "meanfield.series_jacobian.truncation_bound), which more iterations do not lower; use "
                    f"attention='exact' or tol >= {2 * rel:.2g}")
         elif worst[5] and method == "power":

@@ -310,7 +310,7 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
                             tol=tol, degree=degree, max_features=max_features, lse=lse)
         return (res[0].to(q.dtype), res[1].to(q.dtype)) if lse else res.to(q.dtype)
     lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                                  () if log_weights is None else log_weights.shape[:-1])
+                            () if log_weights is None else log_weights.shape[:-1])
     q = q.expand(*lead, *q.shape[-2:])
     k = k.expand(*lead, *k.shape[-2:])
     v = v.expand(*lead, *v.shape[-2:])

@@ -118,10 +118,9 @@ DENSE_PASSES = 3
 
 #: The overhead of a Jacobian product through the series per row and degree, in multiply-adds. It is the cost of
 #: building the features degree by degree in blocks of rows (small operations, whose fixed cost dominates where the
-#: features are few). Fitted
-#: on one CPU thread at n = 3000 (sphere tokens, d = 2 to 6, degrees 15-20): with it :func:`product_cost` over the
-#: exact path's came within 0.8-1.1x of the measured ratio in d = 3 to 6 (0.2 to 56), and d = 2's 0.197 (0.068
-#: without it)
+#: features are few). Fitted on one CPU thread at n = 3000 (sphere tokens, d = 2 to 6, degrees 15-20): with it
+#: :func:`product_cost` over the exact path's came within 0.99-1.38x of the measured ratios (0.197 to 56), where d = 2
+#: came out at 0.068, a third, without it
 ROW_DEGREE_COST = 780
 
 

@@ -466,7 +466,7 @@ def one_query_set(q, k, v, log_weights):
     """In the case of :func:`shared_keys`: ((q, k, v, log_weights) as one set of b x m queries against the keys
     without their size-1 batch dimensions, the leading (batch) shape of the output)."""
     lead = broadcast_shapes(q.shape[:-2], k.shape[:-2], v.shape[:-2],
-                                  () if log_weights is None else log_weights.shape[:-1])
+                            () if log_weights is None else log_weights.shape[:-1])
     return (q.reshape(-1, q.shape[-1]), k.reshape(k.shape[-2:]), v.reshape(v.shape[-2:]),
             None if log_weights is None else log_weights.reshape(-1)), lead
 

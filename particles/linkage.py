@@ -81,10 +81,9 @@ def linked_components(X: np.ndarray, r: float, *, p: float = 2.0, what: str = "l
       lie within r plus both groups' radii about their means (triangle inequality): pairs of groups of at most
       :data:`SMALL_GROUP` points from all their points' distances at once, the others first from a few points
       of each (the mean's nearest, the extremes along each axis) at once, then, where those left the two groups
-      apart, by one nearest-neighbour query per point of the smaller group, skipped once the two are joined
-      (union-find). Memory O(N) plus the
-      candidate pairs of groups (checked against the memory limit); time grows with the pairs that involve a
-      larger group where such groups are many."""
+      apart, by one ball query per point of the smaller group, skipped once the two are joined (union-find).
+      Memory O(N) plus the candidate pairs of groups (checked against the memory limit); time grows with the
+      pairs that involve a larger group where such groups are many."""
     p = float(p)
     if p not in NORMS:
         raise ValueError(f"p: expected 2 (Euclidean) or inf (max-norm), got {p}")
