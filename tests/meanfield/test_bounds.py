@@ -534,3 +534,58 @@ def test_biased_multihead_upper_never_nan_and_exact_in_range():
         assert bounds.biased_multihead_upper([1e200], [1e200], 1.0, 1.0, 3) == math.inf
     big = bounds.biased_multihead_upper([1.0], [1.0], 1.0, 1.0, 10**40)
     assert big == pytest.approx(math.sqrt(3 * (4 * 4e40 + 1e40)), rel=1e-12)
+
+
+def _rotated(block, seed):
+    Q, _ = np.linalg.qr(np.random.default_rng(seed).standard_normal(block.shape))
+    return Q @ block @ Q.T
+
+
+@pytest.mark.parametrize("lam", [0.5, -0.7, 0.0])
+def test_gamma_of_a_defective_eigenvalue(lam):
+    """A = Q J Q^T with J a Jordan block: lam is a real eigenvalue (of multiplicity 2 or 3, one eigenvector), so
+    gamma = max(lam / 8, -lam, 0) exactly. LAPACK splits it into values about eps^(1/k) apart, often a complex
+    pair (the review's 2 x 2 blocks: 90 of 200 rotations had "no real eigenvalue"; a 3 x 3 block at 0 gave gamma
+    4.5e-6). Truth: the eigenvalues of J by construction; the eigenvector's residual; the factored form."""
+    expected = max(lam / 8.0, -lam, 0.0)
+    for k in (2, 3):
+        J = lam * np.eye(k) + np.diag(np.full(k - 1, 2.0), 1)
+        for seed in range(40):
+            A = _rotated(J, seed)
+            info = bounds.gamma_info(A)
+            assert info.gamma == pytest.approx(expected, rel=1e-12, abs=1e-14), (k, seed)
+            assert info.lambda_max == pytest.approx(lam, abs=1e-13) and info.lambda_min == pytest.approx(lam, abs=1e-13)
+            u = info.eigenvector
+            assert np.linalg.norm(A @ u - info.eigenvalue * u) <= 1e-13 * np.linalg.norm(A, 2)
+            assert bounds.gamma_info_factored(A, np.eye(k)).gamma == pytest.approx(expected, rel=1e-12, abs=1e-14)
+            assert len(bounds.eigen_cases(A)) == (0 if lam == 0.0 else 1)
+
+
+def test_defective_eigenvalue_keeps_the_witness_and_its_bound():
+    """The rotated 2 x 2 Jordan block of the review: the witness of Proposition 3.4 exists, the worst-case
+    search's starts include it, and the lower bound holds at it against the dense Jacobian (masked too)."""
+    from meanfield.starts import sequence_starts
+
+    c, s = math.cos(1.0), math.sin(1.0)
+    Q = np.array([[c, -s], [s, c]])
+    A = torch.tensor(Q @ np.array([[0.5, 3.0], [0.0, 0.5]]) @ Q.T)
+    assert bounds.gamma(A) == pytest.approx(0.0625, rel=1e-12)
+    I = torch.eye(2, dtype=F64)
+    names = [name for name, _ in sequence_starts(SelfAttention(A, I), 2.0, 4, random=0, clusters=0)]
+    assert "prop3.4-max" in names
+    for masked in (False, True):
+        for R, n in ((2.0, 4), (4.0, 10)):
+            X = adversarial.sqrt_n_sequence(A, R, n)
+            L = dense_lip(lambda Y, m=masked: naive_attention(Y, A, I, masked=m), X)
+            assert L >= bounds.sqrt_n_lower(A, R, n) * (1 - RTOL)
+
+
+def test_complex_pairs_stay_complex():
+    """Eigenvalues +-0.1i and +-1e-6i (A = [[0, 1], [-mu^2, 0]], within 1e-12 of a Jordan block in the second
+    case, but A - 0 I is not singular to rounding): no real eigenvalue, and the message shows the imaginary
+    parts (it printed 0.5+0j for the split pair of a Jordan block)."""
+    for mu in (0.1, 1e-6):
+        A = np.array([[0.0, 1.0], [-mu * mu, 0.0]])
+        with pytest.raises(ValueError, match=r"no real eigenvalue .*\+[0-9.e-]+i"):
+            bounds.gamma_info(A)
+        assert bounds.eigen_cases(A) == []
