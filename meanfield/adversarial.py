@@ -268,13 +268,15 @@ def sqrt_n_witness_singular_values(A, R, n, *, of: str = "sequence") -> np.ndarr
     n = scalar(n, "n")
     if seq:
         n = _token_count(n)
-    elif isinstance(n, bool) or not isinstance(n, numbers.Real) or not math.isfinite(n) or n < 1:
+    elif isinstance(n, bool) or not isinstance(n, numbers.Real):
         raise ValueError(f"n: expected a finite number >= 1, got {n!r}")
-    R = check_radius(R, "R")
     try:
         m = float(n) - 1.0
     except OverflowError:
         raise ValueError(f"n: expected a number a float can hold, got one with {len(str(n))} digits") from None
+    if not seq and not (math.isfinite(m) and m >= 0.0):
+        raise ValueError(f"n: expected a finite number >= 1, got {n!r}")
+    R = check_radius(R, "R")
     if m == 0.0:
         return np.ones(1)          # one token: f(x) = x
     lam = float(info.eigenvalue)

@@ -210,6 +210,10 @@ def multihead_upper(head_lips, W_O) -> float:
     if (lips < 0).any():
         raise ValueError(f"head_lips: Lipschitz constants must be non-negative (min is {lips.min():.3g})")
     w = _matrix(W_O, "W_O")
+    if w.shape[1] < lips.size:
+        # W_O maps the concatenated head outputs, at least one column per head
+        raise ValueError(f"W_O: has {w.shape[1]} column(s), fewer than the {lips.size} heads of head_lips (W_O maps "
+                         "the concatenation of the heads' outputs: one column per output feature of every head)")
     return float(np.linalg.norm(w, 2) * math.sqrt(float(np.sum(lips * lips))))
 
 
@@ -294,10 +298,10 @@ def _real_eigen(a: np.ndarray, tol: float, norm: float | None = None, dim: int |
     into k values about eps^(1/k) ||a|| apart (real or complex: far above tol); a group of eigenvalues within
     eps^(1/4) ||a||_2 of each other, further than :func:`_zero_cut` from their mean r, with r real (to tol) and
     a - r I singular to rounding (sigma_min <= :func:`_zero_cut`) is therefore one real eigenvalue r (the mean: the
-    trace is exact to rounding), with the singular vector of sigma_min, real, as eigenvector. Eigenvalues within :func:`_zero_cut` of 0 are
-    set to exactly 0 (LAPACK returns the zero eigenvalues of a singular a as rounding noise of either sign, which
-    would otherwise count as a nonzero gamma). ``norm`` (||a||_2 when None) and ``dim`` (a's size when None) set the
-    cut: a factored head passes those of its d x d matrix."""
+    trace is exact to rounding), with the singular vector of sigma_min, real, as eigenvector. Eigenvalues within
+    :func:`_zero_cut` of 0 are set to exactly 0 (LAPACK returns the zero eigenvalues of a singular a as rounding noise
+    of either sign, which would otherwise count as a nonzero gamma). ``norm`` (||a||_2 when None) and ``dim`` (a's
+    size when None) set the cut: a factored head passes those of its d x d matrix."""
     evals, evecs = np.linalg.eig(a)
     norm = float(np.linalg.norm(a, 2)) if norm is None else norm
     cut = _zero_cut(a.shape[0] if dim is None else dim, norm)

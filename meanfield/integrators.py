@@ -22,7 +22,7 @@ import torch
 
 from particles.validation import check_positive_int
 
-__all__ = ["FIXED", "ADAPTIVE", "NONCONVERGENCE", "SNAP_ULPS", "euler_step", "rk4_step", "snap_to_edges",
+__all__ = ["FIXED", "ADAPTIVE", "NONCONVERGENCE", "RTOL_MIN", "SNAP_ULPS", "euler_step", "rk4_step", "snap_to_edges",
            "integrate_fixed", "integrate_adaptive"]
 
 #: the fixed-step default: 100 steps over the whole time span
@@ -178,6 +178,18 @@ def _solver_options(method) -> frozenset:
     return frozenset(names - {"self", "func", "y0", "rtol", "atol"})
 
 
+#: the smallest rtol of the adaptive methods: float64's unit roundoff 2^-53 (an rtol below it asks each step for more
+#: than any dtype holds; torchdiffeq then shrinks its steps until the budget runs out)
+RTOL_MIN = 2.0 ** -53
+
+
+def _below_eps(rtol, dtype) -> str:
+    """The part of a non-convergence message that names an rtol below the tokens' machine epsilon."""
+    eps = torch.finfo(dtype).eps
+    return "" if rtol >= eps else (f" (rtol = {rtol:g} is below the machine epsilon of the {dtype} tokens, {eps:.3g}: "
+                                   "loosen it, or simulate in float64)")
+
+
 class _StepBudget(Exception):
     """Raised when a layer's attempted steps exceed its budget (:func:`integrate_adaptive`)."""
 
@@ -194,17 +206,35 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     for name, val in (("rtol", rtol), ("atol", atol)):
         if isinstance(val, bool) or not isinstance(val, numbers.Real) or not (val > 0 and math.isfinite(val)):
             raise ValueError(f"{name}: expected a positive finite tolerance, got {val!r}")
+    if rtol < RTOL_MIN:
+        # below every dtype's resolution: the solver shrinks its steps until max_steps (minutes), or its first
+        # step size overflows (rtol = 1e-300: a NaN time)
+        raise ValueError(f"rtol: {rtol:g} is below float64's unit roundoff 2^-53 = {RTOL_MIN:.3g}, the resolution of "
+                         "the tokens themselves in any dtype: no step can be that accurate (float64 tokens resolve "
+                         "about 1e-15)")
     if options is not None and not isinstance(options, dict):
         raise TypeError(f"options: expected a dict of torchdiffeq options, got {type(options).__name__}")
     unknown = sorted(set(options or {}) - _solver_options(method))
     if unknown and _solver_options(method):
         raise ValueError(f"options: {unknown} are not options of torchdiffeq's {method!r} solver (it takes "
                          f"{sorted(_solver_options(method) - {'max_num_steps'})}; its step budget is max_steps=)")
-    for name in ("first_step", "step_size"):   # torchdiffeq turns a step <= 0 into an 'underflow in dt'
+    for name in ("first_step", "step_size", "max_step", "min_step"):
+        # torchdiffeq turns a step <= 0 into an 'underflow in dt' (max_step = 0: "did not converge"), and takes a
+        # negative min_step as none
         val = (options or {}).get(name)
-        if val is not None and (isinstance(val, bool) or not isinstance(val, numbers.Real)
-                                or not (math.isfinite(val) and val > 0)):
+        if val is None:
+            continue
+        if isinstance(val, bool) or not isinstance(val, numbers.Real) or math.isnan(val):
+            raise ValueError(f"options: {name} = {val!r}; expected a step size (a real number)")
+        if name == "min_step" and not (val >= 0 and math.isfinite(val)):
+            raise ValueError(f"options: min_step = {val!r}; expected a finite step >= 0 (0: no lower limit)")
+        if name == "max_step" and not val > 0:
+            raise ValueError(f"options: max_step = {val!r}; expected a step > 0 (inf: no upper limit)")
+        if name in ("first_step", "step_size") and not (math.isfinite(val) and val > 0):
             raise ValueError(f"options: {name} = {val!r}; expected a positive finite step")
+    lo, hi = (options or {}).get("min_step", 0.0), (options or {}).get("max_step", math.inf)
+    if lo > hi:
+        raise ValueError(f"options: min_step = {lo!r} exceeds max_step = {hi!r}")
     max_steps = check_positive_int(max_steps, "max_steps")
     opts = {"max_num_steps": max_steps}
     opts.update(options or {})
@@ -241,14 +271,14 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
         except _StepBudget:
             raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] (more "
                                f"than max_steps = {max_steps} steps in this layer); raise max_steps or loosen "
-                               "rtol/atol") from None
+                               f"rtol/atol{_below_eps(rtol, Y.dtype)}") from None
         except AssertionError as exc:
             # torchdiffeq asserts both its failures to converge and its checks of the input: only the former
             # are relabelled, any other assertion propagates as it is
             if not str(exc).startswith(NONCONVERGENCE):
                 raise
             raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] "
-                               f"({exc}); raise max_steps or loosen rtol/atol") from exc
+                               f"({exc}); raise max_steps or loosen rtol/atol{_below_eps(rtol, Y.dtype)}") from exc
         check_finite(sol, b)
         # the requested times are the grid's entries 1..len(inner) (a membership test of a list per entry took
         # 7.5 s for 4e4 output times)

@@ -145,7 +145,10 @@ class LayerBound:
             log_mf = bounds.mean_field_upper(one(a), one(v), 1.0, log=True)
             mf = math.exp(log_mf) if log_mf < 700 else math.inf
             heads.append(min(sq, mf))
-        return bounds.multihead_upper(heads, one(self.w_norm))
+        # a 1 x H stand-in for W_O of spectral norm ||W_O||_2 (the lemma uses only that norm)
+        w_o = np.zeros((1, len(heads)))
+        w_o[0, 0] = float(self.w_norm)
+        return bounds.multihead_upper(heads, w_o)
 
 
 def grid(level: str) -> dict:

@@ -391,6 +391,10 @@ def test_witness_at_radius_100_has_finite_constant():
     (lambda: bounds.sqrt_n_lower(np.array([[0.0, -1.0], [1.0, 0.0]]), 1.0, 3), "A: has no real eigenvalue"),
     (lambda: bounds.multihead_upper([1.0, -2.0], np.eye(2)), "head_lips:"),
     (lambda: bounds.multihead_upper([], np.eye(2)), "head_lips:"),
+    # fewer columns than heads: the review's 2 heads with W_O = I_5 is fine, 2 heads with one column is not
+    (lambda: bounds.multihead_upper([1.0, 2.0], np.ones((5, 1))), "W_O: has 1 column"),
+    (lambda: adversarial.sqrt_n_witness_constant(np.eye(2), 2.0, 10**400, of="measure"), "n: expected a number a"),
+    (lambda: adversarial.sqrt_n_witness_constant(np.eye(2), 2.0, math.inf, of="measure"), "n: expected a finite"),
     (lambda: bounds.large_radius_limit(np.eye(2), np.eye(2), np.ones((3, 3))), "X:"),
     (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((4, 2)), np.ones((3, 4)), 3), "W_O:"),
     (lambda: bounds.l2_attention_upper(np.ones((4, 2)), np.ones((4, 2)), None, 3, norm="fro"), "norm:"),

@@ -560,3 +560,28 @@ def test_times_that_float32_merges_are_named_with_the_dtype():
         assert simulate(op64, X.double(), times, method="rk4").times.tolist() == times
     with pytest.raises(ValueError, match="times: must be strictly increasing"):
         simulate(op, X, [0.0, 1.0, 0.5], method="rk4")
+
+
+def test_adaptive_tolerances_and_step_limits_are_checked():
+    """A review: rtol = atol = 1e-16 ran to max_steps (minutes on 5 tokens), rtol = 1e-300 ended in 'the particles
+    left the floating-point range at t = nan', max_step = 0 in 'did not converge', and min_step = -1 was taken
+    silently. Each is now an error naming the argument; the limits that make sense still run."""
+    mu = Measure(_rand(4, 2))
+    op = _op()
+    for rtol in (1e-16, 1e-300):
+        with pytest.raises(ValueError, match="rtol: .* below float64's unit roundoff"):
+            simulate(op, mu, [0.0, 1.0], method="dopri5", rtol=rtol, atol=1e-16)
+    for opts, match in (({"max_step": 0.0}, "max_step = 0.0; expected a step > 0"),
+                        ({"max_step": float("nan")}, "max_step = nan"),
+                        ({"min_step": -1.0}, "min_step = -1.0; expected a finite step >= 0"),
+                        ({"min_step": 0.5, "max_step": 0.1}, "min_step = 0.5 exceeds max_step = 0.1")):
+        with pytest.raises(ValueError, match=f"options: {match}"):
+            simulate(op, mu, [0.0, 1.0], method="dopri5", options=opts)
+    ref = simulate(op, mu, [0.0, 1.0], method="dopri5", rtol=1e-12, atol=1e-14).points[-1]
+    for opts in ({"max_step": float("inf")}, {"max_step": 0.05}, {"min_step": 0.0}):
+        out = simulate(op, mu, [0.0, 1.0], method="dopri5", options=opts).points[-1]
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-8)
+    # float32 tokens with an rtol their rounding cannot meet: the budget's message says so
+    with pytest.raises(RuntimeError, match="below the machine epsilon of the torch.float32 tokens"):
+        simulate(SelfAttention(torch.eye(2) * 0.5, torch.eye(2)), Measure(_rand(4, 2).float()), [0.0, 1.0],
+                 method="dopri5", rtol=1e-13, atol=1e-15, options={"max_steps": 200})
