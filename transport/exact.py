@@ -54,6 +54,44 @@ def _network_simplex(a, b, M, return_plan: bool):
     return value, log
 
 
+#: the exact method's plan is checked against a dual lower bound (:func:`_dual_bound`); a W2 above that bound by more
+#: than this fraction is not the optimum the simplex reports (RuntimeError): costs spanning more than float64 resolves
+#: (clusters 1e7 apart: the plan's W2 13% above the assignment problem's, the bound 5% below it)
+DUAL_GAP_RTOL = 1e-3
+
+
+def _dual_bound(M, u, a, b):
+    """A lower bound of min over couplings of sum pi M (weak duality), and its rounding: the c-transforms
+    v = min_i (M_ij - u_i), then u = min_j (M_ij - v_j) make (u, v) feasible whatever u was, and sum a u + sum b v
+    bounds the optimum from below. Each entry of the transforms rounds by at most 2 eps (|M| + |potential|) at the
+    entry that attains it; the second return value sums those with the weights. Float64, detached, the atoms of
+    positive weight only."""
+    eps = torch.finfo(torch.float64).eps
+    Dv = M - u[:, None]
+    v, iv = Dv.min(0)
+    err_v = 2 * eps * (M.gather(0, iv[None, :])[0] + u[iv].abs())
+    Du = M - v[None, :]
+    u, iu = Du.min(1)
+    err_u = 2 * eps * (M.gather(1, iu[:, None])[:, 0] + v[iu].abs() + err_v[iu])
+    return float((a * u).sum() + (b * v).sum()), float((a * err_u).sum() + (b * err_v).sum())
+
+
+def _check_gap(C, u, v, a, b, reduced: float, shifts: float):
+    """RuntimeError when the plan's cost on the reduced costs C is above the dual bound (:func:`_dual_bound`) by
+    more than :data:`DUAL_GAP_RTOL` of W2 and the bound's own rounding: then the simplex did not find the optimum it
+    reports."""
+    if C.numel() == 0:
+        return
+    bound, noise = _dual_bound(C, u, a, b)
+    lower, upper = shifts + bound, shifts + reduced
+    if upper - lower > 4 * noise and math.sqrt(max(lower, 0.0)) < (1.0 - DUAL_GAP_RTOL) * math.sqrt(max(upper, 0.0)):
+        raise RuntimeError(
+            f"w2 (exact): the network simplex's plan is not optimal to float64's resolution: its W2 is "
+            f"{math.sqrt(max(upper, 0.0)):.6g}, a dual lower bound {math.sqrt(max(lower, 0.0)):.6g} (more than "
+            f"{DUAL_GAP_RTOL:g} apart); the reduced squared distances reach {float(C.max()):.3g} (far-apart "
+            "clusters?): compute W2 within each cluster, or use method='sinkhorn' with a small reg")
+
+
 def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     """W2^2 by linear programming (POT ``emd2``), differentiable through POT's torch backend.
 
@@ -62,26 +100,56 @@ def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     a float32 matrix of squared norms minus twice the inner products loses the distances of close
     clouds to cancellation (relative error ~1e-7 (R / delta)^2 for clouds of radius R at distance
     delta: 1.6% at delta = 1e-3 R).
-    The simplex runs on the costs scaled by a power of two to a largest entry in [1/2, 1) (exact; its optimality
-    test has an absolute tolerance, which costs of 1e-12 pass unsolved), the results scaled back.
-    Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of the
-    points and weights), the (N, M) optimal plan (or None) and the Kantorovich potentials. Raises
-    MemoryLimitError before allocating above the memory limit, and RuntimeError when POT's verdict
-    (``log["result_code"]``) is anything but an optimal solution.
+
+    The simplex decides optimality with an absolute tolerance (about float64's epsilon, on costs it does not
+    rescale), so what it is given is prepared, each step exact for the optimum: atoms of zero weight are left out
+    (they carry no mass; a zero-weight atom 1e8 away doubled W2, its cost of 3e16 putting the others' below the
+    tolerance); each row of the costs, then each column, is reduced by its minimum (r_i, c_j: the plan is
+    unchanged and W2^2 moves by sum a r + sum b c); the reduced costs are scaled by a power of two to a largest
+    entry in [1/2, 1) (costs of 1e-12 passed the tolerance unsolved). The plan is then checked against a dual lower
+    bound (c-transforms of the simplex's potentials on the original costs, :func:`_dual_bound`): a W2 more than
+    :data:`DUAL_GAP_RTOL` above it is a RuntimeError (costs spanning more than float64 resolves, clusters 1e7
+    apart). Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of the points and
+    weights), the (N, M) optimal plan (or None) and Kantorovich potentials (those of zero-weight atoms their
+    c-transforms). Raises MemoryLimitError before allocating above the memory limit, and RuntimeError when POT's
+    verdict (``log["result_code"]``) is anything but an optimal solution.
     """
     n, m = x.shape[0], y.shape[0]
     check_allocation(EMD_BYTES_PER_PAIR * n * m, f"w2 (exact) between {n} and {m} atoms",
                      "use method='streaming' (memory O(N + M)) or 'auto'", memory_limit)
     x, a, y, b = (t.to(torch.float64) for t in (x, a, y, b))
-    M = sq_dists(x, y)
-    # the simplex decides optimality on an absolute tolerance: costs of 1e-12 and below (clouds of size 1e-6)
-    # came back from a plan that was not optimal (W2 off by 5-20%, potentials all zero). It runs on the costs
-    # scaled by a power of two (exact) to a largest entry in [1/2, 1), and the results are scaled back
-    top = float(M.detach().max()) if M.numel() else 0.0
+    ka, kb = a.detach() > 0, b.detach() > 0
+    full_a, full_b = bool(ka.all()), bool(kb.all())
+    xs, as_ = (x, a) if full_a else (x[ka], a[ka])
+    ys, bs = (y, b) if full_b else (y[kb], b[kb])
+    M = sq_dists(xs, ys)
+    r = M.amin(1) if M.numel() else M.new_zeros(M.shape[0])
+    c = (M - r[:, None]).amin(0) if M.numel() else M.new_zeros(M.shape[1])
+    C = (M - r[:, None] - c[None, :]).clamp_min(0.0)
+    top = float(C.detach().max()) if C.numel() else 0.0
     shift = -math.frexp(top)[1] if 0.0 < top < math.inf else 0
-    value, log = _network_simplex(a, b, ldexp(M, shift), return_plan)
-    return ldexp(value, -shift), (log["G"] if return_plan else None), (ldexp(log["u"], -shift),
-                                                                     ldexp(log["v"], -shift))
+    reduced, log = _network_simplex(as_, bs, ldexp(C, shift), return_plan)
+    shifts = (as_ * r).sum() + (bs * c).sum()
+    value = ldexp(reduced, -shift) + shifts
+    u_red, v_red = ldexp(log["u"], -shift), ldexp(log["v"], -shift)
+    _check_gap(C.detach(), u_red, v_red, as_.detach(), bs.detach(), float(reduced.detach()) * 2.0 ** -shift,
+               float(shifts.detach()))
+    u, v = u_red + r.detach(), v_red + c.detach()
+    plan = log["G"] if return_plan else None
+    if not (full_a and full_b):
+        # the left-out atoms: no mass in the plan; their potentials the c-transforms of the others'
+        if return_plan:
+            plan = plan.new_zeros(n, m)
+            plan[torch.nonzero(ka).flatten()[:, None], torch.nonzero(kb).flatten()[None, :]] = log["G"]
+        Mx = sq_dists(x.detach(), ys.detach())
+        v_full = (sq_dists(xs.detach(), y.detach()) - u[:, None]).amin(0) if not full_b else v
+        u_full = (Mx - v[None, :]).amin(1) if not full_a else u
+        if not full_b:
+            v_full[kb] = v
+        if not full_a:
+            u_full[ka] = u
+        u, v = u_full, v_full
+    return value, plan, (u, v)
 
 
 def quantile_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):

@@ -314,3 +314,54 @@ def test_exact_w2_of_small_clouds_is_scale_invariant():
         assert float(a @ f + b @ gpot) / s**2 == pytest.approx(truth**2, rel=1e-10), s
         wc = conditional_w2(Measure(s * X, positions=pos), Measure(s * Y, positions=pos))
         assert float(wc) / s == pytest.approx(truth_c, rel=1e-12), s
+
+
+@pytest.mark.parametrize("far", [1e6, 1e8])
+def test_far_atom_of_zero_or_negligible_mass_leaves_w2_unchanged(far):
+    """A review: an atom of zero weight 1e8 away doubled exact W2 (2.19 against 1.105), 1e6 away raised it by 1.2%:
+    its squared distance of 3e16 set the costs' scale, and the others fell below the simplex's absolute
+    tolerance. Truth: the LP (scipy HiGHS) between the atoms that carry mass. The plan gives the far atom nothing,
+    and the potentials stay dual-feasible on every atom (their sum with the weights is W2^2)."""
+    X, Y = rand(30, 3, 40), rand(25, 3, 41) * 1.2 + 0.3
+    a, b = torch.full((30,), 1 / 30, dtype=F64), torch.full((25,), 1 / 25, dtype=F64)
+    truth = w2_lp(X, a, Y, b)
+    Xz = torch.cat([X, torch.full((1, 3), far, dtype=F64)])
+    zero = Measure(Xz, torch.cat([a, torch.zeros(1, dtype=F64)]))
+    res = solve(zero, Measure(Y), "exact", return_plan=True)
+    assert res.value == pytest.approx(truth, rel=1e-12)
+    assert res.plan.shape == (31, 25) and float(res.plan[-1].abs().max()) == 0.0
+    f, g = res.potentials
+    C = ((Xz[:, None] - Y[None]) ** 2).sum(-1)
+    scale = C + f.abs()[:, None] + g.abs()[None, :]   # the roundings of the far row's terms (3e16) count
+    assert float((C - f[:, None] - g[None, :] + 1e-12 * scale).min()) >= -1e-10
+    assert float(a @ f[:30] + b @ g) == pytest.approx(truth ** 2, rel=1e-9)
+    # a positive mass of e^-700 (1e-304): its share of W2^2 is 1e-304 x 3e16
+    lw = torch.cat([torch.log(a), torch.tensor([-700.0], dtype=F64)])
+    assert w2(Measure(Xz, log_weights=lw), Measure(Y)) == pytest.approx(truth, rel=1e-12)
+    # the same atoms in one position slice of conditional W2
+    from transport import conditional_w2
+
+    got = conditional_w2(Measure(Xz, torch.cat([a, torch.zeros(1, dtype=F64)]), positions=torch.zeros(31, dtype=F64)),
+                         Measure(Y, positions=torch.zeros(25, dtype=F64)))
+    assert float(got) == pytest.approx(truth, rel=1e-12)
+
+
+def test_costs_beyond_float64_resolution_are_reported_not_returned():
+    """Two clusters 1e7 apart: the within-cluster costs (about 1) lie 14 orders of magnitude below the cross ones,
+    and the network simplex's plan cost 10% above the assignment problem's (a review: 0.4% at 1e7 before the cost
+    reduction, 10% after it). The dual bound exposes it: a RuntimeError, never a wrong W2. At 1e5 apart the value is
+    the assignment problem's. Truth: scipy's linear_sum_assignment on costs from differences."""
+    from scipy.optimize import linear_sum_assignment
+
+    rng = np.random.default_rng(0)
+    for sep, ok in ((1e5, True), (1e7, False)):
+        X = np.vstack([rng.standard_normal((20, 3)), rng.standard_normal((20, 3)) + sep])
+        Y = np.vstack([rng.standard_normal((20, 3)), rng.standard_normal((20, 3)) + sep])
+        C = ((X[:, None] - Y[None]) ** 2).sum(-1)
+        r, c = linear_sum_assignment(C)
+        truth = math.sqrt(C[r, c].mean())
+        if ok:
+            assert w2(Measure(X), Measure(Y)) == pytest.approx(truth, rel=1e-9)
+        else:
+            with pytest.raises(RuntimeError, match="not optimal to float64's resolution"):
+                w2(Measure(X), Measure(Y))
