@@ -104,10 +104,19 @@ def _check_overrelaxation(value, name: str):
     return out
 
 
+def _check_tol(value, name):
+    out = check_positive_float(value, name)
+    if out >= 2.0:
+        # sum_i |pi 1 - a|_i + sum_j |pi^T 1 - b|_j of a plan of mass 1 is at most 2 (every plan "converges")
+        raise ValueError(f"{name}: {out:g} is not below 2, the largest L1 marginal error of a plan of mass one "
+                         "(any plan would meet it); use a tolerance such as 1e-5")
+    return out
+
+
 _CHECKS = {
     "reg": check_positive_float,
     "debias": check_bool,
-    "tol": check_positive_float,
+    "tol": _check_tol,
     "max_iter": check_positive_int,
     "scaling": _check_scaling,
     "overrelaxation": _check_overrelaxation,

@@ -297,3 +297,49 @@ def test_cost_matrix_of_close_points_is_accurate(dtype):
     (grad,) = torch.autograd.grad((sq_dists(x, y) * W).sum(), x)
     (ref,) = torch.autograd.grad((((x[:, None] - y[None]) ** 2).sum(-1) * W).sum(), x)
     assert torch.allclose(grad, ref, rtol=1e-12, atol=1e-12)
+
+
+def _dyadic_translate(n, d, seed):
+    """A cloud of dyadic coordinates and its translate by 2^-13 along the first axis, both exact in float32: the
+    debiased divergence between a measure and its translate by s is |s|^2 at every reg (closed form)."""
+    X = np.round(np.random.default_rng(seed).standard_normal((n, d)) * 1024) / 1024
+    s = np.zeros(d)
+    s[0] = 2.0 ** -13
+    return X, X + s, 2.0 ** -13
+
+
+@pytest.mark.parametrize("method", ["sinkhorn", "streaming"])
+def test_debiased_value_of_close_measures(method):
+    """A review: a cloud against its translate by 1e-4, reg = 1, converged: the dense method returned 1.37e-4 in
+    float64 (its primal value on a plan that misses its marginals by tol is off to first order; now the dual
+    objective, second order), and in float32 1.1e-3 or 0 (three terms of the squared diameter's size subtracted in
+    float32; now such a value is solved again in float64). Truth: |s|, the closed form of the translate."""
+    X, Y, s = _dyadic_translate(200, 3, 0)
+    r = solve(Measure(torch.tensor(X)), Measure(torch.tensor(Y)), method, reg=1.0)
+    assert r.converged and r.value == pytest.approx(s, rel=1e-4)
+    r32 = solve(Measure(torch.tensor(X, dtype=F32)), Measure(torch.tensor(Y, dtype=F32)), method, reg=1.0)
+    assert r32.precision == F64 and r32.converged
+    # at float32's default tol (1e-5 of marginal error) the value of 1.2e-4 is known to a few percent
+    assert r32.value == pytest.approx(s, rel=0.1)
+    r32 = solve(Measure(torch.tensor(X, dtype=F32)), Measure(torch.tensor(Y, dtype=F32)), method, reg=1.0,
+                tol=1e-9)
+    assert r32.value == pytest.approx(s, rel=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_large_reg_is_resolved_or_refused(dtype):
+    """A review: at reg / D2 = 1e6 float32 returned 1.35 for a translate's 0.866 (0 from "streaming"), float64 erred
+    0.4-1.2% at 1e12 and returned 0 at 1e20, all converged: the potentials, held as log-scalings log a + f / reg,
+    lose f to rounding. Now float32 runs in float64 where it cannot resolve them, and a reg beyond float64's
+    resolution is a ValueError naming reg. Truth: the translate's closed form |s| = 0.866."""
+    X = np.random.default_rng(3).standard_normal((60, 3))
+    D2 = float(((X.max(0) - X.min(0)) ** 2).sum())
+    mu, nu = Measure(torch.tensor(X, dtype=dtype)), Measure(torch.tensor(X + 0.5, dtype=dtype))
+    for ratio in (1e2, 1e4, 1e6):
+        for method in ("sinkhorn", "streaming"):
+            r = solve(mu, nu, method, reg=ratio * D2)
+            assert r.converged and r.value == pytest.approx(0.75 ** 0.5, rel=1e-5), (ratio, method)
+    for ratio in (1e12, 1e22):
+        for method in ("sinkhorn", "streaming"):
+            with pytest.raises(ValueError, match="reg: reg = .* times the clouds' squared diameter"):
+                solve(mu, nu, method, reg=ratio * D2)
