@@ -178,8 +178,8 @@ def _solver_options(method) -> frozenset:
     return frozenset(names - {"self", "func", "y0", "rtol", "atol"})
 
 
-#: the smallest rtol of the adaptive methods: float64's unit roundoff 2^-53 (an rtol below it asks each step for more
-#: than any dtype holds; torchdiffeq then shrinks its steps until the budget runs out)
+#: The smallest rtol the adaptive methods take, float64's unit roundoff 2^-53. An rtol below it asks each step for
+#: more than any dtype holds, and torchdiffeq then shrinks its steps until the budget runs out.
 RTOL_MIN = 2.0 ** -53
 
 

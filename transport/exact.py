@@ -54,9 +54,9 @@ def _network_simplex(a, b, M, return_plan: bool):
     return value, log
 
 
-#: the exact method's plan is checked against a dual lower bound (:func:`_dual_bound`); a W2 above that bound by more
-#: than this fraction is not the optimum the simplex reports (RuntimeError): costs spanning more than float64 resolves
-#: (clusters 1e7 apart: the plan's W2 13% above the assignment problem's, the bound 5% below it)
+#: The exact method's plan is checked against a dual lower bound (c-transforms of its potentials). A W2 above a
+#: positive bound by more than this fraction is not the optimum the simplex reports (RuntimeError): costs spanning
+#: more than float64 resolves (clusters 1e7 apart: the plan's W2 10% above the assignment problem's).
 DUAL_GAP_RTOL = 1e-3
 
 
@@ -109,7 +109,7 @@ def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     tolerance); each row of the costs, then each column, is reduced by its minimum (r_i, c_j: the plan is
     unchanged and W2^2 moves by sum a r + sum b c); the reduced costs are scaled by a power of two to a largest
     entry in [1/2, 1) (costs of 1e-12 passed the tolerance unsolved). The plan is then checked against a dual lower
-    bound (c-transforms of the simplex's potentials on the original costs, :func:`_dual_bound`): a W2 more than
+    bound (c-transforms of the simplex's potentials on the original costs, ``_dual_bound``): a W2 more than
     :data:`DUAL_GAP_RTOL` above a positive bound is a RuntimeError (costs spanning more than float64 resolves,
     clusters 1e7 apart). Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of
     the points and weights), the (N, M) optimal plan (or None) and Kantorovich potentials (those of zero-weight

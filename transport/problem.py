@@ -198,7 +198,7 @@ class Problem:
         to ~1e9 at tol = 1e-7; it is kept whatever the ratio (there is no wider dtype).
 
         Large reg has the opposite limit: the solvers hold a potential f as the log-scaling log a + f / eps, so f is
-        known to about u eps (1 + max |log a|), and the value, made of potentials, carries that error; a dtype
+        known to about ``u eps (1 + max abs(log a))``, and the value, made of potentials, carries that error; a dtype
         is used only where it stays below tol D2. float32 at tol = 1e-5 resolves eps / D2 up to about 30 with
         uniform weights on 100 atoms, beyond which the solve runs in float64; where float64 does not resolve it
         either (eps / D2 above about 1e8 at tol = 1e-7), a ValueError names reg (the review's translate at
