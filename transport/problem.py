@@ -214,7 +214,7 @@ class Problem:
         # large reg: the solvers hold a potential f as the log-scaling log a + f / eps, to about u eps |log a|, and
         # the value is made of such potentials: beyond tol D2 that resolution is the value's error (a review:
         # reg / D2 = 1e12 in float64 put 0.4-1.2% on a translate's W2, 1e20 gave 0; float32 erred 2e-4 at 1e2)
-        logs = torch.cat([self.log_a[self.log_a > -math.inf], self.log_b[self.log_b > -math.inf]])
+        logs = torch.cat([self.log_a[self.log_a > -math.inf], self.log_b[self.log_b > -math.inf]]).detach()
         spread = 1.0 + float(logs.abs().max()) if logs.numel() else 1.0
 
         def resolves(dtype):
