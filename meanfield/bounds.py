@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from particles.linkage import linked_components
 from particles.validation import (
     as_tensor,
     check_allocation,
@@ -271,24 +272,11 @@ _SPLIT_POWER = 0.25
 
 
 def _split_clusters(evals: np.ndarray, radius: float) -> list[np.ndarray]:
-    """Groups of at least two eigenvalues linked by distances of at most ``radius`` (single linkage)."""
-    n = evals.size
-    close = np.abs(evals[:, None] - evals[None, :]) <= radius
-    label = -np.ones(n, dtype=np.int64)
-    groups = []
-    for i in range(n):
-        if label[i] >= 0:
-            continue
-        label[i] = len(groups)
-        stack, members = [i], [i]
-        while stack:
-            j = stack.pop()
-            for k in np.flatnonzero(close[j] & (label < 0)):
-                label[k] = label[i]
-                stack.append(int(k))
-                members.append(int(k))
-        groups.append(np.array(members))
-    return [g for g in groups if g.size > 1]
+    """Groups of at least two eigenvalues linked by distances of at most ``radius`` (single linkage in the complex
+    plane, :func:`particles.linkage.linked_components`)."""
+    labels = linked_components(np.stack([evals.real, evals.imag], axis=1), radius, what="gamma_info")
+    _, inverse, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    return [np.flatnonzero(inverse == k) for k in np.flatnonzero(counts > 1)]
 
 
 def _real_eigen(a: np.ndarray, tol: float, norm: float | None = None, dim: int | None = None):
