@@ -47,11 +47,10 @@ AUTO_BLUR = 0.05
 #: benchmarks/transport.md): the thread policy's estimate of a step, N M times this
 SECONDS_PER_ENTRY = 1.5e-9
 
-
-
 #: a float32 debiased entropic value below this many float32 unit roundoffs of the squared diameter (its three
 #: terms' size: their rounding then exceeds 1e-3 of it) is solved again in float64
 DEBIASED_RESOLUTION = 1e3
+
 
 def _auto(problem: Problem) -> str:
     """The method "auto" stands for, from the sizes alone (never from the values).

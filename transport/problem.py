@@ -217,15 +217,17 @@ class Problem:
         logs = torch.cat([self.log_a[self.log_a > -math.inf], self.log_b[self.log_b > -math.inf]]).detach()
         spread = 1.0 + float(logs.abs().max()) if logs.numel() else 1.0
 
-        def resolves(dtype):
-            u = UNIT_ROUNDOFF[dtype]
-            return eps > 0 and u * D2 <= tol * eps and u * eps * spread <= tol * max(D2, 0.0)
+        def potentials_resolved(dtype):   # large reg
+            return UNIT_ROUNDOFF[dtype] * eps * spread <= tol * D2
+
+        def resolves(dtype):   # the plan's exponents (small reg) and the potentials
+            return eps > 0 and UNIT_ROUNDOFF[dtype] * D2 <= tol * eps and potentials_resolved(dtype)
 
         if D2 == 0.0 or resolves(self.input_dtype):
             return self.input_dtype
         if self.input_dtype == torch.float32 and resolves(torch.float64):
             return torch.float64
-        if UNIT_ROUNDOFF[torch.float64] * eps * spread > tol * D2:
+        if not potentials_resolved(torch.float64):
             raise ValueError(
                 f"reg: reg = {reg:.3g} is {eps / D2:.3g} times the clouds' squared diameter: the potentials, held as "
                 "log-scalings log a + f / reg, resolve f only to about "
