@@ -123,8 +123,22 @@ def test_layer_row_bracket(run):
     (row,) = read_csv(out / "layers.csv")
     assert row["model"] == "tiny BERT (random init)"
     assert row["witness"] * (1 - 1e-6) - row["witness_error"] <= row["lower"] <= row["upper"]
+    assert row["start_heads"] == "all" and row["start_witness"] == row["witness"]   # the tiny grid starts from all
     assert row["text"] <= row["lower"] * (1 + 1e-6) + row["text_error"]   # the real text is one of its starts
     assert row["radius_max"] <= row["R"]
+
+
+def test_layer_witness_is_the_best_of_every_head_and_the_claim_is_on_the_started_ones():
+    """A real layer whose search started from the top head only: its ratio is to the best witness of all heads (a
+    larger witness elsewhere is not hidden), and the theorem checks the witnesses it started from."""
+    rows = _rows()
+    layer = {"model": "m", "layer": 0, "heads": 12, "head": 4, "start_heads": "top", "lower": 30.0, "plain": 1.0,
+             "text": 1.0, "upper": 100.0, "witness": 40.0, "witness_error": 0.0, "witness_head": 8,
+             "start_witness": 10.0, "start_witness_error": 0.0}
+    claim = wc.witness_claim(rows, [layer])
+    assert claim.agrees and "m layer 0: 0.75 (best witness of its 12 heads)" in claim.measured
+    assert not wc.witness_claim(rows, [{**layer, "lower": 9.9}]).agrees
+    assert "witnesses of head 4 (largest gamma) only" in wc._start_heads(layer)
 
 
 def test_longer_lengths_start_from_the_shorter_input_and_never_fall(run):
