@@ -62,7 +62,9 @@ class Plan:
     "tiles" (the in-place tile loops) or "triton" (:mod:`meanfield.triton_attention`); ``fused``: on CUDA,
     forward passes and VJPs that the mask allows go to torch's memory-efficient kernel
     (:mod:`meanfield.efficient_cuda`; the engine was chosen by device, not forced); ``efficient`` False: not
-    that kernel (it refused such a call), the engine still as chosen by device."""
+    that kernel (it refused such a call), the engine still as chosen by device; ``sized_for``: the batch
+    entries (vmap levels included) the tiles were sized for by the device's memory budget (0: fixed tiles,
+    the CPU's or a given ``block_size``), so that a backward or JVP under more vmap levels is tiled again."""
 
     bq: int
     bk: int
@@ -71,6 +73,7 @@ class Plan:
     engine: str = "auto"
     fused: bool = False
     efficient: bool = True
+    sized_for: int = 0
 
 
 def _block_extremes(p, block, fill_min, fill_max):

@@ -62,7 +62,7 @@ from particles import device as _device
 from particles.validation import broadcast_shapes, check_allocation, memory_limit, output_checks_are_deferred
 
 from . import accelerator_paths as _paths
-from .streamed_attention import _transforms_active, one_query_set, sequence_mask, shared_keys
+from .streamed_attention import _transforms_active, _vmapped_size, one_query_set, sequence_mask, shared_keys
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
            "rows_attend", "STREAM_THRESHOLD",
@@ -197,7 +197,7 @@ def use(method="auto", *, block_size=None, threshold=None):
 
 def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
     """Entries of the (..., m, n) score matrix over all batch entries, those of ``torch.func.vmap`` included
-    (:func:`_vmapped_size`): what the dense path allocates and the path choice weighs."""
+    (``meanfield.streamed_attention._vmapped_size``): what the dense path allocates and the path choice weighs."""
     lead = q.shape[:-2]
     others = [k.shape[:-2]] + [t.shape[:-1] for t in (log_weights, q_pos, k_pos) if t is not None]
     if all(s == lead for s in others):  # the common case, without broadcast_shapes' cost
@@ -207,28 +207,6 @@ def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
     if _transforms_active():
         entries *= _vmapped_size(q, k, log_weights, q_pos, k_pos)
     return entries
-
-
-def _vmapped_size(*tensors) -> int:
-    """The product of the batch sizes of the ``torch.func.vmap`` levels around this call (1 without vmap).
-
-    Inside vmap a tensor's shape is one sample's: the dense path's memory guard and auto's thresholds, which
-    count all batch entries, would see 1/B of the scores that the batched kernel allocates (a 96 MiB dense call
-    passing a 4 MiB limit). The batched tensors are unwrapped level by level (grad and jvp wrappers in between
-    carry no batch dimension), each vmap level's size read from the unwrapped tensor at its batch dimension;
-    an input not batched at a level (``in_dims=None``) meets one that is, and the product broadcasts to it."""
-    try:
-        functorch = torch._C._functorch
-        sizes = {}
-        for t in tensors:
-            while t is not None and functorch.is_functorch_wrapped_tensor(t):
-                inner = functorch.get_unwrapped(t)
-                if functorch.is_batchedtensor(t):
-                    sizes[functorch.maybe_get_level(t)] = inner.shape[functorch.maybe_get_bdim(t)]
-                t = inner
-    except (AttributeError, RuntimeError):   # private API gone: the logical size, as before
-        return 1
-    return math.prod(sizes.values())
 
 
 def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:

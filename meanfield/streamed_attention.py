@@ -65,6 +65,7 @@ in its 4-D layout (fused kernels on CPU and CUDA), chosen by :func:`meanfield.ke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -104,6 +105,28 @@ def _transforms_active() -> bool:
         return torch._C._functorch.peek_interpreter_stack() is not None
     except AttributeError:  # private API gone: assume the worst, take the differentiable engine
         return True
+
+
+def _vmapped_size(*tensors) -> int:
+    """The product of the batch sizes of the ``torch.func.vmap`` levels around this call (1 without vmap).
+
+    Inside vmap a tensor's shape is one sample's: the dense path's memory guard and auto's thresholds, which
+    count all batch entries, would see 1/B of the scores that the batched kernel allocates (a 96 MiB dense call
+    passing a 4 MiB limit). The batched tensors are unwrapped level by level (grad and jvp wrappers in between
+    carry no batch dimension), each vmap level's size read from the unwrapped tensor at its batch dimension;
+    an input not batched at a level (``in_dims=None``) meets one that is, and the product broadcasts to it."""
+    try:
+        functorch = torch._C._functorch
+        sizes = {}
+        for t in tensors:
+            while t is not None and functorch.is_functorch_wrapped_tensor(t):
+                inner = functorch.get_unwrapped(t)
+                if functorch.is_batchedtensor(t):
+                    sizes[functorch.maybe_get_level(t)] = inner.shape[functorch.maybe_get_bdim(t)]
+                t = inner
+    except (AttributeError, RuntimeError):   # private API gone: the logical size, as before
+        return 1
+    return math.prod(sizes.values())
 
 
 def _functional_only(*tensors) -> bool:
@@ -226,7 +249,7 @@ class StreamAttention(torch.autograd.Function):
         need = tuple(ctx.needs_input_grad[:3]) + (ctx.has_lw and ctx.needs_input_grad[3],)
         if g_out is None:
             g_out = torch.zeros_like(out)
-        plan = ctx.plan
+        plan = _retiled(ctx.plan, q, k, qp, kp, g_out, g_lse)
         if _plain(q, k, v, lw, out, lse, g_out, g_lse):
             dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         elif _functional_only(q, k, v, lw, out, lse, g_out, g_lse):
@@ -242,9 +265,30 @@ class StreamAttention(torch.autograd.Function):
     def jvp(ctx, tq, tk, tv, tlw, tqp, tkp, tplan):
         q, k, v, lw, qp, kp, out, lse = ctx.saved_tensors
         tlw = tlw if ctx.has_lw else None
+        plan = _retiled(ctx.plan, q, k, qp, kp, tq, tk, tv, tlw)
         if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
-            return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
-        return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, ctx.plan)
+            return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+        return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+
+
+def _retiled(plan, q, k, qp, kp, *batched):
+    """``plan``, tiled again where a backward or JVP runs under more ``torch.func.vmap`` levels than its forward
+    (``jacrev``, ``jacfwd``, a vmap over cotangents or tangents): the temporaries that depend on ``batched``
+    carry those levels' batch, which the forward's tiles (sized by the memory budget, ``plan.sized_for``) did
+    not count. Fixed tiles (CPU, a given block size) stay as they are."""
+    if not plan.sized_for or not _transforms_active():
+        return plan
+    entries = q.shape[0] * _vmapped_size(q, k, *batched)
+    if entries <= plan.sized_for:
+        return plan
+    from particles.device import memory_budget
+
+    from .accelerator_paths import tile_shape
+
+    m, n = q.shape[-2], k.shape[-2]
+    bq, bk = tile_shape(entries, m, n, q.element_size(), memory_budget(q.device))
+    again = tiles.tile_plan(qp, kp, m, n, bq, bk, plan.engine, plan.fused)
+    return dataclasses.replace(again, efficient=plan.efficient, sized_for=entries)
 
 
 def _fold(q) -> bool:
@@ -274,8 +318,6 @@ def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
 def _unfused(plan):
     """The plan without the memory-efficient kernel (after it refused a call); the engine stays chosen by
     device (``plan.fused``), so that the VJP of a wide head still avoids Triton."""
-    import dataclasses
-
     return dataclasses.replace(plan, efficient=False)
 
 
@@ -511,9 +553,15 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
 
         from .accelerator_paths import tile_shape
 
-        bq, bk = tile_shape(math.prod(batch), m, n, q.element_size(), memory_budget(q.device))
+        # every batch entry the tile loops compute on, those of torch.func.vmap levels included: a vmapped
+        # tile is B times the logical one
+        sized_for = math.prod(batch) * (_vmapped_size(q, k, v, log_weights, q_pos, k_pos)
+                                        if _transforms_active() else 1)
+        bq, bk = tile_shape(sized_for, m, n, q.element_size(), memory_budget(q.device))
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
     plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine, fused)
+    if pair is None and q.device.type != "cpu":
+        plan = dataclasses.replace(plan, sized_for=sized_for)
     out, lse = StreamAttention.apply(*flat, plan)
     out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
     return (out, lse) if return_lse else out

@@ -5,6 +5,7 @@ dense kernel; and the fallback from SDPA to the streamed kernel where no fused k
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -583,3 +584,57 @@ def test_small_heads_leave_the_memory_efficient_kernel_only_when_asked(monkeypat
         with pytest.raises(Stop):
             streaming.stream_attend(q, k, v, block_size=(16, 16), engine="triton")   # forced: never fused
     assert [p.fused for p in plans] == [not first, False, True, False]
+
+
+def test_accelerator_tiles_count_the_vmap_levels_of_forward_backward_and_jvp(monkeypatch):
+    """Review 46: tiles sized by the memory budget counted one sample under torch.func.vmap, so a vmapped tile was B
+    times over it (64 GiB temporaries against a 40 GiB budget at N = 1e5). The forward counts the levels around
+    it; a backward or JVP under more levels than its forward (jacrev, jacfwd) is tiled again (meta tensors:
+    the accelerator branch without a GPU)."""
+    seen = []
+    real = ap.tile_shape
+    monkeypatch.setattr(ap, "tile_shape", lambda *a: seen.append(a[0]) or real(*a))
+    f = lambda x: attend(x, x, x, method="stream")
+    torch.func.vmap(f)(torch.empty(64, 10_000, 3, device="meta"))
+    assert seen == [64]
+    x = torch.empty(10_000, 3, device="meta")
+    _, pullback = torch.func.vjp(f, x)
+    torch.func.vmap(pullback)(torch.empty(32, 10_000, 3, device="meta"))
+    assert seen == [64, 1, 32]
+    torch.func.vmap(lambda t: torch.func.jvp(f, (x,), (t,)))(torch.empty(16, 10_000, 3, device="meta"))
+    assert seen[-1] == 16
+
+
+def test_tiles_again_under_jacrev_and_jacfwd_give_the_dense_jacobians(monkeypatch):
+    """The retiled plans (a small budget: many tiles, which keys are visible read again from the positions) give
+    the Jacobians of the dense reference, weighted, with positions."""
+    from meanfield import attention_tiles as tiles
+
+    g = torch.Generator().manual_seed(0)
+    m, n = 37, 41
+    q, k, v = (torch.randn(r, 3, generator=g, dtype=torch.float64) for r in (m, n, n))
+    lw = torch.randn(n, generator=g, dtype=torch.float64)
+    qp, kp = torch.rand(m, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+    qp[0] = -1.0   # a query that sees no key: a zero row
+    seen = []
+    real = ap.tile_shape
+    monkeypatch.setattr(ap, "tile_shape", lambda *a: seen.append(a) or real(*a))
+    monkeypatch.setattr(device, "memory_budget", lambda dev: 2**14)   # tiles of a few keys
+    plan = dataclasses.replace(tiles.tile_plan(qp[None], kp[None], m, n, m, n), sized_for=1)
+
+    def streamed(q, k, v):
+        return streaming.StreamAttention.apply(q[None], k[None], v[None], lw[None], qp[None], kp[None], plan)[0][0]
+
+    def dense(q, k, v):
+        hidden = kp[None, :] > qp[:, None]
+        alive = ~hidden.all(-1, keepdim=True)
+        s = (q @ k.T + lw).masked_fill(hidden & alive, -math.inf)   # a dead row: any finite softmax, then 0
+        return torch.softmax(s, -1) * alive @ v
+
+    for jac in (torch.func.jacrev, torch.func.jacfwd):
+        seen.clear()
+        got, want = jac(streamed, argnums=(0, 1, 2))(q, k, v), jac(dense, argnums=(0, 1, 2))(q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+        bq, bk = real(*seen[0])
+        assert seen[0][0] > 1 and bq * bk < m * n   # tiled again for the vmapped batch, in several tiles
