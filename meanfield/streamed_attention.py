@@ -425,9 +425,11 @@ class _StreamBackward(torch.autograd.Function):
                          for i, t in enumerate((q, k, v, lw, out, lse))]
                 wanted = [i for i in range(6) if run[i] and alias[i] is not None]
                 B = tiles.backward_functional(*alias[:4], qp, kp, *alias[4:], g_out, g_lse, plan, need)
-                parts = torch.autograd.grad([B[b] for b, _ in cot], [alias[i] for i in wanted],
-                                            [g for _, g in cot], allow_unused=True, create_graph=create,
-                                            retain_graph=True)
+                # a derivative the tiles never touched (every tile skipped: no query sees a key) is a constant 0
+                live = [(B[b], g) for b, g in cot if B[b].requires_grad]
+                parts = (torch.autograd.grad([d for d, _ in live], [alias[i] for i in wanted], [g for _, g in live],
+                                             allow_unused=True, create_graph=create, retain_graph=True)
+                         if live else [None] * len(wanted))
             for i, part in zip(wanted, parts):
                 grads[slots[i]] = part
         return tuple(grads)
