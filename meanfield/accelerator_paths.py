@@ -46,6 +46,7 @@ import math
 import torch
 
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
+           "DENSE_MASK_BYTES", "dense_bytes",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
            "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "SMALL_HEAD_FEATURES",
            "SMALL_HEAD_DTYPES", "SMALL_HEAD_MAX", "SMALL_HEADS_FIRST", "small_heads", "efficient_first", "triton_width",
@@ -56,8 +57,10 @@ __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_T
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
 #: 0.24-0.83 ms for auto's fused call on an H100; benchmarks/gpu.md re-measures it)
 CUDA_DENSE_THRESHOLD = 2**21
-#: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities)
+#: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities) ...
 DENSE_TEMPORARIES = 4
+#: ... and bytes per score entry of its masks (boolean, and the half types' float32 softmax): :func:`dense_bytes`
+DENSE_MASK_BYTES = 4
 #: On an accelerator, float32 forward passes without a sequence's causal mask run as dense row blocks ("rows")
 #: up to this many score entries (all batch entries). Measured on an H200 at N = 1e4 (benchmarks/gpu.md, grid):
 #: rows of 2048 against all keys took 1.12 / 1.39 / 1.76 ms at d = 3 (unweighted / weighted / arbitrary
@@ -109,10 +112,20 @@ TRITON_WIDE_MAX_WIDTH = {torch.float32: 64}
 TRITON_WIDE_CAPABILITY = (9, 0)
 
 
-def _dense_fits(entries, element_size, budget, temporaries=DENSE_TEMPORARIES):
-    """Whether ``temporaries`` buffers of ``entries`` fit ``budget``: bytes, or a callable returning them (called
-    here only, so that a call the dense paths are not considered for never asks the driver for the free memory)."""
-    return temporaries * entries * element_size <= (budget() if callable(budget) else budget)
+def dense_bytes(entries: int, element_size: int) -> int:
+    """The dense path's peak bytes for ``entries`` score entries, forward and backward: :data:`DENSE_TEMPORARIES`
+    score-sized tensors and :data:`DENSE_MASK_BYTES` a score entry. Measured peaks with derivatives (n = 4096,
+    d = 3, weights and positions, a query that sees no key): 3.6 float64 score matrices' worth (28 bytes an entry,
+    here 36), 4.1 float32 (16; here 20), 5.2-5.4 float16 and bfloat16 (11; here 12); forward only 2.0-2.7."""
+    return entries * (DENSE_TEMPORARIES * element_size + DENSE_MASK_BYTES)
+
+
+def _dense_fits(entries, element_size, budget, temporaries=None):
+    """Whether the dense path (:func:`dense_bytes`), or ``temporaries`` buffers of ``entries`` (the row blocks),
+    fit ``budget``: bytes, or a callable returning them (called here only, so that a call the dense paths are not
+    considered for never asks the driver for the free memory)."""
+    need = dense_bytes(entries, element_size) if temporaries is None else temporaries * entries * element_size
+    return need <= (budget() if callable(budget) else budget)
 
 
 #: heads of at most this many features (q, k and v) run in the FMA kernels of :mod:`meanfield.triton_small_heads`

@@ -7,6 +7,10 @@ Below the limit the same call returns the value an independent computation gives
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +195,36 @@ def test_a_collapsed_cloud_that_would_fit_as_edges_is_still_linked_by_cells(monk
     m = Measure(X).merge(atol=0.05)
     assert m.n == 2
     torch.testing.assert_close(m.points[0], torch.as_tensor(X[::2].mean(0)), rtol=1e-12, atol=1e-15)
+
+
+_DENSE_PEAK = r"""
+import math, resource, sys, torch
+from meanfield.kernels import attend
+n = 4096   # 64 MiB score matrices: mmapped and unmapped when freed, so peak RSS is the live tensors' peak
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(n, 3, generator=g, requires_grad=True) for _ in range(3))
+lw = torch.log_softmax(torch.randn(n, generator=g), 0)
+qp, kp = torch.rand(n, generator=g), torch.rand(n, generator=g)
+qp[:10] = -1.0   # queries that see no key: the plain pass, then the guarded one
+small = [t[:8].detach().requires_grad_(True) for t in (q, k, v)]
+attend(*small, lw[:8], qp[:8], kp[:8], method="dense").sum().backward()   # warm-up
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+out = attend(q, k, v, lw, qp, kp, method="dense")
+out.backward(torch.ones_like(out))
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base) / (n * n * 4))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss in KiB (Linux)")
+def test_dense_path_peak_within_what_its_guard_and_the_path_choice_count():
+    """Review 46 F2: forward and backward of the dense path with weights, positions and queries that see no key
+    peaked at 5.0 float32 score matrices (the plain pass's graph kept alive during the guarded one) where the
+    path choice counted 4 and the memory guard 3. Measured in a fresh process (peak resident memory)."""
+    from meanfield import accelerator_paths as ap
+
+    run = subprocess.run([sys.executable, "-c", _DENSE_PEAK], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr
+    peak = float(run.stdout.split()[-1])   # in float32 score matrices
+    assert peak <= 4.5   # 5.0 with the plain pass alive
+    assert peak * 4 <= ap.dense_bytes(1, 4)

@@ -112,22 +112,23 @@ def test_derivatives_through_the_check():
 
 
 def test_the_dense_path_checks_its_memory_before_allocating(monkeypatch):
-    """N = 1e5 queries and keys: 1e10 score entries, 3 matrices of float32 (120 GB) or float64. Refused at
-    once with the size and the method to use instead, by method='dense' and by kernels.use('dense')."""
+    """N = 1e5 queries and keys: 1e10 score entries, 4 matrices of float32 and 4 bytes of masks an entry
+    (186 GiB, the peak measured with derivatives: tests/test_memory_guards.py). Refused at once with the size and
+    the method to use instead, by method='dense' and by kernels.use('dense')."""
     x = torch.zeros(10**5, 2)
-    expected = f"needs about {3 * 10**10 * 4 / 2**30:.1f} GiB"
+    expected = f"needs about {10**10 * (4 * 4 + 4) / 2**30:.1f} GiB"
     with pytest.raises(MemoryLimitError, match=rf"attend\(method='dense'\): 10000000000 score entries.*{expected}.*"
                                                "method='stream'"):
         kernels.attend(x, x, x, method="dense")
     with kernels.use("dense"), pytest.raises(MemoryLimitError, match="method='stream'"):
         kernels.attend(x, x, x)
-    # at the limit the same path computes, one byte below it refuses (3 * m * n * 8 bytes, above the 1 MiB
+    # at the limit the same path computes, one byte below it refuses ((4 * 8 + 4) m n bytes, above the 1 MiB
     # that is always allowed)
     q, k, v = _qkv(m=256, n=256)
-    assert 3 * 256 * 256 * 8 > kernels.DENSE_ALWAYS_ALLOWED
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8))
+    assert 36 * 256 * 256 > kernels.DENSE_ALWAYS_ALLOWED
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(36 * 256 * 256))
     assert torch.allclose(kernels.attend(q, k, v, method="dense"), _reference(q, k, v), rtol=1e-12, atol=1e-14)
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(3 * 256 * 256 * 8 - 1))
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(36 * 256 * 256 - 1))
     with pytest.raises(MemoryLimitError):
         kernels.attend(q, k, v, method="dense")
     assert torch.allclose(kernels.attend(q, k, v, method="stream"), _reference(q, k, v), rtol=1e-12, atol=1e-14)

@@ -98,7 +98,8 @@ def test_rows_where_row_chunked_dense_was_measured_fastest():
             assert _choose(10**5, e=e, positions=positions) in ("fused", "stream")
     assert _choose(10**4, e=16) == "rows" and _choose(10**4, e=17) == "dense"
     # the whole matrix only where its temporaries fit; row blocks, then SDPA, otherwise
-    assert _choose(10**4, e=64, budget=1.6e9) == "dense" and _choose(10**4, e=64, budget=1.5e9) == "rows"
+    # (1e8 entries of 4 float32 temporaries and 4 bytes of masks: 2.0 GB)
+    assert _choose(10**4, e=64, budget=2.0e9) == "dense" and _choose(10**4, e=64, budget=1.99e9) == "rows"
     assert _choose(10**4, e=64, positions="causal") == "fused" and _choose(11_586, e=64) == "fused"
     assert _choose(11_585) == "rows" and _choose(11_586) == "fused"     # 2^27 entries
     assert _choose(10**4, positions="causal") == "fused"
@@ -111,8 +112,8 @@ def test_rows_where_row_chunked_dense_was_measured_fastest():
 
 def test_dense_needs_both_a_small_size_and_room():
     assert _choose(1000, budget=GiB) == "dense"
-    # 1e6 entries of float32 with 4 temporaries: 16 MB; in one row block with 3: 12 MB
-    assert _choose(1000, budget=15 * 10**6) == "rows"
+    # 1e6 entries of float32 with 4 temporaries and 4 bytes of masks: 20 MB; in one row block with 3: 12 MB
+    assert _choose(1000, budget=20 * 10**6) == "dense" and _choose(1000, budget=19 * 10**6) == "rows"
     assert _choose(1000, budget=11 * 10**6) == "fused"
     assert _choose(1000, budget=15 * 10**6, derivatives=True) == "stream"
     # use(threshold=...) widens the dense regime, never beyond the budget
@@ -132,7 +133,7 @@ def test_never_a_kernel_that_materializes_the_scores_above_the_budget(dtype):
         path = _choose(n, e=e, dtype=dtype, positions=positions, derivatives=derivatives, budget=budget,
                        batch=batch)
         if path == "dense":
-            assert ap.DENSE_TEMPORARIES * batch * n * n * size <= budget
+            assert batch * n * n * (ap.DENSE_TEMPORARIES * size + ap.DENSE_MASK_BYTES) <= budget
         elif path == "rows":
             block = min(batch * n * n, max(ap.ROW_ENTRIES, batch * n))
             assert ap.ROWS_TEMPORARIES * block * size <= budget and positions != "causal" and not derivatives
@@ -364,7 +365,7 @@ def test_the_accelerator_choice_reads_the_budget_and_the_positions(monkeypatch):
     assert kernels._choose_accelerator(q, k, v, None, pos, pos, None) == ("fused", True)
     assert reads == []  # the budget is handed over unread: the choice reads it only where dense is considered
     assert seen["positions"] == "causal" and seen["budget"]() == 123 and seen["args"][2:6] == (2, n, n, 3)
-    assert reads == [ap.DENSE_TEMPORARIES * 2 * n * n * 8]
+    assert reads == [2 * n * n * (ap.DENSE_TEMPORARIES * 8 + ap.DENSE_MASK_BYTES)]
     assert kernels._choose_accelerator(q, k, v, None, pos, pos.flip(0), None) == ("stream", False)
     kernels._choose_accelerator(q, k, v, torch.zeros(n, dtype=DT), None, None, None)
     assert seen["positions"] == "none" and seen["weighted"] and not seen["derivatives"]
