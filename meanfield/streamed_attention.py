@@ -176,16 +176,33 @@ def _flat3(t, rows_dims=2):
     return t.reshape(math.prod(t.shape[:t.dim() - rows_dims]), *t.shape[t.dim() - rows_dims:])
 
 
-def _triton_ok(plan) -> bool:
-    return plan.engine == "triton" and not _transforms_active()
+#: elements a batch entry of a Triton kernel's tensor may span, its padded rows and columns included: the kernels
+#: index within a batch entry in int32 (rows x row stride + columns x column stride; only the batch offset is int64),
+#: which would wrap beyond it (a strided head of a multi-head layout, row stride 768, at N = 2.8e6)
+TRITON_MAX_SPAN = 2**31 - 1
+#: rows or columns a kernel's last block may reach past a tensor's end (masked, but their offsets are computed)
+_TRITON_PAD = 256
 
 
-def _triton_vjp_ok(plan, q, v) -> bool:
+def _int32_spans(*tensors) -> bool:
+    """Whether every batch entry of ``tensors`` (3-D, or 2-D for log-weights and positions) is indexable in int32
+    by the Triton kernels, padding included (:data:`TRITON_MAX_SPAN`)."""
+    return all(t is None or sum((size + _TRITON_PAD) * abs(stride) for size, stride in zip(t.shape[1:], t.stride()[1:]))
+               <= TRITON_MAX_SPAN for t in tensors)
+
+
+def _triton_ok(plan, *tensors) -> bool:
+    """The Triton engine: chosen, outside torch.func transforms, for tensors whose batch entries it indexes in
+    int32 (:func:`_int32_spans`; larger ones go to the tile loops)."""
+    return plan.engine == "triton" and not _transforms_active() and _int32_spans(*tensors)
+
+
+def _triton_vjp_ok(plan, q, v, *tensors) -> bool:
     """The Triton engine for a VJP: forced, or chosen by device for a width whose VJP it also takes
     (:func:`meanfield.accelerator_paths.triton_vjp`)."""
     from .accelerator_paths import triton_vjp
 
-    return _triton_ok(plan) and (not plan.fused or triton_vjp(q.dtype, q.shape[-1], v.shape[-1]))
+    return _triton_ok(plan, q, v, *tensors) and (not plan.fused or triton_vjp(q.dtype, q.shape[-1], v.shape[-1]))
 
 
 def _triton():
@@ -208,7 +225,7 @@ def _forward(q, k, v, lw, qp, kp, plan):
         return efficient.guarded(_efficient_key("forward", q, v, lw, plan),
                                  lambda: efficient.forward(q, k, v, lw, plan.causal),
                                  lambda: _forward(q, k, v, lw, qp, kp, _unfused(plan)), "attend")
-    if _triton_ok(plan):
+    if _triton_ok(plan, q, k, v, lw, qp, kp):
         from particles.device import run_triton
 
         return run_triton(_key("forward", q, v, lw, qp, plan),
@@ -305,7 +322,7 @@ def fold_for(device_type: str, dtype) -> bool:
 
 
 def _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None):
-    if _triton_ok(plan):
+    if _triton_ok(plan, q, k, v, lw, qp, kp, out, tq, tk, tv, tlw):
         from particles.device import run_triton
 
         return run_triton(_key("jvp", q, v, lw, qp, plan),
@@ -327,7 +344,7 @@ def _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need):
                                  lambda: efficient.backward(q, k, v, lw, out, lse, g_out, plan.causal, need),
                                  lambda: _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse,
                                                         _unfused(plan), need), "attend (VJP)")
-    if _triton_vjp_ok(plan, q, v):
+    if _triton_vjp_ok(plan, q, v, k, lw, qp, kp, out, g_out, g_lse):
         from particles.device import run_triton
 
         return run_triton(_key("backward", q, v, lw, qp, plan),

@@ -639,3 +639,20 @@ def test_tiles_again_under_jacrev_and_jacfwd_give_the_dense_jacobians(monkeypatc
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
         bq, bk = real(*seen[0])
         assert seen[0][0] > 1 and bq * bk < m * n   # tiled again for the vmapped batch, in several tiles
+
+
+def test_triton_only_where_its_int32_indices_reach(monkeypatch):
+    """Review 46 F4: the Triton kernels index a batch entry in int32; a strided head of a multi-head layout (row
+    stride 768) passes 2^31 at N = 2.8e6, where offsets would wrap. Such tensors go to the tile loops (meta
+    tensors: nothing computed); a contiguous d = 3 cloud of 1e6 tokens stays on Triton."""
+    calls = []
+    fake = type("FakeTriton", (), {"forward": staticmethod(lambda *a: calls.append("triton") or (None, None))})
+    monkeypatch.setattr(streaming, "_triton", lambda: fake)
+    monkeypatch.setattr(streaming.tiles, "forward_tiles", lambda *a: calls.append("tiles") or (None, None))
+    plan = streaming.tiles.Plan(64, 10**6, engine="triton")
+    small = torch.empty(1, 10**6, 3, device="meta")
+    streaming._forward(small, small, small, None, None, None, plan)
+    heads = torch.empty(1, 3 * 10**6, 768, device="meta")[..., :64]   # one head of 12 in a fused projection
+    streaming._forward(heads, heads, heads, None, None, None, plan)
+    assert calls == ["triton", "tiles"]
+    assert streaming._int32_spans(torch.empty(1, 2 * 10**6, 768, device="meta")[..., :64])
