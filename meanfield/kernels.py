@@ -54,6 +54,7 @@ import contextvars
 import logging
 import math
 import numbers
+import warnings
 
 import torch
 from torch.autograd import forward_ad as _forward_ad
@@ -659,6 +660,26 @@ def seen_positions(k_pos, seen) -> torch.Tensor:
     return torch.where(seen, k_pos, torch.full((), last, dtype=k_pos.dtype, device=k_pos.device))
 
 
+_TF32_WARNED = []
+
+
+def _warn_tf32(q) -> None:
+    """Warn once per process where float32 matrix products on q's CUDA device may run in TF32 (the process-wide
+    switch, read and never set). The Triton kernels and the series path keep IEEE products whatever it says; the
+    dense, row-block, tile and SDPA paths follow it, and their scores <q_i, k_j> then carry a relative error of
+    about 5e-4: an error of about 5 in the exponent at |s| = 1e4 (radius 100)."""
+    if _TF32_WARNED:
+        return
+    from .series_attention import _tf32_on
+
+    if _tf32_on(q):
+        _TF32_WARNED.append(True)
+        warnings.warn("attend: float32 matrix products on CUDA run in TF32 (torch.backends.cuda.matmul is set so): "
+                      "attention scores carry a relative error of about 5e-4, which large radii turn into large "
+                      "errors of the probabilities and of certified constants; use float64, or switch TF32 off "
+                      "(torch.backends.cuda.matmul.fp32_precision = 'ieee')", RuntimeWarning, stacklevel=3)
+
+
 def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, block_size=None) -> torch.Tensor:
     """sum_j P_ij v_j with P from :func:`attention_probs`; shape (..., m, c).
 
@@ -672,6 +693,8 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     """
     _check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)
+    if q.dtype == torch.float32 and q.device.type == "cuda":
+        _warn_tf32(q)
     if shared_keys(q, k, v, log_weights, q_pos):
         # keys, values and weights shared by the whole batch, no positions: one set of b x m queries (the same
         # scores and outputs; the paths then never expand the keys over the batch, which copied them b times)

@@ -347,3 +347,26 @@ def test_double_backward_of_the_streamed_path_where_queries_see_no_key(dead):
         got[method] = [torch.zeros_like(t) if s is None else s for s, t in zip(second, x)]
     for a, b in zip(got["stream"], got["dense"]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_tf32_on_a_cuda_device_is_warned_about_once(monkeypatch):
+    """Review 46 F5: with TF32 switched on process-wide, the dense, row, tile and SDPA paths compute the scores with
+    a relative error of about 5e-4 (an error of 5 in the exponent at radius 100); the framework never sets the
+    switch, so it warns, once. (No GPU here: the check itself, on a stand-in for a CUDA tensor.)"""
+    import types
+    import warnings
+
+    from meanfield import series_attention
+
+    cuda = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    monkeypatch.setattr(kernels, "_TF32_WARNED", [])
+    monkeypatch.setattr(series_attention, "_tf32_on", lambda t: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels._warn_tf32(cuda)   # TF32 off: silent
+    monkeypatch.setattr(series_attention, "_tf32_on", lambda t: t.device.type == "cuda")
+    with pytest.warns(RuntimeWarning, match="TF32.*fp32_precision = 'ieee'"):
+        kernels._warn_tf32(cuda)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kernels._warn_tf32(cuda)   # once per process
