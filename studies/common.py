@@ -127,6 +127,33 @@ def spread_shrinks(first: dict, last: dict, key: str, level: float = 0.95) -> tu
     return None, ratio
 
 
+def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
+    """The log-log slope of the variance of ``key`` over samples against n, over every n of ``stats`` (rows of
+    :func:`mean_std_by_n`), with its ``level`` confidence interval: concentration at the rate of a central limit
+    theorem is a slope of -1. Weighted least squares on log s^2, whose bias (digamma(k/2) + log(2/k)) and variance
+    (trigamma(k/2)) for k degrees of freedom are those of Gaussian samples; the interval is the normal one. Unlike
+    a test of the two extreme n alone, every n counts, so one unlucky group decides nothing.
+
+    Returns ``slope``, ``lo``, ``hi`` and ``verdict``: True where the interval lies below 0 (the spread shrinks),
+    False where it lies above 0 (it grows), None otherwise or with fewer than three n of at least two samples
+    (or a zero spread, whose logarithm is -inf)."""
+    from scipy import special
+    from scipy import stats as st
+
+    used = [s for s in stats if s["samples"] >= 2 and s[f"{key}_std"] > 0]
+    if len(used) < 3:
+        return {"slope": math.nan, "lo": math.nan, "hi": math.nan, "verdict": None}
+    k = np.array([s["samples"] - 1 for s in used], float)
+    x = np.log([float(s["n"]) for s in used])
+    y = np.log([s[f"{key}_std"] ** 2 for s in used]) - (special.digamma(k / 2) + np.log(2 / k))
+    w = 1.0 / special.polygamma(1, k / 2)
+    xc = x - (w * x).sum() / w.sum()
+    slope = float((w * xc * y).sum() / (w * xc ** 2).sum())
+    half = float(st.norm.ppf(0.5 + level / 2) / math.sqrt((w * xc ** 2).sum()))
+    lo, hi = slope - half, slope + half
+    return {"slope": slope, "lo": lo, "hi": hi, "verdict": True if hi < 0 else False if lo > 0 else None}
+
+
 def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list[dict]:
     """:func:`fit_loglog` of ``y`` against ``x`` for each group of rows with equal ``keys``
     (rows with ``x >= min_x``; groups with at least ``min_points`` distinct x), in first-seen order."""
