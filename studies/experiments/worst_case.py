@@ -729,7 +729,7 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
     ax = axes[5]
     if layer_rows:
         marks = [("upper", "upper bound"), ("lower", "search"), ("plain", "plain ascent"),
-                 ("witness", "Prop 3.4 witness"), ("text", "real text")]
+                 ("witness", "Prop 3.4 witness\n(best head)"), ("text", "real text")]
         marks = [(k, lab) for k, lab in marks if not all(math.isnan(r[k]) for r in layer_rows)]
         for j, r in enumerate(layer_rows):
             ax.plot(np.arange(len(marks)) + 0.1 * (j - (len(layer_rows) - 1) / 2), [r[k] for k, _ in marks],
