@@ -19,6 +19,7 @@ Figures (PNG), two GIF animations (matplotlib FuncAnimation + PillowWriter) and 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,8 @@ from ..io import save_figure, write_csv, write_with
 from . import at_scale
 
 __all__ = ["dynamics", "animate_trajectory", "grid", "meanfield_claim"]
+
+log = logging.getLogger(__name__)
 
 D = torch.float64
 
@@ -348,6 +351,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         meanfield_claim(mf_rows, cfg),
     ]
 
+    log.info("dynamics: drawing 3 figures and 2 GIF animations")
     figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, counts_p, lead_c, other_c)
     data = _save_rescaled(out_dir, traj_p, traj_n, counts_p, lead_c, other_c)
     summary = {"polytope_clusters": ls.n_clusters, "polytope_spread": ls.spread, "leading_eigenvalue_clusters":
@@ -502,6 +506,8 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, cou
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=2)
     figs.append(save_figure(fig, out_dir / "meanfield_convergence.png").name)
 
+    log.info("dynamics: animation 1 of 2 (polytope.gif, %d frames)", len(traj_p.times))
     figs.append(animate_trajectory(traj_p, out_dir / "polytope.gif", title="V = I, rescaled").name)
+    log.info("dynamics: animation 2 of 2 (sphere_SA.gif, %d frames)", len(sph["SA"][0].times))
     figs.append(animate_trajectory(sph["SA"][0], out_dir / "sphere_SA.gif", title="SA, d = 3", sphere=True).name)
     return figs

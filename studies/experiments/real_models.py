@@ -801,6 +801,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
             gc.collect()
     for k, rows in tables.items():
         write_csv(rows, out_dir / f"{k}.csv")
+    log.info("real_models: fitting the growth exponents of %d measured (layer, n) rows", len(tables["lipschitz"]))
     fits, adv_fits = fit_tables(tables, g["adv_ns"])
     write_csv(fits, out_dir / "fits.csv")
     write_csv(adv_fits, out_dir / "adversarial_fits.csv")

@@ -7,6 +7,7 @@ and head (Appendix C.5, Figure 2), token radius against position and length (App
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import numpy as np
 
 from .. import plotting as P
 from ..io import save_figure
+
+log = logging.getLogger("studies.experiments.real_models")
 
 __all__ = ["plot_all", "notes"]
 
@@ -306,14 +309,18 @@ def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list, map_fits=(
     """Every figure of the study; returns their file names."""
     out_dir = Path(out_dir)
     lip, adv = tables["lipschitz"], tables["adversarial"]
-    figs = [plot_real_text(out_dir, lip, fits, m) for m in _models(lip)]
+    jobs = [(f"real text, {m}", lambda m=m: plot_real_text(out_dir, lip, fits, m)) for m in _models(lip)]
     if fits:
-        figs.append(plot_exponents(out_dir, fits, map_fits))
-    figs += [plot_adversarial(out_dir, adv, m) for m in _models(adv)]
+        jobs.append(("exponents", lambda: plot_exponents(out_dir, fits, map_fits)))
+    jobs += [(f"adversarial inputs, {m}", lambda m=m: plot_adversarial(out_dir, adv, m)) for m in _models(adv)]
     if tables["gamma"]:
-        figs.append(plot_gamma(out_dir, tables["gamma"]))
+        jobs.append(("gamma of every head", lambda: plot_gamma(out_dir, tables["gamma"])))
     if tables["radius"]:
-        figs.append(plot_radius(out_dir, tables["radius"], lip))
+        jobs.append(("radii of the inputs", lambda: plot_radius(out_dir, tables["radius"], lip)))
+    figs = []
+    for k, (what, draw) in enumerate(jobs):   # a few seconds each: one line per figure
+        log.info("real_models: figure %d of %d (%s)", k + 1, len(jobs), what)
+        figs.append(draw())
     return figs
 
 
