@@ -57,9 +57,11 @@ __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_T
 #: few launches beat the fused and streamed kernels' fixed costs (N = 1e3: dense 0.07-0.12 ms against
 #: 0.24-0.83 ms for auto's fused call on an H100; benchmarks/gpu.md re-measures it)
 CUDA_DENSE_THRESHOLD = 2**21
-#: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities) ...
+#: score-sized temporaries of the dense path (scores, masked scores, exponentials, probabilities), in
+#: :func:`dense_bytes`
 DENSE_TEMPORARIES = 4
-#: ... and bytes per score entry of its masks (boolean, and the half types' float32 softmax): :func:`dense_bytes`
+#: bytes per score entry of the dense path's masks (booleans, the half types' float32 softmax), in
+#: :func:`dense_bytes`
 DENSE_MASK_BYTES = 4
 #: On an accelerator, float32 forward passes without a sequence's causal mask run as dense row blocks ("rows")
 #: up to this many score entries (all batch entries). Measured on an H200 at N = 1e4 (benchmarks/gpu.md, grid):

@@ -62,6 +62,10 @@ POWER_CHECK_STEPS = 8
 LANCZOS_MIN_STEPS = 8
 #: restarts of the power iteration from the check's Ritz vector before a member is reported not converged
 POWER_RESTARTS = 2
+#: Lanczos steps that check a converged Lanczos run found the top singular value, from its certified vector
+#: (:func:`lanczos`), and the restarts from the check's Ritz vector before a member is reported not converged
+LANCZOS_CHECK_STEPS = 8
+LANCZOS_RESTARTS = 2
 
 
 @dataclass
@@ -469,6 +473,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
     used = 0
     first = None
     twin = None if low_build is None else _low_problem(low_build, q)
+    check_apply = check_dtype = None
     if twin is not None:
         low, w32 = twin
         # the scale (a power of two: any one is exact) comes from the float32 product
@@ -499,44 +504,79 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
                     break
                 target = max(0.25 * target, _LOW_TARGET)
             used = K.m
+            check_apply, check_dtype = apply_low, torch.float32   # the check below runs in float32 too
         except _LowRange:
             # a float32 product left the float32 range: float64 from the start
             if best.value is None:
                 q, first = _random_start(shape, p.X, seed), None
             used = 0
-        p.applications += low.applications
-        del low
     apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
-    if not bool(best.done.all()) and used < m_max:
-        # after a float32 phase, keep the images B q_j (a second basis) where memory allows: the
-        # certificate of the Ritz vector then costs no product
-        images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
-            memory_limit)
-        K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images,
-                    min_steps=max(0, LANCZOS_MIN_STEPS - used))
-        target = 0.5 * tol
-        previous = None
-        while True:
-            # after a pass whose certificate missed tol, extend by at least one vector: a pass that
-            # only re-certifies the same Ritz vector learns nothing
-            met = K.run(target, at_least=0 if previous is None else 1)
-            u, Bu = K.ritz()
-            best.certify(u.reshape(shape), Bu)
-            if bool(best.done.all()) or not met:
-                break
-            # the Lanczos estimate met its target and the explicit certificate did not: the estimate was
-            # optimistic (it ignores rounding). Tighten the target while the certificate keeps improving;
-            # members whose certified error no longer halves per pass are at their rounding floor
-            rel = best.relative
-            if previous is not None:
-                stalled = stalled | (~best.done & ~(rel < _PROGRESS * previous))
-                if bool((best.done | stalled).all()):
+    if twin is None or check_dtype is None:
+        check_apply, check_dtype = apply, p.X.dtype
+    steps = min(LANCZOS_CHECK_STEPS, N) if N >= 2 else 0
+    restarts = 0
+    while True:
+        if not bool(best.done.all()) and used < m_max:
+            # after a float32 phase, keep the images B q_j (a second basis) where memory allows: the
+            # certificate of the Ritz vector then costs no product
+            images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
+                memory_limit)
+            K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images,
+                        min_steps=max(0, LANCZOS_MIN_STEPS - used))
+            target = 0.5 * tol
+            previous = None
+            while True:
+                # after a pass whose certificate missed tol, extend by at least one vector: a pass that
+                # only re-certifies the same Ritz vector learns nothing
+                met = K.run(target, at_least=0 if previous is None else 1)
+                u, Bu = K.ritz()
+                best.certify(u.reshape(shape), Bu)
+                if bool(best.done.all()) or not met:
                     break
-            previous = rel
-            target *= 0.1
-        used += K.m
-    elif best.value is None:  # max_iter exhausted by the float32 phase before any certificate
-        best.certify(q)
+                # the Lanczos estimate met its target and the explicit certificate did not: the estimate was
+                # optimistic (it ignores rounding). Tighten the target while the certificate keeps improving;
+                # members whose certified error no longer halves per pass are at their rounding floor
+                rel = best.relative
+                if previous is not None:
+                    stalled = stalled | (~best.done & ~(rel < _PROGRESS * previous))
+                    if bool((best.done | stalled).all()):
+                        break
+                previous = rel
+                target *= 0.1
+            used += K.m
+        elif best.value is None:  # max_iter exhausted by the float32 phase before any certificate
+            best.certify(q)
+        # the certificate bounds the distance to *some* singular value: with a close top pair the Ritz value
+        # can sit within its error of the lower one. A few Lanczos steps from the certified vector (which
+        # still holds some of the top singular vector) give a Ritz value that is a lower bound of ||J||:
+        # above value + error, the certificate was about a lower singular value, and Lanczos goes on from
+        # that Ritz vector (at most LANCZOS_RESTARTS times; then the member has not converged)
+        if not steps or not bool(best.done.any()) or m_max - used < steps:
+            break
+        # (after a float32 phase, in float32: a check far cheaper than the certificates, its rounding allowed for)
+        try:
+            C = _Krylov(check_apply, best.u.reshape(b, N).to(check_dtype), steps, g,
+                        what="local_lipschitz (lanczos: its check)")
+            C.run(0.0, at_least=steps)
+        except _LowRange:   # the float32 products left their range: the check in p's dtype
+            check_apply, check_dtype = apply, p.X.dtype
+            continue
+        used += C.m
+        eps = torch.finfo(check_dtype).eps
+        # (the float32 twin has p's scale: its Ritz values are in the units of best.value)
+        higher = best.done & (C.sig.to(best.value.dtype) > best.value + best.err + 16 * eps * best.value)
+        if not bool(higher.any()):
+            break
+        if restarts >= LANCZOS_RESTARTS or m_max - used < 1 + steps:
+            best.done = best.done & ~higher
+            if restarts >= LANCZOS_RESTARTS:
+                stalled = stalled | higher
+            break
+        restarts += 1
+        best.done = best.done & ~higher   # certified again from the check's Ritz vector on
+        q, first = C.ritz()[0].to(p.X.dtype).reshape(shape), None
+    if twin is not None:
+        p.applications += low.applications
     return SolverResult(best.value, best.u, best.err, best.rho, used, best.done, stalled & ~best.done)
 
 

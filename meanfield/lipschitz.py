@@ -176,8 +176,9 @@ class LipschitzEstimate:
         distance to *some* singular value: where the top two are close, the iteration may certify the second
         before it has separated them, and ``upper`` then falls short of the top by up to their gap, which need not
         be below ``tol * value`` (seen: a relative gap of 1.4e-6 at tol = 1e-6, ``upper`` 1.3e-6 short, for one
-        random start of five; docs/math.md section 4.4). ``value`` stays a lower bound (to the dtype's
-        rounding)."""
+        random start of five; docs/math.md section 4.4). Both iterations check a converged vector with a few
+        Lanczos steps, which catches gaps above about ``tol``; closer pairs can still be missed by a small
+        multiple of ``tol``. ``value`` stays a lower bound (to the dtype's rounding)."""
         return self.value + self.error
 
     def __float__(self) -> float:
