@@ -440,6 +440,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             floors += floor
             applications += used
             iterations = max(iterations, its)
+    if isinstance(X, Measure):
+        members = _without_absent_atoms(members, X.log_weights)
     est = _assemble(members, method, iterations, applications, batched)
     if log.isEnabledFor(logging.DEBUG):
         X0 = problems[0].X
@@ -537,6 +539,24 @@ def _short(x) -> str:
             return f"{int(x.sum())} of {x.numel()}"
         return f"[{x.min().item():.6g} .. {x.max().item():.6g}]"
     return f"{float(x):.6g}" if not isinstance(x, bool) else str(x)
+
+
+def _without_absent_atoms(members, log_weights):
+    """The members with the vector's rows of zero-mass atoms set to 0 (renormalized): those atoms are not in the
+    measure and the weighted Jacobian ignores them, but the solver's random start leaves rounding-level entries
+    there, which the point perturbation u / sqrt(a) turns into infinities. |J u| is unchanged (their columns of
+    D^{1/2} J D^{-1/2} are 0) and the norm falls by their square, so the value stays a lower bound."""
+    absent = ~torch.isfinite(log_weights.detach())
+    if not bool(absent.any()):
+        return members
+    absent = absent.reshape(-1, absent.shape[-1])
+    out = []
+    for i, (val, vec, *rest) in enumerate(members):
+        rows = absent[min(i, absent.shape[0] - 1)].to(vec.device)
+        kept = torch.where(rows[:, None], torch.zeros_like(vec), vec)
+        norm = kept.norm()
+        out.append((val, kept / norm if float(norm) > 0 else kept, *rest))
+    return out
 
 
 def _assemble(members, method, iterations, applications, batched) -> LipschitzEstimate:

@@ -152,3 +152,27 @@ def test_lanczos_does_not_certify_the_lower_of_a_close_top_pair():
         est = local_lipschitz(f, torch.zeros(n, d, dtype=torch.float64), tol=1e-3, seed=seed, method="lanczos")
         assert est.converged and 1.002 - est.value <= 1e-3 * 1.002 and est.value <= 1.002 * (1 + 1e-12), seed
         assert 1.002 <= est.value + est.error, seed
+
+
+def test_zero_mass_atoms_get_zero_rows_in_the_vector():
+    """Review 46: a zero-mass atom's row of est.vector held rounding-level entries from the random start (3.5e-8),
+    which the README's perturbation u / sqrt(a) turned into infinities. Its rows are 0 now, and the value is the
+    constant of the measure without that atom (dense truth)."""
+    from particles import Measure
+    from tests.reference import dense_lipschitz
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    A, V = torch.randn(2, 3, 3, generator=g, dtype=torch.float64)
+    w = torch.tensor([0.2, 0.2, 0.2, 0.0, 0.2, 0.2], dtype=torch.float64)
+    att = SelfAttention(A, V)
+    est = local_lipschitz(att, Measure(X, w), tol=1e-10)
+    assert bool((est.vector[3] == 0).all()) and float(est.vector.norm()) == pytest.approx(1.0, abs=1e-15)
+    keep = w > 0
+    truth = dense_lipschitz(att.sequence, X[keep])   # uniform weights on the five atoms left: Lemma 3.2
+    assert est.value == pytest.approx(truth, rel=1e-9)
+    J = torch.autograd.functional.jacobian(lambda Y: att.points_map(Y, Measure(X, w).log_weights), X)
+    s = torch.where(keep, w.sqrt(), torch.zeros_like(w))   # D^{1/2} J D^{-1/2} on the atoms of the measure
+    inv = torch.where(keep, 1 / w.sqrt(), torch.zeros_like(w))
+    Jw = (s[:, None, None, None] * J * inv[None, None, :, None]).reshape(18, 18)
+    assert float((Jw @ est.vector.reshape(-1)).norm()) == pytest.approx(est.value, rel=1e-12)
