@@ -562,9 +562,15 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
             check_apply, check_dtype = apply, p.X.dtype
             continue
         used += C.m
-        eps = torch.finfo(check_dtype).eps
         # (the float32 twin has p's scale: its Ritz values are in the units of best.value)
-        higher = best.done & (C.sig.to(best.value.dtype) > best.value + best.err + 16 * eps * best.value)
+        above = lambda sig: best.done & (sig > best.value + best.err + 16 * torch.finfo(best.value.dtype).eps
+                                         * best.value)
+        higher = above(C.sig.to(best.value.dtype))
+        if bool(higher.any()):
+            # confirmed by |J u| of the check's Ritz vector in p's dtype (a lower bound of ||J|| with p's rounding
+            # only): the Ritz value of float32 products, or of long float64 ones, can exceed ||J|| by their rounding
+            ritz = C.ritz()[0].to(p.X.dtype).reshape(shape)
+            higher = higher & above(_rayleigh(p, ritz / norms(ritz))[0])
         if not bool(higher.any()):
             break
         if restarts >= LANCZOS_RESTARTS or m_max - used < 1 + steps:
