@@ -114,6 +114,22 @@ def grid(level: str) -> dict:
             "reps": 12, "n_ref": 3000}
 
 
+def _concentration_claim(what: str, key: str, trend: dict, spread: dict, ns: list, reps: int) -> Claim:
+    """discrete_vs_meanfield-3/4: the spread of ``what`` over samples shrinks with n (``studies.common.variance_trend``)."""
+    t, (first, last) = trend[key], spread[key]
+    return Claim(f"{what} of samples concentrate as n grows", "spread over samples shrinks",
+                 f"variance over samples against n: log-log slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}] "
+                 f"(95% CI; a central limit rate: -1), from {len(ns)} n with {reps} samples each; std {first:.3g} "
+                 f"at n = {ns[0]} -> {last:.3g} at n = {ns[-1]}", t["verdict"],
+                 "the log-log slope of the variance over samples against n, fitted on every n (weighted least "
+                 "squares on log s^2, Gaussian-sample weights): reproduced if its 95% CI lies below 0, not "
+                 "reproduced if above, inconclusive otherwise", kind=EMPIRICAL,
+                 fails_if="the 95% CI of the log-log slope of the variance over samples against n lies above 0 (the "
+                          "spread grows with n)",
+                 short=f"{what} of samples concentrate as n grows",
+                 short_measured=f"variance slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}] (95% CI, < 0)")
+
+
 @register("discrete_vs_meanfield", "Discrete vs mean-field: Lemma 3.2 and convergence in n", grid=grid)
 def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     """Lemma 3.2 (uniform measure = sequence) and convergence of constants and ratios for i.i.d. samples."""
@@ -190,32 +206,8 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
               fails_if="the 95% CI of the log-log slope of W2(mu_n, reference) against n reaches 0 or above",
               short="the empirical measure converges to mu in W2",
               short_measured=f"slope {w2fit['slope']:.3f} [{w2fit['lo']:.3f}, {w2fit['hi']:.3f}] (95% CI, < 0)"),
-        Claim("local constants of samples concentrate as n grows", "spread over samples shrinks",
-              f"variance over samples against n: log-log slope {trend['lip']['slope']:.2f} "
-              f"[{trend['lip']['lo']:.2f}, {trend['lip']['hi']:.2f}] (95% CI; a central limit rate: -1), from "
-              f"{len(ns)} n with {reps} samples each; std {spread['lip'][0]:.3g} at n = {ns[0]} -> "
-              f"{spread['lip'][1]:.3g} at n = {ns[-1]}", trend["lip"]["verdict"],
-              "the log-log slope of the variance over samples against n, fitted on every n (weighted least squares "
-              "on log s^2, Gaussian-sample weights): reproduced if its 95% CI lies below 0, not reproduced if above, "
-              "inconclusive otherwise", kind=EMPIRICAL,
-              fails_if="the 95% CI of the log-log slope of the variance over samples against n lies above 0 (the "
-                       "spread grows with n)",
-              short="local constants of samples concentrate as n grows",
-              short_measured=f"variance slope {trend['lip']['slope']:.2f} [{trend['lip']['lo']:.2f}, "
-                             f"{trend['lip']['hi']:.2f}] (95% CI, < 0)"),
-        Claim("Lipschitz ratios of samples concentrate as n grows", "spread over samples shrinks",
-              f"variance over samples against n: log-log slope {trend['ratio']['slope']:.2f} "
-              f"[{trend['ratio']['lo']:.2f}, {trend['ratio']['hi']:.2f}] (95% CI; a central limit rate: -1), from "
-              f"{len(ns)} n with {reps} samples each; std {spread['ratio'][0]:.3g} at n = {ns[0]} -> "
-              f"{spread['ratio'][1]:.3g} at n = {ns[-1]}", trend["ratio"]["verdict"],
-              "the log-log slope of the variance over samples against n, fitted on every n (weighted least squares "
-              "on log s^2, Gaussian-sample weights): reproduced if its 95% CI lies below 0, not reproduced if above, "
-              "inconclusive otherwise", kind=EMPIRICAL,
-              fails_if="the 95% CI of the log-log slope of the variance over samples against n lies above 0 (the "
-                       "spread grows with n)",
-              short="Lipschitz ratios of samples concentrate as n grows",
-              short_measured=f"variance slope {trend['ratio']['slope']:.2f} [{trend['ratio']['lo']:.2f}, "
-                             f"{trend['ratio']['hi']:.2f}] (95% CI, < 0)"),
+        _concentration_claim("local constants", "lip", trend, spread, ns, reps),
+        _concentration_claim("Lipschitz ratios", "ratio", trend, spread, ns, reps),
     ]
     notes = (f"mu = uniform on the disc of radius {RADIUS}; A and V are 2x2 Gaussian matrices / sqrt(2) (seed {seed}); "
              "T(x) = x + 0.1 sin(x reversed + 0.3). The local constant at mu_n is the W2-sense constant among "
