@@ -31,6 +31,8 @@ Termination. Every solver stops within its budget and says whether it met ``tol`
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 from dataclasses import dataclass
@@ -66,6 +68,22 @@ POWER_RESTARTS = 2
 #: (:func:`lanczos`), and the restarts from the check's Ritz vector before a member is reported not converged
 LANCZOS_CHECK_STEPS = 8
 LANCZOS_RESTARTS = 2
+#: whether Lanczos runs that check (:func:`lower_bounds_only` turns it off)
+_CHECKED = contextvars.ContextVar("lanczos_checked", default=True)
+
+
+@contextlib.contextmanager
+def lower_bounds_only():
+    """Within this block Lanczos skips the check of its converged certificates (:data:`LANCZOS_CHECK_STEPS`): for
+    callers that use the value only as a lower bound of ||J|| (a Rayleigh quotient is one whatever singular value
+    the certificate is about), such as the worst-case search, whose budget of Jacobian products the check would
+    spend. ``error`` and ``converged`` then carry the unchecked guarantee (within ``error`` of *some* singular
+    value)."""
+    token = _CHECKED.set(False)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
 
 
 @dataclass
@@ -513,7 +531,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
     apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
     if twin is None or check_dtype is None:
         check_apply, check_dtype = apply, p.X.dtype
-    steps = min(LANCZOS_CHECK_STEPS, N) if N >= 2 else 0
+    steps = min(LANCZOS_CHECK_STEPS, N) if N >= 2 and _CHECKED.get() else 0
     restarts = 0
     while True:
         if not bool(best.done.all()) and used < m_max:

@@ -115,7 +115,8 @@ def grid(level: str) -> dict:
 
 
 def _concentration_claim(what: str, key: str, trend: dict, spread: dict, ns: list, reps: int) -> Claim:
-    """discrete_vs_meanfield-3/4: the spread of ``what`` over samples shrinks with n (``studies.common.variance_trend``)."""
+    """discrete_vs_meanfield-3/4: the spread of ``what`` over samples shrinks with n
+    (``studies.common.variance_trend``)."""
     t, (first, last) = trend[key], spread[key]
     return Claim(f"{what} of samples concentrate as n grows", "spread over samples shrinks",
                  f"variance over samples against n: log-log slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}] "
