@@ -185,6 +185,20 @@ class _Progress:
                      self.budget, float(value.max()), rel, self.beat.elapsed)
 
 
+def _check_steps(apply, u, steps, g, what):
+    """The check of a converged certificate (:func:`power`, :func:`lanczos`): ``steps`` Lanczos steps from its
+    vector ``u`` (b, N); their top Ritz values (``.sig``, vectors from ``.ritz()``) are lower bounds of ||J||."""
+    K = _Krylov(apply, u, steps, g, what=what)
+    K.run(0.0, at_least=steps)
+    return K
+
+
+def _above(sig, value, err, done):
+    """The members of ``done`` whose lower bound ``sig`` of ||J|| is above value + error, beyond the rounding of
+    the products in the working dtype (value's): their certificate was about a lower singular value."""
+    return done & (sig.to(value.dtype) > value + err + 16 * torch.finfo(value.dtype).eps * value)
+
+
 def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
     """Power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the explicit
     certificate (not on the change of the estimate, which stops early on flat spectra), on
@@ -220,13 +234,10 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
             # no budget left for the check (max_iter below the iterations plus its steps): the certificate stands
             # unchecked, as before the check existed (converged means error <= tol * value)
             break
-        K = _Krylov(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
-                    what="local_lipschitz (power iteration: its check, Lanczos steps)")
-        K.run(0.0, at_least=steps)
+        K = _check_steps(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
+                         "local_lipschitz (power iteration: its check, Lanczos steps)")
         used += K.m
-        # the Ritz value against value + error, with the rounding of the products in the working dtype (value's)
-        eps = torch.finfo(value.dtype).eps
-        higher = done & (K.sig.to(value.dtype) > value + err + 16 * eps * value)
+        higher = _above(K.sig, value, err, done)
         if not bool(higher.any()):
             break
         if restarts >= POWER_RESTARTS or max_iter - used < 1 + steps:
@@ -529,7 +540,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
                 q, first = _random_start(shape, p.X, seed), None
             used = 0
     apply = lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N)
-    if twin is None or check_dtype is None:
+    if check_dtype is None:   # no float32 phase (or it left the float32 range): the check in p's dtype
         check_apply, check_dtype = apply, p.X.dtype
     steps = min(LANCZOS_CHECK_STEPS, N) if N >= 2 and _CHECKED.get() else 0
     restarts = 0
@@ -573,22 +584,19 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
             break
         # (after a float32 phase, in float32: a check far cheaper than the certificates, its rounding allowed for)
         try:
-            C = _Krylov(check_apply, best.u.reshape(b, N).to(check_dtype), steps, g,
-                        what="local_lipschitz (lanczos: its check)")
-            C.run(0.0, at_least=steps)
+            C = _check_steps(check_apply, best.u.reshape(b, N).to(check_dtype), steps, g,
+                             "local_lipschitz (lanczos: its check)")
         except _LowRange:   # the float32 products left their range: the check in p's dtype
             check_apply, check_dtype = apply, p.X.dtype
             continue
         used += C.m
         # (the float32 twin has p's scale: its Ritz values are in the units of best.value)
-        above = lambda sig: best.done & (sig > best.value + best.err + 16 * torch.finfo(best.value.dtype).eps
-                                         * best.value)
-        higher = above(C.sig.to(best.value.dtype))
+        higher = _above(C.sig, best.value, best.err, best.done)
         if bool(higher.any()):
             # confirmed by |J u| of the check's Ritz vector in p's dtype (a lower bound of ||J|| with p's rounding
             # only): the Ritz value of float32 products, or of long float64 ones, can exceed ||J|| by their rounding
             ritz = C.ritz()[0].to(p.X.dtype).reshape(shape)
-            higher = higher & above(_rayleigh(p, ritz / norms(ritz))[0])
+            higher = higher & _above(_rayleigh(p, ritz / norms(ritz))[0], best.value, best.err, best.done)
         if not bool(higher.any()):
             break
         if restarts >= LANCZOS_RESTARTS or m_max - used < 1 + steps:
