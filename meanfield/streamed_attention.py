@@ -298,14 +298,19 @@ def _retiled(plan, q, k, qp, kp, *batched):
     entries = q.shape[0] * _vmapped_size(q, k, *batched)
     if entries <= plan.sized_for:
         return plan
+    m, n = q.shape[-2], k.shape[-2]
+    again = tiles.tile_plan(qp, kp, m, n, *_budget_tiles(entries, m, n, q), plan.engine, plan.fused)
+    return dataclasses.replace(again, efficient=plan.efficient, sized_for=entries)
+
+
+def _budget_tiles(entries, m, n, q) -> tuple[int, int]:
+    """(block_q, block_k) on an accelerator for ``entries`` batch entries (vmap levels included), sized by the
+    memory budget of q's device (:func:`meanfield.accelerator_paths.tile_shape`)."""
     from particles.device import memory_budget
 
     from .accelerator_paths import tile_shape
 
-    m, n = q.shape[-2], k.shape[-2]
-    bq, bk = tile_shape(entries, m, n, q.element_size(), memory_budget(q.device))
-    again = tiles.tile_plan(qp, kp, m, n, bq, bk, plan.engine, plan.fused)
-    return dataclasses.replace(again, efficient=plan.efficient, sized_for=entries)
+    return tile_shape(entries, m, n, q.element_size(), memory_budget(q.device))
 
 
 def _fold(q) -> bool:
@@ -563,23 +568,20 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
     auto = engine is None
     engine = _resolve_engine(engine, q, v)
     fused = auto and efficient_first(q.device.type, q.dtype, q.shape[-1], c, engine)
+    sized_for = 0   # fixed tiles
     if pair is not None:
         bq, bk = pair
     elif q.device.type == "cpu":
         bq, bk = DEFAULT_BLOCK, DEFAULT_BLOCK
     else:
-        from particles.device import memory_budget
-
-        from .accelerator_paths import tile_shape
-
         # every batch entry the tile loops compute on, those of torch.func.vmap levels included: a vmapped
         # tile is B times the logical one
         sized_for = math.prod(batch) * (_vmapped_size(q, k, v, log_weights, q_pos, k_pos)
                                         if _transforms_active() else 1)
-        bq, bk = tile_shape(sized_for, m, n, q.element_size(), memory_budget(q.device))
+        bq, bk = _budget_tiles(sized_for, m, n, q)
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
     plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine, fused)
-    if pair is None and q.device.type != "cpu":
+    if sized_for:
         plan = dataclasses.replace(plan, sized_for=sized_for)
     out, lse = StreamAttention.apply(*flat, plan)
     out, lse = out.reshape(*batch, m, c), lse.reshape(*batch, m)
