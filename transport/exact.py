@@ -76,10 +76,11 @@ def _dual_bound(M, u, a, b):
     return float((a * u).sum() + (b * v).sum()), float((a * err_u).sum() + (b * err_v).sum())
 
 
-def _check_gap(C, u, v, a, b, reduced: float, shifts: float):
+def _check_gap(C, u, a, b, reduced: float, shifts: float):
     """RuntimeError when the plan's cost on the reduced costs C is above a positive dual bound (:func:`_dual_bound`)
     by more than :data:`DUAL_GAP_RTOL` of W2 and the bound's own rounding: then the simplex did not find the optimum
-    it reports. A bound at or below 0 is no evidence (measures equal to rounding) and raises nothing."""
+    it reports. ``u`` is the simplex's row potential (the column one is its c-transform, recomputed). A bound at or
+    below 0 is no evidence (measures equal to rounding) and raises nothing."""
     if C.numel() == 0:
         return
     bound, noise = _dual_bound(C, u, a, b)
@@ -109,7 +110,7 @@ def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     tolerance); each row of the costs, then each column, is reduced by its minimum (r_i, c_j: the plan is
     unchanged and W2^2 moves by sum a r + sum b c); the reduced costs are scaled by a power of two to a largest
     entry in [1/2, 1) (costs of 1e-12 passed the tolerance unsolved). The plan is then checked against a dual lower
-    bound (c-transforms of the simplex's potentials on the original costs, ``_dual_bound``): a W2 more than
+    bound (c-transforms of the simplex's potentials on the reduced costs, ``_dual_bound``): a W2 more than
     :data:`DUAL_GAP_RTOL` above a positive bound is a RuntimeError (costs spanning more than float64 resolves,
     clusters 1e7 apart). Returns ``(value, plan, (u, v))`` in float64: a 0-d tensor (with the autograd graph of
     the points and weights), the (N, M) optimal plan (or None) and Kantorovich potentials (those of zero-weight
@@ -134,7 +135,7 @@ def emd_squared(x, a, y, b, *, return_plan: bool = False, memory_limit=None):
     reduced = ldexp(reduced, -shift)
     shifts = (as_ * r).sum() + (bs * c).sum()
     u_red, v_red = ldexp(log["u"], -shift), ldexp(log["v"], -shift)
-    _check_gap(C.detach(), u_red, v_red, as_.detach(), bs.detach(), float(reduced.detach()), float(shifts.detach()))
+    _check_gap(C.detach(), u_red, as_.detach(), bs.detach(), float(reduced.detach()), float(shifts.detach()))
     u, v = u_red + r.detach(), v_red + c.detach()
     plan = log["G"] if return_plan else None
     if not (full_a and full_b):
