@@ -24,7 +24,9 @@ no work runs unless its predicted cost fits in what is left. An iteration has up
 products it and the trials after it will cost are predicted from the largest cost per state seen so
 far: for an evaluation, from the starts' certification on; for a gradient, once one has been
 measured, and until then as one evaluation (a gradient differentiates the value an evaluation
-certified). When the prediction does not fit, the search stops with ``"budget"``. So
+certified). When the prediction does not fit: with pruning (``keep``) the worst active starts are
+pruned until it does, so that the budget left goes to the best starts, and the search stops with
+``"budget"`` when not even the best one fits; without pruning it stops with ``"budget"`` at once. So
 ``products <= max(budget, start_products)`` as long as no evaluation costs more per state than all
 before it and a gradient costs at most two evaluations (both exact for :mod:`meanfield.worst_case`
 with dense evaluations, whose cost is fixed; a Lanczos run that needs more iterations than every
@@ -200,10 +202,19 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
     it, halvings = 0, 0
     rng = torch.Generator().manual_seed(seed)
 
-    def out_of_budget(active, gradients):
-        """Whether ``gradients`` more gradients and then one trial per active start would exceed the budget
-        (then every active start stops on it)."""
-        if problem.products + cost.predict(gradients, len(active)) <= budget:
+    def out_of_budget(active):
+        """Whether the gradients the ``active`` starts still need and then one trial per start would exceed the
+        budget. With pruning (``keep``), the worst active starts are first pruned until the rest fits: the budget
+        left goes to the best starts. Only when not even the best one fits (or without pruning, when they do not
+        all fit) does every active start stop on the budget."""
+        ranked = sorted(active, key=lambda m: -m.best[0]) if keep is not None else list(active)
+        fits = lambda k: problem.products + cost.predict(sum(m.G is None for m in ranked[:k]), k) <= budget
+        k = len(ranked)
+        while k > 0 and keep is not None and not fits(k):
+            k -= 1
+        if k > 0 and fits(k):
+            for m in ranked[k:]:
+                m.stopped = "pruned"
             return False
         for m in active:
             m.stopped = "budget"
@@ -218,10 +229,11 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 m.stopped = "max_steps"
             stopped = "max_steps"
             break
-        need = [m for m in active if m.G is None]
-        if out_of_budget(active, len(need)):
+        if out_of_budget(active):
             stopped = "budget"
             break
+        active = [m for m in active if m.stopped is None]
+        need = [m for m in active if m.G is None]
         if need:
             before = problem.products
             grads = problem.gradient([m.full(m.Y) for m in need], [m.aux for m in need])
@@ -242,10 +254,11 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 if m.stopped is None:  # untied: its gradient in the full space is needed first
                     break
         active = [m for m in active if m.stopped is None]
-        need = [m for m in active if m.G is None]   # untied starts: their gradient in the full space
-        if active and out_of_budget(active, len(need)):
+        if active and out_of_budget(active):
             stopped = "budget"
             break
+        active = [m for m in active if m.stopped is None]
+        need = [m for m in active if m.G is None]   # untied starts: their gradient in the full space
         if need:
             before = problem.products
             grads = problem.gradient([m.Y for m in need], [m.aux for m in need])
@@ -277,9 +290,10 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
                 step = m.lr * m.G
             steps[id(m)] = step
         active = [m for m in active if m.stopped is None]
-        if active and out_of_budget(active, 0):
+        if active and out_of_budget(active):
             stopped = "budget"
             break
+        active = [m for m in active if m.stopped is None]
         if active:
             trials = [problem.project(m.Y + steps[id(m)]) for m in active]
             before = problem.products

@@ -84,7 +84,11 @@ class SearchOptions:
         Iterations (each: gradients where needed, one trial step per active start).
     keep : int or None
         Successive halving: when 1/4 and 1/2 of the budget are spent, the worse half of the starts
-        still ascending stops (``"pruned"``), never leaving fewer than ``keep`` (None: no pruning).
+        still ascending stops (``"pruned"``), never leaving fewer than ``keep``; and whenever the budget
+        left cannot pay one more iteration of every start still ascending, the worst of them are pruned
+        until it can (so many starts on a small budget still ascend from the best ones). Starts are ranked
+        by their best value so far, so a start that rises late can be pruned before it does. None: no
+        pruning (all the starts still ascending go on, or all stop on the budget).
     gtol : float
         Stationarity test, ||projected gradient|| <= gtol * sigma in coordinates X / R, i.e. no
         first-order gain above a fraction gtol for moves of the tokens of size R.

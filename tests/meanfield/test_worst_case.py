@@ -403,7 +403,7 @@ def test_the_first_iteration_respects_the_budget():
     iteration measured by searches capped at 0 and 1 step."""
     rng = np.random.default_rng(0)
     op = SelfAttention(rng.standard_normal((2, 2)), np.eye(2))
-    opts = SearchOptions(random=4, clusters=2)
+    opts = SearchOptions(random=4, clusters=2, keep=None)   # no pruning: all the starts or none go on
     starts_only = worst_case_sequence(op, 1.0, 6, budget=10**9, options=opts.replace(max_steps=0))
     one_step = worst_case_sequence(op, 1.0, 6, budget=10**9, options=opts.replace(max_steps=1))
     sp, step = starts_only.start_products, one_step.products - starts_only.start_products
@@ -418,6 +418,15 @@ def test_the_first_iteration_respects_the_budget():
         res = worst_case_sequence(op, 1.0, 6, budget=budget, options=opts)
         assert sp < res.products <= budget and res.trace, budget
         assert res.stopped in ("budget", "converged"), budget
+    # with pruning (the default), a budget too small for every start goes to the best ones: the budget is kept,
+    # and the starts pruned to fit it are the worst at that point
+    for budget in (sp + step // 2, sp + step - 1):
+        res = worst_case_sequence(op, 1.0, 6, budget=budget, options=opts.replace(keep=4))
+        assert sp < res.products <= budget and res.trace and res.stopped == "budget", budget
+        went_on = [s for s in res.starts if s.steps > 0]
+        assert went_on and all(s.stopped == "pruned" for s in res.starts if s.steps == 0), budget
+        assert min(s.initial for s in went_on) >= max(s.initial for s in res.starts if s.stopped == "pruned" and
+                                                     s.steps == 0), budget
 
 
 class _KnownCosts:
@@ -472,6 +481,33 @@ def test_ascend_never_spends_more_than_the_budget_beyond_the_starts(e, g):
             ascend(problem, starts, budget=sp + 100 * (e + g), max_steps=10**6, gtol=1e-12, eta=0.01,
                    line_search=line_search, keep=keep, t0=0.0, seed=0)
             assert sp + (e + g) <= problem.products <= sp + 100 * (e + g)
+
+
+def test_a_budget_too_small_for_every_start_goes_to_the_best_one():
+    """Many starts and a budget left that pays one start's iterations only: the search prunes the others and
+    spends the budget on the best start (before, no start moved: the search stopped on its budget at the
+    starts). Truth: _KnownCosts' value 10 - |Y - c|^2, maximal at c, the start nearest c the best one."""
+    from meanfield.ascent import ascend
+
+    e, g = 3, 5
+    gen = torch.Generator().manual_seed(1)
+    starts = [(f"s{k}", torch.rand(2, 2, generator=gen, dtype=f64) * 2 - 1) for k in range(12)]
+    sp = 12 * e
+    problem = _KnownCosts(e, g)
+    d0 = {name: float((Y - problem.c).pow(2).sum()) for name, Y in starts}
+    budget = sp + 6 * (e + g)   # half an iteration of every start, six of one
+    members, trace, stopped = ascend(problem, starts, budget=budget, max_steps=10**6, gtol=1e-12, eta=0.05,
+                                     line_search=True, keep=4, t0=0.0, seed=0)
+    assert stopped == "budget" and problem.products <= budget and trace
+    best = min(d0, key=d0.get)
+    moved = {m.name: m for m in members if m.steps > 0}
+    assert best in moved and moved[best].best[0] > 10.0 - d0[best]       # the best start rose
+    assert all(m.stopped == "pruned" for m in members if m.name not in moved)
+    # without pruning (the plain ascent's rule) the same budget moves no start
+    problem = _KnownCosts(e, g)
+    members, trace, stopped = ascend(problem, starts, budget=budget, max_steps=10**6, gtol=1e-12, eta=0.05,
+                                     line_search=True, keep=None, t0=0.0, seed=0)
+    assert stopped == "budget" and not trace and all(m.steps == 0 for m in members)
 
 
 def test_arguments_are_checked_and_numpy_scalars_accepted():
