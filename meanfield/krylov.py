@@ -199,6 +199,17 @@ def _above(sig, value, err, done):
     return done & (sig.to(value.dtype) > value + err + 16 * torch.finfo(value.dtype).eps * value)
 
 
+def _confirmed_above(p, K, value, err, done):
+    """:func:`_above` for the check ``K``'s top Ritz values, each confirmed by |J u| of its Ritz vector in p's dtype
+    (a lower bound of ||J|| with p's rounding only): the Ritz value of float32 products, or of long float64 ones,
+    can exceed ||J|| by their rounding, which would reopen a right certificate."""
+    higher = _above(K.sig, value, err, done)
+    if bool(higher.any()):
+        ritz = K.ritz()[0].to(p.X.dtype).reshape(p.X.shape)
+        higher = higher & _above(_rayleigh(p, ritz / norms(ritz))[0], value, err, done)
+    return higher
+
+
 def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -> SolverResult:
     """Power iteration on J^T J (Castin et al. 2024, Appendix E.1), stopped on the explicit
     certificate (not on the change of the estimate, which stops early on flat spectra), on
@@ -208,7 +219,8 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     The certificate bounds the distance to *some* singular value (docs/math.md section 4.4): with two close
     top singular values an iterate still mixing their vectors has a small residual near the lower one. So a
     converged member is checked with ``POWER_CHECK_STEPS`` Lanczos steps from its vector, whose top Ritz
-    value is a lower bound of ||J|| at least the member's value: above value + error, the certificate was
+    value is a lower bound of ||J|| at least the member's value: above value + error (and confirmed there by
+    |J u| of its Ritz vector, free of the check's own rounding), the certificate was
     about a lower singular value, and the iteration restarts from the Ritz vector (at most
     ``POWER_RESTARTS`` times, or once no budget is left to restart; then the member is reported as not
     converged). The check's steps count in ``max_iter`` and in the iterations reported; a budget too small
@@ -237,7 +249,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
         K = _check_steps(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
                          "local_lipschitz (power iteration: its check, Lanczos steps)")
         used += K.m
-        higher = _above(K.sig, value, err, done)
+        higher = _confirmed_above(p, K, value, err, done)
         if not bool(higher.any()):
             break
         if restarts >= POWER_RESTARTS or max_iter - used < 1 + steps:
@@ -591,12 +603,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
             continue
         used += C.m
         # (the float32 twin has p's scale: its Ritz values are in the units of best.value)
-        higher = _above(C.sig, best.value, best.err, best.done)
-        if bool(higher.any()):
-            # confirmed by |J u| of the check's Ritz vector in p's dtype (a lower bound of ||J|| with p's rounding
-            # only): the Ritz value of float32 products, or of long float64 ones, can exceed ||J|| by their rounding
-            ritz = C.ritz()[0].to(p.X.dtype).reshape(shape)
-            higher = higher & _above(_rayleigh(p, ritz / norms(ritz))[0], best.value, best.err, best.done)
+        higher = _confirmed_above(p, C, best.value, best.err, best.done)
         if not bool(higher.any()):
             break
         if restarts >= LANCZOS_RESTARTS or m_max - used < 1 + steps:

@@ -204,6 +204,31 @@ def test_lanczos_check_reopens_only_what_the_working_dtype_confirms(monkeypatch)
     assert est.converged and est.value == pytest.approx(truth, rel=1e-8)
 
 
+def test_power_check_reopens_only_what_the_working_dtype_confirms(monkeypatch):
+    """Power iteration's check is confirmed as Lanczos's is (the test above): a check inflated by 1e-3 used to
+    restart the iteration twice and then report the right value as not converged (stalled). Truth: the dense
+    constant."""
+    from meanfield import krylov
+    from tests.reference import dense_lipschitz
+
+    g = torch.Generator().manual_seed(1)
+    A, V = torch.randn(2, 3, 3, generator=g, dtype=torch.float64)
+    X = 2.0 * torch.randn(12, 3, generator=g, dtype=torch.float64)
+    att = SelfAttention(A, V)
+    truth = dense_lipschitz(att.sequence, X)
+    run = krylov._Krylov.run
+
+    def inflated(self, target, at_least=0):
+        met = run(self, target, at_least)
+        if self.m_max == krylov.POWER_CHECK_STEPS:   # the check's Krylov space
+            self.sig = self.sig * (1 + 1e-3)
+        return met
+
+    monkeypatch.setattr(krylov._Krylov, "run", inflated)
+    est = local_lipschitz(att, X, tol=1e-6, method="power", max_iter=5000)
+    assert est.converged and est.value == pytest.approx(truth, rel=1e-6)
+
+
 def test_the_worst_case_search_skips_the_lanczos_check():
     """The worst-case search uses certified values as lower bounds only (a Rayleigh quotient is one whatever the
     certificate is about), so it runs Lanczos without the check (krylov.lower_bounds_only), which would spend its
