@@ -178,11 +178,14 @@ def test_zero_mass_atoms_get_zero_rows_in_the_vector():
     assert float((Jw @ est.vector.reshape(-1)).norm()) == pytest.approx(est.value, rel=1e-12)
 
 
-def test_lanczos_check_reopens_only_what_the_working_dtype_confirms(monkeypatch):
+@pytest.mark.parametrize("method, steps", [("lanczos", "LANCZOS_CHECK_STEPS"), ("power", "POWER_CHECK_STEPS")])
+def test_the_check_reopens_only_what_the_working_dtype_confirms(monkeypatch, method, steps):
     """The check's Ritz value comes from float32 products after a float32 phase (or from long float64 ones); their
     rounding can put it above value + error where the certificate is right (10 real-model estimates of the quick
     report were reported stalled). A check inflated by 1e-3 is confirmed by |J u| in the working dtype, which
-    refuses it: the estimate is the unchecked one, converged, at the dense constant."""
+    refuses it: the estimate is the unchecked one, converged, at the dense constant. Power iteration's check is
+    confirmed the same way (before, the inflated check restarted it twice and then reported the right value as
+    not converged, stalled)."""
     from meanfield import krylov
     from tests.reference import dense_lipschitz
 
@@ -195,38 +198,14 @@ def test_lanczos_check_reopens_only_what_the_working_dtype_confirms(monkeypatch)
 
     def inflated(self, target, at_least=0):
         met = run(self, target, at_least)
-        if self.m_max == krylov.LANCZOS_CHECK_STEPS:   # the check's Krylov space (the solve's has room for 18 x 3)
+        if self.m_max == getattr(krylov, steps):   # the check's Krylov space (the solve's has room for 18 x 3)
             self.sig = self.sig * (1 + 1e-3)
         return met
 
     monkeypatch.setattr(krylov._Krylov, "run", inflated)
-    est = local_lipschitz(att, X, tol=1e-8, method="lanczos")
-    assert est.converged and est.value == pytest.approx(truth, rel=1e-8)
-
-
-def test_power_check_reopens_only_what_the_working_dtype_confirms(monkeypatch):
-    """Power iteration's check is confirmed as Lanczos's is (the test above): a check inflated by 1e-3 used to
-    restart the iteration twice and then report the right value as not converged (stalled). Truth: the dense
-    constant."""
-    from meanfield import krylov
-    from tests.reference import dense_lipschitz
-
-    g = torch.Generator().manual_seed(1)
-    A, V = torch.randn(2, 3, 3, generator=g, dtype=torch.float64)
-    X = 2.0 * torch.randn(12, 3, generator=g, dtype=torch.float64)
-    att = SelfAttention(A, V)
-    truth = dense_lipschitz(att.sequence, X)
-    run = krylov._Krylov.run
-
-    def inflated(self, target, at_least=0):
-        met = run(self, target, at_least)
-        if self.m_max == krylov.POWER_CHECK_STEPS:   # the check's Krylov space
-            self.sig = self.sig * (1 + 1e-3)
-        return met
-
-    monkeypatch.setattr(krylov._Krylov, "run", inflated)
-    est = local_lipschitz(att, X, tol=1e-6, method="power", max_iter=5000)
-    assert est.converged and est.value == pytest.approx(truth, rel=1e-6)
+    tol = 1e-8 if method == "lanczos" else 1e-6
+    est = local_lipschitz(att, X, tol=tol, method=method, max_iter=5000 if method == "power" else None)
+    assert est.converged and est.value == pytest.approx(truth, rel=tol)
 
 
 def test_the_worst_case_search_skips_the_lanczos_check():
