@@ -109,24 +109,6 @@ def mean_std_by_n(rows, keys) -> list[dict]:
     return out
 
 
-def spread_shrinks(first: dict, last: dict, key: str, level: float = 0.95) -> tuple[bool | None, float]:
-    """Whether the spread of ``key`` over samples shrinks from the statistics ``first`` to ``last`` (rows of
-    :func:`mean_std_by_n`): a one-sided F-test on the variances at ``level``. Returns (True: significantly
-    smaller, False: significantly larger, None: neither, or fewer than two samples on a side; the variance
-    ratio first / last)."""
-    from scipy import stats as st
-
-    df0, df1 = first["samples"] - 1, last["samples"] - 1
-    ratio = first[f"{key}_std"] ** 2 / max(last[f"{key}_std"] ** 2, 1e-300)
-    if df0 < 1 or df1 < 1:
-        return None, ratio
-    if ratio > st.f.ppf(level, df0, df1):
-        return True, ratio
-    if 1.0 / max(ratio, 1e-300) > st.f.ppf(level, df1, df0):
-        return False, ratio
-    return None, ratio
-
-
 def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     """The log-log slope of the variance of ``key`` over samples against n, over every n of ``stats`` (rows of
     :func:`mean_std_by_n`), with its ``level`` confidence interval: concentration at the rate of a central limit

@@ -7,7 +7,8 @@ the CPU :func:`grid` is None and their grids are what they always were.
 * **Local constants of N-sample measures** (Lemma 3.2's object, sampled): the certified local constant
   of F at the empirical measure of N i.i.d. points uniform on the disc of the discrete-versus-mean-field
   study, for N up to 10^6, several independent samples per N. As N grows the constants should
-  concentrate (the spread over samples shrinking, tested by an F-test) and settle (the means at the two
+  concentrate (the variance over samples falling with N, by its log-log slope fitted on every N) and settle
+  (the means at the two
   largest N agreeing within their standard errors), the picture of the CPU grid (N <= 2048) carried three
   decades further.
 * **Clustering of N tokens on the sphere** (Geshkovski et al., SA model, beta = 1, d = 3) from uniform
@@ -39,10 +40,10 @@ from ..common import (
     fit_loglog,
     mean_std_by_n,
     seeded_attention,
-    spread_shrinks,
     to_device,
     uniform_ball,
     uniform_sphere,
+    variance_trend,
 )
 from ..contract import EMPIRICAL, Claim
 
@@ -106,30 +107,31 @@ def lipschitz_task(n: int, radius: float, seed: int, rep: int, *, device=None, a
 
 
 def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
-    """Concentration (the spread over samples shrinks, by a one-sided F-test at 95%) and settling (the means
+    """Concentration (the log-log slope of the variance over samples against N, fitted on every N:
+    ``studies.common.variance_trend``, as discrete_vs_meanfield-3/4 on the CPU grid) and settling (the means
     of the two largest N agree within three standard errors or 1%) of the local constants of N-sample
     measures; a non-converged estimate makes both fail. Returns the claims and the per-N statistics."""
     ns = sorted({r["n"] for r in rows})
     stats = mean_std_by_n(rows, ("lip",))
     bad = [r for r in rows if not r["converged"]]
     first, last = stats[0], stats[-1]
-    shrinks, ratio = spread_shrinks(first, last, "lip")
-    if bad:
-        shrinks = False
-    elif len(ns) < 2:
-        shrinks = None
+    t = variance_trend(stats, "lip")
+    shrinks = False if bad else t["verdict"]
     claims = [
         Claim(f"local constants of N-sample measures concentrate up to N = {ns[-1]:g}",
               "the spread over samples shrinks as N grows",
-              f"std {first['lip_std']:.3g} at N = {ns[0]:g} -> {last['lip_std']:.3g} at N = {ns[-1]:g} "
-              f"({first['samples']} and {last['samples']} samples; variance ratio {ratio:.3g})", shrinks,
-              "one-sided F-test at 95% on the variances at the smallest and the largest N: reproduced if the spread "
-              "shrinks significantly, not reproduced if it grows significantly or an estimate did not converge, "
-              "inconclusive otherwise; certified estimates (Lanczos, tol 1e-6, float64)", kind=EMPIRICAL,
-              fails_if="the variance over samples at the largest N is significantly above the one at the smallest N "
-                       "(95%), or some estimate did not converge",
+              f"variance over samples against N: log-log slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}] "
+              f"(95% CI; a central limit rate: -1), from {len(ns)} N; std {first['lip_std']:.3g} at N = "
+              f"{ns[0]:g} -> {last['lip_std']:.3g} at N = {ns[-1]:g} ({first['samples']} and {last['samples']} "
+              f"samples){'; ' + str(len(bad)) + ' estimate(s) did not converge' if bad else ''}", shrinks,
+              "the log-log slope of the variance over samples against N, fitted on every N (weighted least squares "
+              "on log s^2, Gaussian-sample weights; at least three N of two samples): reproduced if its 95% CI lies "
+              "below 0, not reproduced if above or an estimate did not converge, inconclusive otherwise; certified "
+              "estimates (Lanczos, tol 1e-6, float64)", kind=EMPIRICAL,
+              fails_if="the 95% CI of the log-log slope of the variance over samples against N lies above 0 (the "
+                       "spread grows with N), or some estimate did not converge",
               short=f"local constants concentrate up to N = {ns[-1]:g}",
-              short_measured=f"std {first['lip_std']:.3g} (N = {ns[0]:g}) -> {last['lip_std']:.3g} (N = {ns[-1]:g})")]
+              short_measured=f"variance slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}] (95% CI, < 0)")]
     if len(stats) >= 2:
         prev = stats[-2]
         step = abs(last["lip_mean"] - prev["lip_mean"])

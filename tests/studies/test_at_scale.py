@@ -65,6 +65,21 @@ def _lip_rows(stds, means, converged=True):
     return rows
 
 
+def test_concentration_at_scale_is_decided_by_every_n_not_the_two_extremes():
+    """One small spread at the largest N, flat before it: the F-test on the two extreme N (the claim's former rule)
+    called it shrinking (variance ratio 36 against a critical value of 19 for 3 samples each); the slope fitted on
+    every N (studies.common.variance_trend, as discrete_vs_meanfield-3/4) cannot tell. Truth: rows with the given
+    sample standard deviations exactly."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for n, sd in zip([1e4, 3e4, 1e5, 3e5, 1e6], [0.3, 0.3, 0.3, 0.3, 0.05]):
+        z = rng.normal(size=3)
+        z = (z - z.mean()) / z.std(ddof=1)
+        rows += [{"n": n, "rep": r, "lip": 2.0 + sd * z[r], "converged": True} for r in range(3)]
+    claim = at_scale.lipschitz_claims(rows)[0][0]
+    assert claim.verdict == "inconclusive" and "slope -0.63" in claim.measured
+
+
 def test_lipschitz_claims_fail_when_the_spread_grows_or_the_mean_wanders():
     claims, stats = at_scale.lipschitz_claims(_lip_rows([0.3, 0.1, 0.03], [2.0, 2.2, 2.25]))
     assert [c.verdict for c in claims] == ["reproduced", "reproduced"]

@@ -498,21 +498,6 @@ def test_w2_sense_check_of_lemma_32_fails_for_a_wrong_weighting(monkeypatch, mis
     assert wrong > 10 * W2_TOL    # seen by W2
 
 
-def test_concentration_claims_need_a_significant_drop_of_the_variance():
-    """discrete_vs_meanfield-3/4 and at_scale's concentration: a one-sided F-test at 95% (the critical value
-    of F(4, 4) is 6.39 in every table): a variance ratio of 6.0 between 5 samples each decides nothing (a second
-    draw at the same n passed the old 'std smaller' test half the time), 6.5 shrinks, 1/6.5 grows."""
-    from studies.common import spread_shrinks
-
-    def stats(std):
-        return {"samples": 5, "x_std": std}
-
-    for ratio, verdict in ((6.0, None), (6.5, True), (1 / 6.5, False), (1.0, None)):
-        got, r = spread_shrinks(stats(math.sqrt(ratio)), stats(1.0), "x")
-        assert got is verdict and r == pytest.approx(ratio)
-    assert spread_shrinks({"samples": 1, "x_std": 5.0}, stats(1.0), "x")[0] is None
-
-
 def test_variance_trend_finds_the_simulated_rate_and_needs_every_n():
     """discrete_vs_meanfield-3/4: the slope of log variance against log n over every n. Truth: Gaussian samples with
     a chosen variance law. Its 95% interval covers the simulated slope about 95% of the time (300 draws: 90-99%),
