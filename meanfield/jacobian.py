@@ -23,6 +23,7 @@ from torch.autograd import forward_ad
 from particles import Measure
 from particles.validation import memory_limit as memory_limit_bytes
 
+from . import forward_mode
 from .adapters import as_operator
 from .operator import AttentionOperator, sequence_positions
 
@@ -136,6 +137,7 @@ class Jacobian:
         return torch.zeros_like(self.out) if Ju is None else Ju
 
     def _forward_product(self, u):
+        forward_mode.ready()
         with forward_ad.dual_level(), _sdpa_backends(self.math_sdpa):
             t = forward_ad.unpack_dual(self.fn(forward_ad.make_dual(self.X, u))).tangent
         return torch.zeros_like(self.out) if t is None else t.detach()

@@ -44,6 +44,7 @@ from particles.progress import Heartbeat
 from particles.validation import SEED_LIMIT, check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
 
+from . import forward_mode
 from .jacobian import _UNDERFLOW, Jacobian, _check_product, _refuse_underflow, _sdpa_backends, norms
 
 __all__ = ["SolverResult", "SOLVERS", "lanczos", "power", "dense", "PATIENCE"]
@@ -220,7 +221,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     top singular values an iterate still mixing their vectors has a small residual near the lower one. So a
     converged member is checked with ``POWER_CHECK_STEPS`` Lanczos steps from its vector, whose top Ritz
     value is a lower bound of ||J|| at least the member's value: above value + error (and confirmed there by
-    |J u| of its Ritz vector, free of the check's own rounding), the certificate was
+    the norm of J u for its Ritz vector u, free of the check's own rounding), the certificate was
     about a lower singular value, and the iteration restarts from the Ritz vector (at most
     ``POWER_RESTARTS`` times, or once no budget is left to restart; then the member is reported as not
     converged). The check's steps count in ``max_iter`` and in the iterations reported; a budget too small
@@ -640,6 +641,8 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         # no batching rule for the vmap inside jacrev (a slow fallback with a warning)
         with _sdpa_backends(True):
             try:
+                if n_in < n_out and p.forward_mode:
+                    forward_mode.ready()
                 J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
             except NotImplementedError:  # no forward-mode derivative: reverse mode only
                 p.forward_mode = False

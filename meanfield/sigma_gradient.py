@@ -28,6 +28,7 @@ from torch.func import jvp, vjp
 
 from particles import Measure
 
+from . import forward_mode
 from .adapters import as_operator
 from .operator import sequence_positions
 
@@ -56,6 +57,7 @@ def _math_sdpa():
 
 def _jv_forward(fn, Y, v):
     # the tangent output [1], not the primal [0] (docs/math.md section 4.2)
+    forward_mode.ready()
     return jvp(fn, (Y,), (v,))[1]
 
 

@@ -130,7 +130,7 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
     outputs (forward cases), or of J u (by forward-mode AD and by reverse-over-reverse, the product
     :func:`meanfield.local_lipschitz` uses), J^T w and, with ``lipschitz``, the certified constants
     (derivative cases)."""
-    from meanfield import kernels, local_lipschitz, series_attention, series_jacobian
+    from meanfield import forward_mode, kernels, local_lipschitz, series_attention, series_jacobian
     from particles import Measure
 
     if case not in CASES:
@@ -177,6 +177,7 @@ def case_task(case: str, seed: int, lipschitz: bool = True, *, device=None) -> d
         return Ju, Ju_rr, JTw, (lip(attention) if lipschitz else None)
 
     def _products():
+        forward_mode.ready()
         with torch.autograd.forward_ad.dual_level():
             Ju = torch.autograd.forward_ad.unpack_dual(fn(torch.autograd.forward_ad.make_dual(X, u))).tangent
         Xr = X.detach().requires_grad_(True)

@@ -235,3 +235,31 @@ def test_the_worst_case_search_skips_the_lanczos_check():
     finally:
         krylov.SOLVERS["lanczos"] = real
     assert seen == [False]
+
+
+def test_forward_mode_products_raise_no_torch_deprecation_noise():
+    """A review: the first forward-mode product printed torch's 'torch.jit.script is deprecated' (18 times under
+    -W always), from torch's own import of its forward-mode decompositions. meanfield.forward_mode.ready() makes that
+    import quietly. Truth: the warnings a fresh process records around a certified constant, a worst-case
+    gradient and a dense Jacobian by forward mode."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, torch\n"
+        "warnings.simplefilter('always')\n"
+        "from meanfield import SelfAttention, local_lipschitz\n"
+        "from meanfield.sigma_gradient import sigma_gradient\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "A, V = torch.randn(2, 3, 3, generator=g, dtype=torch.float64)\n"
+        "X = torch.randn(5, 3, generator=g, dtype=torch.float64)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    est = local_lipschitz(SelfAttention(A, V), X)\n"
+        "    local_lipschitz(lambda Y: torch.cat([Y, Y], dim=1), X, method='dense')\n"
+        "    sigma_gradient(SelfAttention(A, V), X, est.vector)\n"
+        "print(sum('jit.script' in str(x.message) for x in w))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "0", out.stdout
