@@ -311,8 +311,10 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     f : anything :func:`meanfield.as_operator` accepts
         An operator of :mod:`meanfield.attention`, a Hugging Face attention layer, a callable on
         tensors (n, d) -> (n, d'), ...
-    X : torch.Tensor or particles.Measure
-        A sequence (n, d), a batch (b, n, d), or a measure. Tensors use the Euclidean (Frobenius)
+    X : torch.Tensor, numpy.ndarray or particles.Measure
+        A sequence (n, d), a batch (b, n, d), or a measure; arrays are taken as the operator's
+        :meth:`~meanfield.operator.AttentionOperator.sequence` takes them (a floating dtype must be the
+        operator's). Tensors use the Euclidean (Frobenius)
         norm; a measure uses the W2 sense of Lemma C.5, ||D^{1/2} J D^{-1/2}||_2 with its weights
         (and positions, for masked operators) held fixed. That constant depends on how the measure is written:
         splitting an atom (``mu.split(i)``, the same measure) moves its atoms apart independently and can raise
@@ -326,7 +328,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         Relative accuracy: stop when error <= tol * value. None: :data:`TOL` for the input's dtype
         (1e-6 in float64, 1e-3 in float32). A tol below the dtype's machine epsilon, or of 1 or more, is a
         ValueError.
-        For a float32 input of an operator that converts to float64, the solve's vector is certified again by
+        For a float32 operator and input, where the operator can be converted to float64 (the framework's
+        operators, ``op.to(torch.float64)``; not a bare callable), the solve's vector is certified again by
         float64 products of the same numbers (docs/math.md section 4.4): the value, error and ``converged`` are
         those of the map itself, not of its rounding in the input's dtype; a float16 or bfloat16 input of such an
         operator is solved with float64 products (half-precision products are too coarse to find the top of the

@@ -120,7 +120,12 @@ class AttentionOperator:
         return self.evaluate(X, X, log_weights, pos, pos)
 
     def sequence(self, X) -> torch.Tensor:
-        """The discrete map f(X) (f^m if masked): X (..., n, d_in) -> (..., n, d_out)."""
+        """The discrete map f(X) (f^m if masked): X (..., n, d_in) -> (..., n, d_out).
+
+        X: a tensor of the operator's dtype and device; a floating tensor or numpy array of another dtype is a
+        TypeError (converting float64 values to a float32 operator would lose precision silently, so the
+        conversion is yours: ``X.to(op.dtype)``, or ``op.to(dtype)`` for operators that convert). Inputs that
+        carry no floating dtype (integer tensors and arrays, nested lists) take the operator's."""
         X = self.check_points(X, "X")
         if X.dim() < 2:
             raise ValueError(f"X: expected a sequence of shape (..., n, {self.d_in}), got {tuple(X.shape)}")
