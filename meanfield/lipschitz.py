@@ -579,7 +579,10 @@ def lipschitz_ratio(op, mu, nu) -> float:
 
     ``op`` is anything :func:`meanfield.as_operator` accepts (a meanfield operator, a Hugging Face
     attention layer, ...; a bare callable only on uniform, unpositioned measures). As nu -> mu the
-    ratio tends to at most the local constant of F at mu (docs/math.md section 4). Measures of a half
+    ratio tends to at most the local constant of F at mu (docs/math.md section 4). An unmasked operator
+    ignores positions, and so does its ratio: measures with positions (``Measure.sequence``) are then compared
+    by plain W2 of their points, which may move mass across positions, with no warning; a masked operator
+    (``masked=True``) takes conditional W2. Measures of a half
     precision (an operator in float16 or bfloat16) are widened to float32, exactly, for the distances:
     transport works in float32 or float64.
     """
