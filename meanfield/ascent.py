@@ -210,15 +210,15 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
         ranked = sorted(active, key=lambda m: -m.best[0]) if keep is not None else list(active)
         fits = lambda k: problem.products + cost.predict(sum(m.G is None for m in ranked[:k]), k) <= budget
         k = len(ranked)
-        while k > 0 and keep is not None and not fits(k):
-            k -= 1
-        if k > 0 and fits(k):
-            for m in ranked[k:]:
-                m.stopped = "pruned"
-            return False
-        for m in active:
-            m.stopped = "budget"
-        return True
+        while k > 0 and not fits(k):
+            k = k - 1 if keep is not None else 0
+        if k == 0:
+            for m in active:
+                m.stopped = "budget"
+            return True
+        for m in ranked[k:]:
+            m.stopped = "pruned"
+        return False
 
     while True:
         active = [m for m in members if m.stopped is None]

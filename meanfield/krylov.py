@@ -641,9 +641,10 @@ def dense(p: Jacobian, tol=None, max_iter=None, seed=None, memory_limit=None, lo
         # no batching rule for the vmap inside jacrev (a slow fallback with a warning)
         with _sdpa_backends(True):
             try:
-                if n_in < n_out and p.forward_mode:
+                forward = n_in < n_out and p.forward_mode
+                if forward:
                     forward_mode.ready()
-                J = (jacfwd(fn1) if n_in < n_out and p.forward_mode else jacrev(fn1))(X).reshape(n_out, n_in)
+                J = (jacfwd(fn1) if forward else jacrev(fn1))(X).reshape(n_out, n_in)
             except NotImplementedError:  # no forward-mode derivative: reverse mode only
                 p.forward_mode = False
                 J = jacrev(fn1)(X).reshape(n_out, n_in)
