@@ -8,9 +8,8 @@ the CPU :func:`grid` is None and their grids are what they always were.
   of F at the empirical measure of N i.i.d. points uniform on the disc of the discrete-versus-mean-field
   study, for N up to 10^6, several independent samples per N. As N grows the constants should
   concentrate (the variance over samples falling with N, by its log-log slope fitted on every N) and settle
-  (the means at the two
-  largest N agreeing within their standard errors), the picture of the CPU grid (N <= 2048) carried three
-  decades further.
+  (the means at the two largest N agreeing within their standard errors), the picture of the CPU grid
+  (N <= 2048) carried three decades further.
 * **Clustering of N tokens on the sphere** (Geshkovski et al., SA model, beta = 1, d = 3) from uniform
   starts. The uniform measure is an equilibrium of the mean-field flow, so N tokens leave it only through
   their sampling fluctuations: the order parameter |mean of the tokens| starts at about N^(-1/2), and a

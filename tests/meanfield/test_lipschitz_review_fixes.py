@@ -139,17 +139,22 @@ def test_power_check_counts_in_the_budget_and_says_when_it_found_a_larger_value(
     assert est.converged and abs(est.value - 1.0) <= 1e-6 and est.upper >= 1.0 - 1e-12
 
 
+def _close_top_pair(n=40, d=3):
+    """A linear map with a diagonal Jacobian: singular values 1.002 and 1, then a spread from 0.05 to 0.99; and
+    the point (zeros) where to take its constant."""
+    s = torch.linspace(0.05, 0.99, n * d, dtype=torch.float64)
+    s[-2], s[-1] = 1.0, 1.002
+    return (lambda X: X * s.reshape(n, d)), torch.zeros(n, d, dtype=torch.float64)
+
+
 def test_lanczos_does_not_certify_the_lower_of_a_close_top_pair():
     """Review 46: Lanczos met tol at a Ritz value within its error bar of the second singular value, and reported
     it converged, 2 tol below the top one (seed 7 here; 1 case in 40 random float32 attention inputs at R = 50).
     A check of 8 Lanczos steps from the certified vector finds the top one above value + error and goes on.
     Truth: a diagonal Jacobian, singular values 1 + 2e-3, 1 and a spread below."""
-    n, d = 40, 3
-    s = torch.linspace(0.05, 0.99, n * d, dtype=torch.float64)
-    s[-2], s[-1] = 1.0, 1.002
-    f = lambda X: X * s.reshape(n, d)
+    f, X = _close_top_pair()
     for seed in range(12):
-        est = local_lipschitz(f, torch.zeros(n, d, dtype=torch.float64), tol=1e-3, seed=seed, method="lanczos")
+        est = local_lipschitz(f, X, tol=1e-3, seed=seed, method="lanczos")
         assert est.converged and 1.002 - est.value <= 1e-3 * 1.002 and est.value <= 1.002 * (1 + 1e-12), seed
         assert 1.002 <= est.value + est.error, seed
 
@@ -216,11 +221,7 @@ def test_the_worst_case_search_skips_the_lanczos_check():
     from meanfield import krylov
     from meanfield import worst_case as wc
 
-    n, d = 40, 3
-    s = torch.linspace(0.05, 0.99, n * d, dtype=torch.float64)
-    s[-2], s[-1] = 1.0, 1.002
-    f = lambda X: X * s.reshape(n, d)
-    X = torch.zeros(n, d, dtype=torch.float64)
+    f, X = _close_top_pair()
     checked = local_lipschitz(f, X, tol=1e-3, seed=7, method="lanczos")
     with krylov.lower_bounds_only():
         unchecked = local_lipschitz(f, X, tol=1e-3, seed=7, method="lanczos")
