@@ -17,7 +17,8 @@
   ``Conv1D`` with its transposed weight) as :class:`LayerParameters`, convertible to a
   :class:`~meanfield.attention.MultiHeadAttention` (docs/math.md section 1).
 * :func:`capture_attention_inputs`: forward pre-hooks recording what each attention module really
-  receives on a text (GPT-2: the output of ``ln_1``; BERT: the embeddings or the previous layer).
+  receives on a text (GPT-2: the output of ``ln_1``; BERT: the embeddings or the previous layer), or
+  with ``block=True`` what the whole block receives (GPT-2: the residual stream before ``ln_1``).
 * :func:`attention_function`: a layer's attention as a plain function X (..., n, d) -> (..., n, d).
 """
 
@@ -337,12 +338,18 @@ def _converted(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- hooks and masks
 def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[int] | None = None,
-                             *, with_mask: bool = False):
+                             *, with_mask: bool = False, block: bool = False):
     """Run ``model`` on ``input_ids`` (1, n) and return {layer: X (n, d)}, the hidden states that
     each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
     BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
+
+    ``block=True``: the input of the whole attention block instead, what
+    ``HFAttention.from_model(model, layer, block=True)`` maps. For GPT-2 (pre-LayerNorm) that is the
+    block's input, the residual stream before ``ln_1``, not the attention's input ``ln_1(X)``: feeding the
+    attention's input to the block map would apply ``ln_1`` twice. For BERT (post-LayerNorm) both are the
+    same hidden states.
     """
-    with_mask = check_bool(with_mask, "with_mask")
+    with_mask, block = check_bool(with_mask, "with_mask"), check_bool(block, "block")
     model_kind(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
@@ -350,16 +357,23 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
     layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
     xs, masks, handles = {}, {}, []
 
-    def hook_for(i):
+    outer = block and model_kind(model) == "gpt2"   # the block's input is not the attention's
+
+    def hook_for(i, inputs=True, mask=True):
         def hook(module, args, kwargs):
-            h = args[0] if args else kwargs["hidden_states"]
-            xs[i] = h[0].detach().clone()
-            masks[i] = kwargs.get("attention_mask")
+            if inputs:
+                h = args[0] if args else kwargs["hidden_states"]
+                xs[i] = h[0].detach().clone()
+            if mask:
+                masks[i] = kwargs.get("attention_mask")
         return hook
 
     try:
         for i in layers:
-            handles.append(_attention_core(model, i).register_forward_pre_hook(hook_for(i), with_kwargs=True))
+            core = _attention_core(model, i)
+            handles.append(core.register_forward_pre_hook(hook_for(i, inputs=not outer), with_kwargs=True))
+            if outer:
+                handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, mask=False), with_kwargs=True))
         with torch.no_grad():
             model(input_ids=input_ids.to(next(model.parameters()).device))
     finally:

@@ -191,7 +191,9 @@ def run(args) -> int:
             ids = hf.encode(tok, text, args.n)
         except ValueError as exc:
             raise UsageError(f"--n: {exc}; give a longer --text") from exc
-        X_text = mhf.capture_attention_inputs(model, ids.to(args.device), [layer])[layer].detach()
+        # the map's own input (GPT-2's block starts before ln_1, where the attention's input is ln_1's output)
+        X_text = mhf.capture_attention_inputs(model, ids.to(args.device), [layer],
+                                              block=args.map == "block")[layer].detach()
     if args.radius is None:
         if X_text is None:
             raise UsageError("--radius: the checkpoint has no tokenizer to take the radius from its real inputs; "

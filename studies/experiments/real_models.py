@@ -21,7 +21,8 @@ For each model and mode (encoder / decoder), with the paper's protocol:
   hooks; the certified local constant (``meanfield.local_lipschitz``, Lanczos) of two maps side by
   side: the attention alone, W_O concat_h f_h + bias (``HFAttention(block=False)``, the paper's
   object), and the whole Hugging Face attention block (``HFAttention(block=True)``, BERT:
-  LayerNorm(X + attention(X))); the attention's best upper bound (:class:`LayerBound`: Lemma 3.8 over
+  LayerNorm(X + attention(X)) at the same input; GPT-2: X + attention(ln_1(X)) at the block's own input X,
+  the residual stream before ``ln_1``); the attention's best upper bound (:class:`LayerBound`: Lemma 3.8 over
   the heads' Theorem 3.3 / 3.5 bounds, key biases absorbed by the best lift); fitted log-log exponents
   with 95% CIs per layer and map, and the paired exponent of Lip(block) / Lip(attention);
 * Section 5.2: Proposition 3.4's witness of each analysed head (the head of largest gamma at the
@@ -334,6 +335,7 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
     norms = {i: layer_norms(mhf.extract_layer(model, i)) for i in layers}
     upper = {i: LayerBound(mhf.extract_layer(model, i)) for i in layers}
     ops = {(i, m): mhf.HFAttention.from_model(model, i, block=m == "block") for i in layers for m in MAPS}
+    pre_ln = mhf.model_kind(model) == "gpt2"
     radius_sum = dict.fromkeys(layers, 0.0)
     radius_count = dict.fromkeys(layers, 0)
     by_position = {i: [] for i in layers}
@@ -341,9 +343,13 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
         for rep in range(reps):
             if (rep + 1) * n > ids.numel():
                 break
-            xs = mhf.capture_attention_inputs(model, ids[rep * n:(rep + 1) * n][None], layers)
+            chunk = ids[rep * n:(rep + 1) * n][None]
+            xs = mhf.capture_attention_inputs(model, chunk, layers)
+            # the block map's own input: GPT-2's block starts before ln_1 (BERT's is the attention's input)
+            xs_block = mhf.capture_attention_inputs(model, chunk, layers, block=True) if pre_ln else xs
             for i in layers:
-                X = xs.pop(i)
+                X = xs[i]
+                inputs = {"attention": X, "block": xs_block[i]}
                 if tight_X is None and i == layers[0]:
                     tight_X = X.double()
                 radii = X.double().norm(dim=1)
@@ -352,15 +358,17 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
                 if n == ns[-1]:
                     by_position[i].append(radii)
                 for m in MAPS:
-                    lip, err, it, ok = _estimate(ops[(i, m)], X, tol)
+                    lip, err, it, ok = _estimate(ops[(i, m)], inputs[m], tol)
+                    r_in = radii if m == "attention" else inputs[m].double().norm(dim=1)
                     out["lipschitz"].append({
                         **base, "layer": i, "map": m, "n": n, "rep": rep, "masked": ops[(i, m)].masked,
                         "lip": lip, "lip_error": err, "iterations": it, "converged": ok,
-                        "r_mean": float(radii.mean()), "r_max": float(radii.max()),
+                        "r_mean": float(r_in.mean()), "r_max": float(r_in.max()),
                         "upper": upper[i](float(radii.max()), n, ops[(i, m)].masked) if m == "attention" else None,
                         "upper_t1": (bounds.biased_multihead_upper(*norms[i], float(radii.max()), n)
                                      if m == "attention" else None)})
-                del X
+                del X, inputs
+            del xs, xs_block
             step(f"{mode}, n = {n}, sequence {rep + 1}")
     for i in layers:
         R = radius_sum[i] / radius_count[i]

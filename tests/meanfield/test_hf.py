@@ -100,12 +100,40 @@ def test_block_map_against_reimplementation(models, kind, dec, masked):
     from meanfield import local_lipschitz
 
     model = models[(kind, dec)]
-    X = mhf.capture_attention_inputs(model, _ids(model, 7), [1])[1]
+    X = mhf.capture_attention_inputs(model, _ids(model, 7), [1], block=True)[1]
     op = mhf.HFAttention.from_model(model, 1, masked=masked, block=True)
     ref = block_reimplementation(model, 1, masked)
     torch.testing.assert_close(op.sequence(X), ref(X), rtol=0, atol=1e-10)
     est = local_lipschitz(op, X, method="lanczos", tol=1e-8)
     assert est.value == pytest.approx(dense_lipschitz(ref, X), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind,dec", CASES)
+def test_block_inputs_are_what_the_block_maps(models, kind, dec):
+    """capture_attention_inputs(block=True) records what the whole attention block receives: the block map at
+    it is the model's own hidden state after the block (GPT-2: what ln_2 receives; BERT: what the feed-forward
+    part receives), the truth read by hooks written here. For GPT-2 that input is the residual stream, whose
+    ln_1 is the attention's input (fed to the block map instead, ln_1 would be applied twice)."""
+    model = models[(kind, dec)]
+    after, handles = {}, []
+    for i in range(mhf.num_layers(model)):
+        nxt = model.h[i].ln_2 if kind == "gpt2" else model.encoder.layer[i].intermediate
+        handles.append(nxt.register_forward_pre_hook(lambda m, a, i=i: after.__setitem__(i, a[0][0].detach())))
+    try:
+        xs, masks = mhf.capture_attention_inputs(model, _ids(model), block=True, with_mask=True)
+    finally:
+        for h in handles:
+            h.remove()
+    inner = mhf.capture_attention_inputs(model, _ids(model))
+    assert sorted(xs) == sorted(after) == list(range(mhf.num_layers(model)))
+    for i, X in xs.items():
+        torch.testing.assert_close(mhf.attention_function(model, i, block=True)(X), after[i], rtol=0, atol=1e-12)
+        if kind == "gpt2":
+            torch.testing.assert_close(model.h[i].ln_1(X).detach(), inner[i], rtol=0, atol=1e-12)
+            assert (X - inner[i]).abs().max() > 0.1
+            assert torch.equal(masks[i], mhf.causal_mask(N))
+        else:
+            assert torch.equal(X, inner[i])
 
 
 @pytest.mark.parametrize("kind,dec", CASES)

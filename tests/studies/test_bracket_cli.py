@@ -99,6 +99,38 @@ def test_bracket_checks_the_threads_variable_before_loading(checkpoint, monkeypa
 
 
 @pytest.mark.skipif(not pretrained.is_installed(pretrained.MINILM), reason="the pretrained extra is not installed")
+@pytest.mark.parametrize("which", ["attention", "block"])
+def test_bracket_radius_of_a_gpt2_map_is_that_of_its_own_input(tmp_path, capsys, which):
+    """A pre-LayerNorm GPT-2: the attention receives ln_1(X), the whole block X itself (the residual stream).
+    The radius taken from the real text is the largest norm of the map's own input, read here by a forward
+    pre-hook on the module the map starts at (for the block, not the attention's input, which has another scale)."""
+    import shutil
+
+    from studies import models as hf
+
+    folder = tmp_path / "tiny_gpt2"
+    model = hf.random_model("gpt2", size="tiny", seed=3, vocab_size=30522)   # MiniLM's WordPiece vocabulary
+    model.save_pretrained(folder, safe_serialization=True)
+    for f in pretrained.extract(cache_dir=tmp_path / "cache").iterdir():
+        if f.name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+            shutil.copy(f, folder / f.name)
+    ids = hf.encode(hf.load_tokenizer(folder), hf.default_corpus(), 6)
+    module = model.h[0] if which == "block" else model.h[0].attn
+    seen = []
+    handle = module.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"])[0]),
+                                              with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    out = tmp_path / which
+    assert main(["bracket", "--checkpoint", str(folder), "--layer", "0", "--n", "6", "--map", which,
+                 "--budget", "50", "--out", str(out), "--quiet"]) == 0
+    meta = read_header(out / "worst_case_input.npz")["metadata"]
+    assert meta["map"] == which and meta["radius_from"].startswith("the largest token norm")
+    assert meta["R"] == pytest.approx(float(seen[0].norm(dim=1).max()), rel=1e-12)
+
+
+@pytest.mark.skipif(not pretrained.is_installed(pretrained.MINILM), reason="the pretrained extra is not installed")
 def test_bracket_on_the_trained_minilm(tmp_path, capsys):
     out = tmp_path / "m"
     assert main(["bracket", "--model", "minilm", "--layer", "-1", "--n", "4", "--budget", "400", "--out",

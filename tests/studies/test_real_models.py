@@ -69,6 +69,26 @@ def test_claims_figures_and_provenance(run):
     assert "random init (not evidence about trained models)" in res.notes and "HashTokenizer" in res.notes
 
 
+def _map_input(model, ids, layer, which):
+    """What the map receives inside the model, read by a forward pre-hook written here: the attention module's
+    input, or for the block map the input of GPT-2's whole block (the residual stream before ln_1; BERT's
+    block input is the attention's)."""
+    if which == "attention" or model.config.model_type != "gpt2":
+        module = mhf.attention_module(model, layer)
+        module = module if model.config.model_type == "gpt2" else module.self
+    else:
+        module = model.h[layer]
+    seen = []
+    handle = module.register_forward_pre_hook(lambda m, a, kw: seen.append((a[0] if a else kw["hidden_states"])[0]),
+                                              with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids)
+    finally:
+        handle.remove()
+    return seen[0].detach().clone()
+
+
 def test_lipschitz_rows_against_dense_jacobian_of_reimplementation(run):
     """Both maps, the model's own mask (GPT-2 and BERT decoder causal, BERT encoder not)."""
     out, _, models = run
@@ -85,7 +105,7 @@ def test_lipschitz_rows_against_dense_jacobian_of_reimplementation(run):
         if r["n"] != 8:
             continue
         model = _model(models, r)
-        X = mhf.capture_attention_inputs(model, _chunk(model, r["n"], r["rep"]), [r["layer"]])[r["layer"]]
+        X = _map_input(model, _chunk(model, r["n"], r["rep"]), r["layer"], r["map"])
         ref = (reimplementation if r["map"] == "attention" else block_reimplementation)(model, r["layer"], r["masked"])
         truth = dense_lipschitz(ref, X)
         assert abs(r["lip"] - truth) <= r["lip_error"] + 1e-9 * truth
