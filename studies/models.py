@@ -140,7 +140,9 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     the model (CPU by default). A local directory never touches the network; a hub name uses the
     hub only when reachable and ``HF_HUB_OFFLINE`` is unset (``local_files_only`` overrides the
     detection); otherwise only the local cache is tried, and a missing model raises
-    :class:`ModelNotAvailableError` saying what was missing.
+    :class:`ModelNotAvailableError` saying what was missing. Weights that lack tensors the config needs
+    (which transformers would initialize at random) are a ValueError listing them; only BERT's pooler, unused
+    here, may be absent.
     """
     from transformers import AutoModel
 
@@ -171,7 +173,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
         kwargs["use_safetensors"] = True
     try:
         with _quiet_transformers():
-            model = AutoModel.from_pretrained(name_or_path, **kwargs)
+            model, info = AutoModel.from_pretrained(name_or_path, output_loading_info=True, **kwargs)
     except OSError as exc:
         raise ModelNotAvailableError(f"name_or_path: weights of {str(name_or_path)!r} not available "
                                      f"({exc})") from exc
@@ -180,7 +182,35 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     except Exception as exc:  # noqa: BLE001 - weights that do not fit the config, a library check: the input's fault
         raise ValueError(f"name_or_path: transformers cannot build {str(name_or_path)!r} from its files "
                          f"({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+    # transformers fills tensors the files lack with fresh random values and only prints a report: a layer
+    # measured with them would be a random layer under the checkpoint's name
+    _refuse_missing(name_or_path, info.get("missing_keys", ()))
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _refuse_missing(name_or_path, missing) -> None:
+    """ValueError naming ``name_or_path`` when the checkpoint lacks tensors the model needs (the pooler, which no
+    analysis here uses and encoder-only checkpoints often omit, excepted)."""
+    missing = sorted(k for k in missing if not k.split(".")[0] == "pooler")
+    if missing:
+        shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+        raise ValueError(f"name_or_path: the weights of {str(name_or_path)!r} lack {len(missing)} tensor(s) its "
+                         f"config.json needs ({shown}); transformers would fill them with random values, so the "
+                         "checkpoint is refused: save the complete model with save_pretrained")
+
+
+def _expected_missing(model, names) -> list[str]:
+    """The parameters and persistent buffers of ``model`` (built from the config) that no tensor name of the
+    checkpoint's files provides, matched as transformers matches them: the base model's prefix (``bert.``,
+    ``transformer.``) stripped, the legacy LayerNorm names ``gamma`` / ``beta`` read as ``weight`` / ``bias``."""
+    prefix = model.base_model_prefix + "."
+    have = set()
+    for name in names:
+        name = name[len(prefix):] if name.startswith(prefix) else name
+        parts = name.split(".")
+        parts[-1] = {"gamma": "weight", "beta": "bias"}.get(parts[-1], parts[-1])
+        have.add(".".join(parts))
+    return [k for k in model.state_dict() if k not in have]
 
 
 #: a hub repository id: "name" or "owner/name" (what is not of this form, and is not a folder, is a path)
@@ -312,7 +342,8 @@ def check_checkpoint(name_or_path, *, tokenizer: bool = False, local_files_only:
     """Check a checkpoint before anything loads it; return its model type (``"gpt2"`` or ``"bert"``).
 
     A local folder: config.json is JSON of a supported model type that transformers accepts and builds (on
-    the meta device: no memory), its safetensors files are complete (:func:`check_safetensors`) and, with
+    the meta device: no memory), its safetensors files are complete (:func:`check_safetensors`) and hold
+    every tensor that model needs (by name; the pooler excepted: a ValueError listing the missing ones) and, with
     ``tokenizer=True``, tokenizer files are there. A hub name (``name`` or ``owner/name`` that is not a
     folder): its config is found in the local cache, or on the hub when it is reachable. Anything else (a
     path that is not a folder, a file) is a :class:`ModelNotAvailableError`; a malformed file a ValueError;
@@ -330,10 +361,12 @@ def check_checkpoint(name_or_path, *, tokenizer: bool = False, local_files_only:
     if local:
         try:
             with torch.device("meta"):
-                AutoModel.from_config(cfg, attn_implementation="eager")
+                skeleton = AutoModel.from_config(cfg, attn_implementation="eager")
         except Exception as exc:  # noqa: BLE001 - an inconsistent config (heads that do not divide the width, ...)
             raise ValueError(f"name_or_path: the config.json of {str(name_or_path)!r} does not describe a model "
                              f"transformers can build ({type(exc).__name__}: {' '.join(str(exc).split())})") from exc
+        names = [k for shard in sorted(Path(name_or_path).glob("*.safetensors")) for k in check_safetensors(shard)]
+        _refuse_missing(name_or_path, _expected_missing(skeleton, names))
         if tokenizer and tokenizer_files(name_or_path) is None:
             wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
             raise ModelNotAvailableError(f"name_or_path: checkpoint folder {str(name_or_path)!r} has no tokenizer "

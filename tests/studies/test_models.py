@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 
@@ -130,6 +131,65 @@ def test_local_checkpoint_round_trip(models, tmp_path):
     (tmp_path / "ckpt" / "model.safetensors").unlink()
     with pytest.raises(hf.ModelNotAvailableError, match="no weights"):
         hf.load_model(tmp_path / "ckpt")
+
+
+def _without(folder, drop):
+    """Rewrite the folder's model.safetensors without the tensors whose names satisfy ``drop``; return them."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    gone = sorted(k for k in state if drop(k))
+    save_file({k: v for k, v in state.items() if k not in gone}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    return gone
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_checkpoint_lacking_attention_tensors_is_refused_not_filled_at_random(models, tmp_path, kind):
+    """Weights without layer 0's attention tensors: transformers alone would load the model with those tensors
+    freshly initialized (a random layer under the checkpoint's name, said only in a report on stderr). The check
+    before loading and the loading itself refuse it, naming the folder and the missing tensors."""
+    from transformers import AutoModel
+
+    folder = tmp_path / kind
+    models[(kind, False)].save_pretrained(folder)
+    gone = _without(folder, lambda k: (".0.attn." if kind == "gpt2" else ".0.attention.") in k)
+    assert gone
+    # the premise: transformers itself loads this folder, filling what is missing
+    _, info = AutoModel.from_pretrained(folder, attn_implementation="eager", output_loading_info=True)
+    assert sorted(k for k in info["missing_keys"] if not k.startswith("pooler.")) == gone
+    for call in (hf.check_checkpoint, hf.load_model):
+        with pytest.raises(ValueError, match=rf"name_or_path: the weights of '{re.escape(str(folder))}' lack "
+                                             rf"{len(gone)} tensor\(s\) .*\({re.escape(gone[0])}, .*random values"):
+            call(folder)
+
+
+def test_checkpoint_lacking_only_the_pooler_or_saved_with_a_head_loads(tmp_path):
+    """What is not a defect: a BERT encoder saved without its pooler (unused by every analysis), a GPT-2 saved
+    from its LM-head model (names prefixed ``transformer.``), legacy LayerNorm names gamma / beta. Each passes
+    the check and loads the saved weights exactly."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BertModel, GPT2LMHeadModel
+
+    bert = BertModel(hf.random_model("bert", size="tiny", seed=3).config).double().eval()
+    bert.save_pretrained(tmp_path / "bert")
+    assert _without(tmp_path / "bert", lambda k: k.startswith("pooler."))
+    lm = GPT2LMHeadModel(hf.random_model("gpt2", size="tiny", seed=3).config).double().eval()
+    lm.save_pretrained(tmp_path / "lm")
+    assert all(k.startswith(("transformer.", "lm_head.")) for k in load_file(tmp_path / "lm" / "model.safetensors"))
+    bert.save_pretrained(tmp_path / "legacy")
+    state = load_file(tmp_path / "legacy" / "model.safetensors")
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in state.items()}
+    assert legacy.keys() != state.keys()
+    save_file(legacy, tmp_path / "legacy" / "model.safetensors", metadata={"format": "pt"})
+    X = torch.randn(5, 32, dtype=torch.float64)
+    for folder, original in (("bert", bert), ("lm", lm.transformer), ("legacy", bert)):
+        assert hf.check_checkpoint(tmp_path / folder) == original.config.model_type
+        loaded = hf.load_model(tmp_path / folder)
+        for layer in (0, 1):
+            torch.testing.assert_close(mhf.attention_function(loaded, layer, block=True)(X),
+                                       mhf.attention_function(original, layer, block=True)(X), rtol=0, atol=0)
 
 
 def test_bad_arguments():

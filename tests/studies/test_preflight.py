@@ -86,12 +86,22 @@ def _copy(folder, tmp_path, name):
     return tmp_path / name
 
 
+def _drop_tensors(folder, part):
+    """Rewrite the folder's weights without the tensors whose names contain ``part`` (a complete file)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in state.items() if part not in k}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda c: (c / "config.json").unlink(), "has no config.json"),
     (lambda c: (c / "config.json").write_text("[" * 100_000), "not a readable JSON file"),
     (lambda c: (c / "config.json").write_text(json.dumps({"model_type": "llama"})), "model_type 'llama'"),
     (lambda c: (c / "tokenizer.json").unlink() or (c / "vocab.txt").unlink(missing_ok=True), "no tokenizer files"),
     (lambda c: (c / "model.safetensors").write_bytes((c / "model.safetensors").read_bytes()[:1000]), "is truncated"),
+    (lambda c: _drop_tensors(c, "h.0.attn."), "tensor(s) its config.json needs (h.0.attn.c_attn.bias"),
 ])
 def test_a_damaged_checkpoint_is_refused_before_the_first_study(good_checkpoint, tmp_path, capsys, first_study,
                                                                  damage, words):
