@@ -95,27 +95,39 @@ class LayerBound:
     :func:`meanfield.bounds.absorb_key_bias`, with t chosen per head and radius to minimize
     ||[A_h, c_h / t]||_2 (R^2 + t^2); b_V and the output bias add constants and are dropped.
     ``operator_upper`` does this with d x d matrices and costs seconds per call; here the norm is that of a
-    k x (d + 1) matrix, ``scale ||L^T [Q_h, b_Q / t]||`` with K_h K_h^T = L L^T, tabulated once on a grid of t
-    (any t > 0 gives a valid bound, so the grid's minimum is one; it lies within 1e-3 of the exact minimum,
-    relative). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only through their spectral norms:
-    1 x 1 matrices carrying those norms feed the framework's own formulas.
+    k x (d + 1) matrix, ``scale ||T_h [Q_h, b_Q / t]||`` with K_h^T = U_h T_h (reduced QR), tabulated once on a
+    grid of t and refined per radius by golden section (any t > 0 gives a valid bound, so the minimum over the
+    points evaluated is one; see :meth:`lifted`). Theorems 3.3, 3.5 and Lemma 3.8 depend on the matrices only
+    through their spectral norms: 1 x 1 matrices carrying those norms feed the framework's own formulas.
     """
 
     LOG_T = np.linspace(math.log(1e-3), math.log(1e3), 241)
+    #: golden-section steps refining each head's best grid t (the bracket of two grid steps shrinks 0.618^40-fold)
+    REFINE = 40
 
     def __init__(self, p: mhf.LayerParameters):
         Q, K, bQ = p.Q.double().cpu(), p.K.double().cpu(), p.b_Q.double().cpu()
-        L = torch.linalg.cholesky(K @ K.transpose(-1, -2))                  # (H, k, k)
-        M = p.scale * L.transpose(-1, -2) @ Q                               # (H, k, d)
-        w = p.scale * (L.transpose(-1, -2) @ bQ[..., None])[..., 0]         # (H, k)
+        # K_h^T = U_h T_h (reduced QR): ||K_h^T Y|| = ||T_h Y|| for every Y, with no assumption on the rank of K_h
+        # (a Cholesky factor of K_h K_h^T fails where a key unit is zero)
+        T = torch.linalg.qr(K.transpose(-1, -2), mode="reduced")[1]        # (H, k, k)
+        M = p.scale * T @ Q                                                 # (H, k, d)
+        w = p.scale * (T @ bQ[..., None])[..., 0]                           # (H, k)
         lam, U = torch.linalg.eigh(M @ M.transpose(-1, -2))                 # M M^T = U diag(lam) U^T
-        lam = lam.clamp(min=0).numpy()[:, None, :]                          # (H, 1, k)
-        z2 = ((U.transpose(-1, -2) @ w[..., None])[..., 0] ** 2).numpy()    # (H, k)
+        self._lam = lam.clamp(min=0).numpy()                                # (H, k)
+        self._z2 = ((U.transpose(-1, -2) @ w[..., None])[..., 0] ** 2).numpy()    # (H, k)
         self.t2 = np.exp(2 * self.LOG_T)
-        c2 = z2[:, None, :] / self.t2[None, :, None]                        # (H, T, k): (U^T c_h / t)^2
-        # ||[A_h, c_h / t]||_2^2 = lambda_max(M M^T + w w^T / t^2): the root above lam_max of the secular
-        # equation 1 + sum_i c2_i / (lam_i - x) = 0 (a rank-one update, as in bounds.absorb_key_bias), by
-        # bisection for every head and t at once
+        self.norm_t = self._norm(self.t2[None, :])                          # (H, T): ||[A_h, c_h / t]||_2
+        self.v = torch.linalg.matrix_norm(p.V.double().cpu(), 2).numpy()    # ||V_h||_2, b_V dropped
+        self.w_norm = float(torch.linalg.matrix_norm(p.W_O.double().cpu(), 2))
+        self._lifted: dict[float, np.ndarray] = {}
+
+    def _norm(self, t2: np.ndarray) -> np.ndarray:
+        """||[A_h, c_h / t]||_2 for t^2 of shape (H, T) (or broadcastable to it), every head at once.
+
+        ||[A_h, c_h / t]||_2^2 = lambda_max(M M^T + w w^T / t^2): the root above lam_max of the secular equation
+        1 + sum_i c2_i / (lam_i - x) = 0 (a rank-one update, as in bounds.absorb_key_bias), by bisection."""
+        lam = self._lam[:, None, :]                                         # (H, 1, k)
+        c2 = self._z2[:, None, :] / t2[..., None]                           # (H, T, k): (U^T c_h / t)^2
         lo = np.broadcast_to(lam.max(axis=-1), c2.shape[:2]).copy()
         hi = lo + c2.sum(axis=-1)
         gap = np.empty_like(c2)
@@ -125,13 +137,41 @@ class LayerBound:
             terms = np.divide(c2, gap, out=np.zeros_like(c2), where=c2 > 0)
             below = 1.0 + terms.sum(axis=-1) < 0
             lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
-        self.norm_t = np.sqrt(hi)                                           # (H, T): ||[A_h, c_h / t]||_2
-        self.v = torch.linalg.matrix_norm(p.V.double().cpu(), 2).numpy()    # ||V_h||_2, b_V dropped
-        self.w_norm = float(torch.linalg.matrix_norm(p.W_O.double().cpu(), 2))
+        return np.sqrt(hi)
 
     def lifted(self, R: float) -> np.ndarray:
-        """Per head, min over t of ||[A_h, c_h / t]||_2 (R^2 + t^2): ||A'_h|| R'^2 of the best lift."""
-        return (self.norm_t * (R * R + self.t2)[None, :]).min(axis=1)
+        """Per head, min over t of ||[A_h, c_h / t]||_2 (R^2 + t^2): ||A'_h|| R'^2 of the best lift.
+
+        The grid's best t, refined by golden section between its two grid neighbours (beyond the grid where its
+        best t is an end); the minimum found is that of points actually evaluated, so it is a valid bound
+        whatever the function's shape. A head without key bias (c_h = 0) needs no lift: ||A_h|| R^2. On
+        MiniLM's layers it matches :func:`meanfield.operator_upper` to 1e-15, where the grid alone was up to
+        1.6e-3 above it."""
+        R = float(R)
+        if R not in self._lifted:
+            g = self.norm_t * (R * R + self.t2)[None, :]                    # (H, T)
+            best = g.min(axis=1)
+            i, last = g.argmin(axis=1), len(self.LOG_T) - 1
+            # between the grid neighbours, or beyond the grid's end where its best t is an end (a small key bias)
+            a = np.where(i == 0, self.LOG_T[0] - 20.0, self.LOG_T[np.maximum(i - 1, 0)])
+            b = np.where(i == last, self.LOG_T[-1] + 20.0, self.LOG_T[np.minimum(i + 1, last)])
+            f = lambda u: self._norm(np.exp(2 * u)[:, None])[:, 0] * (R * R + np.exp(2 * u))
+            ratio = (math.sqrt(5) - 1) / 2
+            c, d = b - ratio * (b - a), a + ratio * (b - a)
+            fc, fd = f(c), f(d)
+            for _ in range(self.REFINE):
+                best = np.minimum(best, np.minimum(fc, fd))
+                left = fc < fd                                              # the minimum lies in [a, d]
+                a, b = np.where(left, a, c), np.where(left, d, b)
+                c_new = np.where(left, b - ratio * (b - a), d)
+                d_new = np.where(left, c, a + ratio * (b - a))
+                fresh = f(np.where(left, c_new, d_new))
+                fc, fd = np.where(left, fresh, fd), np.where(left, fc, fresh)
+                c, d = c_new, d_new
+            best = np.minimum(best, np.minimum(fc, fd))
+            # no key bias (c_h = 0): no lift, ||A_h|| R^2, the limit t -> 0 (as operator_upper)
+            self._lifted[R] = np.where(self._z2.sum(axis=1) == 0, np.sqrt(self._lam.max(axis=1)) * R * R, best)
+        return self._lifted[R]
 
     def __call__(self, R: float, n: int, masked: bool = False) -> float:
         """The bound at radius R and length n; ``masked``: Theorem 4.3 alone per head (the stated masked

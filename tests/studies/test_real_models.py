@@ -146,6 +146,38 @@ def test_upper_bound_against_meanfield_bounds_on_augmented_heads(run):
         assert best * (1 - 1e-9) <= r["layer_upper"] <= best * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_layer_bound_is_operator_upper_also_with_a_zero_key_unit(kind):
+    """LayerBound (the bound tabulated per layer) against meanfield.operator_upper, which minimizes the key-bias
+    lift on the dense d x d matrices: equal to 1e-9 at several radii (its t grid alone was up to 1.6e-3 above on
+    MiniLM), on a layer where one key unit of head 0 is zero, so that K_h K_h^T is singular (a pruned unit; a
+    Cholesky factor of it fails)."""
+    from studies.experiments.real_models import LayerBound
+
+    model = hf.random_model(kind, size="tiny", seed=4)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        # query biases (zero at initialization) of several sizes, so that each head's best lift t differs
+        if kind == "gpt2":
+            d = model.config.n_embd
+            model.h[0].attn.c_attn.bias[:d] = torch.randn(d, generator=gen, dtype=torch.float64) * 0.3
+            model.h[0].attn.c_attn.bias[:d:8] *= 1e-4
+            model.h[0].attn.c_attn.weight[:, d] = 0.0   # Conv1D (d, 3d): column d is head 0's first key unit
+            model.h[0].attn.c_attn.bias[d] = 0.0
+        else:
+            att = model.encoder.layer[0].attention.self
+            att.query.bias.copy_(torch.randn(att.query.bias.shape, generator=gen, dtype=torch.float64) * 0.3)
+            att.query.bias[: att.attention_head_size] *= 1e-4   # head 0: a small key bias (a lift t below 1e-3)
+            att.key.weight[0] = 0.0
+            att.key.bias[0] = 0.0
+    p = mhf.extract_layer(model, 0)
+    assert torch.linalg.matrix_rank(p.K[0] @ p.K[0].T) < p.K.shape[1]
+    bound, op = LayerBound(p), mhf.HFAttention.from_model(model, 0, masked=False)
+    for R in (0.3, 1.0, 2.5, 7.0):
+        for n in (4, 64):
+            assert bound(R, n) == pytest.approx(operator_upper(op, R, n).value, rel=1e-9)
+
+
 def test_gamma_rows_against_full_eigendecomposition(run):
     """gamma per head from the full d x d eigen-problem; R = the mean radius over every token of every
     sequence measured at that layer (recomputed from the per-sequence rows)."""
