@@ -39,7 +39,7 @@ from .parameters import Head, Parameters
 
 __all__ = ["HFAttention", "is_hf_attention", "own_mask", "model_kind", "is_causal", "num_layers", "attention_module",
            "capture_attention_inputs", "causal_mask", "container_advice", "attention_function", "extract_layer",
-           "LayerParameters", "KINDS"]
+           "LayerParameters", "KINDS", "float64_scores"]
 
 KINDS = ("gpt2", "bert")
 
@@ -172,6 +172,8 @@ class HFAttention(AttentionOperator):
         map of a causal layer (:func:`causal_mask` builds the additive mask). A query that sees no key of
         positive weight gives zero heads (the output projection's bias), as in
         :class:`meanfield.MultiHeadAttention`, not the module's average over every key.
+        A GPT-2 layer with ``reorder_and_upcast_attn=True`` (float32 scores) computing in float64 computes its
+        scores in float64 (:class:`float64_scores`; transformers' own float64 forward raises there).
     block : bool
         The whole attention block instead of the attention alone (module docstring); needs
         ``BertAttention`` or, for GPT-2, the ``ln_1`` of the block (``from_model`` gives it).
@@ -276,7 +278,8 @@ class HFAttention(AttentionOperator):
 
     def _heads(self, hidden, mask):
         """The attention alone on ``hidden`` (b, N, d) with the additive ``mask`` (b or 1, 1, N, N)."""
-        y = self._call(self._core, hidden, attention_mask=mask)[0]
+        with float64_scores([self._core], hidden.dtype):
+            y = self._call(self._core, hidden, attention_mask=mask)[0]
         return self._call(self.module.output.dense, y) if self.kind == "bert" else y
 
     def _output_bias(self):
@@ -329,6 +332,27 @@ class HFAttention(AttentionOperator):
         return out.reshape(*lead, m, self._d_out)
 
 
+class float64_scores:
+    """Within this context, GPT-2 attention modules among ``modules`` that compute their scores in float32
+    (``reorder_and_upcast_attn=True``, a guard for half-precision training) compute them in the working dtype
+    when it is float64: transformers raises a dtype error on that path in float64 ("attn_weights does not have
+    dtype torch.float32"). The map is the same in exact arithmetic (the flag only orders the scaling and picks
+    the scores' precision), computed in float64 throughout, above float32. Other dtypes, and other modules, are
+    left as they are; the flags are restored on exit."""
+
+    def __init__(self, modules, dtype):
+        self._mods = [m for m in modules if getattr(m, "reorder_and_upcast_attn", False)] \
+            if dtype == torch.float64 else []
+
+    def __enter__(self):
+        for m in self._mods:
+            m.reorder_and_upcast_attn = False
+
+    def __exit__(self, *exc):
+        for m in self._mods:
+            m.reorder_and_upcast_attn = True
+
+
 def _converted(t: torch.Tensor, device, dtype) -> torch.Tensor:
     """A parameter or buffer on ``device`` and, if floating, in ``dtype`` (None: unchanged)."""
     if dtype is not None and t.is_floating_point():
@@ -341,7 +365,8 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
                              *, with_mask: bool = False, block: bool = False):
     """Run ``model`` on ``input_ids`` (1, n) and return {layer: X (n, d)}, the hidden states that
     each attention module actually received (forward pre-hooks with kwargs on GPT2Attention /
-    BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}.
+    BertSelfAttention). ``with_mask=True`` also returns {layer: attention_mask it received}. A float64
+    GPT-2 with ``reorder_and_upcast_attn=True`` runs with float64 scores (:class:`float64_scores`).
 
     ``block=True``: the input of the whole attention block instead, what
     ``HFAttention.from_model(model, layer, block=True)`` maps. For GPT-2 (pre-LayerNorm) that is the
@@ -368,13 +393,15 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
                 masks[i] = kwargs.get("attention_mask")
         return hook
 
+    cores = [_attention_core(model, i) for i in range(num_layers(model))]
+    dtype = next(model.parameters()).dtype
     try:
         for i in layers:
             core = _attention_core(model, i)
             handles.append(core.register_forward_pre_hook(hook_for(i, inputs=not outer), with_kwargs=True))
             if outer:
                 handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, mask=False), with_kwargs=True))
-        with torch.no_grad():
+        with torch.no_grad(), float64_scores(cores, dtype):
             model(input_ids=input_ids.to(next(model.parameters()).device))
     finally:
         for h in handles:

@@ -146,8 +146,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
     """
     from transformers import AutoModel
 
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
-        raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
+    name_or_path = _expand(name_or_path)
     allow_pickle = check_bool(allow_pickle, "allow_pickle")
     is_decoder = check_bool(is_decoder, "is_decoder", allow_none=True)
     # before the weights are read: a dtype name ("float32") as everywhere in the framework, a floating dtype only
@@ -215,6 +214,14 @@ def _expected_missing(model, names) -> list[str]:
 
 #: a hub repository id: "name" or "owner/name" (what is not of this form, and is not a folder, is a path)
 _HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+
+
+def _expand(name_or_path):
+    """``name_or_path`` checked (a non-empty str or path), with a leading ``~`` expanded to the home folder as a
+    shell would (no hub name starts with one)."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
+        raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
+    return os.path.expanduser(name_or_path) if str(name_or_path).startswith("~") else name_or_path
 
 
 def _where(name_or_path) -> bool:
@@ -351,8 +358,7 @@ def check_checkpoint(name_or_path, *, tokenizer: bool = False, local_files_only:
     """
     from transformers import AutoModel
 
-    if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path):
-        raise TypeError(f"name_or_path: expected a directory or hub name, got {name_or_path!r}")
+    name_or_path = _expand(name_or_path)
     local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
     local = _where(name_or_path)
     if local:
@@ -397,8 +403,9 @@ def load_tokenizer(name_or_path, *, local_files_only: bool | None = None):
     """
     from transformers import AutoTokenizer
 
+    name_or_path = _expand(name_or_path)
     local_files_only = check_bool(local_files_only, "local_files_only", allow_none=True)
-    local = Path(name_or_path).is_dir()
+    local = _where(name_or_path)
     if local and tokenizer_files(name_or_path) is None:
         wanted = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
         raise ModelNotAvailableError(

@@ -136,6 +136,35 @@ def test_block_inputs_are_what_the_block_maps(models, kind, dec):
             assert torch.equal(X, inner[i])
 
 
+def test_gpt2_with_float32_scores_runs_in_float64(one_thread):
+    """reorder_and_upcast_attn=True computes the scores in float32, and transformers raises a dtype error on that
+    path in float64. The hooks and the operator run it with float64 scores: the same map as the layer without
+    the flag (the truth: transformers' standard path, and the re-implementation from raw weights), the flags
+    restored afterwards; in float32 the module's own path is kept, and its constant is certified."""
+    from meanfield import local_lipschitz
+
+    up = hf.random_model("gpt2", size="tiny", seed=3, reorder_and_upcast_attn=True)
+    plain = hf.random_model("gpt2", size="tiny", seed=3)
+    ids = _ids(up)
+    with pytest.raises(RuntimeError, match="upcasting"):   # the premise: transformers' own float64 forward
+        up(input_ids=ids)
+    X = mhf.capture_attention_inputs(up, ids, [1])[1]
+    torch.testing.assert_close(X, mhf.capture_attention_inputs(plain, ids, [1])[1], rtol=0, atol=0)
+    for block in (False, True):
+        torch.testing.assert_close(mhf.attention_function(up, 1, block=block)(X),
+                                   mhf.attention_function(plain, 1, block=block)(X), rtol=0, atol=0)
+    torch.testing.assert_close(mhf.attention_function(up, 1)(X), reimplementation(up, 1, True)(X), rtol=0, atol=1e-12)
+    assert all(blk.attn.reorder_and_upcast_attn for blk in up.h)
+    up32 = hf.random_model("gpt2", size="tiny", seed=3, reorder_and_upcast_attn=True, dtype=torch.float32)
+    X32 = X.float()
+    with torch.no_grad():
+        own = up32.h[1].attn(X32[None], attention_mask=mhf.causal_mask(N, torch.float32))[0][0]
+    torch.testing.assert_close(mhf.attention_function(up32, 1)(X32), own, rtol=0, atol=0)
+    est = local_lipschitz(mhf.HFAttention.from_model(up32, 1), X32)   # certified with the float64 twin
+    assert est.converged and est.value == pytest.approx(dense_lipschitz(reimplementation(up, 1, True), X),
+                                                        rel=1e-3)
+
+
 @pytest.mark.parametrize("kind,dec", CASES)
 def test_wrapped_layer_is_what_the_model_computes(models, kind, dec):
     """Hooks capture the real attention input; the wrapped function with the explicit mask gives

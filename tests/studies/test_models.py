@@ -230,6 +230,25 @@ def test_checkpoint_without_tokenizer_files_is_refused_by_name(models, tmp_path)
     assert len(tok) == 501 and hf.encode(tok, "the heap is a tree").shape == (1, 5)
 
 
+def test_paths_with_a_tilde_are_the_home_folder_and_missing_folders_are_named(models, tmp_path, monkeypatch):
+    """``~/ck`` is the folder ``ck`` in the home folder for the model, the check and the tokenizer (as a shell
+    would expand it); a folder that does not exist is named in one message by all three, not passed on to the
+    hub's repository-name validation."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    models[("gpt2", False)].save_pretrained(tmp_path / "ck")
+    _word_tokenizer(tmp_path / "ck")
+    assert hf.check_checkpoint("~/ck", tokenizer=True) == "gpt2"
+    loaded = hf.load_model("~/ck")
+    X = torch.randn(4, 32, dtype=torch.float64)
+    torch.testing.assert_close(mhf.attention_function(loaded, 0)(X),
+                               mhf.attention_function(models[("gpt2", False)], 0)(X), rtol=0, atol=0)
+    assert len(hf.load_tokenizer("~/ck")) == 501
+    for missing in ("~/nothing-here", str(tmp_path / "nothing" / "here"), "./rel/missing"):
+        for call in (hf.load_model, hf.check_checkpoint, hf.load_tokenizer):
+            with pytest.raises(hf.ModelNotAvailableError, match="name_or_path: no checkpoint directory at"):
+                call(missing)
+
+
 def test_pickled_weights_refused_unless_allowed(models, tmp_path):
     """A folder with only pytorch_model.bin (a pickle, which can run code) is refused with a message saying
     why and how to convert it; allow_pickle=True loads it (transformers' weights-only unpickler)."""
