@@ -125,29 +125,47 @@ def prop36_claim(rows: list[dict], gamma: float) -> Claim:
                        f"{devs[-1][0]:.1e}")
 
 
+#: how far from exp(2 gamma R^2) the peak of the witness's constant may lie and still be "near" it: a decade
+PEAK_DECADES = 1.0
+
+
+def _local_slopes(curve: list[dict], n_max: float) -> list[float]:
+    """Log-log slopes of the measured constant between consecutive grid points with 10 <= n <= n_max."""
+    pts = sorted((r["n"], r["lip"]) for r in curve if 10 <= r["n"] <= n_max and r["lip"] > 0)
+    return [math.log(b[1] / a[1]) / math.log(b[0] / a[0]) for a, b in zip(pts, pts[1:])]
+
+
 def peak_claim(curve: list[dict], n_star: float, log_upper: float, gamma: float, R: float) -> Claim:
-    """The transition: the witness curve peaks at the grid point where its predicted constant peaks,
-    with the predicted value, and stays below the mean-field bound."""
+    """The transition: the witness curve peaks within :data:`PEAK_DECADES` of n* = exp(2 gamma R^2), at the grid
+    point where its predicted constant peaks and with the predicted value, and stays below the mean-field bound.
+    The local slopes before the peak are reported: the growth is sqrt(n) only while n << n*, and steepens on the
+    way to the peak (the lower bound of Proposition 3.4 saturates there, the constant does not)."""
     peak = max(curve, key=lambda r: r["lip"])
     pred = max(curve, key=lambda r: r["witness_predicted"])
     dev = abs(peak["lip"] / peak["witness_predicted"] - 1)
     tol = WITNESS_FLOOR   # the measure's closed form is exact and the constant dense
-    ok = peak["n"] == pred["n"] and dev <= tol and math.log(peak["lip"]) <= log_upper
+    decades = math.log10(peak["n"] / n_star)
+    near = abs(decades) <= PEAK_DECADES
+    ok = peak["n"] == pred["n"] and dev <= tol and math.log(peak["lip"]) <= log_upper and near
+    slopes = _local_slopes(curve, peak["n"])
+    rise = (f"; local log-log slopes from {slopes[0]:.2f} (n near 10) to {max(slopes):.2f} just before the peak: "
+            "sqrt(n) while n << exp(2 gamma R^2), steeper on the way to the peak") if slopes else ""
     return Claim(
-        "the sqrt(n) growth stops near n = exp(2 gamma R^2): the witness curve peaks where its predicted constant "
-        "does, then decays; the sup over n stays finite",
+        "the sqrt(n) growth stops near n = exp(2 gamma R^2): the witness curve peaks within a decade of it, where its "
+        "predicted constant does, then decays; the sup over n stays finite",
         f"peak at n = {pred['n']:.3g} ({pred['n'] / n_star:.2g} exp(2 gamma R^2)), value "
         f"{pred['witness_predicted']:.5g}; sup <= mean-field bound",
-        f"peak {peak['lip']:.5g} at n = {peak['n']:.3g} (relative deviation {dev:.1e}); mean-field bound "
-        f"e^{log_upper:.4g}", ok,
-        f"on the grid of the curve; tolerance {tol:.1e} on the value (the witness's closed form is exact, the "
-        "constant a dense SVD); "
-        "past the peak the family tends to one Dirac (constant ||V|| = 1)", kind=EMPIRICAL,
-        fails_if="the measured peak lies at another grid point than the predicted one, its value differs from the "
-                 "prediction by more than the tolerance, or it exceeds the mean-field bound",
+        f"peak {peak['lip']:.5g} at n = {peak['n']:.3g} ({peak['n'] / n_star:.2g} exp(2 gamma R^2); relative "
+        f"deviation from the prediction {dev:.1e}); mean-field bound e^{log_upper:.4g}{rise}", ok,
+        f"on the grid of the curve; near: within {PEAK_DECADES:g} decade of exp(2 gamma R^2); tolerance {tol:.1e} "
+        "on the value (the witness's closed form is exact, the constant a dense SVD); past the peak the family "
+        "tends to one Dirac (constant ||V|| = 1)", kind=EMPIRICAL,
+        fails_if=f"the peak lies more than {PEAK_DECADES:g} decade from exp(2 gamma R^2), at another grid point than "
+                 "the predicted one, its value differs from the prediction by more than the tolerance, or it exceeds "
+                 "the mean-field bound",
         short="the sqrt(n) growth stops near n = exp(2 gamma R^2): peak, then decay",
-        short_measured=f"peak {peak['lip']:.5g} at n = {peak['n']:.3g} (predicted n = {pred['n']:.3g}, deviation "
-                       f"{dev:.0e})")
+        short_measured=f"peak {peak['lip']:.5g} at n = {peak['n'] / n_star:.2g} exp(2 gamma R^2) (predicted; "
+                       f"deviation {dev:.0e})")
 
 
 @register("mean_field", "The mean-field regime: Theorem 3.5 and Proposition 3.6", grid=grid)

@@ -228,6 +228,9 @@ def test_peak_claim_fails_at_another_grid_point():
     shifted = [{**r, "lip": form(r["n"] / 10)} for r in curve]   # peaks a decade later
     assert not peak_claim(shifted, n_star, 100.0, g, R).agrees
     assert not peak_claim(curve, n_star, 1.0, g, R).agrees          # above the mean-field bound
+    # a peak as predicted, but far from exp(2 gamma R^2) (a transition scale off by a factor 100): not "near"
+    assert not peak_claim(curve, 100 * n_star, 100.0, g, R).agrees
+    assert peak_claim(curve, 5 * n_star, 100.0, g, R).agrees
 
 
 def test_meanfield_claim_verdicts():
