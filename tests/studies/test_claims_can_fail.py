@@ -14,7 +14,7 @@ import torch
 
 from meanfield import bounds
 from studies.common import slope_claim, witness_columns, witness_tolerance
-from studies.experiments.dynamics import meanfield_claim
+from studies.experiments.dynamics import meanfield_claim, range_relative_clusters
 from studies.experiments.l2_attention import kim_attained_claim, quadratic_claim
 from studies.experiments.large_radius import sup_claim
 from studies.experiments.masked import running_mean_claims, top_direction_claim
@@ -595,3 +595,21 @@ def test_the_sqrt_n_exponent_claim_holds_at_the_witness_in_case_max(level):
         assert slope_claim(ns, pred, pred, curve, "the witness")[0].agrees, seed
         cases.add(info.case)
     assert cases == {"min", "max"}
+
+
+def test_range_relative_cluster_count_sees_a_growing_coordinate_cluster():
+    """dynamics-3's count: a coordinate that grows like e^(t/2) and collapses onto 2 values counts 2 (an absolute
+    tolerance counted every token apart, so "does not cluster" could not fail); one that grows without merging keeps
+    every token apart; the count is that of single linkage on the coordinate over its range."""
+    t = torch.linspace(0, 10, 6, dtype=torch.float64)
+    start = torch.linspace(-1, 1, 12, dtype=torch.float64)
+    side = torch.sign(start)
+    # onto +-e^(t/2): neighbours of a group 2.2 apart at T, 0.0074 of the range
+    merging = (start[None] * torch.exp(-t[:, None] / 4) + side[None]) * torch.exp(t[:, None] / 2)
+    spread = start[None] * torch.exp(t[:, None] / 2)
+    from meanfield.clustering import count_clusters
+
+    assert [int(c) for c in count_clusters(merging[..., None], 1e-2)][-1] == 12   # absolute: never clusters
+    assert range_relative_clusters(merging[..., None], 1e-2)[-1] == 2
+    assert range_relative_clusters(spread[..., None], 1e-2) == [12] * 6
+    assert range_relative_clusters(spread[..., None], 0.1) == [1] * 6   # neighbours 1/11 of the range apart
