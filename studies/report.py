@@ -587,7 +587,8 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
     pk = config.get("packages", {})
     lines += [f"Seed {config['seed']}, grids: {config['grid']}, Python {config['python']}, torch {config['torch']} "
               f"({config['device']}), smooth-attention {pk.get('smooth-attention')}. "
-              "Every parameter is in `config.json`; every number in the CSV files next to the figures.", ""]
+              "Every parameter is in `config.json`; the figures' data are in the CSV files next to them, and each "
+              "study's summary numbers in its `result.json`.", ""]
     words = _command_words(config)
     if words:
         lines += [f"Command: `{shlex.join(words)}`", ""]

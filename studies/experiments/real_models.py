@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 # exponents and the bound checks need)
 TOL = _TOL
 PAPER_EXPONENT = report.PAPER_EXPONENT   # n^(1/4) on real text (the paper's Section 5.3; the authors' slides)
-REGIME_FACTOR = 1000           # "n << exp(2 gamma R^2)" taken as exp(2 gamma R^2) >= 1000 n
+REGIME_FACTOR = report.REGIME_MARGIN   # "n << exp(2 gamma R^2)" taken as exp(2 gamma R^2) >= 1000 n
 SQRT_BAND = 0.05               # tolerance on the witness exponent (finite-n slope of the real layer)
 MAPS_BAND = 0.02               # paired exponents of the block and the attention closer than this: the same growth
 MODEL_KEYS = ("minilm", "minilm-random", "gpt2-random", "bert-random")

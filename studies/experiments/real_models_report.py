@@ -24,6 +24,8 @@ __all__ = ["plot_all", "notes"]
 #: to n^(1/4)", smaller than the worst case sqrt(n); the authors' slides: "growth in C n^(1/4) for real data").
 #: Neither gives a fitted exponent (docs/studies/real_models.md, "What the sources say").
 PAPER_EXPONENT = 0.25
+#: "n << exp(2 gamma R^2)" read as exp(2 gamma R^2) >= REGIME_MARGIN n (the witnesses' regime: REGIME_FACTOR)
+REGIME_MARGIN = 1000
 MAP_STYLE = {"attention": dict(color=P.COLORS[0], marker="o", name="attention alone"),
              "block": dict(color=P.COLORS[1], marker="s", name="whole block (LayerNorm(X + attention))")}
 
@@ -424,12 +426,26 @@ def notes(measured, failed, why, corpus, g, tables, fits, adv_fits, map_fits=())
                              f"{v.max():.3g} (head {top['head']})", f"{2 * v.max():.3g}"])
         lines += _table(["model", "mode", "layer", "R", "min", "median", "max", "2 gamma R^2 (max)"], rows)
         for (model, mode) in dict.fromkeys((r["model"], r["mode"]) for r in gam):
-            v = np.array([r["gamma_R2"] for r in gam if r["model"] == model and r["mode"] == mode])
+            sel = [r for r in gam if r["model"] == model and r["mode"] == mode]
+            v = np.array([r["gamma_R2"] for r in sel])
+            seen = [r["n"] for r in tables["lipschitz"] + tables["adversarial"]
+                    if r["model"] == model and r["mode"] == mode]
+            regime = ""
+            if seen:
+                n_max = max(seen)
+                # n << exp(2 gamma R^2), read as exp(2 gamma R^2) >= n_max (and with the witnesses' margin, 1000 n_max)
+                short = sorted((r for r in sel if 2 * r["gamma_R2"] < math.log(n_max)), key=lambda r: r["gamma_R2"])
+                margin = sum(2 * r["gamma_R2"] < math.log(REGIME_MARGIN * n_max) for r in sel)
+                where = ", ".join(f"L{r['layer']} head {r['head']} ({r['gamma_R2']:.3g})" for r in short[:3])
+                regime = (f" exp(2 gamma_h R^2) is below the largest length n = {n_max} at {len(short)} of {len(sel)} "
+                          f"heads{': ' + where if short else ''}, and below {REGIME_MARGIN} n at {margin}: at those "
+                          "heads n << exp(2 gamma R^2) does not hold at every length (the witness claims use each "
+                          "layer's head of largest gamma)." if margin else
+                          f" exp(2 gamma_h R^2) >= {REGIME_MARGIN} n at every head for every length n <= {n_max}.")
             lines += [f"{model} {mode}: gamma_h R^2 over every head and layer has median {np.median(v):.3g} and "
                       f"maximum {v.max():.3g} (2 gamma_h R^2: {2 * np.median(v):.3g} and {2 * v.max():.3g}); the paper "
                       "reports gamma R^2 of order 10^2 to 10^3 for the pretrained BERT-base (Section 3 after "
-                      "Proposition 3.4, Appendix C.5 Figure 2). The difference is one of the model, not of the "
-                      "method; n << exp(2 gamma R^2) holds for both at every length they see.", ""]
+                      "Proposition 3.4, Appendix C.5 Figure 2)." + regime, ""]
     if tables["radius"]:
         lines += ["*Token radius* (Appendix E.2): mean |x_i| of a sequence at the smallest and largest length "
                   "(mean over sequences), and at the first and last position of the longest sequences:", ""]

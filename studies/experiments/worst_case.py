@@ -461,8 +461,12 @@ def dense_claim(rows: list[dict], certs: list[dict] | None = None) -> Claim:
             f"{c['tight']['max_iter']})")
         bad_c = [f"{r['kind']} at {r['input']}, case {r['case']}, {'masked' if r['masked'] else 'unmasked'}, "
                  f"n = {r['n']}, R = {r['R']:g}" for r in c["above"] + c["miss"]][:3]
-        measured += (f". Certificates with macroscopic bars: {len(certs)} ({len(c['searches'])} searches at n = "
-                     f"{CERT_N}, error / value up to "
+        trunc = [r for r in certs if r["kind"] != "search"]
+        ratios = [r["error"] / r["dense_top"] for r in trunc]
+        measured += (f". Certificates with macroscopic bars: {len(certs)}, of which {len(trunc)} Lanczos runs stopped "
+                     f"after 1 to 3 steps at n = {', '.join(str(k) for k in sorted({r['n'] for r in trunc}))} "
+                     f"(error / value {min(ratios, default=math.nan):.2g} to {max(ratios, default=math.nan):.2g}) "
+                     f"and {len(c['searches'])} searches at n = {CERT_N} (error / value up to "
                      f"{max((r['error'] / r['dense_top'] for r in c['searches']), default=math.nan):.1e}): "
                      f"{len(c['above'])} above the dense top, {len(c['miss'])} intervals without a dense singular "
                      f"value; largest distance to the nearest singular value / error {t:.3g}{where}"
