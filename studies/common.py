@@ -113,10 +113,12 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     """The log-log slope of the variance of ``key`` over samples against n, over every n of ``stats`` (rows of
     :func:`mean_std_by_n`), with its ``level`` confidence interval: concentration at the rate of a central limit
     theorem is a slope of -1. Weighted least squares on log s^2, whose bias (digamma(k/2) + log(2/k)) and variance
-    (trigamma(k/2)) for k degrees of freedom are those of Gaussian samples; the interval is the normal one. Unlike
-    a test of the two extreme n alone, every n counts, so one unlucky group decides nothing.
+    (trigamma(k/2)) for k degrees of freedom are those of Gaussian samples; the interval is the normal one, widened
+    by sqrt(chi^2 / dof) where the groups scatter about the fitted line more than that model allows (``dispersion``,
+    at least 1). Unlike a test of the two extreme n alone, every n counts, so one unlucky group decides nothing.
 
-    Returns ``slope``, ``lo``, ``hi`` and ``verdict``: True where the interval lies below 0 (the spread shrinks),
+    Returns ``slope``, ``lo``, ``hi``, ``dispersion`` and ``verdict``: True where the interval lies below 0 (the
+    spread shrinks),
     False where it lies above 0 (it grows), None otherwise or with fewer than three n of at least two samples
     (or a zero spread, whose logarithm is -inf)."""
     from scipy import special
@@ -131,9 +133,16 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     w = 1.0 / special.polygamma(1, k / 2)
     xc = x - (w * x).sum() / w.sum()
     slope = float((w * xc * y).sum() / (w * xc ** 2).sum())
-    half = float(st.norm.ppf(0.5 + level / 2) / math.sqrt((w * xc ** 2).sum()))
+    # the Gaussian model's variances are a floor: where the groups scatter about the line more than they allow
+    # (chi^2 per degree of freedom above 1: non-Gaussian samples, or a law that is not a power of n), the interval
+    # widens by the square root of that ratio (never narrows)
+    intercept = float((w * y).sum() / w.sum())
+    resid = y - intercept - slope * xc
+    dispersion = max(1.0, float((w * resid ** 2).sum()) / (len(used) - 2)) if len(used) > 2 else 1.0
+    half = float(st.norm.ppf(0.5 + level / 2) * math.sqrt(dispersion / (w * xc ** 2).sum()))
     lo, hi = slope - half, slope + half
-    return {"slope": slope, "lo": lo, "hi": hi, "verdict": True if hi < 0 else False if lo > 0 else None}
+    return {"slope": slope, "lo": lo, "hi": hi, "dispersion": dispersion,
+            "verdict": True if hi < 0 else False if lo > 0 else None}
 
 
 def fit_groups(rows, keys, x: str, y: str, min_points: int = 3, min_x=0) -> list[dict]:

@@ -124,7 +124,8 @@ def lipschitz_claims(rows: list[dict]) -> tuple[list[Claim], list[dict]]:
               f"{ns[0]:g} -> {last['lip_std']:.3g} at N = {ns[-1]:g} ({first['samples']} and {last['samples']} "
               f"samples){'; ' + str(len(bad)) + ' estimate(s) did not converge' if bad else ''}", shrinks,
               "the log-log slope of the variance over samples against N, fitted on every N (weighted least squares "
-              "on log s^2, Gaussian-sample weights; at least three N of two samples): reproduced if its 95% CI lies "
+              "on log s^2, Gaussian-sample weights, the interval widened by sqrt(chi^2 / dof) where the groups "
+              "scatter more than that; at least three N of two samples): reproduced if its 95% CI lies "
               "below 0, not reproduced if above or an estimate did not converge, inconclusive otherwise; certified "
               "estimates (Lanczos, tol 1e-6, float64)", kind=EMPIRICAL,
               fails_if="the 95% CI of the log-log slope of the variance over samples against N lies above 0 (the "

@@ -529,6 +529,38 @@ def test_variance_trend_finds_the_simulated_rate_and_needs_every_n():
     assert variance_trend(flat[:2], "x")["verdict"] is None and math.isnan(variance_trend(flat[:2], "x")["slope"])
 
 
+def test_variance_trend_widens_its_interval_where_the_groups_scatter_more_than_gaussian_samples():
+    """The quick grid's local constants (5 samples at n = 16 ... 256): standard deviations 0.158, 0.247, 0.046,
+    0.126, 0.057 scatter about the fitted line more than Gaussian samples allow (chi^2 = 7.8 on 3 degrees of
+    freedom). The Gaussian-model interval [-1.50, -0.06] called the spread shrinking; widened by sqrt(chi^2 / 3) it
+    straddles 0. Truth: the weighted fit and chi^2 written out here with numpy (np.polyfit with weights)."""
+    from scipy import special
+
+    from studies.common import variance_trend
+
+    ns, sd = [16, 32, 64, 128, 256], [0.158, 0.247, 0.046, 0.126, 0.057]
+    stats = [{"n": n, "samples": 5, "x_std": s} for n, s in zip(ns, sd)]
+    k = 4.0
+    y = np.log(np.square(sd)) - (special.digamma(k / 2) + np.log(2 / k))
+    var = special.polygamma(1, k / 2)                         # the variance of log s^2 for Gaussian samples
+    (b, a), cov = np.polyfit(np.log(ns), y, 1, w=np.full(5, 1 / math.sqrt(var)), cov="unscaled")
+    chi2 = float(np.sum((y - a - b * np.log(ns)) ** 2) / var)
+    model_half = 1.959964 * math.sqrt(cov[0, 0])
+    assert (b - model_half, b + model_half) == pytest.approx((-1.50, -0.06), abs=0.01)   # shrinking, before
+    assert chi2 == pytest.approx(7.8, abs=0.1)
+    t = variance_trend(stats, "x")
+    assert t["slope"] == pytest.approx(b, rel=1e-12) and t["dispersion"] == pytest.approx(chi2 / 3, rel=1e-9)
+    half = model_half * math.sqrt(chi2 / 3)
+    assert (t["lo"], t["hi"]) == pytest.approx((b - half, b + half), rel=1e-6)
+    assert t["verdict"] is None
+    # groups exactly on a line: the model's own interval, not narrowed
+    on_line = [{"n": n, "samples": 5, "x_std": float(np.exp(0.5 * (bias - math.log(n))))}
+               for n, bias in zip(ns, [special.digamma(2) + math.log(0.5)] * 5)]
+    exact = variance_trend(on_line, "x")
+    assert exact["dispersion"] == 1.0 and exact["slope"] == pytest.approx(-1.0, abs=1e-12)
+    assert exact["hi"] - exact["lo"] == pytest.approx(2 * 1.959964 * math.sqrt(cov[0, 0]), rel=1e-5)
+
+
 @pytest.mark.parametrize("wrong, study, index", [("sqrt_n_upper", "sqrt_n", 0), ("mean_field_upper", "mean_field", 0),
                                                   ("sqrt_n_upper", "masked", 4)])
 def test_upper_bound_claims_fail_for_a_wrong_formula(tmp_path, monkeypatch, wrong, study, index):
