@@ -574,17 +574,25 @@ def map_difference_fits(lip_rows) -> list[dict]:
 def _maps_claim(label, mode, lip_rows) -> Claim:
     fits = sorted((f for f in map_difference_fits(lip_rows) if f["model"] == label and f["mode"] == mode),
                   key=lambda f: f["layer"])
-    apart = [f for f in fits if f["lo"] > 0 or f["hi"] < 0]
+    # told apart at a layer: the paired difference's CI excludes 0 at the family-wise level 95% over the layers
+    # (Bonferroni: each layer at 1 - 0.05 / L), so that one layer of L passing by chance does not decide the claim
+    from scipy import stats as st
+
+    def beyond(f):
+        t = st.t.ppf(1 - 0.025 / max(len(fits), 1), f["points"] - 2)
+        return abs(f["slope"]) > t * f["stderr"]
+    apart = [f for f in fits if beyond(f)]
     same = [f for f in fits if -MAPS_BAND <= f["lo"] and f["hi"] <= MAPS_BAND]
     agrees = None if not fits else True if apart else False if len(same) == len(fits) else None
     return Claim(
         f"{label} {mode}: on real text the whole block LayerNorm(X + attention(X)) is another map than the "
         "attention alone (the paper's object, Section 5.1): their constants grow at different rates at some layer",
         "exponent of Lip(block) / Lip(attention) against n (paired over the same sequences) not 0 at some layer",
-        f"told apart at {len(apart)} of {len(fits)} layers (95% CI of the paired difference excludes 0): "
-        + ", ".join(f"L{f['layer']}: {_ci(f)}" for f in fits),
+        f"told apart at {len(apart)} of {len(fits)} layers (the paired difference's CI at the family-wise level "
+        f"95% excludes 0; 95% CIs per layer shown): " + ", ".join(f"L{f['layer']}: {_ci(f)}" for f in fits),
         agrees, "the difference of the two maps' exponents, fitted on the ratio of their certified constants over "
-                "every sequence; inconclusive when no CI excludes 0 but some reaches beyond "
+                f"every sequence; a layer tells them apart when its CI at level 1 - 0.05 / {len(fits)} (Bonferroni "
+                f"over the {len(fits)} layers) excludes 0; inconclusive when none does but some 95% CI reaches beyond "
                 f"+-{MAPS_BAND}", kind=EMPIRICAL,
         fails_if=f"every layer's CI of the paired difference lies within +-{MAPS_BAND} of 0: the two maps grow alike "
                  "everywhere (as when the block is measured as the attention, or the other way round), so a claim "

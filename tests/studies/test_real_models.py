@@ -363,6 +363,16 @@ def test_maps_claim_verdicts(diff, noise, verdict):
         assert f["slope"] == pytest.approx(np.polyfit(x, y, 1)[0], abs=1e-12)
 
 
+def test_maps_claim_tells_the_maps_apart_at_a_family_wise_level():
+    """Six layers whose two maps grow alike (noise only): some layer's 95% CI excludes 0 in about a quarter of the
+    draws (1 - 0.95^6), which called the claim reproduced; at the family-wise level (Bonferroni over the layers)
+    the claim is reproduced in at most about 5% of them. Truth: the simulated difference 0."""
+    draws = [_map_rows([0.0] * 6, 0.05, seed) for seed in range(150)]
+    some_ci = np.mean([any(f["lo"] > 0 or f["hi"] < 0 for f in rm.map_difference_fits(rows)) for rows in draws])
+    reproduced = np.mean([rm._maps_claim("M", "encoder", rows).verdict == "reproduced" for rows in draws])
+    assert some_ci > 0.15 and reproduced <= 0.08, (some_ci, reproduced)
+
+
 def test_maps_claim_fails_when_the_study_measures_one_map_twice(monkeypatch):
     """A wrong implementation: the block flag ignored, so the study's "block" is the attention alone."""
     calls = []
