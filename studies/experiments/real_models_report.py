@@ -93,7 +93,7 @@ def plot_real_text(out_dir: Path, lip, fits, model: str) -> str:
                 x = np.array([r["n"] for r in sel], float)
                 y = np.array([r["lip"] for r in sel])
                 jitter = 1.04 if m == "block" else 1 / 1.04     # the two maps side by side at each n
-                ax.scatter(x * jitter, y, s=7, color=st["color"], alpha=0.3, lw=0, marker=st["marker"])
+                ax.scatter(x * jitter, y, s=12, color=st["color"], alpha=0.45, lw=0, marker=st["marker"])
                 xs = sorted(set(x))
                 mean = np.array([y[x == v].mean() for v in xs])
                 lo = np.array([y[x == v].min() for v in xs])
@@ -112,9 +112,12 @@ def plot_real_text(out_dir: Path, lip, fits, model: str) -> str:
             _pow2_ticks(ax, ns)
             _log_ticks(ax, "y")
     handles, labels = axes[0, 0].get_legend_handles_labels()
+    per_n = max((sum(1 for r in rows if r["n"] == n and r["mode"] == modes[0] and r["layer"] == layers[0]
+                     and r["map"] == "attention") for n in ns), default=0)
+    points = ("faint points: every sequence, here the bar ends" if per_n <= 2 else "faint points: every sequence")
     fig.legend(handles, labels, loc="outside lower center", ncol=3,
-               fontsize=8, title=f"{model}: mean over sequences (bars: min-max; faint points: every sequence; "
-                                 "dashed: fitted power law)", title_fontsize=8)
+               fontsize=8, title=f"{model}: mean over sequences (bars: min-max; {points}; dashed: fitted power law)",
+               title_fontsize=8)
     name = f"real_text_{_slug(model)}.png"
     save_figure(fig, out_dir / name)
     return name

@@ -686,7 +686,7 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
                     P.theory(ax, x, [r["upper"] for r in sel], f"best upper bound, case {case}", color=colors[case])
                     P.theory(ax, x, [r["witness"] for r in sel], f"Prop 3.4 witness, case {case}",
                              color=colors[case], kind="lower")
-        P.finish(ax, "sequence length n" if x_key == "n" else "radius R", "Lipschitz constant on B_R^n",
+        P.finish(ax, "sequence length n" if x_key == "n" else "radius R", "bounds on Lip(f on B_R^n)",
                  f"the bracket vs {x_key} ({fixed_key} = {fixed:g})", logx=x_key == "n", logy=True,
                  legend_loc="outside")
         if x_key == "R":   # a few radii: a linear axis labelled at each of them
@@ -728,7 +728,8 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
                 ax.plot([t["products"] for t in sel], [t["best"] for t in sel], ls=ls, color=colors[case],
                         label=f"{'search' if method == 'search' else 'plain ascent'}, case {case}")
     P.finish(ax, "Jacobian products spent", "best certified constant so far",
-             f"the ascent, n = {max(ns)}, R = {max(Rs):g}, unmasked", legend_loc="outside")
+             f"the ascent, n = {max(ns)}, R = {max(Rs):g}, unmasked\n(the search's curve starts once its "
+             "starts are certified)", legend_loc="outside")
     # (f): real layers
     ax = axes[5]
     if layer_rows:
@@ -741,8 +742,9 @@ def _figure(out_dir: Path, rows, traces, layer_rows, layer_what, g) -> None:
                     label=f"layer {r['layer']} (n = {r['n']}, R = {r['R']:.3g})")
         ax.set_xticks(range(len(marks)), [lab for _, lab in marks], rotation=30, ha="right")
         ax.set_xlim(-0.5, len(marks) - 0.5)
-        P.finish(ax, "", "Lipschitz constant on B_R^n",
-                 f"{layer_rows[0]['model']}: the bracket per layer", logy=True, legend_loc="outside")
+        which = (f"layer {layer_rows[0]['layer']}" if len(layer_rows) == 1 else "per layer")
+        P.finish(ax, "", "bounds on Lip(f on B_R^n)",
+                 f"{layer_rows[0]['model']}: the bracket, {which}", logy=True, legend_loc="outside")
     else:
         ax.text(0.5, 0.5, "trained layers skipped:\n" + layer_what, ha="center", va="center", wrap=True,
                 transform=ax.transAxes, fontsize=8)
