@@ -161,7 +161,13 @@ class FolderLock:
         return self
 
     def release(self) -> None:
+        """Unlock, first emptying the lock file (still held), so that a finished folder names no pid: the file
+        itself stays, since removing it could let two later writers lock two different files."""
         if self._fh is not None:
+            with contextlib.suppress(OSError):
+                self._fh.seek(0)
+                self._fh.truncate()
+                self._fh.flush()
             self._fh.close()
             self._fh = None
 

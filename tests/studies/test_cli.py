@@ -264,6 +264,14 @@ def test_progress_on_a_pipe_is_plain_lines_and_quiet_prints_none(tmp_path):
     assert "5 hold" in res.stdout
 
 
+def test_a_finished_run_leaves_no_pid_in_its_lock_files(tmp_path):
+    """The lock files stay (removing them could let two later writers lock different files) but a finished run
+    empties them: a reader of the folder finds no pid of a process that no longer runs."""
+    assert main(["large_radius", "--tiny", "--out", str(tmp_path), "--no-progress", "--quiet"]) == 0
+    locks = list(tmp_path.rglob(".lock"))
+    assert locks and all(p.read_text() == "" for p in locks), [(p, p.read_text()) for p in locks]
+
+
 def test_folder_busy_survives_pickling():
     """A process pool re-raises its workers' exceptions in the parent by pickling them."""
     import pickle
