@@ -37,6 +37,7 @@ import time
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from particles import Measure
@@ -448,6 +449,10 @@ def _resolve_sphere(sphere):
 def _resolve_rescale(rescale, op, dim, dtype, device):
     if rescale is False or rescale is None:
         return None
+    if isinstance(rescale, (bool, numbers.Number, np.bool_, np.number)) and rescale is not True:
+        # 1, 0, numpy booleans: neither True/False nor a matrix (a 0-d "matrix" would fail on its shape)
+        raise TypeError(f"rescale: expected True, False or a ({dim}, {dim}) matrix V, got {rescale!r} "
+                        f"({type(rescale).__name__})")
     if rescale is True:
         # the value map of a single head, read from the operator's parameters (meanfield.parameters)
         p = op.parameters(dim) if isinstance(op, AttentionOperator) else None

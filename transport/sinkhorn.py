@@ -111,7 +111,9 @@ def _symmetric_warmstart(x, log_a, eps, tol):
     error for hours of iterations; started from the symmetric fixed point they confirm it in a
     few steps, and POT's own iterations and our marginal check still decide convergence.
     """
-    mu = Measure(x.detach(), log_weights=log_a.detach())
+    # a start, not a result: the log-weights of the measure given (accepted at a sum within 1e-9 of 1) are
+    # renormalized rather than re-checked, whose re-summed rounding could land just outside that tolerance
+    mu = Measure(x.detach(), log_weights=log_a.detach(), normalize=True)
     try:
         f = symmetric_potential(mu, eps, tol=tol, max_iter=WARMSTART_MAX_ITER)[0]
     except ConvergenceError as exc:  # a start, not a result: POT iterates on from it

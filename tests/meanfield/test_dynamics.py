@@ -263,6 +263,10 @@ def test_bad_inputs_are_reported():
         simulate(op, mu, [0.0, 1.0], method="dopri5", options={"steps": 10})
     with pytest.raises(ValueError, match="rescale"):
         simulate(op, mu, [0.0, 1.0], rescale=torch.eye(3, dtype=D))
+    # a number or a numpy boolean is neither True/False nor V (it failed as a 0-d matrix, or on "booleans")
+    for odd in (1, 0, 1.0, np.True_, np.False_):
+        with pytest.raises(TypeError, match=r"rescale: expected True, False or a \(2, 2\) matrix V"):
+            simulate(op, mu, [0.0, 1.0], rescale=odd)
     with pytest.raises(TypeError, match="op"):
         simulate(42, mu, [0.0, 1.0])
     with pytest.raises(ValueError, match="method"):

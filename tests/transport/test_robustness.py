@@ -282,3 +282,16 @@ def test_self_problem_counts_its_annealing_levels_in_the_budget():
     finally:
         ss.update = real
     assert it == 6 and len(calls) <= 6 + 1
+
+
+def test_weights_accepted_at_the_sum_tolerance_solve_with_every_method():
+    """A measure whose weights sum to 1 + 1e-9 - 1.4e-16 is accepted (tolerance 1e-9); dense Sinkhorn rebuilt it
+    for its warm start, re-summed the log-weights just past the tolerance and raised about log_weights, an
+    argument the user never gave (a new user's review). Truth: the streaming solver's value of the same problem,
+    to its tolerance."""
+    rng = np.random.default_rng(17)
+    x, y = rng.standard_normal((5, 2)), rng.standard_normal((4, 2)) + 3
+    mu = Measure(x, [0.2] * 4 + [0.2 + 1e-9])
+    assert abs(float(mu.weights.sum()) - 1) > 9.9e-10
+    dense = w2(mu, Measure(y), "sinkhorn", reg=0.5)
+    assert dense == pytest.approx(w2(mu, Measure(y), "streaming", reg=0.5), rel=1e-6)
