@@ -295,3 +295,23 @@ def test_weights_accepted_at_the_sum_tolerance_solve_with_every_method():
     assert abs(float(mu.weights.sum()) - 1) > 9.9e-10
     dense = w2(mu, Measure(y), "sinkhorn", reg=0.5)
     assert dense == pytest.approx(w2(mu, Measure(y), "streaming", reg=0.5), rel=1e-6)
+
+
+def test_streaming_stalled_at_its_cost_rounding_says_so():
+    """Two clusters 1e5 apart at reg = 1: the streaming solver forms costs from the points' norms (1e10), whose
+    rounding (about 1e-6 / reg on the marginals) stalls it near 1e-7 in float64, where dense Sinkhorn converges in
+    tens of iterations (a new user's review). Its error said to raise max_iter or reg, which does not help; it now
+    names the rounding floor. A slow solve far above that floor keeps the generic advice."""
+    from transport import ConvergenceError
+
+    rng = np.random.default_rng(3)
+    shift = np.array([1e5, 0.0])
+    x = np.vstack([rng.standard_normal((5, 2)), rng.standard_normal((5, 2)) + shift])
+    y = np.vstack([rng.standard_normal((5, 2)), rng.standard_normal((5, 2)) + shift])
+    assert solve(Measure(x), Measure(y), "sinkhorn", reg=1.0, debias=False).converged   # the premise
+    with pytest.raises(ConvergenceError, match="near the rounding floor of the costs") as info:
+        solve(Measure(x), Measure(y), "streaming", reg=1.0, debias=False, scaling=0.0, max_iter=2000)
+    assert "Increase max_iter" not in str(info.value)
+    with pytest.raises(ConvergenceError, match="Increase max_iter") as info:
+        solve(Measure(x[:5]), Measure(y[:5]), "streaming", reg=1e-3, debias=False, scaling=0.0, max_iter=3)
+    assert "rounding floor" not in str(info.value)
