@@ -117,7 +117,8 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     by sqrt(chi^2 / dof) where the groups scatter about the fitted line more than that model allows (``dispersion``,
     at least 1). Unlike a test of the two extreme n alone, every n counts, so one unlucky group decides nothing.
 
-    Returns ``slope``, ``lo``, ``hi``, ``dispersion`` and ``verdict``: True where the interval lies below 0 (the
+    Returns ``slope``, ``lo``, ``hi``, ``dispersion``, ``centre`` (the weighted mean of (log n, log s^2), through
+    which the fitted line passes, for figures) and ``verdict``: True where the interval lies below 0 (the
     spread shrinks),
     False where it lies above 0 (it grows), None otherwise or with fewer than three n of at least two samples
     (or a zero spread, whose logarithm is -inf)."""
@@ -141,7 +142,11 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     dispersion = max(1.0, float((w * resid ** 2).sum()) / (len(used) - 2)) if len(used) > 2 else 1.0
     half = float(st.norm.ppf(0.5 + level / 2) * math.sqrt(dispersion / (w * xc ** 2).sum()))
     lo, hi = slope - half, slope + half
-    return {"slope": slope, "lo": lo, "hi": hi, "dispersion": dispersion,
+    # the fitted line through the weighted centre of the points (log n, log s^2), for figures: exact where every
+    # group has the same number of samples (the bias correction is then one constant)
+    raw = np.log([s[f"{key}_std"] ** 2 for s in used])
+    centre = (float((w * x).sum() / w.sum()), float((w * raw).sum() / w.sum()))
+    return {"slope": slope, "lo": lo, "hi": hi, "dispersion": dispersion, "centre": centre,
             "verdict": True if hi < 0 else False if lo > 0 else None}
 
 

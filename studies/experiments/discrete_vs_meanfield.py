@@ -164,7 +164,7 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     spread = {k: (stats[0][f"{k}_std"], stats[-1][f"{k}_std"]) for k in ("lip", "ratio")}
     trend = {k: variance_trend(stats, k) for k in ("lip", "ratio")}
 
-    fig, axes = P.figure(ncols=2, width=11.0, height=4.6)
+    fig, axes = P.figure(ncols=3, width=15.5, height=4.6)
     ax = axes[0]
     nn = np.array(ns, float)
     for i, (key, label) in enumerate((("lip", "local constant at mu_n"), ("ratio", "ratio W2(F mu, F T#mu)/W2"))):
@@ -185,6 +185,22 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
     P.theory(ax, nn, m[0] * (nn / nn[0]) ** -0.5, "n^(-1/2) reference", color="k", kind="lower")
     P.finish(ax, "sample size n", "W2 to a reference sample", f"reference: {n_ref} independent samples",
              logx=True, logy=True, legend=False)
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncol=1)
+    # (c) what discrete_vs_meanfield-3/4 fit: the variance over samples against n, with the fitted slope and its CI
+    ax = axes[2]
+    for i, (key, label) in enumerate((("lip", "local constants"), ("ratio", "Lipschitz ratios"))):
+        var = np.array([s[f"{key}_std"] ** 2 for s in stats])
+        P.measured(ax, nn, var, f"{label}: variance over samples", color=P.COLORS[i])
+        t = trend[key]
+        if math.isfinite(t["slope"]):
+            x0, y0 = t["centre"]
+            P.theory(ax, nn, np.exp(y0 + t["slope"] * (np.log(nn) - x0)),
+                     f"{label}: fitted slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}]", color=P.COLORS[i],
+                     kind="limit")
+    P.theory(ax, nn, np.array([s["lip_std"] ** 2 for s in stats])[0] * nn[0] / nn, "1/n (central limit rate)",
+             color="k", kind="lower")
+    P.finish(ax, "sample size n", "variance over samples", "the spread the concentration claims fit\n"
+             "(95% CIs of the slope; inconclusive when they hold 0)", logx=True, logy=True, legend=False)
     fig.legend(*ax.get_legend_handles_labels(), loc="outside lower right", ncol=1)
     save_figure(fig, out_dir / "convergence_in_n.png")
 

@@ -553,6 +553,8 @@ def test_variance_trend_widens_its_interval_where_the_groups_scatter_more_than_g
     half = model_half * math.sqrt(chi2 / 3)
     assert (t["lo"], t["hi"]) == pytest.approx((b - half, b + half), rel=1e-6)
     assert t["verdict"] is None
+    # the figure's line passes through the points' centre (equal weights: plain means of log n and log s^2)
+    assert t["centre"] == pytest.approx((np.log(ns).mean(), np.log(np.square(sd)).mean()), rel=1e-12)
     # groups exactly on a line: the model's own interval, not narrowed
     on_line = [{"n": n, "samples": 5, "x_std": float(np.exp(0.5 * (bias - math.log(n))))}
                for n, bias in zip(ns, [special.digamma(2) + math.log(0.5)] * 5)]
