@@ -225,7 +225,9 @@ def l2_attention(out_dir: Path, ctx) -> StudyResult:
               f"max over R = {l2_max:.4g} (dot-product reaches {max(r['lip_dot'] for r in rows_R):.4g}); the layer "
               f"is Kim et al.'s tied L2 attention written out here within {tied_dev:.1e}",
               l2_max <= bound_R and tied_dev <= 1e-12, f"the dot-product constant's log-log slope is "
-              f"{fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}] for R >= {big[0]['R']:.3g}; the theorem is about "
+              f"{fit['slope']:.2f} [{fit['lo']:.2f}, {fit['hi']:.2f}] for R >= {big[0]['R']:.3g} (below 2: at these R "
+              "the constant is c R^2 plus lower-order terms, which flatten a log-log fit; Lip / R^2 tends "
+              "to c, the claim above); the theorem is about "
               "tied queries and keys (untied L2 attention is not Lipschitz), checked on 5 random tokens with the "
               "study's W_Q, which is not symmetric", kind=THEOREM,
               fails_if="the L2 constant exceeds Kim et al.'s bound at some radius, or the layer's output differs "

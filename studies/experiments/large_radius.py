@@ -188,7 +188,8 @@ def large_radius(out_dir: Path, ctx) -> StudyResult:
     for ax, masked in zip(axes, (False, True)):
         for i, kind in enumerate(("random", "hub")):
             sel = [r for r in rows if r["kind"] == kind and r["masked"] == masked]
-            P.measured(ax, [r["R"] for r in sel], [r["lip"] for r in sel], f"{kind} direction", color=P.COLORS[i])
+            name = "hub direction (the hub first)" if kind == "hub" else f"{kind} direction"
+            P.measured(ax, [r["R"] for r in sel], [r["lip"] for r in sel], name, color=P.COLORS[i])
             P.theory(ax, [sel[0]["R"], sel[-1]["R"]], [sel[0]["limit"]] * 2,
                      "its limit ||V|| sqrt(max multiplicity)", color=P.COLORS[i], kind="limit")
             end = sel[-1]
