@@ -238,7 +238,8 @@ def l2_attention(out_dir: Path, ctx) -> StudyResult:
         Claim("Kim et al. Theorem 3.2 (2-norm form as corrected in meanfield.bounds) is never below L2 constants",
               "Lip <= bound", f"{len(viol)} violations of {len(allrows)}; max Lip/bound = "
               f"{max(r['lip_l2'] / r['kim_bound'] for r in allrows):.3g}", not viol,
-              "the form recalled in the paper's notes is false (docs/math.md section 5); "
+              "the 2-norm form with ||W_Q||^2 under the square root is false "
+              "(docs/math.md sections 5.8 and 7.1); "
               "meanfield.bounds.l2_attention_upper documents the fourth-power correction", kind=THEOREM,
               fails_if="a certified L2 constant (a lower bound of its Lip) exceeds the bound",
               short="Kim et al. Thm 3.2 (corrected 2-norm form) bounds every L2 constant",
