@@ -394,15 +394,14 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
         return hook
 
     cores = [_attention_core(model, i) for i in range(num_layers(model))]
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
     try:
         for i in layers:
-            core = _attention_core(model, i)
-            handles.append(core.register_forward_pre_hook(hook_for(i, inputs=not outer), with_kwargs=True))
+            handles.append(cores[i].register_forward_pre_hook(hook_for(i, inputs=not outer), with_kwargs=True))
             if outer:
                 handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, mask=False), with_kwargs=True))
-        with torch.no_grad(), float64_scores(cores, dtype):
-            model(input_ids=input_ids.to(next(model.parameters()).device))
+        with torch.no_grad(), float64_scores(cores, param.dtype):
+            model(input_ids=input_ids.to(param.device))
     finally:
         for h in handles:
             h.remove()

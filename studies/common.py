@@ -130,7 +130,8 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
         return {"slope": math.nan, "lo": math.nan, "hi": math.nan, "verdict": None}
     k = np.array([s["samples"] - 1 for s in used], float)
     x = np.log([float(s["n"]) for s in used])
-    y = np.log([s[f"{key}_std"] ** 2 for s in used]) - (special.digamma(k / 2) + np.log(2 / k))
+    raw = np.log([s[f"{key}_std"] ** 2 for s in used])
+    y = raw - (special.digamma(k / 2) + np.log(2 / k))
     w = 1.0 / special.polygamma(1, k / 2)
     xc = x - (w * x).sum() / w.sum()
     slope = float((w * xc * y).sum() / (w * xc ** 2).sum())
@@ -144,7 +145,6 @@ def variance_trend(stats: list[dict], key: str, level: float = 0.95) -> dict:
     lo, hi = slope - half, slope + half
     # the fitted line through the weighted centre of the points (log n, log s^2), for figures: exact where every
     # group has the same number of samples (the bias correction is then one constant)
-    raw = np.log([s[f"{key}_std"] ** 2 for s in used])
     centre = (float((w * x).sum() / w.sum()), float((w * raw).sum() / w.sum()))
     return {"slope": slope, "lo": lo, "hi": hi, "dispersion": dispersion, "centre": centre,
             "verdict": True if hi < 0 else False if lo > 0 else None}

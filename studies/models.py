@@ -190,7 +190,7 @@ def load_model(name_or_path: str | os.PathLike, *, dtype: torch.dtype = torch.fl
 def _refuse_missing(name_or_path, missing) -> None:
     """ValueError naming ``name_or_path`` when the checkpoint lacks tensors the model needs (the pooler, which no
     analysis here uses and encoder-only checkpoints often omit, excepted)."""
-    missing = sorted(k for k in missing if not k.split(".")[0] == "pooler")
+    missing = sorted(k for k in missing if k.split(".")[0] != "pooler")
     if missing:
         shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
         raise ValueError(f"name_or_path: the weights of {str(name_or_path)!r} lack {len(missing)} tensor(s) its "

@@ -197,7 +197,7 @@ def discrete_vs_meanfield(out_dir: Path, ctx) -> StudyResult:
             P.theory(ax, nn, np.exp(y0 + t["slope"] * (np.log(nn) - x0)),
                      f"{label}: fitted slope {t['slope']:.2f} [{t['lo']:.2f}, {t['hi']:.2f}]", color=P.COLORS[i],
                      kind="limit")
-    P.theory(ax, nn, np.array([s["lip_std"] ** 2 for s in stats])[0] * nn[0] / nn, "1/n (central limit rate)",
+    P.theory(ax, nn, stats[0]["lip_std"] ** 2 * nn[0] / nn, "1/n (central limit rate)",
              color="k", kind="lower")
     P.finish(ax, "sample size n", "variance over samples", "the spread the concentration claims fit\n"
              "(95% CIs of the slope; inconclusive when they hold 0)", logx=True, logy=True, legend=False)
