@@ -12,11 +12,14 @@ A study is a module of :mod:`studies.experiments` that registers one function wi
     def sqrt_n(out_dir: Path, ctx: RunContext) -> StudyResult:
         rows = run_grid(task, points, out_dir, "sqrt_n", ctx)  # tables (CSV) through the sweep runner
         ...                                                   # figures (PNG) into out_dir
-        return StudyResult("sqrt_n", title, claims, figures, tables, summary, notes)
+        return StudyResult("sqrt_n", title, claims, figures, tables, summary, notes,
+                           captions={"lipschitz_vs_n.png": "what it shows, how to read it"})
 
 The run function gets its own folder inside the run folder and the run's
 :class:`~studies.context.RunContext` (level, seed, device, ...); it reads nothing else (no
-environment variables, no module state). It returns the :class:`Claim` objects it checked.
+environment variables, no module state). It returns the :class:`Claim` objects it checked, and
+the figures it wrote, each with a caption (what it shows, how to read it, which claims it bears on):
+the report prints the caption under the figure, and a figure without one is a ValueError.
 
 Claims come in two kinds (``kind``):
 
@@ -144,9 +147,22 @@ class StudyResult:
     tables: list[str] = field(default_factory=list)    # idem
     summary: dict = field(default_factory=dict)        # JSON-serializable numbers
     notes: str = ""                                     # markdown paragraph for the report
+    captions: dict[str, str] = field(default_factory=dict)   # figure -> what it shows and how to read it
+
+    def __post_init__(self):
+        """Every figure carries a caption (the report prints it under the figure), and every caption a figure."""
+        if not isinstance(self.captions, dict):
+            raise TypeError(f"captions: expected a dict of figure -> caption, got {type(self.captions).__name__}")
+        missing = [f for f in self.figures if not str(self.captions.get(f, "")).strip()]
+        if missing:
+            raise ValueError(f"captions: {self.name}'s figures {missing} have no caption (a figure's caption says "
+                             "what it shows and how to read it: captions={figure: text})")
+        unknown = sorted(set(self.captions) - set(self.figures))
+        if unknown:
+            raise ValueError(f"captions: {unknown} are not among {self.name}'s figures {list(self.figures)}")
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("name", "title", "figures", "tables", "summary", "notes")}
+        d = {k: getattr(self, k) for k in ("name", "title", "figures", "tables", "summary", "notes", "captions")}
         d["claims"] = [c.to_dict() for c in self.claims]
         return to_json(d, "result")
 

@@ -595,6 +595,7 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
     lines += _summary_section(summary, config)
     lines += ["## Claims", "", "Each id leads to the claim in full (theory, measurement, tolerance, what would make "
               "it fail) in its study's section below.", "", claims_table(summary), ""]
+    n_fig = 0
     for name, e in summary["studies"].items():
         lines += [f"## {e.get('title') or name} (`{name}`)", ""]
         when = f", reused from the run that finished it at {e.get('finished')}" if e.get("reused") else ""
@@ -613,9 +614,13 @@ def write_report(out: Path, summary: dict, config: dict) -> Path:
                          f"Fails if {_one_line(c['fails_if']).rstrip('.')}.")
         if e.get("claims"):
             lines.append("")
+        captions = e.get("captions") or {}
         for fig in e.get("figures", []):
             if (out / name / fig).exists():
-                lines += [f"![{name}: {fig}]({name}/{fig})", ""]
+                n_fig += 1
+                caption = _one_line(captions.get(fig, "")).strip()
+                lines += [f"![Figure {n_fig}: {name}/{fig}]({name}/{fig})", "",
+                          f"*Figure {n_fig} (`{name}/{fig}`).*" + (f" {caption}" if caption else ""), ""]
         tables = [t for t in e.get("tables", []) if (out / name / t).exists()]
         if tables:
             lines += ["Data: " + ", ".join(f"[{t}]({name}/{t})" for t in tables), ""]

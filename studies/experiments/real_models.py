@@ -869,7 +869,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
                 "tol": {"maps": default_tol(dtype), "heads (V = I, float64)": default_tol(torch.float64)}},
                out_dir / "models.json")
     map_fits = map_difference_fits(tables["lipschitz"])
-    figures = report.plot_all(out_dir, tables, fits, adv_fits, map_fits) if tables["lipschitz"] else []
+    captions = report.plot_all(out_dir, tables, fits, adv_fits, map_fits) if tables["lipschitz"] else {}
 
     claims = _bound_claims(tables) if tables["lipschitz"] else []
     trained = list(dict.fromkeys((m["model"], m["mode"]) for m in measured if m["trained"]))
@@ -895,7 +895,7 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     names = [f"{k}.csv" for k in tables] + ["fits.csv", "adversarial_fits.csv", "map_difference_fits.csv",
                                             "models.json"]
     return StudyResult("real_models", "Real attention layers: a trained BERT (MiniLM) on text and adversarial inputs",
-                       claims, figures, names, summary, notes)
+                       claims, list(captions), names, summary, notes, captions=captions)
 
 
 def _extracted(spec, ctx) -> dict:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 from .. import plotting as P
 from ..io import save_figure
@@ -140,12 +141,19 @@ def plot_exponents(out_dir: Path, fits, map_fits=()) -> str:
             x = np.array([f["layer"] for f in fs]) + (k - (len(modes) - 1) / 2) * 0.25
             y = np.array([f["slope"] for f in fs])
             err = [y - np.array([f["lo"] for f in fs]), np.array([f["hi"] for f in fs]) - y]
-            ax.errorbar(x, y, yerr=err, ls="none", marker="D", ms=5, capsize=3, color="C2",
+            # thin bars: the family-wise interval over the layers (Bonferroni), the one the claim decides with;
+            # thick bars inside: each layer's own 95% CI
+            t_fw = np.array([stats.t.ppf(1 - 0.025 / max(len(fs), 1), f["points"] - 2) for f in fs])
+            half = t_fw * np.array([f["stderr"] for f in fs])
+            ax.errorbar(x, y, yerr=half, ls="none", marker="D", ms=5, capsize=3, elinewidth=0.9, color="C2",
                         mfc="white" if mode == "decoder" else "C2", label=f"{mode}: block / attention")
+            ax.errorbar(x, y, yerr=err, ls="none", marker="none", elinewidth=3, alpha=0.45, color="C2")
         ax.axhline(0, color="k", lw=1, ls="--", label="0: the maps grow alike")
         ax.set_xticks(sorted({f["layer"] for f in sel}))
-        P.finish(ax, "layer", "exponent of Lip(block) / Lip(attention)", f"{model}: paired (95% CI; away from "
-                 "0 = told apart)", legend=False)
+        n_layers = len({f["layer"] for f in sel})
+        P.finish(ax, "layer", "exponent of Lip(block) / Lip(attention)",
+                 f"{model}: paired exponent; thick bars: 95% CI per layer,\nthin: family-wise 95% over the "
+                 f"{n_layers} layers (decides; off 0 = told apart)", legend=False)
         ax.legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
     for ax, model in zip(axes[0], models):
         sel = [f for f in fits if f["model"] == model]
@@ -227,8 +235,8 @@ def plot_gamma(out_dir: Path, gamma) -> str:
 
     keys = list(dict.fromkeys((r["model"], r["mode"]) for r in gamma))
     heads = sorted({r["head"] for r in gamma})
-    fig, axes = P.figure(ncols=len(keys), width=max(4.2, 0.42 * len(heads) + 1.8) * len(keys),
-                         height=max(3.0, 0.42 * len({r['layer'] for r in gamma}) + 1.6))
+    fig, axes = P.figure(ncols=len(keys), width=max(4.2, 0.5 * len(heads) + 1.8) * len(keys),
+                         height=max(3.0, 0.45 * len({r['layer'] for r in gamma}) + 1.6))
     axes = list(np.atleast_1d(axes))
     for ax, (model, mode) in zip(axes, keys):
         sel = [r for r in gamma if r["model"] == model and r["mode"] == mode]
@@ -247,7 +255,9 @@ def plot_gamma(out_dir: Path, gamma) -> str:
             for i, layer in enumerate(layers):
                 for j, h in enumerate(heads):
                     if np.isfinite(Z[i, j]):
-                        ax.text(h, layer, f"{Z[i, j]:.2g}", ha="center", va="center", fontsize=6,
+                        # whole numbers from 10 on ("120", not "1.2e+02"): three characters fit a cell at 8 pt
+                        label = f"{Z[i, j]:.0f}" if Z[i, j] >= 10 else f"{Z[i, j]:.2g}"
+                        ax.text(h, layer, label, ha="center", va="center", fontsize=8,
                                 color="white" if Z[i, j] < mid else "black")
         ax.set_xticks(heads)
         ax.set_yticks(layers)
@@ -260,7 +270,8 @@ def plot_gamma(out_dir: Path, gamma) -> str:
 
 
 def plot_radius(out_dir: Path, radius, lip) -> str:
-    """Appendix E.2: token radius against position (mean over the longest sequences, band = one std)
+    """Appendix E.2: token radius against position (mean over the longest sequences, bars = 10-90% of the tokens
+    of each octave of positions)
     and mean radius of a sequence against its length (mean over sequences, bars = min-max)."""
     keys = list(dict.fromkeys((r["model"], r["mode"]) for r in radius))
     fig, axes = P.figure(ncols=2, nrows=len(keys), width=12, height=3.2 * len(keys) + 0.3)
@@ -284,12 +295,17 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
                     mean.append(v.mean())
                     lo.append(np.percentile(v, 10))
                     hi.append(np.percentile(v, 90))
-            ax.plot(centre, mean, color=P.COLORS[c % 10], marker="o", ms=3, lw=1.2, label=f"layer {layer}")
-            ax.fill_between(centre, lo, hi, color=P.COLORS[c % 10], alpha=0.12, lw=0)
+            # the 10-90% spread as bars, each layer's shifted a little along the (log) axis: six overlapping
+            # bands hid one another
+            shift = 1.06 ** (c - (len(layers) - 1) / 2)
+            x = np.array(centre) * shift
+            mean, lo, hi = np.array(mean), np.array(lo), np.array(hi)
+            ax.errorbar(x, mean, yerr=[mean - lo, hi - mean], color=P.COLORS[c % 10], marker="o", ms=3, lw=1.2,
+                        elinewidth=0.8, capsize=1.5, label=f"layer {layer}")
         seqs = rad[0]["sequences"] if rad else 0
         P.finish(ax, "token position i (octaves 1, 2, 3-4, 5-8, ...)", "mean |x_i| at the attention input",
                  f"{model} {mode}: radius by position\n({seqs} sequences of {rad[0]['n'] if rad else 0} tokens; "
-                 "band: 10-90% per octave)", logx=True, legend=False)
+                 "bars: 10-90% per octave)", logx=True, legend=False)
         _log_ticks(ax, "x")
         ax = axes[a, 1]
         seq = [r for r in lip if r["model"] == model and r["mode"] == mode and r["map"] == "attention"]
@@ -310,22 +326,65 @@ def plot_radius(out_dir: Path, radius, lip) -> str:
     return "radius.png"
 
 
-def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list, map_fits=()) -> list[str]:
-    """Every figure of the study; returns their file names."""
+def _caption_real_text(model: str) -> str:
+    return (f"{model} on real text: the certified local constant Lip_X of the attention alone (blue) and of the "
+            "whole block LayerNorm(X + attention(X)) (orange) against the sequence length n, one panel per layer "
+            "and mode (top row encoder, bottom row causal decoder, where the mode was measured); points are means "
+            "over sequences, bars their range, dashed lines the fitted power laws whose exponents the panel titles "
+            "give. The real-text claims read these exponents: a trained layer's should lie in (0, 0.5), below "
+            "Theorem 3.3's worst case sqrt(n); the paper saw about n^(1/4).")
+
+
+def _caption_adversarial(model: str) -> str:
+    return (f"{model} at Proposition 3.4's witness (the adversarial sequence built for each layer's head of "
+            "largest gamma, at the radius of the layer's real inputs): the real layer with all its heads, V, W_O "
+            "and biases (red) against the head alone with V = I (green) and the proposition's lower bound (black "
+            "dots), which the green curve must meet; the faint red line is sqrt(n) through the last point. The "
+            "witness claims ask whether the real layer too grows like sqrt(n) there: where the red curve bends "
+            "away from the faint line, it does not.")
+
+
+CAPTION_EXPONENTS = (
+    "Top: each layer's fitted real-text exponent with its 95% interval (filled markers encoder, open decoder; "
+    "circles the attention alone, squares the block), against 0.5 (Theorem 3.3's worst case) and 1/4 (the "
+    "paper's rate on real text); the real-text claims need every interval inside (0, 0.5). Bottom: the paired "
+    "exponent of Lip(block) / Lip(attention), fitted over the same sequences, per layer. The block claims decide "
+    "with the thin bars (a family-wise 95% level over the layers, Bonferroni): a thin bar off 0 tells the two "
+    "maps apart at that layer; the thick bars, each layer's own 95% interval, may leave 0 by chance at one "
+    "layer in several.")
+
+CAPTION_GAMMA = (
+    "gamma_h R^2 of every head (columns) of every layer (rows), R the mean radius of the layer's real inputs and "
+    "gamma_h = max(lambda_max / 8, -lambda_min) of the head's query-key matrix A_h (Proposition 3.4). The "
+    "mean-field picture of Section 3 needs n << exp(2 gamma R^2): the gamma claims take the largest 2 gamma_h "
+    "R^2 of each layer, and the report's paragraph on this figure counts the heads where it is small.")
+
+CAPTION_RADIUS = (
+    "Left: the mean radius |x_i| of the attention's inputs by token position, over octaves of positions (1, 2, "
+    "3-4, 5-8, ...), bars 10-90% of the tokens there, each layer's bars shifted a little to the right of the "
+    "previous one's. Right: the mean radius of a sequence against its length (bars: range over sequences). "
+    "The paper's Appendix E.2 takes R from these radii; a radius that grew with n would add to the growth of "
+    "the constants in the real-text figure, so read the right panels' trends beside its exponents.")
+
+
+def plot_all(out_dir: Path, tables: dict, fits: list, adv_fits: list, map_fits=()) -> dict[str, str]:
+    """Every figure of the study; returns their file names, each with its caption (the report prints it)."""
     out_dir = Path(out_dir)
     lip, adv = tables["lipschitz"], tables["adversarial"]
-    jobs = [(f"real text, {m}", lambda m=m: plot_real_text(out_dir, lip, fits, m)) for m in _models(lip)]
+    jobs = [(f"real text, {m}", lambda m=m: plot_real_text(out_dir, lip, fits, m), _caption_real_text(m))
+            for m in _models(lip)]
     if fits:
-        jobs.append(("exponents", lambda: plot_exponents(out_dir, fits, map_fits)))
-    jobs += [(f"adversarial inputs, {m}", lambda m=m: plot_adversarial(out_dir, adv, m)) for m in _models(adv)]
+        jobs.append(("exponents", lambda: plot_exponents(out_dir, fits, map_fits), CAPTION_EXPONENTS))
+    jobs += [(f"adversarial inputs, {m}", lambda m=m: plot_adversarial(out_dir, adv, m), _caption_adversarial(m))
+             for m in _models(adv)]
     if tables["gamma"]:
-        jobs.append(("gamma of every head", lambda: plot_gamma(out_dir, tables["gamma"])))
+        jobs.append(("gamma of every head", lambda: plot_gamma(out_dir, tables["gamma"]), CAPTION_GAMMA))
     if tables["radius"]:
-        jobs.append(("radii of the inputs", lambda: plot_radius(out_dir, tables["radius"], lip)))
-    figs = []
-    for k, (what, draw) in enumerate(jobs):   # a few seconds each: one line per figure
+        jobs.append(("radii of the inputs", lambda: plot_radius(out_dir, tables["radius"], lip), CAPTION_RADIUS))
+    figs = {}
+    for k, (what, draw, caption) in enumerate(jobs):   # a few seconds each: one line per figure
         log.info("real_models: figure %d of %d (%s)", k + 1, len(jobs), what)
-        figs.append(draw())
+        figs[draw()] = caption
     return figs
 
 

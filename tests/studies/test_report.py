@@ -39,7 +39,8 @@ def fake_studies():
                   Claim("an observation", "o", "p", False, kind="empirical", fails_if="q"),
                   Claim("undecided", "o", "p", None, kind="empirical", fails_if="r")]
         return StudyResult("zz_fake_ok", "A fake study", claims, ["fig.png", "missing.png"], ["data.csv"],
-                           {"mean": float(x.mean()), "inf": float("inf")}, "Some notes.")
+                           {"mean": float(x.mean()), "inf": float("inf")}, "Some notes.",
+                           captions={"fig.png": "Five normal draws x against i.", "missing.png": "Never drawn."})
 
     @register("zz_fake_fail", "A failing study", order=1001)
     def fail(out_dir, ctx):
@@ -87,7 +88,10 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
     assert pngs == ["zz_fake_ok/fig.png"]
     for p in pngs:
         assert f"]({p})" in md
-    assert "missing.png" not in md
+    assert "missing.png" not in md and "Never drawn" not in md
+    # the figure is numbered, and its caption (the study's words) is printed under it
+    assert "![Figure 1: zz_fake_ok/fig.png](zz_fake_ok/fig.png)\n\n*Figure 1 (`zz_fake_ok/fig.png`).* Five normal " \
+           "draws x against i.\n" in md
     assert "zz_fake_ok/data.csv" in md
     # the failing study is in the table and its traceback in its section; no cell needs an escape
     assert re.search(r"\| zz_fake_fail \| study failed \|.*\| \*\*failed\*\* \|.*boom from the fake study", md)
@@ -403,3 +407,15 @@ def test_study_folders_of_an_earlier_run_are_listed_as_not_part_of_the_report(tm
     same = reproduce(RunContext(out, level="tiny", seed=0, progress=False), only=["zz_left_a"])
     assert same["not_in_run"][0]["same_settings"] is True
     assert "with this run's code and settings (adding it to `--only` reuses it)" in (out / "report.md").read_text()
+
+
+def test_a_figure_without_a_caption_is_refused():
+    """The report prints each figure's caption under it: a study that lists a figure without one, or a caption
+    for a figure it does not list, is a ValueError naming the argument and the figure."""
+    with pytest.raises(ValueError, match=r"captions: zz's figures \['b.png'\] have no caption"):
+        StudyResult("zz", "t", figures=["a.png", "b.png"], captions={"a.png": "A.", "b.png": "  "})
+    with pytest.raises(ValueError, match=r"captions: \['c.png'\] are not among zz's figures"):
+        StudyResult("zz", "t", figures=["a.png"], captions={"a.png": "A.", "c.png": "C."})
+    with pytest.raises(TypeError, match="captions: expected a dict"):
+        StudyResult("zz", "t", figures=["a.png"], captions=["A."])
+    assert StudyResult("zz", "t", figures=["a.png"], captions={"a.png": "A."}).to_dict()["captions"] == {"a.png": "A."}

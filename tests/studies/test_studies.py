@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -81,8 +82,12 @@ def test_every_study_ran_and_claims_agree(run):
         e = summary["studies"][name]
         assert e["status"] == "ok", (name, e.get("traceback"))
         assert e["claims"], name
+        md = (out / "report.md").read_text()
         for fig in e["figures"]:
             assert (out / name / fig).stat().st_size > 10_000, (name, fig)  # a real PNG, not an empty canvas
+            # under each figure, its caption: what it shows (the study's words, the figure's own file named)
+            caption = re.search(rf"\*Figure \d+ \(`{re.escape(name)}/{re.escape(fig)}`\)\.\* (.+)", md)
+            assert caption and len(caption.group(1)) > 80, (name, fig)
     # tiny grids are small, yet no theorem claim of these studies is violated on them (the dynamics'
     # trajectories are as long as at --quick size), and no empirical one is contradicted but the findings
     # about the paper's statements, which must come out as findings (docs/math.md section 7)
