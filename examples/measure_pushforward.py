@@ -78,7 +78,8 @@ def main(argv=None) -> Path:
     gap_perm = w2(att(shuffled), att(mu))
     print(f"W2(F(split mu), F(mu)) = {gap_split:.1e}; W2(F(shuffled mu), F(mu)) = {gap_perm:.1e}")
     for k in range(layers):
-        print(f"layer {k + 1}: W2(mu_{k}, mu_{k + 1}) = {step[k]:.4f}, W2(mu_0, mu_{k + 1}) = {total[k + 1]:.4f}")
+        since_start = f", W2(mu_0, mu_{k + 1}) = {total[k + 1]:.4f}" if k else ""   # layer 1: the same distance
+        print(f"layer {k + 1}: W2(mu_{k}, mu_{k + 1}) = {step[k]:.4f}{since_start}")
 
     shown = [0, 1, layers]
     fig, grid = plt.subplots(2, 2, figsize=(9.5, 8.6))

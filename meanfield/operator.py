@@ -218,6 +218,11 @@ class AttentionOperator:
         if self.masked and mu.positions is None:
             raise ValueError(f"{name}: a masked operator needs a measure with positions "
                              "(build it with Measure.sequence(X) or positions=...)")
+        if not self.masked and mu.positions is not None and not self.points_only:
+            # as transport.w2 does for masked measures: a result that ignores what the measure carries says so
+            warnings.warn(f"{name}: the measure's positions are not read: {type(self).__name__} is unmasked (every "
+                          f"atom attends to every atom, whatever its position). Pass {name}.unmasked() to drop them "
+                          "on purpose, or build the operator with masked=True", UserWarning, stacklevel=3)
         if self.points_only:
             if mu.positions is not None:
                 raise ValueError(f"{name}: {self!r} is points-only (a bare callable): it cannot read the positions "

@@ -47,6 +47,16 @@ class UpperBound:
         """False when the framework knows no bound for this operator (``value`` is then inf)."""
         return self.log_value < math.inf
 
+    def __float__(self) -> float:
+        """``value`` (``math.inf`` beyond float64 or when no bound is known), as ``float(estimate)`` gives a
+        :class:`~meanfield.lipschitz.LipschitzEstimate`'s value."""
+        return self.value
+
+    def __repr__(self) -> str:
+        """The value first, then its logarithm, the source and how many heads were combined (not their records)."""
+        heads = f", heads=<{len(self.heads)} heads>" if self.heads else ""
+        return f"UpperBound(value={self.value:.6g}, log_value={self.log_value:.6g}, source={self.source!r}{heads})"
+
 
 #: why a masked head gets no bound on measures (the paper's Theorem 4.4 states Theorem 3.5's bound for it)
 MASKED_MEASURES = ("none: no bound is known for masked attention on measures (Theorem 4.4's stated bound, that "

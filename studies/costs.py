@@ -38,6 +38,10 @@ def minutes(seconds: float) -> str:
     return f"{seconds / 60:.1f} min"
 
 
+#: the row of the whole report in one process (``bench_memory.py --whole``)
+WHOLE = "(whole job)"
+
+
 def _cell(entry: dict | None) -> str:
     if not entry:
         return "not measured"
@@ -58,7 +62,7 @@ def _names(data: dict) -> list[str]:
         for name in data["levels"].get(level, {}).get("studies", {}):
             if name not in seen:
                 seen.append(name)
-    whole = "(whole job)"
+    whole = WHOLE
     # the report's order (STUDY_MODULES), then any other study measured, then the whole job
     from .contract import STUDY_MODULES
 
@@ -81,10 +85,24 @@ def markdown_table(data: dict | None = None) -> str:
             loads = sorted({e["load"] for e in meta["studies"].values() if "load" in e})
             avg = loads[0] if len(loads) == 1 else f"{loads[0]} to {loads[-1]}" if loads else "unknown"
             commands = " and ".join(f"`{c}`" for c in meta["commands"])
-            notes.append(f"{level}: {commands}, {meta['date']}, load average {avg}")
+            notes.append(f"{level}: {commands}, {_dates(meta)}, load average {avg}")
     if data.get("machine"):
         notes.insert(0, f"machine: {data['machine']}")
     return "\n".join(lines) + ("\n\n" + "; ".join(notes) + "." if notes else "")
+
+
+def _dates(meta: dict) -> str:
+    """When a level's rows were measured: one date, or the most common one and the others by study
+    ("2026-11-27 but kernel_paths (2026-11-28)"); the run's own date where a row records none."""
+    by: dict[str, list[str]] = {}
+    for name, e in meta["studies"].items():
+        if name != WHOLE:
+            by.setdefault(e.get("date") or meta["date"], []).append(name)
+    if len(by) <= 1:
+        return next(iter(by), meta["date"])
+    common = max(by, key=lambda d: len(by[d]))
+    rest = [f"{', '.join(names)} ({d})" for d, names in sorted(by.items()) if d != common]
+    return f"{common} but " + " and ".join(rest)
 
 
 def help_text(data: dict | None = None) -> str:

@@ -642,7 +642,10 @@ def _witness_claim(label, mode, adv_fits, gamma_rows, n_max) -> Claim:
                     "growth there",
         agrees, f"real layer: its V, W_O, biases and all heads, float32 map, the model's own mask. Per layer: agree "
                 f"when the 95% CI lies within {SQRT_BAND} of the predicted slope, disagree when it lies entirely "
-                f"further away, inconclusive when it straddles (too wide to decide); the claim is reproduced when "
+                f"further away, inconclusive when it straddles (too wide to decide). The witness is one "
+                "deterministic sequence per length, so the CI (least squares over the tail's lengths) measures how "
+                "far the tail is from a power law, not sampling noise: a wide one is a curved tail. The claim is "
+                "reproduced when "
                 "every layer agrees, not reproduced when one disagrees, inconclusive otherwise. Heads with "
                 "exp(2 gamma R^2) < 1000 n_max are left out", kind=EMPIRICAL,
         fails_if=f"the 95% CI of some layer's exponent lies entirely more than {SQRT_BAND} away from Proposition "

@@ -70,3 +70,16 @@ def test_verdicts_are_recorded_with_their_date_and_read_back(tmp_path):
     assert costs.recorded_verdict("real_models", 4, path=path) is None        # fewer claims recorded
     assert costs.recorded_verdict("sqrt_n", 1, path=path) is None             # a run without verdicts
     assert costs.recorded_verdict("real_models", 2, level="quick", path=path) is None
+
+
+def test_the_table_says_which_rows_were_measured_on_another_day():
+    """A level whose rows come from runs on several days says so, study by study (the README's footnote gave the
+    last run's date only, so rows measured a day apart read as measured together)."""
+    row = {"wall_s": 3.0, "cpu_s": 3.0, "peak_gib": 0.4, "status": "ok", "load": "1.0"}
+    data = {"machine": "m", "levels": {"quick": {"commands": ["c"], "date": "2026-11-28", "studies": {
+        "sqrt_n": {**row, "date": "2026-11-27"}, "masked": {**row, "date": "2026-11-27"},
+        "kernel_paths": {**row, "date": "2026-11-28"}, "(whole job)": {**row}}}}}
+    assert "quick: `c`, 2026-11-27 but kernel_paths (2026-11-28), load average 1.0." in costs.markdown_table(data)
+    for e in data["levels"]["quick"]["studies"].values():
+        e["date"] = "2026-11-29"
+    assert "quick: `c`, 2026-11-29, load average 1.0." in costs.markdown_table(data)

@@ -210,7 +210,8 @@ def test_position_masses_are_summed_in_float64():
 def test_w2_of_masked_measures_says_that_it_ignores_positions():
     """Two atoms that swap positions: W2 of the points is 0 and W2c is |x - y| = sqrt(2) (the truth by hand);
     w2 of two masked measures now warns that positions are not used (it returned 0 silently; found by an independent
-    review), w2 of their unmasked laws does not, and an unmasked operator's lipschitz_ratio compares those."""
+    review), w2 of their unmasked laws does not, and an unmasked operator's lipschitz_ratio compares those, saying
+    that it does not read the positions (a later review: it was silent)."""
     import warnings
 
     from meanfield import SelfAttention, lipschitz_ratio
@@ -225,8 +226,11 @@ def test_w2_of_masked_measures_says_that_it_ignores_positions():
         warnings.simplefilter("error")
         assert w2(mu.unmasked(), nu.unmasked()) == 0.0
         assert mu.unmasked().positions is None and torch.equal(mu.unmasked().points, mu.points)
-        op = SelfAttention(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64))
-        moved = Measure(x + 0.1 * torch.tensor([[1.0, -1.0], [0.5, 0.2]], dtype=F64), positions=pos)
+    op = SelfAttention(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64))
+    moved = Measure(x + 0.1 * torch.tensor([[1.0, -1.0], [0.5, 0.2]], dtype=F64), positions=pos)
+    with pytest.warns(UserWarning, match=r"mu: the measure's positions are not read: SelfAttention is unmasked"):
         ratio = lipschitz_ratio(op, mu, moved)
-    assert ratio == pytest.approx(w2(op(mu).unmasked(), op(moved).unmasked())
-                                  / w2(mu.unmasked(), moved.unmasked()), rel=1e-12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ratio == pytest.approx(w2(op(mu.unmasked()), op(moved.unmasked()))
+                                      / w2(mu.unmasked(), moved.unmasked()), rel=1e-12)
