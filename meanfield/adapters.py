@@ -14,10 +14,12 @@ imports it back.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor, check_bool
+from particles.validation import as_tensor, check_bool, check_device, float_dtype
 
 from .kernels import additive_mask, silence_blind_rows
 from .operator import AttentionOperator
@@ -138,6 +140,14 @@ class TorchMultiheadAttention(AttentionOperator):
 
     def __repr__(self) -> str:
         return f"TorchMultiheadAttention(embed_dim={self.d_in}, heads={self.module.num_heads}, masked={self.masked})"
+
+    def to(self, device=None, dtype=None) -> TorchMultiheadAttention:
+        """The same layer on ``device`` in ``dtype``, on a copy of the module (the module given is left as it is).
+        What a float32 layer's certified constant is checked with, in float64 (:func:`meanfield.local_lipschitz`):
+        without it the certificate covered float32 products only, whose rounding at large radii exceeded it."""
+        dtype, device = float_dtype(dtype), check_device(device)
+        twin = copy.deepcopy(self.module).to(device=device, dtype=dtype)
+        return TorchMultiheadAttention(twin, masked=self.masked)
 
     def parameters(self, d: int | None = None):
         """Per head: Q, K, V from ``in_proj_weight`` (rows q | k | v, head h the rows h k..(h+1) k),

@@ -116,6 +116,26 @@ class Jacobian:
             self.out = self.fn(self.Xr)
         # an output that does not depend on X (a zero Jacobian) has no graph
         self.constant = not self.out.requires_grad
+        if self.constant and self.X.numel():
+            self._refuse_cut_graph()
+
+    def _refuse_cut_graph(self):
+        """An output without autograd's graph of X is the output of a constant map, or of one that cut the graph
+        (``.detach()``, numpy, ``torch.no_grad``): f at a perturbed input tells them apart. A cut graph would
+        give a certified 0 (a review: ``Y.detach() * 2``, constant 2), so it is a ValueError."""
+        scale = float(self.X.detach().abs().max()) + 1.0
+        g = torch.Generator(device="cpu").manual_seed(0)
+        delta = (torch.rand(self.X.shape, generator=g, dtype=torch.float64) - 0.5).to(self.X.device, self.X.dtype)
+        with torch.no_grad(), _sdpa_backends(self.math_sdpa):
+            moved = self.fn(self.X.detach() + 1e-3 * scale * delta)
+        out = self.out.detach()
+        if moved.shape != out.shape:
+            return
+        tol = 64 * torch.finfo(out.dtype).eps * (float(out.abs().max()) + 1.0) if out.is_floating_point() else 0.0
+        if float((moved - out).abs().max()) > tol:
+            raise ValueError("f: its output carries no autograd graph of X (a .detach(), a conversion to numpy, "
+                             "or torch.no_grad inside f), yet it changes with X: its Jacobian cannot be computed. "
+                             "Keep f differentiable in torch (the local constant of a constant map is 0)")
 
     def _jt(self, w):
         if self.constant:

@@ -225,7 +225,8 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     about a lower singular value, and the iteration restarts from the Ritz vector (at most
     ``POWER_RESTARTS`` times, or once no budget is left to restart; then the member is reported as not
     converged). The check's steps count in ``max_iter`` and in the iterations reported; a budget too small
-    for them (below the iterations plus 8) leaves the certificate unchecked."""
+    for them (below the iterations plus 8) leaves the certificate unchecked. Iterations that converge on no member
+    go on with the check's reserve, so a larger ``max_iter`` never iterates less."""
     u = _random_start(p.X.shape, p.X, seed)
     shape = p.X.shape
     b, N = shape[0], p.X[0].numel()
@@ -241,6 +242,11 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
             room = max_iter - used
         value, rho, err, vector, done, stalled, it = _power_loop(p, u, tol, room, progress, used)
         used += it
+        if steps and not bool((done | stalled).any()) and max_iter - used > 0:
+            # no member converged in the iterations left beside the check's reserve: the reserve iterates too, from
+            # the best iterates (whose first certificate is theirs), so that a larger max_iter never does less
+            value, rho, err, vector, done, stalled, it = _power_loop(p, vector, tol, max_iter - used, progress, used)
+            used += it
         if not steps or not bool(done.any()):
             break
         if max_iter - used < steps:
