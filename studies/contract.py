@@ -147,7 +147,7 @@ class StudyResult:
     tables: list[str] = field(default_factory=list)    # idem
     summary: dict = field(default_factory=dict)        # JSON-serializable numbers
     notes: str = ""                                     # markdown paragraph for the report
-    captions: dict[str, str] = field(default_factory=dict)   # figure -> what it shows and how to read it
+    captions: dict = field(default_factory=dict)       # figure -> caption: what it shows, how to read it
 
     def __post_init__(self):
         """Every figure carries a caption (the report prints it under the figure), and every caption a figure."""
