@@ -62,13 +62,12 @@ def _names(data: dict) -> list[str]:
         for name in data["levels"].get(level, {}).get("studies", {}):
             if name not in seen:
                 seen.append(name)
-    whole = WHOLE
     # the report's order (STUDY_MODULES), then any other study measured, then the whole job
     from .contract import STUDY_MODULES
 
     order = {m.rsplit(".", 1)[1]: i for i, m in enumerate(STUDY_MODULES)}
-    studies = sorted((n for n in seen if n != whole), key=lambda n: (order.get(n, len(order)), seen.index(n)))
-    return studies + ([whole] if whole in seen else [])
+    studies = sorted((n for n in seen if n != WHOLE), key=lambda n: (order.get(n, len(order)), seen.index(n)))
+    return studies + ([WHOLE] if WHOLE in seen else [])
 
 
 def markdown_table(data: dict | None = None) -> str:
