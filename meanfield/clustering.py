@@ -17,13 +17,14 @@ Functions accept a tensor/array (N, d), a :class:`particles.Measure`, or (where 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from particles import Measure
-from particles.linkage import cells_resolve, first_occurrence, grid_cells, linked_components, unit_scale
+from particles.linkage import first_occurrence, linked_components, unit_scale
 from particles.validation import as_tensor, check_positive_float
 
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
@@ -59,7 +60,7 @@ def _check_tol(tol, X: np.ndarray) -> float:
     return check_positive_float(tol, "tol")
 
 
-def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack=None
                    ) -> np.ndarray:
     """Single-linkage cluster labels at distance ``tol``, numbered 0..k-1 by first occurrence.
 
@@ -68,12 +69,16 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     have collapsed into one cluster); give an absolute distance to compare configurations of different
     spreads, or tokens that collapse at the origin.
 
-    Up to ``exact_limit`` points: exact (scipy.cluster.hierarchy single linkage cut at ``tol``).
-    Above: points are first grouped in grid cells of diameter ``slack * tol / 2`` and single linkage
-    runs on one representative per cell at ``tol * (1 + slack)``; the clusters returned then lie
-    between the exact clusters at ``tol`` and at ``tol * (1 + slack)`` (each point is within
-    the cell diameter of its representative). This keeps collapsed clusters of 10^5 tokens cheap.
+    Exact at every size: up to ``exact_limit`` points scipy.cluster.hierarchy's single linkage cut at ``tol``,
+    above it the components of the graph linking points within ``tol``
+    (:func:`particles.linkage.linked_components`, memory O(N): a collapsed cloud of 10^6 tokens in under a second,
+    10^6 tokens spread on the sphere in a few seconds). Both compare squared distances with ``tol^2``.
+    ``slack`` is ignored (it set an approximation above ``exact_limit``, whose counts fell short of the exact
+    ones: 81817 clusters for 148817 among 10^6 points on the sphere); passing it warns.
     """
+    if slack is not None:
+        warnings.warn("cluster_labels(slack=...): the clusters are exact at every size now; slack is ignored and "
+                      "will be removed in the next release", DeprecationWarning, stacklevel=2)
     X, _ = _points(points)
     tol = _check_tol(tol, X)
     n, d = X.shape
@@ -89,18 +94,10 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
         Xs, ts = unit_scale(X, tol)
         raw = fcluster(linkage(pdist(Xs, "sqeuclidean"), method="single"), t=ts * ts, criterion="distance")
         return first_occurrence(raw)
-    if not 0 < slack <= 1:
-        raise ValueError(f"slack: expected a number in (0, 1], got {slack}")
-    side = slack * tol / (2 * math.sqrt(d))
-    if not cells_resolve(X, side):
-        raise ValueError(f"tol: {tol:g} is below the resolution of the points' coordinates (cells of side {side:g} "
-                         f"across their extent); give a larger tol")
-    cell_of, first = grid_cells(X, side)
-    comp = linked_components(X[first], tol * (1 + slack))
-    return first_occurrence(comp[cell_of])
+    return first_occurrence(linked_components(X, tol, what="cluster_labels"))
 
 
-def count_clusters(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+def count_clusters(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack=None
                    ) -> int | np.ndarray:
     """Number of single-linkage clusters at the distance ``tol`` (None: :func:`cluster_labels`'s default, frame by
     frame); an array over time for a Trajectory or (T, N, d). Of a Measure or a Trajectory, the clusters of the
@@ -116,7 +113,7 @@ def count_clusters(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMI
     return int(cluster_labels(pts, tol, **kw).max()) + 1
 
 
-def cluster_centers(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1
+def cluster_centers(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack=None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(centers (k, d), masses (k,), labels (N,)): weighted means and total weights of each cluster at the
     distance ``tol``, one label per atom; atoms of zero mass are clustered too (a cluster of them alone has mass 0,
@@ -189,7 +186,7 @@ class LimitSet:
         return bool(self.is_vertex.all())
 
 
-def limit_set(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack: float = 0.1) -> LimitSet:
+def limit_set(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack=None) -> LimitSet:
     """Cluster ``x`` at the distance ``tol`` (None: :func:`cluster_labels`'s default) and test which cluster centers
     are vertices of their convex hull. ``exact_limit`` and ``slack``: as in :func:`cluster_labels`."""
     X, _ = _points(x)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +52,9 @@ def atomic_write_with(path, writer: Callable[[Path], object], *, make_parents: b
         writer(tmp)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
+        with contextlib.suppress(OSError):
+            # a file written over keeps its permission bits (a 0600 file came back 0644, the umask's)
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

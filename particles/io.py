@@ -142,6 +142,7 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
     path = Path(path)
     if metadata is not None and not isinstance(metadata, dict):
         raise TypeError(f"metadata: expected a dict (a JSON object), got {type(metadata).__name__}")
+    _check_keys(metadata, "metadata")
     header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "kind": kind, "dtype": _dtype_name(dtype),
               "library_version": __version__, **(fields or {}), "metadata": metadata or {}}
     try:
@@ -150,6 +151,11 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
         raise TypeError(f"metadata: must be JSON-serializable: dicts with str keys, lists, str, int, float, bool, "
                         f"None, or numpy scalars of those ({exc}); convert other values first, e.g. a tensor "
                         "with .tolist()") from exc
+    size = np.array(text).nbytes
+    if size > _HEADER_MAX_BYTES:
+        # the readers refuse a header above this size (a file would be written that nothing reads back)
+        raise ValueError(f"metadata: {size} bytes once stored (4 per character), above the {_HEADER_MAX_BYTES} "
+                         "a header may hold; store large data as arrays of a file of its own")
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; give a file name such as {path / 'measure.npz'}")
     if not path.parent.is_dir():
@@ -162,6 +168,21 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
 
     # an interrupted save never leaves half a file behind
     return atomic_write_with(path, write, make_parents=False)
+
+
+def _check_keys(obj, where: str) -> None:
+    """TypeError naming the place of a dict key that is not a str: JSON would turn it into one (1 -> "1", None ->
+    "null", True colliding with 1), and the metadata read back would differ from what was saved."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: key {k!r} (of type {type(k).__name__}) is not a str; metadata keys must "
+                                f"be str (JSON would store it as {json.dumps(str(k) if k is not None else None)}, and "
+                                "read it back so), e.g. " + repr(str(k)))
+            _check_keys(v, f"{where}[{k!r}]")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_keys(v, f"{where}[{i}]")
 
 
 def _numpy_scalar(value):

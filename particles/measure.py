@@ -28,6 +28,7 @@ from .validation import (
     check_radius,
     make_generator,
     resolve_dtype,
+    scalar,
     weight_tolerance,
 )
 
@@ -131,7 +132,19 @@ class Measure:
             elif abs(float(total)) > tol:
                 raise ValueError(f"log_weights: weights sum to exp({float(total):.3g}), not 1 "
                                  "(pass normalize=True to rescale)")
+            elif abs(float(total)) > weight_tolerance(pts.dtype):
+                # accepted at the looser tolerance of their own, lower precision: renormalized, so that the
+                # measure's log-weights sum to one in the points' precision (a saved measure is checked at it)
+                lw = lw - torch.logsumexp(lw, 0)
             lw = _held(lw, pts.dtype, "log_weights")
+            # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4: a
+            # positive mass below it would be taken for a zero one (a review: log-weights of -1e308)
+            low = torch.finfo(lw.dtype).min / 4
+            tiny = (lw > -math.inf) & (lw < low)
+            if bool(tiny.any()):
+                raise ValueError(f"log_weights: {int(tiny.sum())} atom(s) of positive mass have log-weights below "
+                                 f"{low:.3g} (smallest {float(lw[tiny].min()):.4g}), which the attention kernels "
+                                 "cannot tell from zero mass; pass -inf for a zero mass")
             w = torch.exp(lw)
         else:
             if weights is None:
@@ -158,9 +171,10 @@ class Measure:
                     w = w / w.sum()
                 elif abs(total - 1.0) > tol:
                     raise ValueError(f"weights: must sum to 1, got {total!r} (pass normalize=True to rescale)")
-                elif lower:
-                    # weights of a lower precision than the points, accepted in their own precision:
-                    # the measure's own weights sum to one in the points' precision
+                elif lower or abs(total - 1.0) > weight_tolerance(pts.dtype):
+                    # weights of a lower precision than the points (a torch tensor, or a numpy array, which
+                    # as_tensor widened), accepted in their own precision: the measure's own weights sum to one in
+                    # the points' precision (a saved measure is checked at it)
                     w = w / w.sum()
                 lw = _held(torch.log(w), pts.dtype, "weights")
                 w = w.to(pts.dtype)
@@ -369,8 +383,8 @@ class Measure:
         if not isinstance(out, torch.Tensor):
             # numpy results come back in the measure's own dtype, not float64
             out = as_tensor(out, "fn(points)", dtype=self.dtype, device=self.device)
-        if out.dim() != 2 or out.shape[0] != self.n:
-            raise ValueError(f"fn: must map ({self.n}, d) points to ({self.n}, d') points, "
+        if out.dim() != 2 or out.shape[0] != self.n or out.shape[1] == 0:
+            raise ValueError(f"fn: must map ({self.n}, d) points to ({self.n}, d') points with d' >= 1, "
                              f"got shape {tuple(out.shape)}")
         if out.dtype != self.dtype:
             # the weights and log-weights are the measure's: points of another dtype would make a measure that
@@ -389,8 +403,8 @@ class Measure:
             raise TypeError(f"points: {points.dtype} points for a measure of {self.dtype}; convert them with "
                             f".to({self.dtype}) or the measure with mu.to(dtype=...)")
         pts = as_tensor(points, "points", dtype=self.dtype, device=self.device)
-        if pts.dim() != 2 or pts.shape[0] != self.n:
-            raise ValueError(f"points: expected ({self.n}, d), got {tuple(pts.shape)}")
+        if pts.dim() != 2 or pts.shape[0] != self.n or pts.shape[1] == 0:
+            raise ValueError(f"points: expected ({self.n}, d) with d >= 1, got {tuple(pts.shape)}")
         return Measure._trusted(pts, self._weights, self._log_weights, self._positions)
 
     def split(self, i: int, fraction: float = 0.5) -> Measure:
@@ -405,15 +419,23 @@ class Measure:
         if not -self.n <= i < self.n:
             raise ValueError(f"i: atom index {i} out of range for {self.n} atoms")
         i = int(i) % self.n
-        t = float(fraction)
+        t = scalar(fraction, "fraction")
+        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
+            raise TypeError(f"fraction: expected a number in (0, 1), got {type(fraction).__name__}")
+        t = float(t)
         if not 0.0 < t < 1.0:
             raise ValueError(f"fraction: expected a number in (0, 1), got {fraction}")
         idx = torch.cat([torch.arange(i + 1), torch.tensor([i]), torch.arange(i + 1, self.n)]).to(self.device)
         lw = self._log_weights[idx].clone()
         lw[i] = lw[i] + math.log(t)
         lw[i + 1] = lw[i + 1] + math.log1p(-t)
+        # the other atoms keep their weights as they are (exp of their log-weights differs from them by the
+        # dtype's rounding: 1.4% in bfloat16); the two halves from the weight, in float64
+        w = self._weights[idx].clone()
+        a = self._weights[i].to(torch.float32 if self.device.type == "mps" else torch.float64)
+        w[i], w[i + 1] = (a * t).to(w.dtype), (a * (1.0 - t)).to(w.dtype)
         pos = None if self._positions is None else self._positions[idx]
-        return Measure._trusted(self._points[idx], torch.exp(lw), lw, pos)
+        return Measure._trusted(self._points[idx], w, lw, pos)
 
     def merge(self, atol: float = 0.0) -> Measure:
         """Merge atoms that coincide (points within ``atol`` in max-norm, same position).
@@ -425,6 +447,9 @@ class Measure:
         (:func:`particles.linkage.linked_components`: a collapsed cloud is not a list of N^2 / 2 pairs);
         order follows the first atom of each group.
         """
+        atol = scalar(atol, "atol")
+        if isinstance(atol, bool) or not isinstance(atol, (int, float, np.integer, np.floating)):
+            raise TypeError(f"atol: expected a non-negative number, got {type(atol).__name__}")
         atol = float(atol)
         if not atol >= 0:
             raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
@@ -450,25 +475,36 @@ class Measure:
         if k == self.n:
             return self
         lab = torch.as_tensor(labels, device=self.device)
-        lw = torch.full((k,), -math.inf, dtype=self.dtype, device=self.device)
-        lw = lw.scatter_reduce(0, lab, self._log_weights, reduce="amax")
-        # log-sum-exp per group, stable for tiny masses
-        shifted = torch.exp(self._log_weights - lw[lab])
-        sums = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(0, lab, shifted)
+        # the sums in float64 (float32 where the device has no float64), whatever the measure's dtype: a group of
+        # 10^4 atoms summed in bfloat16 kept 3% of its mass (a review), and in float32 drifted by 250 ulp
+        acc = torch.float32 if self.device.type == "mps" else torch.float64
+        lw_in = self._log_weights.to(acc)
+        lw = torch.full((k,), -math.inf, dtype=acc, device=self.device).scatter_reduce(0, lab, lw_in, reduce="amax")
+        # log-sum-exp per group, stable for tiny masses; a group of atoms of zero mass only shifted by 0 (exp(-inf -
+        # -inf) is NaN, and the renormalization below spread it to every atom: a review)
+        lw = torch.where(torch.isfinite(lw), lw, torch.zeros_like(lw))
+        sums = torch.zeros(k, dtype=acc, device=self.device).index_add(0, lab, torch.exp(lw_in - lw[lab]))
         new_lw = lw + torch.log(sums)
         # weights of the averaging inside each group, relative to the group's mass
-        rel = torch.exp(self._log_weights - new_lw[lab])
+        rel = torch.exp(lw_in - new_lw[lab])
         rel = torch.where(torch.isfinite(new_lw[lab]), rel, torch.zeros_like(rel))
-        counts = torch.zeros(k, dtype=self.dtype, device=self.device).index_add(
-            0, lab, torch.ones_like(rel))
+        counts = torch.zeros(k, dtype=acc, device=self.device).index_add(0, lab, torch.ones_like(rel))
         empty = ~torch.isfinite(new_lw)
         rel = torch.where(empty[lab], 1.0 / counts[lab], rel)
-        pts = torch.zeros(k, self.dim, dtype=self.dtype, device=self.device).index_add(
-            0, lab, rel[:, None] * self._points)
+        # the weighted mean as the group's first atom plus the mean of the offsets from it: a group of copies of
+        # one point keeps that point exactly (a mean of copies in floating point moved it by an ulp)
+        first = torch.full((k,), self.n, dtype=torch.long, device=self.device).scatter_reduce(
+            0, lab, torch.arange(self.n, device=self.device), reduce="amin")
+        base = self._points.to(acc)[first]
+        offsets = torch.zeros(k, self.dim, dtype=acc, device=self.device).index_add(
+            0, lab, rel[:, None] * (self._points.to(acc) - base[lab]))
+        pts = (base + offsets).to(self.dtype)
         pos = None
         if self._positions is not None:
             pos = self._positions.new_zeros(k).scatter(0, lab, self._positions)
-        return Measure._trusted(pts, torch.exp(new_lw), new_lw, pos)
+        # the log-weights renormalized in the working precision before the cast: the masses sum to 1 to the dtype
+        new_lw = new_lw - torch.logsumexp(new_lw, 0)
+        return Measure._trusted(pts, torch.exp(new_lw).to(self.dtype), new_lw.to(self.dtype), pos)
 
     # ------------------------------------------------------------------ statistics
     def radius(self) -> float:
@@ -501,6 +537,9 @@ class Measure:
         position. ``labels[j]`` is atom j's group, whatever the distance of its position to that first one.
         """
         pos = self._require_positions(what)
+        atol = scalar(atol, "atol")
+        if isinstance(atol, bool) or not isinstance(atol, (int, float, np.integer, np.floating)):
+            raise TypeError(f"atol: expected a non-negative number, got {type(atol).__name__}")
         atol = float(atol)
         if not atol >= 0:
             raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")

@@ -52,7 +52,7 @@ def test_count_clusters_refuses_an_unknown_keyword_itself():
     with pytest.raises(TypeError, match=r"cluster_centers\(\) got an unexpected keyword argument 'distance'"):
         cluster_centers(X, distance=0.1)
     traj = simulate(SelfAttention(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64)), Measure(X), times=[0, 1])
-    assert list(count_clusters(traj, tol=0.1, slack=0.2)) == [2, 2]
+    assert list(count_clusters(traj, tol=0.1, exact_limit=1)) == [2, 2]
 
 
 def test_zero_dimensional_tensors_count_as_the_numbers_they_hold():
@@ -111,7 +111,7 @@ def test_limit_set_refuses_an_unknown_keyword_itself():
     from meanfield.clustering import limit_set
 
     X = torch.tensor([[0.0, 0.0], [0.0, 1e-4], [1.0, 0.0]], dtype=F64)
-    assert len(limit_set(X, 0.1, slack=0.2).centers) == 2
+    assert len(limit_set(X, 0.1, exact_limit=1).centers) == 2
     with pytest.raises(TypeError, match=r"limit_set\(\) got an unexpected keyword argument 'distance'"):
         limit_set(X, distance=0.1)
 

@@ -329,22 +329,45 @@ def _execute(runner, tasks, keys, todo, store, name, retries, bar: Progress) -> 
     if not todo:
         return 0
     pending = collections.deque(todo)
+    # tasks in flight when a pool worker died: a broken pool fails them all, and only one may have killed it.
+    # They are not charged an attempt for it; they run again one at a time, alone in the pool, where a death is
+    # the task's own (charged, and retried as any failure)
+    suspects: collections.deque = collections.deque()
     attempts = dict.fromkeys(todo, 0)
+    free = dict.fromkeys(todo, 0)      # runs ended by a pool death in company: not counted against retries
     inflight: dict = {}
+    alone: set = set()
     n_failed = n_run = 0
     finished = False
     try:
-        while pending or inflight:
-            while pending and len(inflight) < runner.window():
-                i = pending.popleft()
-                attempts[i] += 1
-                inflight[runner.submit(tasks[i])] = i
+        while pending or suspects or inflight:
+            if suspects:
+                if not inflight:
+                    i = suspects.popleft()
+                    attempts[i] += 1
+                    fut = runner.submit(tasks[i])
+                    inflight[fut] = i
+                    alone.add(fut)
+            else:
+                while pending and len(inflight) < runner.window():
+                    i = pending.popleft()
+                    attempts[i] += 1
+                    inflight[runner.submit(tasks[i])] = i
             for fut in runner.wait(list(inflight), timeout=0.5):
                 i = inflight.pop(fut)
                 out = runner.outcome(fut)
                 n_run += 1
                 attempts[i] += out.get("worker_deaths", 0)   # runs Dask restarted after a worker died
-                if out["status"] != "ok" and attempts[i] <= retries:
+                died = out["status"] != "ok" and out.get("error", {}).get("type") == "WorkerDied"
+                if died and fut not in alone:
+                    free[i] += 1
+                    suspects.append(i)
+                    continue
+                alone.discard(fut)
+                if out["status"] != "ok" and attempts[i] - free[i] <= retries:
+                    if died:
+                        suspects.append(i)   # its own death: retried alone again
+                        continue
                     pending.append(i)   # to the back: a transient failure gets time to clear
                     continue
                 payload = {"key": keys[i], "name": name, "params": tasks[i], "attempts": attempts[i],

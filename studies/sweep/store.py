@@ -220,7 +220,10 @@ class SweepStore:
                 continue
             try:
                 rec = read_record(path)
-                if rec.get("key") != key or rec.get("name") != name or rec.get("params") != params:
+                # parameters compared as canonical JSON, as the key was made: NaN == NaN there (a grid value of
+                # NaN never counted as done, and ran again at every resume)
+                if (rec.get("key") != key or rec.get("name") != name
+                        or canonical_json(rec.get("params")) != canonical_json(params)):
                     raise CorruptRecord(f"{path}: holds another task than its name says")
             except (CorruptRecord, OSError, ValueError):
                 bad.append(key)

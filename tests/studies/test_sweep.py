@@ -67,6 +67,19 @@ def die_once(i, marker):
     return {"y": i + 1}
 
 
+def one_kills_its_worker(i):
+    # task 0 kills its worker every time, after the others have started beside it
+    time.sleep(0.3)
+    if i == 0:
+        os._exit(1)
+    time.sleep(0.3)
+    return {"ok": i}
+
+
+def echo_nan(x):
+    return {"x": x, "y": 1.0}
+
+
 def slow_marked(i, marker_dir):
     pid = os.getpid()
     Path(marker_dir, f"start-{i}-{pid}").touch()
@@ -295,6 +308,29 @@ def test_a_pool_worker_that_dies_is_replaced_and_its_task_retried(tmp_path):
     assert os.path.exists(marker), "the worker was not killed"
     assert res.ok and [r["y"] for r in res.rows] == [1, 2, 3, 4, 5, 6]
     assert res.records[3]["attempts"] == 2
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_worker_death_is_charged_to_its_own_task_only(tmp_path, retries):
+    """A dying worker breaks the pool and fails every task in flight; one task killed it. The others were recorded
+    failed (retries=0) or failed for good when their retry ran beside the killer's (retries=1). Now they run again
+    alone, uncharged, and only the killer fails, after 1 + retries runs of its own (attempts counts every run)."""
+    res = run_sweep(one_kills_its_worker, {"i": list(range(4))}, tmp_path / "s", backend="processes", n_workers=2,
+                    retries=retries, progress=False)
+    assert [r["i"] for r in res.rows] == [1, 2, 3]
+    assert [(f.params["i"], f.error_type) for f in res.failures] == [(0, "WorkerDied")]
+    assert res.failures[0].attempts >= 1 + retries
+
+
+def test_a_nan_parameter_counts_as_done_and_may_be_echoed(tmp_path):
+    """NaN != NaN: a task with a NaN parameter never counted as done (it ran again at every resume, its record moved
+    to corrupt/), and a task echoing it was refused as contradicting its parameter. Compared as canonical JSON."""
+    grid = {"x": [1.0, float("nan"), float("inf")]}
+    first = run_sweep(echo_nan, grid, tmp_path / "s", progress=False)
+    assert first.ok and first.n_run == 3 and not first.missing
+    again = run_sweep(echo_nan, grid, tmp_path / "s", progress=False)
+    assert again.ok and again.n_run == 0 and again.n_corrupt == 0 and not again.missing
+    assert len(load_sweep(tmp_path / "s").rows) == 3
 
 
 # ---------------------------------------------------------------------- Dask
