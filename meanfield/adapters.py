@@ -146,6 +146,8 @@ class TorchMultiheadAttention(AttentionOperator):
         What a float32 layer's certified constant is checked with, in float64 (:func:`meanfield.local_lipschitz`):
         without it the certificate covered float32 products only, whose rounding at large radii exceeded it."""
         dtype, device = float_dtype(dtype), check_device(device)
+        if (dtype is None or dtype == self.dtype) and (device is None or torch.device(device) == self.device):
+            return self
         twin = copy.deepcopy(self.module).to(device=device, dtype=dtype)
         return TorchMultiheadAttention(twin, masked=self.masked)
 

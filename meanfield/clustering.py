@@ -60,6 +60,13 @@ def _check_tol(tol, X: np.ndarray) -> float:
     return check_positive_float(tol, "tol")
 
 
+def _slack_ignored(slack, caller: str) -> None:
+    """DeprecationWarning, attributed to the caller of ``caller`` (the public function given ``slack``)."""
+    if slack is not None:
+        warnings.warn(f"{caller}(slack=...): the clusters are exact at every size now; slack is ignored and will be "
+                      "removed in the next release", DeprecationWarning, stacklevel=3)
+
+
 def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, slack=None
                    ) -> np.ndarray:
     """Single-linkage cluster labels at distance ``tol``, numbered 0..k-1 by first occurrence.
@@ -76,9 +83,7 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     ``slack`` is ignored (it set an approximation above ``exact_limit``, whose counts fell short of the exact
     ones: 81817 clusters for 148817 among 10^6 points on the sphere); passing it warns.
     """
-    if slack is not None:
-        warnings.warn("cluster_labels(slack=...): the clusters are exact at every size now; slack is ignored and "
-                      "will be removed in the next release", DeprecationWarning, stacklevel=2)
+    _slack_ignored(slack, "cluster_labels")
     X, _ = _points(points)
     tol = _check_tol(tol, X)
     n, d = X.shape
@@ -103,7 +108,8 @@ def count_clusters(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMI
     frame); an array over time for a Trajectory or (T, N, d). Of a Measure or a Trajectory, the clusters of the
     support: atoms of zero mass are not in the measure (they neither count nor link two clusters).
     ``exact_limit`` and ``slack``: as in :func:`cluster_labels`."""
-    kw = dict(exact_limit=exact_limit, slack=slack)
+    _slack_ignored(slack, "count_clusters")
+    kw = dict(exact_limit=exact_limit)
     lw = getattr(x, "log_weights", None)
     if isinstance(lw, torch.Tensor):   # a Measure (N, d) or a Trajectory (T, N, d): weights fixed in time
         x = x.points[..., lw > -math.inf, :]
@@ -119,7 +125,8 @@ def cluster_centers(x, tol: float | None = None, *, exact_limit: int = EXACT_LIM
     distance ``tol``, one label per atom; atoms of zero mass are clustered too (a cluster of them alone has mass 0,
     at their plain mean), where :func:`count_clusters` of a Measure counts its support only. ``exact_limit`` and
     ``slack``: as in :func:`cluster_labels`."""
-    kw = dict(exact_limit=exact_limit, slack=slack)
+    _slack_ignored(slack, "cluster_centers")
+    kw = dict(exact_limit=exact_limit)
     X, w = _points(x)
     w = np.full(len(X), 1.0 / len(X)) if w is None else w
     labels = cluster_labels(X, tol, **kw)
@@ -190,7 +197,8 @@ def limit_set(x, tol: float | None = None, *, exact_limit: int = EXACT_LIMIT, sl
     """Cluster ``x`` at the distance ``tol`` (None: :func:`cluster_labels`'s default) and test which cluster centers
     are vertices of their convex hull. ``exact_limit`` and ``slack``: as in :func:`cluster_labels`."""
     X, _ = _points(x)
-    centers, masses, labels = cluster_centers(x, tol, exact_limit=exact_limit, slack=slack)
+    _slack_ignored(slack, "limit_set")
+    centers, masses, labels = cluster_centers(x, tol, exact_limit=exact_limit)
     is_vertex = np.zeros(len(centers), dtype=bool)
     is_vertex[hull_vertices(centers)] = True
     spread = float(np.linalg.norm(X - centers[labels], axis=1).max())

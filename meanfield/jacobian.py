@@ -123,12 +123,14 @@ class Jacobian:
         """An output without autograd's graph of X is the output of a constant map, or of one that cut the graph
         (``.detach()``, numpy, ``torch.no_grad``): f at a perturbed input tells them apart. A cut graph would
         give a certified 0 (a review: ``Y.detach() * 2``, constant 2), so it is a ValueError."""
-        scale = float(self.X.detach().abs().max()) + 1.0
+        # a step of sqrt(eps) of the input's scale: far above the rounding of f, and close enough that a
+        # piecewise-constant map (a comparison) rarely has a jump within it
+        step = math.sqrt(torch.finfo(self.X.dtype).eps) * (float(self.X.detach().abs().max()) + 1.0)
         g = torch.Generator(device="cpu").manual_seed(0)
         delta = (torch.rand(self.X.shape, generator=g, dtype=torch.float64) - 0.5).to(self.X.device, self.X.dtype)
         try:
             with torch.no_grad(), _sdpa_backends(self.math_sdpa):
-                moved = self.fn(self.X.detach() + 1e-3 * scale * delta)
+                moved = self.fn(self.X.detach() + step * delta)
         except Exception:   # f not defined there: no evidence either way, the map is taken as constant near X
             return
         out = self.out.detach()
@@ -136,9 +138,10 @@ class Jacobian:
             return
         tol = 64 * torch.finfo(out.dtype).eps * (float(out.abs().max()) + 1.0) if out.is_floating_point() else 0.0
         if float((moved - out).abs().max()) > tol:
-            raise ValueError("f: its output carries no autograd graph of X (a .detach(), a conversion to numpy, "
-                             "or torch.no_grad inside f), yet it changes with X: its Jacobian cannot be computed. "
-                             "Keep f differentiable in torch (the local constant of a constant map is 0)")
+            raise ValueError(f"f: its output carries no autograd graph of X (a .detach(), a conversion to numpy, "
+                             f"or torch.no_grad inside f), yet it changes when X moves by {step:.2g}: its Jacobian "
+                             "cannot be computed. Keep f differentiable in torch (the local constant of a constant "
+                             "map is 0; a piecewise-constant one with a jump that close to X has none)")
 
     def _jt(self, w):
         if self.constant:

@@ -583,7 +583,8 @@ def lipschitz_ratio(op, mu, nu) -> float:
     attention layer, ...; a bare callable only on uniform, unpositioned measures). As nu -> mu the
     ratio tends to at most the local constant of F at mu (docs/math.md section 4). An unmasked operator
     ignores positions, and so does its ratio: measures with positions (``Measure.sequence``) are then compared
-    by plain W2 of their points, which may move mass across positions, with no warning; a masked operator
+    by plain W2 of their points, which may move mass across positions (a UserWarning says so, once per measure:
+    pass ``mu.unmasked()`` to mean it); a masked operator
     (``masked=True``) takes conditional W2. Measures of a half
     precision (an operator in float16 or bfloat16) are widened to float32, exactly, for the distances:
     transport works in float32 or float64.

@@ -54,7 +54,7 @@ def atomic_write_with(path, writer: Callable[[Path], object], *, make_parents: b
             os.fsync(fh.fileno())
         with contextlib.suppress(OSError):
             # a file written over keeps its permission bits (a 0600 file came back 0644, the umask's)
-            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode) & 0o777)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

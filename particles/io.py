@@ -154,8 +154,13 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
     size = np.array(text).nbytes
     if size > _HEADER_MAX_BYTES:
         # the readers refuse a header above this size (a file would be written that nothing reads back)
-        raise ValueError(f"metadata: {size} bytes once stored (4 per character), above the {_HEADER_MAX_BYTES} "
-                         "a header may hold; store large data as arrays of a file of its own")
+        own = np.array(json.dumps(metadata or {}, default=_numpy_scalar)).nbytes
+        if 2 * own > size:
+            raise ValueError(f"metadata: {own} bytes once stored (4 per character), the header {size}, above the "
+                             f"{_HEADER_MAX_BYTES} a header may hold; store large data as arrays of a file of its own")
+        raise ValueError(f"the {kind}'s own fields need a header of {size} bytes once stored (4 per character), "
+                         f"above the {_HEADER_MAX_BYTES} a header may hold (a batch of many members?): save it in "
+                         "parts")
     if path.is_dir():
         raise IsADirectoryError(f"path: {path} is a folder; give a file name such as {path / 'measure.npz'}")
     if not path.parent.is_dir():
@@ -170,19 +175,24 @@ def write_archive(path, kind: str, arrays: dict[str, np.ndarray], *, dtype: torc
     return atomic_write_with(path, write, make_parents=False)
 
 
-def _check_keys(obj, where: str) -> None:
+def _check_keys(obj, where: str, _open: frozenset = frozenset()) -> None:
     """TypeError naming the place of a dict key that is not a str: JSON would turn it into one (1 -> "1", None ->
-    "null", True colliding with 1), and the metadata read back would differ from what was saved."""
+    "null", True colliding with 1), and the metadata read back would differ from what was saved; also of a
+    container that holds itself (JSON cannot write it)."""
+    if isinstance(obj, (dict, list, tuple)):
+        if id(obj) in _open:
+            raise TypeError(f"{where}: a container that holds itself (a cycle); JSON cannot store it")
+        _open = _open | {id(obj)}
     if isinstance(obj, dict):
         for k, v in obj.items():
             if not isinstance(k, str):
                 raise TypeError(f"{where}: key {k!r} (of type {type(k).__name__}) is not a str; metadata keys must "
                                 f"be str (JSON would store it as {json.dumps(str(k) if k is not None else None)}, and "
                                 "read it back so), e.g. " + repr(str(k)))
-            _check_keys(v, f"{where}[{k!r}]")
+            _check_keys(v, f"{where}[{k!r}]", _open)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            _check_keys(v, f"{where}[{i}]")
+            _check_keys(v, f"{where}[{i}]", _open)
 
 
 def _numpy_scalar(value):

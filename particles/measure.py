@@ -137,10 +137,12 @@ class Measure:
                 # measure's log-weights sum to one in the points' precision (a saved measure is checked at it)
                 lw = lw - torch.logsumexp(lw, 0)
             lw = _held(lw, pts.dtype, "log_weights")
-            # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4: a
+            # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4 (but in
+            # float16): a
             # positive mass below it would be taken for a zero one (a review: log-weights of -1e308)
             low = torch.finfo(lw.dtype).min / 4
-            tiny = (lw > -math.inf) & (lw < low)
+            # (float16's kernels mark zero masses in a column of their own and take any finite log-weight)
+            tiny = (lw > -math.inf) & (lw < low) & (lw.dtype != torch.float16)
             if bool(tiny.any()):
                 raise ValueError(f"log_weights: {int(tiny.sum())} atom(s) of positive mass have log-weights below "
                                  f"{low:.3g} (smallest {float(lw[tiny].min()):.4g}), which the attention kernels "

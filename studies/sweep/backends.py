@@ -37,8 +37,9 @@ def run_task(fn, params: dict, threads: int | None) -> dict:
         if not isinstance(result, Mapping):
             raise TypeError(f"fn must return a dict of results, returned {type(result).__name__}")
         result = normalize(result, "result")
-        # compared as canonical JSON, as the records store them (an echoed NaN equals its parameter)
-        clash = sorted(k for k in set(result) & set(params) if canonical_json(result[k]) != canonical_json(params[k]))
+        # equal as values (3 and 3.0) or as the records store them, canonical JSON (an echoed NaN)
+        clash = sorted(k for k in set(result) & set(params)
+                       if result[k] != params[k] and canonical_json(result[k]) != canonical_json(params[k]))
         if clash:   # echoing a parameter is fine; contradicting it would make the row ambiguous
             raise ValueError(f"fn returned keys that are also parameters, with other values: {clash}; rename them")
         return {"status": "ok", "result": result, "elapsed_s": time.perf_counter() - t0, **where}

@@ -125,3 +125,14 @@ def test_log_weights_the_kernels_would_take_for_zero_are_refused():
     with pytest.raises(ValueError, match="log_weights: 1 atom.* below -4.49e\\+307 .* pass -inf"):
         Measure(X, log_weights=torch.tensor([0.0, -1e308, -math.inf], dtype=torch.float64))
     Measure(X, log_weights=torch.tensor([0.0, -1e300, -math.inf], dtype=torch.float64))
+
+
+def test_cyclic_metadata_is_a_type_error_and_float16_takes_any_finite_log_weight(tmp_path):
+    mu = Measure(torch.eye(2, dtype=torch.float64))
+    d: dict = {}
+    d["self"] = d
+    with pytest.raises(TypeError, match=r"metadata\['self'\]: a container that holds itself"):
+        save_measure(mu, tmp_path / "m.npz", metadata=d)
+    # float16's kernels mark zero masses in a column of their own: a log-weight of -2e4 is a mass they tell apart
+    m16 = Measure(torch.eye(2, dtype=torch.float16), log_weights=torch.tensor([0.0, -20000.0]))
+    assert m16.log_weights[1] == -20000.0

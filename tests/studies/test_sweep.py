@@ -80,6 +80,10 @@ def echo_nan(x):
     return {"x": x, "y": 1.0}
 
 
+def echo_as_float(n):
+    return {"n": float(n), "y": 1.0}
+
+
 def slow_marked(i, marker_dir):
     pid = os.getpid()
     Path(marker_dir, f"start-{i}-{pid}").touch()
@@ -331,6 +335,8 @@ def test_a_nan_parameter_counts_as_done_and_may_be_echoed(tmp_path):
     again = run_sweep(echo_nan, grid, tmp_path / "s", progress=False)
     assert again.ok and again.n_run == 0 and again.n_corrupt == 0 and not again.missing
     assert len(load_sweep(tmp_path / "s").rows) == 3
+    # an echo equal as a value but written differently (3 and 3.0) is no contradiction either
+    assert run_sweep(echo_as_float, {"n": [3]}, tmp_path / "f", progress=False).ok
 
 
 # ---------------------------------------------------------------------- Dask
