@@ -141,8 +141,9 @@ CAPTIONS = {
         "Left: the local constant at the empirical measure mu_n of n samples of the uniform measure on a disc, and "
         "the Lipschitz ratio W2(F mu_n, F T#mu_n) / W2(mu_n, T#mu_n), against n (mean, band +- 1 std over samples). "
         "Middle: W2 from mu_n to an independent reference sample, with its fitted slope and the n^(-1/2) rate. "
-        "Right: the variances over samples that the concentration claims fit, with the fitted slopes and their 95% "
-        "intervals (widened where the groups scatter more than Gaussian samples would), beside the 1/n rate; a "
+        "Right: the variances over samples that the concentration claims fit, with the fitted slopes (their 95% "
+        "intervals, widened where the groups scatter more than Gaussian samples would, in the legend), beside the "
+        "1/n rate; a "
         "concentration claim is inconclusive while its interval holds 0."),
     "at_scale.png": (
         "The local constants of N-sample measures at the accelerator's sizes (blue; mean, band +- 1 std over "

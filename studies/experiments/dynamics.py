@@ -273,19 +273,20 @@ CAPTIONS = {
     "rescaled_clusters.png": (
         "Left: with V = I the rescaled tokens y = exp(-tV) x (grey paths from the blue starts) end on the vertices of "
         "a polytope (stars). Middle: with V = diag(1, -1/2), along e_1, the eigenvector of the leading eigenvalue, "
-        "the tokens end on at most 3 lines y_1 = c (orange), while the e_2 coordinate (symmetric log scale) spreads "
-        "without clustering. Right: the number of clusters over time (single linkage at 1e-2; along e_2 at 1e-2 of "
-        "the coordinate's range), each count settled before T."),
+        "the tokens end on at most 3 lines y_1 = c (orange), while the e_2 coordinate (symmetric log scale) keeps "
+        "spreading: counted at 1e-2 of its range it does not cluster (the piles near +-10^2 hold distinct values). "
+        "Right: the number of clusters over time (single linkage at 1e-2; along e_2 at 1e-2 of the coordinate's "
+        "range), each count settled before its run's end."),
     "sphere_clusters.png": (
         "Tokens on the sphere in d = 3 under the models SA and USA: the interaction energy E_beta increases (left) "
-        "and the tokens collapse to one cluster (middle; single linkage at 1e-3). Right: causal SA: the first "
-        "token never moves and the largest distance of the others to it falls to 0."),
+        "and the tokens collapse to one cluster (middle; single linkage at 1e-3). Right: causal SA, where the first "
+        "token sees only itself and stays fixed: the largest distance of the others to it decreases towards 0."),
     "meanfield_convergence.png": (
         "W2 between the n-particle solution and a large-n reference started from independent samples, at t = 0 "
-        "(blue) and at T = 1 (orange; mean and +- 1 std over samples), against n, beside the n^(-1/2) rate: the "
+        "(blue) and at T = 1 (orange), mean and +- 1 std band over samples, against n, beside the n^(-1/2) rate: the "
         "particle system approaches its mean-field limit at the rate of its initial samples."),
-    "polytope.gif": "Animation of the left panel of rescaled_clusters.png: the rescaled tokens (V = I) moving to the "
-                    "polytope's vertices.",
+    "polytope.gif": "Animation of the rescaled tokens (V = I) of rescaled_clusters.png's left panel, points only, "
+                    "moving to the polytope's vertices.",
     "sphere_SA.gif": "Animation of the SA tokens of sphere_clusters.png collapsing to one cluster on the sphere.",
     "at_scale_clusters.png": (
         "The order parameter |mean of the tokens| over time for N tokens drawn uniformly on the sphere (d = 3, SA, "

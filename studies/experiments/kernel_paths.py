@@ -323,7 +323,8 @@ CAPTION = (
     "Each quantity (the output, the Jacobian products J u and J^T w, the certified Lipschitz constant) computed "
     "by the path under test (colour: the path that auto chose, or the series where it was asked for) and by the "
     "dense kernel, as a relative deviation on a log axis (an exact 0 drawn at 1e-18). Every bar must end left of "
-    "the dashed tolerance 1e-10 (for Lip: the certificate's error bars plus 1e-10).")
+    "the dashed line at 1e-10; the certified constants' own tolerance, their error bars plus 1e-10, is looser "
+    "still and not drawn.")
 
 
 @register("kernel_paths", "The attention kernel's fused, streamed and series paths against the dense kernel",

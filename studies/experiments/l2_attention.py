@@ -164,9 +164,10 @@ def kim_attained_claim(rows: list[dict]) -> Claim:
 CAPTION = (
     "Left: one token at 0 and the others at radius R: dot-product attention's constant grows like R^2, on the "
     "origin's query term ||V Sigma A|| (dash-dotted), while L2 attention's (tied W_Q) stays bounded, below Kim et "
-    "al.'s bound (dashed). Right: L2 attention's constant against n at R = 2 for random and spread inputs (band "
-    "min to max), under Kim et al.'s Theorem 3.2 in its 2-norm form; at N = 1 the map is linear (filled diamond), "
-    "and the bound (open diamond) is attained there when W_Q = 2I.")
+    "al.'s bound (dashed). Right: L2 attention's constant against n at R = 2 for random and spread inputs (lines: "
+    "the largest of 3; bands: min to max), under Kim et al.'s Theorem 3.2 in its 2-norm form. At n = 1 the map is "
+    "linear: its constant (filled diamond) lies below the bound for this W_Q (open diamond); the bound is attained "
+    "at n = 1 for W_Q = 2I (the attainment claim, kim_at_N1.csv), which is not drawn.")
 
 
 @register("l2_attention", "Dot-product vs L2 attention (Kim et al. 2021)", grid=grid)

@@ -278,8 +278,9 @@ def top_direction_claim(rows: list[dict]) -> Claim:
 CAPTION = (
     "Left: masked Lipschitz ratios in the conditional W2 (W2c) over the local constant at mu, against the size "
     "eps of the perturbation, for sequences and weighted measures: along the top singular direction they tend "
-    "to 1 as eps -> 0, along random directions they stay below it. Middle: the masked and unmasked constants of "
-    "the same random sequences (band min to max) under the bound of Theorem 3.3 / 4.3. Right: with A = 0, masked "
+    "to 1 as eps -> 0, along random directions they stay below it (at small eps the weighted measures' triangles "
+    "cover the sequences'). Middle: the masked (green) and unmasked (red) constants of the same random sequences "
+    "(mean of 3, band min to max) under the bound of Theorem 3.3 / 4.3. Right: with A = 0, masked "
     "attention is the running mean, and its certified constant over ||V|| equals the norm of the Cesaro matrix "
     "C_n (closed form); it exceeds 1, the value that Theorem 4.4 as stated allows there (a finding about the "
     "statement), and stays below Hardy's limit 2.")

@@ -115,7 +115,8 @@ CAPTION = (
     "Left (d = 1, two atoms): the unsplit measure's constant against the position of the atom to split, and that "
     "atom's query term ||V Sigma(x_0) A||; splitting it into two atoms at any fraction t (dots) gives the larger of "
     "the two, the closed form. Middle (d = 2, three atoms, t = 1/2): Lip(split) / Lip(unsplit) over the split "
-    "atom's position: at least 1 everywhere, above 1 only on the coloured cells. Right: the same ratio against "
+    "atom's position: at least 1 everywhere, above 1 only on the cells darker than the pale-yellow background. "
+    "Right: the same ratio against "
     "the fraction t at the split atom's search position, on its closed form.")
 
 

@@ -174,15 +174,18 @@ CAPTIONS = {
         "Left: the constant of the two-Dirac measure over Proposition 3.6's asymptotic value (gamma/2) R^2 "
         "e^(gamma R^2), against the radius R, beside the predicted 1 + 1/(gamma R^2); the grey band marks the radii "
         "the claim checks (gamma R^2 >= 2). Right: the exponents log(constant) / R^2 of the two-Dirac witness and of "
-        "Theorem 3.5's bound: the witness's tends to gamma, the bound's to 2||A||, so the bound is loose by a factor "
+        "Theorem 3.5's bound. The witness's tends to gamma as R grows, slowly (its R^2 prefactor adds log(R^2) / R^2), "
+        "so over these radii it stays above the gamma line; the bound's tends to 2||A||. The bound is loose by about "
         "e^((2||A|| - gamma) R^2), a gap the paper leaves open."),
     "transition_vs_n.png": (
-        "The witness's local constant against n at a fixed large radius, as a 2-atom measure (1/n, (n-1)/n) (dots) "
-        "and as an n-token sequence (crosses), equal by Lemma 3.2 and on their closed form (black). The peak claim "
+        "The witness's local constant against n at a fixed large radius, as a 2-atom measure (1/n, (n-1)/n) (blue "
+        "markers) and as an n-token sequence (red crosses), equal by Lemma 3.2 and on their closed form (black). The "
+        "peak claim "
         "expects sqrt(n) growth while n << exp(2 gamma R^2) (vertical line), then a peak within a decade of it "
         "and a decay. The green curve, the largest "
-        "constant over lengths up to n, saturates at the peak; Proposition 3.4's lower bound (grey dots) stays "
-        "below, Theorem 3.3's sqrt(n) bound (brown) above, and Theorem 3.5's mean-field bound is off the scale."),
+        "constant over lengths up to n, saturates at the peak; Proposition 3.4's lower bound (grey dotted line) stays "
+        "below, Theorem 3.3's sqrt(n) bound (brown, at integer n from 10, leaving the axes above n = 10^4) above, and "
+        "Theorem 3.5's mean-field bound is off the scale."),
 }
 
 

@@ -332,16 +332,18 @@ def _caption_real_text(model: str) -> str:
             "and mode (top row encoder, bottom row causal decoder, where the mode was measured); points are means "
             "over sequences, bars their range, dashed lines the fitted power laws whose exponents the panel titles "
             "give. The real-text claims read these exponents: a trained layer's should lie in (0, 0.5), below "
-            "Theorem 3.3's worst case sqrt(n); the paper saw about n^(1/4).")
+            "Theorem 3.3's worst case sqrt(n); the paper saw about n^(1/4). A panel whose points are flat and then "
+            "jump (a length past the model's training length) is no power law, whatever its fitted exponent.")
 
 
 def _caption_adversarial(model: str) -> str:
     return (f"{model} at Proposition 3.4's witness (the adversarial sequence built for each layer's head of "
             "largest gamma, at the radius of the layer's real inputs): the real layer with all its heads, V, W_O "
             "and biases (red) against the head alone with V = I (green) and the proposition's lower bound (black "
-            "dots), which the green curve must meet; the faint red line is sqrt(n) through the last point. The "
+            "dotted line, under the green curve), which the green curve must meet; the red dotted line is sqrt(n) "
+            "through the last point. The "
             "witness claims ask whether the real layer too grows like sqrt(n) there: where the red curve bends "
-            "away from the faint line, it does not.")
+            "away from the dotted line, it does not.")
 
 
 CAPTION_EXPONENTS = (
@@ -354,9 +356,10 @@ CAPTION_EXPONENTS = (
     "layer in several.")
 
 CAPTION_GAMMA = (
-    "gamma_h R^2 of every head (columns) of every layer (rows), R the mean radius of the layer's real inputs and "
-    "gamma_h = max(lambda_max / 8, -lambda_min) of the head's query-key matrix A_h (Proposition 3.4). The "
-    "mean-field picture of Section 3 needs n << exp(2 gamma R^2): the gamma claims take the largest 2 gamma_h "
+    "gamma_h R^2 of every head (columns) of every layer (rows), one heatmap per mode (encoder left, decoder right), R "
+    "the mean radius of the layer's real inputs and gamma_h = max(lambda_max / 8, -lambda_min) of the head's "
+    "query-key matrix A_h (Proposition 3.4). The sqrt(n) regime of Proposition 3.4 holds while n << exp(2 gamma "
+    "R^2): the gamma claims take the largest 2 gamma_h "
     "R^2 of each layer, and the report's paragraph on this figure counts the heads where it is small.")
 
 CAPTION_RADIUS = (

@@ -210,11 +210,12 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
 CAPTION = (
     "Top: the local Lipschitz constant Lip_X(f) against the sequence length n, unmasked (left) and masked "
     "(right), at Proposition 3.4's witness (blue), at random inputs on the sphere of radius R (orange: mean, band "
-    "min to max) and under the upper bound of Theorem 3.3 / 4.3 (dashed); the dash-dotted line is the witness's "
-    "fitted power law, whose slope the sqrt(n) claim reads. Bottom left: the witness's constant over "
-    "Proposition 3.4's lower bound, which must stay at or above 1 (unmasked, on the closed-form factor). Bottom "
-    "right: the constants over Theorem 3.3's bound, which must stay below 1; a ratio that levels off grows at the "
-    "bound's rate sqrt(n), one that falls grows slower.")
+    "min to max) and under the upper bound of Theorem 3.3 / 4.3 (dashed); in the unmasked panel the dash-dotted "
+    "line is the witness's power law fitted from n = 4 on (so it misses n = 2), whose slope the sqrt(n) claim "
+    "reads. Bottom left: the witness's constant over Proposition 3.4's lower bound, unmasked (blue, under the black "
+    "closed-form factor) and masked (red); both must stay at or above 1. Bottom right, unmasked: the constants "
+    "over Theorem 3.3's bound, which must stay below 1; a ratio that levels off grows at the bound's rate sqrt(n), "
+    "one that falls grows slower.")
 
 
 def _figure(out_dir: Path, rows: list[dict], ns: list[int], d: int, R: float, reps: int, fit: dict) -> None:

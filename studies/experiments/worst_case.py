@@ -577,13 +577,15 @@ def check(ctx) -> None:
 
 #: what worst_case.png shows (the report prints it under the figure)
 CAPTION = (
-    "Top: the bracket on the Lipschitz constant of f on the ball B_R^n: the search's certified lower bound "
-    "(solid), the best upper bound (dashed) and Proposition 3.4's witness (dotted), against n (left) and R "
-    "(middle), for the cases min and max, unmasked and masked; every lower bound must stay below the upper one, "
-    "and the search at or above the witness. Top right: how tight the bracket is (lower / upper). Bottom left: "
+    "Top: the bracket on the Lipschitz constant of f on the ball B_R^n against n (left) and R (middle), cases min "
+    "and max: the search's certified lower bound (solid: unmasked, filled markers; masked, open ones), the best "
+    "upper bound (dashed) and Proposition 3.4's witness (dotted), these two unmasked; every lower bound must stay "
+    "below the upper one, and the search at or above the witness. Top right, unmasked: how tight the bracket is "
+    "(lower / upper) against n. Bottom left: "
     "the search over the witness and over plain gradient ascent on the same budget of Jacobian products (above 1: "
-    "the search found more). Bottom middle: the best certified constant as products are spent. Bottom right: "
-    "the bracket of a trained layer beside its constant on real text.")
+    "the search found more). Bottom middle: the best certified constant as products are spent, at the one grid "
+    "point its title names. Bottom right: a trained layer's bracket (upper bound, search) beside plain ascent, the "
+    "best head's witness and its constant on real text.")
 
 
 @register("worst_case", "How smooth is this layer? Certified worst-case inputs between the bounds",
