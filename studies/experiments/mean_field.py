@@ -174,7 +174,8 @@ CAPTIONS = {
         "Left: the constant of the two-Dirac measure over Proposition 3.6's asymptotic value (gamma/2) R^2 "
         "e^(gamma R^2), against the radius R, beside the predicted 1 + 1/(gamma R^2); the grey band marks the radii "
         "the claim checks (gamma R^2 >= 2). Right: the exponents log(constant) / R^2 of the two-Dirac witness and of "
-        "Theorem 3.5's bound. The witness's tends to gamma as R grows, slowly (its R^2 prefactor adds log(R^2) / R^2), "
+        "Theorem 3.5's bound. The witness's tends to gamma as R grows, slowly (its prefactor (gamma/2) R^2 adds about "
+        "log(gamma R^2 / 2) / R^2), "
         "so over these radii it stays above the gamma line; the bound's tends to 2||A||. The bound is loose by about "
         "e^((2||A|| - gamma) R^2), a gap the paper leaves open."),
     "transition_vs_n.png": (
