@@ -24,11 +24,11 @@ from .validation import (
     check_bool,
     check_device,
     check_ndim,
+    check_positive_float,
     check_positive_int,
     check_radius,
     make_generator,
     resolve_dtype,
-    scalar,
     weight_tolerance,
 )
 
@@ -65,6 +65,11 @@ def held_positions(pos: torch.Tensor, dtype: torch.dtype, name: str = "positions
                          f"(e.g. {float(s[i]):.17g} and {float(s[i + 1]):.17g}), which changes the causal mask; "
                          f"keep them in {pos.dtype} (points of that dtype) or give positions further apart")
     return out
+
+
+def _accumulator(device: torch.device) -> torch.dtype:
+    """The dtype of sums of masses whatever the measure's: float64, float32 on a device without it (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _held(lw: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
@@ -137,16 +142,15 @@ class Measure:
                 # measure's log-weights sum to one in the points' precision (a saved measure is checked at it)
                 lw = lw - torch.logsumexp(lw, 0)
             lw = _held(lw, pts.dtype, "log_weights")
-            # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4 (but in
-            # float16): a
-            # positive mass below it would be taken for a zero one (a review: log-weights of -1e308)
-            low = torch.finfo(lw.dtype).min / 4
-            # (float16's kernels mark zero masses in a column of their own and take any finite log-weight)
-            tiny = (lw > -math.inf) & (lw < low) & (lw.dtype != torch.float16)
-            if bool(tiny.any()):
-                raise ValueError(f"log_weights: {int(tiny.sum())} atom(s) of positive mass have log-weights below "
-                                 f"{low:.3g} (smallest {float(lw[tiny].min()):.4g}), which the attention kernels "
-                                 "cannot tell from zero mass; pass -inf for a zero mass")
+            if lw.dtype != torch.float16:   # float16's kernels mark zero masses in a column of their own
+                # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4: a
+                # positive mass below it would be taken for a zero one (a review: log-weights of -1e308)
+                low = torch.finfo(lw.dtype).min / 4
+                tiny = (lw > -math.inf) & (lw < low)
+                if bool(tiny.any()):
+                    raise ValueError(f"log_weights: {int(tiny.sum())} atom(s) of positive mass have log-weights "
+                                     f"below {low:.3g} (smallest {float(lw[tiny].min()):.4g}), which the attention "
+                                     "kernels cannot tell from zero mass; pass -inf for a zero mass")
             w = torch.exp(lw)
         else:
             if weights is None:
@@ -421,10 +425,7 @@ class Measure:
         if not -self.n <= i < self.n:
             raise ValueError(f"i: atom index {i} out of range for {self.n} atoms")
         i = int(i) % self.n
-        t = scalar(fraction, "fraction")
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)):
-            raise TypeError(f"fraction: expected a number in (0, 1), got {type(fraction).__name__}")
-        t = float(t)
+        t = check_positive_float(fraction, "fraction", allow_zero=True, allow_inf=True)
         if not 0.0 < t < 1.0:
             raise ValueError(f"fraction: expected a number in (0, 1), got {fraction}")
         idx = torch.cat([torch.arange(i + 1), torch.tensor([i]), torch.arange(i + 1, self.n)]).to(self.device)
@@ -434,7 +435,7 @@ class Measure:
         # the other atoms keep their weights as they are (exp of their log-weights differs from them by the
         # dtype's rounding: 1.4% in bfloat16); the two halves from the weight, in float64
         w = self._weights[idx].clone()
-        a = self._weights[i].to(torch.float32 if self.device.type == "mps" else torch.float64)
+        a = self._weights[i].to(_accumulator(self.device))
         w[i], w[i + 1] = (a * t).to(w.dtype), (a * (1.0 - t)).to(w.dtype)
         pos = None if self._positions is None else self._positions[idx]
         return Measure._trusted(self._points[idx], w, lw, pos)
@@ -449,12 +450,7 @@ class Measure:
         (:func:`particles.linkage.linked_components`: a collapsed cloud is not a list of N^2 / 2 pairs);
         order follows the first atom of each group.
         """
-        atol = scalar(atol, "atol")
-        if isinstance(atol, bool) or not isinstance(atol, (int, float, np.integer, np.floating)):
-            raise TypeError(f"atol: expected a non-negative number, got {type(atol).__name__}")
-        atol = float(atol)
-        if not atol >= 0:
-            raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
+        atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
         # numpy has no bfloat16: its points are widened to float32 (exactly) for the grouping
         X = self._points.detach().cpu()
         X = (X.float() if X.dtype == torch.bfloat16 else X).numpy()
@@ -479,7 +475,7 @@ class Measure:
         lab = torch.as_tensor(labels, device=self.device)
         # the sums in float64 (float32 where the device has no float64), whatever the measure's dtype: a group of
         # 10^4 atoms summed in bfloat16 kept 3% of its mass (a review), and in float32 drifted by 250 ulp
-        acc = torch.float32 if self.device.type == "mps" else torch.float64
+        acc = _accumulator(self.device)
         lw_in = self._log_weights.to(acc)
         lw = torch.full((k,), -math.inf, dtype=acc, device=self.device).scatter_reduce(0, lab, lw_in, reduce="amax")
         # log-sum-exp per group, stable for tiny masses; a group of atoms of zero mass only shifted by 0 (exp(-inf -
@@ -539,12 +535,7 @@ class Measure:
         position. ``labels[j]`` is atom j's group, whatever the distance of its position to that first one.
         """
         pos = self._require_positions(what)
-        atol = scalar(atol, "atol")
-        if isinstance(atol, bool) or not isinstance(atol, (int, float, np.integer, np.floating)):
-            raise TypeError(f"atol: expected a non-negative number, got {type(atol).__name__}")
-        atol = float(atol)
-        if not atol >= 0:
-            raise ValueError(f"atol: expected a non-negative tolerance, got {atol}")
+        atol = check_positive_float(atol, "atol", allow_zero=True, allow_inf=True)
         order = torch.argsort(pos)
         p, w = pos[order], self._weights[order]
         gap = torch.diff(p) > atol

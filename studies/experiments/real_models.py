@@ -576,12 +576,7 @@ def _maps_claim(label, mode, lip_rows) -> Claim:
                   key=lambda f: f["layer"])
     # told apart at a layer: the paired difference's CI excludes 0 at the family-wise level 95% over the layers
     # (Bonferroni: each layer at 1 - 0.05 / L), so that one layer of L passing by chance does not decide the claim
-    from scipy import stats as st
-
-    def beyond(f):
-        t = st.t.ppf(1 - 0.025 / max(len(fits), 1), f["points"] - 2)
-        return abs(f["slope"]) > t * f["stderr"]
-    apart = [f for f in fits if beyond(f)]
+    apart = [f for f in fits if abs(f["slope"]) > report.family_wise_half_width(f, len(fits))]
     same = [f for f in fits if -MAPS_BAND <= f["lo"] and f["hi"] <= MAPS_BAND]
     agrees = None if not fits else True if apart else False if len(same) == len(fits) else None
     return Claim(

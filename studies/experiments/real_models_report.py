@@ -124,6 +124,14 @@ def plot_real_text(out_dir: Path, lip, fits, model: str) -> str:
     return name
 
 
+def family_wise_half_width(fit: dict, layers: int, level: float = 0.95) -> float:
+    """Half-width of a paired-exponent fit's interval at the family-wise ``level`` over ``layers`` layers
+    (Bonferroni: each layer at 1 - (1 - level) / layers), the interval the block claims decide with and the
+    figure draws (t quantile on the fit's ``points`` - 2 degrees of freedom, times its ``stderr``)."""
+    q = 1 - (1 - level) / 2 / max(layers, 1)
+    return float(stats.t.ppf(q, fit["points"] - 2) * fit["stderr"])
+
+
 def plot_exponents(out_dir: Path, fits, map_fits=()) -> str:
     """Fitted exponents with 95% CIs per layer: both maps, every mode, each model its panel; below, per model,
     the paired exponent of Lip(block) / Lip(attention) (the claim that tells the two maps apart: the maps'
@@ -143,8 +151,7 @@ def plot_exponents(out_dir: Path, fits, map_fits=()) -> str:
             err = [y - np.array([f["lo"] for f in fs]), np.array([f["hi"] for f in fs]) - y]
             # thin bars: the family-wise interval over the layers (Bonferroni), the one the claim decides with;
             # thick bars inside: each layer's own 95% CI
-            t_fw = np.array([stats.t.ppf(1 - 0.025 / max(len(fs), 1), f["points"] - 2) for f in fs])
-            half = t_fw * np.array([f["stderr"] for f in fs])
+            half = np.array([family_wise_half_width(f, len(fs)) for f in fs])
             ax.errorbar(x, y, yerr=half, ls="none", marker="D", ms=5, capsize=3, elinewidth=0.9, color="C2",
                         mfc="white" if mode == "decoder" else "C2", label=f"{mode}: block / attention")
             ax.errorbar(x, y, yerr=err, ls="none", marker="none", elinewidth=3, alpha=0.45, color="C2")
