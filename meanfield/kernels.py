@@ -60,7 +60,13 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from particles import device as _device
-from particles.validation import broadcast_shapes, check_allocation, memory_limit, output_checks_are_deferred
+from particles.validation import (
+    broadcast_shapes,
+    check_allocation,
+    check_log_weight_floor,
+    memory_limit,
+    output_checks_are_deferred,
+)
 
 from . import accelerator_paths as _paths
 from .streamed_attention import _transforms_active, _vmapped_size, one_query_set, sequence_mask, shared_keys
@@ -342,6 +348,16 @@ def _check_positions(q_pos, k_pos) -> None:
             raise FloatingPointError(f"{name}: contains NaN entries; {fate}. Give every position a number")
 
 
+def _log_weight_floor(log_weights):
+    """NaN where a positive mass has a log-weight below finfo.min / 4, where the fused and streamed kernels clamp
+    (:func:`particles.validation.check_log_weight_floor`; a Measure refuses them, a direct call is checked here),
+    else 0: a term of the output check's one sum (no host sync of its own); None without weights or in float16."""
+    if log_weights is None or log_weights.dtype == torch.float16:
+        return None
+    lw = log_weights.detach()
+    return torch.where(((lw < torch.finfo(lw.dtype).min / 4) & (lw > -math.inf)).any(), math.nan, 0.0)
+
+
 def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=None, k_pos=None) -> torch.Tensor:
     """A NaN or infinite output, or a NaN position, names its cause instead of being returned. One reduction, the
     sum of the output (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the
@@ -356,9 +372,14 @@ def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=Non
     positions = _position_sum(q_pos, k_pos)
     if positions is not None:
         total = total + positions
+    floor = _log_weight_floor(log_weights)
+    if floor is not None:
+        total = total + floor
     if math.isfinite(float(total)):
         return out
     _check_positions(q_pos, k_pos)
+    if floor is not None:
+        check_log_weight_floor(log_weights.detach())
     if bool(torch.isfinite(out.detach()).all()) and not (queries and not bool(torch.isfinite(q.detach()).all())):
         return out   # finite entries whose sum overflows
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -566,21 +587,30 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     # check (:func:`_position_sum`; not needed when the keys' positions are the queries': their NaN also makes a
     # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
     positions = None if k_pos is q_pos or deferred else _position_sum(None, k_pos)
+    # log-weights the other paths would take for zero mass: refused on every path alike (in the same sum)
+    floor = None if deferred or _checks_skipped() else _log_weight_floor(log_weights)
     if forward and positions is not None:
         # queries with positions of their own (half of random queries see no key): their rows set as above, then
         # one sum and one host sync
         out = _zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
-        total = out.detach().sum()
-        if math.isfinite(float(total + positions)):
+        total = out.detach().sum() + positions
+        if floor is not None:
+            total = total + floor
+        if math.isfinite(float(total)):
             return out
+        if floor is not None:
+            check_log_weight_floor(log_weights.detach())
     elif not _checks_skipped():
         # the plain softmax first: a finite output (the sum the output check computes anyway) is the exact result
         out = compute(_plain_probs)
         total = out.detach().sum()
-        if positions is not None:
-            total = total + positions
+        for term in (positions, floor):
+            if term is not None:
+                total = total + term
         if math.isfinite(float(total)):
             return out
+        if floor is not None:
+            check_log_weight_floor(log_weights.detach())
         if forward:
             # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
             # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v

@@ -23,6 +23,7 @@ from .validation import (
     check_allocation,
     check_bool,
     check_device,
+    check_log_weight_floor,
     check_ndim,
     check_positive_float,
     check_positive_int,
@@ -142,15 +143,7 @@ class Measure:
                 # measure's log-weights sum to one in the points' precision (a saved measure is checked at it)
                 lw = lw - torch.logsumexp(lw, 0)
             lw = _held(lw, pts.dtype, "log_weights")
-            if lw.dtype != torch.float16:   # float16's kernels mark zero masses in a column of their own
-                # the attention kernels stand the log of a zero mass in for the dtype's most negative number / 4: a
-                # positive mass below it would be taken for a zero one (a review: log-weights of -1e308)
-                low = torch.finfo(lw.dtype).min / 4
-                tiny = (lw > -math.inf) & (lw < low)
-                if bool(tiny.any()):
-                    raise ValueError(f"log_weights: {int(tiny.sum())} atom(s) of positive mass have log-weights "
-                                     f"below {low:.3g} (smallest {float(lw[tiny].min()):.4g}), which the attention "
-                                     "kernels cannot tell from zero mass; pass -inf for a zero mass")
+            check_log_weight_floor(lw.detach())
             w = torch.exp(lw)
         else:
             if weights is None:

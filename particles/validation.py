@@ -146,6 +146,24 @@ def weight_tolerance(dtype: torch.dtype, given=None) -> float:
     return tol
 
 
+def check_log_weight_floor(lw: torch.Tensor, name: str = "log_weights") -> None:
+    """Refuse log-weights of positive mass below the dtype's most negative number / 4.
+
+    The fused and streamed attention kernels stand the log of a zero mass in for ``finfo.min / 4`` and clamp
+    log-weights there (float16 excepted: its kernels mark zero masses in a column of their own), so masses below
+    it lose their differences: a masked row whose visible keys all sit there gets equal weights instead of their
+    softmax (the dense path was right: the answer depended on the path). One pass over ``lw``.
+    """
+    if lw.dtype == torch.float16 or not lw.is_floating_point():
+        return
+    low = torch.finfo(lw.dtype).min / 4
+    tiny = (lw > -math.inf) & (lw < low)
+    if bool(tiny.any()):
+        raise ValueError(f"{name}: {int(tiny.sum())} atom(s) of positive mass have log-weights below {low:.3g} "
+                         f"(smallest {float(lw[tiny].min()):.4g}), which the attention kernels cannot tell from zero "
+                         "mass; pass -inf for a zero mass")
+
+
 def scalar(value, name: str):
     """``value`` with a one-element real torch tensor of no dimensions (``X.norm(dim=1).max()``, ``torch.tensor(64)``)
     taken as the Python number it holds (int or float); anything else unchanged, for the caller's own check. Such a

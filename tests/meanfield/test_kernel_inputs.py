@@ -251,3 +251,34 @@ def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(mo
     # a NaN input is still reported by name
     with pytest.raises(FloatingPointError, match="^k: contains NaN"):
         kernels.attend(q, k.clone().fill_(math.nan), v, lw, method="dense")
+
+
+@pytest.mark.parametrize("method", ["dense", "stream", "fused", "auto"])
+def test_log_weights_below_the_zero_mass_sentinel_are_refused_by_a_direct_call(method):
+    """The fused and streamed kernels clamp log-weights at finfo.min / 4, their stand-in for a zero mass. A masked
+    row whose visible keys all sit below it lost their differences: keys of log-weights -1e308 and -5e307 (the
+    second carries all the row's mass) came back with equal weights (0.914 for the truth v_1 = 0.434 at seed 0;
+    the dense path was right). A Measure refused such weights; a direct call now does too, on every path alike,
+    naming the argument. -inf (zero mass) and log-weights above the clamp still run, against the definition."""
+    q, k, v = _qkv(m=3, n=4)
+    q_pos = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
+    k_pos = torch.tensor([0.0, 0.05, 0.6, 0.8], dtype=torch.float64)
+    lw = torch.tensor([-1e308, -5e307, 0.0, 0.0], dtype=torch.float64)   # the first query sees keys 0 and 1
+    with pytest.raises(ValueError, match=r"^log_weights: 2 atom\(s\) of positive mass have log-weights below"):
+        kernels.attend(q, k, v, lw, q_pos, k_pos, method=method)
+    ok = torch.tensor([-math.inf, -1e300, 0.0, 0.0], dtype=torch.float64)
+    out = kernels.attend(q, k, v, ok, q_pos, k_pos, method=method)
+    assert torch.allclose(out[0], v[1], rtol=1e-14)   # query 0 sees a zero mass and a mass of exp(-1e300)
+    visible = (k_pos <= q_pos[2]) & (ok > -math.inf)
+    scores = q[2] @ k[visible].T + ok[visible]
+    assert torch.allclose(out[2], torch.softmax(scores, 0) @ v[visible], rtol=1e-12, atol=1e-14)
+
+
+def test_the_log_weight_floor_is_not_read_inside_vmap():
+    """vmap cannot branch on data: a batch of weighted calls through torch.func.vmap runs (and agrees with the
+    loop)."""
+    q, k, v = _qkv(m=3, n=4)
+    lws = torch.log_softmax(torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1)), 1)
+    out = torch.func.vmap(lambda lw: kernels.attend(q, k, v, lw, method="dense"))(lws)
+    for b in range(5):
+        assert torch.allclose(out[b], kernels.attend(q, k, v, lws[b], method="dense"), rtol=1e-13)
