@@ -109,7 +109,7 @@ def _scores(q, kT, LW, s_lw, QP_i, KP, s_kp, rows, cols, cmask, HAS_LW: tl.const
     else:
         s = tl.where(cmask[None, :], s, -float("inf"))
     if HAS_POS:
-        kp = tl.load(KP + cols * s_kp, mask=cmask, other=float("inf"))
+        kp = tl.load(KP + cols * s_kp, mask=cmask, other=0)
         s = tl.where(kp[None, :] <= QP_i[:, None], s, -float("inf"))
     if CAUSAL:
         s = tl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
@@ -152,7 +152,7 @@ def _forward_kernel(Q, K, V, LW, QP, KP, OUT, LSE,
     q = _load_rows(Q + b * sqb, rows, rmask, fe, e, sqm, sqe)
     qp = rows
     if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=0)
     run_max = tl.full([BLOCK_M], -float("inf"), ACC)
     run_sum = tl.zeros([BLOCK_M], ACC)
     sum_carry = tl.zeros([BLOCK_M], ACC)
@@ -206,7 +206,7 @@ def _jvp_kernel(Q, K, V, LW, QP, KP, OUT, LSE, TQ, TK, TV, TLW, DOUT, DLSE,
     q = _load_rows(Q + b * sqb, rows, rmask, fe, e, sqm, sqe)
     qp = rows
     if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=0)
     lse = tl.load(LSE + b * sLb + rows * sLm, mask=rmask, other=-float("inf")).to(ACC)
     # rows with no visible key (L = -inf): P = exp(s - inf) = 0
     lse = tl.where(lse == -float("inf"), float("inf"), lse)
@@ -271,7 +271,7 @@ def _backward_q_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DQ,
     q = _load_rows(Q + b * sqb, rows, rmask, fe, e, sqm, sqe)
     qp = rows
     if HAS_POS:
-        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+        qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=0)
     lse = tl.load(LSE + b * sLb + rows * sLm, mask=rmask, other=-float("inf")).to(ACC)
     lse = tl.where(lse == -float("inf"), float("inf"), lse)
     go = _load_rows(GO + b * sgb, rows, rmask, fc, c, sgm, sgc)
@@ -329,7 +329,7 @@ def _backward_kv_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DK, DV, DLW,
         q = _load_rows(Q + b * sqb, rows, rmask, fe, e, sqm, sqe)
         qp = rows
         if HAS_POS:
-            qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+            qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=0)
         lse = tl.load(LSE + b * sLb + rows * sLm, mask=rmask, other=-float("inf")).to(ACC)
         lse = tl.where(lse == -float("inf"), float("inf"), lse)
         s = _scores(q, kT, LW + b * slb, sln, qp, KP + b * skpb, skpn, rows, cols, cmask,

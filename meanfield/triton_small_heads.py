@@ -118,7 +118,7 @@ def _mask_q(s, LW, s_lw, QP_i, KP, s_kp, rows, cols, cmask, HAS_LW: tl.constexpr
     else:
         s = tl.where(cmask[:, None], s, -float("inf"))
     if HAS_POS:
-        kp = tl.load(KP + cols * s_kp, mask=cmask, other=float("inf"))
+        kp = tl.load(KP + cols * s_kp, mask=cmask, other=0)
         s = tl.where(kp[:, None] <= QP_i[None, :], s, -float("inf"))
     if CAUSAL:
         s = tl.where(cols[:, None] <= rows[None, :], s, -float("inf"))
@@ -143,7 +143,7 @@ def _queries(Q, QP, spm, sqm, sqe, m, n, BLOCK_M: tl.constexpr, E: tl.constexpr,
     q0, q1, q2, q3 = _cols(Q, rows, rmask, sqm, sqe, E, ACC)
     qp = rows
     if HAS_POS:
-        qp = tl.load(QP + rows * spm, mask=rmask, other=-float("inf"))
+        qp = tl.load(QP + rows * spm, mask=rmask, other=0)
     hi = n
     if CAUSAL:
         hi = tl.minimum(n, (pid + 1) * BLOCK_M)
@@ -302,7 +302,7 @@ def _backward_kv_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DK, DV, DLW,
         lw = tl.where(cmask, 0.0, -float("inf")).to(ACC)
     kp = cols
     if HAS_POS:
-        kp = tl.load(KP + b * skpb + cols * skpn, mask=cmask, other=float("inf"))
+        kp = tl.load(KP + b * skpb + cols * skpn, mask=cmask, other=0)
     z = tl.zeros([BLOCK_N], ACC)
     dk0, dk1, dk2, dk3, ck0, ck1, ck2, ck3 = z, z, z, z, z, z, z, z
     dv0, dv1, dv2, dv3, cv0, cv1, cv2, cv3 = z, z, z, z, z, z, z, z
@@ -317,7 +317,7 @@ def _backward_kv_kernel(Q, K, V, LW, QP, KP, LSE, GO, DELTA, DK, DV, DLW,
         y0, y1, y2, y3 = _cols(Q + b * sqb, rows, rmask, sqm, sqe, E, ACC)
         s = _outer(y0, y1, y2, y3, x0, x1, x2, x3, E) + lw[None, :]
         if HAS_POS:
-            qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=-float("inf"))
+            qp = tl.load(QP + b * spb + rows * spm, mask=rmask, other=0)
             s = tl.where(kp[None, :] <= qp[:, None], s, -float("inf"))
         if CAUSAL:
             s = tl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
