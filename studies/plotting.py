@@ -107,6 +107,21 @@ def finish(ax, xlabel: str, ylabel: str, title: str = "", *, logx: bool = False,
     return ax
 
 
+def count_axis(ax, which: str = "y"):
+    """A log axis of counts (clusters, tokens): labelled at the powers of two as whole numbers (1, 2, 4, ..., 32),
+    where decades left a count axis from 1 to 32 with the labels 1 and 10 only. :func:`finalize` keeps it."""
+    if which not in ("x", "y"):
+        raise ValueError(f"which: expected 'x' or 'y', got {which!r}")
+    axis = ax.yaxis if which == "y" else ax.xaxis
+    (ax.set_yscale if which == "y" else ax.set_xscale)("log", base=2)
+    axis.set_major_locator(ticker.LogLocator(base=2, subs=(1.0,)))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0f}" if v >= 1 else f"{v:g}"))
+    axis.set_minor_locator(ticker.NullLocator())
+    axis.set_minor_formatter(ticker.NullFormatter())
+    axis._meanfield_counts = True
+    return ax
+
+
 def figure_legend(fig, axes, ncol: int = 3):
     """One legend for several panels that plot the same kinds of curves, below the figure (entries
     with the same label are shown once)."""
@@ -290,9 +305,9 @@ def finalize(fig) -> None:
     for ax in fig.axes:
         if not ax.get_visible() or not ax.axison or _is_colorbar(ax) or ax.name != "rectilinear":
             continue
-        if ax.get_xscale() == "log":
+        if ax.get_xscale() == "log" and not getattr(ax.xaxis, "_meanfield_counts", False):
             _fix_log_axis(ax.xaxis, *sorted(ax.get_xlim()), _data_ranges(ax, "x"))
-        if ax.get_yscale() == "log":
+        if ax.get_yscale() == "log" and not getattr(ax.yaxis, "_meanfield_counts", False):
             _fix_log_axis(ax.yaxis, *sorted(ax.get_ylim()), _data_ranges(ax, "y"))
     fig.canvas.draw()
     moved = False

@@ -526,7 +526,8 @@ def _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, cou
         traj, E, c, _ = sph[model]
         P.measured(ax, traj.times.cpu().numpy(), c, f"{model}", color=P.COLORS[k])
     ax.axhline(1, color="gray", lw=0.8, ls=":", label="one cluster")
-    P.finish(ax, "t", "number of clusters (single linkage, tol 1e-3)", "collapse to one cluster", logy=True)
+    P.finish(ax, "t", "number of clusters (single linkage, tol 1e-3)", "collapse to one cluster")
+    P.count_axis(ax)
     ax = axes[2]
     P.measured(ax, traj_c.times.cpu().numpy(), dist_c, "max_i |x_i - x_1|", color=P.COLORS[2])
     P.finish(ax, "t", "largest distance to the first token", f"causal SA, n = {cfg['n_causal']}: every token -> x_1",

@@ -134,3 +134,20 @@ def test_heatmap_sequential_scale_starts_where_asked():
                      vmin=1.0, fig=fig)
     assert mesh.norm.vmin == 1.0 and mesh.get_cmap().name == "viridis"
     plt.close(fig)
+
+
+def test_a_count_axis_labels_the_powers_of_two_as_whole_numbers(tmp_path):
+    """sphere_clusters.png's middle panel: cluster counts from 32 down to 1 on a log axis were labelled 1 and 10
+    only (decades pass the two-label rule), so a reader could not tell 32 from 20. A count axis labels 1, 2, 4,
+    ..., 32 as whole numbers, and finalize (save_figure) keeps them."""
+    fig, ax = P.figure()
+    t = np.arange(8.0)
+    P.measured(ax, t, [32, 32, 30, 15, 5, 1, 1, 1], "clusters")
+    P.finish(ax, "t", "number of clusters", legend=False)
+    P.count_axis(ax)
+    save_figure(fig, tmp_path / "counts.png")
+    assert {"1", "2", "4", "8", "16", "32"} <= set(_labels(ax.yaxis)), _labels(ax.yaxis)
+    assert ax.get_yscale() == "log" and P.check_figure(fig) == []
+    with pytest.raises(ValueError, match="^which: expected 'x' or 'y'"):
+        P.count_axis(ax, "z")
+    plt.close(fig)
