@@ -375,7 +375,6 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
     norms = {i: layer_norms(mhf.extract_layer(model, i)) for i in layers}
     upper = {i: LayerBound(mhf.extract_layer(model, i)) for i in layers}
     ops = {(i, m): mhf.HFAttention.from_model(model, i, block=m == "block") for i in layers for m in MAPS}
-    pre_ln = mhf.model_kind(model) == "gpt2"
     radius_sum = dict.fromkeys(layers, 0.0)
     radius_count = dict.fromkeys(layers, 0)
     by_position = {i: [] for i in layers}
@@ -384,9 +383,8 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
             if (rep + 1) * n > ids.numel():
                 break
             chunk = ids[rep * n:(rep + 1) * n][None]
-            xs = mhf.capture_attention_inputs(model, chunk, layers)
-            # the block map's own input: GPT-2's block starts before ln_1 (BERT's is the attention's input)
-            xs_block = mhf.capture_attention_inputs(model, chunk, layers, block=True) if pre_ln else xs
+            # the block map's own input: GPT-2's block starts before ln_1 (BERT's is the attention's input); one pass
+            xs, xs_block = mhf.capture_layer_inputs(model, chunk, layers)
             for i in layers:
                 X = xs[i]
                 inputs = {"attention": X, "block": xs_block[i]}

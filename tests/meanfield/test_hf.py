@@ -136,6 +136,26 @@ def test_block_inputs_are_what_the_block_maps(models, kind, dec):
             assert torch.equal(X, inner[i])
 
 
+@pytest.mark.parametrize("kind,dec", CASES)
+def test_layer_inputs_are_both_captures_in_one_forward_pass(models, kind, dec):
+    """capture_layer_inputs returns what capture_attention_inputs returns without and with block=True (the truth:
+    those two calls), running the model once, where real_models ran GPT-2 twice per sequence."""
+    model = models[(kind, dec)]
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        xs, blocks = mhf.capture_layer_inputs(model, _ids(model), [1])
+    finally:
+        handle.remove()
+    assert len(calls) == 1
+    inner = mhf.capture_attention_inputs(model, _ids(model), [1])
+    outer = mhf.capture_attention_inputs(model, _ids(model), [1], block=True)
+    assert list(xs) == list(blocks) == [1]
+    for i in (1,):
+        assert torch.equal(xs[i], inner[i]) and torch.equal(blocks[i], outer[i])
+        assert torch.equal(xs[i], blocks[i]) == (kind == "bert")
+
+
 def test_gpt2_with_float32_scores_runs_in_float64(one_thread):
     """reorder_and_upcast_attn=True computes the scores in float32, and transformers raises a dtype error on that
     path in float64. The hooks and the operator run it with float64 scores: the same map as the layer without
