@@ -77,6 +77,10 @@ class SearchOptions:
     structured : bool
         Proposition 3.4's witness in both eigen-cases, the hub configurations and the zero-plus-spread
         configuration of every head (the two-Dirac witness too for measures).
+    ladder : bool
+        The structured starts again at the radii below R where the scores spread by 16, 4 and 1
+        (:func:`meanfield.starts.ladder_radii`): at a large radius the softmaxes of the starts at R saturate
+        and their ascent stops at once (Lip(f on B_R^n) >= Lip(f on B_r^n) for r < R).
 
     Ascent (:mod:`meanfield.ascent`):
 
@@ -111,6 +115,7 @@ class SearchOptions:
     random: int = 8
     clusters: int = 4
     structured: bool = True
+    ladder: bool = True
     max_steps: int = 200
     keep: int | None = 4
     gtol: float = 1e-4
@@ -124,6 +129,7 @@ class SearchOptions:
         set_("random", check_positive_int(self.random, "random", minimum=0))
         set_("clusters", check_positive_int(self.clusters, "clusters", minimum=0))
         set_("structured", check_bool(self.structured, "structured"))
+        set_("ladder", check_bool(self.ladder, "ladder"))
         set_("max_steps", check_positive_int(self.max_steps, "max_steps", minimum=0))
         if self.keep is not None:
             set_("keep", check_positive_int(self.keep, "keep"))
@@ -628,7 +634,7 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
     t0 = time.perf_counter()
     if starts is None:
         named = sequence_starts(op, R, n, random=opts.random, clusters=opts.clusters, structured=opts.structured,
-                                seed=opts.seed, d=d)
+                                ladder=opts.ladder, seed=opts.seed, d=d)
     else:
         named = [(name, _check_start(op, X, n, d, f"starts[{k}]"))
                  for k, (name, X) in enumerate(_named_starts(starts, "tensor"))]
@@ -641,7 +647,7 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
                                          max_steps=opts.max_steps, gtol=opts.gtol, eta=opts.step, line_search=True,
                                          keep=opts.keep, t0=t0, seed=_int_seed(opts.seed))
         options = _record(opts, budget, "max_steps", "keep", "gtol", "step", "tol", "seed", "random", "clusters",
-                          "structured")
+                          "structured", "ladder")
         return _result(problem, members, trace, stopped, "projected ascent", operator_upper(op, R, n, d=d), t0,
                        options)
 
@@ -746,7 +752,7 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, budget=20000,
     t0 = time.perf_counter()
     if starts is None:
         named = measure_starts(op, R, atoms, positions=None if pos is None else pos.cpu(), random=opts.random,
-                               structured=opts.structured, seed=opts.seed, d=d)
+                               structured=opts.structured, ladder=opts.ladder, seed=opts.seed, d=d)
     else:
         named = [(name, _check_measure_start(op, mu, atoms, pos, f"starts[{k}]"))
                  for k, (name, mu) in enumerate(_named_starts(starts, "Measure"))]
@@ -759,7 +765,8 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, budget=20000,
         members, trace, stopped = ascend(problem, states, budget=budget, max_steps=opts.max_steps, gtol=opts.gtol,
                                          eta=opts.step, line_search=True, keep=opts.keep, t0=t0,
                                          seed=_int_seed(opts.seed))
-        options = _record(opts, budget, "max_steps", "keep", "gtol", "step", "tol", "seed", "random", "structured")
+        options = _record(opts, budget, "max_steps", "keep", "gtol", "step", "tol", "seed", "random", "structured",
+                          "ladder")
         options["split"] = split
         return _result(problem, members, trace, stopped, "projected ascent", operator_upper(op, R, None, d=d), t0,
                        options)

@@ -510,6 +510,33 @@ def test_a_budget_too_small_for_every_start_goes_to_the_best_one():
     assert stopped == "budget" and not trace and all(m.steps == 0 for m in members)
 
 
+class _Deceptive(_KnownCosts):
+    """_KnownCosts whose gradients point the wrong way: every step lowers the value, by about 1e-6 of it."""
+
+    def evaluate(self, Ys):
+        self.products += self.e * len(Ys)
+        return [(10.0 - 1e-5 * float((Y - self.c).pow(2).sum()), True) for Y in Ys]
+
+    def gradient(self, Ys, auxs):
+        self.products += self.g * len(Ys)
+        return [Y - self.c for Y in Ys]
+
+
+def test_the_line_search_never_accepts_a_decrease_however_small():
+    """The search's promise (meanfield.ascent): no step lowers the certified value. Truth: _Deceptive's value
+    falls along every step it is given, by about 1e-6 relative; no step is taken and every start keeps its
+    initial value (a review: accepting steps within 0.1% of the value passed every test)."""
+    from meanfield.ascent import ascend
+
+    gen = torch.Generator().manual_seed(2)
+    starts = [(f"s{k}", torch.rand(2, 2, generator=gen, dtype=f64) * 2 - 1) for k in range(3)]
+    problem = _Deceptive(1, 2)
+    members, trace, _ = ascend(problem, starts, budget=400, max_steps=50, gtol=0.0, eta=0.05, line_search=True,
+                               keep=None, t0=0.0, seed=0)
+    assert trace and all(m.steps == 0 and m.best[0] == m.initial for m in members)
+    assert all(b.best >= a.best for a, b in zip(trace, trace[1:]))
+
+
 def test_arguments_are_checked_and_numpy_scalars_accepted():
     op = SelfAttention(rand(2, 2, seed=1), rand(2, 2, seed=2))
     res = worst_case_sequence(op, np.float64(1.0), np.int64(3), budget=np.int64(200),
@@ -685,3 +712,48 @@ def test_found_inputs_are_in_the_ball_exactly(masked):
             f = lambda Y, A=A: naive_attention(Y, A, torch.eye(3, dtype=f64), masked=masked)
             dense = dense_lipschitz(f, res.input)
             assert rel(res.lower, dense) <= 1e-6
+
+
+def _saturating_head(masked):
+    """A review's operator: d = 2, V of shape (3, 2), a key bias; its softmaxes saturate at R = 100."""
+    from meanfield import SelfAttention
+
+    g = torch.Generator().manual_seed(3)
+    A, V, c = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((2, 2), (3, 2), (2,)))
+    return SelfAttention(A, V, key_bias=c, masked=masked)
+
+
+def test_ladder_radii_are_where_the_scores_spread_by_16_4_and_1():
+    """The radii of the ladder starts: where ||A|| r^2 + ||c|| r equals 16, 4 and 1 (the truth: that spread,
+    computed here from the operator's A and c), largest first; none where they spread by 16 at most at R, nor
+    for a bare callable."""
+    from meanfield.starts import LADDER_SPREADS, ladder_radii
+
+    op = _saturating_head(False)
+    a, c = float(torch.linalg.matrix_norm(op.A, 2)), float(op.key_bias.norm())
+    spread = lambda r: a * r * r + c * r
+    radii = ladder_radii(op, 100.0)
+    assert radii == sorted(radii, reverse=True) and len(radii) == len(LADDER_SPREADS) == 3
+    for r, level in zip(radii, (16.0, 4.0, 1.0)):
+        assert spread(r) == pytest.approx(level, rel=1e-12)
+    assert ladder_radii(op, radii[0] * 1.5) == radii   # the scores spread by more than 16 at R
+    assert ladder_radii(op, radii[0] * 0.999) == []   # by 16 at most: the starts at R are not saturated
+    assert ladder_radii(lambda X: X, 20.0, d=2) == []
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_search_at_a_large_radius_does_not_end_below_a_smaller_radius(masked):
+    """Lip(f on B_100^n) >= Lip(f on B_20^n) >= the search's certified value at R = 20 (the balls are nested).
+    At R = 100 every softmax of the starts at R saturated: the search stopped "converged" at 2.97 after 218 of
+    its 20000 products, where it certified 789 at R = 20. The ladder starts (the structured ones again at the
+    radii where the scores spread by 16, 4 and 1) are inputs of B_100^n from which the ascent rises. Without
+    them (ladder=False) the old value comes back, which is what the test would meet on the old code. (A budgeted
+    search is no theorem: the same budget at the three nested radii is what this checks.)"""
+    from meanfield import SearchOptions, worst_case_sequence
+
+    op = _saturating_head(masked)
+    at_5, at_20, at_100 = (worst_case_sequence(op, R, 2, budget=1000) for R in (5.0, 20.0, 100.0))
+    assert at_100.lower >= at_20.lower >= at_5.lower > 40
+    assert "@" in at_100.start   # a ladder start won
+    flat = worst_case_sequence(op, 100.0, 2, budget=1000, options=SearchOptions(ladder=False))
+    assert flat.lower < 10 and flat.products < 1000
