@@ -851,9 +851,12 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
         return np.pad(a, ((0, 1), (0, 1))), 0.0, 0.0
     # ||[A, c/t]||_2^2 = lambda_max(A A^T + c c^T / t^2): a rank-one update of a fixed matrix, whose
     # top eigenvalue is the root above lambda_1 of the secular equation 1 + sum w_i^2 / (lambda_i - x) = 0
-    lam, U = np.linalg.eigh(a @ a.T)
+    # t's optimum is unchanged when A and c are scaled together: the secular equation runs on A / s and c / s
+    # (their squares overflowed for entries above about 1e154, leaving t 1e5 times off)
+    s = max(float(np.abs(a).max()), float(np.abs(cv).max()))
+    lam, U = np.linalg.eigh((a / s) @ (a / s).T)
     lam = np.clip(lam, 0.0, None)
-    w2 = (U.T @ cv) ** 2
+    w2 = (U.T @ (cv / s)) ** 2
 
     def top(t: float) -> float:
         w = w2 / (t * t)

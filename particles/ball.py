@@ -24,7 +24,9 @@ def into_ball(X: torch.Tensor, R: float) -> torch.Tensor:
 
     Rows whose norm exceeds R are scaled onto the sphere (the radial projection ``x -> x min(1, R / |x|)``),
     then every row whose computed norm is still above R is shrunk by 4 units in the last place until
-    ``X.norm(dim=-1) <= R`` holds in X's dtype; other rows are returned unchanged, bit for bit. Identical
+    ``X.norm(dim=-1) <= R`` holds in X's dtype, and below float64 also in float64 (the norm of the numbers X
+    holds, which a float64 re-certification of a float32 input computes: 50.0000024 at R = 50 in float32
+    before); other rows are returned unchanged, bit for bit. Identical
     rows stay identical. Differentiable (``torch.where``); one host sync per step on an accelerator.
     """
     R = check_radius(R, "R")
@@ -33,8 +35,11 @@ def into_ball(X: torch.Tensor, R: float) -> torch.Tensor:
     norm = X.norm(dim=-1, keepdim=True)
     out = torch.where(norm > R, X * (R / torch.where(norm > R, norm, torch.ones_like(norm))), X)
     shrink = 1.0 - 4.0 * torch.finfo(X.dtype).eps
+    wide = X.dtype != torch.float64
     for _ in range(_STEPS):
         over = out.norm(dim=-1, keepdim=True) > R
+        if wide:   # and the exact norm of the numbers held (float64's): a float64 check of them sees it
+            over = over | (out.detach().to(torch.float64).norm(dim=-1, keepdim=True) > R)
         if not bool(over.any()):
             return out
         out = torch.where(over, out * shrink, out)

@@ -56,3 +56,18 @@ def test_sampled_spheres_and_balls_are_in_the_closed_ball(dtype):
         for mu in (Measure.sphere(3000, 3, R, seed=0, dtype=dtype), Measure.ball(3000, 3, R, seed=0, dtype=dtype)):
             assert bool((mu.points.norm(dim=1) <= R).all())
     assert float(Measure.sphere(3000, 3, 7.3, seed=0, dtype=dtype).points.norm(dim=1).min()) >= 7.3 * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1.0, 20.0, 50.0])
+def test_low_precision_rows_are_inside_in_float64_too(dtype, R):
+    """A float32 row whose float32 norm is R can hold numbers whose exact norm is above it (50.0000024 at R = 50,
+    a review): a float64 re-certification of that input is of a point outside the ball. The truth: the norm
+    of the same numbers computed in float64 (exact for them to about 1e-16), <= R as well."""
+    g = torch.Generator().manual_seed(0)
+    Z = torch.randn(4000, 3, generator=g, dtype=torch.float64)
+    X = (R * Z / Z.norm(dim=1, keepdim=True)).to(dtype)
+    Y = into_ball(X, R)
+    assert bool((Y.norm(dim=1) <= R).all())
+    assert bool((Y.to(torch.float64).norm(dim=1) <= R).all())
+    assert float((Y.double() - X.double()).abs().max()) <= 16 * torch.finfo(dtype).eps * R
