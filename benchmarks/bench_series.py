@@ -248,7 +248,15 @@ def clusters(args, device):
 
     print("| N | T | wall time | paths | t_escape | clusters at T | drift off the sphere |")
     print("|---|---|---|---|---|---|---|")
+    previous = None
     for n in [int(s) for s in args.clusters]:
+        # each evaluation is O(N) on the series path: a size whose time, the previous one's scaled by N, exceeds
+        # --cap is skipped (a row says so), so that a step bounded by a timeout ends with the rows it could run
+        predicted = None if previous is None else previous[1] * n / previous[0]
+        if predicted is not None and predicted > args.cap:
+            print(f"| {n:.0e} | {args.T:g} | skipped: predicted {fmt(predicted)} > --cap {args.cap:g} s | | | | |",
+                  flush=True)
+            continue
         t = time.perf_counter()
         with kernels.record_paths() as paths:
             r = at_scale.cluster_task(n, args.T, 0.25, 0.5, 0, device=str(device))
@@ -257,6 +265,7 @@ def clusters(args, device):
         used = ", ".join(f"{p} x{paths.count(p)}" for p in sorted(set(paths)))
         print(f"| {n:.0e} | {args.T:g} | {fmt(seconds)} | {used} | {r['t_escape']:.3g} | {r['clusters_T']} | "
               f"{r['drift']:.2g} |", flush=True)
+        previous = (n, seconds)
     return 0
 
 
@@ -360,6 +369,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench_series: --device cuda, but this torch sees no CUDA device", file=sys.stderr)
+        return 2
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     what = ("the disc of radius 1.5 in d = 2, the discrete-versus-mean-field operator (seed 0)" if args.lipschitz else
             "points uniform in the unit square (cube), centred; float64" if args.layouts else

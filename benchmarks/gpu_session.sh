@@ -13,7 +13,8 @@
 #     BUDGET=300 bash benchmarks/gpu_session.sh lipschitz-series                    # goal 7's local constants at 1e6
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
-#   tests            tests/test_cuda.py (on a fresh machine 39 of 63 passed in the 140 s once given; up to 300 s)
+#   tests            tests/test_cuda.py (67 tests; on a fresh machine 39 of 63 passed in the 140 s once given; up
+#                    to 300 s)
 #   derivatives      VJP / JVP at 1e4 and 1e5, d = 3 and 64, every engine (about 100 s)
 #   small            the small heads' FMA kernels against the matrix-product kernels and SDPA, d = 3, 1e4 and 1e5,
 #                    each mask: forward, JVP, VJP (unmeasured; about 90 s with their compilation)
@@ -30,8 +31,10 @@
 #   lipschitz-1e6    certified Lipschitz at 1e5, then at 1e6 if the N^2 extrapolation fits the time left
 #                    (1e5 took 5.09 s on 2026-11-27, i.e. 1e6 about 509 s: it runs if the step has that much left)
 #   lipschitz-only-1e6  certified Lipschitz at 1e6 alone, after an untimed call at 1e4 (its products took 28.75 s a
-#                    Lanczos vector on 2026-11-27: 17 vectors in float32 and the float64 certificate, 570-610 s). A
-#                    call stops between two products when the next would not fit, its row saying how far it got
+#                    Lanczos vector on 2026-11-27: 17 vectors in float32 and the float64 certificate, 570-610 s
+#                    then; Lanczos takes up to 8 more steps since 2026-11-28, about 800 s: more than one call's
+#                    600 s). A call stops between two products when the next would not fit, its row saying how
+#                    far it got; lipschitz-series is the step that can meet goal 4 at 1e6
 #   series           bench_series.py: the series engine against auto's path before it, sphere tokens, d = 3, float32
 #                    and float64, 1e4 .. 1e6 (unmeasured; about 60 s: the float64 baseline at 1e6 is skipped)
 #   clusters-1e6     bench_series.py --clusters: the dynamics study's at-scale run (SA on the sphere, beta = 1, T = 30,
@@ -42,14 +45,38 @@
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
-# It needs torch with CUDA (and Triton); POT and GeomLoss are optional peers (their rows say n/a without them).
+# It needs torch with CUDA (and Triton). POT and GeomLoss are optional peers, absent from the H200 image (their
+# rows say n/a; the package imports POT only where exact W2 or the dense Sinkhorn runs); to measure them, carry
+# wheels (the device README: pip download --python-version 3.12 ... pot geomloss keops into .whl).
+# Every step's output goes to one log, $OUT/steps.log (a call brings back a limited number of files): with
+# smi.txt, gpu.json and gpu.md, four files whatever the steps.
 set -u
+STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series grid sinkhorn grid-1e6
+derivatives-1e6 grid-1e6-64 positions-1e6 dynamics-1e6 lipschitz-1e6 lipschitz-only-1e6"
+for step in "$@"; do   # every name checked before the first step spends any time
+  case " $(echo $STEPS) " in *" $step "*) ;; *) echo "unknown step: $step (steps: $(echo $STEPS))"; exit 2 ;; esac
+done
 END=$((SECONDS + ${BUDGET:-480}))
 OUT=${OUT:-runs/gpu-session}
 mkdir -p "$OUT"
 left() { echo $((END - SECONDS)); }
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/smi.txt"
+python3 -c "import ot" 2>/dev/null && echo "POT: $(python3 -c 'import ot; print(ot.__version__)')" ||
+  echo "POT: absent (its rows say n/a)"
 [ -f "$OUT/gpu.json" ] || cp benchmarks/gpu.json "$OUT/gpu.json"
+LOG="$OUT/steps.log"; touch "$LOG"
+# log STEP CMD...: CMD's output appended to the session's log under a header, its exit status after it, the tail
+# shown here
+log() {
+  local step=$1; shift
+  local from=$(( $(wc -l < "$LOG") + 1 ))
+  echo "== $step" >> "$LOG"
+  "$@" >> "$LOG" 2>&1
+  echo "rc=$? (124: killed by the timeout)" >> "$LOG"
+  tail -n +$((from + 1)) "$LOG" | tail -${TAIL:-30}
+}
+# limit MOST: the seconds a direct step may take, min(MOST, time left); 0 when 20 s or less are left
+limit() { local T=$(( $(left) < $1 ? $(left) : $1 )); [ $T -gt 20 ] && echo $T || echo 0; }
 B=(python3 benchmarks/bench_gpu.py --out "$OUT/gpu.md" --json "$OUT/gpu.json")
 # run STEP SECONDS_AT_MOST RESERVE ARGS...: the bench within min(SECONDS_AT_MOST, time left - RESERVE) seconds; it
 # starts no row after --until (an absolute time: its own start-up counts) 15 s before the timeout
@@ -58,9 +85,7 @@ run() {
   local T=$(( $(left) - reserve )); [ $T -gt $most ] && T=$most
   echo "== $step ($(left) s left, $T s for it)"
   if [ $T -gt 20 ]; then
-    timeout -k 10 $T "${B[@]}" "$@" --until $(( $(date +%s) + T - 15 )) > "$OUT/$step.txt" 2>&1
-    echo "rc=$? (124: killed by the timeout)" >> "$OUT/$step.txt"
-    tail -${TAIL:-30} "$OUT/$step.txt"
+    log "$step" timeout -k 10 $T "${B[@]}" "$@" --until $(( $(date +%s) + T - 15 ))
   else
     echo "not run: too little time left"
   fi
@@ -69,29 +94,29 @@ run() {
 for step in "$@"; do
   case $step in
     tests)
-      T=$(( $(left) < 300 ? $(left) : 300 )); echo "== tests ($(left) s left, $T s for it)"
-      timeout $T python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA > "$OUT/test_cuda.txt" 2>&1
-      echo "rc=$?" >> "$OUT/test_cuda.txt"; grep -E "passed|failed|relative error|rc=" "$OUT/test_cuda.txt" | tail -12 ;;
+      T=$(limit 300); echo "== tests ($(left) s left, $T s for it)"
+      [ $T -gt 0 ] && TAIL=14 log tests timeout $T python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA ;;
     derivatives) run derivatives 220 100 --sections derivatives --quick --cap 10 ;;
     fixed) run fixed 75 0 --sections fixed ;;
     small) run small 150 0 --sections small --quick --cap 10 ;;
     small-1e6) run small-1e6 300 0 --sections small --sizes 1e6 --masks none positions --repeats 1 --cap 60 ;;
     fixed-cost)
-      T=$(( $(left) < 90 ? $(left) : 90 )); echo "== fixed-cost ($(left) s left, $T s for it)"
-      timeout -k 5 $T python3 benchmarks/bench_fixed_cost.py --device cuda --sizes 1000 10000 --repeats 7 \
-        > "$OUT/fixed-cost.md" 2>&1; echo "rc=$?" >> "$OUT/fixed-cost.md"; tail -11 "$OUT/fixed-cost.md" ;;
+      T=$(limit 90); echo "== fixed-cost ($(left) s left, $T s for it)"
+      [ $T -gt 0 ] && TAIL=11 log fixed-cost timeout -k 5 $T python3 benchmarks/bench_fixed_cost.py --device cuda \
+        --sizes 1000 10000 --repeats 7 ;;
     series)
-      T=$(( $(left) < 150 ? $(left) : 150 )); echo "== series ($(left) s left, $T s for it)"
-      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --sizes 1e4 1e5 1e6 --cap 20 \
-        > "$OUT/series.md" 2>&1; echo "rc=$?" >> "$OUT/series.md"; tail -12 "$OUT/series.md" ;;
+      T=$(limit 150); echo "== series ($(left) s left, $T s for it)"
+      [ $T -gt 0 ] && TAIL=12 log series timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda \
+        --sizes 1e4 1e5 1e6 --cap 20 ;;
     clusters-1e6)
-      T=$(( $(left) < 400 ? $(left) : 400 )); echo "== clusters-1e6 ($(left) s left, $T s for it)"
-      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --clusters 1e5 1e6 \
-        > "$OUT/clusters.md" 2>&1; echo "rc=$?" >> "$OUT/clusters.md"; tail -6 "$OUT/clusters.md" ;;
+      T=$(limit 400); echo "== clusters-1e6 ($(left) s left, $T s for it)"
+      # --cap: 1e6 runs only if 1e5's time, scaled by N, fits what the step has left
+      [ $T -gt 0 ] && TAIL=6 log clusters-1e6 timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda \
+        --clusters 1e5 1e6 --cap $((T * 2 / 3)) ;;
     lipschitz-series)
-      T=$(( $(left) < 400 ? $(left) : 400 )); echo "== lipschitz-series ($(left) s left, $T s for it)"
-      timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda --lipschitz 1e4 1e5 1e6 --cap 60 \
-        > "$OUT/lipschitz-series.md" 2>&1; echo "rc=$?" >> "$OUT/lipschitz-series.md"; tail -6 "$OUT/lipschitz-series.md" ;;
+      T=$(limit 400); echo "== lipschitz-series ($(left) s left, $T s for it)"
+      [ $T -gt 0 ] && TAIL=6 log lipschitz-series timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda \
+        --lipschitz 1e4 1e5 1e6 --cap 60 ;;
     grid) run grid 150 60 --sections grid --quick --cap 10 ;;
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
@@ -101,7 +126,6 @@ for step in "$@"; do
     dynamics-1e6) run dynamics-1e6 200 0 --sections dynamics --sizes 1e6 --steps 2 --repeats 1 --cap 120 ;;
     lipschitz-1e6) run lipschitz-1e6 590 0 --sections lipschitz --sizes 1e5 1e6 --repeats 1 ;;
     lipschitz-only-1e6) run lipschitz-only-1e6 595 0 --sections lipschitz --sizes 1e6 --repeats 1 ;;
-    *) echo "unknown step: $step" ;;
   esac
 done
 echo "== done ($(left) s left); results in $OUT"

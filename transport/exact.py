@@ -9,12 +9,11 @@ from __future__ import annotations
 import math
 import warnings
 
-import ot
 import torch
 
 from particles.validation import check_allocation
 
-from .problem import ldexp, sq_dists
+from .problem import ldexp, pot, sq_dists
 
 #: Network-simplex iteration cap; POT's default (1e5) stops early above N ~ 1000.
 EMD_MAX_ITER = 50_000_000
@@ -40,7 +39,7 @@ def _network_simplex(a, b, M, return_plan: bool):
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            value, log = ot.emd2(a, b, M, numItermax=EMD_MAX_ITER, log=True, return_matrix=return_plan)
+            value, log = pot().emd2(a, b, M, numItermax=EMD_MAX_ITER, log=True, return_matrix=return_plan)
     finally:
         verdict = None if log is None else log.get("warning")
         for w in caught:

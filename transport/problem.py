@@ -23,6 +23,17 @@ _EXPONENT_RANGE = {dt: (math.frexp(torch.finfo(dt).tiny)[1] // 2 + 16, math.frex
                    for dt in TOL}
 
 
+def pot():
+    """POT's ``ot`` module, imported where exact W2 or the dense Sinkhorn needs it (a dependency of the package;
+    an image without it, such as a GPU machine's, still runs the streamed solvers and everything else)."""
+    try:
+        import ot
+    except ImportError as exc:   # pragma: no cover - installed with the package
+        raise ImportError("w2: exact W2 and the dense Sinkhorn need POT (pip install pot); method='streaming' runs "
+                          "without it") from exc
+    return ot
+
+
 def check_pair(mu, nu) -> None:
     """Both arguments are Measures of one floating dtype (float32 or float64), dimension and device."""
     for name, m in (("mu", mu), ("nu", nu)):

@@ -4,7 +4,7 @@ Conventions shared with :mod:`transport.streaming_sinkhorn` (Feydy et al. 2019, 
 optimal transport and MMD using Sinkhorn divergences"; docs/math.md section 3):
 
 * ``OT_eps(mu, nu) = min_pi <pi, C> + eps KL(pi | mu x nu)``, C_ij = \|x_i - y_j\|^2, eps = ``reg``:
-  POT's ``reg`` (``ot.sinkhorn(a, b, M, reg)`` with M the squared-distance matrix);
+  POT's ``reg`` (``pot().sinkhorn(a, b, M, reg)`` with M the squared-distance matrix);
 * ``debias=True``: the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2,
   which is zero for mu = nu and tends to W2^2 as eps -> 0 (the reported W2 is sqrt(S_eps));
 * ``debias=False``: the transport cost <pi_eps, C> of the entropic plan (POT's ``sinkhorn2``
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 
-import ot
 import torch
 
 from particles import Measure, progress
@@ -24,7 +23,7 @@ from particles.progress import Heartbeat
 from particles.validation import ConvergenceError, check_allocation
 
 from .options import DEFAULT_CHUNK_ELEMENTS
-from .problem import Problem, same_atoms, sq_dists
+from .problem import Problem, pot, same_atoms, sq_dists
 from .result import worst_error
 from .streaming_sinkhorn import extend_potential, symmetric_potential
 
@@ -50,7 +49,7 @@ def _pot_sinkhorn(a, b, C, eps, max_iter, stop, warm, what):
     done, size = 0, FIRST_ROUND
     while True:
         k = min(size, max_iter - done)
-        _, log = ot.sinkhorn(a, b, C, eps, method="sinkhorn_log", numItermax=k, stopThr=stop, log=True,
+        _, log = pot().sinkhorn(a, b, C, eps, method="sinkhorn_log", numItermax=k, stopThr=stop, log=True,
                              warn=False, warmstart=warm)
         ran = int(log["niter"]) + 1
         done += ran
