@@ -15,12 +15,16 @@ from __future__ import annotations
 import bisect
 import functools
 import inspect
+import logging
 import math
 import numbers
 
 import torch
 
+from particles.progress import Heartbeat
 from particles.validation import check_positive_int
+
+log = logging.getLogger("meanfield.dynamics")
 
 __all__ = ["FIXED", "ADAPTIVE", "NONCONVERGENCE", "RTOL_MIN", "SNAP_ULPS", "euler_step", "rk4_step", "snap_to_edges",
            "integrate_fixed", "integrate_adaptive"]
@@ -148,11 +152,15 @@ def integrate_fixed(field, Y, times, method, step, steps, max_steps=FIXED_MAX_ST
                          f"{max_steps} (the fixed-step budget); take a larger step, or raise options['max_steps']")
     out, nsteps = [field.retract(Y)], 0
     Y = out[0]
+    beat = Heartbeat()
     for a, b, k_out, m in plan:
         layer = field.layer_of(a, b)
         h = (b - a) / m
         for s in range(m):
             Y = field.retract(stepper(field, a + s * h, Y, h, layer))
+            if beat.due():   # a long run says where it is (two RK4 steps of 1e6 tokens took 49 s on a GPU)
+                log.info("simulate (%s): t = %.6g of [%g, %g], step %d of %d, %.0f s", method, a + (s + 1) * h,
+                         times[0], times[-1], nsteps + s + 1, total, beat.elapsed)
         nsteps += m
         check_finite(Y, b)
         if k_out is not None:
@@ -245,6 +253,7 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     edges = [times[0]] + [e for e in field.breakpoints() if times[0] < e < times[-1]] + [times[-1]]
     out = [field.retract(Y)]
     Y = out[0]
+    beat = Heartbeat()
     for a, b in zip(edges[:-1], edges[1:]):
         layer = field.layer_of(a, b)
         inner = [s for s in times if a < s <= b]
@@ -260,10 +269,14 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
 
         attempts = [0]
 
-        def count_step(t0, y0, dt, _attempts=attempts):
+        def count_step(t0, y0, dt, _attempts=attempts, _a=a, _b=b):
             _attempts[0] += 1
             if _attempts[0] > max_steps:
                 raise _StepBudget
+            if beat.due():   # a stiff field can take minutes of small steps: say where the solver is
+                log.info("simulate (%s): t = %.6g of the layer [%g, %g] (whole run [%g, %g]), step %d of at most "
+                         "%d in this layer, step size %.3g, %.0f s", method, float(t0), _a, _b, times[0], times[-1],
+                         _attempts[0], max_steps, float(dt), beat.elapsed)
 
         func.callback_step = count_step
         try:

@@ -148,7 +148,8 @@ def range_relative_clusters(points: torch.Tensor, tol: float) -> list[int]:
     from meanfield.clustering import count_clusters
 
     span = (points.amax(dim=-2, keepdim=True) - points.amin(dim=-2, keepdim=True)).amax(dim=-1, keepdim=True)
-    return [int(c) for c in count_clusters(points / span.clamp_min(1e-300), tol)]
+    # a frame of one point repeated (span 0) is one cluster, left unscaled: dividing by a clamped span overflowed
+    return [int(c) for c in count_clusters(points / torch.where(span > 0, span, torch.ones_like(span)), tol)]
 
 
 def _leading(cfg, seed, dev, rows):

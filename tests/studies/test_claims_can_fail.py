@@ -647,3 +647,6 @@ def test_range_relative_cluster_count_sees_a_growing_coordinate_cluster():
     assert range_relative_clusters(merging[..., None], 1e-2)[-1] == 2
     assert range_relative_clusters(spread[..., None], 1e-2) == [12] * 6
     assert range_relative_clusters(spread[..., None], 0.1) == [1] * 6   # neighbours 1/11 of the range apart
+    # a collapsed frame (span 0) is one cluster, at any size of its values (1e10 overflowed: a ValueError)
+    for value in (1.0, 1e10, 1e300):
+        assert range_relative_clusters(torch.full((2, 5, 1), value, dtype=torch.float64), 1e-2) == [1, 1]
