@@ -650,3 +650,28 @@ def test_range_relative_cluster_count_sees_a_growing_coordinate_cluster():
     # a collapsed frame (span 0) is one cluster, at any size of its values (1e10 overflowed: a ValueError)
     for value in (1.0, 1e10, 1e300):
         assert range_relative_clusters(torch.full((2, 5, 1), value, dtype=torch.float64), 1e-2) == [1, 1]
+
+
+def test_the_energy_rate_tells_the_sphere_models_apart(monkeypatch):
+    """dynamics-4/-5 (a review: USA computed as SA, or the weights dropped, passed every claim of the study):
+    the rate dE/dt at a weighted start must equal sum_i a_i |P G_i|^2 / Z_i (SA) or without Z_i (USA). Truth: the
+    identity of Geshkovski et al.'s energy, computed in numpy by _energy_rate; both models pass it, and a USA run
+    through SA's field, or a field without the weights, does not."""
+    import meanfield
+    from studies.common import uniform_sphere
+    from studies.experiments import dynamics as dyn
+
+    X = uniform_sphere(16, 3, 4)
+    for model in ("SA", "USA"):
+        rate, identity = dyn._energy_rate(X, 0, model)
+        assert abs(rate / identity - 1) < 1e-3, model
+    real = meanfield.IsotropicAttention
+    monkeypatch.setattr(meanfield, "IsotropicAttention", lambda beta, model: real(beta, "SA"))
+    rate, identity = dyn._energy_rate(X, 0, "USA")
+    assert abs(rate / identity - 1) > 0.05
+    monkeypatch.setattr(meanfield, "IsotropicAttention", real)
+    from particles import Measure
+
+    monkeypatch.setattr("particles.Measure", lambda X, a=None, **k: Measure(X))   # the weights dropped
+    rate, identity = dyn._energy_rate(X, 0, "USA")
+    assert abs(rate / identity - 1) > 0.05
