@@ -2,4 +2,5 @@
 
 from .cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":   # the 'processes' backend's workers import this module again: they must not run it
+    raise SystemExit(main())

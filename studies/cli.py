@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -226,12 +227,16 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
-def _interrupted_line(ctx: RunContext) -> str:
-    """What the report says about the interruption, for the terminal."""
+def _interrupted_line(ctx: RunContext, since: float = 0.0) -> str:
+    """What the report says about the interruption, for the terminal: from the folder's summary.json where this run
+    wrote it (at or after ``since``, a time.time()); a summary left by an earlier run (this one interrupted during
+    its checks, before writing any) said that run's study and resume command."""
     import json
 
+    path = ctx.out / "summary.json"
     try:
-        stop = json.loads((ctx.out / "summary.json").read_text(encoding="utf-8")).get("interrupted") or {}
+        stop = (json.loads(path.read_text(encoding="utf-8")).get("interrupted") or {}
+                if path.stat().st_mtime >= since else {})
     except (OSError, ValueError):
         stop = {}
     if not stop:
@@ -251,6 +256,7 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    started = time.time() - 1.0   # file times may round down to the second
     try:
         # checks every option first (studies.preflight), naming the scheduler's address as the user gave it
         summary = reproduce(ctx, only=names, scheduler_option=scheduler_option)
@@ -264,7 +270,7 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
         _say(f"cannot write the run's files: {exc}")
         return EXIT_OUTPUT
     except KeyboardInterrupt as exc:
-        _say(_interrupted_line(ctx))
+        _say(_interrupted_line(ctx, started))
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     finally:
         if main_thread:
@@ -343,7 +349,7 @@ def _main(parser, args, argv) -> int:
         # not an error (the checkpoints are still checked): the same command line with real_models added reads them
         _say(f"note: --checkpoint is read only by {' and '.join(reading)}, which this run does not "
              f"include ({', '.join(names)}): the checkpoints are not used")
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         parser.error(f"--workers: expected at least 1 worker, got {args.workers}")
     if args.retries < 0:
         parser.error(f"--retries: expected 0 or more retries, got {args.retries}")

@@ -208,6 +208,60 @@ def _check_reachable(address: str, option: str) -> None:
         reason = exc.strerror or type(exc).__name__
         raise UsageError(f"{option}: no Dask scheduler answers at {address} ({reason}); start it, or "
                          f"{_run_locally(option)}") from None
+    if protocol == "tcp":   # (tls needs the run's credentials: its first connection says it)
+        _check_handshake(address, option)
+
+
+def _check_handshake(address: str, option: str) -> None:
+    """Something answers at ``address``: that it is a Dask scheduler (Dask's handshake, then its "identity" reply
+    says "Scheduler"). The port of its dashboard (8787, HTTP) also accepts connections, and every study then failed
+    after its own 30 s; a distributed.Client waits forever on a server that never answers Dask's first message."""
+    import asyncio
+    import concurrent.futures
+
+    from distributed.comm import connect
+
+    async def hello():
+        comm = await asyncio.wait_for(connect(address, timeout=SCHEDULER_TIMEOUT), 2 * SCHEDULER_TIMEOUT)
+        try:
+            await asyncio.wait_for(comm.write({"op": "identity", "reply": True}), SCHEDULER_TIMEOUT)
+            return await asyncio.wait_for(comm.read(), SCHEDULER_TIMEOUT)
+        finally:
+            comm.abort()
+
+    try:   # a thread of its own: the caller may run an event loop (a notebook)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(asyncio.run, hello()).result()
+        kind = reply.get("type") if isinstance(reply, dict) else None
+    except Exception as exc:   # TimeoutError, CommClosedError, ...: no Dask scheduler speaks there
+        kind = type(exc).__name__
+    if kind != "Scheduler":
+        raise UsageError(f"{option}: {address} accepts connections but no Dask scheduler answered there ({kind}; "
+                         f"a dashboard's port, 8787, instead of the scheduler's, 8786?); {_run_locally(option)}")
+
+
+#: the files a run writes at the top of its folder (over what is there)
+RUN_FILES = ("report.md", "summary.json", "config.json")
+
+
+def check_run_folder(out) -> None:
+    """A folder that holds a report.md, summary.json or config.json not written by a run of this package (no
+    config.json of a run: a JSON object with "command", "grid" and "started") is refused: a run writes those
+    files over what is there (a user's notes in report.md were replaced)."""
+    import json
+
+    out = Path(out)
+    found = [name for name in RUN_FILES if (out / name).exists()]
+    if not found:
+        return
+    try:
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        ours = isinstance(config, dict) and {"command", "grid", "started"} <= set(config)
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise UsageError(f"--out: {out} holds {', '.join(found)} but no run of meanfield (its config.json), and a "
+                         "run writes those files over what is there; give a new or empty folder")
 
 
 def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: str = "--scheduler") -> None:
@@ -221,6 +275,7 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
 
     if ctx.out.exists() and not ctx.out.is_dir():
         raise UsageError(f"--out: {ctx.out} is an existing file; give a folder")
+    check_run_folder(ctx.out)
     check_device(ctx.device)
     check_text(ctx.text)
     check_cache(ctx.cache)

@@ -354,8 +354,9 @@ def summary_line(summary: dict) -> str:
 def _command_words(config: dict) -> list[str]:
     cmd = config.get("command")
     words = [str(w) for w in cmd] if isinstance(cmd, (list, tuple)) else []
-    if words and words[0].endswith(("meanfield", "cli.py")):
-        words[0] = "meanfield"  # the console script's full path is machine-specific
+    if words and (words[0].endswith(("meanfield", "cli.py")) or Path(words[0]).parts[-2:] == ("studies",
+                                                                                             "__main__.py")):
+        words[0] = "meanfield"  # the console script's full path is machine-specific (python -m studies too)
     return words
 
 

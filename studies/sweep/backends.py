@@ -219,7 +219,16 @@ class _Pool:
 
     def close(self, cancel: bool) -> None:
         if self.pool is not None:
+            # an interrupted sweep (cancel) also stops the tasks running: shutdown(cancel_futures) drops only those
+            # not started, and the interpreter's exit then waited for the running ones (minutes, after the
+            # KeyboardInterrupt of a notebook or of a SIGINT sent to this process alone)
+            workers = list((getattr(self.pool, "_processes", None) or {}).values()) if cancel else []
             self.pool.shutdown(wait=not cancel, cancel_futures=cancel)
+            for proc in workers:
+                if proc.is_alive():
+                    proc.terminate()
+            for proc in workers:
+                proc.join(timeout=5)
             self.pool = None
 
 

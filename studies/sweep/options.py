@@ -39,8 +39,9 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     g.add_argument("--backend", choices=BACKENDS, default="auto",
                    help=f"where tasks run (auto: in-process, or dask when a scheduler is given; inprocess or "
                         f"processes also ignore ${SCHEDULER_ENV})")
-    g.add_argument("--workers", type=int, default=2, metavar="N",
-                   help="worker processes for --backend processes or a local dask cluster (default 2)")
+    g.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="worker processes for --backend processes or a local dask cluster (default 2); with "
+                        "the tasks in this process (auto without a scheduler, inprocess) a note says it is unused")
     g.add_argument("--scheduler", type=_address, default=None, metavar="ADDRESS",
                    help=f"dask scheduler address, e.g. tcp://10.0.0.1:8786 (default ${SCHEDULER_ENV}, unless "
                         "--backend is inprocess or processes)")
@@ -85,5 +86,8 @@ def sweep_options(args: argparse.Namespace, environ=None) -> dict:
         elif environ.get(SCHEDULER_ENV):
             log.info("--backend %s: running on this machine; $%s=%s is ignored", args.backend, SCHEDULER_ENV,
                      environ[SCHEDULER_ENV])
-    return {"backend": args.backend, "n_workers": args.workers, "scheduler": scheduler,
+    if args.workers is not None and (args.backend == "inprocess" or (args.backend == "auto" and scheduler is None)):
+        log.warning("note: --workers %d is not used: --backend %s runs the tasks in this process (give --backend "
+                    "processes, or dask, for worker processes)", args.workers, args.backend)
+    return {"backend": args.backend, "n_workers": 2 if args.workers is None else args.workers, "scheduler": scheduler,
             "resume": args.resume, "retries": args.retries, "progress": args.progress}

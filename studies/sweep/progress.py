@@ -103,17 +103,22 @@ class Progress:
         """Replace the status shown after the count (``running=2, failed=0``, ``layer="3"``)."""
         self.update(0, **postfix)
 
-    def close(self) -> None:
+    def close(self, interrupted: bool = False) -> None:
+        """The last line: the count and the time; ``interrupted=True`` says the run stopped before the end (a
+        count short of the total read as a finished run)."""
         if self._closed:
             return
         self._closed = True
         if not self.enabled:
             return
         if self._bar is not None:
+            if interrupted:
+                self._bar.set_description_str(f"{self.desc} (interrupted)", refresh=False)
             self._bar.close()
             return
         elapsed = time.monotonic() - self._t0
-        self._line(f"{self.n}/{self.total} {self.unit}s in {format_seconds(elapsed)}{self._postfix()}")
+        stop = ", interrupted" if interrupted else ""
+        self._line(f"{self.n}/{self.total} {self.unit}s in {format_seconds(elapsed)}{stop}{self._postfix()}")
 
     def __enter__(self) -> Progress:
         return self

@@ -304,16 +304,21 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
         if not resume:
             store.clear()
         found, bad = store.load(name, tasks, move_corrupt=True)
+        if bad:
+            log.warning("sweep %s: %d stored record(s) failed verification (a write cut short, or changed on "
+                        "disk); moved to %s, their tasks run again", name, len(bad), store.corrupt)
         done = {k for k, r in found.items() if r["status"] == "ok"}
         todo = [i for i, k in enumerate(keys) if k not in done]
         # the backend first: one that refuses the function (not picklable, no __main__ guard) does so before any
         # progress line is printed
         runner = make_backend(backend, fn, n_workers, scheduler, name) if todo else None
         bar = Progress(len(tasks), label or name, unit="task", initial=len(done), enabled=bool(progress) and bool(todo))
+        finished = False
         try:
             n_run = _execute(runner, tasks, keys, todo, store, name, retries, bar)
+            finished = True
         finally:
-            bar.close()
+            bar.close(interrupted=not finished)
         result = _collect(store, name, tasks)
         result.n_resumed, result.n_run, result.n_corrupt = len(done), n_run, len(bad)
         result.backend, result.elapsed_s = backend, time.perf_counter() - t_start

@@ -282,3 +282,48 @@ def test_folder_busy_survives_pickling():
     assert isinstance(exc, FolderBusy) and (exc.argument, exc.detail) == ("--out", "runs/x is in use by another "
                                                                           "running sweep")
     assert str(exc) == "--out: runs/x is in use by another running sweep"
+
+
+def test_python_m_studies_runs_the_processes_backend_and_resumes_as_meanfield(tmp_path):
+    """`python -m studies` ran main() at import, so the 'processes' backend's workers (which import the script
+    again) refused it and every study failed (exit 2); and the report's command and resume line kept the
+    machine's path to studies/__main__.py, which the resume line then dropped, with --backend and --workers."""
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "studies", "reproduce", "--tiny", "--only", "l2_attention",
+                          "--backend", "processes", "--workers", "2", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-2000:]
+    from studies.report import resume_command
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["command"][0].endswith("__main__.py")
+    assert resume_command(config) == (f"meanfield reproduce --tiny --only l2_attention --backend processes "
+                                      f"--workers 2 --out {out}")
+
+
+def test_a_folder_of_other_files_named_like_a_runs_is_refused_and_kept(tmp_path, capsys):
+    """--out at a folder holding a report.md (or summary.json, config.json) that no run wrote: a run replaced
+    the user's notes. Now a usage error (exit 64) that names the files; they are untouched. A folder with other
+    files only, and one a run wrote, still run."""
+    notes = tmp_path / "mydocs"
+    notes.mkdir()
+    (notes / "report.md").write_text("my notes")
+    assert main(["l2_attention", "--tiny", "--out", str(notes), "--no-progress"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--out:" in err and "holds report.md but no run of meanfield" in err
+    assert (notes / "report.md").read_text() == "my notes" and not (notes / "config.json").exists()
+    (notes / "config.json").write_text('{"not": "a run"}')
+    assert main(["l2_attention", "--tiny", "--out", str(notes), "--no-progress"]) == EXIT_USAGE
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "data.csv").write_text("x\n1\n")
+    assert main(["l2_attention", "--tiny", "--out", str(other), "--no-progress"]) == 0
+    assert main(["l2_attention", "--tiny", "--out", str(other), "--no-progress"]) == 0   # a run's own folder
+
+
+def test_workers_without_worker_processes_get_a_note(tmp_path, capsys):
+    """--workers 8 with the default --backend auto (no scheduler) ran every task in this process, silently."""
+    assert main(["l2_attention", "--tiny", "--workers", "3", "--out", str(tmp_path / "a"), "--no-progress"]) == 0
+    assert "note: --workers 3 is not used: --backend auto runs the tasks in this process" in capsys.readouterr().err
+    assert main(["l2_attention", "--tiny", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
+    assert "--workers" not in capsys.readouterr().err

@@ -161,3 +161,25 @@ def test_a_real_signal_in_the_middle_of_a_study(tmp_path, sig, code):
     md = (out / "report.md").read_text()
     assert f"**Interrupted** ({name}) at {stop['at']} during `zz_slow`, after 1 of 2 studies" in md
     assert f"meanfield reproduce --only zz_quick zz_slow --no-progress --out {out}" in md
+
+
+def test_an_interruption_before_this_run_wrote_anything_does_not_report_the_last_run(tmp_path, two_studies,
+                                                                                      capsys, monkeypatch):
+    """A run interrupted during its checks (before it writes a summary) printed the study and resume command of
+    the previous run found in the folder's summary.json: now only a summary this run wrote is read."""
+    import os
+
+    from studies import report
+
+    assert main(["reproduce", "--only", "zz_a", "zz_b", "--out", str(tmp_path), "--no-progress"]) == 130
+    capsys.readouterr()
+    old = (tmp_path / "summary.json").stat().st_mtime - 60
+    os.utime(tmp_path / "summary.json", (old, old))   # written by the run before
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "check_run", interrupted)
+    assert main(["reproduce", "--only", "zz_a", "--out", str(tmp_path), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "zz_b" not in err and "interrupted; the studies that finished are in" in err

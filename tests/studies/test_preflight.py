@@ -172,6 +172,34 @@ def test_an_unreachable_scheduler_is_refused_once_up_front(tmp_path, capsys, fir
     assert first_study == [] and not (tmp_path / "r").exists()
 
 
+def test_a_port_that_answers_without_being_a_scheduler_is_refused_up_front(tmp_path, capsys, first_study,
+                                                                           monkeypatch):
+    """The dashboard's port (8787, HTTP) for the scheduler's (8786): the socket check passed, and every study then
+    failed after its own 30 s (exit 2 after minutes). Dask's handshake now tells them apart before the first
+    study; a real scheduler (a LocalCluster) passes."""
+    import http.server
+    import threading
+
+    distributed = pytest.importorskip("distributed")
+    from studies import preflight
+
+    monkeypatch.setattr(preflight, "SCHEDULER_TIMEOUT", 1.0)
+    handler = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        address = f"tcp://127.0.0.1:{server.server_address[1]}"
+        line = _refused(["reproduce", "--only", "zz_first", "--scheduler", address, "--out", str(tmp_path / "r")],
+                        capsys)
+        assert line.startswith(f"meanfield: --scheduler: {address} accepts connections but no Dask scheduler "
+                               "answered there")
+        assert first_study == [] and not (tmp_path / "r").exists()
+    finally:
+        server.shutdown()
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cl:
+        preflight._check_reachable(cl.scheduler_address, "--scheduler")
+
+
 def test_the_scheduler_variable_is_named_and_an_explicit_local_backend_wins(tmp_path, capsys, first_study,
                                                                             monkeypatch):
     """$DASK_SCHEDULER_ADDRESS (not --scheduler, which the user did not give) is what the errors name, also with

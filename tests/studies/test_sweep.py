@@ -174,7 +174,7 @@ def test_sigkill_midway_then_resume_gives_the_uninterrupted_table(tmp_path, back
 
 
 # ---------------------------------------------------------------------- corrupt records
-def test_corrupt_or_partial_records_are_detected_and_redone_never_read(tmp_path):
+def test_corrupt_or_partial_records_are_detected_and_redone_never_read(tmp_path, caplog):
     out = tmp_path / "s"
     grid = [{"a": a, "b": 1} for a in range(6)]
     first = run_sweep(square, grid, out, progress=False)
@@ -196,7 +196,10 @@ def test_corrupt_or_partial_records_are_detected_and_redone_never_read(tmp_path)
     assert all(r["y"] != 9 for r in seen.rows)
 
     CALLS.clear()
-    again = run_sweep(square, grid, out, progress=False)
+    with caplog.at_level(logging.WARNING, logger="studies.sweep.runner"):
+        again = run_sweep(square, grid, out, progress=False)
+    # said, not only counted (they were moved aside silently)
+    assert any("4 stored record(s) failed verification" in r.getMessage() for r in caplog.records)
     assert again.n_corrupt == 4 and again.n_resumed == 2 and again.n_run == 4
     assert CALLS == grid[:4]                      # exactly the bad ones were run again
     assert again.rows == first.rows and again.ok
@@ -600,6 +603,12 @@ def test_progress_lines_are_periodic(capsys):
     silent.update(4)
     silent.close()
     assert capsys.readouterr().err == ""
+    # an interrupted sweep's last line says so (3/4 in 2 s read as a finished run)
+    cut = Progress(4, "cut", unit="task", interval=1e9)
+    cut.update(3)
+    cut.close(interrupted=True)
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("cut: 3/4 tasks in ") and ", interrupted" in last
 
 
 def test_tables_on_disk(tmp_path):
@@ -763,3 +772,39 @@ def test_rows_give_the_parameters_then_the_results_columns_sorted_by_name(tmp_pa
     assert [list(r) for r in res.rows] == [["n", "converged", "error", "lip"]] * 2
     assert [list(r) for r in load_sweep(tmp_path / "s").rows] == [["n", "converged", "error", "lip"]] * 2
     assert (tmp_path / "s" / "results.csv").read_text().splitlines()[0] == "n,converged,error,lip"
+
+
+def sleeps_long(i):
+    time.sleep(60)
+    return {"i": i}
+
+
+def test_an_interrupted_process_sweep_stops_its_running_tasks(tmp_path):
+    """A KeyboardInterrupt in run_sweep (a notebook's interrupt, SIGINT sent to this process alone) shut the pool
+    down without its running tasks: the interrupt came at once, but the interpreter's exit then waited for
+    them (81-126 s in a review). Now the running workers are terminated: none is alive after the interrupt."""
+    import signal
+    import threading
+
+    from studies.sweep import backends
+
+    seen = []
+    close = backends._Pool.close
+
+    def spy(self, cancel):
+        seen.extend((getattr(self.pool, "_processes", None) or {}).values())
+        return close(self, cancel)
+
+    timer = threading.Timer(4.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(backends._Pool, "close", spy)
+            with pytest.raises(KeyboardInterrupt):
+                run_sweep(sleeps_long, {"i": [1, 2, 3, 4]}, tmp_path / "s", backend="processes", n_workers=2,
+                          progress=False)
+    finally:
+        timer.cancel()
+    assert time.perf_counter() - t0 < 30
+    assert seen and not any(p.is_alive() for p in seen)
