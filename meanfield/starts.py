@@ -43,7 +43,7 @@ def _score_matrices(op, d) -> list[tuple[str, np.ndarray]]:
     return [(f"[head {h}]", a) for h, a in enumerate(mats)]
 
 
-#: how far the scores spread at the rungs of the ladder (:func:`ladder_radii`)
+#: how far the scores spread at the rungs of the ladder (:func:`meanfield.starts.ladder_radii`)
 LADDER_SPREADS = (16.0, 4.0, 1.0)
 
 
@@ -135,8 +135,8 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, ladder=Tr
     the random, clustered and zero-plus-spread starts only.
 
     ``ladder=True`` (with ``structured``): the structured starts again at each radius of
-    :func:`ladder_radii` (named ``"hub@0.5"`` for the hub at radius 0.5, ...), inputs of B_R^n from which the
-    ascent still rises where the softmaxes of the starts at R saturate.
+    :func:`meanfield.starts.ladder_radii` (named ``"hub@0.5"`` for the hub at radius 0.5, ...), inputs of
+    B_R^n from which the ascent still rises where the softmaxes of the starts at R saturate.
     """
     op = as_operator(f)
     R = check_radius(R, "R")
@@ -193,7 +193,7 @@ def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, la
 
     and ``random`` measures: atoms uniform on the sphere of radius R, weights softmax of standard
     Gaussian logits. ``positions`` (masked operators; default i/atoms) are shared by every start.
-    ``ladder=True``: the structured starts again at each radius of :func:`ladder_radii` (as
+    ``ladder=True``: the structured starts again at each radius of :func:`meanfield.starts.ladder_radii` (as
     :func:`sequence_starts`).
     """
     op = as_operator(f)
