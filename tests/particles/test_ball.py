@@ -70,4 +70,7 @@ def test_low_precision_rows_are_inside_in_float64_too(dtype, R):
     Y = into_ball(X, R)
     assert bool((Y.norm(dim=1) <= R).all())
     assert bool((Y.to(torch.float64).norm(dim=1) <= R).all())
-    assert float((Y.double() - X.double()).abs().max()) <= 16 * torch.finfo(dtype).eps * R
+    # moved by a few units in the last place at most: in norm too (4 units of bfloat16 pulled rows in by 3%)
+    assert float((Y.double() - X.double()).abs().max()) <= 4 * torch.finfo(dtype).eps * R
+    steps = 2 if dtype == torch.bfloat16 else 8   # a representable value at a time; float32 4 units a step
+    assert float(Y.double().norm(dim=1).min()) >= R * (1 - steps * torch.finfo(dtype).eps)
