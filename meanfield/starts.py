@@ -26,7 +26,8 @@ from .adapters import as_operator
 from .bounds import eigen_cases
 from .operator import sequence_positions
 
-__all__ = ["sequence_starts", "measure_starts", "longer_start", "ladder_radii", "LADDER_SPREADS"]
+__all__ = ["sequence_starts", "measure_starts", "longer_start", "ladder_radii", "ladder_sequence_starts",
+           "ladder_measure_starts", "LADDER_SPREADS"]
 
 
 def _score_matrices(op, d) -> list[tuple[str, np.ndarray]]:
@@ -48,10 +49,10 @@ LADDER_SPREADS = (16.0, 4.0, 1.0)
 
 
 def ladder_radii(f, R, *, d=None) -> list[float]:
-    """The radii below R at which the structured starts are built again (``ladder=True``), largest first: where
+    """The radii below R at which the structured starts are built again (the ladder), largest first: where
     the widest head's scores spread by 16, 4 and 1 (:data:`LADDER_SPREADS`), ``max_h (||A_h||_2 r^2 + ||c_h|| r)``
-    with A_h the bilinear part of the scores and c_h the key bias. None where the scores spread by at most 16 at
-    R (the starts at R are not saturated), or for operators without readable parameters.
+    with A_h the bilinear part of the scores and c_h the key bias. An empty list where the scores spread by at
+    most 16 at R (the starts at R are not saturated), or for operators without readable parameters.
 
     Why: Lip(f on B_R^n) >= Lip(f on B_r^n) for r < R (the ball grows), but at a large radius every softmax of
     the starts at R saturates, their gradients vanish and the ascent stops at once (a review: 2.97 at R = 100,
@@ -114,7 +115,7 @@ def _dtype_device(op):
     return (op.dtype or torch.float64), (op.device or torch.device("cpu"))
 
 
-def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, ladder=True, seed=0, d=None
+def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, seed=0, d=None
                     ) -> list[tuple[str, torch.Tensor]]:
     """Starting sequences (name, X (n, d)) in B_R^n for :func:`~meanfield.worst_case.worst_case_sequence`.
 
@@ -133,10 +134,7 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, ladder=Tr
     n-2 copies of a third, all uniform on the sphere (the worst cases found are often of this form:
     a few tokens and a cluster). Operators without readable score matrices (bare callables) get
     the random, clustered and zero-plus-spread starts only.
-
-    ``ladder=True`` (with ``structured``): the structured starts again at each radius of
-    :func:`meanfield.starts.ladder_radii` (named ``"hub@0.5"`` for the hub at radius 0.5, ...), inputs of
-    B_R^n from which the ascent still rises where the softmaxes of the starts at R saturate.
+    The ladder's starts (the structured ones at smaller radii) are :func:`ladder_sequence_starts`.
     """
     op = as_operator(f)
     R = check_radius(R, "R")
@@ -148,8 +146,6 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, ladder=Tr
     out = []
     if check_bool(structured, "structured") and R > 0:
         out += _structured_sequences(op, R, n, d, dtype)
-        for r in ladder_radii(op, R, d=d) if check_bool(ladder, "ladder") else ():
-            out += [(f"{name}@{r:.3g}", X) for name, X in _structured_sequences(op, r, n, d, dtype)]
     g = make_generator(seed)
     for k in range(random):
         out.append((f"random-{k}", _sphere((n, d), R, g, dtype)))
@@ -161,6 +157,45 @@ def sequence_starts(f, R, n, *, random=8, clusters=4, structured=True, ladder=Tr
         X[where] = P[:singles]
         out.append((f"cluster-{k}", X))
     return [(name, X.to(device)) for name, X in out]
+
+
+def ladder_sequence_starts(f, R, n, *, d=None) -> list[tuple[str, torch.Tensor]]:
+    """The structured starts of :func:`sequence_starts` built again at each radius of :func:`ladder_radii`
+    (named ``"hub@0.5"`` for the hub at radius 0.5, ...): inputs of B_R^n from which the ascent rises where the
+    softmaxes of the starts at R saturate. Empty where there is no rung.
+    :func:`~meanfield.worst_case.worst_case_sequence` ascends from them when its search at R stopped on its own
+    tests with half its budget or more left (``SearchOptions.ladder``)."""
+    op = as_operator(f)
+    R = check_radius(R, "R")
+    n = check_positive_int(n, "n")
+    d = _dims(op, d)
+    dtype, device = _dtype_device(op)
+    return [(f"{name}@{r:.3g}", X.to(device)) for r in ladder_radii(op, R, d=d)
+            for name, X in _structured_sequences(op, r, n, d, dtype)]
+
+
+def ladder_measure_starts(f, R, atoms, *, positions=None, d=None) -> list[tuple[str, Measure]]:
+    """The structured starts of :func:`measure_starts` at each radius of :func:`ladder_radii` (as
+    :func:`ladder_sequence_starts`)."""
+    op = as_operator(f)
+    R = check_radius(R, "R")
+    atoms = check_positive_int(atoms, "atoms")
+    d = _dims(op, d)
+    dtype, device = _dtype_device(op)
+    pos = _positions(op, positions, atoms, dtype)
+
+    measure = _measure_maker(dtype, pos)
+    return [(f"{name}@{r:.3g}", mu.to(device=device)) for r in ladder_radii(op, R, d=d)
+            for name, mu in _structured_measures(op, r, atoms, d, measure)]
+
+
+def _measure_maker(dtype, pos):
+    """``measure(points, log_weights)``: a Measure in ``dtype`` with positions ``pos``, the weights normalized."""
+    def measure(points, log_weights):
+        pts = torch.as_tensor(np.asarray(points), dtype=dtype) if not isinstance(points, torch.Tensor) else points
+        lw = torch.as_tensor(log_weights, dtype=dtype)
+        return Measure(pts.to(dtype), log_weights=lw - torch.logsumexp(lw, 0), positions=pos)
+    return measure
 
 
 def _structured_sequences(op, R, n, d, dtype):
@@ -179,7 +214,7 @@ def _structured_sequences(op, R, n, d, dtype):
     return out
 
 
-def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, ladder=True, seed=0, d=None
+def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, seed=0, d=None
                    ) -> list[tuple[str, Measure]]:
     """Starting measures (name, mu) with ``atoms`` atoms in B_R for :func:`~meanfield.worst_case.worst_case_measure`.
 
@@ -193,8 +228,7 @@ def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, la
 
     and ``random`` measures: atoms uniform on the sphere of radius R, weights softmax of standard
     Gaussian logits. ``positions`` (masked operators; default i/atoms) are shared by every start.
-    ``ladder=True``: the structured starts again at each radius of :func:`meanfield.starts.ladder_radii` (as
-    :func:`sequence_starts`).
+    The ladder's starts are :func:`ladder_measure_starts`.
     """
     op = as_operator(f)
     R = check_radius(R, "R")
@@ -205,16 +239,10 @@ def measure_starts(f, R, atoms, *, positions=None, random=8, structured=True, la
     pos = _positions(op, positions, atoms, dtype)
     out = []
 
-    def measure(points, log_weights):
-        pts = torch.as_tensor(np.asarray(points), dtype=dtype) if not isinstance(points, torch.Tensor) else points
-        lw = torch.as_tensor(log_weights, dtype=dtype)
-        lw = lw - torch.logsumexp(lw, 0)
-        return Measure(pts.to(dtype), log_weights=lw, positions=pos)
+    measure = _measure_maker(dtype, pos)
 
     if check_bool(structured, "structured") and R > 0:
         out += _structured_measures(op, R, atoms, d, measure)
-        for r in ladder_radii(op, R, d=d) if check_bool(ladder, "ladder") else ():
-            out += [(f"{name}@{r:.3g}", mu) for name, mu in _structured_measures(op, r, atoms, d, measure)]
     g = make_generator(seed)
     for k in range(random):
         pts = _sphere((atoms, d), R, g, dtype)
