@@ -115,11 +115,24 @@ def count_axis(ax, which: str = "y"):
     axis = ax.yaxis if which == "y" else ax.xaxis
     (ax.set_yscale if which == "y" else ax.set_xscale)("log", base=2)
     axis.set_major_locator(ticker.LogLocator(base=2, subs=(1.0,)))
-    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0f}" if v >= 1 else f"{v:g}"))
+    axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:.0f}" if v >= 1 else ""))   # no 0.5 clusters
     axis.set_minor_locator(ticker.NullLocator())
     axis.set_minor_formatter(ticker.NullFormatter())
     axis._meanfield_counts = True
     return ax
+
+
+def _widen_count_axis(ax, which: str, lo: float, hi: float) -> None:
+    """A count axis (:func:`count_axis`) shows two powers of two at least, 1 and 2 the lowest (counts that stay
+    at 1, or between 2 and 3, left one label)."""
+    if not (lo > 0 and hi >= lo and math.isfinite(hi)):
+        return
+    inside = math.floor(math.log2(hi) + 1e-9) - math.ceil(math.log2(lo) - 1e-9) + 1   # powers of two in the view
+    if inside >= 2:
+        return
+    a = 2.0 ** max(0, math.floor(math.log2(lo) + 1e-9))
+    b = max(2.0 ** math.ceil(math.log2(hi) - 1e-9), 2 * a)
+    (ax.set_xlim if which == "x" else ax.set_ylim)(min(lo, a / 1.15), max(hi, b * 1.15))
 
 
 def figure_legend(fig, axes, ncol: int = 3):
@@ -305,10 +318,14 @@ def finalize(fig) -> None:
     for ax in fig.axes:
         if not ax.get_visible() or not ax.axison or _is_colorbar(ax) or ax.name != "rectilinear":
             continue
-        if ax.get_xscale() == "log" and not getattr(ax.xaxis, "_meanfield_counts", False):
-            _fix_log_axis(ax.xaxis, *sorted(ax.get_xlim()), _data_ranges(ax, "x"))
-        if ax.get_yscale() == "log" and not getattr(ax.yaxis, "_meanfield_counts", False):
-            _fix_log_axis(ax.yaxis, *sorted(ax.get_ylim()), _data_ranges(ax, "y"))
+        for which, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
+            if (ax.get_xscale() if which == "x" else ax.get_yscale()) != "log":
+                continue
+            lim = sorted(ax.get_xlim() if which == "x" else ax.get_ylim())
+            if getattr(axis, "_meanfield_counts", False):
+                _widen_count_axis(ax, which, *lim)
+            else:
+                _fix_log_axis(axis, *lim, _data_ranges(ax, which))
     fig.canvas.draw()
     moved = False
     for ax in fig.axes:

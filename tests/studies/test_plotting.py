@@ -151,3 +151,14 @@ def test_a_count_axis_labels_the_powers_of_two_as_whole_numbers(tmp_path):
     with pytest.raises(ValueError, match="^which: expected 'x' or 'y'"):
         P.count_axis(ax, "z")
     plt.close(fig)
+    # counts that stay at 1 were labelled 0.25 and 0.5; counts between 2 and 3 had one label (a review)
+    for counts in ([1, 1, 1], [2, 3, 2]):
+        fig, ax = P.figure()
+        P.measured(ax, np.arange(3.0), counts, "clusters")
+        P.finish(ax, "t", "number of clusters", legend=False)
+        P.count_axis(ax)
+        save_figure(fig, tmp_path / "few.png")
+        labels = _labels(ax.yaxis)
+        assert len(labels) >= 2 and all(t.isdigit() for t in labels), (counts, labels)
+        assert P.check_figure(fig) == [], counts
+        plt.close(fig)
