@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.validation import zero_mass_log_weight
+
 __all__ = ["Plan", "tile_plan", "blocks", "HALF", "widen", "narrow_to", "backward_functional", "jvp_functional",
            "score_tile", "forward_tiles", "jvp_tiles", "backward_tiles"]
 
@@ -342,7 +344,7 @@ def _folded(q, k, lw, lse):
     and every pass over it reads and writes memory, that is what the tile loops' time goes to."""
     from .flash_cpu import weight_coordinates
 
-    low = torch.finfo(q.dtype).min / 4
+    low = zero_mass_log_weight(q.dtype)
     neg_l = torch.where(torch.isfinite(lse), -lse, torch.full_like(lse, low)).clamp(min=low).unsqueeze(-1)
     if lw is not None:
         q, k = weight_coordinates(q, k, lw)

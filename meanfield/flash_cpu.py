@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from particles.validation import zero_mass_log_weight
+
 __all__ = ["FORWARD", "BACKWARD", "aten_op", "weight_coordinates", "layout", "rows_contiguous", "empty_rows",
            "clear_empty_rows", "forward", "backward"]
 
@@ -45,7 +47,7 @@ def weight_coordinates(q, k, lw):
     """
     one = torch.ones_like(q[..., :1])
     if q.dtype != torch.float16:
-        low = torch.finfo(q.dtype).min / 4
+        low = zero_mass_log_weight(q.dtype)
         return torch.cat([q, one], -1), torch.cat([k, lw.clamp(min=low).unsqueeze(-1)], -1)
     dead = (lw == -math.inf).unsqueeze(-1)
     zero = torch.zeros((), dtype=k.dtype, device=k.device)

@@ -64,6 +64,7 @@ from particles.validation import (
     broadcast_shapes,
     check_allocation,
     check_log_weight_floor,
+    log_weight_clamp_matters,
     memory_limit,
     output_checks_are_deferred,
 )
@@ -349,13 +350,12 @@ def _check_positions(q_pos, k_pos) -> None:
 
 
 def _log_weight_floor(log_weights):
-    """NaN where a positive mass has a log-weight below finfo.min / 4, where the fused and streamed kernels clamp
-    (:func:`particles.validation.check_log_weight_floor`; a Measure refuses them, a direct call is checked here),
-    else 0: a term of the output check's one sum (no host sync of its own); None without weights or in float16."""
-    if log_weights is None or log_weights.dtype == torch.float16:
-        return None
-    lw = log_weights.detach()
-    return torch.where(((lw < torch.finfo(lw.dtype).min / 4) & (lw > -math.inf)).any(), math.nan, 0.0)
+    """NaN where clamping the log-weights at the kernels' zero-mass value would change a result
+    (:func:`particles.validation.log_weight_clamp_matters`: a Measure refuses such weights, a direct call is checked
+    here), else 0: a term of the output check's one sum (no host sync of its own); None without weights or in
+    float16."""
+    matters = None if log_weights is None else log_weight_clamp_matters(log_weights.detach())
+    return None if matters is None else torch.where(matters, math.nan, 0.0)
 
 
 def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=None, k_pos=None) -> torch.Tensor:

@@ -146,22 +146,39 @@ def weight_tolerance(dtype: torch.dtype, given=None) -> float:
     return tol
 
 
-def check_log_weight_floor(lw: torch.Tensor, name: str = "log_weights") -> None:
-    """Refuse log-weights of positive mass below the dtype's most negative number / 4.
+def zero_mass_log_weight(dtype: torch.dtype) -> float:
+    """The finite number the fused and streamed attention kernels stand the log of a zero mass in for, and clamp
+    smaller log-weights to: the dtype's most negative number / 4 (float16's kernels mark zero masses in a column of
+    their own instead)."""
+    return torch.finfo(dtype).min / 4
 
-    The fused and streamed attention kernels stand the log of a zero mass in for ``finfo.min / 4`` and clamp
-    log-weights there (float16 excepted: its kernels mark zero masses in a column of their own), so masses below
-    it lose their differences: a masked row whose visible keys all sit there gets equal weights instead of their
-    softmax (the dense path was right: the answer depended on the path). One pass over ``lw``.
-    """
+
+def log_weight_clamp_matters(lw: torch.Tensor) -> torch.Tensor | None:
+    """A 0-d bool tensor (no host sync): whether clamping ``lw`` at :func:`zero_mass_log_weight` can change an
+    attention result: two different positive-mass log-weights lie below it (their ratio is lost: a masked row
+    whose visible keys all sit there gets equal weights, where the dense path gave their softmax), or one does
+    beside a zero mass (-inf, clamped to the same value: a row that sees both tied them). Equal ones without zero
+    masses (Hugging Face's masks fill finfo.min) lose nothing: every path gives the same. None for float16 and
+    non-floats."""
     if lw.dtype == torch.float16 or not lw.is_floating_point():
-        return
-    low = torch.finfo(lw.dtype).min / 4
-    tiny = (lw > -math.inf) & (lw < low)
-    if bool(tiny.any()):
+        return None
+    tiny = (lw > -math.inf) & (lw < zero_mass_log_weight(lw.dtype))
+    spread = torch.where(tiny, lw, -math.inf).amax() > torch.where(tiny, lw, math.inf).amin()
+    # zero masses (-inf) are clamped to the same value: beside one of them a tiny positive mass is tied with it
+    return spread | (tiny.any() & (lw == -math.inf).any())
+
+
+def check_log_weight_floor(lw: torch.Tensor, name: str = "log_weights") -> None:
+    """Refuse log-weights where the kernels' clamp would change a result (:func:`log_weight_clamp_matters`): two
+    different positive masses below ``finfo.min / 4``, or one beside a zero mass. One pass over ``lw``."""
+    matters = log_weight_clamp_matters(lw)
+    if matters is not None and bool(matters):
+        low = zero_mass_log_weight(lw.dtype)
+        tiny = (lw > -math.inf) & (lw < low)
         raise ValueError(f"{name}: {int(tiny.sum())} atom(s) of positive mass have log-weights below {low:.3g} "
-                         f"(smallest {float(lw[tiny].min()):.4g}), which the attention kernels cannot tell from zero "
-                         "mass; pass -inf for a zero mass")
+                         f"(from {float(lw[tiny].min()):.4g} to {float(lw[tiny].max()):.4g}), where the attention "
+                         "kernels clamp them to one value, that of a zero mass (-inf); give them one value and no "
+                         "zero masses, or -inf for a zero mass")
 
 
 def scalar(value, name: str):

@@ -254,20 +254,33 @@ def test_the_dense_path_guards_rows_without_keys_only_when_the_output_says_so(mo
 
 
 @pytest.mark.parametrize("method", ["dense", "stream", "fused", "auto"])
-def test_log_weights_below_the_zero_mass_sentinel_are_refused_by_a_direct_call(method):
-    """The fused and streamed kernels clamp log-weights at finfo.min / 4, their stand-in for a zero mass. A masked
-    row whose visible keys all sit below it lost their differences: keys of log-weights -1e308 and -5e307 (the
-    second carries all the row's mass) came back with equal weights (0.914 for the truth v_1 = 0.434 at seed 0;
-    the dense path was right). A Measure refused such weights; a direct call now does too, on every path alike,
-    naming the argument. -inf (zero mass) and log-weights above the clamp still run, against the definition."""
-    q, k, v = _qkv(m=3, n=4)
+def test_log_weights_the_kernels_clamp_differently_are_refused_and_equal_ones_run(method):
+    """The fused and streamed kernels clamp log-weights at finfo.min / 4, their stand-in for a zero mass. Causal
+    rows whose visible keys all sit below it lost their differences: keys of log-weights -1e308 and -5e307 (the
+    second carries all of row 1's mass) got equal weights there, while the dense path gave the softmax (row 1:
+    -0.549 there against -1.290 dense, first coordinate, on this test's inputs before). Such weights are refused
+    on every path, naming the argument. Equal ones (Hugging Face fills masks with finfo.min, an earlier change
+    refused them too) lose nothing and run, equal on
+    every path to naive attention written here (softmax of s_ij + log a_j over the visible keys; rows 0 and 1
+    see only those keys, where the scores are below float64's resolution beside -1.8e308: their average, as in
+    Hugging Face's eager attention)."""
+    q, k, v = _qkv(m=4, n=4)
+    pos = torch.arange(4, dtype=torch.float64) / 4
+    lw = torch.tensor([-1e308, -5e307, 0.0, 0.0], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^log_weights: 2 atom\(s\) of positive mass have log-weights below"):
+        kernels.attend(q, k, v, lw, pos, pos, method=method)
+    beside_zero = torch.tensor([-1e308, -math.inf, 0.0, 0.0], dtype=torch.float64)   # tied with a zero mass
+    with pytest.raises(ValueError, match=r"^log_weights: 1 atom\(s\) of positive mass have log-weights below"):
+        kernels.attend(q, k, v, beside_zero, pos, pos, method=method)
+    masked = torch.tensor([torch.finfo(torch.float64).min] * 2 + [0.0, 0.0], dtype=torch.float64)
+    out = kernels.attend(q, k, v, masked, pos, pos, method=method)
+    truth = torch.stack([torch.softmax(q[i] @ k[:i + 1].T + masked[:i + 1], 0) @ v[:i + 1] for i in range(4)])
+    assert torch.allclose(truth[1], v[:2].mean(0), rtol=1e-14)   # the premise: s is lost beside -1.8e308
+    assert torch.allclose(out, truth, rtol=1e-12, atol=1e-14)
     q_pos = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
     k_pos = torch.tensor([0.0, 0.05, 0.6, 0.8], dtype=torch.float64)
-    lw = torch.tensor([-1e308, -5e307, 0.0, 0.0], dtype=torch.float64)   # the first query sees keys 0 and 1
-    with pytest.raises(ValueError, match=r"^log_weights: 2 atom\(s\) of positive mass have log-weights below"):
-        kernels.attend(q, k, v, lw, q_pos, k_pos, method=method)
     ok = torch.tensor([-math.inf, -1e300, 0.0, 0.0], dtype=torch.float64)
-    out = kernels.attend(q, k, v, ok, q_pos, k_pos, method=method)
+    out = kernels.attend(q[:3], k, v, ok, q_pos, k_pos, method=method)
     assert torch.allclose(out[0], v[1], rtol=1e-14)   # query 0 sees a zero mass and a mass of exp(-1e300)
     visible = (k_pos <= q_pos[2]) & (ok > -math.inf)
     scores = q[2] @ k[visible].T + ok[visible]
