@@ -320,6 +320,9 @@ def main(argv=None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_OK
+    # the errors found after parsing print the command's own usage line, as argparse's do
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    parser = subcommands.choices.get(args.command, parser)
     threads = getattr(args, "threads", None)
     with contextlib.ExitStack() as scope:
         if threads is not None:

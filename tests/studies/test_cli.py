@@ -327,3 +327,13 @@ def test_workers_without_worker_processes_get_a_note(tmp_path, capsys):
     assert "note: --workers 3 is not used: --backend auto runs the tasks in this process" in capsys.readouterr().err
     assert main(["l2_attention", "--tiny", "--out", str(tmp_path / "b"), "--no-progress"]) == 0
     assert "--workers" not in capsys.readouterr().err
+
+
+def test_errors_found_after_parsing_print_the_commands_usage(capsys):
+    """--workers 0 printed `usage: meanfield [-h] [--version] COMMAND ...`, the top-level line, where argparse's
+    own errors print the command's."""
+    with pytest.raises(SystemExit) as exc:
+        main(["reproduce", "--workers", "0", "--out", "unused"])
+    assert exc.value.code == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("usage: meanfield reproduce") and "--workers: expected at least 1 worker" in err
