@@ -375,7 +375,7 @@ def capture_attention_inputs(model, input_ids: torch.Tensor, layers: Sequence[in
     same hidden states.
     """
     with_mask, block = check_bool(with_mask, "with_mask"), check_bool(block, "block")
-    xs, blocks, masks = _capture(model, input_ids, layers, attention=not block, block=block)
+    xs, blocks, masks = _capture(model, input_ids, layers, block=block)
     out = blocks if block else xs
     return (out, masks) if with_mask else out
 
@@ -384,13 +384,13 @@ def capture_layer_inputs(model, input_ids: torch.Tensor, layers: Sequence[int] |
     """({layer: X}, {layer: X_block}) in one forward pass: what :func:`capture_attention_inputs` returns without
     and with ``block=True`` (for BERT the same tensors; for GPT-2 the attention's input ``ln_1(X)`` and the
     block's input ``X``), where two calls ran the model twice."""
-    xs, blocks, _ = _capture(model, input_ids, layers, attention=True, block=True)
+    xs, blocks, _ = _capture(model, input_ids, layers, block=True)
     return xs, blocks
 
 
-def _capture(model, input_ids, layers, *, attention: bool, block: bool):
-    """({layer: attention input} or {}, {layer: block input} or {}, {layer: attention mask}) of one forward pass
-    (forward pre-hooks with kwargs on the attention cores, and on GPT-2's blocks)."""
+def _capture(model, input_ids, layers, *, block: bool):
+    """({layer: attention input}, {layer: block input} (``block=True``; else {}), {layer: attention mask}) of one
+    forward pass (forward pre-hooks with kwargs on the attention cores, and on GPT-2's blocks)."""
     model_kind(model)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
@@ -399,21 +399,19 @@ def _capture(model, input_ids, layers, *, attention: bool, block: bool):
     xs, outer_xs, masks, handles = {}, {}, {}, []
     outer = block and model_kind(model) == "gpt2"   # the block's input is not the attention's
 
-    def hook_for(i, store=None, mask=True):
+    def hook_for(i, store, mask=True):
         def hook(module, args, kwargs):
-            if store is not None:
-                h = args[0] if args else kwargs["hidden_states"]
-                store[i] = h[0].detach().clone()
+            h = args[0] if args else kwargs["hidden_states"]
+            store[i] = h[0].detach().clone()
             if mask:
                 masks[i] = kwargs.get("attention_mask")
         return hook
 
     cores = [_attention_core(model, i) for i in range(num_layers(model))]
     param = next(model.parameters())
-    inner = attention or not outer   # BERT's block input is the attention's
     try:
         for i in layers:
-            handles.append(cores[i].register_forward_pre_hook(hook_for(i, xs if inner else None), with_kwargs=True))
+            handles.append(cores[i].register_forward_pre_hook(hook_for(i, xs), with_kwargs=True))
             if outer:
                 handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, outer_xs, mask=False),
                                                                            with_kwargs=True))
@@ -422,8 +420,8 @@ def _capture(model, input_ids, layers, *, attention: bool, block: bool):
     finally:
         for h in handles:
             h.remove()
-    blocks = outer_xs if outer else (xs if block else {})
-    return (xs if attention else {}), blocks, masks
+    blocks = outer_xs if outer else (xs if block else {})   # BERT's block input is the attention's
+    return xs, blocks, masks
 
 
 def _check_ids(model, input_ids: torch.Tensor) -> None:

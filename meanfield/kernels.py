@@ -358,6 +358,21 @@ def _log_weight_floor(log_weights):
     return None if matters is None else torch.where(matters, math.nan, 0.0)
 
 
+def _sum_is_finite(total, floor, log_weights, first=None) -> bool:
+    """Whether an output check's one sum ``total``, plus the log-weight term ``floor`` (:func:`_log_weight_floor`,
+    or None), is finite: one host sync. Where it is not, ``first()`` (the caller's diagnosis that comes first) runs,
+    then the ValueError naming log-weights the kernels would clamp, if that is the cause; False otherwise."""
+    if floor is not None:
+        total = total + floor
+    if math.isfinite(float(total)):
+        return True
+    if first is not None:
+        first()
+    if floor is not None:
+        check_log_weight_floor(log_weights.detach())
+    return False
+
+
 def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=None, k_pos=None) -> torch.Tensor:
     """A NaN or infinite output, or a NaN position, names its cause instead of being returned. One reduction, the
     sum of the output (NaN or infinite when an entry is; plus the sum of the queries with ``queries=True``: the
@@ -372,14 +387,8 @@ def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=Non
     positions = _position_sum(q_pos, k_pos)
     if positions is not None:
         total = total + positions
-    floor = _log_weight_floor(log_weights)
-    if floor is not None:
-        total = total + floor
-    if math.isfinite(float(total)):
+    if _sum_is_finite(total, _log_weight_floor(log_weights), log_weights, lambda: _check_positions(q_pos, k_pos)):
         return out
-    _check_positions(q_pos, k_pos)
-    if floor is not None:
-        check_log_weight_floor(log_weights.detach())
     if bool(torch.isfinite(out.detach()).all()) and not (queries and not bool(torch.isfinite(q.detach()).all())):
         return out   # finite entries whose sum overflows
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -587,30 +596,22 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     # check (:func:`_position_sum`; not needed when the keys' positions are the queries': their NaN also makes a
     # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
     positions = None if k_pos is q_pos or deferred else _position_sum(None, k_pos)
-    # log-weights the other paths would take for zero mass: refused on every path alike (in the same sum)
+    # log-weights the fused and streamed paths would clamp to one value: refused on every path alike (same sum)
     floor = None if deferred or _checks_skipped() else _log_weight_floor(log_weights)
     if forward and positions is not None:
         # queries with positions of their own (half of random queries see no key): their rows set as above, then
         # one sum and one host sync
         out = _zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
-        total = out.detach().sum() + positions
-        if floor is not None:
-            total = total + floor
-        if math.isfinite(float(total)):
+        if _sum_is_finite(out.detach().sum() + positions, floor, log_weights):
             return out
-        if floor is not None:
-            check_log_weight_floor(log_weights.detach())
     elif not _checks_skipped():
         # the plain softmax first: a finite output (the sum the output check computes anyway) is the exact result
         out = compute(_plain_probs)
         total = out.detach().sum()
-        for term in (positions, floor):
-            if term is not None:
-                total = total + term
-        if math.isfinite(float(total)):
+        if positions is not None:
+            total = total + positions
+        if _sum_is_finite(total, floor, log_weights):
             return out
-        if floor is not None:
-            check_log_weight_floor(log_weights.detach())
         if forward:
             # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
             # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v

@@ -676,9 +676,9 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
     problem = _Sequences(op, R, n, d, tol=_tol(opts, op), seed=opts.seed, batch_size=opts.batch_size)
     with ThreadPolicy() as policy:
         problem.policy = policy
-        rungs = (lambda: [(nm, X / R) for nm, X in ladder_sequence_starts(op, R, n, d=d)]) if opts.ladder else None
-        members, trace, stopped = _ascend_then_ladder(problem, [(nm, X / R) for nm, X in named], rungs, budget,
-                                                      opts, t0)
+        states = lambda starts: [(nm, X / R) for nm, X in starts]   # the ascent's state: tokens in units of R
+        rungs = (lambda: states(ladder_sequence_starts(op, R, n, d=d))) if opts.ladder else None
+        members, trace, stopped = _ascend_then_ladder(problem, states(named), rungs, budget, opts, t0)
         options = _record(opts, budget, "max_steps", "keep", "gtol", "step", "tol", "seed", "random", "clusters",
                           "structured", "ladder")
         return _result(problem, members, trace, stopped, "projected ascent", operator_upper(op, R, n, d=d), t0,
@@ -792,13 +792,13 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, budget=20000,
     if not named:
         raise ValueError("random: no start to search from (random=0 and no structured start for this operator)")
     problem = _Measures(op, R, atoms, d, pos, split, tol=_tol(opts, op), seed=opts.seed, batch_size=None)
-    states = [(nm, torch.cat([mu.points / R, mu.log_weights[:, None]], dim=-1)) for nm, mu in named]
+    # the ascent's state of a measure: its points in units of R beside its log-weights
+    states = lambda starts: [(nm, torch.cat([mu.points / R, mu.log_weights[:, None]], dim=-1)) for nm, mu in starts]
     with ThreadPolicy() as policy:
         problem.policy = policy
-        rungs = (lambda: [(nm, torch.cat([mu.points / R, mu.log_weights[:, None]], dim=-1)) for nm, mu in
-                          ladder_measure_starts(op, R, atoms, positions=None if pos is None else pos.cpu(), d=d)]
-                 ) if opts.ladder else None
-        members, trace, stopped = _ascend_then_ladder(problem, states, rungs, budget, opts, t0)
+        rungs = (lambda: states(ladder_measure_starts(op, R, atoms, positions=None if pos is None else pos.cpu(),
+                                                      d=d))) if opts.ladder else None
+        members, trace, stopped = _ascend_then_ladder(problem, states(named), rungs, budget, opts, t0)
         options = _record(opts, budget, "max_steps", "keep", "gtol", "step", "tol", "seed", "random", "structured",
                           "ladder")
         options["split"] = split
