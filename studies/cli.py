@@ -22,7 +22,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -227,22 +226,15 @@ def _on_sigterm(signum, frame):
     raise Terminated()
 
 
-def _interrupted_line(ctx: RunContext, since: float = 0.0) -> str:
-    """What the report says about the interruption, for the terminal: from the folder's summary.json where this run
-    wrote it (at or after ``since``, a time.time()); a summary left by an earlier run (this one interrupted during
-    its checks, before writing any) said that run's study and resume command."""
-    import json
-
-    path = ctx.out / "summary.json"
-    try:
-        stop = (json.loads(path.read_text(encoding="utf-8")).get("interrupted") or {}
-                if path.stat().st_mtime >= since else {})
-    except (OSError, ValueError):
-        stop = {}
+def _interrupted_line(ctx: RunContext, stop: dict | None) -> str:
+    """What the report says about the interruption, for the terminal. ``stop``: what :func:`studies.report.reproduce`
+    wrote into summary.json and attached to the interruption (``run_stop``); None when the run stopped before it
+    wrote any (during its checks), where a summary.json in the folder is an earlier run's."""
     if not stop:
         return f"interrupted; the studies that finished are in {ctx.out / 'report.md'}"
     return (f"interrupted during {stop['during']} ({stop['done']} of {stop['of']} studies done); "
-            f"{ctx.out / 'report.md'} has them. Resume with: {stop['resume']}")
+            f"{ctx.out / 'report.md'} has them ({ctx.out / stop['during']} holds partial files). "
+            f"Resume with: {stop['resume']}")
 
 
 def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--scheduler") -> int:
@@ -256,7 +248,6 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    started = time.time() - 1.0   # file times may round down to the second
     try:
         # checks every option first (studies.preflight), naming the scheduler's address as the user gave it
         summary = reproduce(ctx, only=names, scheduler_option=scheduler_option)
@@ -270,7 +261,7 @@ def _run(ctx: RunContext, names: list[str] | None, scheduler_option: str = "--sc
         _say(f"cannot write the run's files: {exc}")
         return EXIT_OUTPUT
     except KeyboardInterrupt as exc:
-        _say(_interrupted_line(ctx, started))
+        _say(_interrupted_line(ctx, getattr(exc, "run_stop", None)))
         return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
     finally:
         if main_thread:

@@ -14,7 +14,8 @@ The run folder is locked for the whole run (a second run on it is refused with
 leaves the others aggregated. A study that raises is reported as failed (with its error and
 traceback) and the others still run; a full disk or a read-only folder stops the run with
 :class:`studies.io.OutputError`. An interrupted run (Ctrl-C, or SIGTERM through the command line)
-writes when and during which study it stopped, and the command that resumes it: running the same
+writes when and during which study it stopped, and the command that resumes it (the study's folder says
+that its files are partial: ``result.json`` with status "interrupted", and :data:`INTERRUPTED_MARKER`); running the same
 command again into the same folder reuses every study that finished there with the same code and
 settings (:func:`study_fingerprint`) and resumes the stored grid points of the others
 (``--no-resume`` recomputes everything). Study folders that an earlier run left in the folder and that
@@ -144,6 +145,10 @@ def run_study(name: str, ctx: RunContext) -> dict:
     t0 = time.perf_counter()
     entry = {"name": name, "title": study.title, "fingerprint": study_fingerprint(name, ctx),
              "finished": None}
+    # until the study returns, its folder says that it is running (a run killed here leaves that), and the marker
+    # of an earlier interrupted run goes: the files written from now on are this run's
+    (sdir / INTERRUPTED_MARKER).unlink(missing_ok=True)
+    write_json({**entry, "status": "running", "started": _now()}, sdir / "result.json")
     try:
         res = study.run(sdir, ctx)
         if not isinstance(res, StudyResult):
@@ -155,10 +160,41 @@ def run_study(name: str, ctx: RunContext) -> dict:
             raise output_error(exc, sdir) from exc
         entry.update({"status": "failed", "error": f"{type(exc).__name__}: {exc}",
                       "traceback": traceback.format_exc(), "claims": [], "figures": [], "tables": []})
+    except BaseException as exc:   # Ctrl-C, SIGTERM: the tables written so far must not pass for the study's
+        _mark_interrupted(sdir, entry, exc, time.perf_counter() - t0)
+        raise
     entry["seconds"] = round(time.perf_counter() - t0, 2)
     entry["finished"] = _now()
     write_json(entry, sdir / "result.json")
     return entry
+
+
+#: the file an interrupted study leaves in its folder, next to the tables and figures it had written
+INTERRUPTED_MARKER = "INTERRUPTED.txt"
+
+
+def _signal_name(exc: BaseException) -> str:
+    return getattr(exc, "signal_name", None) or ("SIGINT" if isinstance(exc, KeyboardInterrupt)
+                                                 else type(exc).__name__)
+
+
+def _mark_interrupted(sdir: Path, entry: dict, exc: BaseException, seconds: float) -> None:
+    """Say in the study's folder that it stopped before it finished: ``result.json`` with status "interrupted"
+    (never reused: only status "ok" is) and :data:`INTERRUPTED_MARKER`, for a person listing the folder. A study
+    that finishes later in this folder removes the marker. Best effort: a folder that cannot be written does not
+    hide the interruption behind an OutputError."""
+    at = _now()
+    note = (f"This study was interrupted ({_signal_name(exc)}) at {at}, {format_seconds(seconds)} after it started, "
+            "before it finished. The tables and figures in this folder are partial, or left by an earlier run: "
+            "do not read them as the study's results. Resuming the run (the command in the run's report.md) "
+            "runs the study again here.")
+    try:
+        write_json({**entry, "status": "interrupted", "interrupted": at, "signal": _signal_name(exc),
+                    "seconds": round(seconds, 2), "note": note, "claims": [], "figures": [], "tables": []},
+                   sdir / "result.json")
+        write_text(note + "\n", sdir / INTERRUPTED_MARKER)
+    except Exception as err:   # noqa: BLE001 - the interruption is what the caller must see
+        log.warning("could not mark %s as interrupted: %s", sdir, err)
 
 
 def _now() -> str:
@@ -237,11 +273,10 @@ def reproduce(ctx: RunContext, *, only: list[str] | None = None, scheduler_optio
             except BaseException as exc:
                 if not isinstance(exc, OutputError):   # interrupted: what finished stays aggregated
                     stop = {"at": _now(), "during": name, "done": k - 1, "of": len(names),
-                            "signal": getattr(exc, "signal_name", None) or
-                            ("SIGINT" if isinstance(exc, KeyboardInterrupt) else type(exc).__name__),
-                            "resume": resume_command(config)}
+                            "signal": _signal_name(exc), "resume": resume_command(config)}
                     _write_aggregate(out, entries + broken, config, names[k - 1:], running=None, interrupted=stop,
                                      others=others)
+                    exc.run_stop = stop   # what the command line prints: this run's stop, not a file's
                 raise
             entries.append(entry)
             log.info("[%d/%d] %s: %s", k, len(names), name, _entry_line(entry))
@@ -281,8 +316,9 @@ def not_in_run(ctx: RunContext, names) -> list[dict]:
     nor changes them, and deletes nothing: the report lists them, so that they are not mistaken for this
     run's results. A study folder is a subfolder named after a registered study, or holding a result.json.
 
-    One dict per folder, sorted by name: ``name``; ``status`` (``ok`` or ``failed`` from its result.json,
-    None when it has none: an unfinished study); ``finished`` (when, or None); ``same_settings`` (whether
+    One dict per folder, sorted by name: ``name``; ``status`` (``ok``, ``failed`` or ``interrupted`` from its
+    result.json, None when it has none or says "running": a run stopped during it, killed); ``finished`` (when it
+    finished or was interrupted, or None); ``same_settings`` (whether
     it finished with this run's code and settings, :func:`study_fingerprint`, so that adding it to the run
     would reuse it; None for a folder that is not a registered study's)."""
     studies = registry()
@@ -300,11 +336,12 @@ def not_in_run(ctx: RunContext, names) -> list[dict]:
         except (OSError, ValueError):
             old = None
         old = old if isinstance(old, dict) else {}
-        status = old.get("status") if old.get("status") in ("ok", "failed") else None
+        status = old.get("status") if old.get("status") in ("ok", "failed", "interrupted") else None
         same = None
         if name in studies:
             same = status == "ok" and old.get("fingerprint") == study_fingerprint(name, ctx)
-        found.append({"name": name, "status": status, "finished": old.get("finished") if status else None,
+        found.append({"name": name, "status": status,
+                      "finished": old.get("interrupted" if status == "interrupted" else "finished") if status else None,
                       "same_settings": same})
     return found
 
@@ -528,7 +565,9 @@ def _summary_section(summary: dict, config: dict) -> list[str]:
     if stop:
         lines += [f"**Interrupted** ({stop['signal']}) at {stop['at']} during `{stop['during']}`, after {stop['done']} "
                   f"of {stop['of']} studies. Resume with `{stop['resume']}`: it reuses the studies that finished here "
-                  "(same code and settings) and the stored grid points of the interrupted one.", ""]
+                  "(same code and settings) and the stored grid points of the interrupted one. The folder "
+                  f"`{stop['during']}/` holds what that study had written when it stopped (partial; its "
+                  f"{INTERRUPTED_MARKER} says so).", ""]
     elif summary["running"] or summary["pending"]:
         lines += [f"Not finished yet: {', '.join(filter(None, [summary['running'], *summary['pending']]))} "
                   "(this report is rewritten as each study finishes).", ""]
@@ -548,8 +587,10 @@ def _summary_section(summary: dict, config: dict) -> list[str]:
 def _left_over(entry: dict) -> str:
     """What a study folder not part of the run holds, for the reader."""
     if entry.get("status") is None:
-        return "an unfinished study (no result.json)"
+        return "an unfinished study (no finished result.json: a run stopped during it)"
     when = f" at {entry['finished']}" if entry.get("finished") else ""
+    if entry["status"] == "interrupted":
+        return f"a study interrupted{when} (its files are partial)"
     if entry.get("status") != "ok":
         return f"a study that failed{when}"
     if entry.get("same_settings") is None:

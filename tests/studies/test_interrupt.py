@@ -42,9 +42,11 @@ def two_studies():
     @register("zz_b", "second", order=1001)
     def second(out_dir, ctx):
         CALLS.append("zz_b")
+        write_csv([{"y": 1}], out_dir / "b.csv")   # a first table, written before the interruption
         if state["interrupt"]:
             raise KeyboardInterrupt   # what Ctrl-C does in the middle of a study
-        return StudyResult("zz_b", "second", [Claim("also ok", "t", "m", True, fails_if="f")])
+        write_csv([{"y": 1}, {"y": 2}], out_dir / "b.csv")
+        return StudyResult("zz_b", "second", [Claim("also ok", "t", "m", True, fails_if="f")], tables=["b.csv"])
 
     yield state
     contract.unregister("zz_a")
@@ -175,6 +177,75 @@ def test_an_interruption_before_this_run_wrote_anything_does_not_report_the_last
     capsys.readouterr()
     old = (tmp_path / "summary.json").stat().st_mtime - 60
     os.utime(tmp_path / "summary.json", (old, old))   # written by the run before
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "check_run", interrupted)
+    assert main(["reproduce", "--only", "zz_a", "--out", str(tmp_path), "--no-progress"]) == 130
+    err = capsys.readouterr().err
+    assert "zz_b" not in err and "interrupted; the studies that finished are in" in err
+
+
+def test_the_interrupted_study_folder_says_its_tables_are_partial(tmp_path, two_studies):
+    """An interrupted study's folder held the tables it had written and, from an earlier finished run, a result.json
+    with status ok: nothing there said that the tables were partial. Now result.json says "interrupted" (never
+    reused) and INTERRUPTED.txt explains; a study that finishes there later removes the marker."""
+    two_studies["interrupt"] = False
+    reproduce(RunContext(tmp_path), only=["zz_a", "zz_b"])          # a finished run: zz_b/result.json is ok
+    assert json.loads((tmp_path / "zz_b" / "result.json").read_text())["status"] == "ok"
+    two_studies["interrupt"] = True
+    with pytest.raises(KeyboardInterrupt):
+        reproduce(RunContext(tmp_path, seed=7), only=["zz_a", "zz_b"])   # other settings: zz_b runs again
+    sdir = tmp_path / "zz_b"
+    result = json.loads((sdir / "result.json").read_text())
+    assert result["status"] == "interrupted" and result["signal"] == "SIGINT" and result["tables"] == []
+    assert result["fingerprint"] == report_module.study_fingerprint("zz_b", RunContext(tmp_path, seed=7))
+    marker = (sdir / report_module.INTERRUPTED_MARKER).read_text()
+    assert "interrupted (SIGINT)" in marker and "partial" in marker
+    assert (sdir / "b.csv").read_text().count("\n") == 2     # the partial table is there, and said to be
+    md = (tmp_path / "report.md").read_text()
+    marker_name = report_module.INTERRUPTED_MARKER
+    assert f"`zz_b/` holds what that study had written when it stopped (partial; its {marker_name}" in md
+    # the same settings again: zz_b is not reused (not "ok"), it runs, and its folder is whole again
+    two_studies["interrupt"] = False
+    CALLS.clear()
+    summary = reproduce(RunContext(tmp_path, seed=7), only=["zz_a", "zz_b"])
+    assert CALLS == ["zz_b"] and summary["ok"]
+    assert not (sdir / report_module.INTERRUPTED_MARKER).exists()
+    assert json.loads((sdir / "result.json").read_text())["status"] == "ok"
+
+
+def test_a_study_killed_midway_leaves_a_running_record_not_the_last_finished_one(tmp_path, two_studies,
+                                                                               monkeypatch):
+    """A run killed (SIGKILL: no handler runs) inside a study left the study's result.json of an earlier finished
+    run, status ok, beside the new partial tables; the folder now says "running" from the study's start."""
+    two_studies["interrupt"] = False
+    reproduce(RunContext(tmp_path), only=["zz_b"])
+    seen = {}
+
+    def killed(out_dir, ctx):   # what the folder holds while the study runs, where a SIGKILL would leave it
+        seen.update(json.loads((out_dir / "result.json").read_text()))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(contract.registry()["zz_b"], "run", killed)
+    with pytest.raises(KeyboardInterrupt):
+        reproduce(RunContext(tmp_path, seed=3), only=["zz_b"])
+    assert seen["status"] == "running" and seen["finished"] is None and "started" in seen
+    # as a folder that is not part of a later run
+    left = {e["name"]: e for e in report_module.not_in_run(RunContext(tmp_path), ["zz_a"])}
+    assert left["zz_b"]["status"] == "interrupted" and left["zz_b"]["same_settings"] is False
+    assert "interrupted" in report_module._left_over(left["zz_b"])
+
+
+def test_an_interruption_during_the_checks_right_after_a_run_does_not_report_that_run(tmp_path, two_studies, capsys,
+                                                                                       monkeypatch):
+    """The terminal line read the folder's summary.json when its file time was within a second of this run's start:
+    a run interrupted in its checks right after an interrupted run printed that run's study and resume command."""
+    from studies import report
+
+    assert main(["reproduce", "--only", "zz_a", "zz_b", "--out", str(tmp_path), "--no-progress"]) == 130
+    capsys.readouterr()
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
