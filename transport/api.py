@@ -18,7 +18,7 @@ from particles.threads import ThreadPolicy
 from particles.validation import ConvergenceError, check_bool, check_on_failure
 
 from .exact import solve_exact
-from .options import UNIT_ROUNDOFF, check_memory_limit, check_method, resolve
+from .options import TOL, UNIT_ROUNDOFF, check_memory_limit, check_method, resolve
 from .problem import Problem, ldexp, to_units
 from .result import TransportResult, report_failure
 from .sinkhorn import solve_sinkhorn
@@ -124,9 +124,12 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
                 * problem.squared_diameter()):
             # a float32 debiased value within float32's rounding of its three terms (each of the squared
             # diameter's size): a cloud against its translate by 1e-4 came out 0 (a negative value clamped) or 11
-            # times too large, converged. It is solved again in float64
+            # times too large, converged. It is solved again in float64, to float64's tolerance where the one
+            # asked is looser: a marginal error tol leaves the value off by about eps tol^2, which a value this
+            # small may be below too (a translate by 1e-6 at reg 0.1 came out 0, converged at float32's 1e-5)
             problem = problem.to(torch.float64)
-            raw = ROUTINES[method](problem, eps, opts, return_plan, limit)
+            raw = ROUTINES[method](problem, eps, {**opts, "tol": min(opts["tol"], TOL[torch.float64])}, return_plan,
+                                   limit)
     if not bool(torch.isfinite(raw["value"].detach())):
         if eps is not None:
             # float64 is kept whatever D2 / eps (Problem.precision): far beyond what it resolves, the plan's

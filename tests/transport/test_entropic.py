@@ -338,3 +338,36 @@ def test_same_atoms_finds_the_permutation_or_none():
     z = x.clone()
     z[[0, 1], 1:] = z[[1, 0], 1:]
     assert not torch.equal(x[0, 1:], x[1, 1:]) and same_atoms(x, la, z, la) is None
+
+
+@pytest.mark.parametrize("dtype, tol, reg, t", [(F64, 1e-5, 1000.0, 1e-5), (torch.float32, None, 1000.0, 1e-5),
+                                                (torch.float32, None, 0.1, 1e-6)])
+def test_the_sinkhorn_divergence_of_a_small_translate_is_its_closed_form(dtype, tol, reg, t):
+    """S_eps(mu, mu + t) = |t|^2 exactly: the cost's cross term -2 <x - y, t> integrates to 0 under any coupling of
+    mu with itself. The streamed value came out 153 times too large (reg 1000, tol 1e-5) and 0 (float32, reg 0.1,
+    t = 1e-6), converged: its self terms stopped near their marginal tolerance, off by about eps times it, far
+    above S_eps (transport.streaming_sinkhorn._finish_symmetric), and the float32 measures' float64 solve kept
+    float32's tolerance. The dense solver agreed with the closed form all along."""
+    X = np.random.default_rng(7).random((30, 2))
+    mu = Measure(torch.tensor(X, dtype=dtype))
+    nu = mu.pushforward(lambda z: z + torch.tensor([t, 0.0], dtype=dtype))
+    truth = float(((nu.points.double() - mu.points.double()) ** 2).sum(1).mean())   # |t|^2 of the rounded points
+    for method in ("streaming", "sinkhorn"):
+        r = solve(mu, nu, method, reg=reg, tol=tol)
+        assert r.converged and r.error <= r.tol
+        assert r.value_squared == pytest.approx(truth, rel=1e-2), method
+
+
+def test_the_self_term_is_accurate_far_below_its_marginal_tolerance():
+    """At reg far above the squared diameter the averaged symmetric update contracts by about 1/2 per step and
+    stopped with 2 <a, f> off by 1.5e-8 (of a squared diameter about 20) at tol 1e-5; two alternating steps from it
+    contract by the plan's second eigenvalue. Truth: alternating log-domain Sinkhorn in numpy on (X, a) and a
+    copy of it (tests/reference.py), run to a marginal error of 1e-13."""
+    X, a = rand(20, 2, 5), rand_weights(20, 5)
+    for reg in (1000.0, 30.0):
+        truth = entropic_ot(X.numpy(), a.numpy(), X.numpy().copy(), a.numpy(), reg, tol=1e-13)[0]
+        f, err, it = symmetric_potential(Measure(X, a), reg, tol=1e-5)
+        assert err <= 1e-5
+        assert abs(float(2 * a @ f) - truth) <= 1e-11 * (1 + abs(truth)), reg
+        # and never above it: 2 <a, f> is the dual objective at a pair whose columns are exact
+        assert float(2 * a @ f) <= truth + 1e-12 * abs(truth)
