@@ -50,6 +50,9 @@ from .lipschitz import LipschitzEstimate
 
 __all__ = ["save_trajectory", "load_trajectory", "save_estimate", "load_estimate"]
 
+#: what an estimate's ``attention`` field may say (LipschitzEstimate)
+_ATTENTION_PATHS = ("exact", "series", "mixed", "not recorded")
+
 _SPHERE = (False, True, "SA", "USA")
 
 
@@ -191,6 +194,8 @@ def load_estimate(path, *, device=None) -> LipschitzEstimate:
     hints = typing.get_type_hints(LipschitzEstimate)
     tensors = {k for k, t in hints.items() if t is torch.Tensor}
     check_keys(arrays, tensors, set(), name)
+    if "attention" not in stored:   # written before estimates recorded their attention path
+        stored = {**stored, "attention": "not recorded"}
     missing = sorted(set(hints) - tensors - set(stored))
     unknown = sorted(set(stored) - set(hints))
     if missing or unknown:
@@ -250,6 +255,8 @@ def _check_estimate(v: dict, name: str) -> None:
             raise FileFormatError(f"{name}: field {key!r} is {v[key]}; a count is >= 0")
     if v["method"] not in _ESTIMATE_METHODS:
         raise FileFormatError(f"{name}: field 'method' is {v['method']!r}; expected one of {_ESTIMATE_METHODS}")
+    if v["attention"] not in _ATTENTION_PATHS:
+        raise FileFormatError(f"{name}: field 'attention' is {v['attention']!r}; expected one of {_ATTENTION_PATHS}")
 
 
 def _check_vector(u: torch.Tensor, name: str) -> None:

@@ -152,6 +152,11 @@ class LipschitzEstimate:
     stalled : bool
         The solver stopped because its certificate stopped improving (the rounding of the
         products at this input is above ``tol``), not because it ran out of iterations.
+    attention : str
+        How the products evaluated attention (``local_lipschitz(attention=...)``): "exact", or "series" (the
+        truncated exponential series, whose truncation bound eps_J is carried into ``value``, lowered by it, and
+        ``error``, raised by 2 eps_J: docs/math.md section 4.8); "mixed" for a batch whose members took different
+        paths; "not recorded" for an estimate loaded from a file written before this field existed.
     """
 
     value: float
@@ -164,6 +169,7 @@ class LipschitzEstimate:
     residual: float
     stalled: bool = False
     batched: bool = False
+    attention: str = "exact"
 
     @property
     def lower(self):
@@ -205,7 +211,8 @@ class LipschitzEstimate:
         return LipschitzEstimate(
             value=float(self.value[i]), vector=self.vector[i], error=float(self.error[i]),
             iterations=self.iterations, method=self.method, converged=bool(self.converged[i]),
-            applications=self.applications, residual=float(self.residual[i]), stalled=bool(self.stalled[i]))
+            applications=self.applications, residual=float(self.residual[i]), stalled=bool(self.stalled[i]),
+            attention=self.attention if self.attention != "mixed" else "not recorded")
 
     def __iter__(self):
         if not self.batched:
@@ -214,11 +221,13 @@ class LipschitzEstimate:
 
     def __repr__(self) -> str:
         if self.batched:
+            path = "" if self.attention == "exact" else f", attention={self.attention!r}"
             return (f"LipschitzEstimate(batch of {len(self)}, values {self.value.tolist()}, method={self.method!r}, "
-                    f"converged {int(self.converged.sum())} of {len(self)})")
+                    f"converged {int(self.converged.sum())} of {len(self)}{path})")
         state = "converged" if self.converged else ("stalled" if self.stalled else "not converged")
+        path = "" if self.attention == "exact" else f", attention={self.attention!r}"
         return (f"LipschitzEstimate(value={self.value:.10g}, error={self.error:.3g}, method={self.method!r}, "
-                f"{state}, iterations={self.iterations}, applications={self.applications})")
+                f"{state}, iterations={self.iterations}, applications={self.applications}{path})")
 
 
 def _canonical_sign(u):
@@ -412,7 +421,7 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
             raise ValueError(f"attention: {why}")
     tol = _check_tol(tol, problems[0].X.dtype)
     solve = SOLVERS[method]
-    members, applications, iterations = [], 0, 0
+    members, applications, iterations, paths = [], 0, 0, set()
     floors = []   # per member: 2 eps_J where the series carried its certificate over (0 on the exact path)
     with ThreadPolicy() as policy:
         for k, prob in enumerate(problems):
@@ -441,13 +450,16 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
                     found, used, its = _solve(prob, k == 0, policy, solve, tol, max_iter, seed, method,
                                               memory_limit, mixed, False)
                     floor = [0.0] * len(found)
+                    series = False
+            paths.add("series" if series else "exact")
             members += found
             floors += floor
             applications += used
             iterations = max(iterations, its)
     if isinstance(X, Measure):
         members = _without_absent_atoms(members, X.log_weights)
-    est = _assemble(members, method, iterations, applications, batched)
+    est = _assemble(members, method, iterations, applications, batched,
+                    paths.pop() if len(paths) == 1 else "mixed")
     if log.isEnabledFor(logging.DEBUG):
         X0 = problems[0].X
         log.debug("local_lipschitz: %s, %d input(s) of shape %s %s, %s %d iterations, %d Jacobian products, "
@@ -564,19 +576,20 @@ def _without_absent_atoms(members, log_weights):
     return out
 
 
-def _assemble(members, method, iterations, applications, batched) -> LipschitzEstimate:
+def _assemble(members, method, iterations, applications, batched, attention="exact") -> LipschitzEstimate:
     if not batched:
         val, vec, err, res, ok, stalled = members[0]
         return LipschitzEstimate(value=val, vector=vec, error=err, iterations=iterations, method=method,
-                                 converged=ok, applications=applications, residual=res, stalled=stalled and not ok)
+                                 converged=ok, applications=applications, residual=res, stalled=stalled and not ok,
+                                 attention=attention)
     col = lambda k, dtype=torch.float64: torch.tensor([m[k] for m in members], dtype=dtype)
     return LipschitzEstimate(
         value=col(0), vector=torch.stack([m[1] for m in members]), error=col(2), iterations=iterations,
         method=method, converged=col(4, torch.bool), applications=applications, residual=col(3),
-        stalled=col(5, torch.bool) & ~col(4, torch.bool), batched=True)
+        stalled=col(5, torch.bool) & ~col(4, torch.bool), batched=True, attention=attention)
 
 
-def lipschitz_ratio(op, mu, nu) -> float:
+def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     """W2(F mu, F nu) / W2(mu, nu), with conditional W2 (Definition 4.1) for masked operators.
 
     ``op`` is anything :func:`meanfield.as_operator` accepts (a meanfield operator, a Hugging Face
@@ -588,7 +601,18 @@ def lipschitz_ratio(op, mu, nu) -> float:
     (``masked=True``) takes conditional W2. Measures of a half
     precision (an operator in float16 or bfloat16) are widened to float32, exactly, for the distances:
     transport works in float32 or float64.
+
+    ``method`` and ``options``: how both distances are computed. Unmasked: :func:`transport.w2`'s ``method``
+    ("exact" by default, the network simplex, dense: N M costs, for N up to a few thousand) and its options
+    (``reg``, ``tol``, ``memory_limit``, ...). ``method="streaming"`` (or "auto" above its exact size) takes the
+    debiased Sinkhorn distance sqrt(S_eps), O(N) memory: it approximates W2 only where ``reg`` is small against
+    the squared displacement between the measures (S_eps sees nothing finer than its blur sqrt(reg)), so the ratio
+    of a perturbation smaller than the blur is not the W2 ratio; halve ``reg`` to see the ratio settle. Masked:
+    :func:`transport.conditional_w2`, exact slice by slice (``method`` "exact" only), with its options (``atol``,
+    ``mass_atol``, ``memory_limit``). An option the distance does not take is a TypeError naming it.
     """
+    if not isinstance(method, str):
+        raise TypeError(f"method: expected a transport method name such as 'exact' or 'streaming', got {method!r}")
     op = as_operator(op)
     mu = op.check_measure(mu, "mu")
     nu = op.check_measure(nu, "nu")
@@ -599,11 +623,22 @@ def lipschitz_ratio(op, mu, nu) -> float:
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import conditional_w2, w2
 
+    if op.masked:
+        if method != "exact":
+            raise ValueError(f"method: a masked operator's ratio takes conditional W2, computed exactly slice by slice "
+                             f"(method='exact'); got {method!r}")
+        unknown = sorted(set(options) - {"atol", "mass_atol", "memory_limit"})
+        if unknown:
+            raise TypeError(f"{unknown[0]}: not an option of conditional_w2 (the distance of a masked operator's "
+                            "ratio): it takes atol, mass_atol and memory_limit")
+
     def dist(a, b):
         if a.dtype in (torch.float16, torch.bfloat16):
             a, b = a.to(dtype=torch.float32), b.to(dtype=torch.float32)
         # an unmasked operator ignores positions: so does its distance (w2 of the laws on R^d)
-        return conditional_w2(a, b) if op.masked else w2(a.unmasked(), b.unmasked())
+        if op.masked:
+            return conditional_w2(a, b, **options)
+        return w2(a.unmasked(), b.unmasked(), method, **options)
 
     den = dist(mu, nu)
     if den == 0:

@@ -284,3 +284,13 @@ def test_loading_on_cuda_without_cuda_says_so(tmp_path, monkeypatch):
         load_estimate(path, device="cuda")
     with pytest.raises(ValueError, match="CUDA is not available"):
         load_trajectory(_traj_file(tmp_path), device="cuda:0")
+
+
+def test_an_estimate_written_before_the_attention_field_loads_as_not_recorded(tmp_path):
+    est = local_lipschitz(_att(), Measure.sphere(5, 2, seed=0, dtype=torch.float64))
+    path = save_estimate(est, tmp_path / "old.npz")
+    _rewrite_fields(path, {}, drop=("attention",))
+    assert load_estimate(path).attention == "not recorded"
+    _rewrite_fields(path, {"attention": "fast"})
+    with pytest.raises(FileFormatError, match="field 'attention' is 'fast'"):
+        load_estimate(path)

@@ -326,6 +326,29 @@ def test_lipschitz_ratio_unmasked_and_masked():
         lipschitz_ratio(op, Measure(X), Measure(X))
 
 
+def test_lipschitz_ratio_takes_the_transport_method_and_its_options():
+    """Both distances by the method given (the exact network simplex was the only one: dense, N M costs). Truth:
+    the assignment problem's W2 of the uniform clouds and of their images; the debiased Sinkhorn distance at a
+    blur (0.3) well below the clouds' displacement (2) is within 1% of it."""
+    op = make_op("single", masked=False, d=2)
+    X, Y = rand(40, 2, seed=11), rand(40, 2, seed=12) + 1.5
+    expected = w2_assignment(op.sequence(X), op.sequence(Y)) / w2_assignment(X, Y)
+    assert rel(lipschitz_ratio(op, Measure(X), Measure(Y)), expected) <= 1e-8
+    streamed = lipschitz_ratio(op, Measure(X), Measure(Y), method="streaming", reg=0.1)
+    assert rel(streamed, expected) <= 0.01 and rel(streamed, expected) > 1e-8   # another distance, close to W2
+    with pytest.raises(TypeError, match="reg"):
+        lipschitz_ratio(op, Measure(X), Measure(Y), method="exact", reg=0.1)   # w2's own refusal, naming it
+    with pytest.raises(TypeError, match="method: expected a transport method name"):
+        lipschitz_ratio(op, Measure(X), Measure(Y), method=None)
+    opm = make_op("single", masked=True, d=2)
+    mu, nu = Measure.sequence(X[:6]), Measure.sequence(Y[:6])
+    assert lipschitz_ratio(opm, mu, nu, atol=0.0) == lipschitz_ratio(opm, mu, nu)
+    with pytest.raises(ValueError, match="method: a masked operator's ratio takes conditional W2"):
+        lipschitz_ratio(opm, mu, nu, method="streaming", reg=0.1)
+    with pytest.raises(TypeError, match="reg: not an option of conditional_w2"):
+        lipschitz_ratio(opm, mu, nu, reg=0.1)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_lipschitz_ratio_of_a_half_precision_operator(dtype):
     """Transport works in float32 or float64: the half operator's measures are widened (exactly) for the

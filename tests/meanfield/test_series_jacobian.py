@@ -385,3 +385,30 @@ def test_mixed_precision_asked_of_the_series(monkeypatch):
     with record_paths() as paths:
         plain = local_lipschitz(att, X)
     assert set(paths) == {"series"} and abs(mixed.value - plain.value) <= mixed.error + plain.error
+
+
+def test_an_estimate_says_which_attention_path_certified_it(monkeypatch):
+    """A user could not tell whether auto had taken the series (whose truncation bound lowers value and raises
+    error): the estimate now says it, checked against the paths the kernels recorded."""
+    from meanfield.kernels import record_paths
+
+    X = torch.rand(1500, 2, generator=torch.Generator().manual_seed(810), dtype=DT) - 0.5
+    op = SelfAttention(rand(2, 2, seed=811), rand(2, 2, seed=812))
+    exact = local_lipschitz(op, X)
+    assert exact.attention == "exact" and "attention=" not in repr(exact)
+    monkeypatch.setattr(sj, "SERIES_THRESHOLD", 2**10)
+    with record_paths() as paths:
+        auto = local_lipschitz(op, X)
+    assert set(paths) == {"series"} and auto.attention == "series" and "attention='series'" in repr(auto)
+    assert local_lipschitz(op, X, attention="series").attention == "series"
+    assert local_lipschitz(op, X, attention="exact").attention == "exact"
+    # a tol the truncation bound keeps out of reach (a bound made 1e-7 of the value here: the true one is below
+    # float64's epsilon at this input): auto certifies again on the exact path, and says so
+    monkeypatch.setattr(sj, "truncation_bound", lambda *a, **k: torch.tensor([1e-7 * exact.value], dtype=DT))
+    with record_paths() as paths:
+        back = local_lipschitz(op, X, tol=1e-7)
+    assert "series" in paths and set(paths) - {"series"} and back.attention == "exact" and back.converged
+    monkeypatch.undo()
+    monkeypatch.setattr(sj, "SERIES_THRESHOLD", 2**10)
+    batch = local_lipschitz(op, torch.stack([X, X.flip(0)]))
+    assert batch.attention == "series" and batch[1].attention == "series"
