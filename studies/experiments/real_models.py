@@ -370,7 +370,7 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
         raise ValueError(f"text: has {ids.numel()} tokens with this tokenizer, fewer than the smallest length "
                          "of the grid; give a longer text")
     base = {"model": label, "mode": mode}
-    out = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": []}
+    out = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": [], "extraction": []}
     tight_X = None
     norms = {i: layer_norms(mhf.extract_layer(model, i)) for i in layers}
     upper = {i: LayerBound(mhf.extract_layer(model, i)) for i in layers}
@@ -390,6 +390,10 @@ def analyze_model(label, model, tokenizer, text, *, layers=None, ns, reps, adv_n
                 inputs = {"attention": X, "block": xs_block[i]}
                 if tight_X is None and i == layers[0]:
                     tight_X = X.double()
+                if n == ns[0] and rep == 0:
+                    out["extraction"].append({**base, "layer": i, "n": n,
+                                              **extraction_check(mhf.extract_layer(model, i), ops[(i, "attention")],
+                                                                 X)})
                 radii = X.double().norm(dim=1)
                 radius_sum[i] += float(radii.sum())
                 radius_count[i] += n
@@ -674,6 +678,66 @@ def _gamma_claim(label, mode, gamma_rows, n_max) -> Claim:
                         if top else "no layer measured"))
 
 
+#: relative difference (largest entry over the largest output entry, float64) within which the extracted layer
+#: reproduces the module's forward: rounding of two float64 evaluations, about 1e-15, and far below any wrong
+#: extraction (a scale of 1/k for 1/sqrt(k), a transposed A_h, a dropped mask or bias: 1e-3 or more)
+EXTRACTION_TOL = 1e-10
+
+
+def extraction_check(p: mhf.LayerParameters, op, X: torch.Tensor) -> dict:
+    """What the bounds, gamma and the witnesses read from a real layer is the layer itself: on the captured input X,
+    in float64, the layer's own forward (``op``, :class:`meanfield.hf.HFAttention`: the module's code with its
+    mask) against :meth:`meanfield.hf.LayerParameters.to_meanfield` (every head from the extracted Q_h, K_h, V_h,
+    biases and scale, summed by the extracted W_O, with the extracted mask); then each head's A_h as the study
+    forms it (:meth:`~meanfield.hf.LayerParameters.A`) against the score matrix of that head."""
+    import dataclasses
+
+    wide = {f.name: (v.to(torch.float64) if isinstance(v := getattr(p, f.name), torch.Tensor) else v)
+            for f in dataclasses.fields(p)}
+    p64 = dataclasses.replace(p, **wide)
+    X64 = X.to(torch.float64)
+    with torch.no_grad():
+        ref = op.to(dtype=torch.float64).sequence(X64)
+        mh = p64.to_meanfield()
+        got = mh.sequence(X64)
+    out_dev = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+    a_dev = max(float((p.A(h, dtype=torch.float64) - head.A).abs().max() / head.A.abs().max().clamp_min(1e-300))
+                for h, head in enumerate(mh.heads))
+    return {"output_rel_diff": out_dev, "A_rel_diff": a_dev, "masked": op.masked, "heads": p.num_heads}
+
+
+def extraction_claim(rows) -> Claim:
+    """The extracted parameters reproduce every measured layer (:func:`extraction_check`): the Lipschitz
+    constants on text are the modules' own whatever the extraction does, but the bounds, gamma and the witnesses
+    come from it, and no other claim sees a wrong scale, a transposed A_h or a dropped mask there (a review
+    measured the Lemma 3.8, Prop 3.4 and gamma claims unchanged under each)."""
+    off = [r for r in rows if not (r["output_rel_diff"] <= EXTRACTION_TOL and r["A_rel_diff"] <= EXTRACTION_TOL)]
+    worst_out = max((r["output_rel_diff"] for r in rows), default=math.nan)
+    worst_a = max((r["A_rel_diff"] for r in rows), default=math.nan)
+    where = ""
+    if off:
+        r = max(off, key=lambda r: max(r["output_rel_diff"], r["A_rel_diff"]))
+        where = f"; worst: {r['model']} {r['mode']} L{r['layer']}"
+    return Claim(
+        "The per-head parameters the study reads from each real layer (Q_h, K_h, V_h, their biases, the scale, "
+        "W_O and the mask) are the layer's: rebuilt as meanfield.MultiHeadAttention they give the Hugging Face "
+        "module's own forward on the captured text input, and each A_h = scale K_h^T Q_h is that head's score "
+        "matrix; every model, mode and layer, float64",
+        "equal up to the rounding of two float64 evaluations",
+        f"{len(rows) - len(off)} of {len(rows)} layers agree: output relative difference at most {worst_out:.1e}, "
+        f"A_h at most {worst_a:.1e} (allowed {EXTRACTION_TOL:g}){where}",
+        bool(rows) and not off,
+        "largest entry of the difference over the largest entry of the module's output (A_h: of the head's score "
+        "matrix), on the first sequence of the smallest length", kind=THEOREM,
+        fails_if=f"some layer's rebuilt attention or some A_h differs by more than {EXTRACTION_TOL:g} (relative): "
+                 "an extraction that reads the weights, the scale (1/k for 1/sqrt(k)), the head split, the biases or "
+                 "the mask otherwise than the module computes, under the bounds, gamma and the witnesses; or no "
+                 "layer was checked",
+        short="the extracted layer parameters reproduce the module's forward",
+        short_measured=f"{len(rows) - len(off)} of {len(rows)} layers within {EXTRACTION_TOL:g} "
+                       f"(worst {max(worst_out, worst_a):.0e})")
+
+
 def lemma38_off(rows) -> list[dict]:
     """The rows of Lemma 3.8's equality case (:func:`lemma38_equality`) where the bound differs from the constant
     of the summed copies by more than their certified error bars (the bound's bar is H times the head's) plus
@@ -812,7 +876,8 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
     g = grid(ctx.level)
     dtype = {"float32": torch.float32, "float64": torch.float64}[g["dtype"]]
     text = hf.read_text(path=ctx.text)
-    tables: dict[str, list] = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": []}
+    tables: dict[str, list] = {"lipschitz": [], "radius": [], "gamma": [], "adversarial": [], "lemma38_tight": [],
+                               "extraction": []}
     specs, why = _specs(ctx, g, dtype)
     measured, failed = [], []
     for spec in specs:
@@ -884,6 +949,8 @@ def real_models(out_dir: Path, ctx) -> StudyResult:
                             fails_if="a trained model's layer has a 95% CI at or above 0.5, or at or below 0",
                             short="a trained model's real-text exponent is in (0, 0.5)",
                             short_measured="no trained model was measured"))
+    if tables["lipschitz"]:
+        claims.append(extraction_claim(tables["extraction"]))
     write_csv(map_fits, out_dir / "map_difference_fits.csv")
     notes = report.notes(measured, failed, why, corpus, g, tables, fits, adv_fits, map_fits)
     summary = {"models": measured, "failed_models": failed, "why": why, "fits": fits, "adversarial_fits": adv_fits,

@@ -54,8 +54,11 @@ def _chunk(model, n, rep=0):
 def test_claims_figures_and_provenance(run):
     out, res, _ = run
     assert [(c.kind, c.verdict) for c in res.claims] == [("theorem", "holds"), ("theorem", "holds"),
-                                                          ("empirical", "inconclusive")]
+                                                          ("empirical", "inconclusive"), ("theorem", "holds")]
     assert "no trained model was measured" in res.claims[2].measured  # random init is no evidence
+    rows = read_csv(out / "extraction.csv")   # every model, mode and layer of the tiny grid
+    assert len(rows) == len({(r["model"], r["mode"], r["layer"]) for r in rows}) == 6
+    assert all(r["output_rel_diff"] <= 1e-13 and r["A_rel_diff"] <= 1e-13 for r in rows)
     assert all(c.fails_if for c in res.claims)
     for fig in res.figures:
         assert (out / fig).stat().st_size > 10_000
@@ -552,3 +555,35 @@ def test_witness_radius_is_the_layers_mean_token_norm(run):
     wrong = [{**r, "R": largest[(r["model"], r["mode"], r["layer"])]} if r["radius"] == "real" else r for r in adv]
     assert not rm.head_witness_claim(wrong, lip).agrees
     assert rm.head_witness_claim(wrong).agrees   # without the rows, the check is not made: the rest still holds
+
+
+
+@pytest.mark.parametrize("kind, decoder", [("gpt2", False), ("bert", False), ("bert", True)])
+def test_the_extraction_claim_fails_for_a_wrong_extraction(kind, decoder):
+    """No claim saw a mis-extracted layer (the constants on text are the modules' own; the bounds, gamma and the
+    witnesses come from the extraction): a review found the Lemma 3.8, Prop 3.4 and gamma claims unchanged under
+    a scale of 1/k, a transposed A_h and a dropped mask. The extraction claim compares the rebuilt layer with the
+    module's forward, whose equality with the model's own pass tests/meanfield/test_hf.py checks; each mutation
+    here makes it fail, and the true extraction holds."""
+    import dataclasses
+
+    model = hf.random_model(kind, size="tiny", seed=0, is_decoder=decoder, dtype=torch.float32)
+    ids = _chunk(model, 16)
+    xs, _ = mhf.capture_layer_inputs(model, ids, [1])
+    p, op = mhf.extract_layer(model, 1), mhf.HFAttention.from_model(model, 1)
+    base = {"model": kind, "mode": "decoder" if decoder or kind == "gpt2" else "encoder", "layer": 1, "n": 16}
+    row = lambda q: {**base, **rm.extraction_check(q, op, xs[1])}
+    assert rm.extraction_claim([row(p)]).agrees
+    mutants = [dataclasses.replace(p, scale=p.scale ** 2),                        # 1/k for 1/sqrt(k)
+               dataclasses.replace(p, Q=p.K, K=p.Q, b_Q=p.b_K, b_K=p.b_Q),        # A_h transposed
+               dataclasses.replace(p, V=p.V.flip(0))]                             # heads' values permuted
+    if p.masked:
+        mutants.append(dataclasses.replace(p, masked=False))                       # the causal mask dropped
+    for q in mutants:
+        claim = rm.extraction_claim([row(p), row(q)])
+        assert not claim.agrees and "1 of 2 layers agree" in claim.measured
+    assert not rm.extraction_claim([]).agrees   # nothing checked is no evidence
+    A = mhf.LayerParameters.A                     # the A_h the witnesses and gamma read, formed transposed
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mhf.LayerParameters, "A", lambda self, head=None, *, dtype=None: A(self, head, dtype=dtype).mT)
+        assert not rm.extraction_claim([row(p)]).agrees
