@@ -8,12 +8,18 @@ at most every ``interval`` seconds while it runs, and one when it ends::
     masked/ratios: 0/30 tasks
     masked/ratios: 12/30 tasks (40%), done=12 running=1 failed=0, 31 s elapsed, about 46 s left
     masked/ratios: 30/30 tasks in 1.3 min, done=30 running=0 failed=0
+
+A step that runs longer than ``interval`` (one certified constant of a million atoms) still shows signs of
+life: a background ticker adds a plain line per interval saying how long the current step has run
+(``..., 2.5 min elapsed, a task running for 95 s``), and keeps a bar's elapsed time moving.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
+import weakref
 
 __all__ = ["Progress", "is_interactive", "format_seconds"]
 
@@ -69,8 +75,11 @@ class Progress:
         self._t0 = time.monotonic()
         self._last = self._t0
         self._n0 = self.n
+        self._step_t0 = self._t0   # when the step now running started (the last update that counted a step)
         self._bar = None
         self._closed = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         if not self.enabled:
             return
         if is_interactive(self.file):
@@ -80,24 +89,45 @@ class Progress:
                              leave=True, dynamic_ncols=True)
         else:
             self._line(f"{self.n}/{self.total} {self.unit}s")
+        if self.n < self.total:
+            period = TICK_SECONDS if self._bar is not None else max(self.interval, TICK_SECONDS)
+            threading.Thread(target=_tick, args=(weakref.ref(self), self._stop, period),
+                             name=f"progress ticker ({self.desc})", daemon=True).start()
 
     # ------------------------------------------------------------------ updates
     def update(self, n: int = 1, **postfix) -> None:
         """``n`` more steps done; ``postfix`` replaces the status shown after the count."""
-        self.n += n
-        if postfix:
-            self.postfix = dict(postfix)
-        if not self.enabled or self._closed:
-            return
-        if self._bar is not None:
+        with self._lock:
+            self.n += n
             if postfix:
-                self._bar.set_postfix(self.postfix, refresh=False)
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= self.interval and self.n < self.total:
-            self._last = now
-            self._line(self._status(now))
+                self.postfix = dict(postfix)
+            now = time.monotonic()
+            if n:
+                self._step_t0 = now
+            if not self.enabled or self._closed:
+                return
+            if self._bar is not None:
+                if postfix:
+                    self._bar.set_postfix(self.postfix, refresh=False)
+                self._bar.update(n)
+                return
+            if now - self._last >= self.interval and self.n < self.total:
+                self._last = now
+                self._line(self._status(now))
+
+    def _tick(self) -> None:
+        """The ticker's work (module docstring): a bar redrawn (its elapsed time), or, off a terminal, a plain line
+        once ``interval`` has passed since the last line and the running step started."""
+        with self._lock:
+            if self._closed or not self.enabled:
+                return
+            if self._bar is not None:
+                self._bar.refresh()
+                return
+            now = time.monotonic()
+            if min(now - self._last, now - self._step_t0) >= self.interval and self.n < self.total:
+                self._last = now
+                self._line(f"{self._status(now)}, a {self.unit} running for {format_seconds(now - self._step_t0)}")
 
     def set_postfix(self, **postfix) -> None:
         """Replace the status shown after the count (``running=2, failed=0``, ``layer="3"``)."""
@@ -106,9 +136,11 @@ class Progress:
     def close(self, interrupted: bool = False) -> None:
         """The last line: the count and the time; ``interrupted=True`` says the run stopped before the end (a
         count short of the total read as a finished run)."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop.set()
         if not self.enabled:
             return
         if self._bar is not None:
@@ -144,3 +176,18 @@ class Progress:
             print(f"{self.desc}: {text}", file=self.file, flush=True)
         except (OSError, ValueError):  # a closed or broken stream must not stop the computation
             pass
+
+
+#: seconds between two looks of the ticker at least (a plain line needs ``interval`` seconds without one)
+TICK_SECONDS = 1.0
+
+
+def _tick(ref, stop: threading.Event, period: float) -> None:
+    """The ticker thread: every ``period`` seconds until ``stop`` is set or the Progress is gone (a loop that never
+    closed its Progress: the weak reference ends the thread with the object)."""
+    while not stop.wait(period):
+        progress = ref()
+        if progress is None:
+            return
+        progress._tick()
+        del progress

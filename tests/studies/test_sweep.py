@@ -588,6 +588,36 @@ def test_progress_off_a_terminal_is_plain_lines_with_the_full_name(tmp_path, cap
     assert "\r" not in err and "\x1b" not in err
 
 
+def test_a_step_longer_than_the_interval_shows_signs_of_life(capsys, monkeypatch):
+    """Lines came only when a step finished: one certified constant of a million atoms (minutes) left a log silent
+    for its whole duration. A ticker now says how long the current step has run, stops when the bar closes, and
+    ends with a bar that is never closed."""
+    import gc
+    import threading
+    import time
+
+    from studies.sweep import Progress
+    from studies.sweep import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "TICK_SECONDS", 0.02)
+    bar = Progress(2, "slow", unit="task", interval=0.1)
+    time.sleep(0.45)
+    bar.close()
+    lines = capsys.readouterr().err.splitlines()
+    ticks = [line for line in lines if "a task running for" in line]
+    assert lines[0] == "slow: 0/2 tasks" and 2 <= len(ticks) <= 5 and lines[-1].startswith("slow: 0/2 tasks in ")
+    assert all(t.startswith("slow: 0/2 tasks (0%), ") for t in ticks)
+    time.sleep(0.2)
+    assert capsys.readouterr().err == ""           # closed: the ticker said nothing more
+    tickers = lambda: [t for t in threading.enumerate() if t.name.startswith("progress ticker (forgotten")]
+    forgotten = Progress(2, "forgotten", unit="task", interval=0.05)
+    assert len(tickers()) == 1
+    del forgotten
+    gc.collect()
+    time.sleep(0.2)
+    assert tickers() == []                           # a Progress never closed does not leave its thread behind
+
+
 def test_progress_lines_are_periodic(capsys):
     from studies.sweep import Progress
 
