@@ -54,7 +54,10 @@ def conditional_w2(mu: Measure, nu: Measure, *, atol=None, mass_atol=None, squar
         and device.
     atol : float or None
         Positions closer than ``atol`` (>= 0) count as one position (the marginal of ``mu`` groups them,
-        chaining gaps <= atol); the two marginals must have the same positions within ``atol``. None: each
+        chaining gaps <= atol); the two marginals must have the same positions within ``atol``, a group counting
+        as its first (smallest) position: ``mu`` at 0, 0.1, 0.2 (one chain at atol 0.11, at 0) against ``nu`` at
+        0.2 is infinite, though both cover 0.2 (each measure is grouped on its own: a joint grouping would chain
+        ``mu`` at 0, 0.1 with ``nu`` at 0.05, 0.15 into one position at atol 0.06, where each is two). None: each
         measure's atoms are grouped by equal positions only (the positions the causal mask tells apart are apart
         here too), and the two marginals' positions must agree within :data:`POSITION_ATOL` for float64
         positions, 4 epsilons of float32 (5e-7) for float32 ones (i/n computed in two ways differs by a rounding).
