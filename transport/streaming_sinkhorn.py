@@ -286,10 +286,12 @@ def _iterate_pair(x, y, log_a, log_b, eps, tol, max_iter, scaling, chunk, start=
 
 
 def _solve_symmetric(x, log_a, eps, tol, max_iter, scaling, chunk, start=None):
-    """Symmetric Sinkhorn for OT_eps(mu, mu): f <- (f + softmin(f)) / 2 converges in few steps.
+    """Symmetric Sinkhorn for OT_eps(mu, mu): f <- (f + softmin(f)) / 2 converges in few steps, two alternating
+    steps finish it (:func:`_finish_symmetric`).
 
-    Returns (f, error, updates); ``start``: a potential to continue from (no annealing). The error is
-    the L1 error of both marginals (equal by symmetry) of the self coupling (f, f) before the last update.
+    Returns (f, error, updates); ``start``: a potential to continue from (no annealing). The error is the L1
+    error of the plan of the last alternating pair before its last update (its rows exact), or, where the budget
+    left no room for those two steps, of both marginals of the self coupling (f, f) before the last update.
     Where :func:`transport.truncation.applies`, on the points in Z-order with truncated passes at eps (the
     last pass dense), and, where :func:`transport.multiscale.applies`, with the first annealing levels on
     cluster centres; the potential given back in the caller's order.
@@ -567,7 +569,10 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     f is the fixed point of f = softmin_eps(f), f_i = -eps log sum_j a_j exp((f_j - \|x_i - x_j\|^2) / eps),
     found by the averaged iteration f <- (f + softmin_eps(f)) / 2 (Feydy et al. 2019, section 3.1),
     which converges in a few steps where the alternating updates of a general solver stall near
-    tol = 1e-7. Then OT_eps(mu, mu) = 2 <a, f> and the self coupling is
+    tol = 1e-7, then finished by two alternating steps (g = softmin(f), f2 = softmin(g), g2 = softmin(f2);
+    f = (f2 + g2) / 2), which remove the error the averaged step leaves near tol where eps is large against
+    the squared diameter (there it contracts by only 1/2 per step). Then OT_eps(mu, mu) = 2 <a, f> and the
+    self coupling is
     pi_ij = a_i a_j exp((f_i + f_j - \|x_i - x_j\|^2) / eps). Memory O(N) (streamed).
 
     Parameters
@@ -588,7 +593,9 @@ def symmetric_potential(mu: Measure, reg, *, tol=None, max_iter=None, scaling=No
     -------
     tuple
         (f, error, iterations): the potential (N,) in squared-distance units (the soft c-transform on
-        atoms of zero mass), the L1 error of both marginals of the self coupling, the updates made.
+        atoms of zero mass), the L1 error of the marginals of the self problem's coupling as measured
+        before its last update (the convention of :func:`transport.solve`'s ``error``; for a float32 solve, of
+        the coupling (f, f) itself, summed in float64), the updates made.
         Precision as for :func:`transport.solve`: float32 measures are solved in float32 where it
         resolves the plan (:meth:`transport.problem.Problem.precision`), the error then measured in
         float64, else in float64, and ``f`` comes in the dtype of the solve.
