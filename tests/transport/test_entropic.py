@@ -341,13 +341,14 @@ def test_same_atoms_finds_the_permutation_or_none():
 
 
 @pytest.mark.parametrize("dtype, tol, reg, t", [(F64, 1e-5, 1000.0, 1e-5), (torch.float32, None, 1000.0, 1e-5),
-                                                (torch.float32, None, 0.1, 1e-6)])
+                                                (torch.float32, None, 0.1, 1e-6), (torch.float32, None, 1e-2, 1e-6)])
 def test_the_sinkhorn_divergence_of_a_small_translate_is_its_closed_form(dtype, tol, reg, t):
     """S_eps(mu, mu + t) = |t|^2 exactly: the cost's cross term -2 <x - y, t> integrates to 0 under any coupling of
     mu with itself. The streamed value came out 153 times too large (reg 1000, tol 1e-5) and 0 (float32, reg 0.1,
     t = 1e-6), converged: its self terms stopped near their marginal tolerance, off by about eps times it, far
     above S_eps (transport.streaming_sinkhorn._finish_symmetric), and the float32 measures' float64 solve kept
-    float32's tolerance. The dense solver agreed with the closed form all along."""
+    float32's tolerance (also where Problem.precision had moved the float32 measures to float64 from the start, at
+    reg 1e-2: 0). The dense solver agreed with the closed form."""
     X = np.random.default_rng(7).random((30, 2))
     mu = Measure(torch.tensor(X, dtype=dtype))
     nu = mu.pushforward(lambda z: z + torch.tensor([t, 0.0], dtype=dtype))
