@@ -623,6 +623,9 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import conditional_w2, w2
 
+    for name in ("squared", "return_plan"):
+        if name in options:   # the ratio is of distances, and a number
+            raise TypeError(f"{name}: lipschitz_ratio is a ratio of W2 distances (a number); it takes no {name}")
     if op.masked:
         if method != "exact":
             raise ValueError(f"method: a masked operator's ratio takes conditional W2, computed exactly slice by slice "

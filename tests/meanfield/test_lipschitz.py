@@ -340,6 +340,9 @@ def test_lipschitz_ratio_takes_the_transport_method_and_its_options():
         lipschitz_ratio(op, Measure(X), Measure(Y), method="exact", reg=0.1)   # w2's own refusal, naming it
     with pytest.raises(TypeError, match="method: expected a transport method name"):
         lipschitz_ratio(op, Measure(X), Measure(Y), method=None)
+    for name in ("squared", "return_plan"):   # w2 takes them: the ratio of squares, or a tuple, came back
+        with pytest.raises(TypeError, match=f"{name}: lipschitz_ratio is a ratio of W2 distances"):
+            lipschitz_ratio(op, Measure(X), Measure(Y), **{name: True})
     opm = make_op("single", masked=True, d=2)
     mu, nu = Measure.sequence(X[:6]), Measure.sequence(Y[:6])
     assert lipschitz_ratio(opm, mu, nu, atol=0.0) == lipschitz_ratio(opm, mu, nu)
