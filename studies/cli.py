@@ -195,7 +195,9 @@ LOGGERS = ("studies", "meanfield", "transport", "particles")
 def _configure_logging(verbosity: int) -> logging.Handler:
     """A stderr handler on the framework's loggers: warnings (-q), progress (default), or also debug
     messages with times (-v). Remove it with :func:`_release_logging`."""
-    handler = logging.StreamHandler(sys.stderr)
+    from .sweep.progress import BarAwareHandler
+
+    handler = BarAwareHandler(sys.stderr)   # on a terminal, lines go between the progress bars, not after them
     handler.setFormatter(logging.Formatter("%(message)s" if verbosity < VERBOSE
                                            else "%(asctime)s %(name)s %(levelname)s: %(message)s"))
     level = {QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[verbosity]

@@ -10,18 +10,20 @@ at most every ``interval`` seconds while it runs, and one when it ends::
     masked/ratios: 30/30 tasks in 1.3 min, done=30 running=0 failed=0
 
 A step that runs longer than ``interval`` (one certified constant of a million atoms) still shows signs of
-life: a background ticker adds a plain line per interval saying how long the current step has run
-(``..., 2.5 min elapsed, a task running for 95 s``), and keeps a bar's elapsed time moving.
+life: a background ticker adds a plain line once ``interval`` has passed since the last line and the last
+finished step, saying for how long none has finished (``..., 2.5 min elapsed, no task finished for 95 s``), and
+keeps a bar's elapsed time moving (log lines then go through :class:`BarAwareHandler`).
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import time
 import weakref
 
-__all__ = ["Progress", "is_interactive", "format_seconds"]
+__all__ = ["Progress", "BarAwareHandler", "is_interactive", "format_seconds"]
 
 
 def is_interactive(stream) -> bool:
@@ -90,8 +92,7 @@ class Progress:
         else:
             self._line(f"{self.n}/{self.total} {self.unit}s")
         if self.n < self.total:
-            period = TICK_SECONDS if self._bar is not None else max(self.interval, TICK_SECONDS)
-            threading.Thread(target=_tick, args=(weakref.ref(self), self._stop, period),
+            threading.Thread(target=_tick, args=(weakref.ref(self), self._stop, TICK_SECONDS),
                              name=f"progress ticker ({self.desc})", daemon=True).start()
 
     # ------------------------------------------------------------------ updates
@@ -127,7 +128,7 @@ class Progress:
             now = time.monotonic()
             if min(now - self._last, now - self._step_t0) >= self.interval and self.n < self.total:
                 self._last = now
-                self._line(f"{self._status(now)}, a {self.unit} running for {format_seconds(now - self._step_t0)}")
+                self._line(f"{self._status(now)}, no {self.unit} finished for {format_seconds(now - self._step_t0)}")
 
     def set_postfix(self, **postfix) -> None:
         """Replace the status shown after the count (``running=2, failed=0``, ``layer="3"``)."""
@@ -176,6 +177,26 @@ class Progress:
             print(f"{self.desc}: {text}", file=self.file, flush=True)
         except (OSError, ValueError):  # a closed or broken stream must not stop the computation
             pass
+
+
+class BarAwareHandler(logging.StreamHandler):
+    """A logging handler that, on a terminal, writes each line through ``tqdm.write``: the bars on the stream are
+    cleared first and drawn again after, so that a log line never lands after a bar on the same line (a bar
+    redrawn by its ticker, then a solver's progress line: ``study/grid:   0%| | 0/3 [...]streaming Sinkhorn: 200
+    of at most 5000 updates``). Off a terminal, a plain StreamHandler."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not is_interactive(self.stream):
+            super().emit(record)
+            return
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except RecursionError:   # logging's own convention
+            raise
+        except Exception:   # noqa: BLE001 - a broken stream is logging's to report, not the run's to die of
+            self.handleError(record)
 
 
 #: seconds between two looks of the ticker at least (a plain line needs ``interval`` seconds without one)

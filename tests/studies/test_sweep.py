@@ -604,7 +604,7 @@ def test_a_step_longer_than_the_interval_shows_signs_of_life(capsys, monkeypatch
     time.sleep(0.45)
     bar.close()
     lines = capsys.readouterr().err.splitlines()
-    ticks = [line for line in lines if "a task running for" in line]
+    ticks = [line for line in lines if "no task finished for" in line]
     assert lines[0] == "slow: 0/2 tasks" and 2 <= len(ticks) <= 5 and lines[-1].startswith("slow: 0/2 tasks in ")
     assert all(t.startswith("slow: 0/2 tasks (0%), ") for t in ticks)
     time.sleep(0.2)
@@ -616,6 +616,41 @@ def test_a_step_longer_than_the_interval_shows_signs_of_life(capsys, monkeypatch
     gc.collect()
     time.sleep(0.2)
     assert tickers() == []                           # a Progress never closed does not leave its thread behind
+
+
+def test_log_lines_on_a_terminal_go_between_the_bars():
+    """On a terminal the ticker redraws a bar every second, and a log line printed next came after the bar on the
+    same line; the command line's handler now writes through tqdm.write (bars cleared, line, bars drawn again)."""
+    import io
+    import logging
+
+    from studies.sweep import Progress
+    from studies.sweep.progress import BarAwareHandler
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    handler = BarAwareHandler(term)
+    log = logging.getLogger("studies.test_bar_aware")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    try:
+        bar = Progress(3, "study/grid", unit="task", file=term)
+        bar._tick()                     # what the ticker does every second
+        log.info("streaming Sinkhorn: 200 of at most 5000 updates")
+        bar.close()
+    finally:
+        log.removeHandler(handler)
+    text = term.getvalue()
+    line = next(seg for seg in text.replace("\r", "\n").split("\n") if "Sinkhorn" in seg)
+    assert line == "streaming Sinkhorn: 200 of at most 5000 updates"   # alone on its line, no bar before it
+    plain = io.StringIO()
+    logging.makeLogRecord({})
+    BarAwareHandler(plain).emit(logging.makeLogRecord({"msg": "x", "levelno": logging.INFO}))
+    assert plain.getvalue() == "x\n"
 
 
 def test_progress_lines_are_periodic(capsys):
