@@ -156,7 +156,8 @@ class LipschitzEstimate:
         How the products evaluated attention (``local_lipschitz(attention=...)``): "exact", or "series" (the
         truncated exponential series, whose truncation bound eps_J is carried into ``value``, lowered by it, and
         ``error``, raised by 2 eps_J: docs/math.md section 4.8); "mixed" for a batch whose members took different
-        paths; "not recorded" for an estimate loaded from a file written before this field existed.
+        paths (a member of it, ``est[i]``, says "not recorded"); "not recorded" for an estimate loaded from a file
+        written before this field existed (a reader from before it refuses a file that has it, naming the field).
     """
 
     value: float
