@@ -38,8 +38,8 @@ from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 
 __all__ = ["HFAttention", "is_hf_attention", "own_mask", "model_kind", "is_causal", "num_layers", "attention_module",
-           "capture_attention_inputs", "capture_layer_inputs", "causal_mask", "container_advice", "attention_function",
-           "extract_layer", "LayerParameters", "KINDS", "float64_scores"]
+           "capture_attention_inputs", "capture_layer_inputs", "capture_attention_outputs", "causal_mask",
+           "container_advice", "attention_function", "extract_layer", "LayerParameters", "KINDS", "float64_scores"]
 
 KINDS = ("gpt2", "bert")
 
@@ -386,6 +386,40 @@ def capture_layer_inputs(model, input_ids: torch.Tensor, layers: Sequence[int] |
     block's input ``X``), where two calls ran the model twice."""
     xs, blocks, _ = _capture(model, input_ids, layers, block=True)
     return xs, blocks
+
+
+def capture_attention_outputs(model, input_ids: torch.Tensor, layers: Sequence[int] | None = None):
+    """{layer: Y (n, d)}: what each layer's attention map (``HFAttention.from_model(model, layer)``) gave inside
+    the model's own forward pass on ``input_ids`` (1, n), with the model's own mask: GPT-2's attention module
+    output (``c_proj`` included), BERT's attention output projection ``output.dense`` (before its dropout,
+    residual and LayerNorm). Forward hooks, one pass; an independent truth for the layer rebuilt from its
+    extracted parameters (:meth:`LayerParameters.to_meanfield`), the mask included."""
+    model_kind(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
+    _check_ids(model, input_ids)
+    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
+    outs, handles = {}, []
+
+    def hook_for(i):
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple) else output
+            outs[i] = y[0].detach().clone()
+        return hook
+
+    param = next(model.parameters())
+    try:
+        for i in layers:
+            module = attention_module(model, i)
+            target = module if model_kind(model) == "gpt2" else module.output.dense
+            handles.append(target.register_forward_hook(hook_for(i)))
+        with torch.no_grad(), float64_scores([_attention_core(model, i) for i in range(num_layers(model))],
+                                             param.dtype):
+            model(input_ids=input_ids.to(param.device))
+    finally:
+        for h in handles:
+            h.remove()
+    return outs
 
 
 def _capture(model, input_ids, layers, *, block: bool):

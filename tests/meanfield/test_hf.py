@@ -474,3 +474,25 @@ def test_float32_layer_converts_and_its_constant_is_certified_against_float64(ki
     truth = float(torch.linalg.matrix_norm(J, ord=2))
     est = local_lipschitz(op, X, tol=1e-6)
     assert est.converged and est.value <= truth * (1 + 1e-12) and truth - est.value <= est.error
+
+
+
+@pytest.mark.parametrize("kind, decoder", [("gpt2", False), ("bert", False), ("bert", True)])
+def test_capture_attention_outputs_is_the_attention_map_of_the_models_own_pass(kind, decoder):
+    """capture_attention_outputs records what each layer's attention alone gave inside the model's pass (its own
+    mask); truth: the layer rewritten from raw weights (reimplementation) on the captured input, with the mask the
+    model is built with (causal for GPT-2 and a BERT decoder); without the mask it differs."""
+    model = hf.random_model(kind, size="tiny", seed=0, is_decoder=decoder)
+    ids = _ids(model, 9)
+    xs = mhf.capture_attention_inputs(model, ids)
+    ys = mhf.capture_attention_outputs(model, ids)
+    causal = kind == "gpt2" or decoder
+    assert sorted(ys) == list(range(mhf.num_layers(model)))
+    for i, Y in ys.items():
+        assert Y.shape == xs[i].shape
+        assert torch.allclose(Y, reimplementation(model, i, causal)(xs[i]), rtol=0, atol=1e-12)
+        if causal:
+            assert not torch.allclose(Y, reimplementation(model, i, False)(xs[i]), rtol=0, atol=1e-6)
+    assert sorted(mhf.capture_attention_outputs(model, ids, [1])) == [1]
+    with pytest.raises(ValueError, match="input_ids"):
+        mhf.capture_attention_outputs(model, ids[0])
