@@ -15,7 +15,7 @@ leaves the others aggregated. A study that raises is reported as failed (with it
 traceback) and the others still run; a full disk or a read-only folder stops the run with
 :class:`studies.io.OutputError`. An interrupted run (Ctrl-C, or SIGTERM through the command line)
 writes when and during which study it stopped, and the command that resumes it (the study's folder says
-that its files are partial: ``result.json`` with status "interrupted", and :data:`INTERRUPTED_MARKER`); running the same
+that its files are partial: ``result.json`` with status "interrupted", and ``INTERRUPTED.txt``); running the same
 command again into the same folder reuses every study that finished there with the same code and
 settings (:func:`study_fingerprint`) and resumes the stored grid points of the others
 (``--no-resume`` recomputes everything). Study folders that an earlier run left in the folder and that
