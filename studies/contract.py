@@ -122,6 +122,11 @@ class Claim:
             if not isinstance(value, str):
                 raise TypeError(f"{name}: expected a string, got {type(value).__name__}")
             if len(value) > SHORT_MAX or "|" in value or "\n" in value:
+                if name == "short_measured":
+                    # its numbers come from the run: a wrong implementation's (a peak of 3.1623e+07 at n = 1e+09)
+                    # made it longer, and the study failed with every verdict lost; the cell is cut instead
+                    setattr(self, name, shorten(value))
+                    continue
                 raise ValueError(f"{name}: at most {SHORT_MAX} characters on one line, without '|' (a table cell); "
                                  f"got {value!r}")
             if not value.strip():
