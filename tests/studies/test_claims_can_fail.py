@@ -675,3 +675,26 @@ def test_the_energy_rate_tells_the_sphere_models_apart(monkeypatch):
     monkeypatch.setattr("particles.Measure", lambda X, a=None, **k: Measure(X))   # the weights dropped
     rate, identity = dyn._energy_rate(X, 0, "USA")
     assert abs(rate / identity - 1) > 0.05
+
+
+@pytest.mark.parametrize("mutation", ["N for sqrt(N)", "phi^-1(N-1) as N-1", "3 times the bound for N > 1"])
+def test_kim_bound_claim_fails_for_a_wrong_dependence_on_n(tmp_path, monkeypatch, mutation):
+    """l2_attention-3 compared constants far below Kim et al.'s bound (Lip / bound 0.23) and -4 checks it at N = 1
+    only, where the N factor is 1: each of these wrong bounds left every claim holding (a mutation review). The
+    claim now also checks the bound against the formula written out in the study at every N."""
+    from studies.context import RunContext
+    from studies.report import reproduce
+
+    orig = bounds.l2_attention_upper
+    if mutation == "N for sqrt(N)":
+        wrong = lambda W_Q, W_V=None, W_O=None, N=None, **k: orig(W_Q, W_V, W_O, N, **k) * math.sqrt(N)
+    elif mutation == "phi^-1(N-1) as N-1":
+        monkeypatch.setattr(bounds, "lambert_phi_inverse", lambda x: x)
+        wrong = orig
+    else:
+        wrong = lambda W_Q, W_V=None, W_O=None, N=None, **k: orig(W_Q, W_V, W_O, N, **k) * (3 if N > 1 else 1)
+    monkeypatch.setattr(bounds, "l2_attention_upper", wrong)
+    out = reproduce(RunContext(tmp_path, level="tiny", seed=0, sweep={"backend": "inprocess", "resume": False}),
+                    only=["l2_attention"])
+    claim = out["studies"]["l2_attention"]["claims"][2]
+    assert claim["verdict"] == "violated" and "written out in the study" in claim["measured"], claim
