@@ -698,3 +698,25 @@ def test_kim_bound_claim_fails_for_a_wrong_dependence_on_n(tmp_path, monkeypatch
                     only=["l2_attention"])
     claim = out["studies"]["l2_attention"]["claims"][2]
     assert claim["verdict"] == "violated" and "written out in the study" in claim["measured"], claim
+
+
+@pytest.mark.parametrize("mutation", ["softmax without the log-weights", "mask on the atoms' order"])
+def test_definition_26_claim_fails_for_weights_or_positions_ignored(monkeypatch, mutation):
+    """The masked claims looked at sequences (equal weights, sorted positions) or compared two computations of one
+    map: a softmax without the log-weights, or a causal mask on the order of the atoms instead of their positions,
+    changed none of them (a mutation review). masked-7 compares F^m of weighted measures with repeated positions
+    in no order with Definition 2.6 written out in numpy."""
+    from meanfield.operator import AttentionOperator
+    from studies.experiments.masked import definition_26_claim, definition_26_deviation, grid
+
+    d = grid("quick")["d"]
+    assert definition_26_claim(definition_26_deviation(d, 0)).agrees
+    orig = AttentionOperator.points_map
+    if mutation == "softmax without the log-weights":
+        wrong = lambda self, X, log_weights=None, positions=None: orig(self, X, None, positions)
+    else:
+        def wrong(self, X, log_weights=None, positions=None):
+            order = None if positions is None else torch.arange(X.shape[-2], dtype=positions.dtype) / X.shape[-2]
+            return orig(self, X, log_weights, order)
+    monkeypatch.setattr(AttentionOperator, "points_map", wrong)
+    assert not definition_26_claim(definition_26_deviation(d, 0)).agrees
