@@ -720,3 +720,23 @@ def test_definition_26_claim_fails_for_weights_or_positions_ignored(monkeypatch,
             return orig(self, X, log_weights, order)
     monkeypatch.setattr(AttentionOperator, "points_map", wrong)
     assert not definition_26_claim(definition_26_deviation(d, 0)).agrees
+
+
+def test_a_constant_one_percent_too_large_violates_a_mean_field_theorem_claim(tmp_path, monkeypatch):
+    """Every local constant 1% too large turned only mean_field-6, an empirical claim, red (the run exited 0; a
+    mutation review): its exact value check is now a theorem claim of its own, mean_field-7, at every length."""
+    import dataclasses
+
+    import meanfield
+    from studies.context import RunContext
+    from studies.report import reproduce
+
+    orig = meanfield.local_lipschitz
+    monkeypatch.setattr(meanfield, "local_lipschitz",
+                        lambda *a, **k: dataclasses.replace(est := orig(*a, **k), value=1.01 * est.value))
+    out = reproduce(RunContext(tmp_path, level="tiny", seed=0, sweep={"backend": "inprocess", "resume": False}),
+                    only=["mean_field"])
+    claims = out["studies"]["mean_field"]["claims"]
+    seven = claims[6]
+    assert seven["kind"] == "theorem" and seven["verdict"] == "violated", seven
+    assert "closed form" in seven["claim"]
