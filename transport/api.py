@@ -173,7 +173,7 @@ def _solve(mu, nu, method, return_plan, on_failure, memory_limit, given, stackle
 
 
 #: a debiased value below this many unit roundoffs of (eps + squared diameter), the size of the log-domain sums'
-#: rounding, is said to be unresolved (:func:`_check_resolution`)
+#: rounding, is said to be unresolved (a RuntimeWarning of :func:`transport.solve` and :func:`transport.w2`)
 RESOLUTION_FACTOR = 100.0
 
 
