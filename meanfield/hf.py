@@ -394,43 +394,24 @@ def capture_attention_outputs(model, input_ids: torch.Tensor, layers: Sequence[i
     output (``c_proj`` included), BERT's attention output projection ``output.dense`` (before its dropout,
     residual and LayerNorm). Forward hooks, one pass; an independent truth for the layer rebuilt from its
     extracted parameters (:meth:`LayerParameters.to_meanfield`), the mask included."""
-    model_kind(model)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
-    _check_ids(model, input_ids)
-    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
-    outs, handles = {}, []
+    outs = {}
+    gpt2 = model_kind(model) == "gpt2"
 
-    def hook_for(i):
+    def hooks(i):
         def hook(module, args, output):
             y = output[0] if isinstance(output, tuple) else output
             outs[i] = y[0].detach().clone()
-        return hook
+        module = attention_module(model, i)
+        return [(module if gpt2 else module.output.dense).register_forward_hook(hook)]
 
-    param = next(model.parameters())
-    try:
-        for i in layers:
-            module = attention_module(model, i)
-            target = module if model_kind(model) == "gpt2" else module.output.dense
-            handles.append(target.register_forward_hook(hook_for(i)))
-        with torch.no_grad(), float64_scores([_attention_core(model, i) for i in range(num_layers(model))],
-                                             param.dtype):
-            model(input_ids=input_ids.to(param.device))
-    finally:
-        for h in handles:
-            h.remove()
+    _hooked_pass(model, input_ids, layers, hooks)
     return outs
 
 
 def _capture(model, input_ids, layers, *, block: bool):
     """({layer: attention input}, {layer: block input} (``block=True``; else {}), {layer: attention mask}) of one
     forward pass (forward pre-hooks with kwargs on the attention cores, and on GPT-2's blocks)."""
-    model_kind(model)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
-    _check_ids(model, input_ids)
-    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
-    xs, outer_xs, masks, handles = {}, {}, {}, []
+    xs, outer_xs, masks = {}, {}, {}
     outer = block and model_kind(model) == "gpt2"   # the block's input is not the attention's
 
     def hook_for(i, store, mask=True):
@@ -441,21 +422,38 @@ def _capture(model, input_ids, layers, *, block: bool):
                 masks[i] = kwargs.get("attention_mask")
         return hook
 
+    def hooks(i):
+        handles = [_attention_core(model, i).register_forward_pre_hook(hook_for(i, xs), with_kwargs=True)]
+        if outer:
+            handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, outer_xs, mask=False),
+                                                                       with_kwargs=True))
+        return handles
+
+    _hooked_pass(model, input_ids, layers, hooks)
+    blocks = outer_xs if outer else (xs if block else {})   # BERT's block input is the attention's
+    return xs, blocks, masks
+
+
+def _hooked_pass(model, input_ids, layers, hooks) -> None:
+    """One forward pass of ``model`` on ``input_ids`` (1, n) with the hooks ``hooks(i)`` registers on each layer i
+    of ``layers`` (None: all; it returns their handles), removed after; no gradients, and float64 scores where
+    :class:`float64_scores` needs them. The ids and layers are checked first."""
+    model_kind(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids: expected a LongTensor of shape (1, n)")
+    _check_ids(model, input_ids)
+    layers = range(num_layers(model)) if layers is None else [_check_layer(model, int(i)) for i in layers]
     cores = [_attention_core(model, i) for i in range(num_layers(model))]
     param = next(model.parameters())
+    handles = []
     try:
         for i in layers:
-            handles.append(cores[i].register_forward_pre_hook(hook_for(i, xs), with_kwargs=True))
-            if outer:
-                handles.append(_layers(model)[i].register_forward_pre_hook(hook_for(i, outer_xs, mask=False),
-                                                                           with_kwargs=True))
+            handles += hooks(i)
         with torch.no_grad(), float64_scores(cores, param.dtype):
             model(input_ids=input_ids.to(param.device))
     finally:
         for h in handles:
             h.remove()
-    blocks = outer_xs if outer else (xs if block else {})   # BERT's block input is the attention's
-    return xs, blocks, masks
 
 
 def _check_ids(model, input_ids: torch.Tensor) -> None:
