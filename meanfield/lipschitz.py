@@ -221,12 +221,11 @@ class LipschitzEstimate:
         return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
+        path = "" if self.attention == "exact" else f", attention={self.attention!r}"
         if self.batched:
-            path = "" if self.attention == "exact" else f", attention={self.attention!r}"
             return (f"LipschitzEstimate(batch of {len(self)}, values {self.value.tolist()}, method={self.method!r}, "
                     f"converged {int(self.converged.sum())} of {len(self)}{path})")
         state = "converged" if self.converged else ("stalled" if self.stalled else "not converged")
-        path = "" if self.attention == "exact" else f", attention={self.attention!r}"
         return (f"LipschitzEstimate(value={self.value:.10g}, error={self.error:.3g}, method={self.method!r}, "
                 f"{state}, iterations={self.iterations}, applications={self.applications}{path})")
 

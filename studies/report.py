@@ -183,13 +183,13 @@ def _mark_interrupted(sdir: Path, entry: dict, exc: BaseException, seconds: floa
     (never reused: only status "ok" is) and :data:`INTERRUPTED_MARKER`, for a person listing the folder. A study
     that finishes later in this folder removes the marker. Best effort: a folder that cannot be written does not
     hide the interruption behind an OutputError."""
-    at = _now()
-    note = (f"This study was interrupted ({_signal_name(exc)}) at {at}, {format_seconds(seconds)} after it started, "
+    at, sig = _now(), _signal_name(exc)
+    note = (f"This study was interrupted ({sig}) at {at}, {format_seconds(seconds)} after it started, "
             "before it finished. The tables and figures in this folder are partial, or left by an earlier run: "
             "do not read them as the study's results. Resuming the run (the command in the run's report.md) "
             "runs the study again here.")
     try:
-        write_json({**entry, "status": "interrupted", "interrupted": at, "signal": _signal_name(exc),
+        write_json({**entry, "status": "interrupted", "interrupted": at, "signal": sig,
                     "seconds": round(seconds, 2), "note": note, "claims": [], "figures": [], "tables": []},
                    sdir / "result.json")
         write_text(note + "\n", sdir / INTERRUPTED_MARKER)

@@ -92,7 +92,7 @@ class Progress:
         else:
             self._line(f"{self.n}/{self.total} {self.unit}s")
         if self.n < self.total:
-            threading.Thread(target=_tick, args=(weakref.ref(self), self._stop, TICK_SECONDS),
+            threading.Thread(target=_ticker, args=(weakref.ref(self), self._stop, TICK_SECONDS),
                              name=f"progress ticker ({self.desc})", daemon=True).start()
 
     # ------------------------------------------------------------------ updates
@@ -203,7 +203,7 @@ class BarAwareHandler(logging.StreamHandler):
 TICK_SECONDS = 1.0
 
 
-def _tick(ref, stop: threading.Event, period: float) -> None:
+def _ticker(ref, stop: threading.Event, period: float) -> None:
     """The ticker thread: every ``period`` seconds until ``stop`` is set or the Progress is gone (a loop that never
     closed its Progress: the weak reference ends the thread with the object)."""
     while not stop.wait(period):
