@@ -341,6 +341,9 @@ def read_archive(path, kind: str | None) -> tuple[dict, dict[str, LazyArray]]:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path: expected a file path, got {type(path).__name__}")
     name = os.fspath(path)
+    if os.path.isdir(name):
+        raise IsADirectoryError(f"path: {name} is a folder; give the path of a file written by save_measure, "
+                                "save_trajectory or save_estimate")
     if not os.path.isfile(name):
         raise FileNotFoundError(f"path: no such file: {name}")
     archive = _open_members(name)
@@ -371,7 +374,7 @@ def check_keys(arrays: dict, required: set[str], optional: set[str], name) -> No
         raise FileFormatError(f"{os.fspath(name)}: missing array(s) {', '.join(missing)}")
     if unknown:
         raise FileFormatError(f"{os.fspath(name)}: unknown array(s) {', '.join(unknown)} "
-                              f"(not written by smooth-attention {FORMAT_NAME} format version {FORMAT_VERSION})")
+                              f"(not written by {FORMAT_NAME} format version {FORMAT_VERSION})")
 
 
 def check_array(arrays: dict, key: str, header: dict, name, *, ndim: int, length: int | None = None) -> tuple:

@@ -30,6 +30,7 @@ from .validation import (
     check_radius,
     make_generator,
     resolve_dtype,
+    unshared,
     weight_tolerance,
 )
 
@@ -85,6 +86,13 @@ def _held(lw: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
 
 class Measure:
     """An immutable weighted particle cloud, optionally with positions in [0, 1].
+
+    The constructor copies the arrays and tensors it is given where it would otherwise share their memory, so a
+    measure built from ``X`` does not change when ``X`` is later modified in place (``X += dt * v`` in a loop);
+    tensors that require grad are copied with ``clone``, so gradients still reach them. The accessors
+    (``points``, ``weights``, ...) return the measure's own tensors, without a copy: modifying those in place
+    modifies the measure (and breaks the agreement of ``weights`` with ``log_weights``); build a new measure
+    instead (``with_points``, ``pushforward``).
 
     Parameters
     ----------
@@ -187,6 +195,9 @@ class Measure:
             if (pos < 0).any() or (pos > 1).any():
                 raise ValueError("positions: must lie in [0, 1] "
                                  f"(got range [{float(pos.min()):.3g}, {float(pos.max()):.3g}])")
+        # the measure's own copies of what the caller keeps (its arrays stay the caller's to change in place)
+        pts, w, lw = unshared(pts, points), unshared(w, weights), unshared(lw, log_weights)
+        pos = None if pos is None else unshared(pos, positions)
         self._points, self._weights, self._log_weights, self._positions = pts, w, lw, pos
 
     # ------------------------------------------------------------------ accessors
@@ -274,9 +285,10 @@ class Measure:
                                  "the log-masses")
         x0 = as_tensor(x0, "x0", dtype=kw.get("dtype"))
         x1 = as_tensor(x1, "x1", dtype=kw.get("dtype"))
-        if x0.shape != x1.shape or x0.dim() != 1:
-            raise ValueError(f"x0, x1: expected two vectors of the same length, got {tuple(x0.shape)} "
-                             f"and {tuple(x1.shape)}")
+        for name, x in (("x0", x0), ("x1", x1)):
+            check_ndim(x, name, 1, "a vector, one atom")
+        if x0.shape != x1.shape:
+            raise ValueError(f"x0, x1: expected two vectors of the same length, got {x0.shape[0]} and {x1.shape[0]}")
         if log_p is None:
             p = float(p)
             if not 0.0 <= p <= 1.0:
@@ -287,7 +299,9 @@ class Measure:
             raise ValueError(f"log_p: expected a log-mass <= 0, got {log_p}")
         # log(1 - p) = log(-expm1(log p)): exact near p = 1 (log1p(-exp(log_p)) lost it, and failed at -1e-17)
         log_q = math.log(-math.expm1(log_p)) if log_p < 0 else -math.inf
-        pts = torch.stack([x0, x1.to(x0.dtype)])
+        # the wider of the two dtypes (float32 x0 and float64 x1: float64), so that neither atom is rounded
+        dt = torch.promote_types(x0.dtype, x1.dtype)
+        pts = torch.stack([x0.to(dt), x1.to(dt)])
         return cls(pts, log_weights=torch.tensor([log_p, log_q], dtype=pts.dtype), **kw)
 
     @classmethod
@@ -319,6 +333,7 @@ class Measure:
                  positions: bool = False) -> Measure:
         """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
         positions = check_bool(positions, "positions")
+        check_device(device)
         check_positive_int(n, "n")
         m = as_tensor(mean, "mean", dtype=_measure_dtype(dtype))
         check_ndim(m, "mean", 1, "a vector")
@@ -335,7 +350,7 @@ class Measure:
         _check_sample_memory(n, d, m.dtype, "Measure.gaussian")
         g = make_generator(seed)
         Z = torch.randn(n, d, generator=g, dtype=m.dtype)
-        X = (m + Z @ L.T).to(device or "cpu")
+        X = (m + Z @ L.T).to(check_device(device) or "cpu")
         return cls.sequence(X) if positions else cls(X)
 
     # ------------------------------------------------------------------ operations
@@ -378,6 +393,8 @@ class Measure:
 
         Weights and positions are kept (masked attention never moves positions).
         """
+        if not callable(fn):
+            raise TypeError(f"fn: expected a function of the (N, d) points, got {type(fn).__name__}")
         out = fn(self._points)
         if not isinstance(out, torch.Tensor):
             # numpy results come back in the measure's own dtype, not float64
@@ -404,7 +421,7 @@ class Measure:
         pts = as_tensor(points, "points", dtype=self.dtype, device=self.device)
         if pts.dim() != 2 or pts.shape[0] != self.n or pts.shape[1] == 0:
             raise ValueError(f"points: expected ({self.n}, d) with d >= 1, got {tuple(pts.shape)}")
-        return Measure._trusted(pts, self._weights, self._log_weights, self._positions)
+        return Measure._trusted(unshared(pts, points), self._weights, self._log_weights, self._positions)
 
     def split(self, i: int, fraction: float = 0.5) -> Measure:
         """Split atom i of mass a into (x_i, t a) and (x_i, (1 - t) a), t = ``fraction``.
@@ -594,6 +611,7 @@ def _measure_dtype(dtype) -> torch.dtype | None:
 
 
 def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
+    check_device(device)
     check_positive_int(n, "n")
     check_positive_int(dim, "dim")
     R = check_radius(radius, "radius")
@@ -602,7 +620,8 @@ def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     Z = torch.randn(n, dim, generator=g, dtype=_measure_dtype(dtype) or torch.float64)
     norms = Z.norm(dim=1, keepdim=True)
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-    return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises
+    # computed norms <= R, as B_R promises
+    return into_ball(R * Z / norms, R).to(check_device(device) or "cpu")
 
 
 def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:

@@ -75,18 +75,26 @@ def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True)
     if isinstance(value, torch.Tensor):
         t = value
     elif isinstance(value, (np.ndarray, np.generic, numbers.Number, list, tuple)):
-        arr = np.asarray(value)
+        try:
+            arr = np.asarray(value)
+        except ValueError as exc:     # a ragged nested list: numpy's "setting an array element with a sequence"
+            raise ValueError(f"{name}: expected a rectangular array of numbers (rows of equal length), got a ragged "
+                             f"nested sequence ({exc})") from exc
         if arr.dtype == object:
             raise TypeError(f"{name}: expected a numeric array, got an array of Python objects")
         if arr.dtype.kind == "b":
             raise TypeError(f"{name}: expected real numbers, got booleans (convert explicitly, e.g. X.astype(float))")
         if arr.dtype.kind not in "iuf":
             raise TypeError(f"{name}: expected real numbers, got numpy dtype {arr.dtype}")
+        if any(st < 0 for st in arr.strides):
+            arr = np.ascontiguousarray(arr)   # a reversed view (X[::-1]): torch takes no negative strides
         t = torch.as_tensor(arr)
     else:
         raise TypeError(f"{name}: expected a torch tensor or numpy array, got {type(value).__name__}")
     if t.is_complex():
         raise TypeError(f"{name}: complex values are not supported")
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: a tensor on the meta device holds shapes, not numbers; give it on 'cpu' or 'cuda'")
     if t.dtype == torch.bool:
         raise TypeError(f"{name}: expected real numbers, got a bool tensor (convert explicitly, e.g. X.double())")
     if dtype is None and not t.is_floating_point():
@@ -101,6 +109,20 @@ def as_tensor(value, name: str, *, dtype=None, device=None, finite: bool = True)
         bad = int((~torch.isfinite(t.detach())).sum())
         raise ValueError(f"{name}: contains {bad} NaN or infinite entr{'y' if bad == 1 else 'ies'}")
     return t
+
+
+def unshared(t: torch.Tensor, given) -> torch.Tensor:
+    """``t`` (made from ``given`` by :func:`as_tensor`), or a copy of it where it is ``given`` itself or holds a numpy
+    array's memory: an object that keeps ``t`` then no longer changes with the caller's in-place edits of ``given``
+    (a measure built from X in a loop that then does ``X += dt * v``). The copy is ``clone``, which keeps autograd:
+    gradients still reach ``given``."""
+    if isinstance(given, torch.Tensor):
+        shared = t is given
+    elif isinstance(given, np.ndarray):
+        shared = t.device.type == "cpu" and not t.requires_grad and np.may_share_memory(t.numpy(), given)
+    else:
+        shared = False
+    return t.clone() if shared else t
 
 
 def broadcast_shapes(*shapes) -> torch.Size:
@@ -271,6 +293,9 @@ def check_device(device, name: str = "device") -> torch.device | None:
         dev = torch.device(device)
     except (TypeError, RuntimeError) as exc:
         raise TypeError(f"{name}: expected a torch device or a name such as 'cpu' or 'cuda', got {device!r}") from exc
+    if dev.type == "meta":
+        raise ValueError(f"{name}: the meta device holds shapes, not numbers, and nothing here can be computed on it; "
+                         "use device='cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{name}: {device!r} was asked for, but CUDA is not available (torch sees no CUDA "
                          "device); use device='cpu'")
