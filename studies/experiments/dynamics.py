@@ -13,6 +13,8 @@ Tokens move through infinitely deep attention as particles of d/dt mu + div(mu G
    (Karagodin, Polyanskiy, Rigollet 2024).
 5. Mean-field convergence: W2 between the n-particle measure at time T and a large-n reference
    (both from i.i.d. samples of the same law) decreases with n at the rate of the initial samples.
+6. The instruments (:mod:`studies.experiments.dynamics_checks`): simulate's RK4 converges at fourth order to
+   scipy's solution of the field written out in numpy, and the W2 of item 5 is an assignment problem's.
 
 Figures (PNG), two GIF animations (matplotlib FuncAnimation + PillowWriter) and tidy CSV tables.
 """
@@ -31,6 +33,7 @@ from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv, write_with
 from . import at_scale
+from .dynamics_checks import assignment_w2, integrator_claim, integrator_rows, w2_claim
 
 __all__ = ["range_relative_clusters", "dynamics", "animate_trajectory", "grid", "meanfield_claim"]
 
@@ -242,12 +245,17 @@ def _meanfield(cfg, seed, dev, rows):
     T = 1.0
     ref = simulate(op, Measure(torch.randn(cfg["n_ref"], 2, generator=_gen(seed + 8), dtype=D).to(dev)), [0.0, T],
                    options={"steps": 10})
+    checked = sorted(cfg["ns"])[:2]    # the first sample of the two smallest n: W2 by an assignment problem too
     for n in cfg["ns"]:
         for r in range(cfg["reps"]):
             X = torch.randn(n, 2, generator=_gen(seed * 7919 + 31 * n + r), dtype=D).to(dev)
             tr = simulate(op, Measure(X), [0.0, T], options={"steps": 10})
             w0, wT = w2_to_reference(tr, ref)
-            rows.append({"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)})
+            row = {"experiment": "meanfield", "n": n, "rep": r, "w2_0": float(w0), "w2_T": float(wT)}
+            if r == 0 and n in checked:
+                row.update(w2_0_assignment=assignment_w2(tr.points[0], ref.points[0]),
+                           w2_T_assignment=assignment_w2(tr.points[-1], ref.points[-1]))
+            rows.append(row)
 
 
 def meanfield_claim(mf_rows: list[dict], cfg: dict) -> Claim:
@@ -325,7 +333,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
     cfg = _settings(level)
     torch.manual_seed(seed)
     rows: list[dict] = []
-    with ctx.progress_bar(5, "dynamics", unit="experiment") as bar:
+    with ctx.progress_bar(6, "dynamics", unit="experiment") as bar:
         bar.set_postfix(now="polytope")
         traj_p, ls, counts_p, ls_extra = _polytope(cfg, seed, dev, rows)
         bar.update(1, now="leading eigenvalue")
@@ -338,9 +346,13 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         bar.update(1, now="mean-field limit")
         mf_rows: list[dict] = []
         _meanfield(cfg, seed, dev, mf_rows)
+        bar.update(1, now="integrator order")
+        order_rows = integrator_rows(seed)
         bar.update(1, now="done")
     write_csv(rows, out_dir / "clusters.csv")
     write_csv(mf_rows, out_dir / "meanfield_w2.csv")
+    write_csv([{"case": r["case"], "T": r["T"], "step": h, "error": e} for r in order_rows
+               for h, e in zip(r["steps"], r["errors"])], out_dir / "integrator_order.csv")
 
     ns = np.array(cfg["ns"], float)
     w0 = np.array([np.mean([r["w2_0"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
@@ -426,6 +438,8 @@ def _run(out_dir: Path, ctx) -> StudyResult:
               short="causal sphere dynamics: x_1 is fixed and attracts every token",
               short_measured=f"x_1 moved {moved_first:.0e}; max distance {dist_c[0]:.3f} -> {dist_c[-1]:.1e}"),
         meanfield_claim(mf_rows, cfg),
+        integrator_claim(order_rows),
+        w2_claim(mf_rows),
     ]
 
     log.info("dynamics: drawing 3 figures and 2 GIF animations")
@@ -438,7 +452,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
              "and renormalization after each step. The mean-field check compares n-particle and large-n "
              "trajectories started from independent samples of N(0, I): W2 at T inherits the n^{-1/2}-type "
              "rate of the initial empirical measures (stability of the continuity equation).")
-    tables = ["clusters.csv", "meanfield_w2.csv", *data]
+    tables = ["clusters.csv", "meanfield_w2.csv", "integrator_order.csv", *data]
     scale = at_scale.grid(level, dev)
     if scale is None:
         notes += (" With --device cuda the study also follows the clustering of 10^3 to 10^6 tokens on the sphere "

@@ -740,3 +740,51 @@ def test_a_constant_one_percent_too_large_violates_a_mean_field_theorem_claim(tm
     seven = claims[6]
     assert seven["kind"] == "theorem" and seven["verdict"] == "violated", seven
     assert "closed form" in seven["claim"]
+
+
+def test_the_integrator_claim_sees_a_first_order_method_and_a_transposed_V(monkeypatch):
+    """dynamics-8 (a mutation review: Euler in place of RK4, or V transposed, left every claim of the dynamics study
+    holding): simulate against scipy's DOP853 on the field written out in numpy. Truth: the order of RK4 (errors
+    divided by 16 per halving of the step) and the formula of the field; both mutations are violations."""
+    import meanfield.integrators as integ
+    from meanfield.attention import SelfAttention
+    from studies.experiments import dynamics_checks as dc
+
+    rows = dc.integrator_rows(0)
+    assert dc.integrator_claim(rows).agrees, rows
+    assert all(14 < q < 18 for r in rows for q in r["ratios"])
+    monkeypatch.setitem(integ.FIXED, "rk4", integ.euler_step)
+    euler = dc.integrator_rows(0)
+    assert not dc.integrator_claim(euler).agrees and all(1.5 < q < 2.5 for r in euler for q in r["ratios"])
+    monkeypatch.undo()
+    real = SelfAttention._qkv
+
+    def transposed(self, xq, xk, log_weights):
+        q, k, v, lw = real(self, xq, xk, log_weights)
+        return q, k, xk @ self._V, lw
+
+    monkeypatch.setattr(SelfAttention, "_qkv", transposed)
+    wrong = dc.integrator_rows(0)
+    claim = dc.integrator_claim(wrong)
+    assert not claim.agrees and claim.measured.startswith("1 of 4 cases off"), claim.measured
+
+
+def test_the_w2_claim_sees_a_squared_w2():
+    """dynamics-9: assignment_w2 against a closed form (one cloud a translate of the other by b: W2 = |b|, the
+    identity plan), and the claim fails for rows whose W2 is squared (the mean-field claim alone did not)."""
+    from studies.experiments import dynamics_checks as dc
+
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(8, 2, generator=g, dtype=torch.float64)
+    b = torch.tensor([0.3, -0.4], dtype=torch.float64)
+    assert dc.assignment_w2(X, X + b) == pytest.approx(0.5, rel=1e-14)
+    # 2 atoms against 4: the 2-atom cloud's atoms each twice, W2^2 the mean of the matched squared distances
+    Y = torch.tensor([[0.0, 0.0], [0.0, 1.0], [5.0, 0.0], [5.0, 1.0]], dtype=torch.float64)
+    assert dc.assignment_w2(torch.tensor([[0.0, 0.5], [5.0, 0.5]], dtype=torch.float64), Y) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="one count must divide the other"):
+        dc.assignment_w2(X[:3], X)
+    rows = [{"n": 16, "w2_0": 0.3, "w2_T": 0.2, "w2_0_assignment": 0.3, "w2_T_assignment": 0.2}]
+    assert dc.w2_claim(rows).agrees
+    rows[0].update(w2_0=0.09, w2_T=0.04)
+    assert not dc.w2_claim(rows).agrees
+    assert not dc.w2_claim([{"n": 16, "w2_0": 0.3, "w2_T": 0.2}]).agrees    # nothing checked: fails

@@ -198,10 +198,12 @@ def _rows():
         lo = dense_lipschitz(lambda Y: naive_attention(Y, A, V), X)
         up = thm33_upper(A, V, R, n)
         rows.append({"case": "min", "masked": False, "n": n, "R": R, "lower": max(lo, w), "lower_error": 0.0,
-                     "upper": up, "plain": 0.5 * max(lo, w), "plain_error": 0.0, "plain_upper": up,
+                     "upper": up, "upper_formula": up, "plain": 0.5 * max(lo, w), "plain_error": 0.0,
+                     "plain_upper": up, "products": 100, "plain_products": 100,
                      "witness_min": w, "witness_min_error": 0.0, "witness_max": math.nan,
-                     "witness_max_error": math.nan, "witness": w, "dense": max(lo, w),
-                     "radius_max": float(X.norm(dim=1).max())})
+                     "witness_max_error": math.nan, "witness_min_built": 0.0, "witness_max_built": 0.0,
+                     "prop34_lower": math.sqrt(n - 1) / (1 + (n - 1) * math.exp(-2 * R * R)),   # gamma = 1
+                     "witness": w, "dense": max(lo, w), "radius_max": float(X.norm(dim=1).max())})
     return rows
 
 
@@ -218,6 +220,52 @@ def test_witness_claim_fails_when_the_search_ends_below_the_witness():
     assert wc.witness_claim(rows, []).agrees
     bad = {**rows[1], "lower": rows[1]["witness_min"] * (1 - 1e-4)}
     assert not wc.witness_claim([rows[0], bad], []).agrees
+
+
+def test_written_out_is_the_theorems_and_the_propositions_formulas():
+    """The study's own formulas (no meanfield code) against meanfield's bounds and witness, on random matrices of
+    both eigen-cases and both masks; and against a hand computation for A = diag(2, -1)."""
+    from meanfield import SelfAttention, bounds, operator_upper
+
+    for case in ("max", "min"):
+        for seed in range(4):
+            A, _ = wc.case_matrix(3, seed, case)
+            for masked in (False, True):
+                for R, n in ((0.5, 4), (2.0, 16)):
+                    ref = wc.written_out(A, R, n, masked)
+                    up = operator_upper(SelfAttention(A, torch.eye(3, dtype=f64), masked=masked), R, n).value
+                    assert ref["upper"] == pytest.approx(up, rel=1e-13)
+                    assert ref["lower"] == pytest.approx(bounds.sqrt_n_lower(A, R, n), rel=1e-13)
+                    assert wc.witness_deviation(wc.witness_sequence(A, R, n, case), ref[f"witness_{case}"]) < 1e-15
+    A = torch.tensor([[2.0, 0.0], [0.0, -1.0]], dtype=f64)
+    ref = wc.written_out(A, 1.0, 3, False)
+    assert ref["upper"] == pytest.approx(min(math.sqrt(3) * math.sqrt(4 * 13 + 3), 7 * math.exp(4)))
+    assert ref["lower"] == pytest.approx(math.sqrt(2) / (1 + 2 * math.exp(-2)))     # gamma = max(2/8, 1) = 1
+    np.testing.assert_allclose(np.abs(ref["witness_max"]), [[1, 0], [0.5, 0], [0.5, 0]])
+    np.testing.assert_allclose(ref["witness_min"] * np.sign(ref["witness_min"][1, 1]), [[0, -1], [0, 1], [0, 1]])
+    assert wc.written_out(torch.eye(2, dtype=f64), 1.0, 3, False)["witness_min"] is None
+
+
+def test_claims_fail_on_a_bound_or_a_witness_off_the_formulas():
+    """A review by mutation: Theorem 3.3's bound without its sqrt(3), or Proposition 3.4's witness with other radii,
+    left every claim of the study holding (the constants sit at 0.23 of the bound; the search beats the witness
+    either way). Truth: the formulas written out in the study (written_out)."""
+    rows = _rows()
+    assert wc.bracket_claim(rows, []).agrees and wc.witness_claim(rows, []).agrees
+    off = [{**r, "upper": r["upper"] / math.sqrt(3)} for r in rows]
+    assert not wc.bracket_claim(off, []).agrees
+    assert not wc.bracket_claim([{k: v for k, v in r.items() if k != "upper_formula"} for r in rows], []).agrees
+    assert not wc.witness_claim([{**rows[0], "witness_min_built": 0.25}, rows[1]], []).agrees
+    short = {**rows[0], "prop34_lower": rows[0]["witness_min"] * (1 + 1e-9)}
+    claim = wc.witness_claim([short, rows[1]], [])
+    assert not claim.agrees and "1 under the bound" in claim.short_measured
+
+
+def test_plain_claim_is_inconclusive_when_plain_ascent_is_cut_short():
+    rows = [{**r, "plain_products": 80} for r in _rows()]     # 80 of the search's 100 products
+    claim = wc.plain_claim(rows, 100)
+    assert claim.agrees is None and "not on the same budget" in claim.measured
+    assert wc.plain_claim([{**r, "plain_products": 90} for r in _rows()], 100).agrees is True
 
 
 def test_dense_claim_fails_on_a_wrong_constant_or_a_token_outside_the_ball():
