@@ -788,3 +788,30 @@ def test_the_w2_claim_sees_a_squared_w2():
     rows[0].update(w2_0=0.09, w2_T=0.04)
     assert not dc.w2_claim(rows).agrees
     assert not dc.w2_claim([{"n": 16, "w2_0": 0.3, "w2_T": 0.2}]).agrees    # nothing checked: fails
+
+
+def test_kernel_paths_formula_claim_sees_a_transposed_V_that_every_path_shares(monkeypatch):
+    """kernel_paths-6 (a mutation review: V transposed in the operator, or a sequence's positions reversed, changed
+    no claim of the study, whose paths all share the operator): the dense kernel against attention written out in
+    numpy. Truth: the formula, and tests/reference.py's naive attention for written_out itself."""
+    from meanfield.attention import SelfAttention
+    from studies.experiments import kernel_paths as kp
+    from tests.reference import naive_attention
+
+    att, X, lw, pos = kp._inputs("causal sequence", 0)
+    ref = naive_attention(X, att.A, att.V, masked=True)
+    assert float((torch.from_numpy(kp.written_out("causal sequence", 0)) - ref).abs().max()) < 1e-14
+    cases = ("weighted measure", "causal sequence")
+    rows = [{"case": c, "seed": 0, **kp.case_task(c, 0)} for c in cases]
+    assert kp.formula_claim(rows).agrees
+    real = SelfAttention._qkv
+
+    def transposed(self, xq, xk, log_weights):
+        q, k, v, lw = real(self, xq, xk, log_weights)
+        return q, k, xk @ self._V, lw
+
+    monkeypatch.setattr(SelfAttention, "_qkv", transposed)
+    wrong = [{"case": c, "seed": 0, **kp.case_task(c, 0)} for c in cases]
+    claim = kp.formula_claim(wrong)
+    assert not claim.agrees and claim.short_measured.startswith("2 of 2 cases off")
+    assert kp.forward_claim(wrong, "fused").agrees        # the paths still agree with each other

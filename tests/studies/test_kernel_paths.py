@@ -35,7 +35,7 @@ def run(tmp_path_factory):
 def test_study_runs_its_claims_hold_and_auto_takes_each_path(run):
     out, res, problems = run
     assert res["status"] == "ok", res.get("traceback")
-    assert [c["verdict"] for c in res["claims"]] == ["holds"] * 5
+    assert [c["verdict"] for c in res["claims"]] == ["holds"] * 6
     assert all(c["kind"] == "theorem" and c["fails_if"] for c in res["claims"])
     rows = {r["case"]: r for r in read_csv(out / "kernel_paths.csv")}
     assert set(rows) == set(kp.CASES)
