@@ -4,6 +4,7 @@
 # gpu.json there starts as a copy of benchmarks/gpu.json, so that the rows measured merge with the earlier
 # sections; copy it back (and regenerate gpu.md) once they are checked.
 #
+#     BUDGET=360 bash benchmarks/gpu_session.sh tests series          # the plan of benchmarks/README.md, first call
 #     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh                  # the default steps below
 #     BUDGET=560 bash benchmarks/gpu_session.sh tests grid-1e6 dynamics-1e6 derivatives-1e6   # goals 1-3, 6 at 1e6
 #     BUDGET=595 bash benchmarks/gpu_session.sh lipschitz-only-1e6                   # goal 4 at 1e6 (the call alone)
@@ -51,6 +52,7 @@
 # Every step's output goes to one log, $OUT/steps.log (a call brings back a limited number of files): with
 # smi.txt, gpu.json and gpu.md, four files whatever the steps.
 set -u
+export PYTHONUNBUFFERED=1   # every line reaches the log as it is printed, also from a step the timeout kills
 STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series grid sinkhorn grid-1e6
 derivatives-1e6 grid-1e6-64 positions-1e6 dynamics-1e6 lipschitz-1e6 lipschitz-only-1e6"
 for step in "$@"; do   # every name checked before the first step spends any time
@@ -72,7 +74,9 @@ log() {
   local from=$(( $(wc -l < "$LOG") + 1 ))
   echo "== $step" >> "$LOG"
   "$@" >> "$LOG" 2>&1
-  echo "rc=$? (124: killed by the timeout)" >> "$LOG"
+  local rc=$?
+  case $rc in 0) echo "rc=0" ;; 124|137) echo "rc=$rc: killed by the step's timeout" ;; *) echo "rc=$rc: failed" ;;
+  esac >> "$LOG"
   tail -n +$((from + 1)) "$LOG" | tail -${TAIL:-30}
 }
 # limit MOST: the seconds a direct step may take, min(MOST, time left); 0 when 20 s or less are left
@@ -95,7 +99,9 @@ for step in "$@"; do
   case $step in
     tests)
       T=$(limit 300); echo "== tests ($(left) s left, $T s for it)"
-      [ $T -gt 0 ] && TAIL=14 log tests timeout $T python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -rA ;;
+      # SIGINT, not SIGTERM: pytest stopped by an interrupt still prints its failures and the summary of what ran
+      [ $T -gt 0 ] && TAIL=14 log tests timeout -s INT -k 15 $T python3 -m pytest tests/test_cuda.py -q \
+        -p no:cacheprovider -rA ;;
     derivatives) run derivatives 220 100 --sections derivatives --quick --cap 10 ;;
     fixed) run fixed 75 0 --sections fixed ;;
     small) run small 150 0 --sections small --quick --cap 10 ;;
