@@ -322,6 +322,8 @@ def _open_members(name: str) -> _Archive:
                 raise FileFormatError(f"{name}: array {key!r} holds Python objects (pickled data), which "
                                       "smooth-attention files never contain; refusing to load it")
             if dtype.kind not in "fiubU" or dtype.fields is not None or dtype.subdtype is not None:
+                if key == _HEADER:
+                    raise FileFormatError(f"{name}: the {_HEADER!r} entry is not a JSON text (it holds {dtype})")
                 raise FileFormatError(f"{name}: array {key!r} has dtype {dtype}; expected numbers")
             arr = LazyArray(archive, info.filename, dtype, tuple(int(s) for s in shape), bool(fortran), offset)
             if info.file_size != offset + arr.nbytes:

@@ -102,3 +102,15 @@ def test_loading_a_folder_or_onto_meta_says_so(tmp_path):
     path = save_measure(Measure.sphere(3, 2, seed=0), tmp_path / "mu.npz")
     with pytest.raises(ValueError, match="device: the meta device"):
         load_measure(path, device="meta")
+
+
+def test_a_header_of_bytes_is_named_as_the_header(tmp_path):
+    import particles.io as pio
+    from particles.io import FileFormatError
+
+    path = save_measure(Measure.sphere(3, 2, seed=0), tmp_path / "mu.npz")
+    arrays = dict(np.load(path))
+    arrays[pio._HEADER] = np.bytes_(b"abc")
+    np.savez(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(FileFormatError, match="the 'header' entry is not a JSON text"):
+        load_measure(tmp_path / "bad.npz")
