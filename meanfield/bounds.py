@@ -16,9 +16,9 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 * mass splitting: :func:`query_term_norms`, :func:`split_constant` (docs/math.md section 4.7).
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
-bound, finite for every finite radius. Their plain value is ``math.inf`` only when the true number
-exceeds the float64 range (about 1.8e308), and then with a :class:`BoundOverflowWarning` that gives the
-logarithm; it is never NaN.
+bound, finite while its exponent is (c R^2 below about 1.8e308: R up to about 1e154 for c = 1). Their plain
+value is ``math.inf`` only when the true number exceeds the float64 range (about 1.8e308), and then with a
+:class:`BoundOverflowWarning` that gives the logarithm; so is a logarithm that overflows; never NaN.
 """
 
 from __future__ import annotations
@@ -122,11 +122,27 @@ class BoundOverflowWarning(RuntimeWarning):
     logarithm (``log=True`` where the function has it) is the number to use."""
 
 
+def _log_or_inf(log_value: float, what: str) -> float:
+    """``log_value`` for a ``log=True`` caller, with a :class:`BoundOverflowWarning` where it is inf (the exponent
+    itself beyond float64's range)."""
+    if log_value == math.inf:
+        warnings.warn(f"{what}: the bound's logarithm exceeds float64's range (the exponent overflows); returned "
+                      "inf", BoundOverflowWarning, stacklevel=3)
+    return log_value
+
+
 def _exp_or_inf(log_value: float, what: str | None = None, log_option: bool = False) -> float:
     """exp(log_value), math.inf only when the number itself exceeds the float64 range; then, for a public
     bound (``what`` names it), a :class:`BoundOverflowWarning` that gives the logarithm and how to get it."""
     if log_value == -math.inf:
         return 0.0
+    if log_value == math.inf:
+        # the logarithm itself overflowed (||A|| R^2 beyond float64's range, R above about 1e154): no exception
+        # from math.exp(inf), so warned here
+        if what is not None:
+            warnings.warn(f"{what}: the bound's logarithm exceeds float64's range (the exponent overflows); "
+                          "returned inf", BoundOverflowWarning, stacklevel=3)
+        return math.inf
     try:
         return math.exp(log_value)
     except OverflowError:
@@ -180,7 +196,7 @@ def mean_field_upper(A, V, R, *, log: bool = False) -> float:
     else:
         t = na * R * R
         value = math.log(nv) + math.log1p(3.0 * t) + 2.0 * t
-    return value if log else _exp_or_inf(value, "mean_field_upper", log_option=True)
+    return _log_or_inf(value, "mean_field_upper") if log else _exp_or_inf(value, "mean_field_upper", log_option=True)
 
 
 def cesaro_norm(n) -> float:
@@ -411,7 +427,7 @@ def two_dirac_lower(A, R, *, log: bool = False) -> float:
     R = check_radius(R, "R")
     _check_log(log)
     value = -math.inf if g == 0.0 or R == 0.0 else math.log(g / 2.0) + 2.0 * math.log(R) + g * R * R
-    return value if log else _exp_or_inf(value, "two_dirac_lower", log_option=True)
+    return _log_or_inf(value, "two_dirac_lower") if log else _exp_or_inf(value, "two_dirac_lower", log_option=True)
 
 
 # ---------------------------------------------------------------------------- large radius
@@ -464,8 +480,20 @@ def large_radius_limit(A, V, X, *, masked: bool = False, rtol: float = 1e-9) -> 
 # ---------------------------------------------------------------------------- Kim et al. (L2 attention)
 def lambert_phi_inverse(x) -> float:
     """phi^{-1}(x) for phi(t) = t exp(t + 1), t >= 0: W_0(x / e) (principal Lambert W), O(log x)."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real) or not math.isfinite(x) or x < 0:
+    if isinstance(x, bool) or not isinstance(x, numbers.Real) or x < 0 or (
+            not isinstance(x, numbers.Integral) and not math.isfinite(x)):
         raise ValueError(f"x: expected a finite non-negative number, got {x!r}")
+    if isinstance(x, numbers.Integral) and x > 1e300:
+        # an integer beyond float range (a length of 10^400): W_0(y) solves w + log w = log y, by Newton's method from
+        # log y (math.log takes integers of any size); W_0(y) is about log y - log log y there, near 690 and beyond
+        L = math.log(x) - 1.0
+        w = L - math.log(L)
+        for _ in range(50):
+            step = (w + math.log(w) - L) / (1.0 + 1.0 / w)
+            w -= step
+            if abs(step) <= 4 * math.ulp(w):
+                break
+        return w
     from scipy.special import lambertw
 
     return float(lambertw(float(x) / math.e, 0).real)
@@ -557,6 +585,10 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
     if norm == "2":
         terms = [(4.0 * c + 1.0) ** 2 * np.linalg.norm(q, 2) ** 4 * np.linalg.norm(v, 2) ** 2 / k
                  for q, v, k in zip(WQ, WV, ks)]
+        if N > 1e300 and sum(terms) > 0 and np.linalg.norm(wo, 2) > 0:
+            # sqrt(N) in logarithms: N an integer beyond float range (10^400), as the other bounds take it
+            return _exp_or_inf(0.5 * math.log(N) + 0.5 * math.log(sum(terms)) + math.log(np.linalg.norm(wo, 2)),
+                               "l2_attention_upper")
         return float(math.sqrt(N) * math.sqrt(sum(terms)) * np.linalg.norm(wo, 2))
     inf = np.inf
     q_term = max((4.0 * c + 1.0 / math.sqrt(k)) * np.linalg.norm(q, inf) * np.linalg.norm(q.T, inf)
@@ -620,7 +652,8 @@ def two_dirac_lower_from_gamma(gamma, R, *, log: bool = False) -> float:
     R = check_radius(R, "R")
     _check_log(log)
     value = -math.inf if g == 0.0 or R == 0.0 else math.log(g / 2.0) + 2.0 * math.log(R) + g * R * R
-    return value if log else _exp_or_inf(value, "two_dirac_lower_from_gamma", log_option=True)
+    what = "two_dirac_lower_from_gamma"
+    return _log_or_inf(value, what) if log else _exp_or_inf(value, what, log_option=True)
 
 
 def sqrt_n_regime_radius(gamma, n) -> float:

@@ -96,7 +96,8 @@ class Jacobian:
             # an arithmetic failure at this input (scores beyond the dtype's range), as the operators'
             # own maps report it: callers that search over inputs reject the input and go on
             raise FloatingPointError("f: produced NaN or infinite outputs at X (the attention scores overflow "
-                                     f"{self.X.dtype} at this input, or f is not finite there)")
+                                     f"{self.X.dtype} at this input, a field that is not a softmax average, such "
+                                     "as USA's, overflows, or f is not finite there)")
         self.out_shape = self.out.shape
         self.applications = 0
         self.scale = None      # (b,) powers of two, set by the first J product

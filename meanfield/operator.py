@@ -249,7 +249,9 @@ def _finite(out: torch.Tensor, what: str) -> torch.Tensor:
         return out
     if out.numel() and not bool(torch.isfinite(out.detach()).all()):
         raise FloatingPointError(f"{what}: the output is not finite: the attention scores overflow "
-                                 f"{out.dtype} at this input (|score| beyond the dtype's range)")
+                                 f"{out.dtype} at this input (|score| beyond the dtype's range), or, for a field "
+                                 "that is not a softmax average (USA's sum_j a_j e^(beta <x_i, x_j>) x_j), the "
+                                 "field itself does")
     return out
 
 

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from decimal import Decimal, getcontext
 
 import numpy as np
@@ -126,3 +127,46 @@ def test_upper_bound_claims_count_a_constant_above_the_bound_within_its_error_ba
                     only=[study])
     claim = out["studies"][study]["claims"][index]
     assert seen and claim["verdict"] == "violated", claim
+
+
+def test_an_exponent_beyond_float_range_warns_also_with_log():
+    """At R = 1e200 the exponent ||A|| R^2 itself overflows: math.exp(inf) raises nothing, so the plain value came
+    back inf without the warning the module promises, and log=True returned inf silently (a numerics review)."""
+    A = np.eye(2)
+    for call in (lambda: bounds.two_dirac_lower(A, 1e200), lambda: bounds.two_dirac_lower(A, 1e200, log=True),
+                 lambda: bounds.mean_field_upper(A, A, 1e200), lambda: bounds.mean_field_upper(A, A, 1e200, log=True),
+                 lambda: bounds.two_dirac_lower_from_gamma(1.0, 1e200, log=True)):
+        with pytest.warns(bounds.BoundOverflowWarning, match="logarithm exceeds float64's range"):
+            assert call() == math.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isfinite(bounds.mean_field_upper(A, A, 1e100, log=True))    # 2e200: a finite logarithm
+
+
+def test_kim_bound_takes_a_length_beyond_float_range():
+    """l2_attention_upper(N = 10^400) raised a bare OverflowError (math.isfinite of an integer that big), where the
+    other bounds answer. Truth: scipy's Lambert W where it reaches, and the bound's sqrt(N) (4 phi^-1(N-1) + 1)
+    scaling between 10^300 and 10^400."""
+    from scipy.special import lambertw
+
+    for x in (10**301, 10**305):
+        assert bounds.lambert_phi_inverse(x) == pytest.approx(float(lambertw(float(x) / math.e).real), rel=1e-15)
+    w = bounds.lambert_phi_inverse(10**400)
+    assert w + math.log(w) == pytest.approx(400 * math.log(10) - 1, rel=1e-15)      # W(y) e^W(y) = y
+    rng = np.random.default_rng(0)
+    WQ, WV = rng.standard_normal((4, 2)), rng.standard_normal((4, 2))
+    big, ref = bounds.l2_attention_upper(WQ, WV, None, 10**400), bounds.l2_attention_upper(WQ, WV, None, 10**300)
+    c_big, c_ref = (bounds.lambert_phi_inverse(10**k - 1) for k in (400, 300))
+    assert big == pytest.approx(ref * 1e50 * (4 * c_big + 1) / (4 * c_ref + 1), rel=1e-12)
+    assert math.isfinite(bounds.l2_attention_upper(WQ, WV, None, 10**400, norm="inf"))
+
+
+def test_an_overflowing_usa_field_is_named_as_such():
+    """USA's field sum_j a_j e^(beta <x_i, x_j>) x_j at |x| = 30, beta = 2 exceeds float64 while its scores (1800)
+    do not: the error said only that the scores overflow (a numerics review)."""
+    from meanfield import IsotropicAttention
+
+    X = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    X = 30 * X / X.norm(dim=1, keepdim=True)
+    with pytest.raises(FloatingPointError, match="USA's sum_j a_j e"):
+        IsotropicAttention(2.0, "USA").sequence(X)
