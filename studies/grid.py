@@ -56,7 +56,13 @@ def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: 
     res = run_sweep(task, grid, out_dir / f"_sweep_{name}", name=sweep_name, label=f"{out_dir.name}/{name}",
                     overwrite=True, **opts)
     if res.failures or res.missing:
-        first = res.failures[0] if res.failures else f"{res.missing[0]}: not run"
-        raise RuntimeError(f"{name}: {len(res.failures) + len(res.missing)} of {len(grid)} grid points failed; "
-                           f"first: {first}")
+        failed = [str(f) for f in res.failures] + [f"{p}: not run" for p in res.missing]
+        shown = "\n  ".join(failed[:5]) + (f"\n  ... and {len(failed) - 5} more" if len(failed) > 5 else "")
+        # the task's own traceback (the one raised here is only run_grid's): that of the first failure
+        tb = res.failures[0].traceback.rstrip() if res.failures and res.failures[0].traceback else ""
+        raise RuntimeError(
+            f"{name}: {len(failed)} of {len(grid)} grid points failed:\n  {shown}\n"
+            + (f"The first failure's own traceback:\n{tb}\n" if tb else "")
+            + f"Every failure with its traceback: {res.out_dir / 'failures.json'}. The {len(res.rows)} points that "
+              "finished are stored: the same command with the same --out resumes from them.")
     return [dict(r) for r in res.rows]

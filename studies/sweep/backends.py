@@ -52,11 +52,49 @@ def _error_dict(exc: BaseException) -> dict:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))}
 
 
-def _worker_init() -> None:
+def _worker_init(parent: tuple[int, str | None] | None = None) -> None:
     # Read by torch, numpy's BLAS and OpenMP when first loaded in this worker; run_task pins torch
     # again in case the fork server preloaded it.
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"
+    if parent is not None:
+        import threading
+
+        threading.Thread(target=_exit_with, args=parent, name="sweep-parent-watch", daemon=True).start()
+
+
+#: how often a pool worker checks that the process that started the sweep is alive (seconds)
+PARENT_POLL = 1.0
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux's /proc/PID/stat, field 22), which tells a
+    process from a later one given the same pid; None where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # a process of another user holds the pid now
+        return False
+    return started is None or _start_time(pid) == started
+
+
+def _exit_with(pid: int, started: str | None) -> None:
+    """A worker's watch of the process that started the sweep: the worker exits once that process is gone. The
+    pool's workers are children of the fork server, not of that process, and a SIGKILL leaves it no chance to
+    stop them: without this they finished their queued tasks, whose results no one reads, and then waited idle
+    forever (a review found them alive after the driver's kill -9)."""
+    while _alive(pid, started):
+        time.sleep(PARENT_POLL)
+    os._exit(1)
 
 
 # ---------------------------------------------------------------------- backends
@@ -173,7 +211,8 @@ class _Pool:
         if self.pool is None:
             import concurrent.futures as cf
 
-            self.pool = cf.ProcessPoolExecutor(self.n_workers, mp_context=self.ctx, initializer=_worker_init)
+            self.pool = cf.ProcessPoolExecutor(self.n_workers, mp_context=self.ctx, initializer=_worker_init,
+                                               initargs=((os.getpid(), _start_time(os.getpid())),))
         return self.pool
 
     def submit(self, params):

@@ -227,8 +227,17 @@ def test_studies_read_no_environment():
 def test_run_grid_rows_in_grid_order_and_failures_raise(tmp_path):
     rows = run_grid(_square, [{"x": 3}, {"x": 2}], tmp_path, "sq")
     assert [(r["x"], r["y"]) for r in rows] == [(3, 9), (2, 4)]
-    with pytest.raises(RuntimeError, match="1 of 2 grid points failed"):
+    with pytest.raises(RuntimeError, match="1 of 2 grid points failed") as err:
         run_grid(_square_or_fail, [{"x": 1}, {"x": -1}], tmp_path, "sq_fail")
+    # the task's own traceback, where the report showed only run_grid's (a sweeps review), and how to resume
+    text = str(err.value)
+    assert "in _square_or_fail" in text and "failures.json" in text and "resumes from them" in text
+
+
+def test_run_grid_names_every_failed_point(tmp_path):
+    with pytest.raises(RuntimeError, match="7 of 8 grid points failed") as err:
+        run_grid(_square_or_fail, [{"x": 1}] + [{"x": -k} for k in range(1, 8)], tmp_path, "many")
+    assert "{'x': -5}" in str(err.value) and "and 2 more" in str(err.value)
 
 
 def test_run_grid_passes_the_device_outside_the_rows(tmp_path):

@@ -126,6 +126,55 @@ def _run_script(script, out, backend, log, sleep, **popen):
                             stderr=subprocess.PIPE, text=True, **popen)
 
 
+ORPHAN_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    from studies.sweep import run_sweep
+
+    def task(i, folder):
+        open(os.path.join(folder, f"pid-{os.getpid()}"), "w").close()
+        time.sleep(2.0)
+        return {"x": i}
+
+    if __name__ == "__main__":
+        import orphan_script
+        run_sweep(orphan_script.task, [{"i": i, "folder": sys.argv[2]} for i in range(20)], sys.argv[1],
+                  backend="processes", n_workers=2, progress=False)
+""")
+
+
+def test_pool_workers_exit_when_the_driver_is_killed(tmp_path):
+    """kill -9 of the process that runs a sweep (the driver alone, not its process group): its pool workers,
+    children of the fork server, finished their queued tasks and then stayed alive forever (a review found them
+    idle 1.5 minutes later); each now watches the driver and exits within about a second of its death."""
+    (tmp_path / "orphan_script.py").write_text(ORPHAN_SCRIPT)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{tmp_path}")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "orphan_script.py"), str(tmp_path / "out"), str(pids)],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(pids.iterdir())) < 2:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "no two workers started in 60 s"
+        time.sleep(0.05)
+    workers = [int(p.name.split("-")[1]) for p in pids.iterdir()]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+    def alive(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as fh:      # reaped by no one yet: a zombie is gone
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 15
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)], "pool workers outlived the killed driver"
+
+
 @pytest.mark.parametrize("backend", ["inprocess", "processes"])
 def test_sigkill_midway_then_resume_gives_the_uninterrupted_table(tmp_path, backend):
     script = tmp_path / "sweep_script.py"
