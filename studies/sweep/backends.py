@@ -8,6 +8,7 @@ sweep, and infrastructure failures (a dead pool worker, Dask's KilledWorker) int
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import pickle
@@ -287,11 +288,11 @@ class _Dask:
             self.client = scheduler
             log.info("sweep %s: Dask client given by the caller, scheduler %s", name, _address(self.client))
         elif scheduler is None:
-            self._cluster, security = local_cluster(n_workers)
+            (self._cluster, security), started = shared_local_cluster(n_workers)
             self.client = distributed.Client(self._cluster, security=security)
             self._own_client, self.threads = True, 1
-            log.info("sweep %s: started a local Dask cluster of %d worker(s), scheduler %s (%s; see docs/sweeps.md)",
-                     name, n_workers, _address(self.client),
+            log.info("sweep %s: %s local Dask cluster of %d worker(s), scheduler %s (%s; see docs/sweeps.md)",
+                     name, "started a" if started else "the", n_workers, _address(self.client),
                      "mutual TLS with temporary credentials, no dashboard" if security is not None else
                      "WITHOUT authentication: any local user can connect; pip install cryptography")
         elif isinstance(scheduler, str) or hasattr(scheduler, "scheduler_address"):
@@ -346,9 +347,44 @@ class _Dask:
 
     def close(self, cancel: bool) -> None:
         if self._own_client:
+            if cancel and self._cluster is not None:
+                # an interrupted sweep: its tasks may still run on the shared cluster's workers, so that cluster
+                # goes with it (the next sweep starts a fresh one)
+                close_local_clusters()
             self.client.close()
-            if self._cluster is not None:
-                self._cluster.close()
+
+
+#: the local Dask clusters of backend="dask" without a scheduler, by number of workers: one per process, shared
+#: by its sweeps (a report's grids are a dozen sweeps; a cluster each cost seconds of start-up and shut-down and
+#: printed the nannies' warnings every time), closed when the process exits (:func:`close_local_clusters`)
+_LOCAL_CLUSTERS: dict[int, tuple] = {}
+
+
+def shared_local_cluster(n_workers: int) -> tuple[tuple, bool]:
+    """((cluster, security), started): this process's :func:`local_cluster` of ``n_workers`` workers, started on
+    the first call (``started`` True) and reused while it runs."""
+    found = _LOCAL_CLUSTERS.get(n_workers)
+    if found is not None and str(getattr(found[0], "status", "")).endswith("running"):
+        return found, False
+    if found is not None:
+        _LOCAL_CLUSTERS.pop(n_workers, None)
+    if not _LOCAL_CLUSTERS:
+        import atexit
+
+        atexit.unregister(close_local_clusters)
+        atexit.register(close_local_clusters)
+    _LOCAL_CLUSTERS[n_workers] = local_cluster(n_workers)
+    return _LOCAL_CLUSTERS[n_workers], True
+
+
+def close_local_clusters() -> None:
+    """Close the local Dask clusters this process's sweeps started (at exit, or to free their workers sooner)."""
+    while _LOCAL_CLUSTERS:
+        _, (cluster, _security) = _LOCAL_CLUSTERS.popitem()
+        try:
+            cluster.close()
+        except Exception as exc:  # noqa: BLE001 - a cluster already gone at exit
+            log.debug("closing a local Dask cluster: %s", exc)
 
 
 def local_cluster(n_workers: int):
@@ -381,7 +417,11 @@ def local_cluster(n_workers: int):
     with dask.config.set(no_routes):   # read when the scheduler and the nannies are created, just below
         cluster = distributed.LocalCluster(
             n_workers=n_workers, threads_per_worker=1, processes=True, host="127.0.0.1", security=security,
-            dashboard_address=None, scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"})
+            dashboard_address=None, scheduler_kwargs={"dashboard": False, "dashboard_address": "127.0.0.1:0"},
+            # each nanny's own configuration, which it gives every worker it starts: a copy, since the nanny's
+            # (merged one level deep) shares the nested dicts that leaving this block restores, and a worker
+            # started again after its process died then served /health and the other default routes
+            config=copy.deepcopy(dask.config.config))
     try:
         cluster.sync(_stop_http, cluster.scheduler)
     except Exception as exc:  # noqa: BLE001 - an internal of distributed: without it the server has no route

@@ -96,6 +96,12 @@ def slow_marked(i, marker_dir):
 def _clear_logs():
     CALLS.clear()
     FLAKY.clear()
+    yield
+    # a dask sweep's local cluster lives as long as the process (shared by its sweeps): each test starts from none,
+    # since two clusters at once on 2 cores starved a client's start (its IO loop not up within 10 s)
+    from studies.sweep import backends
+
+    backends.close_local_clusters()
 
 
 def _records(out: Path) -> list[Path]:
@@ -392,8 +398,28 @@ def test_a_nan_parameter_counts_as_done_and_may_be_echoed(tmp_path):
 
 
 # ---------------------------------------------------------------------- Dask
+def test_two_sweeps_of_one_process_share_one_local_cluster(tmp_path, caplog):
+    """A report's dozen grids started and stopped a LocalCluster each (85 s against 19 s in-process for two studies,
+    with the nannies' warnings each time, a sweeps review): one cluster per process now, reused while it runs."""
+    pytest.importorskip("distributed")
+    from studies.sweep import backends
+
+    backends.close_local_clusters()
+    caplog.set_level(logging.INFO, logger="studies.sweep")
+    a = run_sweep(echo_nan, {"x": [1, 2]}, tmp_path / "a", backend="dask", n_workers=1, progress=False)
+    cluster = backends._LOCAL_CLUSTERS[1][0]
+    b = run_sweep(echo_nan, {"x": [3]}, tmp_path / "b", backend="dask", n_workers=1, progress=False)
+    assert a.ok and b.ok and backends._LOCAL_CLUSTERS[1][0] is cluster
+    assert caplog.text.count("started a local Dask cluster") == 1 and "the local Dask cluster of 1" in caplog.text
+    backends.close_local_clusters()
+    assert not backends._LOCAL_CLUSTERS and str(cluster.status).endswith("closed")
+
+
 def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
     pytest.importorskip("distributed")
+    from studies.sweep import backends
+
+    backends.close_local_clusters()   # this test's sweep starts its own
     caplog.set_level(logging.INFO, logger="studies.sweep")
     marker_dir = tmp_path / "markers"
     marker_dir.mkdir()
@@ -427,6 +453,20 @@ def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
     assert res.records[victim[0]]["attempts"] == 2 and res.records[victim[0]]["worker_deaths"] == 1
     attempts = [r["attempts"] for r in res.records]
     assert set(attempts) <= {1, 2} and attempts.count(2) <= 2
+    # the worker started again after the kill serves no HTTP route either (it read the routes from a configuration
+    # already restored, and answered /health, until the nannies got a copy of their own)
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("psutil")
+    for who, _, port in _listeners():
+        try:
+            status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status
+        except urllib.error.HTTPError as exc:
+            status = exc.code
+        except OSError:
+            status = None
+        assert status in (None, 404), (who, port, status)
     # never silent, and over mutual TLS when cryptography is installed (test_local_cluster_binds_only_*)
     assert "started a local Dask cluster of 2 worker(s), scheduler t" in caplog.text
     try:
