@@ -50,10 +50,10 @@ EXIT_CODES = {
     EXIT_VIOLATED: "a theorem claim was violated (a bug in the code, or in the paper)",
     EXIT_STUDY_FAILED: "a study failed: it raised an error (report.md has its traceback)",
     EXIT_USAGE: "usage error, found before the first study starts: unknown option or study, bad value, --out or "
-                "--cache names a file, --text is no UTF-8 text, a --checkpoint that is not a complete folder or a "
-                "reachable hub name, --model minilm without the pretrained extra, an unreachable --scheduler (or "
-                "$DASK_SCHEDULER_ADDRESS), $SMOOTH_ATTENTION_MEMORY_LIMIT not a size, $SMOOTH_ATTENTION_THREADS "
-                "not a positive integer or auto, --device cuda without CUDA",
+                "--cache names a file (or a path through one), --text is no UTF-8 text, a --checkpoint that is not a "
+                "complete folder or a reachable hub name, --model minilm without the pretrained extra, an "
+                "unreachable --scheduler (or $DASK_SCHEDULER_ADDRESS), $SMOOTH_ATTENTION_MEMORY_LIMIT not a size, "
+                "$SMOOTH_ATTENTION_THREADS not a positive integer or auto, --device cuda without CUDA",
     EXIT_OUTPUT: "the run's files cannot be written: unwritable or read-only folder, disk full (no file is "
                  "left truncated)",
     EXIT_BUSY: "the --out folder is in use by another meanfield run",

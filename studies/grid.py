@@ -44,6 +44,8 @@ def run_grid(fn: Callable[..., Mapping], grid: list[dict], out_dir: Path, name: 
     are never computed on a silently incomplete table.
     """
     grid = [dict(g) for g in grid]
+    if not grid:
+        return []   # a study's part with no point at this level or device: nothing to run (run_sweep refuses it)
     opts = {"backend": "inprocess", "resume": True, "retries": 0, "progress": False}
     if ctx is not None:
         opts.update(ctx.sweep)

@@ -275,6 +275,11 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
 
     if ctx.out.exists() and not ctx.out.is_dir():
         raise UsageError(f"--out: {ctx.out} is an existing file; give a folder")
+    for parent in ctx.out.parents:   # a path through a file (runs/afile/sub) cannot be created either
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"--out: {ctx.out} cannot be created: {parent} is a file, not a folder")
+            break
     check_run_folder(ctx.out)
     check_device(ctx.device)
     check_text(ctx.text)

@@ -134,9 +134,10 @@ class Progress:
         """Replace the status shown after the count (``running=2, failed=0``, ``layer="3"``)."""
         self.update(0, **postfix)
 
-    def close(self, interrupted: bool = False) -> None:
+    def close(self, interrupted: bool = False, note: str = "") -> None:
         """The last line: the count and the time; ``interrupted=True`` says the run stopped before the end (a
-        count short of the total read as a finished run)."""
+        count short of the total read as a finished run); ``note`` ends the plain line (where the results are; a bar
+        on a terminal ends as it is)."""
         with self._lock:
             if self._closed:
                 return
@@ -151,7 +152,8 @@ class Progress:
             return
         elapsed = time.monotonic() - self._t0
         stop = ", interrupted" if interrupted else ""
-        self._line(f"{self.n}/{self.total} {self.unit}s in {format_seconds(elapsed)}{stop}{self._postfix()}")
+        end = f"; {note}" if note else ""
+        self._line(f"{self.n}/{self.total} {self.unit}s in {format_seconds(elapsed)}{stop}{self._postfix()}{end}")
 
     def __enter__(self) -> Progress:
         return self

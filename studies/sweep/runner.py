@@ -286,11 +286,19 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
     if label is not None and not isinstance(label, str):
         raise TypeError(f"label: expected a string, got {type(label).__name__}")
     tasks = expand_grid(grid)
+    if not tasks:
+        empty = [k for k, v in grid.items() if not len(v)] if isinstance(grid, Mapping) else []
+        raise ValueError("grid: no task to run (" + (f"no values for {', '.join(map(repr, empty))}" if empty else
+                                                     "an empty list of parameter dicts") + ")")
     _check_params(fn, tasks, isinstance(grid, Mapping))
     keys = [task_key(name, p) for p in tasks]
     store = SweepStore(out_dir)
     t_start = time.perf_counter()
-    store.lock()
+    try:
+        store.lock()
+    except OSError as exc:   # a read-only file system, a folder without write permission, a path through a file
+        raise OSError(exc.errno, f"out_dir: cannot write the sweep's folder {store.root}: "
+                                 f"{exc.strerror or exc}") from exc
     try:
         manifest = store.read_manifest()
         if manifest is not None and manifest.get("name") != name:
@@ -318,7 +326,9 @@ def run_sweep(fn: Callable[..., Mapping], grid, out_dir, *, backend: str = "auto
             n_run = _execute(runner, tasks, keys, todo, store, name, retries, bar)
             finished = True
         finally:
-            bar.close(interrupted=not finished)
+            failed = bar.postfix.get("failed", 0)
+            bar.close(interrupted=not finished,
+                      note=f"results in {store.root}" + (f" (failures.json: {failed} failed)" if failed else ""))
         result = _collect(store, name, tasks)
         result.n_resumed, result.n_run, result.n_corrupt = len(done), n_run, len(bad)
         result.backend, result.elapsed_s = backend, time.perf_counter() - t_start
@@ -357,6 +367,9 @@ def _execute(runner, tasks, keys, todo, store, name, retries, bar: Progress) -> 
                 while pending and len(inflight) < runner.window():
                     i = pending.popleft()
                     attempts[i] += 1
+                    if runner.name == "inprocess":
+                        # the task runs inside submit: the status the ticker shows meanwhile says one runs
+                        bar.set_postfix(done=bar.n, running=1, failed=n_failed)
                     inflight[runner.submit(tasks[i])] = i
             for fut in runner.wait(list(inflight), timeout=0.5):
                 i = inflight.pop(fut)
@@ -379,7 +392,8 @@ def _execute(runner, tasks, keys, todo, store, name, retries, bar: Progress) -> 
                            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **out}
                 store.write(keys[i], payload)
                 if out["status"] == "ok":
-                    bar.update(1)
+                    # the status with the count it prints (a line printed here showed the previous done=)
+                    bar.update(1, done=bar.n + 1, running=runner.running(len(inflight)), failed=n_failed)
                     log.debug("%s: %s done in %.2f s (pid %s)", name, tasks[i], out.get("elapsed_s", float("nan")),
                               out.get("pid"))
                 else:

@@ -110,6 +110,9 @@ def test_out_is_a_file_or_text_missing_one_line_and_usage_code(tmp_path, capsys)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is an existing file" in err and "Traceback" not in err
     assert f.read_text() == "not a folder"
+    # a path through a file: a usage error naming --out too (it exited 74, "cannot write the run's files")
+    assert main(["large_radius", "--tiny", "--out", str(f / "sub")]) == EXIT_USAGE
+    assert "--out: " in capsys.readouterr().err
     assert main(["real_models", "--tiny", "--out", str(tmp_path / "r"), "--text", str(tmp_path / "none.txt")]) \
         == EXIT_USAGE
     assert "--text: no text file" in capsys.readouterr().err
@@ -127,10 +130,11 @@ def test_cuda_without_a_device_is_a_usage_error(tmp_path, capsys, monkeypatch):
 def test_unwritable_output_folder_has_its_own_code_and_no_partial_file(tmp_path, capsys):
     under_a_file = tmp_path / "a_file"
     under_a_file.write_text("x")
-    # a folder that cannot be created (a path through a file): an I/O error, not a traceback
-    assert main(["large_radius", "--tiny", "--out", str(under_a_file / "sub")]) == EXIT_OUTPUT
+    # a folder that cannot be created (a path through a file): a usage error naming --out, found before any study
+    # (it was an I/O error, 74; the help lists a file given as --out among the usage errors), not a traceback
+    assert main(["large_radius", "--tiny", "--out", str(under_a_file / "sub")]) == EXIT_USAGE
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot write" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "--out: " in err and "is a file, not a folder" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("code, text", [(errno.ENOSPC, "No space left on device"),

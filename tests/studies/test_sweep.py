@@ -650,6 +650,24 @@ def test_grid_names_that_do_not_fit_fn_are_refused_before_any_task_runs(tmp_path
     assert run_sweep(dict, {"a": [1]}, tmp_path / "d", progress=False, name="d").rows == [{"a": 1}]
 
 
+def test_an_empty_grid_and_an_unwritable_folder_are_errors_naming_the_argument(tmp_path, monkeypatch):
+    """An empty grid returned ok with 0 tasks and a results.csv of one empty line; a read-only folder raised a bare
+    OSError on its lock file (a sweeps review)."""
+    for grid, what in (({"a": []}, "no values for 'a'"), ({"a": [1], "b": []}, "no values for 'b'"),
+                       ([], "an empty list of parameter dicts")):
+        with pytest.raises(ValueError, match=f"^grid: no task to run \\({what}\\)$"):
+            run_sweep(square, grid, tmp_path / "e", progress=False)
+    from studies.sweep import store as store_module
+
+    def read_only(self):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(store_module.SweepStore, "lock", read_only)
+    with pytest.raises(OSError, match="^.*out_dir: cannot write the sweep's folder .*: Read-only file system"):
+        run_sweep(square, {"a": [1]}, tmp_path / "ro", progress=False)
+    assert CALLS == []
+
+
 def test_an_out_dir_that_is_a_file_is_named(tmp_path):
     (tmp_path / "f").write_text("not a folder")
     with pytest.raises(ValueError, match=r"^out_dir: .*/f is an existing file, not a folder; give a folder path$"):
@@ -673,8 +691,33 @@ def test_progress_off_a_terminal_is_plain_lines_with_the_full_name(tmp_path, cap
     run_sweep(raises_on, {"a": [0, 1, 2], "bad": [1]}, tmp_path, retries=0, progress=True, name="x", label=name)
     err = capsys.readouterr().err
     assert err.splitlines() == [f"{name}: 0/3 tasks", f"{name}: 2/3 tasks in {err.split(' in ')[1].split(',')[0]}, "
-                                                      "done=2 running=0 failed=1"]
+                                                      f"done=2 running=0 failed=1; results in {tmp_path} "
+                                                      "(failures.json: 1 failed)"]
     assert "\r" not in err and "\x1b" not in err
+
+
+def test_a_progress_line_shows_the_status_of_its_own_count(tmp_path, capsys, monkeypatch):
+    """A line printed on a task's completion showed the status before it (39/48 tasks, done=38), and the in-process
+    backend said running=0 while its task ran (a sweeps review)."""
+    import time
+
+    from studies.sweep import progress as progress_module
+
+    monkeypatch.setattr(progress_module, "TICK_SECONDS", 0.02)
+    real = progress_module.Progress.__init__
+    monkeypatch.setattr(progress_module.Progress, "__init__",
+                        lambda self, *a, **k: real(self, *a, **{**k, "interval": 0.1}))
+
+    def slow(a):
+        time.sleep(0.25)
+        return {"y": a}
+
+    run_sweep(slow, {"a": [0, 1, 2, 3]}, tmp_path, backend="inprocess", progress=True, name="s", label="s")
+    lines = capsys.readouterr().err.splitlines()
+    for line in lines[1:-1]:
+        count = int(line.split(": ")[1].split("/")[0])
+        assert f"done={count} " in line, line
+    assert any("running=1" in line and "no task finished for" in line for line in lines), lines
 
 
 def test_a_step_longer_than_the_interval_shows_signs_of_life(capsys, monkeypatch):
