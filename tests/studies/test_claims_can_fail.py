@@ -783,9 +783,9 @@ def test_the_w2_claim_sees_a_squared_w2():
     assert dc.assignment_w2(torch.tensor([[0.0, 0.5], [5.0, 0.5]], dtype=torch.float64), Y) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="one count must divide the other"):
         dc.assignment_w2(X[:3], X)
-    rows = [{"n": 16, "w2_0": 0.3, "w2_T": 0.2, "w2_0_assignment": 0.3, "w2_T_assignment": 0.2}]
+    rows = [{"n": 16, "w2_check_0": 0.3, "w2_check_T": 0.2, "w2_0_assignment": 0.3, "w2_T_assignment": 0.2}]
     assert dc.w2_claim(rows).agrees
-    rows[0].update(w2_0=0.09, w2_T=0.04)
+    rows[0].update(w2_check_0=0.09, w2_check_T=0.04)
     assert not dc.w2_claim(rows).agrees
     assert not dc.w2_claim([{"n": 16, "w2_0": 0.3, "w2_T": 0.2}]).agrees    # nothing checked: fails
 
