@@ -499,7 +499,9 @@ def attention_lines(summary: dict, config: dict, *, markdown: bool = True) -> li
         e = summary["studies"][name]
         head = "**study failed**" if markdown else "STUDY FAILED"
         lines.append(f"{head} {code(name)}: {shorten(e.get('error', ''), 120)}. Next: its traceback is in the "
-                     f"`{name}` section below; run it alone with {code(study_command(config, name, config['grid']))}.")
+                     f"`{name}` section below; the run's own command, with the same --out, runs it again and keeps "
+                     f"the grid points that finished; or run it alone with "
+                     f"{code(study_command(config, name, config['grid']))}.")
     return lines
 
 

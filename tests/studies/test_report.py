@@ -110,6 +110,7 @@ def test_report_folder_config_and_markdown(tmp_path, fake_studies):
            "`meanfield zz_fake_ok --seed 3 --out runs/zz_fake_ok-full`" in top
     assert "**inconclusive** `zz_fake_ok-4`: undecided. Measured: p. Next: run the full grid" in top
     assert "**study failed** `zz_fake_fail`: RuntimeError: boom from the fake study." in top
+    assert "the run's own command, with the same --out, runs it again and keeps the grid points that finished" in top
     # the README's copy: the same summary lines and table, read back from the run folder
     excerpt = readme_excerpt(tmp_path)
     assert excerpt.endswith(claims_table(summary)) and claims_table(summary) in md
