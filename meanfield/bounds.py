@@ -16,7 +16,7 @@ Every function takes matrices as numpy arrays or torch tensors and returns a Pyt
 * mass splitting: :func:`query_term_norms`, :func:`split_constant` (docs/math.md section 4.7).
 
 Bounds containing ``exp(c R^2)`` accept ``log=True`` and then return the natural logarithm of the
-bound, finite while its exponent is (c R^2 below about 1.8e308: R up to about 1e154 for c = 1). Their plain
+bound, finite while its exponent is (c R^2 below about 1.8e308: R up to about 1e153 for c = 2). Their plain
 value is ``math.inf`` only when the true number exceeds the float64 range (about 1.8e308), and then with a
 :class:`BoundOverflowWarning` that gives the logarithm; so is a logarithm that overflows; never NaN.
 """
@@ -585,8 +585,10 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
     if norm == "2":
         terms = [(4.0 * c + 1.0) ** 2 * np.linalg.norm(q, 2) ** 4 * np.linalg.norm(v, 2) ** 2 / k
                  for q, v, k in zip(WQ, WV, ks)]
-        if N > 1e300 and sum(terms) > 0 and np.linalg.norm(wo, 2) > 0:
+        if N > 1e300:
             # sqrt(N) in logarithms: N an integer beyond float range (10^400), as the other bounds take it
+            if sum(terms) == 0 or np.linalg.norm(wo, 2) == 0:
+                return 0.0
             return _exp_or_inf(0.5 * math.log(N) + 0.5 * math.log(sum(terms)) + math.log(np.linalg.norm(wo, 2)),
                                "l2_attention_upper")
         return float(math.sqrt(N) * math.sqrt(sum(terms)) * np.linalg.norm(wo, 2))

@@ -98,7 +98,10 @@ class Trajectory:
         return self.points.shape[0]
 
     def __getitem__(self, k: int) -> Measure:
-        return self._template.with_points(self.points[k])
+        # the frame's points with the template's weights and positions, as they are (no copy: with_points copies
+        # points given to it, the caller's to change)
+        t = self._template
+        return Measure._trusted(self.points[k], t.weights, t.log_weights, t.positions)
 
     def __iter__(self) -> Iterator[Measure]:
         return (self[k] for k in range(len(self)))

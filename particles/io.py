@@ -426,7 +426,10 @@ def measure_from_arrays(arrays: dict, header: dict, name, *, device=None,
     vectors = {key: tensor_of(arrays, key, header, name, ndim=1, device=device) for key in keys}
     try:
         # the constructor's checks: finite points, log-weights that sum to one, positions in [0, 1]
-        checked = Measure(points, positions=vectors.get("positions"), log_weights=vectors["log_weights"])
+        # views: the constructor copies a tensor given to it as itself, and these were just read from the file
+        pos = vectors.get("positions")
+        checked = Measure(points.view_as(points), positions=None if pos is None else pos.view_as(pos),
+                          log_weights=vectors["log_weights"].view_as(vectors["log_weights"]))
     except (ValueError, TypeError) as exc:
         raise FileFormatError(f"{name}: not a valid measure: {exc}") from exc
     w = vectors["weights"]

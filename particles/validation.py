@@ -119,7 +119,9 @@ def unshared(t: torch.Tensor, given) -> torch.Tensor:
     if isinstance(given, torch.Tensor):
         shared = t is given
     elif isinstance(given, np.ndarray):
-        shared = t.device.type == "cpu" and not t.requires_grad and np.may_share_memory(t.numpy(), given)
+        # a dtype numpy has no counterpart of (bfloat16) came from a conversion, so from a copy
+        shared = (t.device.type == "cpu" and not t.requires_grad and t.dtype != torch.bfloat16
+                  and np.may_share_memory(t.numpy(), given))
     else:
         shared = False
     return t.clone() if shared else t

@@ -30,8 +30,10 @@ __all__ = ["integrator_rows", "integrator_claim", "assignment_w2", "w2_claim", "
 #: the error ratio per halving of the step that a fourth-order method shows (16), with room for the
 #: higher-order terms at these steps (15.0 to 17.9 measured); a second-order method gives about 4, Euler 2
 ORDER_RANGE = (12.0, 20.0)
-#: the largest error allowed at the finest step (relative to the largest coordinate): measured 8e-8 to 3e-9
-ORDER_FLOOR = 1e-6
+#: the largest error allowed at the finest step (relative to the largest coordinate): 3e-9 to 4e-9 at seed 0, at
+#: most 3e-6 over seeds 0 to 199 (the Euclidean case's random A and V set it); a field other than the formula's
+#: leaves an error of order 1, which the ratios (near 1) catch as well
+ORDER_FLOOR = 1e-4
 #: relative agreement of two exact W2 solvers (POT's network simplex and scipy's assignment)
 W2_TOL = 1e-9
 

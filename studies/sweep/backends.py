@@ -14,6 +14,7 @@ import os
 import pickle
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -79,13 +80,20 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(pid: int, started: str | None) -> bool:
+    """Whether the process ``pid`` started at ``started`` runs: gone, a zombie (killed, not reaped yet: its /proc
+    entry stays) or another process given the same pid are not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:   # a process of another user holds the pid now
         return False
-    return started is None or _start_time(pid) == started
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return True       # no /proc here: the pid exists
+    return fields[0] != "Z" and (started is None or fields[19] == started)
 
 
 def _exit_with(pid: int, started: str | None) -> None:
@@ -347,11 +355,11 @@ class _Dask:
 
     def close(self, cancel: bool) -> None:
         if self._own_client:
+            self.client.close()
             if cancel and self._cluster is not None:
                 # an interrupted sweep: its tasks may still run on the shared cluster's workers, so that cluster
-                # goes with it (the next sweep starts a fresh one)
-                close_local_clusters()
-            self.client.close()
+                # goes with it (the next sweep starts a fresh one); the process's other clusters stay
+                close_local_clusters(self._cluster)
 
 
 #: the local Dask clusters of backend="dask" without a scheduler, by number of workers: one per process, shared
@@ -360,29 +368,36 @@ class _Dask:
 _LOCAL_CLUSTERS: dict[int, tuple] = {}
 
 
+_CLUSTERS_LOCK = threading.Lock()
+
+
 def shared_local_cluster(n_workers: int) -> tuple[tuple, bool]:
     """((cluster, security), started): this process's :func:`local_cluster` of ``n_workers`` workers, started on
-    the first call (``started`` True) and reused while it runs."""
-    found = _LOCAL_CLUSTERS.get(n_workers)
-    if found is not None and str(getattr(found[0], "status", "")).endswith("running"):
-        return found, False
-    if found is not None:
-        _LOCAL_CLUSTERS.pop(n_workers, None)
-    if not _LOCAL_CLUSTERS:
-        import atexit
+    the first call (``started`` True) and reused while it runs. Its workers keep what tasks loaded (a model, a
+    cache) from one sweep to the next, as long as the process runs. Thread-safe: two sweeps that start together
+    get one cluster."""
+    with _CLUSTERS_LOCK:
+        found = _LOCAL_CLUSTERS.get(n_workers)
+        if found is not None and str(getattr(found[0], "status", "")).endswith("running"):
+            return found, False
+        if not _LOCAL_CLUSTERS:
+            import atexit
 
-        atexit.unregister(close_local_clusters)
-        atexit.register(close_local_clusters)
-    _LOCAL_CLUSTERS[n_workers] = local_cluster(n_workers)
-    return _LOCAL_CLUSTERS[n_workers], True
+            atexit.unregister(close_local_clusters)
+            atexit.register(close_local_clusters)
+        _LOCAL_CLUSTERS[n_workers] = local_cluster(n_workers)
+        return _LOCAL_CLUSTERS[n_workers], True
 
 
-def close_local_clusters() -> None:
-    """Close the local Dask clusters this process's sweeps started (at exit, or to free their workers sooner)."""
-    while _LOCAL_CLUSTERS:
-        _, (cluster, _security) = _LOCAL_CLUSTERS.popitem()
+def close_local_clusters(cluster=None) -> None:
+    """Close the local Dask clusters this process's sweeps started (at exit, or to free their workers sooner); only
+    ``cluster`` when it is given."""
+    with _CLUSTERS_LOCK:
+        chosen = [k for k, (c, _) in _LOCAL_CLUSTERS.items() if cluster is None or c is cluster]
+        closing = [_LOCAL_CLUSTERS.pop(k)[0] for k in chosen]
+    for c in closing:
         try:
-            cluster.close()
+            c.close()
         except Exception as exc:  # noqa: BLE001 - a cluster already gone at exit
             log.debug("closing a local Dask cluster: %s", exc)
 

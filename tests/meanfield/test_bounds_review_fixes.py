@@ -159,6 +159,8 @@ def test_kim_bound_takes_a_length_beyond_float_range():
     c_big, c_ref = (bounds.lambert_phi_inverse(10**k - 1) for k in (400, 300))
     assert big == pytest.approx(ref * 1e50 * (4 * c_big + 1) / (4 * c_ref + 1), rel=1e-12)
     assert math.isfinite(bounds.l2_attention_upper(WQ, WV, None, 10**400, norm="inf"))
+    assert bounds.l2_attention_upper(np.zeros((4, 2)), WV, None, 10**400) == 0.0      # a bound of 0, not an error
+    assert bounds.l2_attention_upper(WQ, np.zeros((4, 2)), None, 10**400) == 0.0
 
 
 def test_an_overflowing_usa_field_is_named_as_such():

@@ -114,3 +114,13 @@ def test_a_header_of_bytes_is_named_as_the_header(tmp_path):
     np.savez(tmp_path / "bad.npz", **arrays)
     with pytest.raises(FileFormatError, match="the 'header' entry is not a JSON text"):
         load_measure(tmp_path / "bad.npz")
+
+
+def test_bfloat16_measures_from_numpy_arrays():
+    """A tensor in a dtype numpy has no counterpart of cannot share a numpy array's memory: the check of that raised
+    numpy's TypeError for bfloat16 (a review of the copying change)."""
+    X, w = np.random.default_rng(0).random((4, 2)), np.full(4, 0.25)
+    for mu in (Measure(X, dtype=torch.bfloat16), Measure(torch.tensor(X).bfloat16(), w),
+               Measure(torch.tensor(X).bfloat16(), log_weights=np.log(w))):
+        assert mu.dtype == torch.bfloat16 and mu.n == 4
+    assert Measure(X, dtype=torch.bfloat16).with_points(X).dtype == torch.bfloat16

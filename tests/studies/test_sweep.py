@@ -415,6 +415,40 @@ def test_two_sweeps_of_one_process_share_one_local_cluster(tmp_path, caplog):
     assert not backends._LOCAL_CLUSTERS and str(cluster.status).endswith("closed")
 
 
+def test_closing_one_shared_cluster_leaves_the_others_and_a_zombie_driver_is_dead(monkeypatch):
+    """An interrupted sweep closes its own shared cluster, not the process's others (it closed them all); and the
+    pool workers' watch counts a driver killed but not yet reaped (a zombie, its /proc entry still there) as gone."""
+    from studies.sweep import backends
+
+    class Fake:
+        status = "Status.running"
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    a, b = Fake(), Fake()
+    monkeypatch.setattr(backends, "_LOCAL_CLUSTERS", {1: (a, None), 2: (b, None)})
+    backends.close_local_clusters(a)
+    assert a.closed and not b.closed and list(backends._LOCAL_CLUSTERS) == [2]
+    backends.close_local_clusters()
+    assert b.closed and not backends._LOCAL_CLUSTERS
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        deadline = time.monotonic() + 10
+        while backends._alive(pid, backends._start_time(pid)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with open(f"/proc/{pid}/stat") as fh:          # exited, not reaped: a zombie
+            assert fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert not backends._alive(pid, None)
+    finally:
+        os.waitpid(pid, 0)
+    assert backends._alive(os.getpid(), backends._start_time(os.getpid()))
+
+
 def test_localcluster_survives_a_killed_worker(tmp_path, caplog):
     pytest.importorskip("distributed")
     from studies.sweep import backends
