@@ -88,13 +88,16 @@ def write_csv(rows: Iterable[Mapping], path) -> Path:
 
 
 def read_csv(path) -> list[dict]:
-    """Read a table written by :func:`write_csv`, converting numeric fields back to numbers."""
+    """Read a table written by :func:`write_csv`, converting numeric fields back to numbers: the fields that
+    :func:`write_csv` writes for a number (Python's repr: a string "007" or "1.50" stays a string)."""
     def conv(v: str):
         for t in (int, float):
             try:
-                return t(v)
+                x = t(v)
             except ValueError:
-                pass
+                continue
+            if repr(x) == v:
+                return x
         return {"True": True, "False": False, "": None}.get(v, v)
 
     with Path(path).open(newline="") as fh:

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -1039,3 +1040,18 @@ def test_an_interrupted_process_sweep_stops_its_running_tasks(tmp_path):
         timer.cancel()
     assert time.perf_counter() - t0 < 30
     assert seen and not any(p.is_alive() for p in seen)
+
+
+def test_read_csv_gives_back_numbers_and_keeps_strings_that_only_look_like_them(tmp_path):
+    """read_csv turned the string "007" into 7 and "1.50" into 1.5 (a new user's review): a field is a number only
+    where it is the text write_csv writes for one (Python's repr)."""
+    from studies.io import read_csv, write_csv
+
+    row = {"a": 1, "b": 0.1, "c": "007", "d": math.nan, "e": True, "f": "1.50", "g": 1e-5, "h": math.inf,
+           "i": 12345678901234567890, "j": "nan-ish"}
+    write_csv([row], tmp_path / "t.csv")
+    back = read_csv(tmp_path / "t.csv")[0]
+    assert back["c"] == "007" and back["f"] == "1.50" and back["j"] == "nan-ish" and back["e"] is True
+    assert math.isnan(back["d"]) and back["h"] == math.inf
+    assert {k: back[k] for k in "abgi"} == {k: row[k] for k in "abgi"}
+    assert type(back["a"]) is int and type(back["i"]) is int
