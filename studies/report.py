@@ -394,6 +394,11 @@ def _command_words(config: dict) -> list[str]:
     if words and (words[0].endswith(("meanfield", "cli.py")) or Path(words[0]).parts[-2:] == ("studies",
                                                                                              "__main__.py")):
         words[0] = "meanfield"  # the console script's full path is machine-specific (python -m studies too)
+    sweep = config.get("sweep") or {}
+    if sweep.get("backend") == "inprocess" or (sweep.get("backend") == "auto" and sweep.get("scheduler") is None):
+        # the tasks ran in this process: --workers was not used, and a command that kept it printed a note on
+        # every rerun (studies.sweep.options)
+        words = _drop_option(words, "--workers")
     return words
 
 

@@ -304,6 +304,10 @@ def test_python_m_studies_runs_the_processes_backend_and_resumes_as_meanfield(tm
     assert config["command"][0].endswith("__main__.py")
     assert resume_command(config) == (f"meanfield reproduce --tiny --only l2_attention --backend processes "
                                       f"--workers 2 --out {out}")
+    # in-process, --workers was not used: the commands for the reader drop it (a note on every rerun otherwise)
+    inproc = {**config, "command": [*config["command"][:-6], "--backend", "inprocess", "--workers", "2", "--out",
+                                    str(out)], "sweep": {**config["sweep"], "backend": "inprocess"}}
+    assert resume_command(inproc) == f"meanfield reproduce --tiny --only l2_attention --backend inprocess --out {out}"
 
 
 def test_a_folder_of_other_files_named_like_a_runs_is_refused_and_kept(tmp_path, capsys):
