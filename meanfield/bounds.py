@@ -122,12 +122,12 @@ class BoundOverflowWarning(RuntimeWarning):
     logarithm (``log=True`` where the function has it) is the number to use."""
 
 
-def _log_or_inf(log_value: float, what: str) -> float:
+def _log_or_inf(log_value: float, what: str, stacklevel: int = 3) -> float:
     """``log_value`` for a ``log=True`` caller, with a :class:`BoundOverflowWarning` where it is inf (the exponent
-    itself beyond float64's range)."""
+    itself beyond float64's range, R above about 1e153: math.exp(inf) raises nothing, so it is warned here)."""
     if log_value == math.inf:
         warnings.warn(f"{what}: the bound's logarithm exceeds float64's range (the exponent overflows); returned "
-                      "inf", BoundOverflowWarning, stacklevel=3)
+                      "inf", BoundOverflowWarning, stacklevel=stacklevel)
     return log_value
 
 
@@ -137,12 +137,7 @@ def _exp_or_inf(log_value: float, what: str | None = None, log_option: bool = Fa
     if log_value == -math.inf:
         return 0.0
     if log_value == math.inf:
-        # the logarithm itself overflowed (||A|| R^2 beyond float64's range, R above about 1e154): no exception
-        # from math.exp(inf), so warned here
-        if what is not None:
-            warnings.warn(f"{what}: the bound's logarithm exceeds float64's range (the exponent overflows); "
-                          "returned inf", BoundOverflowWarning, stacklevel=3)
-        return math.inf
+        return math.inf if what is None else _log_or_inf(log_value, what, stacklevel=4)
     try:
         return math.exp(log_value)
     except OverflowError:

@@ -333,7 +333,7 @@ class Measure:
                  positions: bool = False) -> Measure:
         """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
         positions = check_bool(positions, "positions")
-        check_device(device)
+        device = check_device(device)
         check_positive_int(n, "n")
         m = as_tensor(mean, "mean", dtype=_measure_dtype(dtype))
         check_ndim(m, "mean", 1, "a vector")
@@ -350,7 +350,7 @@ class Measure:
         _check_sample_memory(n, d, m.dtype, "Measure.gaussian")
         g = make_generator(seed)
         Z = torch.randn(n, d, generator=g, dtype=m.dtype)
-        X = (m + Z @ L.T).to(check_device(device) or "cpu")
+        X = (m + Z @ L.T).to(device or "cpu")
         return cls.sequence(X) if positions else cls(X)
 
     # ------------------------------------------------------------------ operations
@@ -611,7 +611,7 @@ def _measure_dtype(dtype) -> torch.dtype | None:
 
 
 def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
-    check_device(device)
+    device = check_device(device)
     check_positive_int(n, "n")
     check_positive_int(dim, "dim")
     R = check_radius(radius, "radius")
@@ -620,8 +620,7 @@ def _sample_sphere(n, dim, radius, seed, dtype, device) -> torch.Tensor:
     Z = torch.randn(n, dim, generator=g, dtype=_measure_dtype(dtype) or torch.float64)
     norms = Z.norm(dim=1, keepdim=True)
     norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-    # computed norms <= R, as B_R promises
-    return into_ball(R * Z / norms, R).to(check_device(device) or "cpu")
+    return into_ball(R * Z / norms, R).to(device or "cpu")   # computed norms <= R, as B_R promises
 
 
 def _group_labels(X: np.ndarray, atol: float) -> np.ndarray:

@@ -272,14 +272,13 @@ def check_run(ctx, names, environ: Mapping | None = None, *, scheduler_option: s
     :func:`studies.sweep.scheduler_from_environment`): the messages about the scheduler name it.
     """
     from .contract import readers, registry
+    from .sweep.files import _file_in_the_way
 
-    if ctx.out.exists() and not ctx.out.is_dir():
+    blocker = _file_in_the_way(ctx.out)
+    if blocker == ctx.out:
         raise UsageError(f"--out: {ctx.out} is an existing file; give a folder")
-    for parent in ctx.out.parents:   # a path through a file (runs/afile/sub) cannot be created either
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"--out: {ctx.out} cannot be created: {parent} is a file, not a folder")
-            break
+    if blocker is not None:   # a path through a file (runs/afile/sub) cannot be created either
+        raise UsageError(f"--out: {ctx.out} cannot be created: {blocker} is a file, not a folder")
     check_run_folder(ctx.out)
     check_device(ctx.device)
     check_text(ctx.text)

@@ -127,8 +127,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 #: relative agreement of the dense kernel with attention written out in numpy: two float64 evaluations of one
 #: formula in another order (measured: 6e-16 to 4e-15 at n <= 2100, 9e-15 for the 8200 sphere tokens); a
-#: transposed V, a mask reversed or the weights dropped
-#: move them by far more
+#: transposed V, a mask reversed or the weights dropped move them by far more
 FORMULA_TOL = 1e-13
 
 

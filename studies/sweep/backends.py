@@ -60,8 +60,6 @@ def _worker_init(parent: tuple[int, str | None] | None = None) -> None:
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = "1"
     if parent is not None:
-        import threading
-
         threading.Thread(target=_exit_with, args=parent, name="sweep-parent-watch", daemon=True).start()
 
 
@@ -69,14 +67,22 @@ def _worker_init(parent: tuple[int, str | None] | None = None) -> None:
 PARENT_POLL = 1.0
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux's /proc/PID/stat, field 22), which tells a
-    process from a later one given the same pid; None where /proc does not say."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of Linux's /proc/PID/stat after the command name (state first, start time 20th), or None where
+    /proc does not say."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[19]
+            fields = fh.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    return fields if len(fields) > 19 else None
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat, field 22), which tells a process from a
+    later one given the same pid; None where /proc does not say."""
+    fields = _proc_stat(pid)
+    return None if fields is None else fields[19]
 
 
 def _alive(pid: int, started: str | None) -> bool:
@@ -88,10 +94,8 @@ def _alive(pid: int, started: str | None) -> bool:
         return False
     except PermissionError:   # a process of another user holds the pid now
         return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
+    fields = _proc_stat(pid)
+    if fields is None:
         return True       # no /proc here: the pid exists
     return fields[0] != "Z" and (started is None or fields[19] == started)
 
@@ -366,8 +370,6 @@ class _Dask:
 #: by its sweeps (a report's grids are a dozen sweeps; a cluster each cost seconds of start-up and shut-down and
 #: printed the nannies' warnings every time), closed when the process exits (:func:`close_local_clusters`)
 _LOCAL_CLUSTERS: dict[int, tuple] = {}
-
-
 _CLUSTERS_LOCK = threading.Lock()
 
 
