@@ -97,6 +97,11 @@ def main(argv=None) -> int:
             t_lip, res = timed(lipschitz_task, g, tmp / f"lip-{label}", **kw)
             rows.append((label, workers, t_noop, t_lip, compute_s(res)))
             tables[label] = res.rows
+        # the sweep's local cluster outlives it (shared by a process's sweeps since 2026-11-29): closed here, untimed,
+        # so that its idle workers do not sit beside the warm cluster below
+        from studies.sweep.backends import close_local_clusters
+
+        close_local_clusters()
         import distributed
 
         with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
