@@ -21,7 +21,8 @@ import torch
 from particles import Measure
 from particles.validation import as_tensor, check_bool, check_device, float_dtype
 
-from .kernels import additive_mask, silence_blind_rows
+from .kernel_inputs import silence_blind_rows
+from .kernels import additive_mask
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 

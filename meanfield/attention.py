@@ -28,7 +28,8 @@ import torch
 
 from particles.validation import as_tensor, check_bool, check_ndim, float_dtype
 
-from .kernels import attend, seen_positions, silence_blind_rows
+from .kernel_inputs import seen_positions, silence_blind_rows
+from .kernels import attend
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 

@@ -33,7 +33,8 @@ import torch
 
 from particles.validation import broadcast_shapes, check_bool, check_device, float_dtype
 
-from .kernels import additive_mask, silence_blind_rows
+from .kernel_inputs import silence_blind_rows
+from .kernels import additive_mask
 from .operator import AttentionOperator, sequence_positions
 from .parameters import Head, Parameters
 

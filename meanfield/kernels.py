@@ -70,7 +70,8 @@ from particles.validation import (
 )
 
 from . import accelerator_paths as _paths
-from .streamed_attention import _transforms_active, _vmapped_size, one_query_set, sequence_mask, shared_keys
+from .kernel_inputs import check_shapes, needs_derivatives, tf32_on, transforms_active, zero_blind_rows
+from .streamed_attention import _vmapped_size, one_query_set, sequence_mask, shared_keys
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
            "rows_attend", "STREAM_THRESHOLD",
@@ -212,68 +213,9 @@ def _score_entries(q, k, log_weights, q_pos, k_pos) -> int:
         entries = math.prod(lead) * q.shape[-2] * k.shape[-2]
     else:
         entries = broadcast_shapes(lead, *others).numel() * q.shape[-2] * k.shape[-2]
-    if _transforms_active():
+    if transforms_active():
         entries *= _vmapped_size(q, k, log_weights, q_pos, k_pos)
     return entries
-
-
-def _check_shapes(q, k, v, log_weights, q_pos, k_pos) -> None:
-    """Type, dtype, device and shape errors that name the argument (cheap: no data is read; the common
-    case, three floating tensors on one device, costs a few attribute reads)."""
-    if (log_weights is None and q_pos is None and k_pos is None and type(q) is type(k) is type(v) is torch.Tensor
-            and q.dtype == k.dtype == v.dtype and q.dtype.is_floating_point and q.dim() == k.dim() == v.dim() == 2
-            and q.shape[1] == k.shape[1] and k.shape[0] == v.shape[0] and k.shape[0] > 0
-            and q.device == k.device == v.device):
-        return   # the commonest call (unbatched, no weights or positions): everything below holds
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} (convert with torch.as_tensor)")
-        if t.dim() < 2:
-            raise ValueError(f"{name}: expected a tensor of shape (..., rows, features), got {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name}: expected a floating tensor (torch.float64, float32, ...), got {t.dtype}; "
-                            "convert with .to(torch.float64)")
-    others = [(name, t) for name, t in (("log_weights", log_weights), ("q_pos", q_pos), ("k_pos", k_pos))
-              if t is not None]
-    for name, t in others:
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch tensor, got {type(t).__name__} (convert with torch.as_tensor)")
-        if name != "log_weights" and (t.is_complex() or t.dtype == torch.bool):
-            raise TypeError(f"{name}: expected real positions, got {t.dtype}")
-    if k.device != q.device or v.device != q.device or any(t.device != q.device for _, t in others):
-        devices = sorted({str(t.device) for t in (q, k, v, log_weights, q_pos, k_pos) if t is not None})
-        raise ValueError(f"q, k, v, log_weights, q_pos, k_pos: tensors on several devices {devices}; move them to "
-                         "one device")
-    if k.shape[-2] == 0:
-        raise ValueError(f"k: no keys (shape {tuple(k.shape)}): attention needs at least one key")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q, k: queries have {q.shape[-1]} features and keys {k.shape[-1]}; they must agree")
-    if v.shape[-2] != k.shape[-2]:
-        raise ValueError(f"v: expected one value per key ({k.shape[-2]}), got shape {tuple(v.shape)}")
-    if log_weights is not None and log_weights.shape[-1] != k.shape[-2]:
-        raise ValueError(f"log_weights: expected one entry per key ({k.shape[-2]}), "
-                         f"got shape {tuple(log_weights.shape)}")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v: expected one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}; convert with "
-                        ".to(dtype) (a Measure: mu.to(dtype=...); an operator: SelfAttention(..., dtype=...))")
-    if log_weights is not None and log_weights.dtype != q.dtype:
-        raise TypeError(f"log_weights: expected dtype {q.dtype} like q, k, v, got {log_weights.dtype}")
-    if (q_pos is None) != (k_pos is None):
-        raise ValueError("q_pos, k_pos: give both positions (masked attention) or neither")
-    if q_pos is not None:
-        if q_pos.shape[-1] != q.shape[-2]:
-            raise ValueError(f"q_pos: expected one position per query ({q.shape[-2]}), got shape {tuple(q_pos.shape)}")
-        if k_pos.shape[-1] != k.shape[-2]:
-            raise ValueError(f"k_pos: expected one position per key ({k.shape[-2]}), got shape {tuple(k_pos.shape)}")
-    lead = q.shape[:-2]
-    if k.shape[:-2] == lead and v.shape[:-2] == lead and all(t.shape[:-1] == lead for _, t in others):
-        return
-    leads = {"q": lead, "k": k.shape[:-2], "v": v.shape[:-2], **{name: t.shape[:-1] for name, t in others}}
-    try:
-        broadcast_shapes(*leads.values())
-    except RuntimeError:
-        raise ValueError("q, k, v, log_weights, q_pos, k_pos: batch dimensions do not broadcast ("
-                         + ", ".join(f"{n} {tuple(s)}" for n, s in leads.items()) + ")") from None
 
 
 def _check_block_size(block_size):
@@ -321,7 +263,7 @@ def _plain_probs(q, k, log_weights, q_pos, k_pos) -> torch.Tensor:
 def _checks_skipped() -> bool:
     """Whether :func:`_check_output` checks nothing here (torch.func transforms, forward-mode AD, or a caller
     that checks its own results)."""
-    return _transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred()
+    return transforms_active() or _forward_ad._current_level >= 0 or output_checks_are_deferred()
 
 
 def _position_sum(q_pos, k_pos):
@@ -404,16 +346,6 @@ def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=Non
                              f"overflow {q.dtype} at these inputs (beyond the dtype's range); use {fix}")
 
 
-def _needs_derivatives(*tensors) -> bool:
-    """Whether the result may be differentiated: an input requires grad (reverse mode), a
-    forward-AD level is open, or a torch.func transform is active (they wrap their inputs)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return True
-    if _forward_ad._current_level >= 0:
-        return True
-    return _transforms_active()
-
-
 #: (device type, dtypes) where scaled_dot_product_attention has a fused kernel (CUDA float64 runs the
 #: math backend, which materializes the scores)
 _FUSED_DTYPES = {
@@ -451,8 +383,8 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
         fused_at, stream_at = FUSED_THRESHOLD, STREAM_THRESHOLD
     if entries <= min(fused_at, stream_at):
         return "dense", None
-    if _needs_derivatives(q, k, v, log_weights):
-        if threshold is None and _transforms_active():
+    if needs_derivatives(q, k, v, log_weights):
+        if threshold is None and transforms_active():
             stream_at = TRANSFORM_STREAM_THRESHOLD
         return ("dense" if entries <= stream_at else "stream"), None
     if q.dtype not in _FUSED_DTYPES.get(q.device.type, ()):
@@ -479,7 +411,7 @@ def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=
     if entries is None:
         entries = _score_entries(q, k, log_weights, q_pos, None)
     floor = SERIES_THRESHOLD if q.device.type == "cpu" else SERIES_THRESHOLD_ACCELERATOR
-    if entries <= max(floor, threshold or 0) or _needs_derivatives(q, k, v, log_weights):
+    if entries <= max(floor, threshold or 0) or needs_derivatives(q, k, v, log_weights):
         return False
     from . import series_attention as series
 
@@ -518,8 +450,8 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=N
     the path depends on it (not for the dense path, nor for derivatives: then causal is None)."""
     if entries is None:
         entries = _score_entries(q, k, log_weights, q_pos, k_pos)
-    transforms = _transforms_active()
-    derivatives = _needs_derivatives(q, k, v, log_weights)
+    transforms = transforms_active()
+    derivatives = needs_derivatives(q, k, v, log_weights)
     device_type, m, n = q.device.type, q.shape[-2], k.shape[-2]
     read = []
 
@@ -572,15 +504,16 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     :func:`attention_probs`, which is most of a small call's cost on a GPU): it differs from attention_probs
     only on rows with no visible key of positive weight, which it leaves NaN, so a finite output (the sum the
     output check computes anyway) is the exact result; attention_probs's guarded formula otherwise. Inside
-    :func:`particles.validation.output_checks_deferred` a forward pass sets those rows from :func:`_dead_rows` at
-    once (no sum, no host sync; a NaN query position then gives a NaN row, which the caller's check meets, where
+    :func:`particles.validation.output_checks_deferred` a forward pass sets those rows from
+    :func:`~meanfield.kernel_inputs.dead_rows` at once (no sum, no host sync; a NaN query position then gives a NaN
+    row, which the caller's check meets, where
     the guarded formula would give a silent zero row), after reading the plain output's sum where that costs less
     (:func:`_sum_first`: on the CPU, and for small calls on an accelerator); and so does a checked forward pass
     whose queries have positions of their own (``q_pos`` not ``k_pos``: about half of random queries see no key),
     checked once."""
     if log_weights is None and q_pos is None:
         return _check_output(compute(attention_probs), q, k, v, log_weights, q_pos=q_pos, k_pos=k_pos)
-    forward = not _needs_derivatives(q, k, v, log_weights)
+    forward = not needs_derivatives(q, k, v, log_weights)
     deferred = output_checks_are_deferred()
     if forward and deferred:
         # for a caller that checks its own results (simulate): the rows that see no key of positive weight set at
@@ -591,7 +524,7 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
         out = compute(_plain_probs)
         if _sum_first(q, k, q_pos, k_pos) and math.isfinite(float(out.detach().sum())):
             return out
-        return _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
+        return zero_blind_rows(out, v, log_weights, q_pos, k_pos)
     # a NaN key position is masked for every query (dropped, the output finite): its sum rides in the output's
     # check (:func:`_position_sum`; not needed when the keys' positions are the queries': their NaN also makes a
     # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
@@ -601,7 +534,7 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     if forward and positions is not None:
         # queries with positions of their own (half of random queries see no key): their rows set as above, then
         # one sum and one host sync
-        out = _zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
+        out = zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
         if _sum_is_finite(out.detach().sum() + positions, floor, log_weights):
             return out
     elif not _checks_skipped():
@@ -617,7 +550,7 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
             # rows; set them, instead of computing every row again. One more sum and host sync (the rows are 0 @ v
             # in the guarded formula: NaN where v holds a NaN or an infinity, reported below)
             # (no key positions of their own here: those take the branch above)
-            out = _zero_blind_rows(out, v, log_weights, q_pos, k_pos)
+            out = zero_blind_rows(out, v, log_weights, q_pos, k_pos)
             if math.isfinite(float(out.detach().sum())):
                 return out
     # the plain pass released before the guarded one: with derivatives its graph holds score-sized tensors
@@ -646,51 +579,6 @@ def _sum_first(q, k, q_pos, k_pos) -> bool:
     return batch * q.shape[-2] * k.shape[-2] <= SUM_FIRST_ENTRIES
 
 
-def _zero_blind_rows(out, v, log_weights, q_pos, k_pos) -> torch.Tensor:
-    """``out`` with the rows that see no key of positive weight (:func:`_dead_rows`) set to what the guarded formula
-    of :func:`attention_probs` gives them, 0 @ v: zeros, NaN in the columns where v holds a NaN or an infinity."""
-    return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), (v * 0).sum(dim=-2, keepdim=True), out)
-
-
-def silence_blind_rows(out, log_weights, q_pos, k_pos, bias=None) -> torch.Tensor:
-    """``out`` (..., m, c), a layer's output, with the rows of queries that see no key of positive weight set to
-    what zero heads give (docs/math.md section 2): the output projection's ``bias``, zeros for None. For
-    adapters whose module has no such rule (an additive mask of finite values makes such a row the average of
-    every key, later ones included)."""
-    if log_weights is None and q_pos is None:
-        return out
-    silent = out.new_zeros(out.shape[-1]) if bias is None else bias.detach().to(out.dtype)
-    return torch.where(_dead_rows(log_weights, q_pos, k_pos).unsqueeze(-1), silent, out)
-
-
-def _dead_rows(log_weights, q_pos, k_pos) -> torch.Tensor:
-    """Rows that see no key of positive weight, (..., m) or (..., 1), as :func:`attention_probs` decides
-    them, from O(m + n) reductions: q_pos_i below the first position of a key of positive weight. A NaN
-    position or weight makes no row dead here (the guarded formula then decides: a NaN weight gives a NaN output,
-    and a NaN position is reported by :func:`_check_output`; with checks deferred, a NaN key position makes every
-    row that sees no key NaN, where the guarded formula drops that key silently)."""
-    seen = None if log_weights is None else log_weights != float("-inf")
-    if q_pos is None:
-        return ~seen.any(dim=-1, keepdim=True)
-    # compared in the dtype torch compares q_pos and k_pos in (integer key positions against float queries:
-    # float64 keeps integers above 2^24 that the default float32 would round)
-    common = torch.promote_types(q_pos.dtype, k_pos.dtype)
-    first = seen_positions(k_pos.to(common), seen)
-    dead = q_pos.to(common) < first.amin(dim=-1, keepdim=True)
-    # every weight zero: every row is dead, also a query at +inf (or the integer maximum), which no moved key is past
-    return dead if seen is None else dead | ~seen.any(dim=-1, keepdim=True)
-
-
-def seen_positions(k_pos, seen) -> torch.Tensor:
-    """The key positions with those of keys of zero weight (``seen`` False) moved past every other (to the
-    dtype's largest value): their minimum is the first position of a key of positive weight. ``seen`` None:
-    ``k_pos`` as it is."""
-    if seen is None:
-        return k_pos
-    last = math.inf if k_pos.is_floating_point() else torch.iinfo(k_pos.dtype).max
-    return torch.where(seen, k_pos, torch.full((), last, dtype=k_pos.dtype, device=k_pos.device))
-
-
 _TF32_WARNED = []
 
 
@@ -701,9 +589,7 @@ def _warn_tf32(q) -> None:
     about 5e-4: an error of about 5 in the exponent at |s| = 1e4 (radius 100)."""
     if _TF32_WARNED:
         return
-    from .series_attention import _tf32_on
-
-    if _tf32_on(q):
+    if tf32_on(q):
         _TF32_WARNED.append(True)
         warnings.warn("attend: float32 matrix products on CUDA run in TF32 (torch.backends.cuda.matmul is set so): "
                       "attention scores carry a relative error of about 5e-4, which large radii turn into large "
@@ -722,7 +608,7 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     needed), or "auto" (:func:`choose`: the fastest path for the size,
     mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
     """
-    _check_shapes(q, k, v, log_weights, q_pos, k_pos)
+    check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)
     if q.dtype == torch.float32 and q.device.type == "cuda":
         _warn_tf32(q)

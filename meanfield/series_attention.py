@@ -57,6 +57,8 @@ import torch
 
 from particles.validation import broadcast_shapes
 
+from .kernel_inputs import check_shapes, needs_derivatives, tf32_on, zero_blind_rows
+
 __all__ = ["SeriesPlan", "plan", "series_attend", "kernel_sum", "pinned", "box", "tail_bound", "error_bound",
            "feature_count", "features", "cost", "dense_cost", "MAX_RADIUS", "MAX_FEATURES", "MAX_DEGREE", "COST_RATIO"]
 
@@ -235,14 +237,13 @@ def _powers(y: torch.Tensor, K: int, inplace: bool | None = None, out: torch.Ten
     (no gather). Written in place where no derivative is taken (``inplace``; None: where no derivative may be taken
     of y), concatenated otherwise (autograd, forward mode). ``out``: where to write them in place, a buffer
     (..., M, >= rows) reused from block to block (its first ``rows`` columns)."""
-    from .kernels import _needs_derivatives
 
     e, rows = y.shape[-1], y.shape[-2]
     yt = y.transpose(-1, -2).unsqueeze(-2)        # (..., e, 1, rows)
     M = feature_count(e, K)
     counts = [1] * e                               # monomials of the previous degree whose last variable is <= j
     if inplace is None:
-        inplace = not _needs_derivatives(y)
+        inplace = not needs_derivatives(y)
     if inplace:
         if out is None:
             out = torch.empty(*y.shape[:-2], M, rows, dtype=y.dtype, device=y.device)
@@ -297,12 +298,11 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     With ``lse``, (out, L): also the row log-sums L_i = log sum_j a_j e^{<q_i, k_j>} (..., m) from the same
     denominators (L_i = log of the series' denominator + <q_i, c> + the largest log-weight; its error at most
     -log(1 - delta), about the bound; -inf for rows whose every weight is zero)."""
-    from .kernels import _check_shapes, _needs_derivatives
 
-    _check_shapes(q, k, v, log_weights, None, None)
+    check_shapes(q, k, v, log_weights, None, None)
     if tol is None:
         tol = torch.finfo(q.dtype).eps
-    if q.dtype in (torch.float16, torch.bfloat16) or (q.dtype == torch.float32 and _tf32_on(q)):
+    if q.dtype in (torch.float16, torch.bfloat16) or (q.dtype == torch.float32 and tf32_on(q)):
         # the half types in float32 (products of up to K factors would lose their digits in them); float32 on CUDA
         # with TF32 switched on (its 10-bit products would undo the series' digits) in float64, to the same tol
         wide = torch.float32 if q.dtype != torch.float32 else torch.float64
@@ -338,7 +338,7 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
             raise ValueError(f"series: no degree up to {MAX_DEGREE} reaches tol = {tol:.3g}: {why}; use "
                              "method='auto', 'stream' or 'dense'")
         degree = p.degree
-        if _needs_derivatives(q, k, v, lw):
+        if needs_derivatives(q, k, v, lw):
             # the derivative of the degree-K series is the degree-(K - 1) series of the derivative: one degree more
             # keeps it within the same bound (at r = 0, degree 0 would not depend on q and k at all)
             degree += 1
@@ -355,23 +355,8 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     return out, rows
 
 
-def _tf32_on(t) -> bool:
-    """Whether float32 matrix products on t's CUDA device may run in TF32 (read, never set: a process-wide switch)."""
-    if t.device.type != "cuda":
-        return False
-    matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", None)   # the new interface (it reads either interface's setting)
-    if precision is not None:
-        return precision == "tf32"
-    try:
-        return bool(matmul.allow_tf32)
-    except RuntimeError:
-        return True
-
-
 def _series(q, k, v, lw, K, centre, scale):
     """The series of degree K with the keys centred at ``centre`` and the queries and keys balanced by ``scale``."""
-    from .kernels import _zero_blind_rows
 
     c = v.shape[-1]
     # weights relative to the largest (the shift cancels in the normalization)
@@ -395,7 +380,7 @@ def _series(q, k, v, lw, K, centre, scale):
         den = torch.where(torch.isneginf(top), torch.ones_like(den), den)
     out = num[..., :c] / den.unsqueeze(-1)
     if lw is not None:
-        out = _zero_blind_rows(out, v, lw, None, None)
+        out = zero_blind_rows(out, v, lw, None, None)
     return out, den, top
 
 
@@ -541,9 +526,8 @@ def kernel_sums(x, y, sums):
     """[sum_j T_K(<x_i, y_j>) w_j for (w, K) in sums] sharing their features (:func:`_kernel_sums`), differentiable
     (each through :class:`_KernelSum` where a derivative may be taken, so that a backward pass built from them can
     itself be differentiated)."""
-    from .kernels import _needs_derivatives
 
-    if not _needs_derivatives(x, y, *(w for w, _ in sums)):
+    if not needs_derivatives(x, y, *(w for w, _ in sums)):
         return _kernel_sums(x, y, sums)
     return [kernel_sum(x, y, w, K) for w, K in sums]
 
@@ -553,7 +537,6 @@ def kernel_sum(x, y, w, K: int):
     series' core (x (..., m, e), y (..., n, e) and w (..., n, c); leading dimensions broadcast). O((m + n) M) time,
     O(m + n + M) memory, with its derivatives (autograd, forward mode, double backward) in the same memory
     (``_KernelSum``)."""
-    from .kernels import _needs_derivatives
 
     for name, t in (("x", x), ("y", y), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_floating_point():
@@ -567,6 +550,6 @@ def kernel_sum(x, y, w, K: int):
     K = int(K)
     lead = broadcast_shapes(x.shape[:-2], y.shape[:-2], w.shape[:-2])
     x, y, w = (t.expand(*lead, *t.shape[-2:]) for t in (x, y, w))
-    if K < 0 or not _needs_derivatives(x, y, w):
+    if K < 0 or not needs_derivatives(x, y, w):
         return _kernel_sum(x, y, w, K)
     return _KernelSum.apply(x, y, w, K)

@@ -78,6 +78,7 @@ from . import attention_tiles as tiles
 from . import efficient_cuda as efficient
 from . import flash_cpu as flash
 from .accelerator_paths import efficient_first
+from .kernel_inputs import transforms_active
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
@@ -99,14 +100,6 @@ P_CACHE_BYTES = 64 * 2**20
 
 
 # ---------------------------------------------------------------------- what may run fast
-def _transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp, ...) is active around this call."""
-    try:
-        return torch._C._functorch.peek_interpreter_stack() is not None
-    except AttributeError:  # private API gone: assume the worst, take the differentiable engine
-        return True
-
-
 def _vmapped_size(*tensors) -> int:
     """The product of the batch sizes of the ``torch.func.vmap`` levels around this call (1 without vmap).
 
@@ -134,7 +127,7 @@ def _functional_only(*tensors) -> bool:
     carry what the fused, Triton and in-place engines would drop: a forward-mode tangent (forward-over-reverse:
     ``torch.autograd.forward_ad`` around a backward pass) or a legacy batch dimension
     (``torch.autograd.functional``'s ``vectorize=True``, ``grad(..., is_grads_batched=True)``)."""
-    if _transforms_active():
+    if transforms_active():
         return True
     present = [t for t in tensors if t is not None]
     legacy = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
@@ -153,12 +146,12 @@ def _plain(*tensors) -> bool:
 
 def _flash_ok(q, plan, qp) -> bool:
     return (plan.engine == "auto" and flash.FORWARD is not None and q.device.type == "cpu"
-            and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not _transforms_active())
+            and q.dtype in (torch.float32, torch.float64) and (qp is None or plan.causal) and not transforms_active())
 
 
 def _efficient_ok(q, k, plan, qp) -> bool:
     return (plan.fused and plan.efficient and efficient.runs(q.device.type, q.dtype) and (qp is None or plan.causal)
-            and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2]) and not _transforms_active())
+            and efficient.takes(q.shape[0], q.shape[-2], k.shape[-2]) and not transforms_active())
 
 
 def _efficient_key(name, q, v, lw, plan, grad_lw=False):
@@ -194,7 +187,7 @@ def _int32_spans(*tensors) -> bool:
 def _triton_ok(plan, *tensors) -> bool:
     """The Triton engine: chosen, outside torch.func transforms, for tensors whose batch entries it indexes in
     int32 (:func:`_int32_spans`; larger ones go to the tile loops)."""
-    return plan.engine == "triton" and not _transforms_active() and _int32_spans(*tensors)
+    return plan.engine == "triton" and not transforms_active() and _int32_spans(*tensors)
 
 
 def _triton_vjp_ok(plan, q, v, *tensors) -> bool:
@@ -293,7 +286,7 @@ def _retiled(plan, q, k, qp, kp, *batched):
     (``jacrev``, ``jacfwd``, a vmap over cotangents or tangents): the temporaries that depend on ``batched``
     carry those levels' batch, which the forward's tiles (sized by the memory budget, ``plan.sized_for``) did
     not count. Fixed tiles (CPU, a given block size) stay as they are."""
-    if not plan.sized_for or not _transforms_active():
+    if not plan.sized_for or not transforms_active():
         return plan
     entries = q.shape[0] * _vmapped_size(q, k, *batched)
     if entries <= plan.sized_for:
@@ -508,7 +501,7 @@ def _resolve_engine(engine, q, v):
         capability = (torch.cuda.get_device_capability(q.device) if dev == "cuda" and torch.version.hip is None
                       else None)
         return stream_engine(dev, q.dtype, q.shape[-1], v.shape[-1], triton=dev != "cpu" and triton_runs(dev),
-                             transforms=_transforms_active(), capability=capability)
+                             transforms=transforms_active(), capability=capability)
     if engine not in ENGINES:
         raise ValueError(f"engine: expected None or one of {ENGINES}, got {engine!r}")
     if engine == "triton" and not triton_runs(dev):
@@ -577,7 +570,7 @@ def stream_attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, block_si
         # every batch entry the tile loops compute on, those of torch.func.vmap levels included: a vmapped
         # tile is B times the logical one
         sized_for = math.prod(batch) * (_vmapped_size(q, k, v, log_weights, q_pos, k_pos)
-                                        if _transforms_active() else 1)
+                                        if transforms_active() else 1)
         bq, bk = _budget_tiles(sized_for, m, n, q)
     flat = [_flat3(q), _flat3(k), _flat3(v), _flat3(log_weights, 1), _flat3(q_pos, 1), _flat3(k_pos, 1)]
     plan = tiles.tile_plan(flat[4], flat[5], m, n, bq, bk, engine, fused)

@@ -17,9 +17,9 @@ padded with zeros (which change no product) to a power of two, at least the smal
 Triton matrix product (4 in float64, 8 in float32, 16 in the half types, with Triton 3.9; heads of at most 3
 features in float32 and the half types take the FMA kernels of :mod:`meanfield.triton_small_heads` instead);
 float32 and float64 products are IEEE (no TF32), so results agree with the CPU to rounding; each
-block's product is summed apart and the sums over blocks are compensated (Kahan summation, ``_add``), so a float32 pass
-over 1e5 keys keeps the error of one block (1.3e-7 relative on an H200, where one accumulation chain
-lost 2.5e-4).
+block's product is summed apart and the sums over blocks are compensated (Kahan summation,
+``meanfield.triton_shared.kahan_add``), so a float32 pass over 1e5 keys keeps the error of one block (1.3e-7
+relative on an H200, where one accumulation chain lost 2.5e-4).
 
 Inputs are 3-D (batch, rows, features) with any strides (a key tensor expanded over the batch is read,
 never copied). On a machine without a GPU the kernels run in Triton's interpreter on CPU tensors when
@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 
 from .accelerator_paths import TRITON_DTYPES, TRITON_MAX_FEATURES, small_heads, triton_width
+from .triton_shared import INTERPRETED as _INTERPRETED
+from .triton_shared import kahan_add as _add
+from .triton_shared import kahan_sum as _sum
 
 __all__ = ["forward", "jvp", "backward", "padded"]
-#: Triton itself was imported in interpreter mode (TRITON_INTERPRET=1 set before ``import triton``):
-#: its language functions then run in Python, and so do these kernels, on CPU tensors
-_INTERPRETED = type(tl.zeros).__name__ == "InterpretedFunction"
 
 
 def padded(size: int, dtype=torch.float32) -> int:
@@ -114,25 +114,6 @@ def _scores(q, kT, LW, s_lw, QP_i, KP, s_kp, rows, cols, cmask, HAS_LW: tl.const
     if CAUSAL:
         s = tl.where(cols[None, :] <= rows[:, None], s, -float("inf"))
     return s
-
-
-@triton.jit
-def _add(total, carry, term):
-    """Compensated (Kahan) summation: ``total + term`` with the rounding it lost kept in ``carry``; the
-    running sum is ``total - carry``. The sums over key (or query) blocks of a pass are sequential: in
-    float32 over the 1e3 blocks of N = 1e5 keys, plain ``+=`` (or a product accumulated into its
-    operand) lost 1.9e-4 of the output on an H200 where cuBLAS's float32 product lost 2.7e-6; each
-    block's product is now summed apart and added here, so the error stays that of one block."""
-    # a carry that overflowed (inf, or NaN after it) is dropped: an overflowed sum then stays infinite
-    y = term - tl.where(tl.abs(carry) < float("inf"), carry, 0.0)
-    t = total + y
-    return t, (t - total) - y
-
-
-@triton.jit
-def _sum(total, carry):
-    """The running sum of :func:`_add`; an overflowed one stays infinite (its carry is then inf or NaN)."""
-    return tl.where(tl.abs(carry) < float("inf"), total - carry, total)
 
 
 # ---------------------------------------------------------------------- forward

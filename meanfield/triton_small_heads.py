@@ -18,9 +18,10 @@ Compiled for sm_90 with Triton 3.9 (``python tests/triton_compile_check.py``, it
 loops take per score entry and thread, at d = 3: forward 24 instructions, JVP 41, VJP 26 + 33; the matrix-product
 kernels at 16 columns (Triton 3.6's padding of d = 3) 70, 129 and 80 + 119, at 8 columns (Triton 3.9's) 48, 75 and
 47 + 78. Instructions are not time: these kernels are not yet timed on a GPU (``bench_gpu.py --sections small``,
-benchmarks/README.md). Sums over blocks are compensated (``_add``) as in the general kernels. Which calls take them:
-:func:`meanfield.accelerator_paths.small_heads` (float32 and the half types, read into float32; float64 keeps the
-matrix-product kernels, whose products of 4 columns run on the tensor cores).
+benchmarks/README.md). Sums over blocks are compensated (``meanfield.triton_shared.kahan_add``) as in the
+general kernels. Which calls take them: :func:`meanfield.accelerator_paths.small_heads` (float32 and the half
+types, read into float32; float64 keeps the matrix-product kernels, whose products of 4 columns run on the tensor
+cores).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import triton
 import triton.language as tl
 
 from .accelerator_paths import SMALL_HEAD_MAX
-from .triton_attention import _INTERPRETED, _add, _sum
+from .triton_shared import INTERPRETED as _INTERPRETED
+from .triton_shared import kahan_add as _add
+from .triton_shared import kahan_sum as _sum
 
 __all__ = ["MAX_FEATURES", "blocks", "KERNELS"]
 

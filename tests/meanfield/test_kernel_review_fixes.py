@@ -356,15 +356,13 @@ def test_tf32_on_a_cuda_device_is_warned_about_once(monkeypatch):
     import types
     import warnings
 
-    from meanfield import series_attention
-
     cuda = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
     monkeypatch.setattr(kernels, "_TF32_WARNED", [])
-    monkeypatch.setattr(series_attention, "_tf32_on", lambda t: False)
+    monkeypatch.setattr(kernels, "tf32_on", lambda t: False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernels._warn_tf32(cuda)   # TF32 off: silent
-    monkeypatch.setattr(series_attention, "_tf32_on", lambda t: t.device.type == "cuda")
+    monkeypatch.setattr(kernels, "tf32_on", lambda t: t.device.type == "cuda")
     with pytest.warns(RuntimeWarning, match="TF32.*fp32_precision = 'ieee'"):
         kernels._warn_tf32(cuda)
     with warnings.catch_warnings():

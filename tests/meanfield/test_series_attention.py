@@ -346,14 +346,16 @@ def test_a_call_under_inference_mode_leaves_later_gradients_working():
 def test_tf32_is_read_never_set(monkeypatch):
     import types
 
+    from meanfield.kernel_inputs import tf32_on
+
     cuda = types.SimpleNamespace(device=torch.device("cuda"))
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
     try:
-        assert series._tf32_on(cuda) is False
+        assert tf32_on(cuda) is False
         matmul.fp32_precision = "tf32"
-        assert series._tf32_on(cuda) is True and matmul.fp32_precision == "tf32"
-        assert series._tf32_on(types.SimpleNamespace(device=torch.device("cpu"))) is False
+        assert tf32_on(cuda) is True and matmul.fp32_precision == "tf32"
+        assert tf32_on(types.SimpleNamespace(device=torch.device("cpu"))) is False
     finally:
         matmul.fp32_precision = before
 
@@ -363,7 +365,7 @@ def test_a_float32_call_with_tf32_on_runs_in_float64(monkeypatch):
     seen = []
     real = series._series
     monkeypatch.setattr(series, "_series", lambda q, *a: seen.append(q.dtype) or real(q, *a))
-    monkeypatch.setattr(series, "_tf32_on", lambda t: True)
+    monkeypatch.setattr(series, "tf32_on", lambda t: True)
     out = series.series_attend(x, x, x)
     assert out.dtype == torch.float32 and seen == [torch.float64]
     assert series.plan(x, x).degree == 11   # planned at float32's epsilon, not float64's
