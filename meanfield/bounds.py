@@ -352,13 +352,13 @@ def eigen_cases(A, *, tol: float = 1e-10) -> list[GammaInfo]:
 def gamma_info(A, *, tol: float = 1e-10) -> GammaInfo:
     """Real eigen-structure of A used by Propositions 3.4 and 3.6 (see :class:`GammaInfo`).
 
-    An eigenvalue counts as real when ``|Im| <= tol (1 + |lambda|)``. A defective one (a Jordan block) comes out
-    of eig split into values about sqrt(eps) ||A||_2 apart, real or complex: eigenvalues within eps^(1/4) ||A||_2
-    of each other whose mean r is real and where ``A - r I`` is singular to rounding (smallest singular value at
-    most ``64 d eps ||A||_2``) count as the one real eigenvalue r. An eigenvalue counts as 0 when its modulus is at
-    most ``64 d eps ||A||_2`` (rounding noise: a singular A's zero eigenvalues come out of LAPACK as
-    numbers of either sign near 1e-17 ||A||). lambda_max / 8 counts only if lambda_max > 0 and
-    -lambda_min only if lambda_min < 0; when every real eigenvalue is 0, gamma = 0 (case "max"). A
+    An eigenvalue counts as real when ``|Im| <= tol (1 + |lambda|)``. A defective one (a Jordan block) comes out of
+    eig split into values about eps^(1/k) ||A||_2 apart (k its size; sqrt(eps) for a block of 2), real or complex:
+    eigenvalues within eps^(1/4) ||A||_2 of each other whose mean r is real and where ``A - r I`` is singular to
+    rounding (smallest singular value at most ``64 d eps ||A||_2``) count as the one real eigenvalue r. An
+    eigenvalue counts as 0 when its modulus is at most ``64 d eps ||A||_2`` (rounding noise: a singular A's zero
+    eigenvalues come out of LAPACK as numbers of either sign near 1e-17 ||A||). lambda_max / 8 counts only if
+    lambda_max > 0 and -lambda_min only if lambda_min < 0; when every real eigenvalue is 0, gamma = 0 (case "max"). A
     matrix with no real eigenvalue raises a ValueError. The case of gamma is the first of
     :func:`eigen_cases`.
     """
@@ -460,8 +460,10 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
 
 
 def large_radius_limit(A, V, X, *, masked: bool = False, rtol: float = 1e-9) -> float:
-    """Theorem 3.7 (unmasked) / Theorem 4.5 (masked): ``lim_{R -> inf} Lip_{RX}(f) =
-    ||V||_2 sqrt(max_j #{i : m_i = j})`` with m_i from :func:`argmax_indices` (j <= i if masked).
+    """The norm of the Jacobian's limit of Theorem 3.7 (unmasked) / Theorem 4.5 (masked): ``lim_{R -> inf}
+    Lip_{RX}(f) = ||V||_2 sqrt(max_j #{i : m_i = j})`` with m_i from :func:`argmax_indices` (j <= i if masked). The
+    theorems give the limit D_{RX} f and the bound ||V||_2 sqrt(n); its norm is this framework's step
+    (docs/math.md section 5.5).
 
     The convergence is exponentially fast in R^2; X is the direction (n, d). Raises when some
     argmax is not unique.
@@ -522,15 +524,16 @@ def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> f
     concatenated and multiplied by ``W_O`` (H k_v, D_out). A single head may be given as plain
     matrices. k = D/H in Kim et al.; here k is read from each W_Q[h].
 
-    ``norm="inf"`` (as published): ``(4 phi^{-1}(N-1) + 1/sqrt(k)) ||W_O^T||_inf
+    ``norm="inf"`` (as recalled; it held on every case tried): ``(4 phi^{-1}(N-1) + 1/sqrt(k)) ||W_O^T||_inf
     max_h ||W_Q^h||_inf ||W_Q^h^T||_inf max_h ||W_V^h^T||_inf``.
 
     ``norm="2"``: ``(sqrt(N)/sqrt(k)) (4 phi^{-1}(N-1) + 1) (sum_h ||W_Q^h||_2^4 ||W_V^h||_2^2)^{1/2}
     ||W_O||_2``. The form as commonly recalled, with ``||W_Q^h||_2^2`` inside the sum, is false
     (docs/math.md section 5): it scales linearly in W_Q while L2 attention scales quadratically (at
     N = 1 the map is x -> x A W_V W_O, of constant ||W_Q W_Q^T W_V W_O||_2 / sqrt(k)); the tests
-    check a counterexample and the fourth-power form on random and adversarial inputs. The
-    fourth power is what the published proof's per-head factor ||W_Q||_2 ||W_Q^T||_2 gives.
+    check a counterexample and the fourth-power form on random and adversarial inputs. Both forms, and the
+    theorem's number, are as recalled (the published PDF was not consulted); the fourth power is what a per-head
+    factor ||W_Q||_2 ||W_Q^T||_2, as the infinity-norm form has, gives.
 
     phi^{-1}(N-1) = W_0((N-1)/e) (:func:`lambert_phi_inverse`). Different heads may have
     different k; the factor 1/sqrt(k) is then taken per head (largest value for ``"inf"``).
@@ -1001,8 +1004,9 @@ def split_constant(lip_unsplit, query_norms, split) -> float:
 
     ``lip_unsplit`` is the constant of the unsplit measure, ``query_norms`` the values
     ``||V Sigma_mu(x_i) A||_2`` of :func:`query_term_norms` (of the unsplit measure). Perturbations
-    that move the parts of an atom in opposite directions leave every softmax unchanged to first
-    order and are orthogonal to the unsplit ones, so only the query term acts on them.
+    that move the parts of an atom in opposite directions leave the key side of every softmax unchanged to
+    first order (the parts' own queries still move) and are orthogonal to the unsplit ones, so only the query
+    term acts on them.
 
     ``lip_unsplit`` and every entry of ``query_norms`` (a 1-D list) must be finite and >= 0; ``split``
     is a list of integer atom indices in [0, N) (a float index, even a whole one, is a TypeError:

@@ -1,4 +1,5 @@
-"""Clustering diagnostics of token dynamics (docs/math.md section 6; Geshkovski et al. 2023).
+"""Clustering diagnostics of token dynamics (docs/math.md section 6; Geshkovski et al.: [GLPR23] for the clustering,
+[GLPR24] for the sphere models).
 
 * :func:`cluster_labels` / :func:`count_clusters`: single-linkage clusters at a distance
   tolerance (connected components of the graph ``|x_i - x_j| <= tol``), over time for a trajectory;
@@ -212,7 +213,7 @@ ENERGY_BLOCK = 2**22
 def interaction_energy(x, beta: float, weights=None, *, log: bool = False) -> float | np.ndarray:
     """E_beta = (1/(2 beta)) sum_ij a_i a_j exp(beta <x_i, x_j>) (uniform: 1/(2 beta n^2) sum_ij ...).
 
-    This is the energy of the sphere models of Geshkovski et al. (2023) (their normalization):
+    This is the energy of the sphere models of Geshkovski et al. [GLPR24] (their normalization):
     the USA field is a_i^{-1} grad_{x_i} E_beta and the SA field a positive multiple of it per
     particle, so E_beta is non-decreasing along both projected flows. Computed in log-sum-exp form;
     ``log=True`` returns log E_beta, which stays finite where E_beta overflows float64 (beta R^2 above

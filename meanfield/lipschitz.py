@@ -606,8 +606,8 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     ("exact" by default, the network simplex, dense: N M costs, for N up to a few thousand) and its options
     (``reg``, ``tol``, ``memory_limit``, ...). ``method="streaming"`` (or "auto" above its exact size) takes the
     debiased Sinkhorn distance sqrt(S_eps), O(N) memory: it approximates W2 only where ``reg`` is small against
-    the squared displacement between the measures (S_eps sees nothing finer than its blur sqrt(reg)), so the ratio
-    of a perturbation smaller than the blur is not the W2 ratio; halve ``reg`` to see the ratio settle. Masked:
+    the squared displacement between the measures (S_eps sees nothing finer than its blur sqrt(reg / 2)), so the
+    ratio of a perturbation smaller than the blur is not the W2 ratio; halve ``reg`` to see the ratio settle. Masked:
     :func:`transport.conditional_w2`, exact slice by slice (``method`` "exact" only), with its options (``atol``,
     ``mass_atol``, ``memory_limit``). An option the distance does not take is a TypeError naming it.
     """

@@ -178,6 +178,23 @@ def _leading(cfg, seed, dev, rows):
     return traj, [int(c) for c in c_lead], [int(c) for c in c_other]
 
 
+def _one_cluster_claim(sph, cfg) -> Claim:
+    """The collapse of the sphere models to one cluster in d = 3: expected for almost every start, proved in some
+    regimes only (docs/math.md section 6.3), so an observation, not a theorem."""
+    counts = {model: int(sph[model][2][-1]) for model in ("SA", "USA")}
+    one = all(k == 1 for k in counts.values())
+    measured = ", ".join(f"{model} {_plural(k, 'cluster')}" for model, k in counts.items())
+    return Claim("Sphere models SA and USA, d = 3, beta = 1: a random start collapses to one cluster (expected for "
+                 "almost every start; proved in some regimes, [GLPR24])",
+                 "1 cluster at T for both models", f"{measured} at T = {cfg['T_sph']:g}", one,
+                 f"n = {cfg['n_sph']} tokens uniform on the sphere, RK4 step 0.2 with retraction; single linkage at "
+                 "tol 1e-3. Metastable phases with several clusters can last long: a count above 1 at T is not "
+                 "reproduced, not a contradiction of a theorem", kind=EMPIRICAL,
+                 fails_if="more than one cluster at T for either model",
+                 short="sphere models, d = 3: a random start ends in one cluster",
+                 short_measured=f"{measured} at T")
+
+
 def _sphere(cfg, seed, dev, rows):
     from meanfield import IsotropicAttention, simulate
     from meanfield.clustering import count_clusters, interaction_energy
@@ -414,28 +431,27 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         mono = bool(np.all(np.diff(E) >= -1e-12 * np.abs(E[1:])))
         rate_ok = bool(abs(rate / identity - 1) < 1e-3)
         norm = "/ Z_i" if model == "SA" else "(Z_i = 1)"
-        claims.append(Claim(f"Sphere model {model}, d = 3: almost every start collapses to one cluster; "
-                            "E_beta increases",
-                            f"1 cluster at T; E_beta non-decreasing, at the rate dE/dt = sum_i a_i |P G_i|^2 {norm}; "
-                            "|x_i| = 1",
-                            f"{_plural(int(c[-1]), 'cluster')} at T = {cfg['T_sph']:g}; E {E[0]:.4g} -> {E[-1]:.4g} "
+        claims.append(Claim(f"Sphere model {model}, d = 3: E_beta increases along the flow, at the rate of the "
+                            "energy identity, and the tokens stay on the sphere (docs/math.md section 6.3)",
+                            f"E_beta non-decreasing, at the rate dE/dt = sum_i a_i |P G_i|^2 {norm}; |x_i| = 1",
+                            f"E {E[0]:.4g} -> {E[-1]:.4g} "
                             f"({'monotone' if mono else 'NOT monotone'} to 1e-12 relative; largest step down "
                             f"{max(0.0, float(-np.diff(E).min())):.1e}); dE/dt at a weighted start: simulated / "
                             f"identity = {rate / identity:.6f}; norm drift {drift:.1e}",
-                            bool(c[-1] == 1 and mono and drift < 1e-10 and rate_ok),
-                            f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; clusters at tol 1e-3; "
+                            bool(mono and drift < 1e-10 and rate_ok),
+                            f"beta = 1, n = {cfg['n_sph']}, RK4 step 0.2 with retraction; "
                             "E_beta monotone up to 1e-12 of its value per step (rounding). The rate: G_i = sum_j a_j "
                             "e^{<x_i, x_j>} x_j = grad_i E / a_i, Z_i = sum_j a_j e^{<x_i, x_j>}, P the tangent "
                             "projection; at the same points with random weights, one RK4 step of 1e-5 against the "
                             "identity computed in numpy (a field of the other model's normalization is 16% off "
                             "here, one that drops the weights 66%; a missing projection is caught by the tests, "
                             "not here: with the retraction it is the same flow to first order)", kind=THEOREM,
-                            fails_if="more than one cluster at T, E_beta decreasing at some step by more than 1e-12 "
+                            fails_if="E_beta decreasing at some step by more than 1e-12 "
                                      "of its value, the simulated dE/dt at the weighted start off the identity by "
                                      "0.1% or more, or a token leaving the sphere by 1e-10 or more",
-                            short=f"sphere model {model}, d = 3: one cluster; E_beta increases",
-                            short_measured=f"{_plural(int(c[-1]), 'cluster')} at T; E_beta "
-                                           f"{'monotone' if mono else 'NOT monotone'}; drift {drift:.0e}"))
+                            short=f"sphere model {model}, d = 3: E_beta increases, norms kept",
+                            short_measured=f"E_beta {'monotone' if mono else 'NOT monotone'}; rate / identity "
+                                           f"{rate / identity:.4f}; drift {drift:.0e}"))
     claims += [
         Claim("Causal sphere dynamics: the first token is fixed and attracts every token (Karagodin et al. 2024)",
               "x_1 does not move; max_i |x_i(T) - x_1| -> 0",
@@ -449,6 +465,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         meanfield_claim(mf_rows, cfg),
         integrator_claim(order_rows),
         w2_claim(mf_rows),
+        _one_cluster_claim(sph, cfg),
     ]
 
     log.info("dynamics: drawing 3 figures and 2 GIF animations")

@@ -57,7 +57,9 @@ def transition_task(log10_n: float, R: float, d: int, seed: int, check_sequence:
                     device=None) -> dict:
     """Constant of the n-token witness computed as a 2-atom measure (1/n, (n - 1)/n), V = I.
 
-    ``check_sequence`` (small n only) also computes the constant of the n-token sequence itself.
+    ``check_sequence`` (small n only) also computes the constant of the n-token sequence itself, and the query
+    term ||V Sigma A|| of the atom that the sequence holds n - 1 copies of (bounds.query_term_norms, numpy): the
+    sequence is that measure with the atom split (docs/math.md sections 2.3 and 4.7).
     """
     from meanfield import SelfAttention, adversarial, local_lipschitz
 
@@ -78,10 +80,14 @@ def transition_task(log10_n: float, R: float, d: int, seed: int, check_sequence:
            "upper_sqrt_n": float(bounds.sqrt_n_upper(A, V, R, n_int)) if integer else math.nan,
            "log_upper_mean_field": float(bounds.mean_field_upper(A, V, R, log=True)),
            "witness_predicted": float(adversarial.sqrt_n_witness_constant(A, R, n, of="measure")),
-           "lip_sequence": math.nan}
+           "lip_sequence": math.nan, "query_term": math.nan}
     if check_sequence:
         X = to_device(device, adversarial.sqrt_n_sequence(A, R, n_int))
         row["lip_sequence"] = float(local_lipschitz(att, X, method="dense").value)
+        # the repeated token's atom: the heavier one (at n = 2 neither repeats, and the sequence is the measure)
+        heavy = int(mu.log_weights.argmax())
+        row["query_term"] = (float(bounds.query_term_norms(A, V, mu.points.cpu(), mu.log_weights.cpu())[heavy])
+                             if n_int >= 3 else 0.0)
     return row
 
 
@@ -200,7 +206,8 @@ CAPTIONS = {
         "e^((2||A|| - gamma) R^2), a gap the paper leaves open."),
     "transition_vs_n.png": (
         "The witness's local constant against n at a fixed large radius, as a 2-atom measure (1/n, (n-1)/n) (blue "
-        "markers) and as an n-token sequence (red crosses), equal by Lemma 3.2 and on their closed form (black). The "
+        "markers) and as an n-token sequence (red crosses), equal here (the query term of the split atom stays "
+        "below the measure's constant, docs/math.md section 4.7) and on their closed form (black). The "
         "peak claim "
         "expects sqrt(n) growth while n << exp(2 gamma R^2) (vertical line), then a peak within a decade of it "
         "and a decay. The green curve, the largest "
@@ -236,7 +243,10 @@ def mean_field(out_dir: Path, ctx) -> StudyResult:
     rows_b = run_grid(transition_task, grid_b, out_dir, "transition", ctx, device=ctx.device)
     write_csv(rows_b, out_dir / "transition_vs_n.csv")
     checks = [r for r in rows_b if not math.isnan(r["lip_sequence"])]
-    seq_err = max(abs(r["lip"] - r["lip_sequence"]) / r["lip_sequence"] for r in checks)
+    # docs/math.md section 4.7: the sequence is the 2-atom measure with its repeated atom split, so its constant is
+    # max(the measure's constant, that atom's query term)
+    seq_err = max(abs(max(r["lip"], r["query_term"]) - r["lip_sequence"]) / r["lip_sequence"] for r in checks)
+    query_share = max(r["query_term"] / r["lip"] for r in checks)
     curve = sorted([r for r in rows_b if math.isnan(r["lip_sequence"])], key=lambda r: r["n"])
     # Proposition 3.4 is about sequences of n tokens: it applies where the 2-atom measure (1/n, (n-1)/n) is
     # one, i.e. at integer n (n = 10^k on the curve, and the sequence checks); Theorem 3.5 holds for every measure
@@ -274,12 +284,16 @@ def mean_field(out_dir: Path, ctx) -> StudyResult:
               short_measured=f"{len(viol_a)} of {len(rows_a)} above; log(bound / Lip) = {log_gap:.4g} at R = "
                              f"{last['R']:.3g}"),
         prop36_claim(rows_a, gam),
-        Claim("n-token witness = 2-atom measure (1/n, (n-1)/n) (docs/math.md section 2, Lemma 3.2)",
-              "equal constants", f"max relative difference {seq_err:.2e} over n = {check_ns}", seq_err <= 1e-8,
-              "tolerance 1e-8 (dense Jacobians, float64)", kind=THEOREM,
-              fails_if="the sequence's and the two-atom measure's constants differ by more than 1e-8 (relative)",
-              short="n-token witness = 2-atom measure (1/n, (n-1)/n) (Lemma 3.2)",
-              short_measured=f"max relative difference {seq_err:.1e}"),
+        Claim("n-token witness = 2-atom measure (1/n, (n-1)/n) with its repeated atom split: Lip = max(the "
+              "measure's constant, ||V Sigma A|| of that atom) (docs/math.md sections 2.3 and 4.7)",
+              "equal constants", f"max relative difference {seq_err:.2e} over n = {check_ns}; the query term is at "
+              f"most {query_share:.3g} of the measure's constant, so here the sequence's constant is the "
+              "measure's", seq_err <= 1e-8,
+              "tolerance 1e-8 (dense Jacobians, float64; the query term written out in numpy)", kind=THEOREM,
+              fails_if="the sequence's constant differs from max(two-atom measure's constant, the repeated atom's "
+                       "query term) by more than 1e-8 (relative)",
+              short="n-token witness = 2-atom measure (1/n, (n-1)/n), its repeated atom split",
+              short_measured=f"max relative difference {seq_err:.1e}; query term <= {query_share:.2g} x"),
         Claim("Lip >= Proposition 3.4 lower bound (integer n) and <= Theorem 3.5 bound (every n) up to n = 10^"
               + f"{log10_ns[-1]:g}",
               "lower <= Lip <= upper", f"{len(low_viol)} violations of the lower bound at {len(integer)} integer n; "

@@ -2,8 +2,8 @@
 
 The Lipschitz constant of attention on inputs of radius R, Lip(f on B_R^n) = sup over X in B_R^n of
 Lip_X(f), is bracketed by formulas: the best upper bound the framework knows
-(``meanfield.upper.operator_upper``: Theorems 3.3 / 4.3 and 3.5 / 4.4, Lemma 3.8 over heads) and
-Proposition 3.4's witness below. ``meanfield.worst_case_sequence`` searches B_R^n for inputs of
+(``meanfield.upper.operator_upper``: Theorems 3.3 and 3.5 unmasked, 4.3 on masked sequences, Lemma 3.8 over
+heads) and Proposition 3.4's witness below. ``meanfield.worst_case_sequence`` searches B_R^n for inputs of
 large local constant (projected ascent on the top singular value, a step rule that never accepts a
 decrease, restarts from the witnesses of both eigen-cases, hubs, clustered and random tokens); the
 certified constant of the best input found is a lower bound on Lip(f on B_R^n). This study runs it

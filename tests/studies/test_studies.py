@@ -115,7 +115,7 @@ def test_every_claim_has_a_kind_and_a_failure_condition(run):
     paper that the framework checks and finds false (Theorem 4.4 as stated: a finding, not a bug)."""
     _, summary = run
     claims = [(n, c) for n in MINE for c in summary["studies"][n]["claims"]]
-    assert len(claims) == 44 and all(c["fails_if"] for _, c in claims)
+    assert len(claims) == 45 and all(c["fails_if"] for _, c in claims)
     # each carries its own short forms for the claims table: one line, no '|', never cut short by the fallback
     for n, c in claims:
         for key in ("short", "short_measured"):
@@ -124,7 +124,7 @@ def test_every_claim_has_a_kind_and_a_failure_condition(run):
     assert empirical == [("mean_field", "the"), ("masked", "the"), ("mass_splitting", "splitting"),
                          ("discrete_vs_meanfield", "the"),
                          ("discrete_vs_meanfield", "local"), ("discrete_vs_meanfield", "Lipschitz"),
-                         ("dynamics", "the"), ("dynamics", "Mean-field")]
+                         ("dynamics", "the"), ("dynamics", "Mean-field"), ("dynamics", "Sphere")]
 
 
 def test_sqrt_n_rows_against_dense_jacobian_and_formulas(run):
@@ -180,6 +180,17 @@ def test_mean_field_two_atoms_equal_sequences_and_two_dirac_dense(run):
         truth = dense_lipschitz(lambda Y: naive_attention(Y, A, V), X)  # the n-token sequence itself
         assert r["lip"] == pytest.approx(truth, rel=1e-8)  # computed from the 2-atom measure (1/n, (n-1)/n)
         assert truth >= r["lower"] * (1 - 1e-10)  # Proposition 3.4 at these integer n
+        # the query term of the repeated token z = X[1] (docs/math.md section 4.7): ||V Sigma A|| with Sigma the
+        # covariance of z's attention distribution over the n tokens, written out here
+        x = X.numpy()
+        s = x @ (A.numpy() @ x[1])
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        mean = p @ x
+        cov = (x * p[:, None]).T @ x - np.outer(mean, mean)
+        query = np.linalg.norm(V.numpy() @ cov @ A.numpy(), 2) if n >= 3 else 0.0
+        assert r["query_term"] == pytest.approx(query, rel=1e-6, abs=1e-12 * truth)   # (a covariance: cancellation)
+        assert max(r["lip"], r["query_term"]) == pytest.approx(truth, rel=1e-8)   # the claim's relation
     claim = next(c for c in json.loads((out / "mean_field" / "result.json").read_text())["claims"]
                  if c["claim"].startswith("Lip >= Proposition 3.4"))
     n_integer = sum(1 for r in rows if r["n"] >= 2 and abs(r["n"] - round(r["n"])) <= 1e-6)
