@@ -26,16 +26,8 @@ import torch
 from particles import Measure, into_ball
 from particles.validation import check_bool, check_positive_int, check_radius, check_seed, resolve_dtype, scalar
 
-from .bounds import (
-    GammaInfo,
-    _exp_or_inf,
-    _gamma_value,
-    _square,
-    argmax_indices,
-    gamma_info,
-    sqrt_n_lower,
-    two_dirac_lower,
-)
+from .bounds import GammaInfo, argmax_indices, gamma_info, sqrt_n_lower, two_dirac_lower
+from .bounds.numerics import _exp_or_inf, _gamma_value, _square
 
 __all__ = ["WitnessInfo", "large_radius_configuration", "sqrt_n_measure", "sqrt_n_sequence",
            "sqrt_n_sequence_from_info", "sqrt_n_witness_constant", "sqrt_n_witness_factor",

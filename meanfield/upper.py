@@ -19,7 +19,8 @@ import torch
 
 from particles.validation import check_positive_int, check_radius
 
-from .bounds import _exp_or_inf, _matrix, absorb_key_bias, l2_attention_upper, mean_field_upper, sqrt_n_upper
+from .bounds import absorb_key_bias, l2_attention_upper, mean_field_upper, sqrt_n_upper
+from .bounds.numerics import _exp_or_inf, _matrix
 
 __all__ = ["UpperBound", "operator_upper"]
 

@@ -689,7 +689,9 @@ def test_kim_bound_claim_fails_for_a_wrong_dependence_on_n(tmp_path, monkeypatch
     if mutation == "N for sqrt(N)":
         wrong = lambda W_Q, W_V=None, W_O=None, N=None, **k: orig(W_Q, W_V, W_O, N, **k) * math.sqrt(N)
     elif mutation == "phi^-1(N-1) as N-1":
-        monkeypatch.setattr(bounds, "lambert_phi_inverse", lambda x: x)
+        from meanfield.bounds import l2_attention as l2_bounds
+
+        monkeypatch.setattr(l2_bounds, "lambert_phi_inverse", lambda x: x)   # where l2_attention_upper reads it
         wrong = orig
     else:
         wrong = lambda W_Q, W_V=None, W_O=None, N=None, **k: orig(W_Q, W_V, W_O, N, **k) * (3 if N > 1 else 1)
