@@ -20,6 +20,7 @@ from studies import models as hf
 from studies import pretrained as pt
 from studies.context import RunContext
 from studies.experiments import real_models as rm
+from studies.experiments import real_models_claims as rm_claims
 from studies.io import read_csv
 from tests.meanfield.test_hf import block_reimplementation, dense_lipschitz, reimplementation
 from tests.reference import naive_attention
@@ -544,7 +545,7 @@ def test_witness_radius_is_the_layers_mean_token_norm(run):
     n) and fails when the study's R is another number."""
     out, _, _ = run
     adv, lip = read_csv(out / "adversarial.csv"), read_csv(out / "lipschitz.csv")
-    assert rm.radius_deviation(adv, lip) <= 1e-12
+    assert rm_claims.radius_deviation(adv, lip) <= 1e-12
     claim = rm.head_witness_claim(adv, lip)
     assert claim.agrees and "mean token norm within" in claim.measured
     # the largest token norm of the layer in place of the mean (the rows' r_max, over the layer's sequences)
