@@ -29,9 +29,6 @@ value is ``math.inf`` only when the true number exceeds the float64 range (about
 
 from __future__ import annotations
 
-import importlib
-import warnings
-
 from .eigen import GammaInfo, eigen_cases, gamma, gamma_info, gamma_info_factored
 from .l2_attention import l2_attention_upper, lambert_phi_inverse
 from .large_radius import argmax_indices, large_radius_limit, large_radius_sup, score_gap
@@ -83,10 +80,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # operator_upper reads the operators' parameters: it lives in meanfield.upper, above the operators
-    # (this module imports none). The previous spelling bounds.operator_upper works for one more release
+    # operator_upper reads the operators' parameters: it lives in meanfield.upper, above the operators (this package
+    # imports none), and an earlier spelling put it here
     if name in ("operator_upper", "UpperBound"):
-        warnings.warn(f"meanfield.bounds.{name} moved to meanfield.upper.{name} (also meanfield.{name}); the old "
-                      "path will be removed in the next release", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("meanfield.upper"), name)
+        raise AttributeError(f"module 'meanfield.bounds' has no attribute {name!r}: the bound of a whole operator is "
+                             f"meanfield.{name} (defined in meanfield.upper)")
     raise AttributeError(f"module 'meanfield.bounds' has no attribute {name!r}")

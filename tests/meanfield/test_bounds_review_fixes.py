@@ -172,3 +172,16 @@ def test_an_overflowing_usa_field_is_named_as_such():
     X = 30 * X / X.norm(dim=1, keepdim=True)
     with pytest.raises(FloatingPointError, match="USA's sum_j a_j e"):
         IsotropicAttention(2.0, "USA").sequence(X)
+
+
+def test_the_operator_bound_is_not_in_the_formulas_package():
+    """meanfield.bounds holds formulas and imports no operator; the bound of a whole operator (an earlier spelling put
+    it here, behind a deprecation shim that made bounds import upper) is meanfield.operator_upper, and asking
+    bounds for it says so."""
+    import meanfield
+    from meanfield import bounds
+
+    for name in ("operator_upper", "UpperBound"):
+        with pytest.raises(AttributeError, match=f"meanfield.{name}"):
+            getattr(bounds, name)
+        assert getattr(meanfield, name) is not None
