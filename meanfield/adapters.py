@@ -98,10 +98,10 @@ class CallableOperator(AttentionOperator):
                 self.bind(X)
         return super().check_points(X, name)
 
-    def check_measure(self, mu, name: str = "mu") -> Measure:
+    def check_measure(self, mu, name: str = "mu", **kwargs) -> Measure:
         if isinstance(mu, Measure) and self._d_in is None:
             self.bind(mu.points)
-        return super().check_measure(mu, name)
+        return super().check_measure(mu, name, **kwargs)
 
     def points_map(self, X, log_weights=None, positions=None) -> torch.Tensor:
         if log_weights is not None:
@@ -213,10 +213,12 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
     * a meanfield operator (SelfAttention, MultiHeadAttention, L2SelfAttention, IsotropicAttention,
       a Hugging Face layer already wrapped, ...) is returned as is (``masked`` must agree);
     * a Hugging Face attention module (GPT-2 ``GPT2Attention``, BERT ``BertAttention`` or
-      ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` (weights as additive
-      log-weights, positions as the causal mask); ``masked`` defaults to the module's own mask
-      (:func:`meanfield.hf.own_mask`: causal for GPT-2's attention, for BERT's in a decoder), False being
-      the ablation with the same weights;
+      ``BertSelfAttention``) becomes a :class:`meanfield.hf.HFAttention` of the attention alone,
+      W_O concat_h f^h + b (weights as additive log-weights, positions as the causal mask): for a
+      ``BertAttention`` that is ``output.dense(self(X))``, without the residual and the LayerNorm that
+      ``module(X)`` adds (``HFAttention(module, block=True)`` is the module's own map); ``masked`` defaults to
+      the module's own mask (:func:`meanfield.hf.own_mask`: causal for GPT-2's attention, for BERT's in a
+      decoder), False being the ablation with the same weights;
     * a ``torch.nn.MultiheadAttention`` becomes a :class:`TorchMultiheadAttention` (self-attention:
       ``kdim = vdim = embed_dim``);
     * a Hugging Face module that holds attention but is not a layer (a whole model, a GPT-2 block, a BERT

@@ -160,6 +160,10 @@ def container_advice(module) -> str | None:
 class HFAttention(AttentionOperator):
     """A Hugging Face GPT-2 / BERT attention layer as an operator (module docstring).
 
+    By default (``block=False``) the map is the attention alone, W_O concat_h f^h(X) + b, the paper's object: for a
+    ``BertAttention`` that is ``module.output.dense(module.self(X))``, **not** ``module(X)``, which adds the residual
+    and the LayerNorm (``block=True`` is that map). The repr says which of the two an operator is.
+
     Parameters
     ----------
     module : GPT2Attention, BertAttention or BertSelfAttention
@@ -247,7 +251,8 @@ class HFAttention(AttentionOperator):
     mixed_precision = False
 
     def __repr__(self) -> str:
-        return f"HFAttention({self.name}, masked={self.masked}, block={self.block})"
+        what = "the whole block" if self.block else "the attention alone, W_O concat_h f^h + b"
+        return f"HFAttention({self.name}, {what}, masked={self.masked}, block={self.block})"
 
     def parameters(self, d: int | None = None) -> Parameters:
         """The layer's record (:mod:`meanfield.parameters`): per head Q_h, K_h, V_h, the key bias

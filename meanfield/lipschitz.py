@@ -386,6 +386,10 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     LipschitzEstimate
         Of one input, or of a batch (indexable, iterable; see :class:`LipschitzEstimate`).
 
+    A solve that runs longer than a few seconds says where it is (Jacobian products made, the estimate and its
+    relative error) in INFO lines of the logger ``meanfield.krylov``, every 5 s: ``logging.basicConfig(level=
+    logging.INFO)`` shows them.
+
     Raises
     ------
     ConvergenceError
@@ -614,8 +618,10 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     if not isinstance(method, str):
         raise TypeError(f"method: expected a transport method name such as 'exact' or 'streaming', got {method!r}")
     op = as_operator(op)
-    mu = op.check_measure(mu, "mu")
-    nu = op.check_measure(nu, "nu")
+    points = ("the ratio compares measures: wrap points as particles.Measure.empirical(X), or Measure.sequence(X) "
+              "for a masked operator's sequence")
+    mu = op.check_measure(mu, "mu", tensors=points)
+    nu = op.check_measure(nu, "nu", tensors=points)
     if not op.masked and not op.points_only:
         # positions an unmasked operator does not read (check_measure has said so, once per measure): dropped here,
         # so that op(mu) and op(nu) below do not say it again

@@ -202,11 +202,11 @@ class AttentionOperator:
                              f"(move the input: {name}.to('{self.device}'){self._convert(repr(str(X.device)))})")
         return X
 
-    def check_measure(self, mu, name: str = "mu") -> Measure:
-        """mu as a Measure this operator can act on, or a clear error naming ``name``."""
+    def check_measure(self, mu, name: str = "mu", *, tensors: str = "use op.sequence(X) for tensors") -> Measure:
+        """mu as a Measure this operator can act on, or a clear error naming ``name`` (``tensors``: what to do with a
+        tensor instead, said in that error)."""
         if not isinstance(mu, Measure):
-            raise TypeError(f"{name}: expected a particles.Measure, got {type(mu).__name__} "
-                            "(use op.sequence(X) for tensors)")
+            raise TypeError(f"{name}: expected a particles.Measure, got {type(mu).__name__} ({tensors})")
         if self.d_in is not None and mu.dim != self.d_in:
             raise ValueError(f"{name}: atoms have dimension {mu.dim}, the operator expects {self.d_in}")
         if self.dtype is not None and mu.dtype != self.dtype:

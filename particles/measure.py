@@ -309,7 +309,8 @@ class Measure:
                positions: bool = False) -> Measure:
         """n i.i.d. uniform atoms on the sphere of radius R in R^d (uniform weights).
 
-        ``positions=True`` gives them positions i/n (a sequence for masked attention).
+        ``positions=True`` gives them positions i/n (a sequence for masked attention). A seed fixes the samples of
+        one dtype: float32 and float64 draws of the same seed differ (torch's samplers).
         """
         positions = check_bool(positions, "positions")
         X = _sample_sphere(n, dim, radius, seed, dtype, device)
@@ -318,7 +319,10 @@ class Measure:
     @classmethod
     def ball(cls, n: int, dim: int, radius: float = 1.0, *, seed=None, dtype=None, device=None,
              positions: bool = False) -> Measure:
-        """n i.i.d. uniform atoms in the closed ball B_R of R^d (uniform weights)."""
+        """n i.i.d. uniform atoms in the closed ball B_R of R^d (uniform weights).
+
+        A seed fixes the samples of one dtype: float32 and float64 draws of the same seed differ (torch's samplers).
+        """
         positions = check_bool(positions, "positions")
         check_positive_int(n, "n")
         g = make_generator(seed)
@@ -331,7 +335,12 @@ class Measure:
     @classmethod
     def gaussian(cls, n: int, mean, cov=None, *, seed=None, dtype=None, device=None,
                  positions: bool = False) -> Measure:
-        """n i.i.d. samples of N(mean, cov) (cov None: identity)."""
+        """n i.i.d. samples of N(mean, cov) (cov None: identity).
+
+        ``dtype`` None: that of ``mean`` when it is a tensor (``torch.zeros(3)`` is float32), float64 for a list or
+        a numpy array. A seed fixes the samples of one dtype: float32 and float64 draws of the same seed differ
+        (torch's samplers).
+        """
         positions = check_bool(positions, "positions")
         device = check_device(device)
         check_positive_int(n, "n")

@@ -81,3 +81,15 @@ def test_the_sweep_page_first_example_runs(tmp_path, monkeypatch):
                     progress=False)
     assert res.ok and [r["n"] for r in res.rows] == [4, 8]
     assert all(r["lip"] > 0 and r["error"] >= 0 for r in res.rows)
+
+
+def test_a_ratio_given_tensors_says_to_wrap_them_as_measures():
+    """A new user's review (afternoon of 2026-11-29): lipschitz_ratio(op, X, Y) with tensors said 'use
+    op.sequence(X) for tensors', advice for an evaluation, not for a ratio of W2 distances."""
+    X = torch.randn(5, 2, dtype=F64, generator=torch.Generator().manual_seed(0))
+    op = SelfAttention(torch.eye(2, dtype=F64), torch.eye(2, dtype=F64))
+    with pytest.raises(TypeError, match=r"mu: expected a particles.Measure.*Measure.empirical\(X\)"):
+        lipschitz_ratio(op, X, X + 0.1)
+    with pytest.raises(TypeError, match=r"nu: expected a particles.Measure.*Measure.empirical\(X\)"):
+        lipschitz_ratio(op, Measure.empirical(X), X + 0.1)
+    assert lipschitz_ratio(op, Measure.empirical(X), Measure.empirical(X + 0.1)) > 0

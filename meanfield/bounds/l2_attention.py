@@ -56,7 +56,8 @@ def _heads(W, name: str) -> list[np.ndarray]:
 
 
 def l2_attention_upper(W_Q, W_V=None, W_O=None, N=None, *, norm: str = "2") -> float:
-    """Kim, Papamakarios, Mnih (ICML 2021), Theorem 3.2: Lipschitz bounds of L2 multi-head attention.
+    """Lipschitz bounds of L2 multi-head attention: Kim, Papamakarios, Mnih (ICML 2021), Theorem 3.2 as recalled, its
+    2-norm form corrected (a fourth power of ||W_Q^h||_2: not the statement as usually cited; docs/math.md 5.8).
 
     Layout (row tokens, X of shape (N, D)): head h has tied query/key weights ``W_Q[h]`` (D, k),
     scores ``P_ij = softmax_j(-|W_Q^T x_i - W_Q^T x_j|^2 / sqrt(k))``, output

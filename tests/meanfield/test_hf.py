@@ -496,3 +496,22 @@ def test_capture_attention_outputs_is_the_attention_map_of_the_models_own_pass(k
     assert sorted(mhf.capture_attention_outputs(model, ids, [1])) == [1]
     with pytest.raises(ValueError, match="input_ids"):
         mhf.capture_attention_outputs(model, ids[0])
+
+
+def test_a_bert_attention_as_operator_is_the_attention_alone_and_says_so(models):
+    """A new user's review: as_operator(BertAttention) is W_O concat_h f^h + b, not BertAttention(X) (which adds the
+    residual and the LayerNorm): the operator equals output.dense(self(X)) and differs from module(X); its repr
+    names the map, and block=True is the module's own map."""
+    from meanfield import as_operator
+
+    model = models[("bert", False)]
+    layer = model.encoder.layer[0].attention
+    X = mhf.capture_attention_inputs(model, _ids(model, 7), [0])[0]
+    op = as_operator(layer)
+    alone = layer.output.dense(layer.self(X[None])[0])[0]
+    torch.testing.assert_close(op.sequence(X), alone, rtol=0, atol=1e-12)
+    assert (op.sequence(X) - layer(X[None])[0][0]).abs().max() > 1e-3
+    assert "attention alone" in repr(op) and "block=False" in repr(op)
+    whole = mhf.HFAttention(layer, block=True)
+    torch.testing.assert_close(whole.sequence(X), layer(X[None])[0][0], rtol=0, atol=1e-12)
+    assert "whole block" in repr(whole)
