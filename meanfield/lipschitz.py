@@ -387,8 +387,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         Of one input, or of a batch (indexable, iterable; see :class:`LipschitzEstimate`).
 
     A solve that runs longer than a few seconds says where it is (Jacobian products made, the estimate and its
-    relative error) in INFO lines of the logger ``meanfield.krylov``, every 5 s: ``logging.basicConfig(level=
-    logging.INFO)`` shows them.
+    relative error) in INFO lines of the logger ``meanfield.krylov``, every 5 s:
+    ``logging.basicConfig(level=logging.INFO)`` shows them.
 
     Raises
     ------
