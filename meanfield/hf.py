@@ -251,7 +251,8 @@ class HFAttention(AttentionOperator):
     mixed_precision = False
 
     def __repr__(self) -> str:
-        what = "the whole block" if self.block else "the attention alone, W_O concat_h f^h + b"
+        what = ("the whole block" if self.block else "the heads concatenated, no W_O" if self.kind == "bert_self"
+                else "the attention alone, W_O concat_h f^h + b")
         return f"HFAttention({self.name}, {what}, masked={self.masked}, block={self.block})"
 
     def parameters(self, d: int | None = None) -> Parameters:

@@ -237,7 +237,6 @@ def _powers(y: torch.Tensor, K: int, inplace: bool | None = None, out: torch.Ten
     (no gather). Written in place where no derivative is taken (``inplace``; None: where no derivative may be taken
     of y), concatenated otherwise (autograd, forward mode). ``out``: where to write them in place, a buffer
     (..., M, >= rows) reused from block to block (its first ``rows`` columns)."""
-
     e, rows = y.shape[-1], y.shape[-2]
     yt = y.transpose(-1, -2).unsqueeze(-2)        # (..., e, 1, rows)
     M = feature_count(e, K)
@@ -298,7 +297,6 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
     With ``lse``, (out, L): also the row log-sums L_i = log sum_j a_j e^{<q_i, k_j>} (..., m) from the same
     denominators (L_i = log of the series' denominator + <q_i, c> + the largest log-weight; its error at most
     -log(1 - delta), about the bound; -inf for rows whose every weight is zero)."""
-
     check_shapes(q, k, v, log_weights, None, None)
     if tol is None:
         tol = torch.finfo(q.dtype).eps
@@ -357,7 +355,6 @@ def series_attend(q, k, v, log_weights=None, *, tol=None, degree=None, max_featu
 
 def _series(q, k, v, lw, K, centre, scale):
     """The series of degree K with the keys centred at ``centre`` and the queries and keys balanced by ``scale``."""
-
     c = v.shape[-1]
     # weights relative to the largest (the shift cancels in the normalization)
     if lw is None:
@@ -526,7 +523,6 @@ def kernel_sums(x, y, sums):
     """[sum_j T_K(<x_i, y_j>) w_j for (w, K) in sums] sharing their features (:func:`_kernel_sums`), differentiable
     (each through :class:`_KernelSum` where a derivative may be taken, so that a backward pass built from them can
     itself be differentiated)."""
-
     if not needs_derivatives(x, y, *(w for w, _ in sums)):
         return _kernel_sums(x, y, sums)
     return [kernel_sum(x, y, w, K) for w, K in sums]
@@ -537,7 +533,6 @@ def kernel_sum(x, y, w, K: int):
     series' core (x (..., m, e), y (..., n, e) and w (..., n, c); leading dimensions broadcast). O((m + n) M) time,
     O(m + n + M) memory, with its derivatives (autograd, forward mode, double backward) in the same memory
     (``_KernelSum``)."""
-
     for name, t in (("x", x), ("y", y), ("w", w)):
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or not t.is_floating_point():
             raise ValueError(f"{name}: expected a floating tensor of shape (..., rows, features), got "

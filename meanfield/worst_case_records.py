@@ -14,6 +14,8 @@ from particles.validation import check_bool, check_positive_float, check_positiv
 from .lipschitz import LipschitzEstimate
 from .upper import UpperBound
 
+__all__ = ["SearchOptions", "StartRecord", "WorstCaseResult"]
+
 
 @dataclass(frozen=True)
 class SearchOptions:

@@ -15,6 +15,8 @@ from particles.validation import as_tensor
 
 from .numerics import _check_tol, _square
 
+__all__ = ["GammaInfo", "eigen_cases", "gamma_info", "gamma", "gamma_info_factored"]
+
 
 @dataclass(frozen=True)
 class GammaInfo:

@@ -14,6 +14,8 @@ from particles.validation import as_tensor, check_positive_int
 
 from .numerics import _exp_or_inf, _matrix
 
+__all__ = ["lambert_phi_inverse", "l2_attention_upper"]
+
 
 def lambert_phi_inverse(x) -> float:
     """phi^{-1}(x) for phi(t) = t exp(t + 1), t >= 0: W_0(x / e) (principal Lambert W), O(log x)."""

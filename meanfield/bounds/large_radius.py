@@ -12,6 +12,8 @@ from particles.validation import as_tensor, check_bool, check_positive_float, ch
 
 from .numerics import _A_V, _check_scores_memory, _matrix, _square
 
+__all__ = ["argmax_indices", "large_radius_limit", "score_gap", "large_radius_sup"]
+
 
 def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndarray:
     """m_i = argmax_j <A x_i, x_j> (over j <= i when ``masked``), as an int array of length n.

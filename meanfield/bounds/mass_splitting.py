@@ -13,6 +13,8 @@ from particles.validation import as_tensor, check_positive_float
 
 from .numerics import _A_V, _matrix
 
+__all__ = ["query_term_norms", "split_constant"]
+
 
 def query_term_norms(A, V, X, log_weights=None, *, positions=None) -> np.ndarray:
     """``||V Sigma_mu(x_i) A||_2`` for every atom i of ``mu = sum_j a_j delta_{x_j}``.

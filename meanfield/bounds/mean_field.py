@@ -1,6 +1,10 @@
 """The mean-field regime: Theorem 3.5 (the upper bound on measures in B_R; Theorem 4.4's masked version as stated
 fails, :func:`cesaro_norm`) and Proposition 3.6 (the exponential two-Dirac lower bound), docs/math.md sections 5.2
-and 5.4."""
+and 5.4.
+
+The ``*_from_gamma`` entry points take gamma instead of the matrix A, for callers that computed it once (a real
+layer's heads, a sweep of many radii) or cannot form A at all (n beyond the integers); they evaluate the same
+formulas."""
 
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from particles.validation import check_positive_int, check_radius
 
 from .eigen import gamma
 from .numerics import _A_V, _check_log, _exp_or_inf, _gamma_value, _log_or_inf
+
+__all__ = ["mean_field_upper", "cesaro_norm", "two_dirac_lower", "two_dirac_lower_from_gamma",
+           "two_dirac_ratio_from_gamma", "two_dirac_ratio"]
 
 
 def mean_field_upper(A, V, R, *, log: bool = False) -> float:

@@ -14,6 +14,8 @@ from particles.validation import as_tensor, check_positive_float, check_positive
 from .eigen import _factored_norm
 from .numerics import _exp_or_inf, _heads_tensor, _matrix, _square
 
+__all__ = ["multihead_upper", "augmented_head_norms", "biased_multihead_upper", "absorb_key_bias"]
+
 
 def multihead_upper(head_lips, W_O) -> float:
     """Lemma 3.8: ``Lip(f_MH) <= ||W_O||_2 (sum_h Lip(f^h)^2)^{1/2}`` for f_MH = W_O concat_h f^h.

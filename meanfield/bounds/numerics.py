@@ -18,6 +18,8 @@ import torch
 
 from particles.validation import as_tensor, check_allocation, check_bool, scalar
 
+__all__ = ["spectral_norm", "BoundOverflowWarning"]
+
 
 def _matrix(M, name: str) -> np.ndarray:
     t = as_tensor(M, name, dtype=torch.float64)

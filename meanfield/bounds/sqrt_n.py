@@ -1,6 +1,10 @@
 """The sqrt(n) regime: Theorem 3.3 / 4.3 (the upper bound on sequences of n tokens in B_R) and Proposition 3.4 (the
 lower bound of its witness sequence), with the radius and length where the regime holds (docs/math.md sections 5.1
-and 5.3)."""
+and 5.3).
+
+The ``*_from_gamma`` entry points take gamma instead of the matrix A, for callers that computed it once (a real
+layer's heads, a sweep of many radii) or cannot form A at all (n beyond the integers); they evaluate the same
+formulas."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from particles.validation import check_positive_int, check_radius
 
 from .eigen import gamma
 from .numerics import _A_V, _exp_or_inf, _gamma_value, _length
+
+__all__ = ["sqrt_n_upper", "sqrt_n_lower", "sqrt_n_lower_from_gamma", "sqrt_n_regime_radius", "sqrt_n_regime_length"]
 
 
 def sqrt_n_upper(A, V, R, n) -> float:

@@ -107,7 +107,7 @@ def grid(level: str) -> dict:
 def prop36_claim(rows: list[dict], gamma: float) -> Claim:
     """Proposition 3.6 with its correction: at every R with gamma R^2 >= 2 the measured ratio of the
     two-Dirac constant to (gamma/2) R^2 e^{gamma R^2} equals ``ratio_predicted`` = 1 + 1/(gamma R^2)
-    within :func:`studies.experiments.sqrt_n.witness_tolerance` (terms of relative order e^{-2 gamma R^2})."""
+    within :func:`studies.common.witness_tolerance` (terms of relative order e^{-2 gamma R^2})."""
     sel = [r for r in rows if gamma * r["R"] ** 2 >= 2.0]
     if not sel:
         raise ValueError(f"rows: no radius with gamma R^2 >= 2 (gamma = {gamma:.4g}); the grid cannot test the claim")

@@ -1,4 +1,5 @@
-"""meanfield.triton_attention's ``_add`` without its compensation, for a test that must tell the two apart
+"""The kernels' ``_add`` (meanfield.triton_shared.kahan_add, read by both kernel modules under that name) without its
+compensation, for a test that must tell the two apart
 (tests/meanfield/test_triton_small_heads.py). Import it only once TRITON_INTERPRET=1 is set (by
 tests/meanfield/test_kernels_triton.py), as the kernels it replaces a helper of."""
 
