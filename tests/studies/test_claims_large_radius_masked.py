@@ -87,11 +87,13 @@ def test_masked_hub_claim_holds_and_catches_the_unmasked_argmax(tmp_path, monkey
 
 
 def test_masked_hub_claim_fails_when_the_multiplicities_coincide():
-    row = {"limit": 2.0, "lip": 2.0, "rel_gap": 0.0, "R": 10.0, "score_gap": 1.0, "v_norm_sqrt_n": 2.0, "n": 4}
+    row = {"limit": 2.0, "lip": 2.0, "rel_gap": 0.0, "R": 10.0, "score_gap": 1.0, "v_norm_sqrt_n": 2.0, "n": 4,
+           "jacobian_deviation": 0.0}
     assert lr.masked_hub_claim([row], [row], (1, 4)).agrees is True
     assert lr.masked_hub_claim([row], [row], (4, 4)).agrees is False        # the case lost its difference
     assert lr.masked_hub_claim([row], [{**row, "rel_gap": 2e-6}], (1, 4)).agrees is False
     assert lr.masked_hub_claim([{**row, "rel_gap": 2e-6}], [row], (1, 4)).agrees is False
+    assert lr.masked_hub_claim([row], [{**row, "jacobian_deviation": 2e-6}], (1, 4)).agrees is False
 
 
 def test_hub_last_rows_reach_their_masked_limit(tmp_path):
@@ -106,3 +108,25 @@ def test_hub_last_rows_reach_their_masked_limit(tmp_path):
     assert last["limit"] == pytest.approx(lim, rel=1e-12)
     assert abs(last["lip"] - lim) <= 1e-6 * lim
     assert torch.is_tensor(X) and X.shape == (last["n"], last["d"])
+
+
+@pytest.mark.parametrize("level", ["tiny", "quick"])
+def test_the_limit_claims_catch_attention_with_the_transposed_matrix(tmp_path, monkeypatch, level):
+    """Theorems 3.7 / 4.5 state the Jacobian's limit, E -> (V e_(m_i))_i; its norm depends on the largest argmax
+    multiplicity alone, which at seed 0 is the same for A and A^T, so attention computed with A^T (scores
+    <A^T x_i, x_j>) passed large_radius-1 (a mutation review). The claims now also compare the dense Jacobian
+    with the limit map entry by entry: they must hold on the library and fail with that mutant."""
+    import meanfield
+
+    claims = _claims(tmp_path / "ok", level)
+    assert all(c.agrees for c in claims), [c.measured for c in claims if not c.agrees]
+    real = meanfield.SelfAttention
+
+    class Transposed(real):
+        def __init__(self, A, V, **kw):
+            super().__init__(torch.as_tensor(A).T.contiguous(), V, **kw)
+
+    monkeypatch.setattr(meanfield, "SelfAttention", Transposed)
+    bad = _claims(tmp_path / "mutant", level)
+    assert bad[0].agrees is False and "Jacobian" in bad[0].measured, bad[0].measured   # large_radius-1
+    assert bad[2].agrees is False, bad[2].measured                                     # large_radius-3 (masked)
