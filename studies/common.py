@@ -243,7 +243,7 @@ def slope_claim(ns, lips, predicted_lips, curve_lips, what: str, *, tol: float =
         "n, the saturation flattens it near exp(2 gamma R^2)); the witness's exact constant lies near that band, "
         f"not always inside it (here {pred['slope']:.4f}; within 0.006 of it for 100 random matrices), which is why "
         f"the band is widened by {tol:g}. This claim tests the paper's formulas' growth; the exact constant at every "
-        "n is tested by the claim that Proposition 3.4 is attained at its witness",
+        "n is tested by the study's claim that the witness's constant is its closed form",
         kind=THEOREM, fails_if=f"the fitted exponent lies more than {tol:g} outside [{lo:.4f}, {hi:.4f}] (a constant "
                                "growing like n^0.6, or flattening, where the paper's formulas grow like sqrt(n))",
         short=shorten(f"{what} grows like sqrt(n), as the paper's formulas"),

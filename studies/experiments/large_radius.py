@@ -134,7 +134,8 @@ def masked_hub_claim(hub: list[dict], late: list[dict], mult: tuple[int, int]) -
     jac = max(a["jacobian_deviation"], b["jacobian_deviation"])
     ok = a["rel_gap"] <= 1e-6 and b["rel_gap"] <= 1e-6 and jac <= 1e-6 and mm != mu
     return Claim(
-        "Theorem 4.5: Lip_(RX) -> ||V|| sqrt(max multiplicity), hub direction (hub first) and hub-last direction "
+        "Theorem 4.5: D_(RX) f -> (V e_(m_i))_i and Lip_(RX) -> ||V|| sqrt(max multiplicity), hub direction (hub "
+        "first) and hub-last direction "
         f"(masked multiplicity {mm}, unmasked {mu})",
         f"{a['limit']:.6g} (hub first), {b['limit']:.6g} (hub last; unmasked formula "
         f"{b['v_norm_sqrt_n'] * math.sqrt(mu / b['n']):.6g})",

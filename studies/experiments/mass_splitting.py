@@ -1,4 +1,4 @@
-"""Study 5: mass splitting (earlier version of the paper; docs/math.md section 4).
+"""Study 5: mass splitting (earlier version of the paper; docs/math.md section 4.7).
 
 Splitting an atom (x, a) into (x, t a) and (x, (1 - t) a) leaves the measure unchanged, but the
 two halves may then move apart: the weighted-Jacobian constant (Lemma C.5) of the split
@@ -167,7 +167,7 @@ def mass_splitting(out_dir: Path, ctx) -> StudyResult:
               short="splitting never decreases the weighted constant",
               short_measured=f"min ratio {min(allr):.6f}; {len(below)} of {len(allr)} below 1"),
         closed_form_claim(flat1 + flat2 + flat_t + rows_r),
-        Claim("splitting can increase the weighted constant (docs/math.md section 4: the W2 constant is at least "
+        Claim("splitting can increase the weighted constant (docs/math.md section 4.7: the W2 constant is at least "
               "the sup)",
               "ratio > 1 somewhere", f"max ratio {max(allr):.4f}; increased at {n_up(flat2)} of {len(flat2)} "
               f"points of the 2-D grid, {n_up(flat1)} of {len(flat1)} in 1-D, {n_up(rows_r)} of {len(rows_r)} random "
