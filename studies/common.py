@@ -10,7 +10,8 @@ import torch
 
 from .contract import THEOREM, Claim, shorten
 
-__all__ = ["random_A", "random_V", "seeded_attention", "task_seed", "uniform_ball", "ball_points", "uniform_sphere",
+__all__ = ["random_A", "case_matrix", "random_V", "seeded_attention", "task_seed", "uniform_ball", "ball_points",
+           "uniform_sphere",
            "fit_loglog", "fit_groups", "mean_std_by_n", "to_device", "slope_claim", "witness_tolerance",
            "witness_columns", "witness_deviation", "witness_checks", "WITNESS_FLOOR", "PAIR_RESOLUTION", "SLOPE_TOL"]
 
@@ -28,6 +29,23 @@ def random_A(d: int, seed: int) -> torch.Tensor:
     """A d x d Gaussian matrix / sqrt(d) from a seed (float64, CPU), the same on every machine."""
     g = torch.Generator().manual_seed(int(seed))
     return torch.randn(d, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+
+
+def case_matrix(d: int, seed: int, case: str) -> tuple[torch.Tensor, int]:
+    """(A, the seed it came from): :func:`studies.common.random_A` for the first seed from ``seed`` whose
+    Proposition 3.4 case (that of gamma(A)) is ``case``."""
+    if case not in ("max", "min"):
+        raise ValueError(f"case: expected 'max' or 'min', got {case!r}")
+    for s in range(int(seed), int(seed) + 1000):
+        A = random_A(d, s)
+        lam = np.linalg.eigvals(A.numpy())
+        lam = lam.real[np.abs(lam.imag) <= 1e-10 * (1 + np.abs(lam))]
+        if lam.size == 0:
+            continue
+        g_max, g_min = max(lam.max() / 8, 0.0), max(-lam.min(), 0.0)
+        if max(g_max, g_min) > 0 and ("max" if g_max >= g_min else "min") == case:
+            return A, s
+    raise RuntimeError(f"case: no seed in [{seed}, {seed + 1000}) gives case {case!r}")  # pragma: no cover
 
 
 def random_V(d: int, seed: int) -> torch.Tensor:

@@ -30,6 +30,7 @@ from .. import plotting as P
 from ..common import (
     PAIR_RESOLUTION,
     WITNESS_FLOOR,
+    case_matrix,
     fit_loglog,
     random_A,
     slope_claim,
@@ -48,12 +49,13 @@ LANCZOS_TOL = 1e-8
 
 
 def lipschitz_task(kind: str, masked: bool, n: int, d: int, R: float, seed: int, rep: int = 0, *,
-                   device=None) -> dict:
+                   case: str | None = None, device=None) -> dict:
     """Local constant of f (V = I) at one input, with the bounds at (R, n) and the witness's predicted
-    constant (unmasked). Picklable grid task."""
+    constant (unmasked). ``case`` None: the matrix ``random_A(d, seed)``; "max" or "min": the first from ``seed`` in
+    that eigen-case of Proposition 3.4 (:func:`studies.common.case_matrix`). Picklable grid task."""
     from meanfield import SelfAttention, adversarial, local_lipschitz
 
-    A = random_A(d, seed)
+    A = random_A(d, seed) if case is None else case_matrix(d, seed, case)[0]
     V = torch.eye(d, dtype=torch.float64)
     if kind == "adversarial":
         X = adversarial.sqrt_n_sequence(A, R, n)
@@ -80,11 +82,12 @@ def grid(level: str) -> dict:
     return {"d": 7, "ns": [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], "reps": 4}
 
 
-def witness_claim(rows: list[dict], gamma: float, R: float, case: str) -> Claim:
+def witness_claim(rows: list[dict], gamma: float, R: float, case: str, *, other: bool = False) -> Claim:
     """Proposition 3.4 attained as computed: at every n the witness's certified constant over the bound
     equals the exact factor (``witness_factor``: the witness's top singular value in closed form over the
     bound, formed without the bound's formula) within the certificate's error bar plus
-    :data:`studies.common.WITNESS_FLOOR` (:func:`studies.common.witness_deviation`)."""
+    :data:`studies.common.WITNESS_FLOOR` (:func:`studies.common.witness_deviation`). ``other``: the rows of the
+    matrix of the other eigen-case (its own gamma and R), whose claim says so."""
     checks = witness_checks(rows)
     got = [r["lip"] / r["lower"] for r in rows]
     pred = [r["witness_factor"] for r in rows]
@@ -93,7 +96,9 @@ def witness_claim(rows: list[dict], gamma: float, R: float, case: str) -> Claim:
     second = sum(c[2] for c in checks)
     ns = [r["n"] for r in rows]
     return Claim(
-        "Proposition 3.4 is attained at its witness, by the factor its closed form gives (docs/math.md section 5.3)",
+        "Proposition 3.4 is attained at its witness, by the factor its closed form gives (docs/math.md section 5.3)"
+        + (f", at a matrix of the other eigen-case ({case!r}: the first seed in it, gamma = {gamma:.4g}, R = "
+           f"{R:.3f}), unmasked" if other else ""),
         f"Lip / bound = {pred[0]:.5f} (n = {ns[0]}) to {pred[-1]:.5f} (n = {ns[-1]}): the witness's Jacobian in "
         f"closed form (a 4 x 4 block), over sqrt(n-1) b, b = 1 / (1 + (n-1) e^{{-2 gamma R^2}}); case {case!r}",
         f"Lip / bound = {got[0]:.5f} to {got[-1]:.5f}; largest relative deviation from the prediction {dev:.1e}; "
@@ -105,7 +110,7 @@ def witness_claim(rows: list[dict], gamma: float, R: float, case: str) -> Claim:
         "count as well as the top (a certificate bounds the distance to a singular value)", kind=THEOREM,
         fails_if="at some n the witness's constant over Proposition 3.4's bound differs from the exact factor by "
                  "more than the tolerance (a bound or a witness off by a constant factor, e.g. 1.001, fails)",
-        short="Prop 3.4 is attained at its witness, by the computed factor",
+        short="Prop 3.4 is attained at its witness, by the computed factor" + (f" (case {case})" if other else ""),
         short_measured=f"{len(off)} of {len(rows)} off; largest deviation {dev:.1e} (tolerance {tol:.0e})")
 
 
@@ -126,6 +131,16 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
               for rep in (range(1) if kind == "adversarial" else range(reps))]
     rows = run_grid(lipschitz_task, points, out_dir, "sqrt_n", ctx, device=ctx.device)
     write_csv(rows, out_dir / "lipschitz_vs_n.csv")
+    # the other eigen-case of Proposition 3.4 (its witness and closed form differ): the first matrix from the seed in
+    # it, in its own regime, at the witness (unmasked)
+    other = "max" if info.case == "min" else "min"
+    A_o, seed_o = case_matrix(d, seed, other)
+    gam_o = bounds.gamma(A_o)
+    R_o = bounds.sqrt_n_regime_radius(gam_o, 1000.0 * max(ns))
+    adv_o = run_grid(lipschitz_task, [{"kind": "adversarial", "masked": False, "n": n, "d": d, "R": R_o, "seed": seed,
+                                       "case": other} for n in ns], out_dir, "sqrt_n_other_case", ctx,
+                     device=ctx.device)
+    write_csv(adv_o, out_dir / "witness_other_case.csv")
 
     adv = sorted([r for r in rows if r["kind"] == "adversarial" and not r["masked"]], key=lambda r: r["n"])
     adv_m = sorted([r for r in rows if r["kind"] == "adversarial" and r["masked"]], key=lambda r: r["n"])
@@ -191,6 +206,7 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
               short="Prop 3.4 for masked attention (Castin et al. 2025)",
               short_measured=f"min Lip^m / lower {min_low_ratio_m:.6g}; {len(low_viol_m)} of {len(adv_m)} below"),
         slope,
+        witness_claim(adv_o, gam_o, R_o, other, other=True),
     ]
     notes = (f"A is a {d}x{d} Gaussian matrix / sqrt(d) (seed {seed}), gamma = {gam:.4g} (case {info.case!r}), "
              f"R = {R:.3f} so that exp(2 gamma R^2) = 1000 n_max. Random inputs: {reps} draw(s) per n on the sphere of "
@@ -198,9 +214,11 @@ def sqrt_n(out_dir: Path, ctx) -> StudyResult:
              f"{fit_m['hi']:.3f}] (no separate claim in the paper). The slope claim compares the fitted slope with "
              f"1/2 and the slope of Proposition 3.4's curve over the fitted n ({fit_low['slope']:.4f}), within "
              "0.02; the witness's exact constant (meanfield.adversarial.sqrt_n_witness_constant) has slope "
-             f"{fit_pred['slope']:.4f} there, and sqrt_n-3 tests the constants against it at every n.")
+             f"{fit_pred['slope']:.4f} there, and sqrt_n-3 tests the constants against it at every n. sqrt_n-6 tests "
+             f"the witness of the other eigen-case ({other!r}) at the first matrix from seed {seed} in it (seed "
+             f"{seed_o}), gamma = {gam_o:.4g}, R = {R_o:.3f}.")
     return StudyResult("sqrt_n", "The sqrt(n) regime", claims, ["lipschitz_vs_n.png"],
-                       ["lipschitz_vs_n.csv", "slope_fit.csv"],
+                       ["lipschitz_vs_n.csv", "slope_fit.csv", "witness_other_case.csv"],
                        {"gamma": gam, "case": info.case, "R": R, "d": d, "fit": fit, "fit_predicted": fit_pred,
                         "fit_masked": fit_m, "max_lip_over_upper": max_up_ratio, "min_lip_over_lower": min_low_ratio,
                         "min_lip_over_lower_masked": min_low_ratio_m}, notes, captions={"lipschitz_vs_n.png": CAPTION})

@@ -11,7 +11,7 @@ import torch
 
 from meanfield import SearchOptions, SelfAttention, adversarial, bounds, local_lipschitz, worst_case_sequence
 
-from ..common import random_A, task_seed
+from ..common import case_matrix, task_seed
 from ..contract import EMPIRICAL, THEOREM, Claim
 
 TOL = 1e-6            # relative accuracy of every certified constant (Lanczos where n d > 32, else dense)
@@ -22,23 +22,6 @@ CERT_N = 16           # the loose search of the certificate check: n d > meanfie
 CERT_TOL = 1e-2       # its tolerance and that of the estimator runs: macroscopic error bars
 #: estimator runs at each input: (method, max_iter, number of seeds); max_iter 1 certifies the random start itself
 CERT_RUNS = (("lanczos", 1, 8), ("lanczos", 2, 2), ("power", 3, 2))
-
-
-def case_matrix(d: int, seed: int, case: str) -> tuple[torch.Tensor, int]:
-    """(A, the seed it came from): :func:`studies.common.random_A` for the first seed from ``seed`` whose
-    Proposition 3.4 case (that of gamma(A)) is ``case``."""
-    if case not in CASES:
-        raise ValueError(f"case: expected one of {CASES}, got {case!r}")
-    for s in range(int(seed), int(seed) + 1000):
-        A = random_A(d, s)
-        lam = np.linalg.eigvals(A.numpy())
-        lam = lam.real[np.abs(lam.imag) <= 1e-10 * (1 + np.abs(lam))]
-        if lam.size == 0:
-            continue
-        g_max, g_min = max(lam.max() / 8, 0.0), max(-lam.min(), 0.0)
-        if max(g_max, g_min) > 0 and ("max" if g_max >= g_min else "min") == case:
-            return A, s
-    raise RuntimeError(f"case: no seed in [{seed}, {seed + 1000}) gives case {case!r}")  # pragma: no cover
 
 
 def witness_sequence(A, R: float, n: int, case: str) -> torch.Tensor | None:

@@ -820,3 +820,28 @@ def test_kernel_paths_formula_claim_sees_a_transposed_V_that_every_path_shares(m
     claim = kp.formula_claim(wrong)
     assert not claim.agrees and claim.short_measured.startswith("2 of 2 cases off")
     assert kp.forward_claim(wrong, "fused").agrees        # the paths still agree with each other
+
+
+def test_the_other_eigen_case_witness_claim_catches_an_error_of_that_case_alone(tmp_path, monkeypatch):
+    """sqrt_n-6 (a review of the study pages: the page promised both eigen-cases of Proposition 3.4, the study took
+    one matrix): the witness of the matrix of the other case must equal its closed form. A closed-form factor off by
+    1.001 in that case alone leaves sqrt_n-3 holding and fails sqrt_n-6."""
+    from meanfield import adversarial, bounds
+    from studies.common import random_A
+    from studies.context import RunContext
+    from studies.report import reproduce
+
+    other = "max" if bounds.gamma_info(random_A(3, 0)).case == "min" else "min"   # the tiny level's d = 3
+    real = adversarial.sqrt_n_witness_factor
+
+    def wrong(A, R, n):
+        return real(A, R, n) * (1.001 if bounds.gamma_info(A).case == other else 1.0)
+
+    ctx = lambda sub: RunContext(tmp_path / sub, level="tiny", seed=0, sweep={"backend": "inprocess",   # noqa: E731
+                                                                              "resume": False})
+    ok = reproduce(ctx("ok"), only=["sqrt_n"])["studies"]["sqrt_n"]["claims"]
+    assert len(ok) == 6 and all(c["verdict"] == "holds" for c in ok), [c["measured"] for c in ok]
+    assert f"case {other}" in ok[5]["short"]
+    monkeypatch.setattr(adversarial, "sqrt_n_witness_factor", wrong)
+    bad = reproduce(ctx("bad"), only=["sqrt_n"])["studies"]["sqrt_n"]["claims"]
+    assert bad[2]["verdict"] == "holds" and bad[5]["verdict"] == "violated", (bad[2]["measured"], bad[5]["measured"])
