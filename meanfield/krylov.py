@@ -35,11 +35,13 @@ import contextlib
 import contextvars
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import torch
 from torch.func import jacfwd, jacrev
 
+from particles import progress as _heartbeat
 from particles.progress import Heartbeat
 from particles.validation import SEED_LIMIT, check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
@@ -175,21 +177,43 @@ class _Progress:
     budget and the largest estimated relative error (a solve shorter than the period says nothing). On CPU a
     product at N = 1e5 atoms takes about a minute: without them a run gave no sign of life for hours."""
 
-    def __init__(self, what: str, budget: int):
-        self.what, self.budget = what, budget
+    def __init__(self, what: str, budget: int, problem=None):
+        self.what, self.budget, self.problem = what, budget, problem
         self.beat = Heartbeat()
+
+    def _constant(self, value) -> float:
+        """The largest member's value in the units of the constant returned: the solvers work with J / c, c the
+        problem's scale (a power of two per member, set by its first product)."""
+        scale = getattr(self.problem, "scale", None)
+        if scale is not None and scale.numel() == value.numel():
+            value = value * scale.to(value.dtype).reshape(value.shape)
+        return float(value.max())
 
     def __call__(self, step: int, value, err) -> None:
         if self.beat.due():
             rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
             log.info("%s: step %d of at most %d, estimate %.6g, relative error about %.2g, %.0f s", self.what, step,
-                     self.budget, float(value.max()), rel, self.beat.elapsed)
+                     self.budget, self._constant(value), rel, self.beat.elapsed)
+
+    def certified(self, value, err, dtype) -> None:
+        """A certificate (products in ``dtype``, the input's): in a call that has run for a period or more, every
+        one is logged, since its products are the long ones and the steps' estimates may be of another operator
+        (the float32 twin) and far from the value returned."""
+        if self.beat.elapsed >= _heartbeat.PROGRESS_SECONDS:
+            self.beat.last = time.monotonic()
+            rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
+            log.info("%s: certified with products in %s: value %.6g, relative error %.2g, %.0f s", self.what,
+                     str(dtype).replace("torch.", ""), self._constant(value), rel, self.beat.elapsed)
 
 
-def _check_steps(apply, u, steps, g, what):
+def _check_steps(apply, u, steps, g, what, progress=None):
     """The check of a converged certificate (:func:`power`, :func:`lanczos`): ``steps`` Lanczos steps from its
     vector ``u`` (b, N); their top Ritz values (``.sig``, vectors from ``.ritz()``) are lower bounds of ||J||."""
-    K = _Krylov(apply, u, steps, g, what=what)
+    # the call's own progress (its heartbeat and scale) under the check's name
+    check = _Progress(what, steps, None if progress is None else progress.problem)
+    if progress is not None:
+        check.beat = progress.beat
+    K = _Krylov(apply, u, steps, g, progress=check)
     K.run(0.0, at_least=steps)
     return K
 
@@ -230,7 +254,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
     u = _random_start(p.X.shape, p.X, seed)
     shape = p.X.shape
     b, N = shape[0], p.X[0].numel()
-    progress = _Progress("local_lipschitz (power iteration)", max_iter)
+    progress = _Progress("local_lipschitz (power iteration)", max_iter, p)
     # the check's steps are kept out of the iterations' budget (one singular value in dimension 1: no check)
     steps = min(POWER_CHECK_STEPS, N) if N >= 2 else 0
     used = 0
@@ -254,7 +278,7 @@ def power(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None) -
             # unchecked, as before the check existed (converged means error <= tol * value)
             break
         K = _check_steps(lambda v: p.JT(p.J(v.reshape(shape))).reshape(b, N), vector.reshape(b, N), steps, g,
-                         "local_lipschitz (power iteration: its check, Lanczos steps)")
+                         "local_lipschitz (power iteration: its check, Lanczos steps)", progress)
         used += K.m
         higher = _confirmed_above(p, K, value, err, done)
         if not bool(higher.any()):
@@ -343,7 +367,7 @@ class _Krylov:
     float64 whatever the working dtype.
     """
 
-    def __init__(self, apply, q, m_max, g, first=None, images=False, min_steps=0, what=None):
+    def __init__(self, apply, q, m_max, g, first=None, images=False, min_steps=0, what=None, progress=None):
         self.apply, self.q, self.m_max, self.g, self.first = apply, q, m_max, g, first
         # no target counts as met before min_steps vectors: after one or two steps a loose target is met by
         # a Ritz value still far below the top (the certificate then bounds the distance to a lower one)
@@ -355,7 +379,8 @@ class _Krylov:
         self.alpha, self.beta = [], []
         self.q_prev = self.w = self.y = self.err = self.sig = None
         what = f"local_lipschitz (lanczos, {q.dtype})" if what is None else what
-        self.progress = _Progress(what.replace("torch.", ""), m_max)
+        # one call's phases share one (a new one per phase would stay silent for a period after each start)
+        self.progress = _Progress(what.replace("torch.", ""), m_max) if progress is None else progress
 
     @property
     def m(self):
@@ -464,8 +489,8 @@ def _low_problem(build, u0):
 class _Certificates:
     """The best certificate of each batch member so far: members that met ``tol`` keep theirs."""
 
-    def __init__(self, p, tol, shape):
-        self.p, self.tol, self.shape = p, tol, shape
+    def __init__(self, p, tol, shape, progress=None):
+        self.p, self.tol, self.shape, self.progress = p, tol, shape, progress
         b = shape[0]
         self.member = (-1, *([1] * (len(shape) - 1)))
         self.value = self.u = self.err = self.rho = None
@@ -486,6 +511,8 @@ class _Certificates:
             self.u = torch.where(keep.reshape(self.member), self.u, u)
         self.done = self.done | ok
         self.passes += 1
+        if self.progress is not None:
+            self.progress.certified(self.value, self.err, self.p.X.dtype)
         return (z * v.reshape(self.member)).reshape(self.shape[0], -1)
 
     @property
@@ -515,7 +542,8 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
                      "(or tol), or use method='power', which stores no basis", memory_limit)
     g = make_generator(None if seed is None else (seed + 1) % SEED_LIMIT)
     q = _random_start(shape, p.X, seed)
-    best = _Certificates(p, tol, shape)
+    progress = _Progress("local_lipschitz (lanczos)", m_max, p)
+    best = _Certificates(p, tol, shape, progress)
     stalled = torch.zeros(b, dtype=torch.bool, device=p.X.device)
 
     used = 0
@@ -537,7 +565,8 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
         target = max(0.5 * tol, _LOW_TARGET)
         try:
             q32 = q.reshape(b, N).to(torch.float32)
-            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32), min_steps=LANCZOS_MIN_STEPS)
+            K = _Krylov(apply_low, q32, m_max, g, first=apply_low(q32, w32), min_steps=LANCZOS_MIN_STEPS,
+                        progress=progress)
             while True:
                 met = K.run(target)
                 q = K.ritz()[0].to(p.X.dtype).reshape(shape)
@@ -570,7 +599,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
             images = twin is not None and 2 * b * (m_max - used) * N * p.X.element_size() <= memory_limit_bytes(
                 memory_limit)
             K = _Krylov(apply, q.reshape(b, N), m_max - used, g, first, images=images,
-                        min_steps=max(0, LANCZOS_MIN_STEPS - used))
+                        min_steps=max(0, LANCZOS_MIN_STEPS - used), progress=progress)
             target = 0.5 * tol
             previous = None
             while True:
@@ -604,7 +633,7 @@ def lanczos(p: Jacobian, tol, max_iter, seed, memory_limit=None, low_build=None)
         # (after a float32 phase, in float32: a check far cheaper than the certificates, its rounding allowed for)
         try:
             C = _check_steps(check_apply, best.u.reshape(b, N).to(check_dtype), steps, g,
-                             "local_lipschitz (lanczos: its check)")
+                             "local_lipschitz (lanczos: its check)", progress)
         except _LowRange:   # the float32 products left their range: the check in p's dtype
             check_apply, check_dtype = apply, p.X.dtype
             continue

@@ -264,3 +264,34 @@ def test_forward_mode_products_raise_no_torch_deprecation_noise():
                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "0", out.stdout
+
+
+@pytest.mark.parametrize("method,dtype", [("lanczos", torch.float64), ("lanczos", torch.float32),
+                                          ("power", torch.float64)])
+def test_progress_lines_are_in_the_constant_s_units_and_cover_the_certificates(monkeypatch, caplog, method, dtype):
+    """A measurement at N = 25,000 (2026-11-29): a 74 s call logged its float32 steps, then nothing for 58 s (the
+    certificates' products, each phase starting its own 5 s period), and its last estimate (2.25) was half the
+    value returned (4.58): the steps' values were those of J / c, c the problem's scale (a power of two). Now one
+    period per call, every certificate of a long call logged, and every value in the units of the constant: the
+    last certificate line carries the value returned, and the last step's estimate is within its error of it."""
+    import logging
+    import re
+
+    import particles.progress as heartbeat
+    from particles import Measure
+
+    monkeypatch.setattr(heartbeat, "PROGRESS_SECONDS", 0.0)   # every beat due: a "long" call
+    g = torch.Generator().manual_seed(3)
+    A = 2.0 * torch.randn(3, 3, generator=g, dtype=torch.float64)   # scores of order 10: a constant far from 1
+    op = SelfAttention(A.to(dtype), torch.eye(3, dtype=dtype))
+    mu = Measure.sphere(200, 3, 1.5, seed=0, dtype=dtype)
+    with caplog.at_level(logging.INFO, logger="meanfield.krylov"):
+        est = local_lipschitz(op, mu, method=method, max_iter=3000)
+    lines = [r.getMessage() for r in caplog.records if r.name == "meanfield.krylov"]
+    certified = [float(m.group(1)) for m in (re.search(r"certified with products in \w+: value ([0-9.e+-]+)", x)
+                                             for x in lines) if m]
+    steps = [float(m.group(1)) for m in (re.search(r"estimate ([0-9.e+-]+)", x) for x in lines) if m]
+    assert est.converged and steps
+    assert max(steps) == pytest.approx(est.value, rel=1e-3)   # the steps' estimates are of the constant
+    if method == "lanczos":
+        assert certified and certified[-1] == pytest.approx(est.value, rel=1e-5)
