@@ -33,17 +33,18 @@ def random_A(d: int, seed: int) -> torch.Tensor:
 
 def case_matrix(d: int, seed: int, case: str) -> tuple[torch.Tensor, int]:
     """(A, the seed it came from): :func:`studies.common.random_A` for the first seed from ``seed`` whose
-    Proposition 3.4 case (that of gamma(A)) is ``case``."""
+    Proposition 3.4 case (that of gamma(A), :func:`meanfield.bounds.gamma_info`) is ``case``, gamma > 0."""
+    from meanfield import bounds
+
     if case not in ("max", "min"):
         raise ValueError(f"case: expected 'max' or 'min', got {case!r}")
     for s in range(int(seed), int(seed) + 1000):
         A = random_A(d, s)
-        lam = np.linalg.eigvals(A.numpy())
-        lam = lam.real[np.abs(lam.imag) <= 1e-10 * (1 + np.abs(lam))]
-        if lam.size == 0:
+        try:
+            info = bounds.gamma_info(A)
+        except ValueError:   # no real eigenvalue: no witness
             continue
-        g_max, g_min = max(lam.max() / 8, 0.0), max(-lam.min(), 0.0)
-        if max(g_max, g_min) > 0 and ("max" if g_max >= g_min else "min") == case:
+        if info.gamma > 0 and info.case == case:
             return A, s
     raise RuntimeError(f"case: no seed in [{seed}, {seed + 1000}) gives case {case!r}")  # pragma: no cover
 
