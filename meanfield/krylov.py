@@ -35,13 +35,11 @@ import contextlib
 import contextvars
 import logging
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch.func import jacfwd, jacrev
 
-from particles import progress as _heartbeat
 from particles.progress import Heartbeat
 from particles.validation import SEED_LIMIT, check_allocation, make_generator
 from particles.validation import memory_limit as memory_limit_bytes
@@ -177,9 +175,9 @@ class _Progress:
     budget and the largest estimated relative error (a solve shorter than the period says nothing). On CPU a
     product at N = 1e5 atoms takes about a minute: without them a run gave no sign of life for hours."""
 
-    def __init__(self, what: str, budget: int, problem=None):
+    def __init__(self, what: str, budget: int, problem=None, beat: Heartbeat | None = None):
         self.what, self.budget, self.problem = what, budget, problem
-        self.beat = Heartbeat()
+        self.beat = Heartbeat() if beat is None else beat
 
     def _constant(self, value) -> float:
         """The largest member's value in the units of the constant returned: the solvers work with J / c, c the
@@ -189,31 +187,30 @@ class _Progress:
             value = value * scale.to(value.dtype).reshape(value.shape)
         return float(value.max())
 
+    @staticmethod
+    def _relative(value, err) -> float:
+        return float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
+
     def __call__(self, step: int, value, err) -> None:
         if self.beat.due():
-            rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
             log.info("%s: step %d of at most %d, estimate %.6g, relative error about %.2g, %.0f s", self.what, step,
-                     self.budget, self._constant(value), rel, self.beat.elapsed)
+                     self.budget, self._constant(value), self._relative(value, err), self.beat.elapsed)
 
     def certified(self, value, err, dtype) -> None:
         """A certificate (products in ``dtype``, the input's): in a call that has run for a period or more, every
         one is logged, since its products are the long ones and the steps' estimates may be of another operator
         (the float32 twin) and far from the value returned."""
-        if self.beat.elapsed >= _heartbeat.PROGRESS_SECONDS:
-            self.beat.last = time.monotonic()
-            rel = float((err / value.clamp(min=torch.finfo(torch.float64).tiny)).max())
+        if self.beat.long_running():
             log.info("%s: certified with products in %s: value %.6g, relative error %.2g, %.0f s", self.what,
-                     str(dtype).replace("torch.", ""), self._constant(value), rel, self.beat.elapsed)
+                     str(dtype).replace("torch.", ""), self._constant(value), self._relative(value, err),
+                     self.beat.elapsed)
 
 
-def _check_steps(apply, u, steps, g, what, progress=None):
+def _check_steps(apply, u, steps, g, what, progress):
     """The check of a converged certificate (:func:`power`, :func:`lanczos`): ``steps`` Lanczos steps from its
-    vector ``u`` (b, N); their top Ritz values (``.sig``, vectors from ``.ritz()``) are lower bounds of ||J||."""
-    # the call's own progress (its heartbeat and scale) under the check's name
-    check = _Progress(what, steps, None if progress is None else progress.problem)
-    if progress is not None:
-        check.beat = progress.beat
-    K = _Krylov(apply, u, steps, g, progress=check)
+    vector ``u`` (b, N); their top Ritz values (``.sig``, vectors from ``.ritz()``) are lower bounds of ||J||.
+    ``progress``: the call's, whose heartbeat and scale the check's lines share, under the check's name."""
+    K = _Krylov(apply, u, steps, g, progress=_Progress(what, steps, progress.problem, progress.beat))
     K.run(0.0, at_least=steps)
     return K
 
@@ -367,7 +364,7 @@ class _Krylov:
     float64 whatever the working dtype.
     """
 
-    def __init__(self, apply, q, m_max, g, first=None, images=False, min_steps=0, what=None, progress=None):
+    def __init__(self, apply, q, m_max, g, first=None, images=False, min_steps=0, *, progress: _Progress):
         self.apply, self.q, self.m_max, self.g, self.first = apply, q, m_max, g, first
         # no target counts as met before min_steps vectors: after one or two steps a loose target is met by
         # a Ritz value still far below the top (the certificate then bounds the distance to a lower one)
@@ -378,9 +375,8 @@ class _Krylov:
         self.images = _Basis(b, N, q, capacity=min(m_max, 16)) if images else None
         self.alpha, self.beta = [], []
         self.q_prev = self.w = self.y = self.err = self.sig = None
-        what = f"local_lipschitz (lanczos, {q.dtype})" if what is None else what
-        # one call's phases share one (a new one per phase would stay silent for a period after each start)
-        self.progress = _Progress(what.replace("torch.", ""), m_max) if progress is None else progress
+        # the call's progress, shared by its phases (one per phase would stay silent for a period after each start)
+        self.progress = progress
 
     @property
     def m(self):

@@ -32,3 +32,11 @@ class Heartbeat:
             return False
         self.last = now
         return True
+
+    def long_running(self) -> bool:
+        """Whether the computation has run for a period or more, however recent its last line: its milestones (a
+        certificate, say) are then each worth one. True counts as a beat (the next :meth:`due` waits a period)."""
+        if self.elapsed < PROGRESS_SECONDS:
+            return False
+        self.last = time.monotonic()
+        return True
