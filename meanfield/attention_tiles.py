@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from particles.progress import advance
 from particles.validation import zero_mass_log_weight
 
 __all__ = ["Plan", "tile_plan", "blocks", "HALF", "widen", "narrow_to", "backward_functional", "jvp_functional",
@@ -195,6 +196,7 @@ def backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         return x if acc is None else acc + x
 
     for a, (i0, i1) in enumerate(qb):
+        advance(a, len(qb), "VJP")
         if plan.tiles is not None and not plan.tiles[a]:
             continue
         go = _rows(g_out, i0, i1)
@@ -239,7 +241,9 @@ def jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan):
     m, n = q.shape[-2], k.shape[-2]
     kb = blocks(n, plan.bk)
     d_outs, d_lses = [], []
-    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+    qb = blocks(m, plan.bq)
+    for a, (i0, i1) in enumerate(qb):
+        advance(a, len(qb), "JVP")
         acc = mean_ds = None
         for b, mask in _visit(plan, a, len(kb)):
             j0, j1 = kb[b]
@@ -299,7 +303,9 @@ def forward_tiles(q, k, v, lw, qp, kp, plan):
     lwT = None if lw is None else lw[:, None, :]
     low = torch.finfo(q.dtype).min
     outs, lses = [], []
-    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+    qb = blocks(m, plan.bq)
+    for a, (i0, i1) in enumerate(qb):
+        advance(a, len(qb), "forward")
         qa = q[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
         run_max = run_sum = acc = None
@@ -406,7 +412,9 @@ def jvp_tiles(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan, cache=None, 
         d_lse = d_ext[..., c]
     else:
         d_ext, d_lse = torch.zeros_like(out), torch.zeros_like(lse)
-    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+    qb = blocks(m, plan.bq)
+    for a, (i0, i1) in enumerate(qb):
+        advance(a, len(qb), "JVP")
         qa = q[:, i0:i1]
         qpa = None if qp is None else qp[:, i0:i1, None]
         acc, row = d_ext[:, i0:i1], d_lse[:, i0:i1, None]
@@ -464,7 +472,9 @@ def backward_tiles(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need, fold
     dk = torch.zeros_like(k) if need[1] else None
     dv = torch.zeros_like(v) if need[2] else None
     dlw = torch.zeros_like(lw) if need[3] else None
-    for a, (i0, i1) in enumerate(blocks(m, plan.bq)):
+    qb = blocks(m, plan.bq)
+    for a, (i0, i1) in enumerate(qb):
+        advance(a, len(qb), "VJP")
         if plan.tiles is not None and not plan.tiles[a]:
             continue
         qa, go = q[:, i0:i1], g_out[:, i0:i1]

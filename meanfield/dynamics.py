@@ -318,7 +318,9 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
     Notes
     -----
     A run longer than a few seconds says where it is (the time reached, the step, the seconds spent) in INFO lines
-    of the logger ``meanfield.integrators``, every 5 s: ``logging.basicConfig(level=logging.INFO)`` shows them.
+    of the logger ``meanfield.dynamics``, every 5 s: ``logging.basicConfig(level=logging.INFO)`` shows them. A step
+    that alone takes longer (an attention pass over 1e5 tokens on CPU) is covered by the kernel's own lines
+    (logger ``meanfield.kernels``).
 
     The keywords of the previous release (``step=``, ``steps=``, ``max_steps=``, ``sphere=``,
     ``beta=``) still work, with a DeprecationWarning: the first three go into ``options``,

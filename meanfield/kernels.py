@@ -70,7 +70,7 @@ from particles.validation import (
 )
 
 from . import accelerator_paths as _paths
-from .kernel_inputs import check_shapes, needs_derivatives, tf32_on, transforms_active, zero_blind_rows
+from .kernel_inputs import check_shapes, needs_derivatives, tf32_on, transforms_active, watched, zero_blind_rows
 from .streamed_attention import _vmapped_size, one_query_set, sequence_mask, shared_keys
 
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
@@ -607,6 +607,10 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     kernels have neither forward mode nor a double backward; "auto" never takes it where derivatives are
     needed), or "auto" (:func:`choose`: the fastest path for the size,
     mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
+
+    A pass over :data:`meanfield.kernel_inputs.WATCHED_ENTRIES` scores or more (16,384 x 16,384; minutes on CPU at
+    1e5 tokens), and its VJP and JVP, log what they are and the seconds spent while they run, every 5 s at INFO
+    on the logger ``meanfield.kernels`` (:func:`meanfield.kernel_inputs.watched`).
     """
     check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)
@@ -618,6 +622,12 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
         args, lead = one_query_set(q, k, v, log_weights)
         out = attend(*args, method=method, block_size=block_size)
         return out.reshape(*lead, q.shape[-2], out.shape[-1])
+    with watched("attention", q, k):   # a pass of minutes (1e5 tokens on CPU) logs while it runs
+        return _attend(q, k, v, log_weights, q_pos, k_pos, method, block_size)
+
+
+def _attend(q, k, v, log_weights, q_pos, k_pos, method, block_size) -> torch.Tensor:
+    """:func:`attend` on checked inputs whose keys are not shared by a batch of queries: the path's choice and call."""
     default_method, default_block, threshold = _DEFAULTS.get()
     method = default_method if method is None else method
     causal = entries = None

@@ -78,7 +78,7 @@ from . import attention_tiles as tiles
 from . import efficient_cuda as efficient
 from . import flash_cpu as flash
 from .accelerator_paths import efficient_first
-from .kernel_inputs import transforms_active
+from .kernel_inputs import transforms_active, watched
 
 __all__ = ["StreamAttention", "stream_attend", "fused_attend", "sequence_mask", "DEFAULT_BLOCK", "ENGINES"]
 
@@ -260,15 +260,16 @@ class StreamAttention(torch.autograd.Function):
         if g_out is None:
             g_out = torch.zeros_like(out)
         plan = _retiled(ctx.plan, q, k, qp, kp, g_out, g_lse)
-        if _plain(q, k, v, lw, out, lse, g_out, g_lse):
-            dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
-        elif _functional_only(q, k, v, lw, out, lse, g_out, g_lse):
-            dq, dk, dv, dlw = tiles.backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
-        else:
-            # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
-            # streamed JVP (what reverse-over-reverse products need) and in the primal inputs the
-            # derivative of the functional tiles, computed only when the engine asks for it
-            dq, dk, dv, dlw = _StreamBackward.apply(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+        with watched("VJP", q, k):
+            if _plain(q, k, v, lw, out, lse, g_out, g_lse):
+                dq, dk, dv, dlw = _fast_backward(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+            elif _functional_only(q, k, v, lw, out, lse, g_out, g_lse):
+                dq, dk, dv, dlw = tiles.backward_functional(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
+            else:
+                # create_graph: the backward as a node of its own, whose derivative in the cotangent is the
+                # streamed JVP (what reverse-over-reverse products need) and in the primal inputs the
+                # derivative of the functional tiles, computed only when the engine asks for it
+                dq, dk, dv, dlw = _StreamBackward.apply(q, k, v, lw, qp, kp, out, lse, g_out, g_lse, plan, need)
         return dq, dk, dv, dlw, None, None, None
 
     @staticmethod
@@ -276,9 +277,10 @@ class StreamAttention(torch.autograd.Function):
         q, k, v, lw, qp, kp, out, lse = ctx.saved_tensors
         tlw = tlw if ctx.has_lw else None
         plan = _retiled(ctx.plan, q, k, qp, kp, tq, tk, tv, tlw)
-        if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
-            return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
-        return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+        with watched("JVP", q, k):
+            if _plain(q, k, v, lw, out, lse, tq, tk, tv, tlw):
+                return _fast_jvp(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
+            return tiles.jvp_functional(q, k, v, lw, qp, kp, out, lse, tq, tk, tv, tlw, plan)
 
 
 def _retiled(plan, q, k, qp, kp, *batched):
@@ -407,6 +409,12 @@ class _StreamBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv, glw):
+        q, k = ctx.saved_tensors[:2]
+        with watched("VJP's derivative (a JVP)", q, k):
+            return _StreamBackward.derivatives(ctx, gq, gk, gv, glw)
+
+    @staticmethod
+    def derivatives(ctx, gq, gk, gv, glw):
         q, k, v, lw, qp, kp, out, lse, g_out, g_lse = ctx.saved_tensors
         plan, need = ctx.plan, ctx.need
         grads = [None] * 12

@@ -1,15 +1,23 @@
 """Signs of life of long computations: at most one INFO line per :data:`PROGRESS_SECONDS`.
 
 The solvers that can run for minutes (the streaming and dense Sinkhorn of :mod:`transport`, the Lanczos and
-power iterations of :mod:`meanfield.krylov`) log where they are on their own loggers; a call shorter than
-the period says nothing. Each keeps one :class:`Heartbeat` and formats its own line when it is due.
+power iterations of :mod:`meanfield.krylov`, the steps of ``simulate``) log where they are on their own loggers; a
+call shorter than the period says nothing. Each keeps one :class:`Heartbeat` and formats its own line when it is due.
+
+A single call with no iteration of its own to count (one attention pass over 1e5 tokens: a fused kernel of
+minutes on CPU) runs inside :func:`long_call`: a watcher thread logs what the call is and the seconds spent while
+it runs, with the share done where the call reports one (:func:`advance`, the tile loops' query blocks).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import logging
+import threading
 import time
 
-__all__ = ["PROGRESS_SECONDS", "Heartbeat"]
+__all__ = ["PROGRESS_SECONDS", "Heartbeat", "long_call", "advance"]
 
 #: a long computation logs its progress at INFO about this often (seconds); read at every beat
 PROGRESS_SECONDS = 5.0
@@ -40,3 +48,65 @@ class Heartbeat:
             return False
         self.last = time.monotonic()
         return True
+
+
+class _Call:
+    """One watched call: what it is, when it started, the share done so far (None while unknown)."""
+
+    def __init__(self, logger, what):
+        self.logger, self.what = logger, what
+        self.start = time.monotonic()
+        self.done = self.stage = None
+        self.lines = 0
+        self.stop = threading.Event()
+
+    def line(self, text):
+        self.lines += 1
+        self.logger.info("%s: %s", self.what, text)
+
+    def watch(self):
+        while not self.stop.wait(PROGRESS_SECONDS):
+            done, stage = self.done, self.stage
+            share = "" if done is None else f"; {stage or 'pass'} {100 * done:.0f}% done"
+            self.line(f"running for {time.monotonic() - self.start:.0f} s{share}")
+
+
+_CURRENT: contextvars.ContextVar = contextvars.ContextVar("particles_progress_call", default=None)
+
+
+@contextlib.contextmanager
+def long_call(logger: logging.Logger, what: str, *, enabled: bool = True):
+    """Watch one long call: while the block runs, an INFO line on ``logger`` every :data:`PROGRESS_SECONDS`
+    (``what``, the seconds spent, the share done where :func:`advance` reports one), and a last line with the
+    time taken if any was logged. A block shorter than the period says nothing.
+
+    The line comes from a daemon thread (the call itself is busy in one kernel); nothing starts where ``enabled``
+    is False, ``logger`` does not log INFO, or a watched call encloses this one (the outer call's lines cover it).
+    """
+    if not enabled or _CURRENT.get() is not None or not logger.isEnabledFor(logging.INFO):
+        yield
+        return
+    call = _Call(logger, what)
+    token = _CURRENT.set(call)
+    thread = threading.Thread(target=call.watch, name="particles-progress", daemon=True)
+    thread.start()
+    ended = "done in"
+    try:
+        yield
+    except BaseException as error:
+        ended = f"stopped by {type(error).__name__} after"
+        raise
+    finally:
+        call.stop.set()
+        thread.join()
+        _CURRENT.reset(token)
+        if call.lines:
+            call.line(f"{ended} {time.monotonic() - call.start:.1f} s")
+
+
+def advance(done: int, total: int, stage: str | None = None) -> None:
+    """Report that ``done`` of ``total`` parts of the watched call's current ``stage`` (a name such as "JVP" for a
+    call of several passes) are finished; a no-op outside :func:`long_call`."""
+    call = _CURRENT.get()
+    if call is not None and total > 0:
+        call.stage, call.done = stage, done / total
