@@ -75,7 +75,7 @@ _CURRENT: contextvars.ContextVar = contextvars.ContextVar("particles_progress_ca
 
 
 @contextlib.contextmanager
-def long_call(logger: logging.Logger, what: str, *, enabled: bool = True):
+def long_call(logger, what: str, *, enabled: bool = True):
     """Watch one long call: while the block runs, an INFO line on ``logger`` every :data:`PROGRESS_SECONDS`
     (``what``, the seconds spent, the share done where :func:`advance` reports one), and a last line with the
     time taken if any was logged. A block shorter than the period says nothing.
