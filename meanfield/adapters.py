@@ -19,7 +19,7 @@ import copy
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor, check_bool, check_device, float_dtype
+from particles.validation import as_tensor, check_bool, check_device, float_dtype, to_arguments
 
 from .kernel_inputs import silence_blind_rows
 from .kernels import additive_mask
@@ -36,7 +36,8 @@ class CallableOperator(AttentionOperator):
     :func:`meanfield.local_lipschitz` differentiates; it has no velocity field at other points and
     refuses weighted or positioned measures (see the module docstring). ``masked`` records whether
     the callable is causal (it applies its own mask; no positions are passed to it).
-    ``dtype``/``device``/``d_in`` are taken from the first input it sees unless given.
+    ``dtype``/``device``/``d_in`` are taken from the first input it sees unless given (:func:`as_operator` gives
+    a ``torch.nn.Module``'s, where its floating parameters and buffers share one dtype and device).
     """
 
     points_only = True
@@ -69,6 +70,9 @@ class CallableOperator(AttentionOperator):
     def __repr__(self) -> str:
         return f"CallableOperator({self.name}, points-only)"
 
+    def _convert(self, arg: str) -> str:
+        return f" or the module ({self.name}.to({arg}))" if isinstance(self.fn, torch.nn.Module) else ""
+
     def bind(self, X: torch.Tensor) -> CallableOperator:
         """Fix d_in, dtype and device from an example input and d_out from one call on it."""
         if self._d_in is None:
@@ -93,7 +97,8 @@ class CallableOperator(AttentionOperator):
 
     def check_points(self, X, name: str = "X") -> torch.Tensor:
         if not isinstance(X, Measure) and self._d_in is None:
-            X = as_tensor(X, name)
+            # a module's dtype known: the input is converted to it (lists) or named (another float dtype) first
+            X = as_tensor(X, name) if self._dtype is None else super().check_points(X, name)
             if X.dim() >= 2:
                 self.bind(X)
         return super().check_points(X, name)
@@ -146,6 +151,7 @@ class TorchMultiheadAttention(AttentionOperator):
         """The same layer on ``device`` in ``dtype``, on a copy of the module (the module given is left as it is).
         What a float32 layer's certified constant is checked with, in float64 (:func:`meanfield.local_lipschitz`):
         without it the certificate covered float32 products only, whose rounding at large radii exceeded it."""
+        device, dtype = to_arguments(device, dtype)
         dtype, device = float_dtype(dtype), check_device(device)
         if (dtype is None or dtype == self.dtype) and (device is None or torch.device(device) == self.device):
             return self
@@ -241,6 +247,13 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
         if advice is not None:
             raise TypeError(f"f: {advice}")
     if callable(f):
-        return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False))
+        dtype = device = None
+        if isinstance(f, torch.nn.Module):
+            # a module computes in its parameters' dtype: an input of another one is named (X), not a matmul error
+            tensors = [t for t in (*f.parameters(), *f.buffers()) if t.is_floating_point()]
+            if len({t.dtype for t in tensors}) == 1 and len({t.device for t in tensors}) == 1:
+                dtype, device = tensors[0].dtype, tensors[0].device
+        return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False),
+                                dtype=dtype, device=device)
     raise TypeError(f"f: expected an attention operator, a Hugging Face attention layer, a "
                     f"torch.nn.MultiheadAttention or a callable on tensors, got {type(f).__name__}")

@@ -104,7 +104,7 @@ def two_dirac(A, R, *, positions: bool = False, return_info: bool = False, dtype
     return mu, _witness(info, _exp_or_inf(two_dirac_lower(A, R, log=True)))
 
 
-def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
+def large_radius_configuration(A, *, n, R=1.0, masked: bool = False, hub: int = 0, dtype=None) -> torch.Tensor:
     """A direction X (n, d), ``max_i |x_i| = R``, where every token attends to the same token ``hub``:
     m_i = argmax_j <A x_i, x_j> = hub for all i (Theorem 3.7; j <= i and hub = 0 when ``masked``,
     Theorem 4.5). Then Lip_{tX}(f) -> ||V||_2 sqrt(n) as t -> inf, the largest large-radius limit.
@@ -113,6 +113,10 @@ def large_radius_configuration(A, n, R=1.0, *, masked: bool = False, hub: int = 
     distinct t_k in [1/2, 3/4] (the hub has t = 1); if q < 0 they have t_k in [5/4, 3/2]; if A is
     skew-symmetric (q = 0 for every w) they are ``w - a_k A w / |A w|`` with distinct a_k in
     [1/2, 1]. Each case makes the hub the strict, unique maximizer of every row (checked).
+
+    ``n`` and ``R`` are keywords (``large_radius_configuration(A, n=8, R=2.0)``): the other builders and the bounds
+    take ``(A, R, n)``, and this one took ``(A, n, R)``, so that two integers given in the usual order built n = R
+    tokens at radius n without a word.
     """
     a = _square(A)
     n = check_positive_int(n, "n")

@@ -26,7 +26,7 @@ import numbers
 import numpy as np
 import torch
 
-from particles.validation import as_tensor, check_bool, check_ndim, float_dtype
+from particles.validation import as_tensor, check_bool, check_ndim, float_dtype, to_arguments
 
 from .kernel_inputs import seen_positions, silence_blind_rows
 from .kernels import attend
@@ -210,6 +210,7 @@ class SelfAttention(AttentionOperator):
 
     def to(self, device=None, dtype=None) -> SelfAttention:
         """The same operator with parameters on another device and/or dtype."""
+        device, dtype = to_arguments(device, dtype)
         dtype = float_dtype(dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         obj = SelfAttention.__new__(SelfAttention)
@@ -380,6 +381,7 @@ class MultiHeadAttention(AttentionOperator):
         return self._W_O.device
 
     def to(self, device=None, dtype=None) -> MultiHeadAttention:
+        device, dtype = to_arguments(device, dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=float_dtype(dtype))
         return MultiHeadAttention([h.to(device, dtype) for h in self.heads], mv(self._W_O), mv(self._b))
 
@@ -449,6 +451,9 @@ class L2SelfAttention(AttentionOperator):
     bias : ``(D_out,)`` or None
     masked : bool
         Causal variant (keys j <= i; positions for measures).
+    dtype : torch.dtype or None
+        Convert the parameters, as for :class:`SelfAttention` (default: float64 for numpy input and lists, a float
+        tensor's own dtype, which the other float parameters must then have).
     """
 
     def __init__(self, W_Q, W_V, W_O=None, bias=None, masked=False, *, dtype=None):
@@ -520,6 +525,7 @@ class L2SelfAttention(AttentionOperator):
         return self._WQ.device
 
     def to(self, device=None, dtype=None) -> L2SelfAttention:
+        device, dtype = to_arguments(device, dtype)
         dtype = float_dtype(dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         return L2SelfAttention(mv(self._WQ), mv(self._WV), mv(self._WO), mv(self._b), self.masked)

@@ -28,6 +28,8 @@ from particles import Measure
 from particles.linkage import first_occurrence, linked_components, unit_scale
 from particles.validation import as_tensor, check_positive_float
 
+from .dynamics import Trajectory
+
 __all__ = ["cluster_labels", "count_clusters", "cluster_centers", "limit_set", "LimitSet", "hull_vertices",
            "interaction_energy", "w2_to_reference"]
 
@@ -278,6 +280,10 @@ def w2_to_reference(traj, reference, method: str = "exact", **kw) -> np.ndarray:
     # imported here: transport loads POT (~0.8 s), which nothing else in this module needs
     from transport import w2
 
+    for name, t in (("traj", traj), ("reference", reference)):
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"{name}: expected a Trajectory (what meanfield.simulate returns), got {type(t).__name__}; "
+                            "for one measure, call transport.w2 directly")
     if len(traj) != len(reference) or not torch.allclose(traj.times, reference.times):
         raise ValueError("reference: the two trajectories must be sampled at the same times")
     return np.array([w2(a.unmasked(), b.unmasked(), method=method, **kw) for a, b in zip(traj, reference)])

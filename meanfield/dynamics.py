@@ -132,6 +132,18 @@ class Trajectory:
 
 
 # ---------------------------------------------------------------------------- the velocity field
+def _all_masked(op) -> bool:
+    """Whether tokens given as a tensor are a causal sequence for ``op``: an operator, or a list of them, all masked
+    (a callable t -> operator is not asked; anything as_operator refuses is left for the field to name)."""
+    ops = list(op) if isinstance(op, (list, tuple)) else [op]
+    if not ops or not all(isinstance(o, (AttentionOperator, torch.nn.Module)) for o in ops):
+        return False
+    try:
+        return all(as_operator(o).masked for o in ops)
+    except (TypeError, ValueError):
+        return False
+
+
 def _velocity_operator(o, where: str) -> AttentionOperator:
     op = as_operator(o)
     if op.points_only:
@@ -272,8 +284,9 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         constant parameters keep the order of the scheme); a callable is evaluated at every stage
         time (use it for smooth t-dependence).
     mu0 : :class:`~particles.Measure` or tensor ``(N, d)``
-        Initial particles at ``times[0]`` (a tensor is the empirical measure). Weights, and the
-        positions of a masked measure, are kept constant.
+        Initial particles at ``times[0]``. A tensor is the empirical measure, and for masked operators (every
+        layer masked) the causal sequence ``Measure.sequence(X)`` (positions i/n), as :func:`meanfield.local_lipschitz`
+        reads it. Weights, and the positions of a masked measure, are kept constant.
     times : increasing sequence ``(T,)`` or a number ``t1``
         Requested output times; ``times[0]`` is the initial time (a number means [0, t1]).
     method : str
@@ -302,7 +315,7 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
         radius 4.5 to 73 over [0, 5] under a random head) it was 6e-4 off and still 3e-4 with 400 steps, so
         compare with twice the steps or an adaptive method; ``max_steps`` (default 1000000): more
         steps than that are refused before the first one. Adaptive methods: ``max_steps``
-        (per layer, default 100000; beyond it a RuntimeError says it did not converge) and any
+        (per layer, default 100000; beyond it a ConvergenceError, a RuntimeError, says it did not converge) and any
         option of torchdiffeq's solver. An option of the other kind of method is an error.
 
     Returns
@@ -328,7 +341,8 @@ def simulate(op, mu0, times, method: str = "rk4", *, rtol: float | None = None, 
     ``op=IsotropicAttention(beta, "SA" / "USA")`` on the sphere.
     """
     op, geometry, options = _legacy_spelling(op, mu0, geometry, options, deprecated)
-    mu0 = mu0 if isinstance(mu0, Measure) else Measure(mu0)
+    if not isinstance(mu0, Measure):
+        mu0 = Measure.sequence(mu0) if _all_masked(op) else Measure(mu0)
     dtype, device = mu0.dtype, mu0.device
     t = _check_times(times, dtype)
     # the particles at every requested time are kept (one tensor each, about 1 KiB of bookkeeping), then stacked

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from particles.validation import broadcast_shapes, check_bool, check_device, float_dtype
+from particles.validation import broadcast_shapes, check_bool, check_device, float_dtype, to_arguments
 
 from .kernel_inputs import silence_blind_rows
 from .kernels import additive_mask
@@ -183,6 +183,9 @@ class HFAttention(AttentionOperator):
         The whole attention block instead of the attention alone (module docstring); needs
         ``BertAttention`` or, for GPT-2, the ``ln_1`` of the block (``from_model`` gives it).
     ln : the GPT-2 block's ``ln_1`` (used when ``block=True``).
+    name : str or None
+        What the repr calls the layer (None: the module's class name; :meth:`from_model` gives the model's kind and
+        the layer's index).
     """
 
     def __init__(self, module, *, masked: bool | None = None, block: bool = False, ln=None, name: str | None = None):
@@ -224,6 +227,7 @@ class HFAttention(AttentionOperator):
         """The same layer computing on ``device`` in ``dtype``: the module is shared, not copied, and its parameters
         are converted at every call (they are read at every call anyway). What a float32 layer's certified constant
         is checked with, in float64 (:func:`meanfield.local_lipschitz`)."""
+        device, dtype = to_arguments(device, dtype)
         dtype, device = float_dtype(dtype), check_device(device)
         twin = copy.copy(self)
         twin._cast = (device if device is not None else self._cast[0], dtype if dtype is not None else self._cast[1])

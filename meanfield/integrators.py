@@ -22,7 +22,7 @@ import numbers
 import torch
 
 from particles.progress import Heartbeat
-from particles.validation import check_positive_int
+from particles.validation import ConvergenceError, check_positive_int
 
 log = logging.getLogger("meanfield.dynamics")
 
@@ -208,7 +208,7 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
     ``max_steps`` bounds the steps of each layer, accepted and rejected, whatever the number of output times in
     it (torchdiffeq's own ``max_num_steps`` counts them per output interval): the attempts are counted by the
     ``callback_step`` torchdiffeq calls before each, and a layer that needs more than ``max_steps`` stops with a
-    RuntimeError. Solvers that make no such call (``scipy_solver``) keep torchdiffeq's count."""
+    ConvergenceError (a RuntimeError). Solvers that make no such call (``scipy_solver``) keep torchdiffeq's count."""
     from torchdiffeq import odeint
 
     for name, val in (("rtol", rtol), ("atol", atol)):
@@ -282,7 +282,7 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
         try:
             sol = odeint(func, Y, grid_t, method=method, rtol=float(rtol), atol=float(atol), options=opts)
         except _StepBudget:
-            raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] (more "
+            raise ConvergenceError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] (more "
                                f"than max_steps = {max_steps} steps in this layer); raise max_steps or loosen "
                                f"rtol/atol{_below_eps(rtol, Y.dtype)}") from None
         except AssertionError as exc:
@@ -290,7 +290,7 @@ def integrate_adaptive(field, Y, t, method, rtol, atol, max_steps, options):
             # are relabelled, any other assertion propagates as it is
             if not str(exc).startswith(NONCONVERGENCE):
                 raise
-            raise RuntimeError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] "
+            raise ConvergenceError(f"simulate: the adaptive solver {method!r} did not converge on [{a:g}, {b:g}] "
                                f"({exc}); raise max_steps or loosen rtol/atol{_below_eps(rtol, Y.dtype)}") from exc
         check_finite(sol, b)
         # the requested times are the grid's entries 1..len(inner) (a membership test of a list per entry took

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from particles.validation import broadcast_shapes, check_bool, check_positive_int
+from particles.validation import broadcast_shapes, check_bool, check_positive_int, to_arguments
 
 from . import kernels as _kernels
 from .kernels import attend
@@ -60,6 +60,7 @@ class IsotropicAttention(AttentionOperator):
         return f"{type(self).__name__}(beta={self.beta}, normalization={self.normalization!r}, masked={self.masked})"
 
     def to(self, device=None, dtype=None) -> IsotropicAttention:
+        device, dtype = to_arguments(device, dtype)
         return self  # no parameters: acts in the dtype and on the device of its inputs
 
     def parameters(self, d: int | None = None):

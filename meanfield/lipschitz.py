@@ -51,6 +51,7 @@ import torch
 from particles import Measure
 from particles.threads import ThreadPolicy, timed_probe
 from particles.validation import (
+    SEED_LIMIT,
     ConvergenceError,
     check_on_failure,
     check_positive_float,
@@ -347,8 +348,9 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
         spectrum), its vector returned in the input's dtype and certified at exactly it.
     max_iter : int or None
         Iteration budget (lanczos: Krylov dimension; power: iterations); default :data:`MAX_ITER`.
-    seed : int
-        Seed of the random start.
+    seed : int, None or torch.Generator
+        Seed of the random start (None: torch's global generator). A Generator gives one integer seed, drawn from it
+        (and advancing it), so that every phase of the call (float32, then float64) starts from the same vector.
     on_failure : str
         "raise" (a :class:`ConvergenceError` carrying the estimate) or "warn" (return the estimate
         with ``converged=False`` and emit a RuntimeWarning).
@@ -406,6 +408,8 @@ def local_lipschitz(f, X, method="lanczos", tol=None, *, max_iter=None, seed=0, 
     check_on_failure(on_failure)
     max_iter = check_positive_int(MAX_ITER[method] if max_iter is None else max_iter, "max_iter")
     seed = check_seed(seed)
+    if isinstance(seed, torch.Generator):   # one integer for every phase (the solvers derive their streams from it)
+        seed = int(torch.randint(SEED_LIMIT, (), generator=seed, device=seed.device))
     memory_limit_bytes(memory_limit)  # a malformed limit is an error whatever the method
     if mixed is not None and not isinstance(mixed, bool):
         raise TypeError(f"mixed: expected None, True or False, got {mixed!r}")

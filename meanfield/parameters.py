@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from particles.validation import check_bool
+from particles.validation import check_bool, to_arguments
 
 __all__ = ["Head", "Parameters", "KINDS"]
 
@@ -122,6 +122,7 @@ class Head:
         return self.V
 
     def to(self, device=None, dtype=None) -> Head:
+        device, dtype = to_arguments(device, dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         return Head(mv(self.Q), mv(self.K), mv(self.V), mv(self.key_bias), mv(self.value_bias), self.scale,
                     self.kind)
@@ -218,6 +219,7 @@ class Parameters:
         return self.W_O[:, start:start + sizes[head]]
 
     def to(self, device=None, dtype=None) -> Parameters:
+        device, dtype = to_arguments(device, dtype)
         mv = lambda t: None if t is None else t.to(device=device, dtype=dtype)
         return Parameters(tuple(h.to(device, dtype) for h in self.heads), mv(self.W_O), mv(self.bias), self.masked,
                           self.caveat)

@@ -41,7 +41,7 @@ from particles import Measure
 
 from .adapters import as_operator
 from .bounds import split_constant
-from .lipschitz import ConvergenceError, LipschitzEstimate, local_lipschitz
+from .lipschitz import LipschitzEstimate, local_lipschitz
 from .sigma_gradient import with_jacobian_products
 
 __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
@@ -49,7 +49,8 @@ __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure
 
 def _setup(f, mu):
     op = as_operator(f)
-    mu = op.check_measure(mu, "mu")
+    mu = op.check_measure(mu, "mu", tensors="splitting acts on measures: wrap points as particles.Measure."
+                                            "empirical(X), or Measure.sequence(X) for a masked operator's sequence")
     if op.points_only:
         raise TypeError(f"f: {op!r} is points-only; the query derivative needs an operator that evaluates "
                         "queries against keys (a meanfield operator or a Hugging Face layer)")
@@ -125,7 +126,8 @@ class SplitConstant:
     helps: bool
 
 
-def split_lipschitz(f, mu, *, tol=None, seed=0, estimate: LipschitzEstimate | None = None) -> SplitConstant:
+def split_lipschitz(f, mu, *, method="lanczos", tol=None, max_iter=None, seed=0, on_failure="warn",
+                    estimate: LipschitzEstimate | None = None) -> SplitConstant:
     """The local W2 constant of F at mu with atoms allowed to split (docs/math.md section 4.7).
 
     Parameters
@@ -133,10 +135,14 @@ def split_lipschitz(f, mu, *, tol=None, seed=0, estimate: LipschitzEstimate | No
     f : anything :func:`meanfield.as_operator` accepts, except bare callables
     mu : Measure
         Weights and, for masked operators, positions held fixed.
-    tol, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant (``tol=None``: its default
-        for the measure's dtype, 1e-6 in float64 and 1e-3 in float32)
+    method, tol, max_iter, seed : passed to :func:`meanfield.local_lipschitz` for the unsplit constant (``tol=None``:
+        its default for the measure's dtype, 1e-6 in float64 and 1e-3 in float32)
+    on_failure : str
+        What an unsplit estimate that misses ``tol`` does: "warn" (the default: a RuntimeWarning, and the estimate
+        kept with ``converged=False`` in ``unsplit``; a Rayleigh quotient, so still a lower bound) or "raise" (its
+        :class:`~particles.validation.ConvergenceError`).
     estimate : LipschitzEstimate or None
-        The unsplit estimate, when already computed.
+        The unsplit estimate, when already computed (the four arguments above are then not used).
 
     Returns
     -------
@@ -159,10 +165,7 @@ def split_lipschitz(f, mu, *, tol=None, seed=0, estimate: LipschitzEstimate | No
     """
     op, mu, pos = _setup(f, mu)
     if estimate is None:
-        try:
-            estimate = local_lipschitz(op, mu, tol=tol, seed=seed)
-        except ConvergenceError as err:
-            estimate = err.estimate
+        estimate = local_lipschitz(op, mu, method, tol=tol, max_iter=max_iter, seed=seed, on_failure=on_failure)
     Q = query_jacobians(op, mu)
     present = torch.isfinite(mu.log_weights)
     Q = torch.where(present[:, None, None], Q, torch.zeros_like(Q))   # atoms of mass 0 cannot split

@@ -205,7 +205,7 @@ def _structured_sequences(op, R, n, d, dtype):
         for case, X in _witnesses(A, R, n):
             out.append((f"prop3.4-{case}{label}", X.to(dtype)))
         try:
-            out.append((f"hub{label}", adversarial.large_radius_configuration(A, n, R, masked=op.masked,
+            out.append((f"hub{label}", adversarial.large_radius_configuration(A, n=n, R=R, masked=op.masked,
                                                                               dtype=dtype)))
         except ValueError:  # A = 0: no hub
             pass
@@ -269,7 +269,7 @@ def _structured_measures(op, R, atoms, d, measure):
                     out.append((f"prop3.6-{case}{label}", measure(pts, lw)))
             out.append((f"prop3.4-{case}{label}", measure(W[:atoms].numpy(), [0.0] * atoms)))
         try:
-            hub = adversarial.large_radius_configuration(A, atoms, R, masked=op.masked, dtype=dtype)
+            hub = adversarial.large_radius_configuration(A, n=atoms, R=R, masked=op.masked, dtype=dtype)
             out.append((f"hub{label}", measure(hub, [0.0] * atoms)))
         except ValueError:
             pass

@@ -30,6 +30,7 @@ from .validation import (
     check_radius,
     make_generator,
     resolve_dtype,
+    to_arguments,
     unshared,
     weight_tolerance,
 )
@@ -109,6 +110,14 @@ class Measure:
         (docs/math.md section 2.4).
     log_weights : ``(N,)`` or None
         Alternative to ``weights`` for masses that underflow (entries may be ``-inf``).
+    normalize : bool
+        False (the default): weights (or log-weights) must already sum to one, within the dtype's tolerance, else a
+        ValueError. True: they are divided by their sum (log-weights shifted by its logarithm).
+    dtype : torch.dtype, str or None
+        Floating dtype of the points (weights and log-weights follow it; positions take :func:`position_dtype` of
+        it). None keeps a float tensor's dtype and gives float64 to numpy data and integers.
+    device : torch device, str or None
+        Where the measure lives (None: where the points are; numpy data on the CPU).
     """
 
     __slots__ = ("_points", "_weights", "_log_weights", "_positions")
@@ -367,6 +376,7 @@ class Measure:
         """The same measure on another device and/or dtype (positions in :func:`position_dtype` of it). A
         dtype that cannot hold the measure is refused: points that overflow it, or positive masses whose
         log-weights underflow it."""
+        device, dtype = to_arguments(device, dtype)
         dtype = resolve_dtype(dtype)
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"dtype: a measure needs a floating-point dtype, got {dtype}")

@@ -304,6 +304,16 @@ def check_device(device, name: str = "device") -> torch.device | None:
     return dev
 
 
+def to_arguments(device, dtype):
+    """(device, dtype) of a ``to(device=None, dtype=None)`` call, with a dtype given alone in the first place taken as
+    the dtype, as ``torch.Tensor.to(torch.float64)`` and ``torch.nn.Module.to(torch.float64)`` take it."""
+    if isinstance(device, torch.dtype):
+        if dtype is not None:
+            raise TypeError(f"dtype: given twice, as the first argument ({device}) and as dtype={dtype}")
+        return None, device
+    return device, dtype
+
+
 #: The bound of the seeds, which are integers from 0 to SEED_LIMIT - 1. torch's CPU generator keeps the low 32 bits
 #: of a seed (2**32 draws what 0 draws, -1 what 2**32 - 1 draws), so larger or negative seeds would repeat others
 SEED_LIMIT = 2**32
@@ -413,9 +423,11 @@ ON_FAILURE = ("raise", "warn")
 class ConvergenceError(ValueError, RuntimeError):
     """An iterative solver (Lipschitz estimate, Sinkhorn, ...) stopped before reaching its tolerance.
 
-    ``.estimate`` holds what it reached (a result object with ``converged=False``). Every solver of
-    the framework takes ``on_failure="raise"`` (this error, the default) or ``"warn"`` (a
-    RuntimeWarning, and the result returned with ``converged=False``).
+    ``.estimate`` holds what it reached (a result object with ``converged=False``). The estimators of
+    the framework (``local_lipschitz``, ``lipschitz_ratio``, ``split_lipschitz``, the transport solvers) take
+    ``on_failure="raise"`` (this error; the default except for ``split_lipschitz``) or ``"warn"`` (a
+    RuntimeWarning, and the result returned with ``converged=False``). ``simulate`` raises it, without an
+    estimate, when an adaptive solver exceeds its step budget or its step size underflows.
     """
 
     def __init__(self, message, estimate=None):

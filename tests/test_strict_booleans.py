@@ -43,7 +43,7 @@ def _options():
         ("masked", lambda v: as_operator(lambda Y: Y, masked=v)),
         ("return_info", lambda v: adversarial.sqrt_n_sequence(A, 1.0, 4, return_info=v)),
         ("positions", lambda v: adversarial.two_dirac(A, 1.0, positions=v)),
-        ("masked", lambda v: adversarial.large_radius_configuration(A, 4, masked=v)),
+        ("masked", lambda v: adversarial.large_radius_configuration(A, n=4, masked=v)),
         ("log", lambda v: bounds.mean_field_upper(A, V, 1.0, log=v)),
         ("log", lambda v: bounds.two_dirac_lower(A, 1.0, log=v)),
         ("masked", lambda v: bounds.argmax_indices(A, X, masked=v)),

@@ -58,8 +58,9 @@ def _auto(problem: Problem) -> str:
     * d = 1: the sorted formula is exact in O(N log N) time and O(N + M) memory, at any size;
     * N * M <= AUTO_EXACT_MAX_PAIRS: the network simplex, exact, dense but small;
     * otherwise: streaming Sinkhorn, memory O(N + M) and time O(N M) per iteration, at the reg given
-      or (AUTO_BLUR * diameter)^2, a blur of 5% of the diameter: W2^2 within a few percent on the clouds of
-      benchmarks/transport.md, but the debiased value does not see structure finer than the blur (a scale
+      or (AUTO_BLUR * diameter)^2, an entropic scale sqrt(reg) of 5% of the diameter (GeomLoss's blur,
+      sqrt(reg / 2), of 3.5%): W2^2 within a few percent on the clouds of
+      benchmarks/transport.md, but the debiased value does not see structure finer than that scale (a scale
       review: a sphere of radius 2 against a standard Gaussian in d = 3, N = 3000: 0.64 for W2^2 = 0.79, 19%
       low in W2); halve ``reg`` to see how far the value still moves, or give the reg the problem needs.
     """
@@ -251,8 +252,9 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         ``SamplesLoss("sinkhorn", p=2, blur=...)`` uses the cost \|x - y\|^2 / 2 and eps = blur^2: the
         same problem for blur^2 = reg / 2, its value being S_eps / 2 (checked numerically against
         GeomLoss 0.3.1: its value tends to half ours as its ``scaling`` -> 1, 4e-9 relative at
-        0.9999). Required for "sinkhorn" and "streaming"; "auto" defaults to (AUTO_BLUR * diameter)^2, an
-        estimate of W2 that can be far off where the measures differ below that blur (19% low in W2 between a
+        0.9999). Required for "sinkhorn" and "streaming"; "auto" defaults to (AUTO_BLUR * diameter)^2 (GeomLoss's
+        blur 0.05 / sqrt 2 = 3.5% of the diameter), an
+        estimate of W2 that can be far off where the measures differ below that scale (19% low in W2 between a
         sphere and a Gaussian, N = 3000): halve reg and compare.
     debias : bool
         True (the default): the Sinkhorn divergence S_eps = OT_eps(mu, nu) - (OT_eps(mu, mu) + OT_eps(nu, nu)) / 2

@@ -70,11 +70,11 @@ def _direction(kind, n, d, seed, masked):
     if kind == "hub":
         from meanfield import adversarial
 
-        return adversarial.large_radius_configuration(random_A(d, seed), n, 1.0, masked=masked), 1
+        return adversarial.large_radius_configuration(random_A(d, seed), n=n, masked=masked), 1
     if kind == "hub_last":
         from meanfield import adversarial
 
-        return adversarial.large_radius_configuration(random_A(d, seed), n, 1.0, masked=False, hub=n - 1), 1
+        return adversarial.large_radius_configuration(random_A(d, seed), n=n, masked=False, hub=n - 1), 1
     raise ValueError(f"kind: expected 'random', 'hub' or 'hub_last', got {kind!r}")
 
 

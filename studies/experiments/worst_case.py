@@ -236,7 +236,7 @@ def _layer_rows(spec: dict, ctx, out_dir: Path) -> tuple[list[dict], str]:
                         starts.append((f"prop3.4-{c}[head {h}]", W))
                     est = local_lipschitz(op, W, tol=TOL)
                     witness[(c, h)] = (est.value, est.error)
-        starts.append((f"hub[head {top}]", adversarial.large_radius_configuration(A_top, n, R, masked=op.masked)))
+        starts.append((f"hub[head {top}]", adversarial.large_radius_configuration(A_top, n=n, R=R, masked=op.masked)))
         g = torch.Generator().manual_seed(ctx.seed)
         for k in range(spec["random"]):
             Z = torch.randn(n, Xt.shape[1], generator=g, dtype=torch.float64)

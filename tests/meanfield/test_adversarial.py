@@ -107,7 +107,7 @@ def test_two_dirac_masked_equals_unmasked_when_atoms_share_a_position():
 def test_large_radius_configuration_has_one_hub(A, masked):
     A = rand(3, 3, seed=2).numpy() if A is None else A
     for n, hub in [(1, 0), (5, 0), (40, 0 if masked else 7)]:
-        X = adversarial.large_radius_configuration(A, n, 2.0, masked=masked, hub=hub)
+        X = adversarial.large_radius_configuration(A, n=n, R=2.0, masked=masked, hub=hub)
         assert X.shape == (n, 3) and float(X.norm(dim=1).max()) == pytest.approx(2.0)
         S = X.numpy() @ A.T @ X.numpy().T
         if masked:
@@ -121,13 +121,13 @@ def test_large_radius_configuration_has_one_hub(A, masked):
 
 def test_large_radius_configuration_errors():
     with pytest.raises(ValueError, match="hub:"):
-        adversarial.large_radius_configuration(np.eye(2), 4, masked=True, hub=2)
+        adversarial.large_radius_configuration(np.eye(2), n=4, masked=True, hub=2)
     with pytest.raises(ValueError, match="hub:"):
-        adversarial.large_radius_configuration(np.eye(2), 4, hub=4)
+        adversarial.large_radius_configuration(np.eye(2), n=4, hub=4)
     with pytest.raises(ValueError, match="A:"):
-        adversarial.large_radius_configuration(np.zeros((2, 2)), 4)
+        adversarial.large_radius_configuration(np.zeros((2, 2)), n=4)
     with pytest.raises(ValueError, match="R:"):
-        adversarial.large_radius_configuration(np.eye(2), 4, 0.0)
+        adversarial.large_radius_configuration(np.eye(2), n=4, R=0.0)
 
 
 # ---------------------------------------------------------------------------- Appendix C.7
@@ -173,7 +173,7 @@ def test_zero_plus_spread_grows_like_R_squared(seed):
     (lambda: adversarial.sqrt_n_sequence(np.eye(2), 1.0, 3, dtype=torch.int64), TypeError, "dtype:"),
     (lambda: adversarial.zero_plus_spread(1.0, 1, 2), ValueError, "n:"),
     (lambda: adversarial.zero_plus_spread(1.0, 3, 0), ValueError, "d:"),
-    (lambda: adversarial.large_radius_configuration(np.eye(2), 3, masked="yes"), TypeError, "masked:"),
+    (lambda: adversarial.large_radius_configuration(np.eye(2), n=3, masked="yes"), TypeError, "masked:"),
 ])
 def test_bad_inputs_name_the_argument(call, exc, match):
     with pytest.raises(exc, match=match):
@@ -190,7 +190,7 @@ def test_witnesses_and_configurations_are_in_the_ball_exactly(dtype):
         A = rand(3, 3, seed=seed)
         R = float(0.5 + 3.0 * torch.rand(1, generator=torch.Generator().manual_seed(100 + seed)))
         sets = [adversarial.sqrt_n_sequence(A, R, 7, dtype=dtype),
-                adversarial.large_radius_configuration(A, 6, R, dtype=dtype),
+                adversarial.large_radius_configuration(A, n=6, R=R, dtype=dtype),
                 adversarial.zero_plus_spread(R, 6, 3, seed=seed, dtype=dtype),
                 adversarial.zero_plus_spread(R, 6, 3, dtype=dtype),
                 adversarial.two_dirac(A, R, dtype=dtype).points]
@@ -233,3 +233,14 @@ def test_sqrt_n_measure_takes_n_beyond_the_float_range():
     for bad in (1, 1.0, math.inf, math.nan, -3, True, "5"):
         with pytest.raises(ValueError, match="n:"):
             adversarial.sqrt_n_measure(A, 1.5, bad)
+
+
+def test_large_radius_configuration_takes_n_and_R_by_keyword():
+    """It took (A, n, R) where every other builder and bound takes (A, R, n): (A, 2, 8) built 2 tokens at radius 8
+    without a word (an API review). Positional sizes are refused; the keywords build what they say."""
+    A = np.random.default_rng(0).standard_normal((3, 3)) / 2
+    with pytest.raises(TypeError):
+        adversarial.large_radius_configuration(A, 2, 8)
+    X = adversarial.large_radius_configuration(A, R=2.0, n=8)
+    assert X.shape == (8, 3)
+    assert torch.isclose(X.norm(dim=1).max(), torch.tensor(2.0, dtype=X.dtype))

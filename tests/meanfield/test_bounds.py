@@ -45,7 +45,7 @@ def inputs(A, R, n, d, seed, masked):
     yield "ball", ball(n, d, R, seed)
     yield "sphere", R * rand(n, d, seed=seed + 1) / rand(n, d, seed=seed + 1).norm(dim=1, keepdim=True)
     yield "witness", adversarial.sqrt_n_sequence(A, R, n)
-    yield "hub", adversarial.large_radius_configuration(A, n, R, masked=masked)
+    yield "hub", adversarial.large_radius_configuration(A, n=n, R=R, masked=masked)
     if n >= 2:
         yield "zero_spread", adversarial.zero_plus_spread(R, n, d)
 
@@ -221,7 +221,7 @@ def test_large_radius_limit_reached(masked):
 @pytest.mark.parametrize("masked", [False, True])
 def test_large_radius_hub_reaches_sqrt_n(masked):
     A, V, n = rand(3, 3, seed=4), rand(3, 3, seed=5), 7
-    X = adversarial.large_radius_configuration(A, n, 1.0, masked=masked)
+    X = adversarial.large_radius_configuration(A, n=n, R=1.0, masked=masked)
     limit = bounds.large_radius_limit(A, V, X, masked=masked)
     assert limit == pytest.approx(np.linalg.norm(V.numpy(), 2) * math.sqrt(n))
     att = SelfAttention(A, V, masked=masked)

@@ -170,7 +170,7 @@ def test_score_gap_and_large_radius_sup():
     assert bounds.score_gap(A, X[:1]) == math.inf
     V = _A(4, 9)
     assert bounds.large_radius_sup(V, 9) == pytest.approx(3 * np.linalg.svd(V.numpy(), compute_uv=False)[0], rel=1e-12)
-    Xh = adversarial.large_radius_configuration(A, 5, 1.0)
+    Xh = adversarial.large_radius_configuration(A, n=5, R=1.0)
     assert bounds.large_radius_limit(A, V, Xh) == pytest.approx(bounds.large_radius_sup(V, 5), rel=1e-12)
 
 

@@ -160,8 +160,9 @@ def test_numpy_scalars_in_bounds_and_witnesses():
     assert bounds.multihead_upper([np.float32(1.0), np.float64(2.0)], np.eye(2)) == pytest.approx(math.sqrt(5))
     torch.testing.assert_close(adversarial.sqrt_n_sequence(A, np.float32(2.0), np.int64(5)),
                                adversarial.sqrt_n_sequence(A, 2.0, 5), rtol=0, atol=0)
-    torch.testing.assert_close(adversarial.large_radius_configuration(A, np.int64(4), np.float32(2.0), hub=np.int64(1)),
-                               adversarial.large_radius_configuration(A, 4, 2.0, hub=1), rtol=0, atol=0)
+    torch.testing.assert_close(
+        adversarial.large_radius_configuration(A, n=np.int64(4), R=np.float32(2.0), hub=np.int64(1)),
+        adversarial.large_radius_configuration(A, n=4, R=2.0, hub=1), rtol=0, atol=0)
     spread = adversarial.zero_plus_spread(np.float32(2.0), np.int64(4), np.int64(2), seed=np.int64(0))
     torch.testing.assert_close(spread, adversarial.zero_plus_spread(2.0, 4, 2, seed=0), rtol=0, atol=0)
     assert adversarial.two_dirac(A, np.float32(2.0)).n == 2

@@ -82,7 +82,7 @@ def _input(kind, n, d, R, masked, dtype, seed):
         x = torch.randn(1, d, generator=g, dtype=f64)
         return R * x / x.norm()
     if kind == "large radius":
-        return adversarial.large_radius_configuration(np.eye(d), n, R, masked=masked, dtype=f64)
+        return adversarial.large_radius_configuration(np.eye(d), n=n, R=R, masked=masked, dtype=f64)
     if kind == "zero weights":
         X = torch.randn(n, d, generator=g, dtype=f64)
         w = torch.rand(n, generator=g, dtype=f64)
@@ -184,7 +184,7 @@ def test_reported_reproducers_return(tol, method):
         _check_outcome(lambda: local_lipschitz(op, X, tol=tol, method=method, on_failure="warn"), method,
                        MAX_ITER[method], X.numel(), method == "lanczos", f64, tol)
     op32 = SelfAttention(torch.eye(3), torch.eye(3))
-    X32 = adversarial.large_radius_configuration(np.eye(3), 8, 10.0, dtype=f32)
+    X32 = adversarial.large_radius_configuration(np.eye(3), n=8, R=10.0, dtype=f32)
     with wall_clock(WALL, f"float32 large radius at tol=1e-6, {method}"):
         est = _check_outcome(lambda: local_lipschitz(op32, X32, tol=1e-6, method=method, on_failure="warn"),
                              method, MAX_ITER[method], X32.numel(), False, f32, 1e-6)
@@ -195,7 +195,7 @@ def test_a_stalled_certificate_names_its_floor():
     """float32 cannot certify 1e-6 on this input: the error says where the certificate stalled, the
     estimate it carries is a true lower bound, and the default float32 tolerance succeeds."""
     op = SelfAttention(torch.eye(3), torch.eye(3))
-    X = adversarial.large_radius_configuration(np.eye(3), 8, 10.0, dtype=f32)
+    X = adversarial.large_radius_configuration(np.eye(3), n=8, R=10.0, dtype=f32)
     with pytest.raises(ConvergenceError, match=r"stalled at relative error .* use tol >= ") as info:
         local_lipschitz(op, X, tol=1e-6)
     est = info.value.estimate
