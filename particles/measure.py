@@ -116,7 +116,7 @@ class Measure:
     dtype : torch.dtype, str or None
         Floating dtype of the points (weights and log-weights follow it; positions take :func:`position_dtype` of
         it). None keeps a float tensor's dtype and gives float64 to numpy data and integers.
-    device : torch device, str or None
+    device : torch.device, str or None
         Where the measure lives (None: where the points are; numpy data on the CPU).
     """
 
