@@ -46,7 +46,7 @@ def check_pair(mu, nu) -> None:
     if mu.dim != nu.dim:
         raise ValueError(f"nu: dimension {nu.dim} differs from mu's dimension {mu.dim}")
     if mu.dtype != nu.dtype:
-        raise ValueError(f"nu: dtype {nu.dtype} differs from mu's {mu.dtype} (convert with nu.to(dtype=...))")
+        raise TypeError(f"nu: dtype {nu.dtype} differs from mu's {mu.dtype} (convert with nu.to(dtype=...))")
     if mu.device != nu.device:
         raise ValueError(f"nu: device {nu.device} differs from mu's {mu.device} (move with nu.to(device=...))")
 
