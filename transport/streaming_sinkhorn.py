@@ -80,10 +80,16 @@ class Progress:
     def __init__(self, what: str, max_iter: int, tol: float):
         self.what, self.max_iter, self.tol = what, max_iter, tol
         self.beat = Heartbeat()
+        self.lowest = math.inf
 
     def __call__(self, it: int, err: float | None = None) -> None:
+        if err is not None and err < self.lowest:
+            self.lowest = err
         if self.beat.due():
-            where = "annealing" if err is None else f"marginal L1 error {err:.3g} (tol {self.tol:.3g})"
+            # over-relaxed and first updates at the final eps can raise the error for a while: the lowest reached
+            # says where the solve stands
+            lowest = f"; lowest so far {self.lowest:.3g}" if err is not None and err > self.lowest else ""
+            where = "annealing" if err is None else f"marginal L1 error {err:.3g} (tol {self.tol:.3g}{lowest})"
             log.info("%s: %d of at most %d updates, %s, %.0f s", self.what, it, self.max_iter, where,
                      self.beat.elapsed)
 
