@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import particles.threads as th  # noqa: E402
-from meanfield import MultiHeadAttention, SelfAttention, local_lipschitz, simulate  # noqa: E402
+from meanfield import MultiHeadAttention, SelfAttention, kernels, local_lipschitz, simulate  # noqa: E402
 from particles import Measure  # noqa: E402
 
 DEFAULT = torch.get_num_threads()
@@ -65,11 +65,20 @@ def workloads(quick: bool):
     mu, nu = Measure.sphere(N, 3, 1.0, seed=1), Measure.sphere(N, 3, 1.0, seed=2)
     cloud = Measure.sphere(2000 if quick else 8000, 3, 1.0, seed=3)
     op3 = SelfAttention(np.eye(3), np.eye(3))
+    n = 4000 if quick else 8000
+    Xa = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    Aa = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) * 0.5
+
+    def attend_and_vjp():   # one pass and its VJP, called directly (no entry point around them)
+        Y = Xa.clone().requires_grad_()
+        kernels.attend(Y @ Aa.T, Y, Y).sum().backward()
+
     return [
         ("local_lipschitz, SelfAttention n=512 d=3 (small products)", lambda: local_lipschitz(small, X512)),
         (f"local_lipschitz, GPT-2-sized layer float32, n={Xl.shape[0]}", lambda: local_lipschitz(layer32, Xl)),
         (f"transport.solve streaming, N={N} d=3, reg=0.1", lambda: solve(mu, nu, method="streaming", reg=0.1)),
         (f"simulate rk4, N={cloud.n} d=3, 5 steps", lambda: simulate(op3, cloud, [0.0, 0.5], options={"steps": 5})),
+        (f"attend forward + VJP, N={n} d=3 float64 (a direct call)", attend_and_vjp),
     ]
 
 
@@ -110,12 +119,15 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="smaller workloads")
     ap.add_argument("--busy", type=int, default=os.cpu_count() or 2, help="spinning processes for the busy part")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", nargs="+", metavar="WORD", help="only the workloads whose name holds one of these")
     ap.add_argument("--skip-idle", action="store_true", help="leave out the machine-as-it-is part")
     ap.add_argument("--skip-busy", action="store_true", help="leave out the part with spinning processes")
     ap.add_argument("--write", action="store_true", help="write benchmarks/threads.md")
     ap.add_argument("--append", action="store_true", help="with --write: add the tables to benchmarks/threads.md")
     args = ap.parse_args(argv)
     work = workloads(args.quick)
+    if args.only:
+        work = [(name, fn) for name, fn in work if any(w in name for w in args.only)]
     sections = []
     if not args.skip_idle:
         rows = [(name, measure(fn, args.repeats)) for name, fn in work]

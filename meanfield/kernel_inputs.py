@@ -7,7 +7,8 @@
   0 @ v for a path (:func:`zero_blind_rows`), a layer's silent output for an operator (:func:`silence_blind_rows`),
   docs/math.md section 2;
 * :func:`tf32_on`: whether float32 matrix products on a CUDA device may run in TF32;
-* :func:`watched`: the progress lines of one long pass (:func:`particles.progress.long_call`).
+* :func:`watched`: what one long pass runs under: its threads on a CPU (:func:`particles.threads.one_call`) and
+  its progress lines (:func:`particles.progress.long_call`).
 
 The paths (:mod:`meanfield.kernels`' dispatch, :mod:`meanfield.streamed_attention`,
 :mod:`meanfield.series_attention`) and the operators import these from here, so that no path imports the dispatcher.
@@ -23,14 +24,24 @@ import torch
 from torch.autograd import forward_ad as _forward_ad
 
 from particles.progress import long_call
+from particles.threads import active_policy, one_call
 from particles.validation import broadcast_shapes
 
 __all__ = ["check_shapes", "needs_derivatives", "transforms_active", "dead_rows", "zero_blind_rows",
-           "silence_blind_rows", "seen_positions", "tf32_on", "watched", "WATCHED_ENTRIES"]
+           "silence_blind_rows", "seen_positions", "tf32_on", "watched", "WATCHED_ENTRIES", "POLICY_ENTRIES",
+           "SECONDS_PER_SCORE"]
 
-#: a pass over at least this many scores (batch entries included; 16,384 queries x 16,384 keys) is watched by
-#: :func:`watched`: on 2 CPU cores it takes from about half a second (a fused forward pass in d = 3) to minutes
-WATCHED_ENTRIES = 2**28
+#: a pass over at least this many scores (batch entries included; 2048 queries x 2048 keys) logs its progress
+#: (:func:`watched`): from about 10 ms on 2 idle CPU cores (a fused forward pass in d = 3) to minutes under load
+#: (starting the watcher costs about 0.1 ms; a pass shorter than 5 s logs nothing)
+WATCHED_ENTRIES = 2**22
+#: a pass on a CPU over at least this many scores (1024 x 1024) takes its threads from the free cores
+#: (:func:`particles.threads.one_call`) unless a framework entry point around it decides them: on 2 cores with one
+#: other job running, torch's 2 threads made a forward pass and VJP at N = 8000 take 2.0-3.6 s against 0.73 s on one
+POLICY_ENTRIES = 2**20
+#: one-thread seconds per score of a forward pass on a CPU, what :func:`particles.threads.one_call` is told
+#: (the fused kernel in d = 3: 1.8e-9 in float32, 3.0e-9 in float64 on one core of a 2-core Xeon)
+SECONDS_PER_SCORE = 2e-9
 
 _log = logging.getLogger("meanfield.kernels")
 
@@ -173,13 +184,30 @@ def tf32_on(t) -> bool:
 
 
 def watched(kind: str, q: torch.Tensor, k: torch.Tensor):
-    """The progress lines of one pass of the kernel (``kind``: "attention", "VJP", "JVP") over ``q`` and ``k``: INFO
-    lines of the logger ``meanfield.kernels`` while the pass runs, every 5 s (:func:`particles.progress.long_call`),
-    for passes over at least :data:`WATCHED_ENTRIES` scores; a pass called inside a watched one adds none."""
+    """What one pass of the kernel (``kind``: "attention", "VJP", "JVP") over ``q`` and ``k`` runs under:
+
+    * on a CPU, from :data:`POLICY_ENTRIES` scores, its threads (:func:`particles.threads.one_call`, which leaves
+      them to a framework entry point running around the pass);
+    * from :data:`WATCHED_ENTRIES` scores, INFO lines of the logger ``meanfield.kernels`` while it runs, every 5 s
+      (:func:`particles.progress.long_call`; a pass inside a watched one adds none).
+    """
     m, n = q.shape[-2], k.shape[-2]
-    batch = math.prod(q.shape[:-2])
-    if batch * m * n < WATCHED_ENTRIES or not _log.isEnabledFor(logging.INFO):
+    entries = math.prod(q.shape[:-2]) * m * n
+    threads = entries >= POLICY_ENTRIES and q.device.type == "cpu" and active_policy() is None
+    watch = entries >= WATCHED_ENTRIES and _log.isEnabledFor(logging.INFO)
+    if not (threads or watch):
         return contextlib.nullcontext()
-    what = (f"{kind} of {m:,} queries x {n:,} keys{f' (x {batch} batch entries)' if batch > 1 else ''}, head size "
-            f"{q.shape[-1]}, {str(q.dtype).replace('torch.', '')} on {q.device.type}")
-    return long_call(_log, what)
+    return _pass(kind, q, k, entries if threads else None, watch)
+
+
+@contextlib.contextmanager
+def _pass(kind, q, k, entries, watch):
+    with contextlib.ExitStack() as stack:
+        if entries is not None:
+            stack.enter_context(one_call(entries * SECONDS_PER_SCORE))
+        if watch:
+            m, n, batch = q.shape[-2], k.shape[-2], math.prod(q.shape[:-2])
+            what = (f"{kind} of {m:,} queries x {n:,} keys{f' (x {batch} batch entries)' if batch > 1 else ''}, "
+                    f"head size {q.shape[-1]}, {str(q.dtype).replace('torch.', '')} on {q.device.type}")
+            stack.enter_context(long_call(_log, what))
+        yield

@@ -22,11 +22,17 @@ of the framework (:func:`~meanfield.local_lipschitz`, the worst-case search, :fu
    call moves it to fewer threads.
 
 Torch's setting is restored when the call ends.
+
+A call with no steps of its own to time (one attention pass, its VJP or JVP: :func:`meanfield.kernels.attend`,
+``op(mu)``, ``op.sequence(X)`` called directly) runs under :func:`one_call` instead: the same rules decided at its
+entry from an estimate of its one-thread time, the free cores sampled at most every :data:`RECHECK` seconds
+for consecutive calls; inside a :class:`ThreadPolicy` (a framework entry point) the entry point decides.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import time
@@ -34,7 +40,7 @@ import time
 import torch
 
 __all__ = ["ThreadPolicy", "parse_threads", "timed_probe", "set_threads", "using_threads", "requested_threads",
-           "free_cores", "SMALL_STEP", "ENV"]
+           "free_cores", "one_call", "active_policy", "tick", "SMALL_STEP", "ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +174,7 @@ class ThreadPolicy:
         self._small = False
 
     def __enter__(self) -> ThreadPolicy:
+        self._token = _ACTIVE.set(self)
         self._entry = torch.get_num_threads()
         fixed = requested_threads()
         if fixed is not None:
@@ -181,6 +188,7 @@ class ThreadPolicy:
 
     def __exit__(self, *exc) -> None:
         torch.set_num_threads(self._entry)
+        _ACTIVE.reset(self._token)
 
     def _set(self, n: int) -> None:
         if n != self.threads and log.isEnabledFor(logging.DEBUG):
@@ -212,6 +220,52 @@ class ThreadPolicy:
             return
         self._checked = now
         self._set(1 if self._small else max(1, min(self._entry, free_cores())))
+
+
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("particles_thread_policy", default=None)
+#: (when, free cores) of the last sample taken for :func:`one_call`
+_SAMPLE = [-float("inf"), 1]
+
+
+def active_policy() -> ThreadPolicy | None:
+    """The :class:`ThreadPolicy` of the entry point running around this code, if any."""
+    return _ACTIVE.get()
+
+
+def tick() -> None:
+    """:meth:`ThreadPolicy.tick` of the entry point running around this code (none: nothing), for the loops of
+    solvers that do not hold their entry point's policy (the Sinkhorn updates of :func:`transport.solve`)."""
+    policy = _ACTIVE.get()
+    if policy is not None:
+        policy.tick()
+
+
+@contextlib.contextmanager
+def one_call(step_seconds: float):
+    """The threads of one call with no steps of its own (one kernel pass), whose one-thread time is estimated at
+    ``step_seconds``: the override if any, one thread below :data:`SMALL_STEP`, else the free cores (at most torch's
+    setting at the call), sampled at most every :data:`RECHECK` seconds across consecutive calls (a sample costs
+    about a millisecond). Inside an active :class:`ThreadPolicy` nothing changes. Torch's setting is restored."""
+    if _ACTIVE.get() is not None:
+        yield
+        return
+    entry = torch.get_num_threads()
+    n = requested_threads()
+    if n is None:
+        if step_seconds < SMALL_STEP or entry <= 1:
+            n = 1
+        else:
+            now = time.monotonic()
+            if now - _SAMPLE[0] >= RECHECK:
+                _SAMPLE[:] = [now, free_cores()]
+            n = max(1, min(entry, _SAMPLE[1]))
+    if n != entry:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n != entry:
+            torch.set_num_threads(entry)
 
 
 @contextlib.contextmanager

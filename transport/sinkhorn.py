@@ -20,6 +20,7 @@ import torch
 
 from particles import Measure, progress
 from particles.progress import Heartbeat
+from particles.threads import tick
 from particles.validation import ConvergenceError, check_allocation
 
 from .options import DEFAULT_CHUNK_ELEMENTS
@@ -56,6 +57,7 @@ def _pot_sinkhorn(a, b, C, eps, max_iter, stop, warm, what):
         if ran < k or done >= max_iter:   # POT stopped on its test (only on an iteration 10 j), or the budget is spent
             return log, done
         warm = (log["log_u"], log["log_v"])
+        tick()   # between rounds: a machine that became busy moves the solve to fewer threads
         if beat.due():
             err = log["err"][-1] if log["err"] else math.nan
             err = float(err.detach() if isinstance(err, torch.Tensor) else err)

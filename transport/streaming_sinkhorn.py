@@ -49,6 +49,7 @@ import torch
 from particles import Measure
 from particles.device import run_triton
 from particles.progress import Heartbeat
+from particles.threads import tick
 from particles.validation import ConvergenceError, check_allocation, check_on_failure
 
 from . import multiscale, tiles, truncation
@@ -83,6 +84,7 @@ class Progress:
         self.lowest = math.inf
 
     def __call__(self, it: int, err: float | None = None) -> None:
+        tick()   # every update: a machine that became busy moves the solve to fewer threads (at most every 0.25 s)
         if err is not None and err < self.lowest:
             self.lowest = err
         if self.beat.due():

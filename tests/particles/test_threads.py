@@ -120,3 +120,116 @@ def test_using_threads_sets_and_restores_the_override_and_the_environment(monkey
         with using_threads(0):
             pass
     assert requested_threads() == 3
+
+
+# ---------------------------------------------------------------- one call with no steps of its own (a kernel pass)
+@pytest.fixture
+def fresh_sample(monkeypatch):
+    monkeypatch.setattr(th, "_SAMPLE", [-float("inf"), 1])
+
+
+@pytest.mark.parametrize("others, expected", [(0, 4), (1, 3), (3, 1), (7, 1)])
+def test_one_call_takes_the_free_cores_and_restores_torch(four_cores, fresh_sample, others, expected):
+    four_cores["others"] = others
+    with th.one_call(1.0):
+        assert torch.get_num_threads() == expected
+    assert torch.get_num_threads() == 4
+
+
+def test_one_call_follows_the_rules_of_the_policy(four_cores, fresh_sample):
+    with th.one_call(th.SMALL_STEP / 2):
+        assert torch.get_num_threads() == 1          # small: one thread
+    th.set_threads(2)
+    with th.one_call(1.0):
+        assert torch.get_num_threads() == 2          # the override wins
+    th.set_threads(None)
+    torch.set_num_threads(3)
+    with th.one_call(1.0):
+        assert torch.get_num_threads() == 3          # torch's setting is an upper bound
+
+
+def test_one_call_inside_an_entry_point_leaves_the_threads_to_it(four_cores, fresh_sample):
+    four_cores["others"] = 3
+    with th.ThreadPolicy(step_seconds=1.0) as p:
+        assert th.active_policy() is p and torch.get_num_threads() == 1
+        four_cores["others"] = 0
+        with th.one_call(1.0):
+            assert torch.get_num_threads() == 1      # the entry point decided (and re-checks on its ticks)
+    assert th.active_policy() is None
+
+
+def test_consecutive_calls_share_one_sample_of_the_load(four_cores, fresh_sample, monkeypatch):
+    """A sample of /proc costs about a millisecond: a loop of passes of a few ms takes one per RECHECK seconds."""
+    calls = []
+    monkeypatch.setattr(th, "free_cores", lambda: calls.append(1) or 2)
+    monkeypatch.setattr(th, "RECHECK", 3600.0)
+    for _ in range(5):
+        with th.one_call(1.0):
+            assert torch.get_num_threads() == 2
+    assert len(calls) == 1
+    monkeypatch.setattr(th, "RECHECK", 0.0)
+    with th.one_call(1.0):
+        pass
+    assert len(calls) == 2
+
+
+def test_a_large_kernel_pass_takes_its_threads_from_the_free_cores(four_cores, fresh_sample, monkeypatch):
+    """A direct attend (op(mu), op.sequence(X)) ran on torch's threads whatever the load: on 2 cores with one other
+    job, a forward pass and VJP at N = 8000 took 2.0-3.6 s on 2 threads against 0.73 s on one (a load review)."""
+    from meanfield import flash_cpu, kernel_inputs, kernels
+
+    seen = []
+    forward, backward = flash_cpu.forward, flash_cpu.backward
+    monkeypatch.setattr(flash_cpu, "forward", lambda *a: seen.append(("forward", torch.get_num_threads()))
+                        or forward(*a))
+    monkeypatch.setattr(flash_cpu, "backward", lambda *a: seen.append(("VJP", torch.get_num_threads()))
+                        or backward(*a))
+    monkeypatch.setattr(kernel_inputs, "POLICY_ENTRIES", 1)
+    monkeypatch.setattr(kernel_inputs, "SECONDS_PER_SCORE", 1.0)   # a pass of minutes, at 64 tokens
+    X = torch.randn(64, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    four_cores["others"] = 3
+    kernels.attend(X, X, X, method="stream").sum().backward()
+    assert seen == [("forward", 1), ("VJP", 1)] and torch.get_num_threads() == 4
+    seen.clear()
+    four_cores["others"] = 1
+    monkeypatch.setattr(th, "_SAMPLE", [-float("inf"), 1])
+    kernels.attend(X, X, X, method="stream").sum().backward()
+    assert seen == [("forward", 3), ("VJP", 3)]
+    seen.clear()
+    monkeypatch.setattr(kernel_inputs, "POLICY_ENTRIES", 2**20)   # small passes keep torch's setting
+    kernels.attend(X, X, X, method="stream").sum().backward()
+    assert seen == [("forward", 4), ("VJP", 4)]
+
+
+@pytest.mark.parametrize("method", ["streaming", "sinkhorn"])
+def test_a_transport_solve_moves_to_fewer_threads_when_the_machine_gets_busy(four_cores, monkeypatch, method):
+    """transport.solve chose its threads at entry and never again: its docstring's "re-checked while the call runs"
+    held for the Lipschitz, dynamics and worst-case entry points only (a load review)."""
+    import transport
+    from particles import Measure
+    from transport import api, sinkhorn, streaming_sinkhorn
+
+    monkeypatch.setattr(th, "RECHECK", 0.0)
+    monkeypatch.setattr(api, "SECONDS_PER_ENTRY", 1.0)   # steps of seconds: the free-core rule applies
+    monkeypatch.setattr(sinkhorn, "FIRST_ROUND", 10)      # POT's rounds of 10 iterations: ticks between them
+    from particles import progress
+
+    monkeypatch.setattr(progress, "PROGRESS_SECONDS", 1e-9)   # (rounds are sized to last one period)
+    seen = []
+    module, name = (streaming_sinkhorn, "update") if method == "streaming" else (sinkhorn, "pot")
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        if len(seen) == 3:
+            four_cores["others"] = 3
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    g = torch.Generator().manual_seed(0)
+    mu = Measure(torch.randn(60, 2, dtype=torch.float64, generator=g))
+    nu = Measure(torch.randn(60, 2, dtype=torch.float64, generator=g) + 1.0)
+    result = transport.solve(mu, nu, method, reg=0.2, debias=False)
+    assert result.converged and len(seen) > 4
+    assert seen[0] == 4 and seen[-1] == 1, seen
+    assert torch.get_num_threads() == 4
