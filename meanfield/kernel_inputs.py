@@ -186,14 +186,20 @@ def tf32_on(t) -> bool:
 def watched(kind: str, q: torch.Tensor, k: torch.Tensor):
     """What one pass of the kernel (``kind``: "attention", "VJP", "JVP") over ``q`` and ``k`` runs under:
 
-    * on a CPU, from :data:`POLICY_ENTRIES` scores, its threads (:func:`particles.threads.one_call`, which leaves
-      them to a framework entry point running around the pass);
+    * from :data:`POLICY_ENTRIES` scores, its threads (:func:`particles.threads.one_call`, which leaves them to a
+      framework entry point running around the pass);
     * from :data:`WATCHED_ENTRIES` scores, INFO lines of the logger ``meanfield.kernels`` while it runs, every 5 s
       (:func:`particles.progress.long_call`; a pass inside a watched one adds none).
+
+    On a CPU only: an accelerator's pass returns once it is queued.
     """
     m, n = q.shape[-2], k.shape[-2]
     entries = math.prod(q.shape[:-2]) * m * n
-    threads = entries >= POLICY_ENTRIES and q.device.type == "cpu" and active_policy() is None
+    if q.device.type != "cpu":
+        # an accelerator's pass returns once queued (the time is spent at the next sync), and starting a watcher
+        # would cost more than a pass of 2^22 scores there: neither applies
+        return contextlib.nullcontext()
+    threads = entries >= POLICY_ENTRIES and active_policy() is None
     watch = entries >= WATCHED_ENTRIES and _log.isEnabledFor(logging.INFO)
     if not (threads or watch):
         return contextlib.nullcontext()

@@ -107,3 +107,19 @@ def test_small_passes_start_no_watcher(monkeypatch, caplog):
     monkeypatch.setattr(kernel_inputs, "WATCHED_ENTRIES", 0)
     with caplog.at_level(logging.INFO, logger=LOGGER), pytest.raises(AssertionError, match="long_call started"):
         kernels.attend(X @ A.T, X, X)
+
+
+def test_passes_off_the_cpu_are_neither_watched_nor_given_threads(watched_always, monkeypatch):
+    """An accelerator's pass returns once queued; a watcher would cost 0.14 ms, more than a pass of 2^22 scores there."""
+    import contextlib
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("started for a pass off the CPU")
+
+    monkeypatch.setattr(kernel_inputs, "long_call", refuse)
+    monkeypatch.setattr(kernel_inputs, "one_call", refuse)
+    monkeypatch.setattr(kernel_inputs, "POLICY_ENTRIES", 0)
+    q = torch.empty(4096, 3, device="meta")
+    assert isinstance(kernel_inputs.watched("attention", q, q), contextlib.nullcontext)
+    with pytest.raises(AssertionError, match="started for a pass"):
+        kernel_inputs.watched("attention", torch.empty(8, 3), torch.empty(8, 3)).__enter__()
