@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 
 from particles import Measure
@@ -29,6 +30,13 @@ from .parameters import Head, Parameters
 __all__ = ["as_operator", "CallableOperator", "TorchMultiheadAttention"]
 
 
+def _floating_tensors(fn) -> list:
+    """The floating parameters and buffers of ``fn`` where it is a torch.nn.Module (else none)."""
+    if not isinstance(fn, torch.nn.Module):
+        return []
+    return [t for t in (*fn.parameters(), *fn.buffers()) if t.is_floating_point()]
+
+
 class CallableOperator(AttentionOperator):
     """A bare callable X (n, d_in) -> (n, d_out) as a points-only operator.
 
@@ -36,8 +44,8 @@ class CallableOperator(AttentionOperator):
     :func:`meanfield.local_lipschitz` differentiates; it has no velocity field at other points and
     refuses weighted or positioned measures (see the module docstring). ``masked`` records whether
     the callable is causal (it applies its own mask; no positions are passed to it).
-    ``dtype``/``device``/``d_in`` are taken from the first input it sees unless given (:func:`as_operator` gives
-    a ``torch.nn.Module``'s, where its floating parameters and buffers share one dtype and device).
+    ``dtype``/``device``/``d_in`` are taken from the first input it sees unless given. A ``torch.nn.Module`` that
+    refuses an input of another dtype than its parameters' is named in the error (``X``), with the conversions.
     """
 
     points_only = True
@@ -87,7 +95,18 @@ class CallableOperator(AttentionOperator):
         return self
 
     def call(self, Y: torch.Tensor) -> torch.Tensor:
-        out = self.fn(Y)
+        try:
+            out = self.fn(Y)
+        except RuntimeError as exc:
+            dtypes = sorted({str(t.dtype) for t in _floating_tensors(self.fn)})
+            if "dtype" not in str(exc).lower() or not dtypes or str(Y.dtype) in dtypes:
+                raise
+            # a module computing in its parameters' dtype (numpy points come as float64): torch's matmul error said
+            # "mat1 and mat2 must have the same dtype", naming neither the input nor the fix
+            want = dtypes[0].removeprefix("torch.")
+            raise TypeError(f"X: dtype {Y.dtype} differs from the parameters of {self.name} ({', '.join(dtypes)}); "
+                            f"convert the input (X.to(torch.{want}), or X.astype(np.{want}) for numpy) or the module "
+                            f"({self.name}.to(dtype={Y.dtype}))") from exc
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"f: expected it to return a torch tensor, got {type(out).__name__}")
         if out.dim() < 2 or out.shape[-2] != Y.shape[-2]:
@@ -97,8 +116,9 @@ class CallableOperator(AttentionOperator):
 
     def check_points(self, X, name: str = "X") -> torch.Tensor:
         if not isinstance(X, Measure) and self._d_in is None:
-            # a module's dtype known: the input is converted to it (lists) or named (another float dtype) first
-            X = as_tensor(X, name) if self._dtype is None else super().check_points(X, name)
+            # a float numpy array keeps its dtype (a float32 module given X.astype(np.float32) gets float32)
+            keep = isinstance(X, np.ndarray) and X.dtype.kind == "f" and X.dtype.itemsize >= 4
+            X = as_tensor(X, name, dtype=torch.from_numpy(np.empty(0, X.dtype)).dtype if keep else None)
             if X.dim() >= 2:
                 self.bind(X)
         return super().check_points(X, name)
@@ -247,13 +267,6 @@ def as_operator(f, *, masked: bool | None = None) -> AttentionOperator:
         if advice is not None:
             raise TypeError(f"f: {advice}")
     if callable(f):
-        dtype = device = None
-        if isinstance(f, torch.nn.Module):
-            # a module computes in its parameters' dtype: an input of another one is named (X), not a matmul error
-            tensors = [t for t in (*f.parameters(), *f.buffers()) if t.is_floating_point()]
-            if len({t.dtype for t in tensors}) == 1 and len({t.device for t in tensors}) == 1:
-                dtype, device = tensors[0].dtype, tensors[0].device
-        return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False),
-                                dtype=dtype, device=device)
+        return CallableOperator(f, masked=bool(masked) if masked is not None else getattr(f, "masked", False))
     raise TypeError(f"f: expected an attention operator, a Hugging Face attention layer, a "
                     f"torch.nn.MultiheadAttention or a callable on tensors, got {type(f).__name__}")

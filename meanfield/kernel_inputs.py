@@ -31,10 +31,10 @@ __all__ = ["check_shapes", "needs_derivatives", "transforms_active", "dead_rows"
            "silence_blind_rows", "seen_positions", "tf32_on", "watched", "WATCHED_ENTRIES", "POLICY_ENTRIES",
            "SECONDS_PER_SCORE"]
 
-#: a pass over at least this many scores (batch entries included; 2048 queries x 2048 keys) logs its progress
-#: (:func:`watched`): from about 10 ms on 2 idle CPU cores (a fused forward pass in d = 3) to minutes under load
-#: (starting the watcher costs about 0.1 ms; a pass shorter than 5 s logs nothing)
-WATCHED_ENTRIES = 2**22
+#: a pass over at least this many scores (batch entries included; 1024 queries x 1024 keys) logs its progress
+#: (:func:`watched`): from about 2 ms on 2 idle CPU cores (a fused forward pass in d = 3) to minutes under load
+#: (registering a pass with the process's watcher costs about 6 us; a pass shorter than 5 s logs nothing)
+WATCHED_ENTRIES = 2**20
 #: a pass on a CPU over at least this many scores (1024 x 1024) takes its threads from the free cores
 #: (:func:`particles.threads.one_call`) unless a framework entry point around it decides them: on 2 cores with one
 #: other job running, torch's 2 threads made a forward pass and VJP at N = 8000 take 2.0-3.6 s against 0.73 s on one
@@ -44,6 +44,7 @@ POLICY_ENTRIES = 2**20
 SECONDS_PER_SCORE = 2e-9
 
 _log = logging.getLogger("meanfield.kernels")
+_NOTHING = contextlib.nullcontext()   # (reusable: the context of every small pass)
 
 
 def transforms_active() -> bool:
@@ -193,16 +194,15 @@ def watched(kind: str, q: torch.Tensor, k: torch.Tensor):
 
     On a CPU only: an accelerator's pass returns once it is queued.
     """
-    m, n = q.shape[-2], k.shape[-2]
-    entries = math.prod(q.shape[:-2]) * m * n
-    if q.device.type != "cpu":
+    entries = math.prod(q.shape[:-2]) * q.shape[-2] * k.shape[-2]
+    if entries < min(POLICY_ENTRIES, WATCHED_ENTRIES) or q.device.type != "cpu":
         # an accelerator's pass returns once queued (the time is spent at the next sync), and starting a watcher
         # would cost more than a pass of 2^22 scores there: neither applies
-        return contextlib.nullcontext()
+        return _NOTHING
     threads = entries >= POLICY_ENTRIES and active_policy() is None
     watch = entries >= WATCHED_ENTRIES and _log.isEnabledFor(logging.INFO)
     if not (threads or watch):
-        return contextlib.nullcontext()
+        return _NOTHING
     return _pass(kind, q, k, entries if threads else None, watch)
 
 

@@ -608,9 +608,10 @@ def attend(q, k, v, log_weights=None, q_pos=None, k_pos=None, *, method=None, bl
     needed), or "auto" (:func:`choose`: the fastest path for the size,
     mask, dtype, device and whether derivatives are needed); None takes the default set by :func:`use`.
 
-    A pass over :data:`meanfield.kernel_inputs.WATCHED_ENTRIES` scores or more (16,384 x 16,384; minutes on CPU at
-    1e5 tokens), and its VJP and JVP, log what they are and the seconds spent while they run, every 5 s at INFO
-    on the logger ``meanfield.kernels`` (:func:`meanfield.kernel_inputs.watched`).
+    On a CPU, a pass over 1024 x 1024 scores or more (:data:`meanfield.kernel_inputs.POLICY_ENTRIES`), and its VJP
+    and JVP where the streamed kernel computes them, take their threads from the free cores unless a framework
+    entry point around them decides, and log what they are and the seconds spent while they run, every 5 s at
+    INFO on the logger ``meanfield.kernels`` (:func:`meanfield.kernel_inputs.watched`; minutes at 1e5 tokens).
     """
     check_shapes(q, k, v, log_weights, q_pos, k_pos)
     _check_block_size(block_size)

@@ -409,13 +409,13 @@ class _StreamBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gq, gk, gv, glw):
-        q, k = ctx.saved_tensors[:2]
-        with watched("VJP's derivative (a JVP)", q, k):
-            return _StreamBackward.derivatives(ctx, gq, gk, gv, glw)
+        saved = ctx.saved_tensors   # unpacked once (each unpack is a transfer under save_on_cpu-like hooks)
+        with watched("VJP's derivative (a JVP)", saved[0], saved[1]):
+            return _StreamBackward.derivatives(ctx, saved, gq, gk, gv, glw)
 
     @staticmethod
-    def derivatives(ctx, gq, gk, gv, glw):
-        q, k, v, lw, qp, kp, out, lse, g_out, g_lse = ctx.saved_tensors
+    def derivatives(ctx, saved, gq, gk, gv, glw):
+        q, k, v, lw, qp, kp, out, lse, g_out, g_lse = saved
         plan, need = ctx.plan, ctx.need
         grads = [None] * 12
         tans = [g if (g is not None and flag) else None for g, flag in zip((gq, gk, gv, glw), need)]

@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -174,16 +175,20 @@ class ThreadPolicy:
         self._small = False
 
     def __enter__(self) -> ThreadPolicy:
-        self._token = _ACTIVE.set(self)
         self._entry = torch.get_num_threads()
-        fixed = requested_threads()
-        if fixed is not None:
-            self._set(fixed)
-            self._small = True   # nothing to re-check: the user decided
-        elif self.step_seconds is not None:
-            self.observe(self.step_seconds)
-        else:
-            self._set(1)
+        try:
+            fixed = requested_threads()   # (a malformed $SMOOTH_ATTENTION_THREADS raises here)
+            if fixed is not None:
+                self._set(fixed)
+                self._small = True   # nothing to re-check: the user decided
+            elif self.step_seconds is not None:
+                self.observe(self.step_seconds)
+            else:
+                self._set(1)
+        except BaseException:
+            torch.set_num_threads(self._entry)
+            raise
+        self._token = _ACTIVE.set(self)   # only once entered: a failed entry leaves no policy active
         return self
 
     def __exit__(self, *exc) -> None:
@@ -225,6 +230,11 @@ class ThreadPolicy:
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("particles_thread_policy", default=None)
 #: (when, free cores) of the last sample taken for :func:`one_call`
 _SAMPLE = [-float("inf"), 1]
+#: the calls of :func:`one_call` running now, in any thread, and torch's setting before the first of them: torch's
+#: thread count is one per process, so the first call decides it for all and the last one restores it
+_RUNNING = {"count": 0, "entry": None, "lock": threading.Lock()}
+if hasattr(os, "register_at_fork"):   # a child starts with no call running and a free lock
+    os.register_at_fork(after_in_child=lambda: _RUNNING.update(count=0, entry=None, lock=threading.Lock()))
 
 
 def active_policy() -> ThreadPolicy | None:
@@ -245,27 +255,41 @@ def one_call(step_seconds: float):
     """The threads of one call with no steps of its own (one kernel pass), whose one-thread time is estimated at
     ``step_seconds``: the override if any, one thread below :data:`SMALL_STEP`, else the free cores (at most torch's
     setting at the call), sampled at most every :data:`RECHECK` seconds across consecutive calls (a sample costs
-    about a millisecond). Inside an active :class:`ThreadPolicy` nothing changes. Torch's setting is restored."""
+    about a millisecond). Inside an active :class:`ThreadPolicy` nothing changes. Torch's setting is restored.
+
+    Torch has one thread count per process: calls that overlap in several Python threads share the choice of the
+    first, and the last to end restores the setting it found (each restoring its own left another's count)."""
     if _ACTIVE.get() is not None:
         yield
         return
-    entry = torch.get_num_threads()
-    n = requested_threads()
-    if n is None:
-        if step_seconds < SMALL_STEP or entry <= 1:
-            n = 1
-        else:
-            now = time.monotonic()
-            if now - _SAMPLE[0] >= RECHECK:
-                _SAMPLE[:] = [now, free_cores()]
-            n = max(1, min(entry, _SAMPLE[1]))
-    if n != entry:
-        torch.set_num_threads(n)
+    lock = _RUNNING["lock"]
+    with lock:
+        if _RUNNING["count"] == 0:
+            entry = torch.get_num_threads()
+            n = _one_call_threads(step_seconds, entry)
+            _RUNNING["entry"] = entry
+            if n != entry:
+                torch.set_num_threads(n)
+        _RUNNING["count"] += 1
     try:
         yield
     finally:
-        if n != entry:
-            torch.set_num_threads(entry)
+        with lock:
+            _RUNNING["count"] -= 1
+            if _RUNNING["count"] == 0 and torch.get_num_threads() != _RUNNING["entry"]:
+                torch.set_num_threads(_RUNNING["entry"])
+
+
+def _one_call_threads(step_seconds: float, entry: int) -> int:
+    n = requested_threads()
+    if n is not None:
+        return n
+    if step_seconds < SMALL_STEP or entry <= 1:
+        return 1
+    now = time.monotonic()
+    if now - _SAMPLE[0] >= RECHECK:
+        _SAMPLE[:] = [now, free_cores()]
+    return max(1, min(entry, _SAMPLE[1]))
 
 
 @contextlib.contextmanager

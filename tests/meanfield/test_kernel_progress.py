@@ -94,17 +94,19 @@ def test_the_share_reaches_the_lines(watched_always, monkeypatch, caplog):
 
 
 def test_small_passes_start_no_watcher(monkeypatch, caplog):
-    """Below WATCHED_ENTRIES (2^28 scores) nothing is started: the fixed cost of small calls stays as it was."""
+    """Below WATCHED_ENTRIES (2^20 scores) nothing is registered: the fixed cost of small calls stays as it was."""
     def refuse(*args, **kwargs):
         raise AssertionError("long_call started for a small pass")
 
     monkeypatch.setattr(kernel_inputs, "long_call", refuse)
+    monkeypatch.setattr(kernel_inputs, "one_call", refuse)
     X, A = _inputs()
     Xg = X.clone().requires_grad_()
     with caplog.at_level(logging.INFO, logger=LOGGER):
         kernels.attend(Xg @ A.T, Xg, Xg, method="stream").sum().backward()
         kernels.attend(X @ A.T, X, X)
     monkeypatch.setattr(kernel_inputs, "WATCHED_ENTRIES", 0)
+    monkeypatch.setattr(kernel_inputs, "POLICY_ENTRIES", 0)
     with caplog.at_level(logging.INFO, logger=LOGGER), pytest.raises(AssertionError, match="long_call started"):
         kernels.attend(X @ A.T, X, X)
 

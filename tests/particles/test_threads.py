@@ -233,3 +233,46 @@ def test_a_transport_solve_moves_to_fewer_threads_when_the_machine_gets_busy(fou
     assert result.converged and len(seen) > 4
     assert seen[0] == 4 and seen[-1] == 1, seen
     assert torch.get_num_threads() == 4
+
+
+def test_overlapping_calls_in_two_threads_restore_torchs_setting(four_cores, fresh_sample):
+    """Each call restored the count it found: a call that started inside another's (another Python thread) left
+    torch at the other's choice for good (4 -> 2 threads after both ended, a review of the change)."""
+    import threading
+
+    four_cores["others"] = 2
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first():
+        with th.one_call(1.0):
+            seen["first"] = torch.get_num_threads()
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def second():
+        a_in.wait(5)
+        with th.one_call(1.0):
+            seen["second"] = torch.get_num_threads()
+            b_in.set()
+            a_out.wait(5)
+            seen["after first ended"] = torch.get_num_threads()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert seen == {"first": 2, "second": 2, "after first ended": 2}
+    assert torch.get_num_threads() == 4 and th._RUNNING["count"] == 0
+
+
+def test_a_policy_that_fails_to_start_leaves_nothing_behind(four_cores, monkeypatch):
+    """A malformed $SMOOTH_ATTENTION_THREADS made ThreadPolicy's entry raise with the policy still registered as
+    active: one_call then did nothing in that context for good."""
+    monkeypatch.setenv(th.ENV, "many")
+    with pytest.raises(ValueError, match=th.ENV):
+        with th.ThreadPolicy(step_seconds=1.0):
+            pass
+    assert th.active_policy() is None and torch.get_num_threads() == 4
