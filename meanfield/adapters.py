@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from particles import Measure
-from particles.validation import as_tensor, check_bool, check_device, float_dtype, to_arguments
+from particles.validation import as_tensor, check_bool, check_device, float_dtype, to_arguments, torch_dtype
 
 from .kernel_inputs import silence_blind_rows
 from .kernels import additive_mask
@@ -118,7 +118,7 @@ class CallableOperator(AttentionOperator):
         if not isinstance(X, Measure) and self._d_in is None:
             # a float numpy array keeps its dtype (a float32 module given X.astype(np.float32) gets float32)
             keep = isinstance(X, np.ndarray) and X.dtype.kind == "f" and X.dtype.itemsize >= 4
-            X = as_tensor(X, name, dtype=torch.from_numpy(np.empty(0, X.dtype)).dtype if keep else None)
+            X = as_tensor(X, name, dtype=torch_dtype(X.dtype) if keep else None)
             if X.dim() >= 2:
                 self.bind(X)
         return super().check_points(X, name)

@@ -26,7 +26,7 @@ import numbers
 import numpy as np
 import torch
 
-from particles.validation import as_tensor, check_bool, check_ndim, float_dtype, to_arguments
+from particles.validation import as_tensor, check_bool, check_ndim, float_dtype, to_arguments, torch_dtype
 
 from .kernel_inputs import seen_positions, silence_blind_rows
 from .kernels import attend
@@ -46,7 +46,7 @@ def _same_dtype(value, name, dtype, like: str | None):
         # a float numpy array wider than the operator's dtype would be rounded (float64 values next to float32
         # parameters): refused as a tensor is. A narrower one converts exactly (numpy input makes float64
         # operators, float32 arrays included); lists and integer arrays take the operator's dtype
-        if torch.finfo(torch.from_numpy(np.empty(0, value.dtype)).dtype).eps >= torch.finfo(dtype).eps:
+        if torch.finfo(torch_dtype(value.dtype)).eps >= torch.finfo(dtype).eps:
             return
         convert = f"{name}.astype(np.{str(dtype).removeprefix('torch.')})"
         value = torch.from_numpy(np.empty(0, value.dtype))

@@ -199,8 +199,8 @@ def watched(kind: str, q: torch.Tensor, k: torch.Tensor):
     if len(shape) > 2:
         entries *= math.prod(shape[:-2])
     if entries < min(POLICY_ENTRIES, WATCHED_ENTRIES) or q.device.type != "cpu":
-        # an accelerator's pass returns once queued (the time is spent at the next sync), and starting a watcher
-        # would cost more than a pass of 2^22 scores there: neither applies
+        # small passes, and an accelerator's, which returns once queued (its time is spent at the next sync):
+        # neither CPU threads nor progress lines apply
         return _NOTHING
     threads = entries >= POLICY_ENTRIES and active_policy() is None
     watch = entries >= WATCHED_ENTRIES and _log.isEnabledFor(logging.INFO)

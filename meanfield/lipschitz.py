@@ -64,6 +64,7 @@ from . import kernels, krylov, series_attention, series_jacobian
 from .adapters import as_operator
 from .jacobian import Jacobian, make_problems, norms
 from .krylov import PATIENCE, SOLVERS
+from .operator import WRAP_POINTS
 
 log = logging.getLogger(__name__)
 
@@ -622,8 +623,7 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     if not isinstance(method, str):
         raise TypeError(f"method: expected a transport method name such as 'exact' or 'streaming', got {method!r}")
     op = as_operator(op)
-    points = ("the ratio compares measures: wrap points as particles.Measure.empirical(X), or Measure.sequence(X) "
-              "for a masked operator's sequence")
+    points = f"the ratio compares measures: {WRAP_POINTS}"
     mu = op.check_measure(mu, "mu", tensors=points)
     nu = op.check_measure(nu, "nu", tensors=points)
     if not op.masked and not op.points_only:

@@ -36,9 +36,13 @@ import torch
 
 from particles import Measure
 from particles.measure import held_positions, position_dtype
-from particles.validation import as_tensor, output_checks_are_deferred
+from particles.validation import as_tensor, output_checks_are_deferred, torch_dtype
 
-__all__ = ["AttentionOperator", "sequence_positions"]
+__all__ = ["AttentionOperator", "sequence_positions", "WRAP_POINTS"]
+
+#: what to do with points given where a measure is needed (the ``tensors`` advice of
+#: :meth:`AttentionOperator.check_measure` for functions of measures)
+WRAP_POINTS = "wrap points as particles.Measure.empirical(X), or Measure.sequence(X) for a masked operator's sequence"
 
 
 def sequence_positions(n: int, like: torch.Tensor) -> torch.Tensor:
@@ -180,7 +184,7 @@ class AttentionOperator:
             # lists and integer arrays carry no float dtype: they take the operator's; a float numpy array must
             # have it, as a tensor must (float64 values given to a float32 operator would lose precision)
             if isinstance(X, np.ndarray | np.generic) and X.dtype.kind == "f" and self.dtype is not None \
-                    and torch.from_numpy(np.empty(0, X.dtype)).dtype != self.dtype:
+                    and torch_dtype(X.dtype) != self.dtype:
                 want = str(self.dtype).removeprefix("torch.")
                 raise TypeError(f"{name}: numpy dtype {X.dtype} differs from the operator's {self.dtype}; convert the "
                                 f"input ({name}.astype(np.{want}))"

@@ -42,6 +42,7 @@ from particles import Measure
 from .adapters import as_operator
 from .bounds import split_constant
 from .lipschitz import LipschitzEstimate, local_lipschitz
+from .operator import WRAP_POINTS
 from .sigma_gradient import with_jacobian_products
 
 __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
@@ -49,8 +50,7 @@ __all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure
 
 def _setup(f, mu):
     op = as_operator(f)
-    mu = op.check_measure(mu, "mu", tensors="splitting acts on measures: wrap points as particles.Measure."
-                                            "empirical(X), or Measure.sequence(X) for a masked operator's sequence")
+    mu = op.check_measure(mu, "mu", tensors=f"splitting acts on measures: {WRAP_POINTS}")
     if op.points_only:
         raise TypeError(f"f: {op!r} is points-only; the query derivative needs an operator that evaluates "
                         "queries against keys (a meanfield operator or a Hugging Face layer)")

@@ -120,16 +120,16 @@ if hasattr(os, "register_at_fork"):   # a child process starts without the threa
 
 
 @contextlib.contextmanager
-def long_call(logger, what: str, *, enabled: bool = True):
+def long_call(logger, what: str):
     """Watch one long call: while the block runs, an INFO line on ``logger`` every :data:`PROGRESS_SECONDS`
     (``what``, the seconds spent, the share done where :func:`advance` reports one), and a last line with the
     time taken if any was logged. A block shorter than the period says nothing.
 
     The lines come from one daemon thread of the process (the call itself is busy in one kernel); nothing is
-    registered where ``enabled`` is False, ``logger`` does not log INFO, or a watched call encloses this one (the
-    outer call's lines cover it).
+    registered where ``logger`` does not log INFO, or a watched call encloses this one (the outer call's lines
+    cover it).
     """
-    if not enabled or _CURRENT.get() is not None or not logger.isEnabledFor(logging.INFO):
+    if _CURRENT.get() is not None or not logger.isEnabledFor(logging.INFO):
         yield
         return
     call = _Call(logger, what)

@@ -210,7 +210,7 @@ class ThreadPolicy:
         if requested_threads() is not None:
             return self.threads
         self.step_seconds = step_seconds
-        self._small = step_seconds < SMALL_STEP or self._entry <= 1
+        self._small = _small(step_seconds, self._entry)
         self._recheck(force=True)
         return self.threads
 
@@ -224,7 +224,17 @@ class ThreadPolicy:
         if not force and now - self._checked < RECHECK:
             return
         self._checked = now
-        self._set(1 if self._small else max(1, min(self._entry, free_cores())))
+        self._set(1 if self._small else _on_free_cores(self._entry, free_cores()))
+
+
+def _small(step_seconds: float, entry: int) -> bool:
+    """The small-step rule (module docstring, 2): steps under :data:`SMALL_STEP`, or torch on one thread already."""
+    return step_seconds < SMALL_STEP or entry <= 1
+
+
+def _on_free_cores(entry: int, free: int) -> int:
+    """The free-core rule (module docstring, 3): the free cores, at most torch's setting at the call."""
+    return max(1, min(entry, free))
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("particles_thread_policy", default=None)
@@ -284,12 +294,12 @@ def _one_call_threads(step_seconds: float, entry: int) -> int:
     n = requested_threads()
     if n is not None:
         return n
-    if step_seconds < SMALL_STEP or entry <= 1:
+    if _small(step_seconds, entry):
         return 1
     now = time.monotonic()
     if now - _SAMPLE[0] >= RECHECK:
         _SAMPLE[:] = [now, free_cores()]
-    return max(1, min(entry, _SAMPLE[1]))
+    return _on_free_cores(entry, _SAMPLE[1])
 
 
 @contextlib.contextmanager

@@ -304,6 +304,11 @@ def check_device(device, name: str = "device") -> torch.device | None:
     return dev
 
 
+def torch_dtype(np_dtype) -> torch.dtype:
+    """The torch dtype that numpy's ``np_dtype`` converts to (``torch.from_numpy``)."""
+    return torch.from_numpy(np.empty(0, np_dtype)).dtype
+
+
 def to_arguments(device, dtype):
     """(device, dtype) of a ``to(device=None, dtype=None)`` call, with a dtype given alone in the first place taken as
     the dtype, as ``torch.Tensor.to(torch.float64)`` and ``torch.nn.Module.to(torch.float64)`` take it."""
