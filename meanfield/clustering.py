@@ -26,7 +26,7 @@ import torch
 
 from particles import Measure
 from particles.linkage import first_occurrence, linked_components, unit_scale
-from particles.validation import as_tensor, check_positive_float
+from particles.validation import as_tensor, check_positive_float, check_positive_int
 
 from .dynamics import Trajectory
 
@@ -60,7 +60,8 @@ def _check_tol(tol, X: np.ndarray) -> float:
             return 1.0
         scale = max(float(np.linalg.norm(X.max(0) - X.min(0))), float(np.linalg.norm(X, axis=1).max()))
         return RELATIVE_TOL * scale if scale > 0 else 1.0
-    return check_positive_float(tol, "tol")
+    # 0 links coinciding points only, as particles.linkage.linked_components does
+    return check_positive_float(tol, "tol", allow_zero=True)
 
 
 def _slack_ignored(slack, caller: str) -> None:
@@ -77,7 +78,8 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     ``tol`` None: :data:`RELATIVE_TOL` (1e-3) of the configuration's scale, the larger of the diagonal of
     the points' bounding box and their largest norm (on the unit sphere 1e-3 to 2e-3, also once the tokens
     have collapsed into one cluster); give an absolute distance to compare configurations of different
-    spreads, or tokens that collapse at the origin.
+    spreads, or tokens that collapse at the origin; 0 links points whose squared distance is 0. ``exact_limit``:
+    an integer >= 0.
 
     Exact at every size: up to ``exact_limit`` points scipy.cluster.hierarchy's single linkage cut at ``tol``,
     above it the components of the graph linking points within ``tol``
@@ -89,6 +91,7 @@ def cluster_labels(points, tol: float | None = None, *, exact_limit: int = EXACT
     _slack_ignored(slack, "cluster_labels")
     X, _ = _points(points)
     tol = _check_tol(tol, X)
+    exact_limit = check_positive_int(exact_limit, "exact_limit", minimum=0)
     n, d = X.shape
     if n == 1:
         return np.zeros(1, dtype=int)

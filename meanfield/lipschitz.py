@@ -619,6 +619,10 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
     ratio of a perturbation smaller than the blur is not the W2 ratio; halve ``reg`` to see the ratio settle. Masked:
     :func:`transport.conditional_w2`, exact slice by slice (``method`` "exact" only), with its options (``atol``,
     ``mass_atol``, ``memory_limit``). An option the distance does not take is a TypeError naming it.
+
+    Where W2(mu, nu) is below sqrt(eps) times the points' largest coordinate (eps of the measures' dtype), a
+    RuntimeWarning says that the ratio carries the rounding of the two pushforwards (a share of about eps x scale /
+    W2 of it): a ratio at a displacement of a few roundings is noise.
     """
     if not isinstance(method, str):
         raise TypeError(f"method: expected a transport method name such as 'exact' or 'streaming', got {method!r}")
@@ -658,4 +662,21 @@ def lipschitz_ratio(op, mu, nu, *, method: str = "exact", **options) -> float:
         raise ValueError("mu, nu: W2(mu, nu) = 0 (the same measure); the ratio is undefined")
     if math.isinf(den):
         raise ValueError("mu, nu: conditional W2 is infinite (position marginals differ); the ratio is undefined")
+    _warn_if_rounding(mu, nu, float(den))
     return float(dist(op(mu), op(nu))) / float(den)
+
+
+def _warn_if_rounding(mu, nu, den: float) -> None:
+    """A RuntimeWarning where W2(mu, nu) is below sqrt(eps) times the points' scale: the numerator of the ratio, a
+    distance between two computed pushforwards, then carries their rounding, a share of about eps x scale / W2 of
+    the ratio, and more where the scores are large (a review: 0.5646 at a relative displacement of 1e-9, 0.567 at
+    1e-14, 0.960 at 1e-16 in float64). The usual finite-difference step, sqrt(eps) x scale, stays clear of it."""
+    eps = torch.finfo(mu.dtype).eps
+    scale = max((float(m.points.detach().abs().max()) for m in (mu, nu) if m.points.numel()), default=0.0)
+    if not math.isfinite(scale) or den >= math.sqrt(eps) * scale:
+        return
+    warnings.warn(f"lipschitz_ratio: W2(mu, nu) = {den:.3g} is {den / (eps * scale):.3g} roundings of the points' "
+                  f"scale {scale:.3g} in {str(mu.dtype).replace('torch.', '')}: the numerator, a distance between two "
+                  f"computed pushforwards, carries their rounding, about {eps * scale / den:.2g} of the ratio (more "
+                  f"where the scores are large). Move nu at least sqrt(eps) x scale = {math.sqrt(eps) * scale:.2g} "
+                  "away in W2, or use float64", RuntimeWarning, stacklevel=3)

@@ -41,11 +41,13 @@ from particles import Measure
 
 from .adapters import as_operator
 from .bounds import split_constant
+from .jacobian import Jacobian, make_problems, norms
 from .lipschitz import LipschitzEstimate, local_lipschitz
 from .operator import WRAP_POINTS
 from .sigma_gradient import with_jacobian_products
 
-__all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient"]
+__all__ = ["SplitConstant", "query_jacobians", "split_lipschitz", "split_measure", "query_term_gradient",
+           "ESTIMATE_RTOL"]
 
 
 def _setup(f, mu):
@@ -56,6 +58,35 @@ def _setup(f, mu):
                         "queries against keys (a meanfield operator or a Hugging Face layer)")
     pos = mu.positions if op.masked else None
     return op, mu, pos
+
+
+#: relative agreement :func:`split_lipschitz` asks of a given estimate's value and its recomputed ``|J u|`` at mu, by
+#: the measure's dtype (the value is that product, certified in float64 for a float32 measure, to rounding)
+ESTIMATE_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
+
+
+def _check_estimate(estimate, op, mu) -> None:
+    """``estimate`` is the unsplit estimate of ``op`` at ``mu``: a LipschitzEstimate of one input whose vector u has
+    mu's shape and whose value is ``|J u|`` at mu (one Jacobian product); TypeError / ValueError naming it."""
+    if not isinstance(estimate, LipschitzEstimate):
+        raise TypeError(f"estimate: expected the LipschitzEstimate of local_lipschitz(f, mu), got "
+                        f"{type(estimate).__name__}")
+    if estimate.batched:
+        raise ValueError(f"estimate: holds a batch of {len(estimate)} estimates; give the one of mu")
+    u = estimate.vector
+    if not isinstance(u, torch.Tensor) or tuple(u.shape) != tuple(mu.points.shape):
+        shape = tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__
+        raise ValueError(f"estimate: its vector has shape {shape} where mu's points have {tuple(mu.points.shape)}; "
+                         "give the estimate of local_lipschitz(f, mu)")
+    _, (problem,), _ = make_problems(op, mu)
+    jac = Jacobian(problem.fn, problem.X, problem.s_in, problem.s_out)
+    w = jac.J(u.detach().to(problem.X).unsqueeze(0))
+    scale = 1.0 if jac.scale is None else float(jac.scale.flatten()[0])
+    got = float(norms(w).flatten()[0]) * scale
+    rtol = ESTIMATE_RTOL.get(mu.dtype, 1e-2)
+    if not abs(got - estimate.value) <= rtol * max(abs(got), abs(estimate.value)):
+        raise ValueError(f"estimate: its value {estimate.value:.6g} is not |J u| = {got:.6g} of f at mu for its vector "
+                         "u: an estimate of another operator or measure; give the estimate of local_lipschitz(f, mu)")
 
 
 def _atom(atom, n: int, name: str = "atom") -> int:
@@ -142,7 +173,9 @@ def split_lipschitz(f, mu, *, method="lanczos", tol=None, max_iter=None, seed=0,
         kept with ``converged=False`` in ``unsplit``; a Rayleigh quotient, so still a lower bound) or "raise" (its
         :class:`~particles.validation.ConvergenceError`).
     estimate : LipschitzEstimate or None
-        The unsplit estimate, when already computed (the four arguments above are then not used).
+        The unsplit estimate, when already computed (the four arguments above are then not used): that of
+        ``local_lipschitz(f, mu)``. Checked with one Jacobian product: its vector must be shaped like mu's points
+        and give its value, ``|J u|``, at mu (to :data:`ESTIMATE_RTOL` of the dtype), else a ValueError naming it.
 
     Returns
     -------
@@ -166,6 +199,8 @@ def split_lipschitz(f, mu, *, method="lanczos", tol=None, max_iter=None, seed=0,
     op, mu, pos = _setup(f, mu)
     if estimate is None:
         estimate = local_lipschitz(op, mu, method, tol=tol, max_iter=max_iter, seed=seed, on_failure=on_failure)
+    else:
+        _check_estimate(estimate, op, mu)
     Q = query_jacobians(op, mu)
     present = torch.isfinite(mu.log_weights)
     Q = torch.where(present[:, None, None], Q, torch.zeros_like(Q))   # atoms of mass 0 cannot split

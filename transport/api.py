@@ -268,9 +268,10 @@ def solve(mu: Measure, nu: Measure, method: str = "exact", *, reg=None, debias=N
         Sinkhorn stops; default by the measures' dtype, :data:`transport.TOL` (1e-7 in float64, 1e-5 in
         float32, also when float32 measures are solved in float64).
         Not POT's ``stopThr`` (an L2 error of one marginal): the dense method passes POT
-        tol / sqrt(M), which implies ours. Below 2 (the L1 error of a plan whose marginals are probability
-        measures never exceeds 2; a plan from potentials that did not converge is not normalized, and its reported
-        error can be far larger). ``converged``
+        tol / sqrt(M), which implies ours. At least ``transport.options.TOL_FLOOR`` (1e-14, about 90 unit
+        roundoffs of float64: the rounding of the marginals themselves), below 2 (the L1 error of a plan whose
+        marginals are probability measures never exceeds 2; a plan from potentials that did not converge is not
+        normalized, and its reported error can be far larger). ``converged``
         certifies the marginals; the value (both methods take the dual objective, whose error is second order in
         the marginal error) is then known to a small multiple of tol x squared diameter in absolute terms: for
         measures much closer than their diameter, tighten tol (200 points of squared diameter 113 against their

@@ -104,8 +104,18 @@ def _check_overrelaxation(value, name: str):
     return out
 
 
+#: The smallest marginal tolerance a solve accepts: about 90 unit roundoffs of float64. A plan's marginals, summed in
+#: float64, carry a rounding of a few roundoffs (a review's tol = 1e-16 ran all its iterations to a floor of 6e-16,
+#: and a tol of 1e-300 was blamed on reg); float32 measures are solved in float64 at such tolerances.
+TOL_FLOOR = 1e-14
+
+
 def _check_tol(value, name):
     out = check_positive_float(value, name)
+    if out < TOL_FLOOR:
+        raise ValueError(f"{name}: {out:g} is below {TOL_FLOOR:g}, about 90 unit roundoffs of float64, where the "
+                         "rounding of the plan's marginals (a few roundoffs) would decide whether a solve converged; "
+                         f"use a tolerance of at least {TOL_FLOOR:g} (float64's default is {TOL[torch.float64]:g})")
     if out >= 2.0:
         # sum_i |pi 1 - a|_i + sum_j |pi^T 1 - b|_j of a plan of mass 1 is at most 2 (every plan "converges")
         raise ValueError(f"{name}: {out:g} is not below 2, the largest L1 marginal error of a plan of mass one "
