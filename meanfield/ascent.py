@@ -36,7 +36,10 @@ earlier one can exceed the prediction by the difference).
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +170,16 @@ class _Costs:
         return gradients * g + evaluations * e
 
 
+def _outside_stacklevel() -> int:
+    """The ``stacklevel`` of a warning from the function calling this one that names the first frame outside the
+    meanfield package (the searches reach :func:`ascend` through one or two frames of their own)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(here + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _tie(Y):
     """(distinct rows, token -> row) when some rows coincide exactly, else (Y, None)."""
     rows, inverse = torch.unique(Y, dim=0, return_inverse=True)
@@ -196,6 +209,14 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
         fix = "use float64 or a smaller radius" if Ys[0].dtype != torch.float64 else "use a smaller radius"
         raise OverflowError("R: the local constant (or the weighted Jacobian) overflows the dtype's range at every "
                             f"start; {fix}")
+    lost = [m.name for m in members if m.stopped == "overflow"]
+    if lost:
+        # the search goes on from the others, whose constants may be far below those lost (a review: at R = 1e160
+        # every start at the radius overflowed and the lower bound came from tokens at the origin, silently)
+        fix = "float64 or a smaller radius" if Ys[0].dtype != torch.float64 else "a smaller radius"
+        warnings.warn(f"R: the local constant overflows the dtype's range at {len(lost)} of {len(members)} starts "
+                      f"({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}); the search went on from the others, "
+                      f"and its lower bound is theirs: use {fix}", RuntimeWarning, stacklevel=_outside_stacklevel())
     trace = []
     best = lambda: max(m.best[0] for m in members)
     stopped = "converged"

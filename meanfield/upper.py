@@ -12,6 +12,7 @@ record gets its bound with no change here.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from particles.validation import check_positive_int, check_radius
 
 from .bounds import absorb_key_bias, l2_attention_upper, mean_field_upper, sqrt_n_upper
-from .bounds.numerics import _exp_or_inf, _matrix
+from .bounds.numerics import BoundOverflowWarning, _exp_or_inf, _matrix
 
 __all__ = ["UpperBound", "operator_upper"]
 
@@ -73,16 +74,18 @@ def _head_upper(A, c, V, R, n, masked=False) -> tuple[float, str]:
     if a.shape[0] != v.shape[1]:
         v = np.pad(v, ((0, 0), (0, a.shape[0] - v.shape[1])))
     lifted = f" (key bias absorbed: tokens lifted to (x, {t:.3g}), radius {Rl:.6g})" if t > 0 else ""
-    if masked and n is None:
-        return math.inf, MASKED_MEASURES
-    mf = math.inf if masked else mean_field_upper(a, v, Rl, log=True)
+    if masked:
+        if n is None:
+            return math.inf, MASKED_MEASURES
+        return sqrt_n_upper(a, v, Rl, n, log=True), "Theorem 4.3" + lifted
+    log_sq = None if n is None else sqrt_n_upper(a, v, Rl, n, log=True)
+    with warnings.catch_warnings():
+        if log_sq is not None and log_sq < math.inf:   # an overflowing Theorem 3.5 cannot beat a finite Theorem 3.3
+            warnings.simplefilter("ignore", BoundOverflowWarning)
+        mf = mean_field_upper(a, v, Rl, log=True)
     if n is None:
         return mf, "Theorem 3.5" + lifted
-    sq = sqrt_n_upper(a, v, Rl, n)
-    log_sq = math.log(sq) if sq > 0 else -math.inf
-    if masked:
-        return log_sq, "Theorem 4.3" + lifted
-    if sq != math.inf and log_sq <= mf:
+    if log_sq <= mf:
         return log_sq, "Theorem 3.3" + lifted
     return mf, "Theorem 3.5" + lifted
 

@@ -274,10 +274,19 @@ def _int_seed(seed):
     return 0 if seed is None else int(seed.initial_seed()) if isinstance(seed, torch.Generator) else int(seed)
 
 
-def _check_common(R, budget):
+def _check_common(R, budget, dtype=None):
     R = check_radius(R, "R")
     if R == 0:
         raise ValueError("R: expected a positive radius (B_0 holds one input, there is nothing to search)")
+    # the largest radius a search takes: half the square root of the dtype's largest number (6.7e153 in float64,
+    # 9.2e18 in float32), where the squared norm of a token at the radius stays in range
+    top = 0.5 * math.sqrt(torch.finfo(dtype or torch.float64).max)
+    if R > top:
+        # the ball's projection takes norms, whose squares overflow from about 1.3e154 in float64: every start at the
+        # radius was projected to the origin, and the lower bound came from there (a review, at R = 1e160)
+        raise ValueError(f"R: {R:g} is above {top:.3g}, where the squared norms of tokens at the radius overflow "
+                         f"{str(dtype or torch.float64).replace('torch.', '')} and the search cannot keep them in the "
+                         "ball")
     return R, check_positive_int(budget, "budget")
 
 
@@ -398,7 +407,7 @@ def worst_case_sequence(f, R, n, *, budget=20000, starts=None, options=None, d=N
     opts = _options(options, deprecated, "worst_case_sequence")
     op = as_operator(f)
     n = check_positive_int(n, "n")
-    R, budget = _check_common(R, budget)
+    R, budget = _check_common(R, budget, op.dtype)
     d = _dims(op, d)
     t0 = time.perf_counter()
     if starts is None:
@@ -454,7 +463,7 @@ def plain_gradient_ascent(f, R, n, *, budget=20000, options=None, d=None, **depr
     opts = _options(options, deprecated, "plain_gradient_ascent")
     op = as_operator(f)
     n = check_positive_int(n, "n")
-    R, budget = _check_common(R, budget)
+    R, budget = _check_common(R, budget, op.dtype)
     check_positive_int(opts.random, "random")
     d = _dims(op, d)
     t0 = time.perf_counter()
@@ -512,7 +521,7 @@ def worst_case_measure(f, R, atoms, *, positions=None, split=True, budget=20000,
         raise TypeError(f"f: {op!r} is points-only (a bare callable); it cannot weigh atoms, so the measure "
                         "question needs a meanfield operator or a Hugging Face layer")
     atoms = check_positive_int(atoms, "atoms")
-    R, budget = _check_common(R, budget)
+    R, budget = _check_common(R, budget, op.dtype)
     split = check_bool(split, "split")
     d = _dims(op, d)
     dtype, device = _dtype_device(op)

@@ -19,9 +19,11 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     """m_i = argmax_j <A x_i, x_j> (over j <= i when ``masked``), as an int array of length n.
 
     Raises a ValueError when some row's maximum is not unique: the runner-up score lies within
-    ``rtol (1 + |max|)`` of the maximum (Theorems 3.7 / 4.5 need unique maximizers). ``rtol`` is a
-    finite number >= 0 (0: only exact ties); NaN or a negative value, which would switch the test
-    off, is a ValueError.
+    ``rtol |A x_i| max_j |x_j|`` of the maximum (the bound on row i's scores and on their rounding; Theorems 3.7 /
+    4.5 need unique maximizers). The test, like the maximizers, does not depend on the scale of X (a direction
+    multiplied by 1e-6 was refused where the direction itself was not), and the scores are formed from X and A
+    scaled to a largest entry of one, so that no radius overflows them. ``rtol`` is a finite number >= 0 (0: only
+    exact ties); NaN or a negative value, which would switch the test off, is a ValueError.
     """
     a = _square(A)
     x = _matrix(X, "X")
@@ -30,7 +32,10 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     masked = check_bool(masked, "masked")
     rtol = check_positive_float(rtol, "rtol", allow_zero=True)
     _check_scores_memory(x.shape[0], "argmax_indices")
-    S = (x @ a.T) @ x.T
+    # positive scales of X and A: the same maximizers and relative gaps, from scores that cannot overflow
+    x, a = (t / float(np.abs(t).max()) if t.size and 0 < float(np.abs(t).max()) < math.inf else t for t in (x, a))
+    ax = x @ a.T
+    S = ax @ x.T
     n = S.shape[0]
     if masked:
         S = np.where(np.tril(np.ones((n, n), dtype=bool)), S, -np.inf)
@@ -39,11 +44,15 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     rest = S.copy()
     rest[np.arange(n), m] = -np.inf
     second = rest.max(axis=1)
-    ties = np.nonzero(top - second <= rtol * (1.0 + np.abs(top)))[0]
+    scale = np.linalg.norm(ax, axis=1) * (np.linalg.norm(x, axis=1).max() if n else 0.0)
+    with np.errstate(invalid="ignore"):   # a row of one key: top - (-inf) = inf, never a tie
+        gap = top - second
+    ties = np.nonzero(gap <= rtol * scale)[0]
     if ties.size:
         i = int(ties[0])
+        relative = gap[i] / scale[i] if scale[i] > 0 else 0.0
         raise ValueError(f"X: the maximizer of <A x_i, x_j> over j is not unique for {ties.size} row(s) "
-                         f"(first: row {i}, gap {top[i] - second[i]:.3g}); Theorem "
+                         f"(first: row {i}, gap {relative:.3g} of |A x_i| max_j |x_j|); Theorem "
                          f"{'4.5' if masked else '3.7'} needs a unique argmax in every row")
     return m
 

@@ -167,7 +167,8 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
 
     def phi(log_t: float) -> float:
         t = math.exp(log_t)
-        return 0.5 * math.log(top(t)) + math.log(R * R + t * t)
+        # log(R^2 + t^2) through hypot: R * R overflowed from R of about 1.3e154, and the lifted radius with it
+        return 0.5 * math.log(top(t)) + 2.0 * math.log(math.hypot(R, t))
 
     grid = np.log(R) + np.linspace(-12.0, 12.0, 97)
     vals = [phi(float(s)) for s in grid]
@@ -182,4 +183,4 @@ def absorb_key_bias(A, c, R) -> tuple[np.ndarray, float, float]:
     lifted = np.zeros((d + 1, d + 1))
     lifted[:d, :d] = a
     lifted[:d, d] = cv / t
-    return lifted, math.sqrt(R * R + t * t), t
+    return lifted, math.hypot(R, t), t

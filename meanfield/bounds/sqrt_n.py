@@ -15,30 +15,33 @@ import numpy as np
 from particles.validation import check_positive_int, check_radius
 
 from .eigen import gamma
-from .numerics import _A_V, _exp_or_inf, _gamma_value, _length
+from .numerics import _A_V, _check_log, _exp_or_inf, _gamma_value, _length, _log_or_inf
 
 __all__ = ["sqrt_n_upper", "sqrt_n_lower", "sqrt_n_lower_from_gamma", "sqrt_n_regime_radius", "sqrt_n_regime_length"]
 
 
-def sqrt_n_upper(A, V, R, n) -> float:
+def sqrt_n_upper(A, V, R, n, *, log: bool = False) -> float:
     """Theorem 3.3 (unmasked) and Theorem 4.3 (masked): the Lipschitz constant of self-attention
     on B_R^n is at most ``sqrt(3) ||V||_2 (||A||_2^2 R^4 (4n + 1) + n)^{1/2}``, roughly R^2 sqrt(n).
 
-    The same number bounds masked (causal) self-attention (Theorem 4.3).
+    The same number bounds masked (causal) self-attention (Theorem 4.3). ``log=True`` returns the natural logarithm
+    of the bound (``-inf`` when V = 0), finite where the bound itself is beyond float64's range.
     """
     a, v = _A_V(A, V)
     R = check_radius(R, "R")
     n = check_positive_int(n, "n")
+    _check_log(log)
     na, nv = float(np.linalg.norm(a, 2)), float(np.linalg.norm(v, 2))
     # in logarithms: n may be an integer beyond float range (10**400), and R^4 may overflow
     log_terms = [math.log(n)]
     if na > 0 and R > 0:
         log_terms.append(2 * math.log(na) + 4 * math.log(R) + math.log(4 * n + 1))
     if nv == 0:
-        return 0.0
+        return -math.inf if log else 0.0
     top = max(log_terms)
     log_root = 0.5 * (top + math.log(sum(math.exp(t - top) for t in log_terms)))
-    return _exp_or_inf(0.5 * math.log(3.0) + math.log(nv) + log_root, "sqrt_n_upper")
+    value = 0.5 * math.log(3.0) + math.log(nv) + log_root
+    return _log_or_inf(value, "sqrt_n_upper") if log else _exp_or_inf(value, "sqrt_n_upper", log_option=True)
 
 
 def sqrt_n_lower(A, R, n) -> float:
