@@ -104,7 +104,7 @@ def _check_overrelaxation(value, name: str):
     return out
 
 
-#: The smallest marginal tolerance a solve accepts: about 90 unit roundoffs of float64. A plan's marginals, summed in
+#: The smallest marginal tolerance a solve accepts, about 90 unit roundoffs of float64. A plan's marginals, summed in
 #: float64, carry a rounding of a few roundoffs (a review's tol = 1e-16 ran all its iterations to a floor of 6e-16,
 #: and a tol of 1e-300 was blamed on reg); float32 measures are solved in float64 at such tolerances.
 TOL_FLOOR = 1e-14
