@@ -33,7 +33,7 @@ from .kernels import attend
 from .operator import AttentionOperator
 from .parameters import Head, Parameters
 
-__all__ = ["IsotropicAttention", "NORMALIZATIONS", "SphereAttention", "SPHERE_MODELS"]
+__all__ = ["IsotropicAttention", "NORMALIZATIONS", "SphereAttention", "SPHERE_MODELS", "uniform_growth_rate"]
 
 #: The two normalizations, SA (softmax) and USA (unnormalized, the 1/n of uniform weights)
 NORMALIZATIONS = ("SA", "USA")
@@ -92,6 +92,41 @@ class IsotropicAttention(AttentionOperator):
             # map is that of its empirical measure, F(m(X)) = m(f(X)) (masked: 1/n of all keys, seen or not)
             lse = lse - math.log(keys.shape[-2])
         return out * torch.exp(lse).unsqueeze(-1)
+
+
+def uniform_growth_rate(beta: float, normalization: str = "SA", d: int = 3) -> float:
+    """The growth rate lambda_1 of the first (degree-1) mode at the uniform measure on the sphere S^{d-1}: the
+    linearization of the continuity equation of the sphere models (docs/math.md section 6.6).
+
+    The uniform measure is an equilibrium of both flows; a perturbation of density d <m, y> (whose mean is m)
+    grows as m(t) = e^{lambda_1 t} m(0) to first order, with
+
+        lambda_1 = E[e^{beta t} (1 - t^2)] / E[e^{beta t}]   (SA),      lambda_1 = E[e^{beta t} (1 - t^2)]   (USA),
+
+    t = <x, y> for y uniform on the sphere (density proportional to (1 - t^2)^{(d - 3) / 2} on [-1, 1]). In d = 3,
+    t is uniform on [-1, 1] and lambda_1 = 2 (beta coth(beta) - 1) / beta^2 (SA), 2 (beta cosh(beta) - sinh(beta)) /
+    beta^3 (USA): 0.626 and 0.736 at beta = 1. The mean of N tokens drawn uniformly is of order N^{-1/2}, so they
+    leave the uniform state after a time of about log(N) / (2 lambda_1).
+    """
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not math.isfinite(beta) or beta < 0:
+        raise ValueError(f"beta: expected a finite inverse temperature >= 0, got {beta!r}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization: expected 'SA' or 'USA', got {normalization!r}")
+    d = check_positive_int(d, "d", minimum=2)
+    beta = float(beta)
+    from scipy.integrate import quad
+
+    # t = cos(theta): the law of <x, y> on S^{d-1} has density proportional to sin(theta)^(d - 2) in theta; e^{beta t}
+    # is scaled by e^{-beta} (ratios and, for USA, the factor put back in logs) so that no beta overflows
+    weight = lambda th: math.sin(th) ** (d - 2)
+    mass = quad(weight, 0.0, math.pi)[0]
+    tilt = lambda th: math.exp(beta * (math.cos(th) - 1.0)) * weight(th)
+    z = quad(tilt, 0.0, math.pi, limit=200)[0]
+    tangential = quad(lambda th: tilt(th) * math.sin(th) ** 2, 0.0, math.pi, limit=200)[0]
+    if normalization == "SA":
+        return tangential / z
+    log_rate = beta + math.log(tangential / mass) if tangential > 0 else -math.inf
+    return math.exp(log_rate) if log_rate < 709.0 else math.inf   # USA's rate grows like e^beta: inf beyond float64
 
 
 class SphereAttention(IsotropicAttention):

@@ -32,7 +32,7 @@ from ..common import fit_loglog, uniform_sphere
 from ..contract import EMPIRICAL, THEOREM, Claim, StudyResult, register
 from ..grid import run_grid
 from ..io import save_figure, write_csv, write_with
-from . import at_scale
+from . import at_scale, sphere_instability
 from .dynamics_checks import assignment_w2, integrator_claim, integrator_rows, w2_claim
 
 __all__ = ["range_relative_clusters", "dynamics", "animate_trajectory", "grid", "meanfield_claim"]
@@ -347,6 +347,12 @@ CAPTIONS = {
     "polytope.gif": "Animation of the rescaled tokens (V = I) of rescaled_clusters.png's left panel, points only, "
                     "moving to the polytope's vertices.",
     "sphere_SA.gif": "Animation of the SA tokens of sphere_clusters.png collapsing to one cluster on the sphere.",
+    "sphere_instability.png": (
+        "Tokens drawn uniformly on the sphere (d = 3, beta = 1) leave the uniform state: the length of their mean "
+        "over its start (log scale), one curve per start and model, against e^(lambda_1 t) (black), lambda_1 the "
+        "rate of the degree-1 mode of the linearized continuity equation of each model. The claim fits each curve up "
+        "to its dot, where |mean| reaches 0.15 and the linear regime ends; beyond it the curves bend towards one "
+        "cluster."),
     "at_scale_clusters.png": (
         "The order parameter |mean of the tokens| over time for N tokens drawn uniformly on the sphere (d = 3, SA, "
         "beta = 1), one curve per run: about N^(-1/2) at the start, 1 once the tokens form one cluster. The escape "
@@ -359,7 +365,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
     cfg = _settings(level)
     torch.manual_seed(seed)
     rows: list[dict] = []
-    with ctx.progress_bar(6, "dynamics", unit="experiment") as bar:
+    with ctx.progress_bar(7, "dynamics", unit="experiment") as bar:
         bar.set_postfix(now="polytope")
         traj_p, ls, counts_p, ls_extra = _polytope(cfg, seed, dev, rows)
         bar.update(1, now="leading eigenvalue")
@@ -374,11 +380,17 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         _meanfield(cfg, seed, dev, mf_rows)
         bar.update(1, now="integrator order")
         order_rows = integrator_rows(seed)
+        bar.update(1, now="linear instability")
+        rgrid = sphere_instability.rate_grid(level)
+        rate_rows = sphere_instability.rate_rows(rgrid["n"], rgrid["reps"], seed, device=dev)
         bar.update(1, now="done")
     write_csv(rows, out_dir / "clusters.csv")
     write_csv(mf_rows, out_dir / "meanfield_w2.csv")
     write_csv([{"case": r["case"], "T": r["T"], "step": h, "error": e} for r in order_rows
                for h, e in zip(r["steps"], r["errors"])], out_dir / "integrator_order.csv")
+    write_csv([{"model": r["model"], "start": r["rep"], "n": r["n"], "t": t, "mean_norm": m, "fitted_rate": r["rate"],
+                "lambda_1": r["predicted"]} for r in rate_rows for t, m in zip(r["times"], r["order"])],
+              out_dir / "sphere_instability.csv")
 
     ns = np.array(cfg["ns"], float)
     w0 = np.array([np.mean([r["w2_0"] for r in mf_rows if r["n"] == n]) for n in cfg["ns"]])
@@ -466,10 +478,14 @@ def _run(out_dir: Path, ctx) -> StudyResult:
         integrator_claim(order_rows),
         w2_claim(mf_rows),
         _one_cluster_claim(sph, cfg),
+        sphere_instability.rate_claim(rate_rows),   # new, last: the other claims keep their ids
     ]
 
-    log.info("dynamics: drawing 3 figures and 2 GIF animations")
+    log.info("dynamics: drawing 4 figures and 2 GIF animations")
     figures = _figures(out_dir, cfg, traj_p, ls, traj_n, sph, traj_c, dist_c, mf_rows, counts_p, lead_c, other_c)
+    fig, ax = P.figure(width=7.0, height=4.8)
+    sphere_instability.rate_figure(ax, rate_rows)
+    figures.insert(3, save_figure(fig, out_dir / "sphere_instability.png").name)
     data = _save_rescaled(out_dir, traj_p, traj_n, counts_p, lead_c, other_c)
     summary = {"polytope_clusters": ls.n_clusters, "polytope_spread": ls.spread, "leading_eigenvalue_clusters":
                lead_k, "sphere_SA_final_clusters": int(sph["SA"][2][-1]), "causal_final_max_dist": float(dist_c[-1]),
@@ -478,7 +494,7 @@ def _run(out_dir: Path, ctx) -> StudyResult:
              "and renormalization after each step. The mean-field check compares n-particle and large-n "
              "trajectories started from independent samples of N(0, I): W2 at T inherits the n^{-1/2}-type "
              "rate of the initial empirical measures (stability of the continuity equation).")
-    tables = ["clusters.csv", "meanfield_w2.csv", "integrator_order.csv", *data]
+    tables = ["clusters.csv", "meanfield_w2.csv", "integrator_order.csv", "sphere_instability.csv", *data]
     scale = at_scale.grid(level, dev)
     if scale is None:
         notes += (" With --device cuda the study also follows the clustering of 10^3 to 10^6 tokens on the sphere "

@@ -845,3 +845,40 @@ def test_the_other_eigen_case_witness_claim_catches_an_error_of_that_case_alone(
     monkeypatch.setattr(adversarial, "sqrt_n_witness_factor", wrong)
     bad = reproduce(ctx("bad"), only=["sqrt_n"])["studies"]["sqrt_n"]["claims"]
     assert bad[2]["verdict"] == "holds" and bad[5]["verdict"] == "violated", (bad[2]["measured"], bad[5]["measured"])
+
+
+def test_uniform_growth_rate_against_closed_forms():
+    """lambda_1 of docs/math.md section 6.6 by quadrature, against forms derived apart: d = 3 (t uniform on [-1, 1]),
+    d = 2 (the modified Bessel functions: E[e^(beta cos) sin^2] = I_1(beta) / beta, E[e^(beta cos)] = I_0(beta)) and
+    the limit (d - 1) / d at beta = 0."""
+    from scipy.special import iv
+
+    from meanfield.isotropic import uniform_growth_rate
+
+    for b in (0.3, 1.0, 3.0, 20.0):
+        assert uniform_growth_rate(b, "SA") == pytest.approx(2 * (b / math.tanh(b) - 1) / b**2, rel=1e-10)
+        assert uniform_growth_rate(b, "USA") == pytest.approx(2 * (b * math.cosh(b) - math.sinh(b)) / b**3, rel=1e-10)
+        assert uniform_growth_rate(b, "SA", d=2) == pytest.approx(iv(1, b) / (b * iv(0, b)), rel=1e-10)
+        assert uniform_growth_rate(b, "USA", d=2) == pytest.approx(iv(1, b) / b, rel=1e-10)
+    for d in (2, 3, 5, 10):
+        for model in ("SA", "USA"):
+            assert uniform_growth_rate(0.0, model, d=d) == pytest.approx((d - 1) / d, rel=1e-12)
+    with pytest.raises(ValueError, match="normalization"):
+        uniform_growth_rate(1.0, "softmax")
+    with pytest.raises(ValueError, match="d: expected an integer >= 2"):
+        uniform_growth_rate(1.0, d=1)
+
+
+def test_the_linear_instability_claim_holds_and_fails_for_the_other_normalization(monkeypatch):
+    """dynamics-11: SA's tokens run with USA's field (and the reverse) leave the uniform state at the other model's
+    rate, 15-18% away: the claim fails. The study's own runs at the tiny grid hold it."""
+    import meanfield
+    from studies.experiments import sphere_instability as si
+
+    rows = si.rate_rows(300, 1, seed=0)
+    assert si.rate_claim(rows).agrees
+    real = meanfield.IsotropicAttention
+    monkeypatch.setattr(meanfield, "IsotropicAttention",
+                        lambda beta, model="SA", masked=False: real(beta, "USA" if model == "SA" else "SA", masked))
+    swapped = si.rate_claim(si.rate_rows(300, 1, seed=0))
+    assert not swapped.agrees and "largest relative distance 1" in swapped.measured
