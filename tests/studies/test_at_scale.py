@@ -123,12 +123,18 @@ def _cluster_rows(t_of_n, clusters=1):
 
 
 def test_cluster_claims_fail_without_log_n_growth_or_collapse():
-    ok = at_scale.cluster_claims(_cluster_rows(lambda n: 4 + 0.9 * math.log(n)), 30.0)
+    # the slope log(N^(1/2)) / lambda_1 of SA at beta = 1 (docs/math.md 6.6), written out: 2 lambda_1 = 4 (coth 1 - 1)
+    rate = 1.0 / (4.0 * (1.0 / math.tanh(1.0) - 1.0))
+    ok = at_scale.cluster_claims(_cluster_rows(lambda n: 4 + rate * math.log(n)), 30.0)
     assert [c.agrees for c in ok] == [True, True]
     flat = at_scale.cluster_claims(_cluster_rows(lambda n: 12.0), 30.0)
     assert flat[0].agrees and not flat[1].agrees
-    assert not at_scale.cluster_claims(_cluster_rows(lambda n: 4 + 0.9 * math.log(n), clusters=2), 30.0)[0].agrees
-    never = _cluster_rows(lambda n: 4 + 0.9 * math.log(n))
+    # log N growth at half or twice the rate (with 8 runs and this noise the CI is about +-0.13 wide: USA's rate,
+    # 15% off, is not told apart here; the rate claim of the dynamics study, dynamics-11, does that)
+    for other in (0.5 * rate, 2 * rate):
+        assert not at_scale.cluster_claims(_cluster_rows(lambda n, a=other: 4 + a * math.log(n)), 30.0)[1].agrees
+    assert not at_scale.cluster_claims(_cluster_rows(lambda n: 4 + rate * math.log(n), clusters=2), 30.0)[0].agrees
+    never = _cluster_rows(lambda n: 4 + rate * math.log(n))
     never[-1]["t_escape"] = math.nan
     assert not at_scale.cluster_claims(never, 30.0)[1].agrees
 
