@@ -85,7 +85,7 @@ def _head_upper(A, c, V, R, n, masked=False) -> tuple[float, str]:
         mf = mean_field_upper(a, v, Rl, log=True)
     if n is None:
         return mf, "Theorem 3.5" + lifted
-    if log_sq <= mf:
+    if log_sq < math.inf and log_sq <= mf:
         return log_sq, "Theorem 3.3" + lifted
     return mf, "Theorem 3.5" + lifted
 

@@ -278,9 +278,10 @@ def _check_common(R, budget, dtype=None):
     R = check_radius(R, "R")
     if R == 0:
         raise ValueError("R: expected a positive radius (B_0 holds one input, there is nothing to search)")
-    # the largest radius a search takes: half the square root of the dtype's largest number (6.7e153 in float64,
-    # 9.2e18 in float32), where the squared norm of a token at the radius stays in range
-    top = 0.5 * math.sqrt(torch.finfo(dtype or torch.float64).max)
+    # the largest radius a search takes: the square root of the dtype's largest number, less 0.1% for rounding
+    # (1.3e154 in float64, 1.8e19 in float32, 256 in float16), where the squared norm of a token at the radius (a sum
+    # of squares at most R^2) stays in range
+    top = 0.999 * math.sqrt(torch.finfo(dtype or torch.float64).max)
     if R > top:
         # the ball's projection takes norms, whose squares overflow from about 1.3e154 in float64: every start at the
         # radius was projected to the origin, and the lower bound came from there (a review, at R = 1e160)

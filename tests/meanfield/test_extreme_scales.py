@@ -52,11 +52,17 @@ def test_a_search_refuses_a_radius_whose_squared_norms_overflow_and_says_which_s
 
     op = SelfAttention(torch.eye(3, dtype=torch.float64), torch.eye(3, dtype=torch.float64))
     # every start at R = 1e160 was projected to the origin (its norm overflowed), and the bound came from there
-    with pytest.raises(ValueError, match=r"R: 1e\+160 is above 6.7e\+153, where the squared norms"):
+    with pytest.raises(ValueError, match=r"R: 1e\+160 is above 1.34e\+154, where the squared norms"):
         worst_case_sequence(op, R=1e160, n=3, budget=50)
     op32 = SelfAttention(torch.eye(3), torch.eye(3))
-    with pytest.raises(ValueError, match=r"R: 1e\+19 is above 9.22e\+18, where .* overflow float32"):
-        worst_case_sequence(op32, R=1e19, n=3, budget=50)
+    with pytest.raises(ValueError, match=r"R: 2e\+19 is above 1.84e\+19, where .* overflow float32"):
+        worst_case_sequence(op32, R=2e19, n=3, budget=50)
+    # float16 at R = 200 (200^2 = 4e4 < 65504): searched, as before the limit (a first limit of half the square root
+    # refused it); the certified constant is float32's to the half type's rounding
+    f16 = dict(dtype=torch.float16)
+    half = worst_case_sequence(SelfAttention(0.01 * torch.eye(3, **f16), torch.eye(3, **f16)), R=200, n=3, budget=30)
+    full = worst_case_sequence(SelfAttention(0.01 * torch.eye(3), torch.eye(3)), R=200, n=3, budget=30)
+    assert half.lower == pytest.approx(full.lower, rel=1e-2)
     # one start whose constant overflows, one that does not: the search says so (it was silent)
     big = SelfAttention(1e300 * torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
     origin = torch.zeros(3, 2, dtype=torch.float64)
