@@ -28,20 +28,21 @@ __all__ = ["RATE_LEVEL", "RATE_RTOL", "rate_grid", "rate_rows", "fit_rate", "rat
 #: the fit of log |mean| stops at the first record where |mean| reaches this level (the nonlinear terms are of
 #: relative order |mean|^2 there, about 2%)
 RATE_LEVEL = 0.15
-#: the largest relative distance of a run's fitted rate to lambda_1 of its model: measured within 0.1-2.1% at
-#: N = 300, 500 and 2000 (three starts each; 0.2-3.4% over five starts at N = 500 with steps of 0.1); the other
-#: model's rate is 15-18% away
-RATE_RTOL = 0.05
+#: the largest relative distance of a model's mean rate over its starts to its lambda_1. Over 30 seeds of three
+#: starts: single runs -1.0% +- 1.8% at N = 500 (as low as -8.6%: starts whose mean is small feel the O(1/N) forcing
+#: of the other modes most), means of three -1.0% +- 0.9% (-4.3% to +0.3%); N = 300 alike (-3.1% to +1.6%); at
+#: N = 2000, single runs within 2.8% over 12 seeds (a review). The other model's rate is 15-18% away
+RATE_RTOL = 0.075
 #: beta of both models, the RK4 step (with the sphere's retraction), the interval between records, the final time
 BETA, STEP, DT, T = 1.0, 0.2, 0.2, 4.0
 
 
 def rate_grid(level: str) -> dict:
-    """Tokens per run and starts per model: the tiny grid one start of 300 tokens, quick 3 of 500, full 3 of 2000
-    (the fit has 4 to 8 records before |mean| reaches RATE_LEVEL at 300 tokens, 10 to 14 at 500, 10 to 20 at 2000;
-    on one CPU thread the runs take about 2, 4 and 35 s, USA's field costing about three times SA's)."""
+    """Tokens per run and starts per model: three starts of 300 tokens (tiny), 500 (quick), 2000 (full). The fit has
+    2 to 17 records before |mean| reaches RATE_LEVEL (a start whose mean is already near it has the fewest); on one
+    CPU thread the runs take about 2, 4 and 35 s, USA's field costing about three times SA's."""
     if level == "tiny":
-        return {"n": 300, "reps": 1}
+        return {"n": 300, "reps": 3}
     if level == "quick":
         return {"n": 500, "reps": 3}
     return {"n": 2000, "reps": 3}
@@ -82,30 +83,41 @@ def rate_rows(n: int, reps: int, seed: int, *, device=None) -> list[dict]:
 
 
 def rate_claim(rows: list[dict]) -> Claim:
-    """Each run's rate within :data:`RATE_RTOL` of lambda_1 of its own model."""
+    """Each model's mean rate over its starts within :data:`RATE_RTOL` of its lambda_1 (a run whose mean reaches
+    RATE_LEVEL before 3 records has no fit and is left out; a model without a fitted run fails)."""
     by = {m: [r for r in rows if r["model"] == m] for m in ("SA", "USA")}
     pred = {m: by[m][0]["predicted"] for m in by}
-    worst = max(abs(r["rate"] / r["predicted"] - 1) if math.isfinite(r["rate"]) else math.inf for r in rows)
+    fitted = {m: [r["rate"] for r in by[m] if math.isfinite(r["rate"])] for m in by}
+    mean = {m: float(np.mean(v)) if v else math.nan for m, v in fitted.items()}
+    dist = {m: abs(mean[m] / pred[m] - 1) if fitted[m] else math.inf for m in by}
+    worst = max(dist.values())
     ok = bool(worst <= RATE_RTOL)
-    parts = [f"{m}: " + ", ".join(f"{r['rate']:.4f}" for r in by[m]) + f" (lambda_1 = {pred[m]:.4f})" for m in by]
+
+    def runs(m):
+        return ", ".join(f"{r['rate']:.4f}" if math.isfinite(r["rate"]) else "no fit" for r in by[m])
+
+    parts = [f"{m}: mean {mean[m]:.4f} of {runs(m)} (lambda_1 = {pred[m]:.4f}, {mean[m] / pred[m] - 1:+.2%})"
+             for m in by]
     n, reps = rows[0]["n"], len(by["SA"])
     return Claim(
         "the uniform measure on the sphere is unstable at the rate of its linearization: the mean of N uniform "
         "tokens grows like e^{lambda_1 t}, lambda_1 of the degree-1 mode (SA and USA, beta = 1, d = 3)",
-        f"every run's rate of log |mean| within {RATE_RTOL:.0%} of lambda_1 of its model "
+        f"each model's mean rate of log |mean| over its starts within {RATE_RTOL:.1%} of its lambda_1 "
         f"(SA {pred['SA']:.4f}, USA {pred['USA']:.4f}: docs/math.md section 6.6)",
-        "rates " + "; ".join(parts) + f"; largest relative distance {worst:.2%}",
+        "rates " + "; ".join(parts),
         ok,
         f"N = {n} tokens uniform on the sphere, {reps} starts per model, RK4 step {STEP:g} with retraction; the "
         f"least-squares slope of log |mean| over the records every {DT:g} up to the first with |mean| >= "
-        f"{RATE_LEVEL:g} (|mean| starts near N^(-1/2)). lambda_1 = E[e^(beta t) (1 - t^2)] / E[e^(beta t)] (SA; "
-        "USA without the division), t uniform on [-1, 1]: the models' rates are 15-18% apart (a beta off by 10% "
-        "moves them by only 1-2%)",
+        f"{RATE_LEVEL:g} (|mean| starts near N^(-1/2); a run that reaches it before 3 records has no fit). lambda_1 "
+        "= E[e^(beta t) (1 - t^2)] / E[e^(beta t)] (SA; USA without the division), t uniform on [-1, 1]: the "
+        "models' rates are 15-18% apart (a beta off by 10% moves them by only 1-2%). Single runs spread by about "
+        "2% (as far as 9% for a start whose mean is small), means of three by about 1%, about 1% below lambda_1",
         kind=EMPIRICAL,
-        fails_if=f"some run's rate is {RATE_RTOL:.0%} or more away from lambda_1 of its model, or |mean| reaches "
-                 f"{RATE_LEVEL:g} before 3 records (no fit)",
+        fails_if=f"some model's mean rate is {RATE_RTOL:.1%} or more away from its lambda_1, or no run of a model "
+                 "could be fitted",
         short="the uniform measure on the sphere leaves at its linear rate lambda_1",
-        short_measured=f"rates within {worst:.1%} of lambda_1 (SA {pred['SA']:.3f}, USA {pred['USA']:.3f})")
+        short_measured=f"mean rates {mean['SA'] / pred['SA'] - 1:+.1%} (SA), {mean['USA'] / pred['USA'] - 1:+.1%} "
+                       "(USA) of lambda_1")
 
 
 def rate_figure(ax, rows: list[dict]) -> None:
