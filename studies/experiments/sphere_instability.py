@@ -39,7 +39,7 @@ BETA, STEP, DT, T = 1.0, 0.2, 0.2, 4.0
 
 def rate_grid(level: str) -> dict:
     """Tokens per run and starts per model: three starts of 300 tokens (tiny), 500 (quick), 2000 (full). The fit has
-    2 to 17 records before |mean| reaches RATE_LEVEL (a start whose mean is already near it has the fewest); on one
+    2 to 20 records before |mean| reaches RATE_LEVEL (a start whose mean is already near it has the fewest); on one
     CPU thread the runs take about 2, 4 and 35 s, USA's field costing about three times SA's."""
     if level == "tiny":
         return {"n": 300, "reps": 3}
@@ -128,9 +128,10 @@ def rate_figure(ax, rows: list[dict]) -> None:
             t, g = np.asarray(r["times"]), np.asarray(r["order"]) / r["mean_0"]
             P.measured(ax, t, g, f"{model}, measured ({len(runs)} starts)" if j == 0 else None, color=P.COLORS[i],
                        marker="")
-            k = r["records"] - 1
-            ax.plot(t[k], g[k], "o", color=P.COLORS[i], ms=4,
-                    label=f"end of the fits (|mean| reaches {RATE_LEVEL:g})" if i == j == 0 else None)
+            k = r["records"] - 1   # the last record of the fit (none where the start is already at the level)
+            if k >= 0:
+                ax.plot(t[k], g[k], "o", color=P.COLORS[i], ms=4,
+                        label=f"end of the fits (|mean| reaches {RATE_LEVEL:g})" if i == j == 0 else None)
         t = np.asarray(runs[0]["times"])
         ax.plot(t, np.exp(runs[0]["predicted"] * t), color="k", ls="--" if i == 0 else ":", lw=1.3, zorder=3,
                 label=f"{model}: e^(lambda_1 t), lambda_1 = {runs[0]['predicted']:.3f} (linearization)")
