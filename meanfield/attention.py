@@ -46,10 +46,11 @@ def _same_dtype(value, name, dtype, like: str | None):
         # a float numpy array wider than the operator's dtype would be rounded (float64 values next to float32
         # parameters): refused as a tensor is. A narrower one converts exactly (numpy input makes float64
         # operators, float32 arrays included); lists and integer arrays take the operator's dtype
-        if torch.finfo(torch_dtype(value.dtype)).eps >= torch.finfo(dtype).eps:
+        given = torch_dtype(value.dtype)
+        if torch.finfo(given).eps >= torch.finfo(dtype).eps:
             return
         convert = f"{name}.astype(np.{str(dtype).removeprefix('torch.')})"
-        value = torch.from_numpy(np.empty(0, value.dtype))
+        value = torch.empty(0, dtype=given)   # (its dtype, for the check and message below)
     if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
         owner = f"{like}'" if like.endswith("s") else f"{like}'s"
         other = ("the heads (head.to(dtype=...))" if like == "the heads"

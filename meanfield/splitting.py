@@ -80,9 +80,8 @@ def _check_estimate(estimate, op, mu) -> None:
                          "give the estimate of local_lipschitz(f, mu)")
     _, (problem,), _ = make_problems(op, mu)
     jac = Jacobian(problem.fn, problem.X, problem.s_in, problem.s_out)
-    w = jac.J(u.detach().to(problem.X).unsqueeze(0))
-    scale = 1.0 if jac.scale is None else float(jac.scale.flatten()[0])
-    got = float(norms(w).flatten()[0]) * scale
+    w = jac.J(u.detach().to(problem.X).unsqueeze(0))   # J u / c, c the power of two its first product sets
+    got = float(norms(w).flatten()[0]) * float(jac.scale.flatten()[0])
     rtol = ESTIMATE_RTOL.get(mu.dtype, 1e-2)
     if not abs(got - estimate.value) <= rtol * max(abs(got), abs(estimate.value)):
         raise ValueError(f"estimate: its value {estimate.value:.6g} is not |J u| = {got:.6g} of f at mu for its vector "

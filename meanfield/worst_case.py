@@ -280,14 +280,13 @@ def _check_common(R, budget, dtype=None):
         raise ValueError("R: expected a positive radius (B_0 holds one input, there is nothing to search)")
     # the largest radius a search takes: the square root of the dtype's largest number, less 0.1% for rounding
     # (1.3e154 in float64, 1.8e19 in float32, 256 in float16), where the squared norm of a token at the radius (a sum
-    # of squares at most R^2) stays in range
-    top = 0.999 * math.sqrt(torch.finfo(dtype or torch.float64).max)
+    # of squares at most R^2) stays in range. Beyond, the ball's projection saw infinite norms and put every start
+    # at the origin, where the lower bound then came from (a review, at R = 1e160)
+    dtype = dtype or torch.float64
+    top = 0.999 * math.sqrt(torch.finfo(dtype).max)
     if R > top:
-        # the ball's projection takes norms, whose squares overflow from about 1.3e154 in float64: every start at the
-        # radius was projected to the origin, and the lower bound came from there (a review, at R = 1e160)
         raise ValueError(f"R: {R:g} is above {top:.3g}, where the squared norms of tokens at the radius overflow "
-                         f"{str(dtype or torch.float64).replace('torch.', '')} and the search cannot keep them in the "
-                         "ball")
+                         f"{str(dtype).replace('torch.', '')} and the search cannot keep them in the ball")
     return R, check_positive_int(budget, "budget")
 
 

@@ -33,7 +33,7 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
     rtol = check_positive_float(rtol, "rtol", allow_zero=True)
     _check_scores_memory(x.shape[0], "argmax_indices")
     # positive scales of X and A: the same maximizers and relative gaps, from scores that cannot overflow
-    x, a = (t / float(np.abs(t).max()) if t.size and 0 < float(np.abs(t).max()) < math.inf else t for t in (x, a))
+    x, a = _unit_entries(x), _unit_entries(a)
     ax = x @ a.T
     S = ax @ x.T
     n = S.shape[0]
@@ -55,6 +55,12 @@ def argmax_indices(A, X, *, masked: bool = False, rtol: float = 1e-9) -> np.ndar
                          f"(first: row {i}, gap {relative:.3g} of |A x_i| max_j |x_j|); Theorem "
                          f"{'4.5' if masked else '3.7'} needs a unique argmax in every row")
     return m
+
+
+def _unit_entries(t: np.ndarray) -> np.ndarray:
+    """``t`` divided by its largest absolute entry (as it is when that is 0 or not finite)."""
+    top = float(np.abs(t).max()) if t.size else 0.0
+    return t / top if 0 < top < math.inf else t
 
 
 def large_radius_limit(A, V, X, *, masked: bool = False, rtol: float = 1e-9) -> float:
