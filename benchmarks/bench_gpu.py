@@ -1127,7 +1127,8 @@ def main(argv=None):
         # --sizes or --dims that leaves rows out never deletes them); each row says when and how it was measured
         old = store["sections"].get(name, {"rows": [], "date": "", "repeats": "?"})
         for r in old["rows"]:
-            r[2].setdefault("info", {}).setdefault("measured", f"{old['date'][:16]}, repeats {old['repeats']}")
+            # a row from before rows carried their own date: the section's date is only its latest run's
+            r[2].setdefault("info", {}).setdefault("measured", f"not recorded (on or before {old['date'][:16]})")
         section = store["sections"][name] = {"rows": list(old["rows"]), "date": env["date"], "load": load,
                                              "repeats": bench.repeats, "note": old.get("note", "")}
         rows = RUNNERS[name](bench, a.quick)

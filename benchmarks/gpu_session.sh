@@ -49,6 +49,8 @@
 # It needs torch with CUDA (and Triton). POT and GeomLoss are optional peers, absent from the H200 image (their
 # rows say n/a; the package imports POT only where exact W2 or the dense Sinkhorn runs); to measure them, carry
 # wheels (the device README: pip download --python-version 3.12 ... pot geomloss keops into .whl).
+# TEST_ARGS adds pytest options to the tests step: TEST_ARGS="-n 4" spreads the CUDA tests over 4 processes (the
+# H200 image has pytest-xdist), so that their Triton compilations run side by side.
 # Every step's output goes to one log, $OUT/steps.log (a call brings back a limited number of files): with
 # smi.txt, gpu.json and gpu.md, four files whatever the steps.
 set -u
@@ -101,7 +103,7 @@ for step in "$@"; do
       T=$(limit 300); echo "== tests ($(left) s left, $T s for it)"
       # SIGINT, not SIGTERM: pytest stopped by an interrupt still prints its failures and the summary of what ran
       [ $T -gt 0 ] && TAIL=14 log tests timeout -s INT -k 15 $T python3 -m pytest tests/test_cuda.py -q \
-        -p no:cacheprovider -rA ;;
+        -p no:cacheprovider -rA ${TEST_ARGS:-} ;;
     derivatives) run derivatives 220 100 --sections derivatives --quick --cap 10 ;;
     fixed) run fixed 75 0 --sections fixed ;;
     small) run small 150 0 --sections small --quick --cap 10 ;;
