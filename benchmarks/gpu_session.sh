@@ -4,7 +4,8 @@
 # gpu.json there starts as a copy of benchmarks/gpu.json, so that the rows measured merge with the earlier
 # sections; copy it back (and regenerate gpu.md) once they are checked.
 #
-#     BUDGET=360 bash benchmarks/gpu_session.sh tests series          # the plan of benchmarks/README.md, first call
+#     TEST_ARGS="-n 4" BUDGET=330 bash benchmarks/gpu_session.sh tests grid fixed-cost dynamics-1e6   # the plan of
+#                                                                     # benchmarks/README.md, first call
 #     BUDGET=480 OUT=runs/gpu-session bash benchmarks/gpu_session.sh                  # the default steps below
 #     BUDGET=560 bash benchmarks/gpu_session.sh tests grid-1e6 dynamics-1e6 derivatives-1e6   # goals 1-3, 6 at 1e6
 #     BUDGET=595 bash benchmarks/gpu_session.sh lipschitz-only-1e6                   # goal 4 at 1e6 (the call alone)
@@ -14,12 +15,13 @@
 #     BUDGET=300 bash benchmarks/gpu_session.sh lipschitz-series                    # goal 7's local constants at 1e6
 #
 # Steps, with the seconds each is expected to take on an H200 (from the rows of benchmarks/gpu.md, N^2 to 1e6):
-#   tests            tests/test_cuda.py (67 tests; on a fresh machine 39 of 63 passed in the 140 s once given; up
-#                    to 300 s)
+#   tests            tests/test_cuda.py (68 tests; on a fresh machine 67 passed in 70 s with TEST_ARGS="-n 4" on
+#                    2026-11-29, where one process once ran 39 of 63 in 140 s; up to 300 s)
 #   derivatives      VJP / JVP at 1e4 and 1e5, d = 3 and 64, every engine (about 100 s)
 #   small            the small heads' FMA kernels against the matrix-product kernels and SDPA, d = 3, 1e4 and 1e5,
-#                    each mask: forward, JVP, VJP (unmeasured; about 90 s with their compilation)
-#   small-1e6        the same at 1e6, no mask and arbitrary positions (about 200 s)
+#                    each mask: forward, JVP, VJP (55 s on 2026-11-29)
+#   small-1e6        the same at 1e6, no mask and arbitrary positions (300 s on 2026-11-29, cut by the step's limit
+#                    after those two masks: the matrix-product kernels take 6-24 s a call there)
 #   fixed            fixed costs at 1e3 and 1e4 (about 20 s)
 #   fixed-cost       bench_fixed_cost.py at 1e3 and 1e4: checked, deferred, naive; deferred dense vs before (about 40 s)
 #   grid             attention forward at 1e3 .. 1e5 (about 25 s)
@@ -35,14 +37,20 @@
 #                    Lanczos vector on 2026-11-27: 17 vectors in float32 and the float64 certificate, 570-610 s
 #                    then; Lanczos takes up to 8 more steps since 2026-11-28, about 800 s: more than one call's
 #                    600 s). A call stops between two products when the next would not fit, its row saying how
-#                    far it got; lipschitz-series is the step that can meet goal 4 at 1e6
+#                    far it got; lipschitz-series met goal 4 at 1e6 through the series (2026-11-29). Since the
+#                    small-head kernels a float32 vector is predicted at about 5 s at 1e6 (4-6 min in all, unmeasured)
 #   series           bench_series.py: the series engine against auto's path before it, sphere tokens, d = 3, float32
-#                    and float64, 1e4 .. 1e6 (unmeasured; about 60 s: the float64 baseline at 1e6 is skipped)
+#                    and float64, 1e4 .. 1e6 (37 s on 2026-11-29)
 #   clusters-1e6     bench_series.py --clusters: the dynamics study's at-scale run (SA on the sphere, beta = 1, T = 30,
-#                    120 RK4 steps, float64) at 1e5 and 1e6 (unmeasured; a few seconds per 1e6 evaluation at most)
+#                    120 RK4 steps, float64) at 1e5 and 1e6 (35 s on 2026-11-29: 5.1 s and 24.4 s)
+#   studies-full     meanfield reproduce --only discrete_vs_meanfield dynamics --device cuda at the full level (goal 7:
+#                    the at-scale grids up to N = 1e6, 3 samples of the local constants and 2 clustering starts per N),
+#                    its report, figures and tables packed into $OUT/studies-full.tar.gz (a call brings back 8 files);
+#                    unmeasured: the 1e6 runs took 6.4 s (local constant) and 24 s (clustering) on 2026-11-29, the
+#                    CPU grids of both studies at the full level 0.8 and 2.2 min on 2 CPU cores (about 5 min in all)
 #   lipschitz-series bench_series.py --lipschitz: the discrete-versus-mean-field study's at-scale local constants
 #                    through the series (local_lipschitz(attention="series")) at 1e4 .. 1e6, the exact path beside it
-#                    where it fits (unmeasured on a GPU; on 2 CPU cores 1e4 in 10 s, 3e4 in 21 s against 357 s)
+#                    where it fits (25 s on 2026-11-29: 1e6 in 6.4 s)
 # Each step's rows are saved as they come; a row is replaced only by a new measurement of the same row. Rows at
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
@@ -55,7 +63,7 @@
 # smi.txt, gpu.json and gpu.md, four files whatever the steps.
 set -u
 export PYTHONUNBUFFERED=1   # every line reaches the log as it is printed, also from a step the timeout kills
-STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series grid sinkhorn grid-1e6
+STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series studies-full grid sinkhorn grid-1e6
 derivatives-1e6 grid-1e6-64 positions-1e6 dynamics-1e6 lipschitz-1e6 lipschitz-only-1e6"
 for step in "$@"; do   # every name checked before the first step spends any time
   case " $(echo $STEPS) " in *" $step "*) ;; *) echo "unknown step: $step (steps: $(echo $STEPS))"; exit 2 ;; esac
@@ -125,6 +133,12 @@ for step in "$@"; do
       T=$(limit 400); echo "== lipschitz-series ($(left) s left, $T s for it)"
       [ $T -gt 0 ] && TAIL=6 log lipschitz-series timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda \
         --lipschitz 1e4 1e5 1e6 --cap 60 ;;
+    studies-full)
+      T=$(limit 590); echo "== studies-full ($(left) s left, $T s for it)"
+      # the report of what finished is written as each study ends; whatever is there is packed, also after a timeout
+      [ $T -gt 30 ] && TAIL=30 log studies-full timeout -s INT -k 15 $((T - 15)) python3 -m studies.cli reproduce \
+        --only discrete_vs_meanfield dynamics --device cuda --out /tmp/studies-full --no-progress
+      [ -d /tmp/studies-full ] && tar czf "$OUT/studies-full.tar.gz" -C /tmp studies-full ;;
     grid) run grid 150 60 --sections grid --quick --cap 10 ;;
     sinkhorn) run sinkhorn 100 5 --sections sinkhorn --quick --cap 20 ;;
     grid-1e6) run grid-1e6 200 0 --sections grid --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;

@@ -11,7 +11,8 @@ The rules, in order:
 
 1. **dense** (the (m, n) score matrix, a few launches) while the scores are small
    (:data:`CUDA_DENSE_THRESHOLD` entries, or ``use(threshold=...)``) *and* their temporaries fit the budget;
-2. **stream** whenever derivatives are needed: its engine (:func:`stream_engine`) is the Triton kernels of
+2. **stream** whenever derivatives are needed, and for every call of a small head (at most 3 features, float32 or a
+   half type) where Triton runs (:func:`small_kernels`): its engine (:func:`stream_engine`) is the Triton kernels of
    :mod:`meanfield.triton_attention` (forward, JVP, VJP; O(N) memory, one launch per pass) for narrow
    heads (d <= 16 in float32 / float64; heads of at most 3 features in float32 and the half types take the FMA
    kernels of :mod:`meanfield.triton_small_heads`, :func:`small_heads`), or the tile loops of
@@ -21,7 +22,8 @@ The rules, in order:
    :data:`TRITON_WIDE_MAX_WIDTH`), where Triton does not run,
    and inside ``torch.func`` transforms. Where the mask allows (none, weights, a sequence's causal mask) and the
    dtype is float32 or a half type, the forward pass and the VJP run in torch's memory-efficient kernel
-   (:mod:`meanfield.efficient_cuda`) whatever the engine;
+   (:mod:`meanfield.efficient_cuda`), except those of small heads on the Triton engine (:data:`SMALL_HEADS_FIRST`:
+   the small-head kernels were 2.6-3.8x faster than SDPA and its backward at N = 1e4, 6-9x at 1e5 and 1e6);
 3. **fused** (torch's ``scaled_dot_product_attention``) for forward passes with no positions or a
    sequence's causal mask, in a dtype CUDA's fused kernels take (float32, float16, bfloat16), the head
    zero-padded to a multiple of :data:`FUSED_ALIGN` (:func:`fused_widths`; zero columns change no score
@@ -49,7 +51,8 @@ __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_T
            "DENSE_MASK_BYTES", "dense_bytes",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
            "TRITON_MAX_WIDTH", "TRITON_WIDE_MAX_WIDTH", "TRITON_WIDE_CAPABILITY", "SMALL_HEAD_FEATURES",
-           "SMALL_HEAD_DTYPES", "SMALL_HEAD_MAX", "SMALL_HEADS_FIRST", "small_heads", "efficient_first", "triton_width",
+           "SMALL_HEAD_DTYPES", "SMALL_HEAD_MAX", "SMALL_HEADS_FIRST", "small_heads", "small_kernels",
+           "efficient_first", "triton_width",
            "choose",
            "stream_engine", "triton_vjp", "tile_shape", "fused_widths", "row_block"]
 
@@ -136,7 +139,7 @@ def _dense_fits(entries, element_size, budget, temporaries=None):
 #: 3.9) the float32 loops take 24 instructions per score entry and thread at d = 3 in the forward pass, 41 in the JVP
 #: and 26 + 33 in the VJP's two passes, against 70, 129 and 80 + 119 for the matrix-product kernels at 16 columns
 #: (Triton 3.6's padding of d = 3, which takes no smaller float32 product) and 48, 75, 47 + 78 at 8 (Triton 3.9's):
-#: ``python tests/triton_compile_check.py``'s ``loop_per_entry``. Not yet timed on a GPU (benchmarks/README.md)
+#: ``python tests/triton_compile_check.py``'s ``loop_per_entry``. Timed on an H200: :data:`SMALL_HEADS_FIRST`
 SMALL_HEAD_FEATURES = 3
 #: The dtypes of the small-head kernels, which compute in float32. float64 keeps the matrix-product kernels
 #: (its loops in FMAs take 65 instructions per entry and spill registers, where a float64 product of 4 columns,
@@ -144,11 +147,15 @@ SMALL_HEAD_FEATURES = 3
 SMALL_HEAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-#: Whether the forward passes and VJPs of small heads (:func:`small_heads`) on an accelerator take the small-head
-#: Triton kernels rather than torch's memory-efficient kernel (which takes them wherever the mask allows, rule 2 of
-#: the module docstring). Off until measured: ``bench_gpu.py --sections small`` times both (the small-head kernels
-#: against SDPA padded and its backward); on turns it for every call of ``auto`` (local_lipschitz, simulate)
-SMALL_HEADS_FIRST = False
+#: Whether small heads (:func:`small_heads`) on an accelerator where the Triton kernels run take the small-head
+#: kernels for every pass above the dense path: forward passes go to the streamed path (not "rows" nor "fused",
+#: :func:`choose`'s ``small_kernels``), and its forward pass and VJP to the small-head kernels rather than torch's
+#: memory-efficient kernel (:func:`efficient_first`). Measured on an H200 (2026-11-29, benchmarks/gpu.md, "small";
+#: d = 3, float32), the small-head kernels against the best of the matrix-product kernels and SDPA (padded; its
+#: backward for the derivatives): at N = 1e4 2.6-3.2x faster forward, 3.1-3.4x JVP, 2.7-3.8x VJP (every mask); at
+#: 1e5 6.0-8.1x, 7.2-8.0x, 6.0-7.5x; at 1e6 (no mask, positions) 7.1-8.9x, 7.3-7.6x, 6.1-6.4x; errors 1-9e-7
+#: against float64, as the matrix-product kernels'. Set it False for torch's kernels (SDPA, memory-efficient)
+SMALL_HEADS_FIRST = True
 
 
 def efficient_first(device_type: str, dtype, e: int, c: int, engine: str) -> bool:
@@ -163,6 +170,15 @@ def efficient_first(device_type: str, dtype, e: int, c: int, engine: str) -> boo
 #: The most features the small-head kernels can take at all, since they unroll features one by one up to 4. A
 #: :data:`SMALL_HEAD_FEATURES` set higher still sends wider heads to the matrix-product kernels
 SMALL_HEAD_MAX = 4
+
+
+def small_kernels(device_type: str, dtype, e: int, c: int, *, triton: bool, transforms: bool) -> bool:
+    """Whether an ``auto`` call of a head of ``e`` query / key and ``c`` value features in ``dtype`` on
+    ``device_type`` runs in the small-head Triton kernels (:data:`SMALL_HEADS_FIRST`, :func:`small_heads`, and the
+    streamed path's engine there is Triton: ``triton`` whether Triton runs on that device, ``transforms`` whether a
+    ``torch.func`` transform is active); never on the CPU, whose measured map stays."""
+    return (device_type != "cpu" and SMALL_HEADS_FIRST and small_heads(e, c, dtype)
+            and stream_engine(device_type, dtype, e, c, triton=triton, transforms=transforms) == "triton")
 
 
 def small_heads(e: int, c: int, dtype=torch.float32) -> bool:
@@ -240,12 +256,15 @@ def fused_widths(e: int, c: int, weighted: bool, causal: bool, dtype=None) -> tu
 
 
 def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, *, weighted: bool,
-           positions: str, derivatives: bool, transforms: bool, budget: int, threshold=None) -> str:
+           positions: str, derivatives: bool, transforms: bool, budget: int, threshold=None,
+           small_kernels: bool = False) -> str:
     """The path ("dense", "rows", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
     on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
     or "other"; ``budget`` in bytes, or a callable returning them (read only where the dense path is
-    considered); ``threshold`` the size given to ``kernels.use(threshold=...)``. Whether Triton runs does not
-    change the path: the streamed path picks its engine itself (:func:`stream_engine`)."""
+    considered); ``threshold`` the size given to ``kernels.use(threshold=...)``; ``small_kernels`` whether the call
+    would run in the small-head Triton kernels (:func:`small_kernels`): then every call above the dense path is
+    streamed. Otherwise whether Triton runs does not change the path: the streamed path picks its engine itself
+    (:func:`stream_engine`)."""
     if positions not in ("none", "causal", "other"):
         raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
     entries = max(1, batch) * m * n
@@ -253,7 +272,7 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
     dense_at = CUDA_DENSE_THRESHOLD if threshold is None else threshold
     if entries <= dense_at and _dense_fits(entries, element_size, budget):
         return "dense"
-    if derivatives:
+    if derivatives or small_kernels:
         return "stream"
     if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
             and max(e, c) > ROWS_MAX_WIDTH and _dense_fits(entries, element_size, budget)):

@@ -29,7 +29,8 @@ Every operator of the framework calls :func:`attend`. Three paths compute the sa
 * forward pass with other positions (arbitrary masks): dense, then fused with an explicit boolean
   (m, n) mask while that mask is small (:data:`MASKED_FUSED_RANGE`), streamed above (O(N) memory);
 * forward pass without positions above :data:`SERIES_THRESHOLD` entries (:data:`SERIES_THRESHOLD_ACCELERATOR`
-  on other devices) whose series certifies the dtype's machine epsilon with few enough features to cost at most
+  on other devices, :data:`SERIES_THRESHOLD_SMALL_HEADS` for heads that run in the small-head Triton kernels there,
+  :func:`small_kernels`) whose series certifies the dtype's machine epsilon with few enough features to cost at most
   :data:`meanfield.series_attention.COST_RATIO` of the dense pass (:func:`series_first`; one O(m + n) pass over q
   and k, a host sync on an accelerator): the series, before every rule above.
 
@@ -76,7 +77,8 @@ from .streamed_attention import _vmapped_size, one_query_set, sequence_mask, sha
 __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "record_paths", "fused_or_stream",
            "rows_attend", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS", "SERIES_THRESHOLD",
-           "SERIES_THRESHOLD_ACCELERATOR", "series_first", "series_by_default", "series_checked"]
+           "SERIES_THRESHOLD_ACCELERATOR", "SERIES_THRESHOLD_SMALL_HEADS", "series_first", "series_by_default",
+           "series_checked", "small_kernels"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -95,9 +97,15 @@ MASKED_FUSED_RANGE = (2**16, 2**22)
 #: the kernel sums' faster products (benchmarks/README.md): float32 2.1x faster than the fused kernel at 2000 and 3.9x
 #: at 4000; float64 about even at 2000, 1.3x at 3000, 1.8x at 4000, 3.9x at 8000 (the floor was N of about 8200)
 SERIES_THRESHOLD = 2**22
-#: the same on other devices, unmeasured (a conservative N of about 32768, where padded SDPA takes about 7 ms on an
-#: H200 and the series' launches about 1 ms)
+#: the same on other devices (N of about 32768). Measured on an H200 (2026-11-29, benchmarks/README.md, sphere tokens,
+#: d = 3): the series took 2.8 ms at N = 1e4 and 1e5 and 12 ms at 1e6 in float32 (its launches: level up to 1e5),
+#: against 1.1 ms, 64 ms and 6.1 s for the paths before it; 2.6, 10 and 90 ms in float64 against the streamed
+#: kernel's 1.6 ms, 76 ms and 7.3 s
 SERIES_THRESHOLD_ACCELERATOR = 2**30
+#: the same for heads that run in the small-head Triton kernels (:func:`meanfield.accelerator_paths.small_kernels`),
+#: N of about 65536: their forward pass took 0.39 ms at N = 1e4 and 7.8 ms at 1e5 on that H200 against the series'
+#: 2.8 ms at both, level about N = 6e4 scaled as N^2
+SERIES_THRESHOLD_SMALL_HEADS = 2**32
 #: heads wider than this never take the series in ``auto`` (their features outnumber the keys)
 SERIES_MAX_HEAD = 6
 log = logging.getLogger(__name__)
@@ -410,7 +418,10 @@ def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=
         return False
     if entries is None:
         entries = _score_entries(q, k, log_weights, q_pos, None)
-    floor = SERIES_THRESHOLD if q.device.type == "cpu" else SERIES_THRESHOLD_ACCELERATOR
+    if q.device.type == "cpu":
+        floor = SERIES_THRESHOLD
+    else:
+        floor = SERIES_THRESHOLD_SMALL_HEADS if small_kernels(q, v) else SERIES_THRESHOLD_ACCELERATOR
     if entries <= max(floor, threshold or 0) or needs_derivatives(q, k, v, log_weights):
         return False
     from . import series_attention as series
@@ -444,6 +455,16 @@ def series_checked(q, k, v, log_weights=None, *, lse=False):
     return (out, res[1]) if lse else out
 
 
+def small_kernels(q, v) -> bool:
+    """Whether an ``auto`` call of these queries and values runs in the small-head Triton kernels on their device
+    (:func:`meanfield.accelerator_paths.small_kernels`: an accelerator where Triton runs, a head of at most 3
+    features in float32 or a half type, no ``torch.func`` transform)."""
+    if q.device.type == "cpu":
+        return False
+    return _paths.small_kernels(q.device.type, q.dtype, q.shape[-1], v.shape[-1],
+                                triton=_device.triton_runs(q.device.type), transforms=transforms_active())
+
+
 def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
     """(path, causal) on a device other than the CPU: :func:`meanfield.accelerator_paths.choose` with the
     device's memory budget; reads the positions once (a host sync) to recognise a sequence's causal mask, where
@@ -452,6 +473,7 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=N
         entries = _score_entries(q, k, log_weights, q_pos, k_pos)
     transforms = transforms_active()
     derivatives = needs_derivatives(q, k, v, log_weights)
+    small = small_kernels(q, v)
     device_type, m, n = q.device.type, q.shape[-2], k.shape[-2]
     read = []
 
@@ -463,7 +485,7 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=N
     def choose(positions):
         return _paths.choose(device_type, q.dtype, entries // max(1, m * n), m, n, q.shape[-1], v.shape[-1],
                              weighted=log_weights is not None, positions=positions, derivatives=derivatives,
-                             transforms=transforms, budget=budget, threshold=threshold)
+                             transforms=transforms, budget=budget, threshold=threshold, small_kernels=small)
 
     if q_pos is None:
         return choose("none"), None

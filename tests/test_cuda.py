@@ -198,6 +198,23 @@ def test_auto_at_1e5_tokens_in_d3_is_right_and_o_n(mask):
     assert err <= max(TOL[torch.float32], 4 * err32), f"auto at 1e5, {mask}: relative error {err:.3g}"
 
 
+def test_auto_takes_the_small_head_kernels_above_the_dense_path():
+    """Small heads (d = 3, float32) stream in the small-head Triton kernels from the end of the dense path on, every
+    mask (accelerator_paths.SMALL_HEADS_FIRST: 2.6-9x faster than SDPA and the row blocks on an H200), where Triton
+    runs; the outputs of that path are checked by test_forward_every_path (N = 1500) and the test at 1e5 above. Up to
+    N = 40000, below kernels.SERIES_THRESHOLD_SMALL_HEADS: the series is not considered."""
+    from meanfield import accelerator_paths
+
+    if not _triton_runs():
+        pytest.skip("Triton does not run here")
+    assert accelerator_paths.SMALL_HEADS_FIRST
+    for n in (1500, 10_000, 40_000):
+        for mask in MASKS:
+            dev = _to(_inputs(n, 3, mask, seed=2), torch.float32)
+            assert choose(*dev) == "stream", (n, mask)
+        assert choose(*_to(_inputs(n, 4, "none", seed=2), torch.float32)) != "stream"   # four features: not small
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_streaming_sinkhorn_cuda_matches_cpu(dtype):
     g = torch.Generator().manual_seed(0)
@@ -336,7 +353,7 @@ def _no_triton_kernel_fell_back():
 @pytest.mark.parametrize("n", [1000, 10_000, 100_000])
 @pytest.mark.parametrize("bad", ["q", "q_pos", "k_pos"])
 def test_auto_on_cuda_names_a_nan_input_on_every_path(n, bad):
-    """auto's paths on CUDA (dense at 1e3, row blocks or fused at 1e4, fused at 1e5) report a NaN query or a NaN
+    """auto's paths on CUDA (dense at 1e3, the small-head kernels at 1e4 and 1e5 in d = 3) report a NaN query or a NaN
     position by name, as on the CPU, instead of returning a zero or NaN row silently (the fused branch returned
     SDPA's output unchecked)."""
     q, k, v, lw, qp, kp = _to(_inputs(n, 3, "positions", seed=7), torch.float32)
@@ -351,7 +368,7 @@ def test_auto_on_cuda_names_a_nan_input_on_every_path(n, bad):
         attend(q, k, v, lw, qp, kp)
     if bad != "q":
         return
-    # unmasked, the fused path at 1e4 and 1e5: the query is named too
+    # unmasked (the fused path at 1e4 and 1e5 before the small-head kernels): the query is named too
     with pytest.raises(FloatingPointError, match=r"^q: contains NaN"):
         attend(q, k, v)
 

@@ -556,7 +556,7 @@ def test_rows_path_equals_the_attention_written_out(weighted, positions, rows, m
 
 @pytest.mark.parametrize("first", [False, True])
 def test_small_heads_leave_the_memory_efficient_kernel_only_when_asked(monkeypatch, first):
-    """accelerator_paths.SMALL_HEADS_FIRST (off until measured on a GPU): an ``auto`` streamed call on an accelerator
+    """accelerator_paths.SMALL_HEADS_FIRST (on since measured on an H200): an ``auto`` streamed call on an accelerator
     sends the passes the mask allows to torch's memory-efficient kernel (plan.fused), except, once it is on, those of
     small heads on the Triton engine. Meta tensors stand in for an accelerator; the plan is read where the call would
     run."""
@@ -585,6 +585,65 @@ def test_small_heads_leave_the_memory_efficient_kernel_only_when_asked(monkeypat
         with pytest.raises(Stop):
             streaming.stream_attend(q, k, v, block_size=(16, 16), engine="triton")   # forced: never fused
     assert [p.fused for p in plans] == [not first, False, True, False]
+
+
+def test_small_heads_stream_in_the_small_kernels_above_the_dense_path(monkeypatch):
+    """On an H200 (2026-11-29, benchmarks/gpu.md, "small"; d = 3, float32, every mask) the small-head Triton kernels
+    were 2.6-3.8x faster than the best of SDPA (padded), its backward and the matrix-product kernels at N = 1e4, and
+    6-9x at 1e5 and 1e6, where auto took the row blocks or SDPA: with them every auto call above the dense path
+    streams, whatever the mask; below it stays dense; heads they do not take keep the map measured before."""
+    def pick(n, small, **kw):
+        return ap.choose("cuda", torch.float32, 1, n, n, 3, 3, budget=40 * GiB, transforms=False,
+                         small_kernels=small, **{"weighted": False, "positions": "none", "derivatives": False, **kw})
+
+    for n in (2000, 10**4, 10**5, 10**6):
+        for positions, weighted in itertools.product(("none", "causal", "other"), (False, True)):
+            assert pick(n, True, positions=positions, weighted=weighted) == "stream", (n, positions, weighted)
+    assert pick(1000, True) == "dense" and pick(1000, True, derivatives=True) == "dense"
+    assert pick(10**4, False) == "rows" and pick(10**5, False) == "fused"
+    assert pick(10**5, False, positions="causal") == "fused"
+    # which calls run in them: an accelerator where Triton runs, no torch.func transform, at most 3 features of q
+    # and of v, float32 or a half type
+    yes = dict(triton=True, transforms=False)
+    for e, c, dtype in ((3, 3, torch.float32), (1, 1, torch.float32), (2, 3, torch.float16), (3, 1, torch.bfloat16)):
+        assert ap.small_kernels("cuda", dtype, e, c, **yes), (e, c, dtype)
+    assert not ap.small_kernels("cuda", torch.float32, 4, 3, **yes)
+    assert not ap.small_kernels("cuda", torch.float32, 3, 4, **yes)
+    assert not ap.small_kernels("cuda", torch.float64, 3, 3, **yes)
+    assert not ap.small_kernels("cuda", torch.float32, 3, 3, triton=False, transforms=False)
+    assert not ap.small_kernels("cuda", torch.float32, 3, 3, triton=True, transforms=True)
+    assert not ap.small_kernels("cpu", torch.float32, 3, 3, **yes)
+    monkeypatch.setattr(ap, "SMALL_HEADS_FIRST", False)
+    assert not ap.small_kernels("cuda", torch.float32, 3, 3, **yes)
+
+
+def test_auto_on_an_accelerator_sends_small_heads_to_the_small_kernels(monkeypatch):
+    """kernels.choose on meta tensors (an accelerator without a GPU) where Triton would run: d = 3 in float32 streams
+    from the end of the dense path on, d = 5 keeps the row blocks; a forward pass that the series could take waits
+    for SERIES_THRESHOLD_SMALL_HEADS entries (about N = 65536; the small-head kernels beat the series' 2.8 ms below
+    about N = 6e4 on the H200) instead of SERIES_THRESHOLD_ACCELERATOR (about 32768) before reading the plan."""
+    from meanfield import series_attention
+
+    monkeypatch.setattr(device, "triton_runs", lambda device_type: device_type != "cpu")
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: 40 * GiB)
+    planned = []
+    monkeypatch.setattr(series_attention, "plan", lambda *a, **kw: planned.append(a[0].shape[-2]))
+
+    def meta(n, e):
+        return tuple(torch.empty(n, e, device="meta") for _ in range(3))
+
+    assert kernels.small_kernels(*meta(10, 3)[:2]) and not kernels.small_kernels(*meta(10, 5)[:2])
+    assert not kernels.small_kernels(torch.empty(10, 3), torch.empty(10, 3))   # the CPU keeps its map
+    assert kernels.choose(*meta(10**4, 3)) == "stream" and kernels.choose(*meta(10**4, 5)) == "rows"
+    assert kernels.choose(*meta(1000, 3)) == "dense"
+    q, k, v = meta(40_000, 3)   # 1.6e9 score entries: between the two series thresholds
+    assert kernels.choose(q, k, v) == "stream" and planned == []
+    q5, k5, v5 = meta(40_000, 5)
+    kernels.choose(q5, k5, v5)
+    assert planned == [40_000]   # a head the small kernels do not take: the series is considered
+    assert kernels.choose(*meta(70_000, 3)) == "stream" and planned == [40_000, 70_000]
+    monkeypatch.setattr(ap, "SMALL_HEADS_FIRST", False)
+    assert not kernels.small_kernels(q, v) and kernels.choose(*meta(10**4, 3)) == "rows"
 
 
 def test_accelerator_tiles_count_the_vmap_levels_of_forward_backward_and_jvp(monkeypatch):
