@@ -186,10 +186,10 @@ def log_weight_clamp_matters(lw: torch.Tensor) -> torch.Tensor | None:
     non-floats."""
     if lw.dtype == torch.float16 or not lw.is_floating_point():
         return None
-    tiny = (lw > -math.inf) & (lw < zero_mass_log_weight(lw.dtype))
-    spread = torch.where(tiny, lw, -math.inf).amax() > torch.where(tiny, lw, math.inf).amin()
-    # zero masses (-inf) are clamped to the same value: beside one of them a tiny positive mass is tied with it
-    return spread | (tiny.any() & (lw == -math.inf).any())
+    # the values the clamp sends to one (zero masses, -inf, among them): it matters where two of them differ, i.e. two
+    # positive masses, or one and a zero mass; six operations (each a launch on a GPU: this runs in every weighted call)
+    below = lw < zero_mass_log_weight(lw.dtype)
+    return torch.where(below, lw, math.inf).amin() < torch.where(below, lw, -math.inf).amax()
 
 
 def check_log_weight_floor(lw: torch.Tensor, name: str = "log_weights") -> None:

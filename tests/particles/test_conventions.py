@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -42,3 +44,29 @@ def test_memory_sizes_beyond_the_float_range_are_a_clear_error():
     with pytest.raises(ValueError, match="memory_limit: expected a positive size"):
         parse_bytes(10**400)
     assert parse_bytes("2G") == 2 * 2**30 and parse_bytes(np.int64(4096)) == 4096
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_log_weight_clamp_matters_against_the_values_it_merges(dtype):
+    """Whether the kernels' clamp of log-weights at zero_mass_log_weight changes a result, against its definition
+    written out on Python numbers: among the values below the floor (zero masses, -inf, included) two differ, so a
+    positive mass is tied with another or with a zero mass. Random arrays mixing -inf, NaN, +inf, ordinary values and
+    repeated or distinct tiny ones, in a (batch, n) shape too."""
+    from particles.validation import log_weight_clamp_matters, zero_mass_log_weight
+
+    low = zero_mass_log_weight(dtype)
+    rng = np.random.default_rng(3)
+    pool = [-math.inf, math.nan, math.inf, 0.0, -3.0, 2.0 * low, 4.0 * low, 1.5 * low]
+    pool = [float(torch.tensor(x, dtype=dtype)) for x in pool]   # as the dtype holds them
+    seen = set()
+    for _ in range(400):
+        shape = (int(rng.integers(1, 7)),) if rng.random() < 0.7 else (2, int(rng.integers(1, 4)))
+        values = rng.choice(pool, size=shape)
+        below = {x for x in values.ravel().tolist() if x < low}   # NaN and +inf compare False
+        truth = len(below) > 1
+        got = log_weight_clamp_matters(torch.tensor(values, dtype=dtype))
+        assert got.dim() == 0 and bool(got) == truth, (values, dtype)
+        seen.add(truth)
+    assert seen == {True, False}
+    assert log_weight_clamp_matters(torch.zeros(3, dtype=torch.float16)) is None
+    assert log_weight_clamp_matters(torch.zeros(3, dtype=torch.int64)) is None
