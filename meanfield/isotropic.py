@@ -84,6 +84,10 @@ class IsotropicAttention(AttentionOperator):
             # the softmax average and its row log-sums from one series (O(N): meanfield.series_attention), where
             # auto takes the series for the average
             out, lse = _kernels.series_checked(q, keys, keys, log_weights, lse=True)
+        elif _kernels.streams_by_default(q, keys, keys, log_weights, x_positions, key_positions):
+            # the same from the one pass of the streamed kernel (the fused path's kernel on a CPU), which gives the row
+            # log-sums with the average: the cost of SA's field instead of that pass and a dense one (about 3x)
+            out, lse = _kernels.stream_checked(q, keys, keys, log_weights, x_positions, key_positions)
         else:
             out = attend(q, keys, keys, log_weights, x_positions, key_positions)
             lse = _row_logsumexp(q, keys, log_weights, x_positions, key_positions)

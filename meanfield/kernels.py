@@ -78,7 +78,7 @@ __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "recor
            "rows_attend", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS", "SERIES_THRESHOLD",
            "SERIES_THRESHOLD_ACCELERATOR", "SERIES_THRESHOLD_SMALL_HEADS", "series_first", "series_by_default",
-           "series_checked", "small_kernels"]
+           "series_checked", "small_kernels", "streams_by_default", "stream_checked"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -442,6 +442,36 @@ def series_by_default(q, k, v, log_weights=None, q_pos=None) -> bool:
     (the unnormalized field of :class:`meanfield.IsotropicAttention`)."""
     method, _, threshold = _DEFAULTS.get()
     return method == "auto" and series_first(q, k, v, log_weights, q_pos, threshold)
+
+
+def streams_by_default(q, k, v, log_weights=None, q_pos=None, k_pos=None) -> bool:
+    """Whether :func:`attend` called without ``method`` here takes the streamed kernel or the fused one (:func:`use`'s
+    default method, "auto" choosing "fused" or "stream" below the series), whose row log-sums come from the same pass
+    (:func:`stream_checked`). For callers that need them too: the unnormalized field of
+    :class:`meanfield.IsotropicAttention` then costs one pass instead of two."""
+    method, _, threshold = _DEFAULTS.get()
+    if method in ("stream", "fused"):
+        return True
+    if method != "auto":
+        return False
+    if shared_keys(q, k, v, log_weights, q_pos):
+        q, k, v, log_weights = one_query_set(q, k, v, log_weights)[0]
+    return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0] in ("fused", "stream")
+
+
+def stream_checked(q, k, v, log_weights=None, q_pos=None, k_pos=None):
+    """(out, the row log-sums L_i = log sum_j exp(<q_i, k_j> + log a_j) over visible keys, -inf for a row that sees
+    none) from one pass of the streamed kernel (:func:`meanfield.streamed_attention.stream_attend`; on a CPU its flash
+    kernel where the mask allows, the kernel of the fused path), recorded by :func:`record_paths`, under the thread
+    policy of :func:`attend`, its output checked as attend checks it. Differentiable in both outputs."""
+    from . import streamed_attention as streaming
+
+    check_shapes(q, k, v, log_weights, q_pos, k_pos)
+    block = _DEFAULTS.get()[1]
+    _ran("stream")
+    with watched("attention", q, k):
+        out, lse = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block, return_lse=True)
+    return _check_output(out, q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos), lse
 
 
 def series_checked(q, k, v, log_weights=None, *, lse=False):

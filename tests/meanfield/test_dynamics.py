@@ -680,3 +680,49 @@ def test_long_simulations_say_where_they_are(monkeypatch, caplog):
         adaptive = [r.getMessage() for r in caplog.records]
     assert "simulate (rk4): t = 0.2 of [0, 1], step 1 of 5" in fixed[0] and len(fixed) == 5
     assert adaptive and adaptive[0].startswith("simulate (dopri5): t = 0 of the layer [0, 1]")
+
+
+@pytest.mark.parametrize("mask", ["none", "weighted", "causal", "positions"])
+def test_the_unnormalized_field_takes_one_pass_of_the_streamed_kernel(mask):
+    """USA's field sum_j a_j e^{beta <x_i, x_j>} x_j over the visible keys (a_j = 1/n without weights), where auto
+    takes the fused or streamed kernel: the average and its row log-sums come from one pass of the streamed kernel
+    (before: the fused pass and a second, dense one for the log-sums, about 3x SA's cost), equal to the field
+    written out here in float64; its gradient equal to the written-out field's, under use("stream")."""
+    from meanfield import kernels
+    from meanfield.kernels import record_paths
+
+    g = torch.Generator().manual_seed(5)
+    n, beta = 300, 1.3
+    X = torch.nn.functional.normalize(torch.randn(n, 3, generator=g, dtype=torch.float64), dim=1)
+    lw = pos = kpos = None
+    if mask == "weighted":
+        w = torch.rand(n, generator=g, dtype=torch.float64)
+        w[::7] = 0.0
+        lw = torch.log(w / w.sum())
+    if mask == "causal":
+        pos = kpos = torch.arange(n, dtype=torch.float64) / n
+    if mask == "positions":
+        pos, kpos = torch.rand(n, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+        pos[0] = -1.0   # a query that sees no key: a zero field
+
+    def written_out(x):
+        a = torch.full((n,), 1.0 / n, dtype=torch.float64) if lw is None else torch.exp(lw)
+        W = torch.exp(beta * x @ X.T) * a
+        if pos is not None:
+            W = W * (kpos[None, :] <= pos[:, None])
+        return W @ X
+
+    op = IsotropicAttention(beta, "USA", masked=pos is not None)
+    with record_paths() as paths:
+        got = op.evaluate(X, X, lw, pos, kpos)
+    assert paths == ["stream"], paths
+    torch.testing.assert_close(got, written_out(X), rtol=1e-12, atol=1e-13)
+    if mask == "positions":
+        assert torch.equal(got[0], torch.zeros(3, dtype=torch.float64))
+    x = X.clone().requires_grad_(True)
+    cot = torch.randn(n, 3, generator=g, dtype=torch.float64)
+    with kernels.use("stream"), record_paths() as paths:
+        (grad,) = torch.autograd.grad(op.evaluate(x, X, lw, pos, kpos), x, cot)
+    assert paths == ["stream"]
+    (ref,) = torch.autograd.grad(written_out(x), x, cot)
+    torch.testing.assert_close(grad, ref, rtol=1e-11, atol=1e-12)
