@@ -42,7 +42,9 @@ Force a path per call (``attend(..., method="stream", block_size=256)``) or for 
 ``use(threshold=t)`` replaces both thresholds by t (dense up to t entries in every regime).
 
 On other devices (CUDA) ``auto`` follows :mod:`meanfield.accelerator_paths` instead: dense while the
-scores are small and fit the device's memory budget, dense row blocks (:func:`rows_attend`) for float32
+scores are small and fit the device's memory budget; above that, heads of at most 3 features in float32 or a half
+type take the streamed kernel in the small-head Triton kernels for every pass (:func:`small_kernels`: 2.6-9x
+faster than the alternatives on an H200); other heads take dense row blocks (:func:`rows_attend`) for float32
 forward passes without a causal mask up to N of about 1e4, the fused kernel with the head zero-padded to a
 multiple of 8 (never SDPA's math kernel, which would materialize the scores), and the streamed kernel
 (Triton kernels, or tiles sized by the memory budget) for derivatives, arbitrary positions and float64.
@@ -103,8 +105,9 @@ SERIES_THRESHOLD = 2**22
 #: kernel's 1.6 ms, 76 ms and 7.3 s
 SERIES_THRESHOLD_ACCELERATOR = 2**30
 #: the same for heads that run in the small-head Triton kernels (:func:`meanfield.accelerator_paths.small_kernels`),
-#: N of about 65536: their forward pass took 0.39 ms at N = 1e4 and 7.8 ms at 1e5 on that H200 against the series'
-#: 2.8 ms at both, level about N = 6e4 scaled as N^2
+#: N of about 65536: their forward pass took 7.8 ms at N = 1e5 on that H200 against the series' 2.8 ms, level about
+#: N = 6e4 scaled as N^2 from there (their 0.39 ms at 1e4, launch-bound, would put it at 2.7e4: the crossover between
+#: is unmeasured, ``bench_series.py --device cuda --sizes 3e4 6e4 --dtypes float32`` times it)
 SERIES_THRESHOLD_SMALL_HEADS = 2**32
 #: heads wider than this never take the series in ``auto`` (their features outnumber the keys)
 SERIES_MAX_HEAD = 6
@@ -299,6 +302,22 @@ def _check_positions(q_pos, k_pos) -> None:
             raise FloatingPointError(f"{name}: contains NaN entries; {fate}. Give every position a number")
 
 
+def _nan_when_deferred(out, q_pos, k_pos):
+    """``out``, or NaN everywhere where a position is NaN, inside :func:`particles.validation.output_checks_deferred`
+    (outside torch.func transforms), for the streamed kernel: its tiles skip the key ranges a block's positions cannot
+    see, and a NaN position makes every such comparison false, so the whole output came back wrong (zeros) without a
+    NaN for a caller that checks its own results (a review of 2026-11-29). Two O(m + n) reductions, only for floating
+    positions; the check outside the mode names the argument (:func:`_check_positions`)."""
+    if not output_checks_are_deferred() or transforms_active():
+        return out
+    bad = None
+    for t in (q_pos, None if k_pos is q_pos else k_pos):
+        if t is not None and t.is_floating_point():
+            part = torch.isnan(t.detach()).any()
+            bad = part if bad is None else bad | part
+    return out if bad is None else torch.where(bad, math.nan, out)
+
+
 def _log_weight_floor(log_weights):
     """NaN where clamping the log-weights at the kernels' zero-mass value would change a result
     (:func:`particles.validation.log_weight_clamp_matters`: a Measure refuses such weights, a direct call is checked
@@ -408,8 +427,9 @@ def _choose(q, k, v, log_weights, q_pos, k_pos, threshold, entries=None):
 
 def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=None) -> bool:
     """Whether ``auto`` takes the series (:mod:`meanfield.series_attention`): a forward pass (no derivatives) without
-    positions, above :data:`SERIES_THRESHOLD` score entries (:data:`SERIES_THRESHOLD_ACCELERATOR` off the CPU; and
-    above ``threshold``, :func:`use`'s), a head of at most ``SERIES_MAX_HEAD`` features, whose
+    positions, above :data:`SERIES_THRESHOLD` score entries (:data:`SERIES_THRESHOLD_ACCELERATOR` off the CPU,
+    :data:`SERIES_THRESHOLD_SMALL_HEADS` for heads in the small-head Triton kernels there; and above ``threshold``,
+    :func:`use`'s), a head of at most ``SERIES_MAX_HEAD`` features, whose
     :func:`~meanfield.series_attention.plan` certifies the dtype's machine epsilon at a cost (its multiply-adds,
     :func:`~meanfield.series_attention.cost`) of at most :data:`~meanfield.series_attention.COST_RATIO` of the dense
     pass's. The plan reads ``max |q|`` and ``max |k - c|`` (one O(m + n) pass; a host sync on an accelerator), only once
@@ -471,6 +491,7 @@ def stream_checked(q, k, v, log_weights=None, q_pos=None, k_pos=None):
     _ran("stream")
     with watched("attention", q, k):
         out, lse = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block, return_lse=True)
+    out = _nan_when_deferred(out, q_pos, k_pos)
     return _check_output(out, q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos), lse
 
 
@@ -718,9 +739,10 @@ def _attend(q, k, v, log_weights, q_pos, k_pos, method, block_size) -> torch.Ten
                                                     align=8 if q.device.type == "cuda" else 1),
                              q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
     _ran("stream")
-    return _check_output(streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
-                                                 block_size=default_block if block_size is None else block_size),
-                         q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
+    out = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
+                                  block_size=default_block if block_size is None else block_size)
+    return _check_output(_nan_when_deferred(out, q_pos, k_pos), q, k, v, log_weights, queries=True, q_pos=q_pos,
+                         k_pos=k_pos)
 
 
 def additive_mask(m, n, log_weights, q_pos, k_pos, dtype, device):

@@ -31,7 +31,9 @@ Engines. Each pass has a fast engine and a differentiable one; the results agree
   flash-attention kernel (the C++ kernel behind ``scaled_dot_product_attention``), with log-weights
   as a broadcast additive mask row or, with the causal mask (which the kernel cannot combine with a
   mask) or when their gradient is needed, as one extra key coordinate (q' = [q, 1], k' = [k, log a]).
-* On CUDA, for float32 and the half types with the same masks, the forward pass and the VJP run in
+* On CUDA, for float32 and the half types with the same masks, heads of more than 3 features (smaller ones take
+  the small-head Triton kernels for every pass, :data:`meanfield.accelerator_paths.SMALL_HEADS_FIRST`; in bfloat16
+  their VJP at radius 100 carries bfloat16's own rounding, as the dense path's), the forward pass and the VJP run in
   torch's memory-efficient kernel (the CUTLASS kernel behind SDPA's forward and backward), called
   directly with our out and L (:mod:`meanfield.efficient_cuda`): the VJP of a graph recorded through
   ``attend`` takes SDPA's backward time (0.99-1.04x on an H200 at N = 1e5). The JVP, and every pass
@@ -184,6 +186,12 @@ def _int32_spans(*tensors) -> bool:
                <= TRITON_MAX_SPAN for t in tensors)
 
 
+def _output_shaped(q, v) -> torch.Tensor:
+    """A meta tensor of the forward pass's output shape (B, m, c), for :func:`_int32_spans`: an output wider than its
+    queries (c > e) may pass int32 where they do not (e = 2, c = 3 from m of about 7.2e8)."""
+    return torch.empty(q.shape[0], q.shape[1], v.shape[-1], device="meta")
+
+
 def _triton_ok(plan, *tensors) -> bool:
     """The Triton engine: chosen, outside torch.func transforms, for tensors whose batch entries it indexes in
     int32 (:func:`_int32_spans`; larger ones go to the tile loops)."""
@@ -218,7 +226,7 @@ def _forward(q, k, v, lw, qp, kp, plan):
         return efficient.guarded(_efficient_key("forward", q, v, lw, plan),
                                  lambda: efficient.forward(q, k, v, lw, plan.causal),
                                  lambda: _forward(q, k, v, lw, qp, kp, _unfused(plan)), "attend")
-    if _triton_ok(plan, q, k, v, lw, qp, kp):
+    if _triton_ok(plan, q, k, v, lw, qp, kp, _output_shaped(q, v)):
         from particles.device import run_triton
 
         return run_triton(_key("forward", q, v, lw, qp, plan),

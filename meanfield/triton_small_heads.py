@@ -17,11 +17,12 @@ multiply-adds, written out feature by feature, and every reduction stays inside 
 Compiled for sm_90 with Triton 3.9 (``python tests/triton_compile_check.py``, its ``loop_per_entry``), the float32
 loops take per score entry and thread, at d = 3: forward 24 instructions, JVP 41, VJP 26 + 33; the matrix-product
 kernels at 16 columns (Triton 3.6's padding of d = 3) 70, 129 and 80 + 119, at 8 columns (Triton 3.9's) 48, 75 and
-47 + 78. Instructions are not time: these kernels are not yet timed on a GPU (``bench_gpu.py --sections small``,
-benchmarks/README.md). Sums over blocks are compensated (``meanfield.triton_shared.kahan_add``) as in the
-general kernels. Which calls take them: :func:`meanfield.accelerator_paths.small_heads` (float32 and the half
-types, read into float32; float64 keeps the matrix-product kernels, whose products of 4 columns run on the tensor
-cores).
+47 + 78. Timed on an H200 (2026-11-29, ``bench_gpu.py --sections small``, benchmarks/README.md): 2.6-3.8x faster than
+the best of the matrix-product kernels and SDPA (or its backward) at N = 1e4, 6-9x at 1e5 and 1e6, forward, JVP and
+VJP, which is why ``auto`` takes them for such heads (:data:`meanfield.accelerator_paths.SMALL_HEADS_FIRST`). Sums
+over blocks are compensated (``meanfield.triton_shared.kahan_add``) as in the general kernels. Which calls take
+them: :func:`meanfield.accelerator_paths.small_heads` (float32 and the half types, read into float32; float64 keeps
+the matrix-product kernels, whose products of 4 columns run on the tensor cores).
 """
 
 from __future__ import annotations

@@ -295,3 +295,33 @@ def test_the_log_weight_floor_is_not_read_inside_vmap():
     out = torch.func.vmap(lambda lw: kernels.attend(q, k, v, lw, method="dense"))(lws)
     for b in range(5):
         assert torch.allclose(out[b], kernels.attend(q, k, v, lws[b], method="dense"), rtol=1e-13)
+
+
+def test_a_nan_position_is_never_silent_when_checks_are_deferred():
+    """Inside output_checks_deferred (simulate's mode: the caller checks what it computes for finiteness) a NaN
+    position must leave a NaN in the output. The streamed kernel returned zeros for every row (its tiles skip the key
+    ranges a block's positions cannot see; a NaN makes every comparison false): now NaN everywhere. The dense path
+    gives the query's row NaN (and drops a key at a NaN position, as documented in kernels._plain_first). Outside the
+    mode both name the argument. (A review of 2026-11-29: small heads on an accelerator now stream from 2^21 score
+    entries, where the row blocks gave a NaN row.)"""
+    from particles.validation import output_checks_deferred
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(7, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    q_pos, k_pos = torch.rand(7, generator=g, dtype=torch.float64), torch.rand(7, generator=g, dtype=torch.float64)
+    nan_q, nan_k = q_pos.clone(), k_pos.clone()
+    nan_q[5] = nan_k[2] = math.nan
+    for qp, kp, name in ((nan_q, k_pos, "q_pos"), (q_pos, nan_k, "k_pos")):
+        for method in ("stream", "dense"):
+            with pytest.raises(FloatingPointError, match=f"^{name}: contains NaN"):
+                kernels.attend(q, k, v, None, qp, kp, method=method)
+        with output_checks_deferred():
+            out = kernels.attend(q, k, v, None, qp, kp, method="stream")
+            assert bool(torch.isnan(out).all()), name
+            assert bool(torch.isnan(kernels.stream_checked(q, k, v, None, qp, kp)[0]).all()), name
+    with output_checks_deferred():
+        dense = kernels.attend(q, k, v, None, nan_q, k_pos, method="dense")
+        assert bool(torch.isnan(dense[5]).all())
+        fine = kernels.attend(q, k, v, None, q_pos, k_pos, method="stream")   # finite positions: untouched
+    torch.testing.assert_close(fine, kernels.attend(q, k, v, None, q_pos, k_pos, method="dense"), rtol=1e-13,
+                               atol=1e-14)

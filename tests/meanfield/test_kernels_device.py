@@ -715,3 +715,10 @@ def test_triton_only_where_its_int32_indices_reach(monkeypatch):
     streaming._forward(heads, heads, heads, None, None, None, plan)
     assert calls == ["triton", "tiles"]
     assert streaming._int32_spans(torch.empty(1, 2 * 10**6, 768, device="meta")[..., :64])
+    # an output wider than its queries: 8e8 queries of 2 features (1.6e9 entries, in reach) but 2.4e9 output entries
+    # (a review of 2026-11-29: rows * c wrapped in the kernels' int32 offsets)
+    calls.clear()
+    q, k, v = (torch.empty(1, *shape, device="meta") for shape in ((8 * 10**8, 2), (1, 2), (1, 3)))
+    streaming._forward(q, k, v, None, None, None, plan)
+    streaming._forward(q, k, v[..., :2], None, None, None, plan)
+    assert calls == ["tiles", "triton"]
