@@ -95,7 +95,8 @@ class IsotropicAttention(AttentionOperator):
             # no weights: the uniform a_j = 1/n of the n keys (docs/math.md section 6.3), so that the sequence
             # map is that of its empirical measure, F(m(X)) = m(f(X)) (masked: 1/n of all keys, seen or not)
             lse = lse - math.log(keys.shape[-2])
-        return out * torch.exp(lse).unsqueeze(-1)
+        # in the dtype of the points: the streamed kernel gives the half types' row log-sums in float32
+        return (out * torch.exp(lse).unsqueeze(-1)).to(out.dtype)
 
 
 def uniform_growth_rate(beta: float, normalization: str = "SA", d: int = 3) -> float:

@@ -305,9 +305,10 @@ def _check_positions(q_pos, k_pos) -> None:
 def _nan_when_deferred(out, q_pos, k_pos):
     """``out``, or NaN everywhere where a position is NaN, inside :func:`particles.validation.output_checks_deferred`
     (outside torch.func transforms), for the streamed kernel: its tiles skip the key ranges a block's positions cannot
-    see, and a NaN position makes every such comparison false, so the whole output came back wrong (zeros) without a
-    NaN for a caller that checks its own results (a review of 2026-11-29). Two O(m + n) reductions, only for floating
-    positions; the check outside the mode names the argument (:func:`_check_positions`)."""
+    see, over every batch entry at once, and a NaN position makes every such comparison false, so the whole output,
+    every batch entry's, came back wrong (zeros) without a NaN for a caller that checks its own results (a review of
+    2026-11-29). Two O(m + n) reductions, only for floating positions; the check outside the mode names the argument
+    (:func:`_check_positions`)."""
     if not output_checks_are_deferred() or transforms_active():
         return out
     bad = None
@@ -468,7 +469,9 @@ def streams_by_default(q, k, v, log_weights=None, q_pos=None, k_pos=None) -> boo
     """Whether :func:`attend` called without ``method`` here takes the streamed kernel or the fused one (:func:`use`'s
     default method, "auto" choosing "fused" or "stream" below the series), whose row log-sums come from the same pass
     (:func:`stream_checked`). For callers that need them too: the unnormalized field of
-    :class:`meanfield.IsotropicAttention` then costs one pass instead of two."""
+    :class:`meanfield.IsotropicAttention` then costs one pass instead of two, and :func:`record_paths` records it as
+    "stream" where :func:`choose` says "fused" (on a CPU the same flash kernel; under ``use("fused")`` such a
+    caller no longer goes through SDPA, so forward-mode derivatives work there too)."""
     method, _, threshold = _DEFAULTS.get()
     if method in ("stream", "fused"):
         return True

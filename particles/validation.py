@@ -186,6 +186,8 @@ def log_weight_clamp_matters(lw: torch.Tensor) -> torch.Tensor | None:
     non-floats."""
     if lw.dtype == torch.float16 or not lw.is_floating_point():
         return None
+    if lw.numel() == 0:
+        return torch.zeros((), dtype=torch.bool, device=lw.device)
     # the values the clamp sends to one (zero masses, -inf, among them): it matters where two of them differ, i.e. two
     # positive masses, or one and a zero mass; six operations (each a launch on a GPU: this runs in every weighted call)
     below = lw < zero_mass_log_weight(lw.dtype)

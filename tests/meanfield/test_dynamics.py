@@ -726,3 +726,19 @@ def test_the_unnormalized_field_takes_one_pass_of_the_streamed_kernel(mask):
     assert paths == ["stream"]
     (ref,) = torch.autograd.grad(written_out(x), x, cot)
     torch.testing.assert_close(grad, ref, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_unnormalized_field_keeps_the_half_types(dtype):
+    """The streamed kernel gives a half type's row log-sums in float32: USA's field came back in float32 and
+    simulate's second stage refused the measure's half-type weights (a review of 2026-11-29). The field stays in the
+    points' dtype, close to float64's (bfloat16 / float16 rounding of the field's entries), and simulate runs."""
+    X = torch.nn.functional.normalize(torch.randn(1000, 3, generator=torch.Generator().manual_seed(1)), dim=1)
+    op = IsotropicAttention(1.0, "USA")
+    got = op.evaluate(X.to(dtype), X.to(dtype))
+    assert got.dtype == dtype
+    x64 = X.to(dtype).double()
+    truth = (torch.exp(x64 @ x64.T) / 1000) @ x64
+    assert (got.double() - truth).abs().max() <= 2e-2 * truth.abs().max()
+    out = simulate(op, Measure(X.to(dtype)), [0.0, 0.1], method="euler", geometry="sphere", options={"steps": 2})
+    assert out.points.dtype == dtype and bool(torch.isfinite(out.points.float()).all())

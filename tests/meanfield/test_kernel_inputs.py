@@ -325,3 +325,12 @@ def test_a_nan_position_is_never_silent_when_checks_are_deferred():
         fine = kernels.attend(q, k, v, None, q_pos, k_pos, method="stream")   # finite positions: untouched
     torch.testing.assert_close(fine, kernels.attend(q, k, v, None, q_pos, k_pos, method="dense"), rtol=1e-13,
                                atol=1e-14)
+    # positions with a batch dimension, a NaN in entry 1: the tiles' key ranges are planned over every entry at once,
+    # so entry 0 came back as zeros too (not its dense output): NaN in every entry
+    both = torch.stack([q_pos, nan_q])
+    from meanfield.streamed_attention import stream_attend
+
+    assert not torch.allclose(stream_attend(q, k, v, None, both, both)[0],
+                              kernels.attend(q, k, v, None, q_pos, q_pos, method="dense"))
+    with output_checks_deferred():
+        assert bool(torch.isnan(kernels.attend(q, k, v, None, both, both, method="stream")).all())

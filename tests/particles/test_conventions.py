@@ -68,5 +68,8 @@ def test_log_weight_clamp_matters_against_the_values_it_merges(dtype):
         assert got.dim() == 0 and bool(got) == truth, (values, dtype)
         seen.add(truth)
     assert seen == {True, False}
+    for empty in (torch.zeros(0), torch.zeros(2, 0, dtype=torch.float64)):   # raised in amin before
+        got = log_weight_clamp_matters(empty)
+        assert got.dim() == 0 and not bool(got)
     assert log_weight_clamp_matters(torch.zeros(3, dtype=torch.float16)) is None
     assert log_weight_clamp_matters(torch.zeros(3, dtype=torch.int64)) is None
