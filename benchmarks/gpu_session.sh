@@ -46,8 +46,10 @@
 #   studies-full     meanfield reproduce --only discrete_vs_meanfield dynamics --device cuda at the full level (goal 7:
 #                    the at-scale grids up to N = 1e6, 3 samples of the local constants and 2 clustering starts per N),
 #                    its report, figures and tables packed into $OUT/studies-full.tar.gz (a call brings back 8 files);
-#                    unmeasured: the 1e6 runs took 6.4 s (local constant) and 24 s (clustering) on 2026-11-29, the
-#                    CPU grids of both studies at the full level 0.8 and 2.2 min on 2 CPU cores (about 5 min in all)
+#                    unmeasured: the 1e6 runs took 6.4 s (local constant) and 24 s (clustering) on 2026-11-29; at
+#                    the quick level the two studies took 54 s and 95 s with --device cuda (2026-11-26), their small
+#                    CPU grids run on the GPU too, launch-bound (full level on 2 CPU cores: 0.8 and 1.6 min); a call
+#                    of its own (590 s), whatever finished is packed
 #   lipschitz-series bench_series.py --lipschitz: the discrete-versus-mean-field study's at-scale local constants
 #                    through the series (local_lipschitz(attention="series")) at 1e4 .. 1e6, the exact path beside it
 #                    where it fits (25 s on 2026-11-29: 1e6 in 6.4 s)
