@@ -80,11 +80,12 @@ class IsotropicAttention(AttentionOperator):
         q = self.beta * x
         if self.normalization == "SA":
             return attend(q, keys, keys, log_weights, x_positions, key_positions)
-        if _kernels.series_by_default(q, keys, keys, log_weights, x_positions):
+        path = _kernels.default_path(q, keys, keys, log_weights, x_positions, key_positions)
+        if path == "series" and x_positions is None:
             # the softmax average and its row log-sums from one series (O(N): meanfield.series_attention), where
-            # auto takes the series for the average
+            # auto takes the series for the average (with positions, attend names the method it cannot take)
             out, lse = _kernels.series_checked(q, keys, keys, log_weights, lse=True)
-        elif _kernels.streams_by_default(q, keys, keys, log_weights, x_positions, key_positions):
+        elif path in ("stream", "fused"):
             # the same from the one pass of the streamed kernel (the fused path's kernel on a CPU), which gives the row
             # log-sums with the average: the cost of SA's field instead of that pass and a dense one (about 3x)
             out, lse = _kernels.stream_checked(q, keys, keys, log_weights, x_positions, key_positions)

@@ -80,7 +80,7 @@ __all__ = ["attend", "attention_probs", "additive_mask", "use", "choose", "recor
            "rows_attend", "STREAM_THRESHOLD",
            "TRANSFORM_STREAM_THRESHOLD", "FUSED_THRESHOLD", "MASKED_FUSED_RANGE", "METHODS", "SERIES_THRESHOLD",
            "SERIES_THRESHOLD_ACCELERATOR", "SERIES_THRESHOLD_SMALL_HEADS", "series_first", "series_by_default",
-           "series_checked", "small_kernels", "streams_by_default", "stream_checked"]
+           "series_checked", "small_kernels", "default_path", "stream_checked"]
 
 #: With ``method="auto"``, passes that need derivatives, or masks the fused kernel cannot take, stream above this many
 #: score entries (all batch entries) and stay dense below
@@ -465,37 +465,38 @@ def series_by_default(q, k, v, log_weights=None, q_pos=None) -> bool:
     return method == "auto" and series_first(q, k, v, log_weights, q_pos, threshold)
 
 
-def streams_by_default(q, k, v, log_weights=None, q_pos=None, k_pos=None) -> bool:
-    """Whether :func:`attend` called without ``method`` here takes the streamed kernel or the fused one (:func:`use`'s
-    default method, "auto" choosing "fused" or "stream" below the series), whose row log-sums come from the same pass
-    (:func:`stream_checked`). For callers that need them too: the unnormalized field of
-    :class:`meanfield.IsotropicAttention` then costs one pass instead of two, and :func:`record_paths` records it as
-    "stream" where :func:`choose` says "fused" (on a CPU the same flash kernel; under ``use("fused")`` such a
-    caller no longer goes through SDPA, so forward-mode derivatives work there too)."""
-    method, _, threshold = _DEFAULTS.get()
-    if method in ("stream", "fused"):
-        return True
-    if method != "auto":
-        return False
-    if shared_keys(q, k, v, log_weights, q_pos):
-        q, k, v, log_weights = one_query_set(q, k, v, log_weights)[0]
-    return _choose(q, k, v, log_weights, q_pos, k_pos, threshold)[0] in ("fused", "stream")
+def default_path(q, k, v, log_weights=None, q_pos=None, k_pos=None) -> str:
+    """The method :func:`attend` called without ``method`` takes here: :func:`use`'s default, or with "auto" the path
+    it chooses (:func:`choose`). For callers that need the row log-sums too, which the series
+    (:func:`series_checked`) and the streamed kernel (:func:`stream_checked`) give with the average: the unnormalized
+    field of :class:`meanfield.IsotropicAttention` then costs one pass instead of two, and one choice (the series'
+    plan, a host sync on an accelerator, is read once). Such a caller records "stream" where :func:`choose` says
+    "fused" (on a CPU the same flash kernel; under ``use("fused")`` it no longer goes through SDPA, so forward-mode
+    derivatives work there too)."""
+    method = _DEFAULTS.get()[0]
+    return method if method != "auto" else choose(q, k, v, log_weights, q_pos, k_pos)
+
+
+def _streamed(q, k, v, log_weights, q_pos, k_pos, block_size):
+    """(out, the row log-sums) of the streamed kernel as :func:`attend`'s stream path runs it: recorded by
+    :func:`record_paths`, a NaN position made visible inside output checks deferred (:func:`_nan_when_deferred`), the
+    output checked."""
+    from . import streamed_attention as streaming
+
+    _ran("stream")
+    out, lse = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block_size, return_lse=True)
+    out = _nan_when_deferred(out, q_pos, k_pos)
+    return _check_output(out, q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos), lse
 
 
 def stream_checked(q, k, v, log_weights=None, q_pos=None, k_pos=None):
     """(out, the row log-sums L_i = log sum_j exp(<q_i, k_j> + log a_j) over visible keys, -inf for a row that sees
     none) from one pass of the streamed kernel (:func:`meanfield.streamed_attention.stream_attend`; on a CPU its flash
-    kernel where the mask allows, the kernel of the fused path), recorded by :func:`record_paths`, under the thread
-    policy of :func:`attend`, its output checked as attend checks it. Differentiable in both outputs."""
-    from . import streamed_attention as streaming
-
+    kernel where the mask allows, the kernel of the fused path), as :func:`attend` runs its stream path, under its
+    thread policy. Differentiable in both outputs."""
     check_shapes(q, k, v, log_weights, q_pos, k_pos)
-    block = _DEFAULTS.get()[1]
-    _ran("stream")
     with watched("attention", q, k):
-        out, lse = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos, block_size=block, return_lse=True)
-    out = _nan_when_deferred(out, q_pos, k_pos)
-    return _check_output(out, q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos), lse
+        return _streamed(q, k, v, log_weights, q_pos, k_pos, _DEFAULTS.get()[1])
 
 
 def series_checked(q, k, v, log_weights=None, *, lse=False):
@@ -741,11 +742,7 @@ def _attend(q, k, v, log_weights, q_pos, k_pos, method, block_size) -> torch.Ten
         return _check_output(streaming.fused_attend(q, k, v, log_weights, q_pos, k_pos, causal=causal,
                                                     align=8 if q.device.type == "cuda" else 1),
                              q, k, v, log_weights, queries=True, q_pos=q_pos, k_pos=k_pos)
-    _ran("stream")
-    out = streaming.stream_attend(q, k, v, log_weights, q_pos, k_pos,
-                                  block_size=default_block if block_size is None else block_size)
-    return _check_output(_nan_when_deferred(out, q_pos, k_pos), q, k, v, log_weights, queries=True, q_pos=q_pos,
-                         k_pos=k_pos)
+    return _streamed(q, k, v, log_weights, q_pos, k_pos, default_block if block_size is None else block_size)[0]
 
 
 def additive_mask(m, n, log_weights, q_pos, k_pos, dtype, device):

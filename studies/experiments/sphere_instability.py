@@ -40,7 +40,8 @@ BETA, STEP, DT, T = 1.0, 0.2, 0.2, 4.0
 def rate_grid(level: str) -> dict:
     """Tokens per run and starts per model: three starts of 300 tokens (tiny), 500 (quick), 2000 (full). The fit has
     2 to 20 records before |mean| reaches RATE_LEVEL (a start whose mean is already near it has the fewest); on one
-    CPU thread the runs take about 2, 4 and 35 s, USA's field costing about three times SA's."""
+    CPU thread the runs took about 2, 4 and 35 s when USA's field cost about three times SA's (since one pass of the
+    streamed kernel gives it, about SA's cost: the full grid's study 1.6 min instead of 2.2)."""
     if level == "tiny":
         return {"n": 300, "reps": 3}
     if level == "quick":
