@@ -105,10 +105,12 @@ SERIES_THRESHOLD = 2**22
 #: kernel's 1.6 ms, 76 ms and 7.3 s
 SERIES_THRESHOLD_ACCELERATOR = 2**30
 #: the same for heads that run in the small-head Triton kernels (:func:`meanfield.accelerator_paths.small_kernels`),
-#: N of about 65536: their forward pass took 7.8 ms at N = 1e5 on that H200 against the series' 2.8 ms, level about
-#: N = 6e4 scaled as N^2 from there (their 0.39 ms at 1e4, launch-bound, would put it at 2.7e4: the crossover between
-#: is unmeasured, ``bench_series.py --device cuda --sizes 3e4 6e4 --dtypes float32`` times it)
-SERIES_THRESHOLD_SMALL_HEADS = 2**32
+#: N of about 38700. Measured on an H200 (2026-11-30, ``bench_series.py --device cuda --sizes 3e4 4e4 5e4 6e4
+#: --dtypes float32``, sphere tokens, d = 3): auto's stream in those kernels against the series, 1.72 / 1.97 ms at
+#: N = 3e4 (0.87x; 0.59x in a first run), 1.87 / 1.72 ms at 4e4 (1.09x), 2.26 / 1.68 ms at 5e4 (1.35x), 3.6 / 1.7 ms
+#: at 6e4 (2.1x): the crossover lies between 3e4 and 4e4 (2^32, set from the 1e5 figure alone on 2026-11-29, kept
+#: the slower path up to N = 65536)
+SERIES_THRESHOLD_SMALL_HEADS = 1_500_000_000
 #: heads wider than this never take the series in ``auto`` (their features outnumber the keys)
 SERIES_MAX_HEAD = 6
 log = logging.getLogger(__name__)

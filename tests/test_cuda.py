@@ -202,13 +202,13 @@ def test_auto_takes_the_small_head_kernels_above_the_dense_path():
     """Small heads (d = 3, float32) stream in the small-head Triton kernels from the end of the dense path on, every
     mask (accelerator_paths.SMALL_HEADS_FIRST: 2.6-9x faster than SDPA and the row blocks on an H200), where Triton
     runs; the outputs of that path are checked by test_forward_every_path (N = 1500) and the test at 1e5 above. Up to
-    N = 40000, below kernels.SERIES_THRESHOLD_SMALL_HEADS: the series is not considered."""
+    N = 36000, below kernels.SERIES_THRESHOLD_SMALL_HEADS: the series is not considered."""
     from meanfield import accelerator_paths
 
     if not _triton_runs():
         pytest.skip("Triton does not run here")
     assert accelerator_paths.SMALL_HEADS_FIRST
-    for n in (1500, 10_000, 40_000):
+    for n in (1500, 10_000, 36_000):
         for mask in MASKS:
             dev = _to(_inputs(n, 3, mask, seed=2), torch.float32)
             assert choose(*dev) == "stream", (n, mask)
