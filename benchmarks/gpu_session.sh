@@ -32,24 +32,22 @@
 #   grid-1e6-64      attention forward at 1e6, d = 64, each mask (about 150 s)
 #   positions-1e6    VJP and JVP at 1e6, d = 3, arbitrary positions only (about 60 s: 24 s and 20 s)
 #   lipschitz-1e6    certified Lipschitz at 1e5, then at 1e6 if the N^2 extrapolation fits the time left
-#                    (1e5 took 5.09 s on 2026-11-27, i.e. 1e6 about 509 s: it runs if the step has that much left)
-#   lipschitz-only-1e6  certified Lipschitz at 1e6 alone, after an untimed call at 1e4 (its products took 28.75 s a
-#                    Lanczos vector on 2026-11-27: 17 vectors in float32 and the float64 certificate, 570-610 s
-#                    then; Lanczos takes up to 8 more steps since 2026-11-28, about 800 s: more than one call's
-#                    600 s). A call stops between two products when the next would not fit, its row saying how
-#                    far it got; lipschitz-series met goal 4 at 1e6 through the series (2026-11-29). Since the
-#                    small-head kernels a float32 vector is predicted at about 5 s at 1e6 (4-6 min in all, unmeasured)
+#                    (2026-11-30, auto on the small-head kernels: 1e5 1.64 s, 1e6 189 s; 191 s in all)
+#   lipschitz-only-1e6  certified Lipschitz at 1e6 alone, after an untimed call at 1e4 (a call stops between two
+#                    products when the next would not fit, its row saying how far it got). 2026-11-30, in
+#                    lipschitz-1e6: 189 s at 1e6 (50 float32 products, 1.8 s and 3.1 s alternately, 125 s; 2 float64
+#                    products 56 s; graph recordings 8 s), where 2026-11-27's matrix-product kernels took 28.75 s a
+#                    Lanczos vector
 #   series           bench_series.py: the series engine against auto's path before it, sphere tokens, d = 3, float32
 #                    and float64, 1e4 .. 1e6 (37 s on 2026-11-29)
 #   clusters-1e6     bench_series.py --clusters: the dynamics study's at-scale run (SA on the sphere, beta = 1, T = 30,
 #                    120 RK4 steps, float64) at 1e5 and 1e6 (35 s on 2026-11-29: 5.1 s and 24.4 s)
 #   studies-full     meanfield reproduce --only discrete_vs_meanfield dynamics --device cuda at the full level (goal 7:
 #                    the at-scale grids up to N = 1e6, 3 samples of the local constants and 2 clustering starts per N),
-#                    its report, figures and tables packed into $OUT/studies-full.tar.gz (a call brings back 8 files);
-#                    unmeasured: the 1e6 runs took 6.4 s (local constant) and 24 s (clustering) on 2026-11-29; at
-#                    the quick level the two studies took 54 s and 95 s with --device cuda (2026-11-26), their small
-#                    CPU grids run on the GPU too, launch-bound (full level on 2 CPU cores: 0.8 and 1.6 min); a call
-#                    of its own (590 s), whatever finished is packed
+#                    its report, figures and tables packed into $OUT/studies-full.tar.gz (a call brings back 8 files):
+#                    186 s on 2026-11-30 (93 s each study). It needs POT (exact W2), absent from the H200 image: carry
+#                    its wheel (below) and start the command with the device README's pip install line, else the
+#                    step is skipped at once; a call of its own (590 s), whatever finished is packed
 #   lipschitz-series bench_series.py --lipschitz: the discrete-versus-mean-field study's at-scale local constants
 #                    through the series (local_lipschitz(attention="series")) at 1e4 .. 1e6, the exact path beside it
 #                    where it fits (25 s on 2026-11-29: 1e6 in 6.4 s)
@@ -57,8 +55,11 @@
 # 1e6 run at 1e5 first (compilation; a warm-up and one timed call, not kept), then are timed once (--repeats 1,
 # no warm-up call), each started only if the 1e5 time, scaled as N^2, fits the step's time left.
 # It needs torch with CUDA (and Triton). POT and GeomLoss are optional peers, absent from the H200 image (their
-# rows say n/a; the package imports POT only where exact W2 or the dense Sinkhorn runs); to measure them, carry
-# wheels (the device README: pip download --python-version 3.12 ... pot geomloss keops into .whl).
+# rows say n/a; the package imports POT only where exact W2 or the dense Sinkhorn runs, which studies-full needs);
+# carry wheels (the device README: pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation
+# cp --platform manylinux_2_28_x86_64 ... -d .whl pot, `echo /.whl/ >> .git/info/exclude`, carry [".whl"]) and start
+# the command with: python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+# export PYTHONPATH=/tmp/site; (POT 0.9.7.post1's wheel, 33 MB, on 2026-11-30; numpy and scipy are on the image).
 # TEST_ARGS adds pytest options to the tests step: TEST_ARGS="-n 4" spreads the CUDA tests over 4 processes (the
 # H200 image has pytest-xdist), so that their Triton compilations run side by side.
 # Every step's output goes to one log, $OUT/steps.log (a call brings back a limited number of files): with
@@ -136,6 +137,9 @@ for step in "$@"; do
       [ $T -gt 0 ] && TAIL=6 log lipschitz-series timeout -k 5 $T python3 benchmarks/bench_series.py --device cuda \
         --lipschitz 1e4 1e5 1e6 --cap 60 ;;
     studies-full)
+      if ! python3 -c "import ot" 2>/dev/null; then   # exact W2: every study's first grid point needs it (2026-11-30)
+        echo "== studies-full skipped: the studies need POT, absent here (carry its wheel: the header says how)"; continue
+      fi
       T=$(limit 590); echo "== studies-full ($(left) s left, $T s for it)"
       # the report of what finished is written as each study ends; whatever is there is packed, also after a timeout
       [ $T -gt 30 ] && TAIL=30 log studies-full timeout -s INT -k 15 $((T - 15)) python3 -m studies.cli reproduce \
