@@ -28,7 +28,10 @@
 #   sinkhorn         Sinkhorn at 1e4 .. 1e5 (about 40 s)
 #   grid-1e6         attention forward at 1e6, d = 3, each mask, one timed call per candidate (about 110 s)
 #   derivatives-1e6  VJP and JVP at 1e6, d = 3, ours against SDPA's backward (about 250 s)
-#   dynamics-1e6     simulate, rk4, 2 steps at 1e6 against the RK4 loop on SDPA (about 110 s)
+#   dynamics         simulate, rk4, 10 steps at 1e4 and 1e5 against the RK4 loop on SDPA (goal 6's small calls; about
+#                    15 s: 2.56 s at 1e5 on 2026-11-27)
+#   dynamics-1e6     simulate, rk4, 2 steps at 1e6 against the RK4 loop on SDPA (55 s on 2026-11-30: ours 5.85 s,
+#                    the loop 49 s)
 #   grid-1e6-64      attention forward at 1e6, d = 64, each mask (about 150 s)
 #   positions-1e6    VJP and JVP at 1e6, d = 3, arbitrary positions only (about 60 s: 24 s and 20 s)
 #   lipschitz-1e6    certified Lipschitz at 1e5, then at 1e6 if the N^2 extrapolation fits the time left
@@ -66,7 +69,7 @@
 # smi.txt, gpu.json and gpu.md, four files whatever the steps.
 set -u
 export PYTHONUNBUFFERED=1   # every line reaches the log as it is printed, also from a step the timeout kills
-STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series studies-full grid sinkhorn grid-1e6
+STEPS="tests derivatives fixed small small-1e6 fixed-cost series clusters-1e6 lipschitz-series studies-full grid sinkhorn dynamics grid-1e6
 derivatives-1e6 grid-1e6-64 positions-1e6 dynamics-1e6 lipschitz-1e6 lipschitz-only-1e6"
 for step in "$@"; do   # every name checked before the first step spends any time
   case " $(echo $STEPS) " in *" $step "*) ;; *) echo "unknown step: $step (steps: $(echo $STEPS))"; exit 2 ;; esac
@@ -151,6 +154,7 @@ for step in "$@"; do
     derivatives-1e6) run derivatives-1e6 400 0 --sections derivatives --sizes 1e6 --dims 3 --repeats 1 --cap 60 ;;
     grid-1e6-64) run grid-1e6-64 220 0 --sections grid --sizes 1e6 --dims 64 --repeats 1 --cap 60 ;;
     positions-1e6) run positions-1e6 120 0 --sections derivatives --sizes 1e6 --dims 3 --masks positions --repeats 1 --cap 60 ;;
+    dynamics) run dynamics 60 0 --sections dynamics --quick --cap 20 ;;
     dynamics-1e6) run dynamics-1e6 200 0 --sections dynamics --sizes 1e6 --steps 2 --repeats 1 --cap 120 ;;
     lipschitz-1e6) run lipschitz-1e6 590 0 --sections lipschitz --sizes 1e5 1e6 --repeats 1 ;;
     lipschitz-only-1e6) run lipschitz-only-1e6 595 0 --sections lipschitz --sizes 1e6 --repeats 1 ;;
