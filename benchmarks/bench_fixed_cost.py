@@ -5,6 +5,11 @@ dense attention (torch: scores, mask, softmax, product; no checks), per call; an
 deferred against the guarded formula it took before (same path, the columns "before / now").
 
     python benchmarks/bench_fixed_cost.py [--sizes 8 64 256] [--repeats 21] [--device cpu|cuda]
+    python benchmarks/bench_fixed_cost.py --ops [--sizes 1000]
+
+``--ops`` counts instead the operations each candidate dispatches per call (torch's dispatcher, views and the
+detaching of tensors left out; ``_local_scalar_dense`` is the host sync of reading a number): on a GPU each of the
+others is a kernel launch, most of a small call's cost there (N = 1e3), and the count is the same on any device.
 
 Self-attention inputs q = X A^T, k = X, v = X V^T in float32, d = 3, unweighted, weighted, a sequence's causal
 mask and arbitrary positions (half the queries then see no key). Each candidate runs a loop of calls (enough for
@@ -60,6 +65,49 @@ def candidates(args):
             "dense, deferred, guarded formula (before)": guarded, "naive dense": lambda: naive(*args)}
 
 
+#: operations that launch nothing on a device: views, detaching, scalars wrapped for an operation
+_NO_LAUNCH = {"transpose", "t", "permute", "unsqueeze", "view", "expand", "detach", "alias", "slice", "select",
+              "as_strided", "scalar_tensor", "promote_types", "_reshape_alias", "reshape"}
+
+
+def count_ops(fn):
+    """The operations ``fn()`` dispatches that launch a kernel on a device (:data:`_NO_LAUNCH` left out), in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name not in _NO_LAUNCH:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    fn()
+    with Count() as c:
+        fn()
+    return c.ops
+
+
+def print_ops(sizes, device):
+    """Per call: ``auto`` here, the dense path checked and with checks deferred (what ``auto`` takes on a GPU up to
+    2^21 score entries, N = 1e3 included), naive dense; and the dense path's checked operations."""
+    print("| N | mask | auto's path here | ours (auto) | dense path | dense path, checks deferred | naive dense "
+          "| dense path, its operations |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in sizes:
+        for mask in MASKS:
+            args = attention_inputs(n, 3, mask, device)
+            fns = candidates(args)
+            fns["dense"] = lambda args=args: kernels.attend(*args, method="dense")
+            ops = {name: count_ops(fns[name]) for name in ("ours (auto)", "dense", "dense, deferred", "naive dense")}
+            print(f"| {n} | {mask} | {kernels.choose(*args)} | {len(ops['ours (auto)'])} | {len(ops['dense'])} | "
+                  f"{len(ops['dense, deferred'])} | {len(ops['naive dense'])} | {', '.join(ops['dense'])} |",
+                  flush=True)
+
+
 def measure(fns, device, repeats):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter if device.type == "cuda" else time.thread_time
@@ -88,8 +136,12 @@ def main(argv=None):
     ap.add_argument("--sizes", type=int, nargs="+", default=[8, 64, 256])
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--ops", action="store_true", help="count the operations of a call instead of timing it")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
+    if a.ops:
+        print_ops(a.sizes, device)
+        return 0
     if device.type == "cpu":
         torch.set_num_threads(1)
     with open("/proc/loadavg") as f:

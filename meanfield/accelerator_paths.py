@@ -47,6 +47,8 @@ import math
 
 import torch
 
+from particles import device as _device
+
 __all__ = ["CUDA_DENSE_THRESHOLD", "CUDA_ROWS_THRESHOLD", "ROW_ENTRIES", "ROWS_TEMPORARIES", "DENSE_TEMPORARIES",
            "DENSE_MASK_BYTES", "dense_bytes",
            "ROWS_MAX_WIDTH", "FUSED_ALIGN", "TILE_FRACTION", "MAX_TILE_ENTRIES", "TRITON_DTYPES", "TRITON_MAX_FEATURES",
@@ -192,9 +194,7 @@ def triton_width(size: int, dtype) -> int:
     """The tile width of a feature size in the Triton kernels: zero-padded to a power of two, at least the
     smallest reduction of a matrix product that the installed Triton accepts
     (:func:`particles.device.triton_min_dot_k`; d = 3 in float32 is 8 columns with Triton 3.9, 16 with 3.6)."""
-    from particles.device import triton_min_dot_k
-
-    floor = triton_min_dot_k(8 * dtype.itemsize)
+    floor = _device.triton_min_dot_k(8 * dtype.itemsize)
     return max(floor, 1 << max(0, int(size) - 1).bit_length())
 
 
@@ -257,14 +257,14 @@ def fused_widths(e: int, c: int, weighted: bool, causal: bool, dtype=None) -> tu
 
 def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, *, weighted: bool,
            positions: str, derivatives: bool, transforms: bool, budget: int, threshold=None,
-           small_kernels: bool = False) -> str:
+           small_kernels=False) -> str:
     """The path ("dense", "rows", "fused" or "stream") of :func:`meanfield.kernels.attend` with ``method="auto"``
     on an accelerator (module docstring). ``positions`` is "none", "causal" (a sequence's causal mask)
     or "other"; ``budget`` in bytes, or a callable returning them (read only where the dense path is
     considered); ``threshold`` the size given to ``kernels.use(threshold=...)``; ``small_kernels`` whether the call
-    would run in the small-head Triton kernels (:func:`small_kernels`): then every call above the dense path is
-    streamed. Otherwise whether Triton runs does not change the path: the streamed path picks its engine itself
-    (:func:`stream_engine`)."""
+    would run in the small-head Triton kernels (:func:`small_kernels`; a bool, or a callable returning it, called only
+    above the dense path): then every call above the dense path is streamed. Otherwise whether Triton runs does not
+    change the path: the streamed path picks its engine itself (:func:`stream_engine`)."""
     if positions not in ("none", "causal", "other"):
         raise ValueError(f"positions: expected 'none', 'causal' or 'other', got {positions!r}")
     entries = max(1, batch) * m * n
@@ -272,7 +272,7 @@ def choose(device_type: str, dtype, batch: int, m: int, n: int, e: int, c: int, 
     dense_at = CUDA_DENSE_THRESHOLD if threshold is None else threshold
     if entries <= dense_at and _dense_fits(entries, element_size, budget):
         return "dense"
-    if derivatives or small_kernels:
+    if derivatives or (small_kernels() if callable(small_kernels) else small_kernels):
         return "stream"
     if (dtype == torch.float32 and positions != "causal" and entries <= CUDA_ROWS_THRESHOLD
             and max(e, c) > ROWS_MAX_WIDTH and _dense_fits(entries, element_size, budget)):

@@ -646,6 +646,28 @@ def test_auto_on_an_accelerator_sends_small_heads_to_the_small_kernels(monkeypat
     assert not kernels.small_kernels(q, v) and kernels.choose(*meta(10**4, 3)) == "rows"
 
 
+def test_a_small_call_on_an_accelerator_does_not_ask_whether_its_head_is_small(monkeypatch):
+    """Routing cost: whether a head runs in the small-head kernels (Triton's presence, the engine, the widths: most of
+    auto's routing of a call at N = 1e3, 57 us on meta tensors on one CPU thread, 14 us without it) matters only
+    above the dense path and above the series' floors. A dense call never asks it; a streamed one below the floors
+    asks once (it was asked twice per call: by the series' floor and by the path)."""
+    monkeypatch.setattr(device, "triton_runs", lambda device_type: device_type != "cpu")
+    monkeypatch.setattr(device, "memory_budget", lambda dev, limit=None, need=None: 40 * GiB)
+    asked = []
+    real = kernels.small_kernels
+    monkeypatch.setattr(kernels, "small_kernels", lambda q, v: asked.append(q.shape[-2]) or real(q, v))
+
+    def meta(n, e=3):
+        return tuple(torch.empty(n, e, device="meta") for _ in range(3))
+
+    for args in (meta(1000), meta(1000, 64), meta(1000) + (torch.empty(1000, device="meta"),)):
+        assert kernels.choose(*args) == "dense"
+    assert asked == []
+    assert kernels.choose(*meta(10**4)) == "stream" and asked == [10**4]
+    asked.clear()
+    assert kernels.choose(*meta(36_000)) == "stream" and asked == [36_000, 36_000]   # the series' floor, then the path
+
+
 def test_accelerator_tiles_count_the_vmap_levels_of_forward_backward_and_jvp(monkeypatch):
     """Review 46: tiles sized by the memory budget counted one sample under torch.func.vmap, so a vmapped tile was B
     times over it (64 GiB temporaries against a 40 GiB budget at N = 1e5). The forward counts the levels around
