@@ -260,13 +260,30 @@ def _check_dense_memory(q, k, log_weights, q_pos, k_pos, entries=None) -> None:
                          "(with kernels.use(threshold=...) no larger than the memory allows)")
 
 
+#: dtypes whose weighted scores take one ``addmm`` (:func:`_scores`): in the half types its single rounding differs
+#: from the product-and-sum of batched inputs by an ulp or two, which would break the agreement of a batch with its
+#: members (a review of 2026-11-30)
+_ADDMM_DTYPES = (torch.float32, torch.float64)
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether torch.autocast is on for ``device_type`` (True where torch cannot say: the meta device)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return True
+
+
 def _scores(q, k, log_weights) -> torch.Tensor:
-    """The (..., m, n) scores <q_i, k_j> + log a_j. One sequence with its weights in one ``addmm`` (the weights as the
-    product's bias: one kernel and one (m, n) pass less than the product and a sum; on one CPU thread 5.5 against
-    11 us at N = 8 and 0.36 against 0.45 ms at N = 1e3, d = 3), every other shape as a product and a sum."""
+    """The (..., m, n) scores <q_i, k_j> + log a_j. One sequence with its weights in float32 or float64 in one ``addmm``
+    (the weights as the product's bias: one kernel and one (m, n) pass less than the product and a sum; on one CPU
+    thread 5.5 against 11 us at N = 8 and 0.36 against 0.45 ms at N = 1e3, d = 3); every other case as a product and
+    a sum, autocast included (it would run the addmm, bias and all, in a half type: log-weights of -1e5 overflow
+    float16, where the sum kept them in float32)."""
     if log_weights is None:
         return q @ k.transpose(-1, -2)
-    if q.dim() == 2 and k.dim() == 2 and log_weights.dim() == 1 and log_weights.dtype == q.dtype == k.dtype:
+    if (q.dim() == 2 and k.dim() == 2 and log_weights.dim() == 1 and q.dtype in _ADDMM_DTYPES
+            and log_weights.dtype == q.dtype == k.dtype and not _autocast_on(q.device.type)):
         return torch.addmm(log_weights, q, k.transpose(-1, -2))
     return q @ k.transpose(-1, -2) + log_weights.unsqueeze(-2)
 

@@ -368,3 +368,39 @@ def test_tf32_on_a_cuda_device_is_warned_about_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         kernels._warn_tf32(cuda)   # once per process
+
+
+def test_weighted_dense_scores_under_autocast_keep_the_log_weights_in_float32():
+    """Review of 2026-11-30: the weighted scores as one addmm (the log-weights its bias) ran, under torch.autocast, in
+    the half type, bias included: uniform weights of log -1e5 overflowed float16 (NaN probabilities, an error naming
+    the scores), and -300 lost most digits in bfloat16 (an error of 0.5). Under autocast the scores are the product
+    and a float32 sum, as before: against float64 to the half type's rounding of the product (8 ulps of 1)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(6, 3, generator=g), torch.randn(8, 3, generator=g), torch.randn(8, 2, generator=g)
+    for dtype, shift in ((torch.float16, -1e5), (torch.bfloat16, -300.0)):
+        lw = torch.randn(8, generator=g) + shift
+        scores = (q.to(dtype) @ k.to(dtype).T).double() + lw.double()   # autocast's product, then the exact sum
+        truth = torch.softmax(scores, -1)
+        with torch.autocast("cpu", dtype=dtype):
+            probs = kernels.attention_probs(q, k, lw)
+            out = kernels.attend(q, k, v, lw, method="dense")
+        tol = 8 * torch.finfo(dtype).eps
+        assert probs.dtype == torch.float32 and torch.isfinite(probs).all()
+        assert (probs.double() - truth).abs().max() < tol, dtype
+        assert (out.double() - truth @ v.double()).abs().max() < tol * v.abs().max(), dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_weighted_dense_rows_of_a_batch_equal_those_of_its_members(dtype):
+    """Review of 2026-11-30: one sequence's weighted scores as one addmm (one rounding) differed by an ulp or two in
+    the half types from a batch's product and sum (two), so a batch and its members disagreed (0.016 in bfloat16).
+    The half types keep the product and the sum everywhere: bitwise equal."""
+    g = torch.Generator().manual_seed(1)
+    Q = torch.randn(2, 6, 3, generator=g).to(dtype)
+    k, v = torch.randn(8, 3, generator=g).to(dtype), torch.randn(8, 2, generator=g).to(dtype)
+    lw = (torch.rand(8, generator=g).log()).to(dtype)
+    batched = kernels.attend(Q, k.expand(2, 8, 3), v.expand(2, 8, 2), lw.expand(2, 8), method="dense")
+    for b in range(2):
+        assert torch.equal(kernels.attend(Q[b], k, v, lw, method="dense"), batched[b])
+        assert torch.equal(kernels.attention_probs(Q[b], k, lw),
+                           kernels.attention_probs(Q, k.expand(2, 8, 3), lw.expand(2, 8))[b])
