@@ -186,11 +186,35 @@ def _tie(Y):
     return (Y, None) if rows.shape[0] == Y.shape[0] else (rows, inverse)
 
 
-def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, t0, seed):
+def check_some_start_left(members) -> None:
+    """OverflowError where the local constant overflows the dtype's range at every start (no start to go on from)."""
+    if all(m.stopped == "overflow" for m in members):
+        fix = "use float64 or a smaller radius" if members[0].Y.dtype != torch.float64 else "use a smaller radius"
+        raise OverflowError("R: the local constant (or the weighted Jacobian) overflows the dtype's range at every "
+                            f"start; {fix}")
+
+
+def warn_lost_starts(members) -> None:
+    """The RuntimeWarning naming the starts whose local constant overflowed the dtype's range (``stopped ==
+    "overflow"``), once for a whole search (its ascents' members together), at the caller outside the package."""
+    lost = [m.name for m in members if m.stopped == "overflow"]
+    if not lost:
+        return
+    # the search goes on from the others, whose constants may be far below those lost (a review: at R = 1e160
+    # every start at the radius overflowed and the lower bound came from tokens at the origin, silently)
+    fix = "float64 or a smaller radius" if members[0].Y.dtype != torch.float64 else "a smaller radius"
+    warnings.warn(f"R: the local constant overflows the dtype's range at {len(lost)} of {len(members)} starts "
+                  f"({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}); the search went on from the others, "
+                  f"and its lower bound is theirs: use {fix}", RuntimeWarning, stacklevel=_outside_stacklevel())
+
+
+def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, t0, seed, alone=True):
     """Ascend from ``starts`` [(name, Y)] until the budget, ``max_steps`` or every start stops (module
     docstring). Returns (members, trace, stopped): one member per start (``name``, ``initial``,
     ``best`` = (value, Y, aux), ``steps``, ``stopped``), one :class:`TracePoint` per iteration, and
-    ``"budget"``, ``"max_steps"`` or ``"converged"``."""
+    ``"budget"``, ``"max_steps"`` or ``"converged"``. ``alone``: an OverflowError where every start overflows
+    and the warning of :func:`warn_lost_starts` where some do; False for an ascent that a search runs after
+    another (its caller warns once for both, and keeps the first one's result where every new start overflows)."""
     Ys = [problem.project(Y) for _, Y in starts]
     evals = problem.evaluate(Ys)
     problem.start_products = problem.products   # spent whatever the budget: every start certified once
@@ -205,18 +229,9 @@ def ascend(problem, starts, *, budget, max_steps, gtol, eta, line_search, keep, 
         members.append(_Member(name, rows, v, aux, eta, tie))
         if aux is None:  # the constant at this start is beyond the dtype's range
             members[-1].stopped = "overflow"
-    if all(m.stopped == "overflow" for m in members):
-        fix = "use float64 or a smaller radius" if Ys[0].dtype != torch.float64 else "use a smaller radius"
-        raise OverflowError("R: the local constant (or the weighted Jacobian) overflows the dtype's range at every "
-                            f"start; {fix}")
-    lost = [m.name for m in members if m.stopped == "overflow"]
-    if lost:
-        # the search goes on from the others, whose constants may be far below those lost (a review: at R = 1e160
-        # every start at the radius overflowed and the lower bound came from tokens at the origin, silently)
-        fix = "float64 or a smaller radius" if Ys[0].dtype != torch.float64 else "a smaller radius"
-        warnings.warn(f"R: the local constant overflows the dtype's range at {len(lost)} of {len(members)} starts "
-                      f"({', '.join(lost[:4])}{', ...' if len(lost) > 4 else ''}); the search went on from the others, "
-                      f"and its lower bound is theirs: use {fix}", RuntimeWarning, stacklevel=_outside_stacklevel())
+    if alone:
+        check_some_start_left(members)
+        warn_lost_starts(members)
     trace = []
     best = lambda: max(m.best[0] for m in members)
     stopped = "converged"

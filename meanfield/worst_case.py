@@ -45,7 +45,7 @@ from particles.validation import (
 
 from . import krylov
 from .adapters import as_operator
-from .ascent import TracePoint, ascend
+from .ascent import TracePoint, ascend, check_some_start_left, warn_lost_starts
 from .lipschitz import ConvergenceError, default_tol, local_lipschitz
 from .sigma_gradient import sigma_gradient
 from .splitting import query_jacobians, query_term_gradient, split_measure
@@ -304,17 +304,21 @@ def _ascend_then_ladder(problem, states, rungs, budget, opts, t0):
     budget or more left, a second one from the ladder's starts (``rungs()``,
     :func:`meanfield.starts.ladder_sequence_starts`) within the same budget: at a large radius every start at R
     saturates and the first ascent stops at once. Returns (members of both, one trace, why the last ascent
-    stopped)."""
-    run = lambda s: ascend(problem, s, budget=budget, max_steps=opts.max_steps, gtol=opts.gtol, eta=opts.step,
-                           line_search=True, keep=opts.keep, t0=t0, seed=_int_seed(opts.seed))
-    members, trace, stopped = run(states)
-    if rungs is None or stopped != "converged" or problem.products > budget / 2:
+    stopped). Starts whose constant overflows are named in one warning for both ascents (an OverflowError where
+    every start of the first does)."""
+    run = lambda s, alone: ascend(problem, s, budget=budget, max_steps=opts.max_steps, gtol=opts.gtol, eta=opts.step,
+                                  line_search=True, keep=opts.keep, t0=t0, seed=_int_seed(opts.seed), alone=alone)
+    members, trace, stopped = run(states, rungs is None)
+    if rungs is None:
         return members, trace, stopped
-    more = rungs()
+    check_some_start_left(members)
+    more = rungs() if stopped == "converged" and problem.products <= budget / 2 else None
     if not more:
+        warn_lost_starts(members)
         return members, trace, stopped
     spent, before = problem.start_products, problem.products
-    extra, trace2, stopped = run(more)
+    extra, trace2, stopped = run(more, False)
+    warn_lost_starts(members + extra)
     problem.start_products = spent + (problem.start_products - before)   # both ascents' starts
     best = max(m.best[0] for m in members)
     trace = type(trace)([*trace, *(dataclasses.replace(p, iteration=p.iteration + len(trace), best=max(best, p.best))

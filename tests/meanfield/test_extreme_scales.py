@@ -1,6 +1,8 @@
 """The bounds and the worst-case search at extreme scales (a review that fuzzed the bounds in both directions, and
 one of "every call returns", 2026-11-29): each test fails on the code before its fix."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -70,7 +72,28 @@ def test_a_search_refuses_a_radius_whose_squared_norms_overflow_and_says_which_s
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = worst_case_sequence(big, R=1e10, n=3, budget=50, starts=[("origin", origin), ("far", far)])
-    lost = [w for w in caught if "overflows the dtype's range at 1 of 2 starts (far)" in str(w.message)]
+    # one warning for the search, its ascent from the given starts and the ladder's after it (11 starts in all)
+    lost = [w for w in caught if "overflows the dtype's range" in str(w.message)]
     assert len(lost) == 1 and lost[0].filename == __file__
+    assert "at 1 of " in str(lost[0].message) and "starts (far);" in str(lost[0].message)
     assert not [w for w in caught if "encountered" in str(w.message)]   # numpy's own overflow warnings
     assert res.start_record("origin").final <= res.lower < float("inf")   # the ladder's rungs may do better
+
+
+def test_starts_lost_to_overflow_in_both_ascents_are_named_once_and_the_search_keeps_its_result(monkeypatch):
+    """The ladder's second ascent warned on its own (a second warning for one search), and where every one of its
+    starts overflowed it raised the OverflowError of a search with no start left, although the first ascent had a
+    finite result: one warning names the lost starts of both, the result is the first ascent's."""
+    from meanfield import worst_case
+
+    big = SelfAttention(1e300 * torch.eye(2, dtype=torch.float64), torch.eye(2, dtype=torch.float64))
+    origin = torch.zeros(3, 2, dtype=torch.float64)
+    far = torch.tensor([[1e10, 0.0], [0.0, 1e10], [-1e10, 0.0]], dtype=torch.float64)
+    monkeypatch.setattr(worst_case, "ladder_sequence_starts", lambda *a, **kw: [("rung-far", 0.5 * far)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = worst_case.worst_case_sequence(big, R=1e10, n=3, budget=400, starts=[("origin", origin), ("far", far)])
+    lost = [str(w.message) for w in caught if "overflows the dtype's range" in str(w.message)]
+    assert lost == [lost[0]] and "at 2 of 3 starts (far, rung-far)" in lost[0], lost
+    assert [s.name for s in res.starts] == ["origin", "far", "rung-far"]
+    assert res.start_record("origin").final == res.lower < float("inf")
