@@ -159,11 +159,12 @@ def box(y, log_weights=None):
     return centre, dist.amax(dim=-1)
 
 
-def _radius(q, k, log_weights):
+def _radius(q, k, log_weights, *, scaled=True):
     """(r, centre, scale): ``r = max over batch members of max |q| max |k - c|``, c the midpoint of the keys'
     bounding box per batch member (keys of zero weight left out; a member whose every weight is zero, whose output
     is 0 @ v, counts as r = 0), and the scale s that balances the two factors (``|q / s|`` and ``|(k - c) s|`` at
-    most sqrt(r)). A NaN or infinite key anywhere (of zero weight too) makes r NaN, as it makes the dense kernel's
+    most sqrt(r); None with ``scaled=False``: :func:`plan` reads r alone, in every ``auto`` call that weighs the
+    series). A NaN or infinite key anywhere (of zero weight too) makes r NaN, as it makes the dense kernel's
     output NaN. One host sync on an accelerator."""
     kd = k.detach()
     centre, rho = box(kd, None if log_weights is None else log_weights.detach())
@@ -176,6 +177,8 @@ def _radius(q, k, log_weights):
     except RuntimeError as exc:   # torch.func.vmap: the degree cannot depend on the batched data
         raise NotImplementedError("method='series' inside torch.func.vmap: its degree depends on the data; use "
                                   "method='stream' or 'dense' there") from exc
+    if not scaled:
+        return r, centre, None
     scale = torch.where((qmax > 0) & (rho > 0), (qmax / rho.clamp(min=torch.finfo(kd.dtype).tiny)).sqrt(),
                         torch.ones_like(qmax))
     return r, centre, scale.unsqueeze(-1)
@@ -191,7 +194,7 @@ def plan(q, k, log_weights=None, *, tol=None, max_features=None, radius=None) ->
     if not (isinstance(tol, (int, float)) and 0 < tol < 1):
         raise ValueError(f"tol: expected a bound in (0, 1), got {tol!r}")
     max_features = MAX_FEATURES if max_features is None else int(max_features)
-    r = _radius(q, k, log_weights)[0] if radius is None else float(radius)
+    r = _radius(q, k, log_weights, scaled=False)[0] if radius is None else float(radius)
     if not math.isfinite(r) or r > MAX_RADIUS:
         return None
     e = q.shape[-1]
