@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TracePoint", "ascend"]
+__all__ = ["TracePoint", "ascend", "check_some_start_left", "warn_lost_starts"]
 
 
 @dataclass(frozen=True)
