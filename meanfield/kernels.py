@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 import numbers
@@ -345,7 +346,7 @@ def _nan_when_deferred(out, q_pos, k_pos):
     return out if bad is None else torch.where(bad, math.nan, out)
 
 
-def _log_weight_floor(log_weights):
+def _clamp_matters(log_weights):
     """A 0-d bool tensor, whether clamping the log-weights at the kernels' zero-mass value would change a result
     (:func:`particles.validation.log_weight_clamp_matters`: a Measure refuses such weights, a direct call is checked
     here): it makes the output check's one sum NaN (:func:`_sum_is_finite`; no host sync of its own); None without
@@ -353,17 +354,17 @@ def _log_weight_floor(log_weights):
     return None if log_weights is None else log_weight_clamp_matters(log_weights.detach())
 
 
-def _sum_is_finite(total, floor, log_weights, first=None) -> bool:
-    """Whether an output check's one sum ``total``, made NaN where ``floor`` holds (:func:`_log_weight_floor`, or
+def _sum_is_finite(total, clamp, log_weights, first=None) -> bool:
+    """Whether an output check's one sum ``total``, made NaN where ``clamp`` holds (:func:`_clamp_matters`, or
     None), is finite: one host sync. Where it is not, ``first()`` (the caller's diagnosis that comes first) runs,
     then the ValueError naming log-weights the kernels would clamp, if that is the cause; False otherwise."""
-    if floor is not None:
-        total = total.masked_fill(floor, math.nan)   # one operation (a where and a sum before)
+    if clamp is not None:
+        total = total.masked_fill(clamp, math.nan)   # one operation (a where and a sum before)
     if math.isfinite(float(total)):
         return True
     if first is not None:
         first()
-    if floor is not None:
+    if clamp is not None:
         check_log_weight_floor(log_weights.detach())
     return False
 
@@ -382,7 +383,7 @@ def _check_output(out, q, k, v, log_weights, *, queries: bool = False, q_pos=Non
     positions = _position_sum(q_pos, k_pos)
     if positions is not None:
         total = total + positions
-    if _sum_is_finite(total, _log_weight_floor(log_weights), log_weights, lambda: _check_positions(q_pos, k_pos)):
+    if _sum_is_finite(total, _clamp_matters(log_weights), log_weights, lambda: _check_positions(q_pos, k_pos)):
         return out
     if bool(torch.isfinite(out.detach()).all()) and not (queries and not bool(torch.isfinite(q.detach()).all())):
         return out   # finite entries whose sum overflows
@@ -486,8 +487,9 @@ def series_first(q, k, v, log_weights=None, q_pos=None, threshold=None, entries=
 
 def series_by_default(q, k, v, log_weights=None, q_pos=None) -> bool:
     """Whether :func:`attend` called without ``method`` takes the series here: the default path (:func:`use`) is
-    "auto" and :func:`series_first` holds with its threshold. For callers that need the series' row log-sums too
-    (the unnormalized field of :class:`meanfield.IsotropicAttention`)."""
+    "auto" and :func:`series_first` holds with its threshold. :func:`default_path` gives the whole choice (the
+    unnormalized field of :class:`meanfield.IsotropicAttention` asks it, for the row log-sums of the series or of the
+    streamed kernel)."""
     method, _, threshold = _DEFAULTS.get()
     return method == "auto" and series_first(q, k, v, log_weights, q_pos, threshold)
 
@@ -556,17 +558,11 @@ def _choose_accelerator(q, k, v, log_weights, q_pos, k_pos, threshold, entries=N
     transforms = transforms_active()
     derivatives = needs_derivatives(q, k, v, log_weights)
     device_type, m, n = q.device.type, q.shape[-2], k.shape[-2]
-    read, small_read = [], []
-
-    def budget():   # read once, and only where a dense path is considered
-        if not read:
-            read.append(_device.memory_budget(q.device, need=_paths.dense_bytes(entries, q.dtype.itemsize)))
-        return read[0]
-
-    def small():   # asked once, and only above the dense path
-        if not small_read:
-            small_read.append(small_kernels(q, v))
-        return small_read[0]
+    # each read once, and only where the choice needs it: the budget where a dense path is considered, whether the
+    # head runs in the small-head kernels above the dense path
+    need = _paths.dense_bytes(entries, q.dtype.itemsize)
+    budget = functools.cache(lambda: _device.memory_budget(q.device, need=need))
+    small = functools.cache(lambda: small_kernels(q, v))
 
     def choose(positions):
         return _paths.choose(device_type, q.dtype, entries // max(1, m * n), m, n, q.shape[-1], v.shape[-1],
@@ -638,12 +634,12 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
     # query's row NaN). A NaN query position masks every key of its row, which the plain softmax makes NaN
     positions = None if k_pos is q_pos or deferred else _position_sum(None, k_pos)
     # log-weights the fused and streamed paths would clamp to one value: refused on every path alike (same sum)
-    floor = None if deferred or _checks_skipped() else _log_weight_floor(log_weights)
+    clamp = None if deferred or _checks_skipped() else _clamp_matters(log_weights)
     if forward and positions is not None:
         # queries with positions of their own (half of random queries see no key): their rows set as above, then
         # one sum and one host sync
         out = zero_blind_rows(compute(_plain_probs), v, log_weights, q_pos, k_pos)
-        if _sum_is_finite(out.detach().sum() + positions, floor, log_weights):
+        if _sum_is_finite(out.detach().sum() + positions, clamp, log_weights):
             return out
     elif not _checks_skipped():
         # the plain softmax first: a finite output (the sum the output check computes anyway) is the exact result
@@ -651,7 +647,7 @@ def _plain_first(compute, q, k, v, log_weights, q_pos, k_pos) -> torch.Tensor:
         total = out.detach().sum()
         if positions is not None:
             total = total + positions
-        if _sum_is_finite(total, floor, log_weights):
+        if _sum_is_finite(total, clamp, log_weights):
             return out
         if forward:
             # the rows that see no key of positive weight (a query before every key) are attention_probs's zero
